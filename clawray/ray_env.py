@@ -1,0 +1,40 @@
+"""Start or join Ray the way clawray needs it: loopback only, no token-auth surprises."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+# Ray otherwise binds to the machine's first non-loopback address even when asked for 127.0.0.1
+# (notes/env-feasibility.md, "Pitfalls"); clawray serves and trains on loopback by default.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def apply_loopback_env() -> None:
+    """Set the environment variables that keep Ray on 127.0.0.1 (unless the user set them)."""
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def init_ray(address: str = "", num_cpus: int = 0) -> None:
+    """Start a local Ray (``address=""``) or join a cluster (``"auto"`` or ``host:port``).
+
+    Idempotent: does nothing when Ray is already initialised in this process (e.g. inside a Ray job).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    apply_loopback_env()
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+             _node_ip_address="127.0.0.1")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

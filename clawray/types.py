@@ -1,0 +1,102 @@
+"""The records that flow through clawray: a served :class:`Turn` and a training :class:`Sample`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    """One main-line request/response, recorded with the exact tokens the engine saw and produced.
+
+    Attributes:
+        session_id: the client's session.
+        turn_index: 1-based index of this main-line turn in its session.
+        messages: the request's (normalised) chat messages, in OpenAI format.
+        response_message: the assistant message returned to the client (content, tool_calls).
+        prompt_ids: rendered prompt token ids, length P.
+        response_ids: sampled token ids, length R (ends with the stop token when finish_reason is stop).
+        rollout_logprobs: per-token log-probs of ``response_ids`` under the sampling distribution, length R.
+        policy_version: the engine's policy version when it generated the response.
+        finish_reason: ``"stop"``, ``"length"`` or ``"tool_calls"``.
+        temperature: sampling temperature of the request (the learner scales logits by it; 0 -> 1).
+        tools: the request's tool definitions (for judges and teachers), or None.
+    """
+
+    session_id: str
+    turn_index: int
+    messages: list[dict[str, Any]]
+    response_message: dict[str, Any]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+    temperature: float = 1.0
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class Sample:
+    """A training unit.
+
+    Attributes:
+        tokens: prompt + response token ids, length P + R.
+        prompt_len: P, the number of prompt tokens.
+        loss_mask: length R, 1 on response tokens that carry gradient.
+        rollout_logprobs: length R, behaviour-policy log-probs of the response tokens.
+        reward: scalar reward (Binary RL: +1, -1 or 0), or None when the sample has no RL term.
+        policy_version: version of the policy that generated the response.
+        temperature: sampling temperature (logits are divided by it when recomputing log-probs).
+        kind: ``"rl"`` | ``"opd"`` | ``"combine"``.
+        teacher_logprobs: length R teacher log-probs (OPD), or None.
+        session_id, turn_index: where the sample came from (for records and debugging).
+        info: free-form metadata (judge votes, reasons), never used by the loss.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float | None
+    policy_version: int
+    temperature: float = 1.0
+    kind: str = "rl"
+    teacher_logprobs: list[float] | None = None
+    session_id: str = ""
+    turn_index: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n_resp = len(self.tokens) - self.prompt_len
+        if self.prompt_len < 1 or n_resp < 1:
+            raise ValueError(f"sample needs >= 1 prompt and response token, got P={self.prompt_len}, "
+                             f"len(tokens)={len(self.tokens)}")
+        for name in ("loss_mask", "rollout_logprobs"):
+            if len(getattr(self, name)) != n_resp:
+                raise ValueError(f"{name} has length {len(getattr(self, name))}, expected R={n_resp}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n_resp:
+            raise ValueError(f"teacher_logprobs has length {len(self.teacher_logprobs)}, expected R={n_resp}")
+
+    @property
+    def response_len(self) -> int:
+        """R, the number of response tokens."""
+        return len(self.tokens) - self.prompt_len
+
+    @classmethod
+    def from_turn(cls, turn: Turn, reward: float | None, kind: str = "rl", **info: Any) -> "Sample":
+        """A sample training every response token of ``turn``."""
+        return cls(
+            tokens=list(turn.prompt_ids) + list(turn.response_ids),
+            prompt_len=len(turn.prompt_ids),
+            loss_mask=[1] * len(turn.response_ids),
+            rollout_logprobs=list(turn.rollout_logprobs),
+            reward=reward,
+            policy_version=turn.policy_version,
+            temperature=turn.temperature,
+            kind=kind,
+            session_id=turn.session_id,
+            turn_index=turn.turn_index,
+            info=dict(info),
+        )
