@@ -1,0 +1,206 @@
+"""JudgeWorker (Binary RL): scores a turn from its next state with m PRM votes and a majority.
+
+Backends:
+  * ``engine``: a frozen copy of the initial policy on its own RolloutEngine, prompted to reason
+    and answer ``\\boxed{1}``, ``\\boxed{-1}`` or ``\\boxed{0}`` (OpenClaw-RL's PRM, arXiv 2603.10165).
+  * ``openai``: the same prompt sent to any OpenAI-compatible endpoint.
+  * ``feedback``: reads explicit signals in the next state (thumbs, "correct"/"wrong", tool
+    errors); deterministic, so it casts one vote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from clawray.types import Turn
+
+_BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
+
+
+def parse_score(text: str) -> int | None:
+    """The last ``\\boxed{n}`` in ``text`` if n is 1, -1 or 0; otherwise None (an invalid vote)."""
+    found = _BOXED.findall(text or "")
+    if not found:
+        return None
+    value = int(found[-1])
+    return value if value in (-1, 0, 1) else None
+
+
+def majority_vote(votes: list[int | None]) -> tuple[int, dict[str, int]]:
+    """Majority of the valid votes; a tie at the top or no valid vote gives 0.
+
+    Returns:
+        ``(score, counts)`` with counts ``{"valid", "invalid", "tie"}`` (tie is 0 or 1).
+
+    Examples: ``[1, -1, None] -> 0`` (tie); ``[1, None, None] -> 1``; ``[None] * 3 -> 0``.
+    """
+    valid = [v for v in votes if v is not None]
+    counts = {"valid": len(valid), "invalid": len(votes) - len(valid), "tie": 0}
+    if not valid:
+        return 0, counts
+    ranked = Counter(valid).most_common()
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        counts["tie"] = 1
+        return 0, counts
+    return ranked[0][0], counts
+
+
+_NEGATIVE = re.compile(
+    r"(👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bnot (?:correct|right)\b|\bmistake\b|"
+    r"\bno markdown\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b|\berror\b|\btraceback\b)",
+    re.IGNORECASE)
+_POSITIVE = re.compile(
+    r"(👍|\bthumbs?[ -]?up\b|\bcorrect\b|\bright\b|\bthanks?\b|\bthank you\b|\bgreat\b|\bperfect\b|\bwell done\b)",
+    re.IGNORECASE)
+
+
+def feedback_score(next_state: list[dict[str, Any]]) -> int | None:
+    """Score a next state from explicit signals.
+
+    A tool result containing an error/traceback, or a user message with a negative signal
+    (thumbs down, wrong, incorrect, "try again", "no markdown", ...) gives -1; otherwise a positive
+    signal (thumbs up, correct, thanks, ...) gives +1; a clean tool result gives +1; no signal
+    gives None (an invalid vote: the feedback judge cannot tell).
+    """
+    if not next_state:
+        return None
+    score = None
+    for msg in next_state:
+        text = msg.get("content") or ""
+        if msg.get("role") == "tool":
+            if re.search(r"\b(error|exception|traceback|failed)\b", text, re.IGNORECASE):
+                return -1
+            score = 1 if score is None else score
+        elif msg.get("role") == "user":
+            if _NEGATIVE.search(text):
+                return -1
+            if _POSITIVE.search(text):
+                score = 1
+    return score
+
+
+def render_response(message: dict[str, Any]) -> str:
+    """The assistant message as a judge reads it: its text plus one line per tool call."""
+    parts = [message.get("content") or ""]
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        parts.append(f"[tool call] {fn.get('name')}({fn.get('arguments')})")
+    return "\n".join(p for p in parts if p).strip() or "(empty reply)"
+
+
+PRM_SYSTEM = (
+    "You judge one step of an AI assistant's work. You see the assistant's output and the state that "
+    "followed it: the user's next message, or the result of a tool the assistant called. Decide whether "
+    "the output served the user's intent at that step.\n"
+    "Score 1: the next state shows progress (the user accepts, thanks, confirms success or moves on; "
+    "a tool returns a clean result).\n"
+    "Score -1: the next state asks for a redo, corrects the assistant, repeats or rephrases the request, "
+    "asks for a change, or shows an error caused by the assistant's action.\n"
+    "Score 0: the next state is ambiguous or says too little.\n"
+    "Think briefly, then give the score as \\boxed{1}, \\boxed{-1} or \\boxed{0} at the very end."
+)
+
+
+def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages asking a PRM judge to score ``turn`` from ``next_state``."""
+    state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
+    user = (f"## Assistant output\n{render_response(turn.response_message)}\n\n"
+            f"## Next state\n{state}\n\n"
+            "Is the next state (a) progress, (b) a correction or redo, or (c) ambiguous? "
+            "End with \\boxed{1}, \\boxed{-1} or \\boxed{0}.")
+    return [{"role": "system", "content": PRM_SYSTEM}, {"role": "user", "content": user}]
+
+
+@dataclass
+class JudgeResult:
+    """The outcome of judging one turn.
+
+    Attributes:
+        score: majority score in {1, -1, 0}.
+        votes: each vote's parsed value (None = invalid).
+        raw: each vote's raw text.
+        counts: ``{"valid", "invalid", "tie"}``.
+    """
+
+    score: int
+    votes: list[int | None]
+    raw: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class JudgeWorker:
+    """Scores turns with one of the backends above.
+
+    Args:
+        cfg: the ``judge`` config section (plain dict).
+        engine: RolloutEngine actor handle (backend ``engine``).
+        tokenizer_path: the judge engine's tokenizer folder (backend ``engine``).
+    """
+
+    def __init__(self, cfg: dict, engine: Any = None, tokenizer_path: str | None = None):
+        self.cfg = cfg
+        self.backend = cfg["backend"]
+        self.engine = engine
+        self.stats: Counter[str] = Counter()
+        if self.backend == "engine":
+            from transformers import AutoTokenizer
+
+            if engine is None or tokenizer_path is None:
+                raise ValueError("judge backend 'engine' needs an engine and a tokenizer path")
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        elif self.backend == "openai":
+            from openai import AsyncOpenAI
+
+            if not cfg["base_url"] or not cfg["model"]:
+                raise ValueError("judge backend 'openai' needs judge.base_url and judge.model")
+            self.client = AsyncOpenAI(base_url=cfg["base_url"], api_key=cfg["api_key"], timeout=cfg["timeout_s"])
+
+    async def judge(self, turn: Turn, next_state: list[dict[str, Any]]) -> JudgeResult:
+        """Score ``turn`` from ``next_state``; never raises for a bad judge answer or a failed call
+        (those are invalid votes)."""
+        if self.backend == "feedback":
+            votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
+        else:
+            raw = await asyncio.gather(*(self._vote(turn, next_state, i) for i in range(self.cfg["m"])))
+            votes = [parse_score(r) for r in raw]
+        score, counts = majority_vote(votes)
+        self.stats["turns"] += 1
+        self.stats["votes"] += len(votes)
+        self.stats["invalid_votes"] += counts["invalid"]
+        self.stats["ties"] += counts["tie"]
+        self.stats[f"score_{score}"] += 1
+        return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
+
+    async def _vote(self, turn: Turn, next_state: list[dict[str, Any]], i: int) -> str:
+        messages = build_prm_messages(turn, next_state)
+        try:
+            if self.backend == "engine":
+                from clawray.engines.base import GenerateRequest
+
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                prompt_ids = self.tokenizer.encode(ids, add_special_tokens=False)
+                out = await self.engine.generate.remote(GenerateRequest(
+                    prompt_ids=prompt_ids, max_tokens=self.cfg["max_tokens"], temperature=self.cfg["temperature"],
+                    seed=hash((turn.session_id, turn.turn_index, i)) & 0x7FFFFFFF))
+                return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
+            resp = await self.client.chat.completions.create(
+                model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],
+                max_tokens=self.cfg["max_tokens"])
+            return resp.choices[0].message.content or ""
+        except Exception as e:  # a failed call is an invalid vote, never a crash
+            self.stats["failed_votes"] += 1
+            return f"<judge call failed: {type(e).__name__}: {e}>"
+
+    async def get_stats(self) -> dict:
+        """Counters: turns, votes, invalid_votes, failed_votes, ties, score_{1,0,-1}."""
+        return dict(self.stats)
+
+
+JudgeWorkerActor = ray.remote(JudgeWorker)

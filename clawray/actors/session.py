@@ -1,0 +1,161 @@
+"""SessionTracker: pairs each main-line turn with its next state, has it judged, and emits samples.
+
+The next state of turn t is every message after turn t's response in the session's next main-line
+request (a user reply, or several tool results kept together). When that request's history does not
+contain turn t's response at the expected place, the turn is counted as a ``branch`` and not trained
+(instead of being paired with the wrong next state).
+
+Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
+  * score +1/-1 -> a sample with that reward on every response token;
+  * score 0 -> dropped (``zero_score``), except the at-least-one rule: the first 0-scored turn of a
+    session that has no trained turn yet is promoted and trained with reward 0;
+  * every vote invalid -> ``unscored``, dropped (unlike a neutral 0);
+  * the last turn of a closed session has no next state -> ``no_next_state``, dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from clawray.types import Sample, Turn
+
+
+@dataclass
+class _Session:
+    turns: int = 0
+    pending: Turn | None = None
+    effective: bool = False  # a turn of this session has been trained
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class SessionTracker:
+    """Owns all session state (one actor, so turn indexes are unique per session).
+
+    Args:
+        judges: JudgeWorker actor handles (used round-robin).
+        queue: TrajectoryQueue actor handle.
+        at_least_one: apply the at-least-one rule.
+        records_dir: when set, every judged turn is appended to ``records_dir/turns.jsonl``.
+    """
+
+    def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None):
+        self.judges, self.queue = judges, queue
+        self.at_least_one = at_least_one
+        self.sessions: dict[str, _Session] = {}
+        self.counts: Counter[str] = Counter()
+        self.tasks: set[asyncio.Task] = set()
+        self._rr = 0
+        self.records_path = None
+        if records_dir:
+            os.makedirs(records_dir, exist_ok=True)
+            self.records_path = os.path.join(records_dir, "turns.jsonl")
+
+    async def record_turn(self, turn: Turn, done: bool = False) -> int:
+        """Record a served main-line turn; resolves the session's previous turn with this request.
+
+        Args:
+            turn: the new turn (its ``turn_index`` is assigned here).
+            done: the client closed the session with this request.
+
+        Returns:
+            the turn's 1-based index in its session.
+        """
+        s = self.sessions.setdefault(turn.session_id, _Session())
+        s.last_seen = time.monotonic()
+        s.turns += 1
+        turn.turn_index = s.turns
+        self.counts["turns"] += 1
+        if s.pending is not None:
+            self._resolve(s, s.pending, turn.messages)
+        s.pending = turn
+        if done:
+            await self.close_session(turn.session_id)
+        return turn.turn_index
+
+    async def close_session(self, session_id: str) -> None:
+        """Close a session; its last turn has no next state and is not trained (counted)."""
+        s = self.sessions.pop(session_id, None)
+        if s is None:
+            return
+        self.counts["sessions_closed"] += 1
+        if s.pending is not None:
+            self.counts["dropped/no_next_state"] += 1
+
+    def _resolve(self, s: _Session, prev: Turn, messages: list[dict[str, Any]]) -> None:
+        n = len(prev.messages)
+        if len(messages) <= n + 1 or messages[n].get("role") != "assistant" or not _same_reply(
+                messages[n], prev.response_message):
+            self.counts["dropped/branch"] += 1
+            return
+        next_state = messages[n + 1 :]
+        judge = self.judges[self._rr % len(self.judges)]
+        self._rr += 1
+        task = asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
+        try:
+            result = await judge.judge.remote(turn, next_state)
+        except Exception as e:  # a dead judge loses the turn, not the tracker
+            self.counts["dropped/judge_error"] += 1
+            self._record(turn, next_state, None, f"judge error: {e!r}")
+            return
+        self.counts["judged"] += 1
+        self.counts[f"score/{result.score}"] += 1
+        reason = None
+        if result.counts.get("valid", 0) == 0:
+            reason = "unscored"
+        elif result.score == 0:
+            if self.at_least_one and not s.effective:
+                self.counts["at_least_one_promoted"] += 1
+            else:
+                reason = "zero_score"
+        self._record(turn, next_state, result, reason)
+        if reason is not None:
+            self.counts[f"dropped/{reason}"] += 1
+            return
+        s.effective = True
+        sample = Sample.from_turn(turn, reward=float(result.score), kind="rl", votes=result.votes)
+        await self.queue.put.remote([ray.put(sample)], sample.policy_version)
+        self.counts["samples"] += 1
+
+    def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None) -> None:
+        if self.records_path is None:
+            return
+        row = {"session_id": turn.session_id, "turn": turn.turn_index, "policy_version": turn.policy_version,
+               "response": turn.response_message, "next_state": next_state,
+               "score": None if result is None else result.score,
+               "votes": None if result is None else result.votes,
+               "raw_votes": None if result is None else result.raw, "dropped": dropped}
+        with open(self.records_path, "a") as f:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    async def drain(self, timeout_s: float = 60.0) -> int:
+        """Wait until in-flight judge tasks finish; returns how many were still running at the timeout."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
+        return len(self.tasks)
+
+    async def stats(self) -> dict:
+        """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
+        return {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks)}
+
+
+def _same_reply(history_msg: dict[str, Any], response: dict[str, Any]) -> bool:
+    """Whether the history's assistant message is the reply we served (text, or tool-call names)."""
+    if (history_msg.get("content") or "").strip() != (response.get("content") or "").strip():
+        return False
+    names = lambda m: [c["function"]["name"] for c in m.get("tool_calls") or []]  # noqa: E731
+    return names(history_msg) == names(response)
+
+
+SessionTrackerActor = ray.remote(SessionTracker)

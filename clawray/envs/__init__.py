@@ -1,0 +1,1 @@
+"""Simulated users that drive the policy endpoint like a real agent client would."""

@@ -1,0 +1,201 @@
+"""PolicyServer: the OpenAI-compatible chat endpoint, a Ray Serve deployment with a FastAPI ingress.
+
+Routes: ``POST /v1/chat/completions`` (non-streaming; ``tools`` in, ``tool_calls`` out),
+``GET /v1/models``, ``GET /health``. Each request is rendered with the tokenizer's own chat template,
+sent to a RolloutEngine as token ids, and every main-line turn is recorded with the exact prompt and
+response token ids and the engine's log-probs (the response text is never re-tokenised).
+
+Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header or body ``session_id``;
+``X-Turn-Type: side`` (or body ``turn_type``) marks a turn that is served but never trained (default
+``main``); ``X-Session-Done: true`` (or body ``session_done``) closes the session.
+
+Every client error is an HTTP 4xx with an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+import zlib
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from clawray.chat import RequestError, normalize_messages, parse_reply
+from clawray.engines.base import GenerateRequest
+from clawray.types import Turn
+
+app = FastAPI(title="clawray policy server")
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str = "invalid_request",
+                   err_type: str = "invalid_request_error") -> JSONResponse:
+    """An OpenAI-style error body with ``status``."""
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": err_type, "param": param, "code": code}})
+
+
+def _number(body: dict, key: str, default: Any, lo: float, hi: float, integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise RequestError(f"'{key}' must be {'an integer' if integer else 'a number'}", key)
+    if not lo <= value <= hi:
+        raise RequestError(f"'{key}'={value} is outside [{lo}, {hi}]", key)
+    return value
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"tools[{i}].function.name is required", f"tools[{i}]")
+    return tools or None
+
+
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(app)
+class PolicyServer:
+    """The endpoint.
+
+    Args:
+        model_path: policy folder (its tokenizer and chat template are used).
+        engines: RolloutEngine actor handles; a session sticks to one engine (prefix-cache locality).
+        tracker: SessionTracker actor handle.
+        cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
+            "generate_timeout_s"}``.
+    """
+
+    def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engines, self.tracker, self.cfg = engines, tracker, cfg
+        eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
+        self.stop_ids = [eos]
+        self.counts = {"requests": 0, "rejected": 0, "main_turns": 0, "side_turns": 0, "unattributed": 0}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg["model_name"], "object": "model", "created": 0,
+                                            "owned_by": "clawray"}]}
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        versions = await asyncio.gather(*(e.get_version.remote() for e in self.engines))
+        return {"status": "ok", "policy_versions": versions, "counts": self.counts}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> JSONResponse:
+        self.counts["requests"] += 1
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise RequestError("request body is not valid JSON", None, "invalid_json") from None
+            if not isinstance(body, dict):
+                raise RequestError("request body must be a JSON object", None)
+            return await self._complete(body, request.headers)
+        except RequestError as e:
+            self.counts["rejected"] += 1
+            return error_response(400, str(e), e.param, e.code)
+        except asyncio.TimeoutError:
+            return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
+                                  "server_error")
+
+    async def _complete(self, body: dict, headers: Any) -> JSONResponse:
+        messages = normalize_messages(body.get("messages"))
+        tools = _tools(body)
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported yet; send stream=false", "stream", "unsupported")
+        if _number(body, "n", 1, 1, 1, integer=True) != 1:
+            raise RequestError("only n=1 is supported", "n")
+        max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 20, integer=True)
+        max_tokens = _number(body, "max_tokens", max_tokens or self.cfg["default_max_tokens"], 1, 1 << 20, True)
+        temperature = float(_number(body, "temperature", self.cfg["default_temperature"], 0.0, 2.0))
+        top_p = float(_number(body, "top_p", 1.0, 1e-6, 1.0))
+        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+
+        session_id = headers.get("x-session-id") or body.get("session_id")
+        turn_type = str(headers.get("x-turn-type") or body.get("turn_type") or "main").lower()
+        if turn_type not in ("main", "side"):
+            raise RequestError(f"turn type {turn_type!r} is not 'main' or 'side'", "turn_type")
+        done = str(headers.get("x-session-done") or body.get("session_done") or "").lower() in _TRUE
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as e:  # a template that cannot render this conversation is the client's input
+            raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        limit = self.cfg["max_model_len"]
+        if len(prompt_ids) >= limit:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {limit}", "messages",
+                               "context_length_exceeded")
+        max_tokens = min(max_tokens, limit - len(prompt_ids))
+
+        key = session_id or uuid.uuid4().hex
+        engine = self.engines[zlib.crc32(key.encode()) % len(self.engines)]
+        gen = GenerateRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              stop_token_ids=self.stop_ids, seed=seed)
+        out = await asyncio.wait_for(engine.generate.remote(gen), timeout=self.cfg["generate_timeout_s"])
+
+        response_ids = out["response_ids"]
+        body_ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
+        reply = self.tokenizer.decode(body_ids, skip_special_tokens=False)
+        content, tool_calls, _parse_error = parse_reply(reply)
+        finish = "tool_calls" if tool_calls else out["finish_reason"]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+
+        turn_index = None
+        if turn_type == "side":
+            self.counts["side_turns"] += 1
+        elif session_id is None:
+            self.counts["unattributed"] += 1
+        else:
+            self.counts["main_turns"] += 1
+            turn = Turn(session_id=session_id, turn_index=0, messages=messages, response_message=message,
+                        prompt_ids=prompt_ids, response_ids=response_ids, rollout_logprobs=out["logprobs"],
+                        policy_version=out["policy_version"], finish_reason=finish, temperature=temperature,
+                        tools=tools)
+            turn_index = await self.tracker.record_turn.remote(turn, done)
+        if done and turn_type == "side" and session_id:
+            await self.tracker.close_session.remote(session_id)
+
+        payload = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.cfg["model_name"],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),
+                      "total_tokens": len(prompt_ids) + len(response_ids)},
+            "session_id": session_id,
+            "turn_index": turn_index,
+            "policy_version": out["policy_version"],
+        }
+        return JSONResponse(payload, headers={"X-Policy-Version": str(out["policy_version"])})
+
+
+def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict, host: str, port: int,
+                        num_cpus: float) -> str:
+    """Start Serve on ``host:port`` and deploy the PolicyServer; returns the base URL (``.../v1``)."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(model_path, engines, tracker, cfg),
+              name="clawray", route_prefix="/", blocking=False)
+    return f"http://{host}:{port}/v1"
