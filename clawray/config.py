@@ -28,7 +28,7 @@ class ModelConfig:
     """The policy model: any local HF folder."""
 
     path: str = "~/.cache/clawray/models/smollm2-135m-instruct"
-    # Build the folder when it does not exist: "" (never), "tiny" or "smollm2" (see clawray.models).
+    # Build the folder when it does not exist: "none" (never), "tiny" or "smollm2" (see clawray.models).
     build: str = "smollm2"
 
 
@@ -171,7 +171,7 @@ _CHOICES = {
     "judge.backend": ("feedback", "engine", "openai"),
     "judge.engine_backend": ("vllm", "hf"),
     "trainer.algo": ("rl",),
-    "model.build": ("", "tiny", "smollm2"),
+    "model.build": ("none", "tiny", "smollm2"),
     "wandb.mode": ("offline", "online", "disabled"),
 }
 

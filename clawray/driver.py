@@ -25,13 +25,13 @@ def ensure_model(cfg: DictConfig) -> str:
     """The policy folder, built first when it is missing and ``model.build`` says how.
 
     Raises:
-        FileNotFoundError: the folder does not exist and ``model.build`` is empty.
+        FileNotFoundError: the folder does not exist and ``model.build`` is none.
     """
     path = model_path(cfg)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    if not cfg.model.build:
-        raise FileNotFoundError(f"model.path {path} is not an HF folder (no config.json) and model.build is empty")
+    if cfg.model.build == "none":
+        raise FileNotFoundError(f"model.path {path} is not an HF folder (no config.json) and model.build is none")
     from clawray import models
 
     print(f"[clawray] building model '{cfg.model.build}' into {path}", flush=True)

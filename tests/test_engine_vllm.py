@@ -3,6 +3,7 @@
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402

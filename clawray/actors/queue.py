@@ -47,8 +47,9 @@ class TrajectoryQueue:
 
     def _drop_stale(self, next_version: int) -> None:
         kept = deque(item for item in self._items if next_version - item[1] <= self.max_staleness)
-        self.dropped["stale"] += len(self._items) - len(kept)
-        self._items = kept
+        if len(kept) < len(self._items):
+            self.dropped["stale"] += len(self._items) - len(kept)
+            self._items = kept
 
     async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None) -> dict | None:
         """Wait for ``batch_size`` fresh samples for the update producing ``next_version``.

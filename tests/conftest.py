@@ -1,0 +1,47 @@
+"""Shared fixtures: the tiny model (built once) and one local Ray head node for the whole session.
+
+The head node is started with ``ray start --head`` (not ``ray.init``) so that the job-submission test
+can submit to the same cluster through its dashboard; every Ray test connects to it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from clawray.ray_env import LOOPBACK_ENV, free_port
+
+for _k, _v in LOOPBACK_ENV.items():
+    os.environ.setdefault(_k, _v)
+# the test cluster lives on loopback only and is torn down at the end of the session
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Path of the tiny Qwen-style model + BPE tokenizer (clawray.models.build_tiny_model)."""
+    from clawray.models import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A 2-CPU Ray head node on 127.0.0.1; yields ``{"address", "dashboard"}``."""
+    import ray
+
+    port, dash = free_port(), free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp = str(tmp_path_factory.mktemp("ray"))
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+                    "--disable-usage-stats", f"--temp-dir={temp}"], check=True, capture_output=True, timeout=120)
+    try:
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)

@@ -1,0 +1,89 @@
+import asyncio
+
+import pytest
+
+from clawray.actors.judge import (JudgeWorker, build_prm_messages, feedback_score, majority_vote, parse_score,
+                                  render_response)
+from clawray.types import Turn
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("reasoning... \\boxed{1}", 1),
+    ("\\boxed{-1}", -1),
+    ("\\boxed{ 0 }", 0),
+    ("first \\boxed{1} then \\boxed{-1}", -1),  # the last box wins
+    ("\\boxed{+1}", 1),
+    ("\\boxed{2}", None),  # outside the scale: invalid, never coerced
+    ("\\boxed{10}", None),
+    ("score: 1", None),
+    ("", None),
+])
+def test_parse_score(text, expected):
+    assert parse_score(text) == expected
+
+
+@pytest.mark.parametrize("votes, score, counts", [
+    ([1, 1, -1], 1, {"valid": 3, "invalid": 0, "tie": 0}),
+    ([1, -1, None], 0, {"valid": 2, "invalid": 1, "tie": 1}),
+    ([1, None, None], 1, {"valid": 1, "invalid": 2, "tie": 0}),
+    ([None, None, None], 0, {"valid": 0, "invalid": 3, "tie": 0}),
+    ([-1, -1, 0], -1, {"valid": 3, "invalid": 0, "tie": 0}),
+    ([1, -1, 0], 0, {"valid": 3, "invalid": 0, "tie": 1}),
+])
+def test_majority_vote(votes, score, counts):
+    assert majority_vote(votes) == (score, counts)
+
+
+@pytest.mark.parametrize("state, expected", [
+    ([{"role": "user", "content": "Correct, thanks!"}], 1),
+    ([{"role": "user", "content": "👍"}], 1),
+    ([{"role": "user", "content": "That's wrong. Please try again."}], -1),
+    ([{"role": "user", "content": "not correct"}], -1),
+    ([{"role": "user", "content": "The number is right, but I asked for no markdown."}], -1),
+    ([{"role": "user", "content": "thumbs down"}], -1),
+    ([{"role": "tool", "content": "42"}], 1),
+    ([{"role": "tool", "content": "error: division by zero"}], -1),
+    ([{"role": "tool", "content": "42"}, {"role": "tool", "content": "Traceback (most recent call last)"}], -1),
+    ([{"role": "user", "content": "What about the weather tomorrow?"}], None),
+    ([], None),
+])
+def test_feedback_score(state, expected):
+    assert feedback_score(state) == expected
+
+
+def _turn(content="Answer: 3", tool_calls=None):
+    msg = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return Turn(session_id="s", turn_index=1, messages=[{"role": "user", "content": "1+2?"}], response_message=msg,
+                prompt_ids=[1, 2], response_ids=[3, 4], rollout_logprobs=[-0.1, -0.2], policy_version=0,
+                finish_reason="stop")
+
+
+def test_render_response_and_prm_prompt_carry_tool_calls_and_next_state():
+    turn = _turn(None, [{"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+2"}'}}])
+    assert render_response(turn.response_message) == '[tool call] calculator({"expression": "1+2"})'
+    msgs = build_prm_messages(turn, [{"role": "tool", "content": "3"}])
+    assert msgs[0]["role"] == "system" and "\\boxed{1}" in msgs[0]["content"]
+    assert "[tool] 3" in msgs[1]["content"] and "calculator" in msgs[1]["content"]
+
+
+def test_feedback_judge_worker_counts():
+    judge = JudgeWorker({"backend": "feedback", "m": 3})
+    r1 = asyncio.run(judge.judge(_turn(), [{"role": "user", "content": "correct"}]))
+    r2 = asyncio.run(judge.judge(_turn(), [{"role": "user", "content": "hmm, tell me a joke"}]))
+    assert (r1.score, r1.votes) == (1, [1])
+    assert (r2.score, r2.votes, r2.counts["invalid"]) == (0, [None], 1)
+    assert asyncio.run(judge.get_stats()) == {"turns": 2, "votes": 2, "invalid_votes": 1, "ties": 0, "score_1": 1,
+                                              "score_0": 1}
+
+
+def test_openai_judge_failed_calls_are_invalid_votes_not_crashes():
+    # nothing listens on port 9 (discard): every vote fails fast and is counted invalid
+    judge = JudgeWorker({"backend": "openai", "m": 3, "base_url": "http://127.0.0.1:9/v1", "api_key": "x",
+                         "model": "judge", "timeout_s": 5.0, "temperature": 0.6, "max_tokens": 16})
+    judge.client = judge.client.with_options(max_retries=0)
+    result = asyncio.run(judge.judge(_turn(), [{"role": "user", "content": "thanks"}]))
+    assert result.score == 0 and result.votes == [None, None, None]
+    assert all(r.startswith("<judge call failed") for r in result.raw)
+    assert judge.stats["failed_votes"] == 3

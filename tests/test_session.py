@@ -1,0 +1,107 @@
+import asyncio
+
+import pytest
+
+from clawray.actors import session as session_mod
+from clawray.actors.judge import JudgeResult
+from clawray.actors.session import SessionTracker
+from clawray.types import Turn
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeJudge:
+    """Scores by a table keyed on the next state's text; None = all votes invalid."""
+
+    def __init__(self, table):
+        async def judge(turn, next_state):
+            self.seen.append((turn.turn_index, next_state))
+            score = table[next_state[-1]["content"]]
+            if score is None:
+                return JudgeResult(0, [None, None], counts={"valid": 0, "invalid": 2, "tie": 0})
+            return JudgeResult(score, [score], counts={"valid": 1, "invalid": 0, "tie": 0})
+        self.seen = []
+        self.judge = _Remote(judge)
+
+
+class FakeQueue:
+    def __init__(self):
+        async def put(refs, version):
+            self.items.append((refs[0], version))
+        self.items = []
+        self.put = _Remote(put)
+
+
+@pytest.fixture(autouse=True)
+def no_object_store(monkeypatch):
+    monkeypatch.setattr(session_mod.ray, "put", lambda x: x)
+
+
+def turn(session, history, reply, version=0):
+    return Turn(session_id=session, turn_index=0, messages=list(history),
+                response_message={"role": "assistant", "content": reply}, prompt_ids=[1, 2, 3],
+                response_ids=[7, 8], rollout_logprobs=[-0.5, -0.25], policy_version=version, finish_reason="stop")
+
+
+def test_pairs_next_state_and_emits_samples_in_order():
+    judge, queue = FakeJudge({"good": 1, "bad": -1, "meh": 0, "???": None}), FakeQueue()
+    tracker = SessionTracker([judge], queue)
+
+    async def scenario():
+        h = [{"role": "user", "content": "q"}]
+        assert await tracker.record_turn(turn("s", h, "r1", version=0)) == 1
+        h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "tool", "content": "t1"},
+                  {"role": "user", "content": "bad"}]
+        assert await tracker.record_turn(turn("s", h2, "r2", version=1)) == 2
+        h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "good"}]
+        assert await tracker.record_turn(turn("s", h3, "r3", version=1), done=True) == 3
+        await tracker.drain()
+        return await tracker.stats()
+
+    stats = asyncio.run(scenario())
+    # turn 1's next state is everything after its reply: the tool result and the user message together
+    assert judge.seen[0] == (1, [{"role": "tool", "content": "t1"}, {"role": "user", "content": "bad"}])
+    assert judge.seen[1] == (2, [{"role": "user", "content": "good"}])
+    rewards = [(s.turn_index, s.reward, s.policy_version) for s, _ in queue.items]
+    assert rewards == [(1, -1.0, 0), (2, 1.0, 1)]
+    first = queue.items[0][0]
+    assert first.tokens == [1, 2, 3, 7, 8] and first.prompt_len == 3 and first.loss_mask == [1, 1]
+    assert first.rollout_logprobs == [-0.5, -0.25]
+    assert stats["samples"] == 2 and stats["dropped/no_next_state"] == 1 and stats["open_sessions"] == 0
+
+
+def test_zero_scores_at_least_one_unscored_and_branch():
+    judge, queue = FakeJudge({"meh": 0, "meh2": 0, "???": None}), FakeQueue()
+    tracker = SessionTracker([judge], queue, at_least_one=True)
+
+    async def scenario():
+        h = [{"role": "user", "content": "q"}]
+        await tracker.record_turn(turn("a", h, "r1"))
+        h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "meh"}]
+        await tracker.record_turn(turn("a", h2, "r2"))
+        await tracker.drain()
+        h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "meh2"}]
+        await tracker.record_turn(turn("a", h3, "r3"))
+        await tracker.drain()
+        h4 = h3 + [{"role": "assistant", "content": "r3"}, {"role": "user", "content": "???"}]
+        await tracker.record_turn(turn("a", h4, "r4"))
+        # the client edited the history: the reply we served is not there -> branch, not mis-paired
+        h5 = h4 + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "meh"}]
+        await tracker.record_turn(turn("a", h5, "r5"))
+        await tracker.drain()
+        return await tracker.stats()
+
+    stats = asyncio.run(scenario())
+    # first 0 is promoted (at-least-one), the second 0 is dropped, all-invalid is unscored
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 0.0)]
+    assert stats["at_least_one_promoted"] == 1
+    assert stats["dropped/zero_score"] == 1
+    assert stats["dropped/unscored"] == 1
+    assert stats["dropped/branch"] == 1
+    assert stats["open_sessions"] == 1
