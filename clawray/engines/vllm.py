@@ -76,16 +76,19 @@ class VLLMBackend:
         """Sample all requests in one batched engine call; outputs are in request order.
 
         Each output's ``logprobs`` follow the module convention (length R = len(response_ids)).
+        ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
         Raises:
-            ValueError: from vLLM, e.g. a prompt longer than ``max_model_len``.
+            ValueError: vLLM rejected a request, e.g. a prompt longer than ``max_model_len``.
             RuntimeError: a request finished for another reason than stop/length (e.g. aborted).
         """
         from vllm import SamplingParams
 
+        if not requests:
+            return []
         params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                  stop_token_ids=list(r.stop_token_ids), seed=r.seed, logprobs=0, detokenize=False)
                   for r in requests]
-        outs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params, use_tqdm=False)
+        outs = self._run([list(r.prompt_ids) for r in requests], params)
         results = []
         for out in outs:
             comp = out.outputs[0]
@@ -108,7 +111,7 @@ class VLLMBackend:
 
         Returns a list of length R = len(response_ids), natural log units.
         Raises:
-            ValueError: empty prompt, or P + R + 1 > ``max_model_len`` (from vLLM).
+            ValueError: empty prompt, or P + R + 1 > ``max_model_len``.
         """
         return self._score_batch([(list(prompt_ids), list(response_ids))], temperature)[0]
 
@@ -119,10 +122,19 @@ class VLLMBackend:
             raise ValueError("score needs a non-empty prompt")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._logit_temperature(temperature if temperature > 0 else 1.0):
-            outs = self.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
+            outs = self._run([p + r for p, r in pairs], params)
         # prompt_logprobs[i] is the dict for token i given tokens < i (entry 0 is None).
         return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[len(p):], r)]
                 for out, (p, r) in zip(outs, pairs)]
+
+    def _run(self, prompts: list[list[int]], params) -> list:
+        """One blocking ``llm.generate`` over token-id prompts; vLLM's input validation errors become ValueError."""
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        except VLLMValidationError as e:
+            raise ValueError(str(e)) from e
 
     @contextmanager
     def _logit_temperature(self, temperature: float) -> Iterator[None]:
