@@ -12,6 +12,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from clawray.ray_env import apply_loopback_env
+
+    apply_loopback_env()  # before anything imports ray: Ray reads these at import time
     parser = argparse.ArgumentParser(prog="clawray", description="online RL of LLM agents on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a training job")

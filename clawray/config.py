@@ -127,6 +127,7 @@ class EnvConfig:
 
     enabled: bool = True
     concurrency: int = 4  # sessions in flight
+    level: int = 3  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
     max_turns: int = 3  # assistant turns per session, the last one closes the session
     max_tokens: int = 128
     temperature: float = 0.7
@@ -218,6 +219,8 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in positive:
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if cfg.env.level not in (1, 2, 3):
+        raise ConfigError(f"env.level must be 1, 2 or 3, got {cfg.env.level}")
     if cfg.trainer.num_steps < 0:
         raise ConfigError(f"trainer.num_steps must be >= 0, got {cfg.trainer.num_steps}")
     if not 0 <= cfg.learner.eps < 1 or not 0 <= cfg.learner.eps_high:

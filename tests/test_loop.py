@@ -91,5 +91,91 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
     assert lines[0]["staleness_max"] == 1 and lines[0]["logprob_abs_diff"] < 1e-4
     r = chat(driver, {"messages": [{"role": "user", "content": "after the update"}], "max_tokens": 2})
     assert r.json()["policy_version"] == 2 and r.headers["x-policy-version"] == "2"
+    import glob
+    assert glob.glob(f"{driver.run_dir}/wandb/offline-run-*/run-*.wandb")  # wandb logged offline
     health = httpx.get(driver.base_url.removesuffix("/v1") + "/health", timeout=30).json()
     assert health["policy_versions"] == [2]
+
+
+def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
+    """The PolicyServer records exactly the engine's prompt/response ids and log-probs, and returns
+    the reply's <tool_call> block as OpenAI tool_calls."""
+
+    # defined here so Ray pickles it by value (the tests folder is not importable in workers)
+    class ScriptedEngine:
+        """Stands in for a RolloutEngine: replies with fixed token ids, so the server's recording and
+        tool-call parsing can be checked against exact values."""
+
+        def __init__(self, reply_ids, logprobs):
+            self.reply_ids, self.logprobs, self.requests = reply_ids, logprobs, []
+
+        async def generate(self, request):
+            self.requests.append(request)
+            return {"response_ids": self.reply_ids, "logprobs": self.logprobs, "finish_reason": "stop",
+                    "policy_version": 7, "engine": "scripted"}
+
+        async def get_version(self):
+            return 7
+
+        async def seen(self):
+            return self.requests
+
+    from openai import OpenAI
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.serve.app import PolicyServer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    reply = 'Let me use the tool.<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+    reply_ids = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+    logprobs = [-0.01 * (i + 1) for i in range(len(reply_ids))]
+    engine = ray.remote(ScriptedEngine).options(num_cpus=0).remote(reply_ids, logprobs)
+    tracker = SessionTrackerActor.options(num_cpus=0).remote([], TrajectoryQueueActor.options(num_cpus=0).remote(2))
+    cfg = {"model_name": "scripted", "default_max_tokens": 32, "default_temperature": 1.0, "max_model_len": 512,
+           "generate_timeout_s": 30}
+    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+              name="scripted", route_prefix="/scripted")
+    try:
+        client = OpenAI(base_url=driver.base_url.removesuffix("/v1") + "/scripted/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+        messages = [{"role": "user", "content": "What is 3*4?"}]
+        r = client.chat.completions.create(model="scripted", messages=messages, tools=tools,
+                                           extra_headers={"X-Session-Id": "tool-session"})
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me use the tool."
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "calculator"
+        assert json.loads(call.function.arguments) == {"expression": "3*4"}
+        assert r.usage.completion_tokens == len(reply_ids)
+
+        expected_prompt = tok.encode(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                             tokenize=False), add_special_tokens=False)
+        (request,) = ray.get(engine.seen.remote())
+        assert request.prompt_ids == expected_prompt and request.stop_token_ids == [tok.eos_token_id]
+        turn = ray.get(tracker.pending_turn.remote("tool-session"))
+        assert turn.prompt_ids == expected_prompt
+        assert turn.response_ids == reply_ids  # exactly the engine's ids, eos included, never re-tokenised
+        assert turn.rollout_logprobs == logprobs and turn.policy_version == 7 and turn.turn_index == 1
+        assert turn.response_message["tool_calls"][0]["function"]["name"] == "calculator"
+    finally:
+        serve.delete("scripted")
+
+
+def test_requests_during_a_weight_sync_wait_instead_of_failing(driver):
+    import threading
+
+    engines = driver.engines
+    ray.get([e.pause.remote() for e in engines])
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=chat(driver, {"messages": [{"role": "user", "content": "hi"}],
+                                                                      "max_tokens": 2})))
+    t.start()
+    t.join(timeout=2.0)
+    assert t.is_alive() and not result  # held while paused
+    ray.get([e.resume.remote() for e in engines])
+    t.join(timeout=60)
+    assert result["r"].status_code == 200

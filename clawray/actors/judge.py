@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,7 +189,7 @@ class JudgeWorker:
                 prompt_ids = self.tokenizer.encode(ids, add_special_tokens=False)
                 out = await self.engine.generate.remote(GenerateRequest(
                     prompt_ids=prompt_ids, max_tokens=self.cfg["max_tokens"], temperature=self.cfg["temperature"],
-                    seed=hash((turn.session_id, turn.turn_index, i)) & 0x7FFFFFFF))
+                    seed=zlib.crc32(f"{turn.session_id}/{turn.turn_index}/{i}".encode())))
                 return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
             resp = await self.client.chat.completions.create(
                 model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],

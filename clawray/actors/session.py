@@ -139,6 +139,11 @@ class SessionTracker:
         with open(self.records_path, "a") as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
+    async def pending_turn(self, session_id: str) -> Turn | None:
+        """The session's latest turn, still waiting for its next state (None if none)."""
+        s = self.sessions.get(session_id)
+        return None if s is None else s.pending
+
     async def drain(self, timeout_s: float = 60.0) -> int:
         """Wait until in-flight judge tasks finish; returns how many were still running at the timeout."""
         if self.tasks:

@@ -17,9 +17,31 @@ class Problem:
     answer: int
 
 
-def make_problem(rng: random.Random) -> Problem:
-    """A two- or three-step problem over small integers (answers in 0..400)."""
+def make_problem(rng: random.Random, level: int = 3) -> Problem:
+    """A problem of difficulty ``level``.
+
+    Levels: 1 = a bare one-digit sum or difference ("What is 4 + 3?"; SmolLM2-135M-Instruct gets about
+    40% right, a learnable signal); 2 = a one-step word problem; 3 = a two-step word problem (answers
+    in 0..400).
+
+    Raises:
+        ValueError: an unknown level.
+    """
+    if level == 1:
+        x, y = rng.randint(1, 9), rng.randint(1, 9)
+        if rng.random() < 0.5:
+            return Problem(f"What is {x} + {y}?", x + y)
+        x, y = max(x, y), min(x, y)
+        return Problem(f"What is {x} - {y}?", x - y)
     a, b = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    if level == 2:
+        x, y = rng.randint(2, 12), rng.randint(2, 12)
+        if rng.random() < 0.5:
+            return Problem(f"{a} has {x} {item} and gets {y} more. How many {item} does {a} have now?", x + y)
+        return Problem(f"{a} has {x + y} {item} and gives {y} to {b}. How many {item} does {a} have left?", x)
+    if level != 3:
+        raise ValueError(f"unknown problem level {level}; expected 1, 2 or 3")
     item = rng.choice(_ITEMS)
     kind = rng.randrange(4)
     x, y, z = rng.randint(5, 40), rng.randint(2, 20), rng.randint(1, 9)
@@ -39,7 +61,7 @@ def make_problem(rng: random.Random) -> Problem:
     return Problem(q, ans)
 
 
-def make_problems(n: int, seed: int = 0) -> list[Problem]:
-    """``n`` problems, the same list for the same seed."""
+def make_problems(n: int, seed: int = 0, level: int = 3) -> list[Problem]:
+    """``n`` problems of ``level``, the same list for the same seed."""
     rng = random.Random(seed)
-    return [make_problem(rng) for _ in range(n)]
+    return [make_problem(rng, level) for _ in range(n)]

@@ -1,7 +1,7 @@
 """A simulated user: multi-turn sessions through the official ``openai`` client.
 
-The user asks an arithmetic word problem and states a preference: one short paragraph, no markdown,
-the final answer alone on the last line as ``Answer: N``. After each reply it gives feedback in
+The user asks an arithmetic problem (``env.level``, see :mod:`clawray.envs.arith`) and states a
+preference: one short plain sentence, no markdown, ending with ``Answer: N``. After each reply it gives feedback in
 plain words ("Correct, thanks!", "That's wrong, try again", "please no markdown", ...), which is the
 next state the judge reads. A calculator tool is offered; tool calls are executed and their result is
 sent back as a ``tool`` message. A session ends (``X-Session-Done: true``) when the answer is right
@@ -25,8 +25,8 @@ import ray
 
 from clawray.envs.arith import Problem, make_problem
 
-PREFERENCE = ("Please answer in one short paragraph with no markdown (no bold, no lists, no headings), "
-              "and put the final answer alone on the last line as 'Answer: <number>'.")
+PREFERENCE = ("Please answer in one short plain sentence with no markdown (no bold, no lists, no headings), "
+              "and end with 'Answer: <number>'.")
 
 CALCULATOR_TOOL = {
     "type": "function",
@@ -84,12 +84,11 @@ def feedback(reply: str, problem: Problem) -> tuple[str, bool]:
     if correct and not markdown:
         return "Correct, thanks! That is exactly what I wanted.", True
     if correct:
-        return ("The number is right, but I asked for no markdown. Please redo it as one plain paragraph "
-                "with 'Answer: <number>' on the last line."), False
+        return ("The number is right, but I asked for no markdown. Please redo it as one plain sentence "
+                "ending with 'Answer: <number>'."), False
     if not has_answer:
-        return ("I can't find the final answer. Please try again and end with 'Answer: <number>' on the "
-                "last line."), False
-    return "That's wrong. Please try again, step by step, in one plain paragraph.", False
+        return "I can't find the final answer. Please try again and end with 'Answer: <number>'.", False
+    return "That's wrong. Please try again, in one plain sentence.", False
 
 
 class SimUserPool:
@@ -138,7 +137,7 @@ class SimUserPool:
     def _loop(self, worker: int) -> None:
         while not self._stop.is_set():
             with self.lock:
-                problem = make_problem(self.rng)
+                problem = make_problem(self.rng, self.cfg["level"])
             try:
                 self.run_session(problem)
             except Exception as e:  # keep the traffic going; the error is counted

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 import zlib
@@ -31,6 +32,7 @@ from clawray.engines.base import GenerateRequest
 from clawray.types import Turn
 
 app = FastAPI(title="clawray policy server")
+logger = logging.getLogger("ray.serve")
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -114,6 +116,10 @@ class PolicyServer:
             return error_response(400, str(e), e.param, e.code)
         except asyncio.TimeoutError:
             return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
+                                  "server_error")
+        except Exception as e:  # a server-side fault: logged, reported in OpenAI form, replica stays up
+            logger.exception("chat completion failed")
+            return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error",
                                   "server_error")
 
     async def _complete(self, body: dict, headers: Any) -> JSONResponse:
