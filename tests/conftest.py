@@ -44,4 +44,29 @@ def ray_cluster(tmp_path_factory):
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
     finally:
         ray.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+        _stop_cluster(temp)
+
+
+def _stop_cluster(temp_dir: str) -> None:
+    """Stop only this session's cluster: every process whose command line names its temp dir
+    (``ray stop`` would stop every Ray cluster on the machine)."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in p.info["cmdline"] or []):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -179,3 +179,27 @@ def test_requests_during_a_weight_sync_wait_instead_of_failing(driver):
     ray.get([e.resume.remote() for e in engines])
     t.join(timeout=60)
     assert result["r"].status_code == 200
+
+
+def test_engine_and_openai_judges_call_real_models(driver):
+    """The ``engine`` judge prompts a RolloutEngine m times and the ``openai`` judge calls an
+    OpenAI-compatible endpoint (here clawray's own). The tiny model's random replies hold no
+    ``\\boxed{}`` score, so every vote is a counted invalid vote and the turn scores 0."""
+    import asyncio
+
+    from clawray.actors.judge import JudgeWorker
+    from clawray.types import Turn
+
+    turn = Turn(session_id="j", turn_index=1, messages=[{"role": "user", "content": "2+2?"}],
+                response_message={"role": "assistant", "content": "Answer: 4"}, prompt_ids=[1], response_ids=[2],
+                rollout_logprobs=[-0.1], policy_version=0, finish_reason="stop")
+    base = {"m": 3, "temperature": 0.6, "max_tokens": 8, "timeout_s": 60.0, "api_key": "x"}
+    engine_judge = JudgeWorker({**base, "backend": "engine"}, engine=driver.engines[0],
+                               tokenizer_path=driver.model_path)
+    openai_judge = JudgeWorker({**base, "backend": "openai", "base_url": driver.base_url, "model": "clawray-policy"})
+    for judge in (engine_judge, openai_judge):
+        result = asyncio.run(judge.judge(turn, [{"role": "user", "content": "thanks!"}]))
+        assert result.votes == [None, None, None] and result.score == 0
+        assert result.counts == {"valid": 0, "invalid": 3, "tie": 0}
+        assert len(result.raw) == 3 and not any(r.startswith("<judge call failed") for r in result.raw)
+        assert judge.stats["votes"] == 3 and judge.stats.get("failed_votes", 0) == 0
