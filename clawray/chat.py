@@ -69,7 +69,11 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if role == "assistant" and msg.get("tool_calls"):
             norm["tool_calls"] = _normalize_tool_calls(msg["tool_calls"], where)
         if role == "tool" and msg.get("tool_call_id") is not None:
-            norm["tool_call_id"] = str(msg["tool_call_id"])
+            if not isinstance(msg["tool_call_id"], str):
+                raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+            norm["tool_call_id"] = msg["tool_call_id"]
+        if msg.get("name") is not None and not isinstance(msg["name"], str):
+            raise RequestError(f"{where}.name must be a string", f"{where}.name")
         if role != "assistant" and norm["content"] is None:
             raise RequestError(f"{where}.content is required for role {role!r}", f"{where}.content")
         out.append(norm)
@@ -88,9 +92,12 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
                                    f"{where}.tool_calls") from None
+        if not isinstance(args, dict):
+            raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be a JSON object",
+                               f"{where}.tool_calls")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
@@ -117,7 +124,7 @@ def parse_reply(text: str) -> tuple[str | None, list[dict[str, Any]], bool]:
     for m in blocks:
         try:
             obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return text, [], True
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, [], True
@@ -125,8 +132,10 @@ def parse_reply(text: str) -> tuple[str | None, list[dict[str, Any]], bool]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return text, [], True
+        if not isinstance(args, dict):
+            return text, [], True
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     content = _TOOL_CALL.sub("", text).strip()

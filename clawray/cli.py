@@ -11,6 +11,10 @@ import argparse
 import sys
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     from clawray.ray_env import apply_loopback_env
 
@@ -40,9 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"clawray: config error: {e}", file=sys.stderr)
         return 2
+    import signal
+
     from clawray.driver import run
 
-    run(cfg)
+    # SIGTERM (kill, a job stop) unwinds like Ctrl-C, so the driver shuts Serve and Ray down cleanly
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run(cfg)
+    except KeyboardInterrupt:
+        print("clawray: interrupted; shut down cleanly", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -57,6 +57,7 @@ class ServeConfig:
     default_temperature: float = 1.0  # OpenAI's default
     num_cpus: float = 0.1
     generate_timeout_s: float = 600.0  # a request waits at most this long for the engine
+    max_body_mb: float = 8.0  # larger request bodies get HTTP 413
 
 
 @dataclass

@@ -110,7 +110,8 @@ class Driver:
 
         serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
                      "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
-                     "generate_timeout_s": cfg.serve.generate_timeout_s}
+                     "generate_timeout_s": cfg.serve.generate_timeout_s,
+                     "max_body_bytes": int(cfg.serve.max_body_mb * 2**20)}
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,

@@ -45,6 +45,8 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         outs = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=s))
                         for s in range(3)])
         assert all(o["policy_version"] == 0 and len(o["response_ids"]) == len(o["logprobs"]) for o in outs)
+        unseeded = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=6)) for _ in range(2)])
+        assert unseeded[0]["response_ids"] != unseeded[1]["response_ids"]  # the RNG stream moves on
         # greedy token ids and log-probs equal a plain transformers forward pass of the same weights
         ref = _reference_logprobs(tiny_model, prompt, outs[0]["response_ids"])
         assert outs[0]["logprobs"] == pytest.approx(ref, abs=1e-5)

@@ -63,6 +63,8 @@ def test_openai_client_models_and_a_main_turn(driver):
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": "calculator"}, None, "tools"),
     ({"messages": [{"role": "user", "content": "x " * 3000}]}, None, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": 5}, None, "model"),
+    (None, json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), None),
 ])
 def test_bad_input_is_400_with_openai_error_and_records_nothing(driver, body, raw, param):
     before = ray.get(driver.tracker.stats.remote()).get("turns", 0)
@@ -74,6 +76,18 @@ def test_bad_input_is_400_with_openai_error_and_records_nothing(driver, body, ra
     assert ray.get(driver.tracker.stats.remote()).get("turns", 0) == before
     ok = chat(driver, {"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2})
     assert ok.status_code == 200  # the server keeps serving
+
+
+def test_unknown_routes_and_oversized_bodies_get_openai_errors(driver):
+    root = driver.base_url.removesuffix("/v1")
+    for method, path, status in [("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405),
+                                 ("GET", "/v1/nope", 404)]:
+        r = httpx.request(method, root + path, timeout=30)
+        assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {path}")
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 << 20) + b'"}]}'
+    r = chat(driver, None, raw=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert chat(driver, {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 2}).status_code == 200
 
 
 def test_loop_trains_syncs_and_serves_the_new_version(driver):
@@ -135,7 +149,7 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
     engine = ray.remote(ScriptedEngine).options(num_cpus=0).remote(reply_ids, logprobs)
     tracker = SessionTrackerActor.options(num_cpus=0).remote([], TrajectoryQueueActor.options(num_cpus=0).remote(2))
     cfg = {"model_name": "scripted", "default_max_tokens": 32, "default_temperature": 1.0, "max_model_len": 512,
-           "generate_timeout_s": 30}
+           "generate_timeout_s": 30, "max_body_bytes": 1 << 20}
     serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
               name="scripted", route_prefix="/scripted")
     try:

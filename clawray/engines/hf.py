@@ -20,7 +20,7 @@ class HFBackend:
         model_path: a local HF folder.
         dtype: torch dtype name of the weights in memory (``"float32"`` default).
         device: ``"cpu"`` or ``"cuda"``.
-        seed: seed for requests that give none.
+        seed: seeds the engine's RNG once; requests without a seed continue its stream.
         **_: other engine options (ignored here, accepted so configs can switch backends).
     """
 
@@ -32,7 +32,7 @@ class HFBackend:
         self.model.eval()
         self.eos_ids = self._eos_ids(self.model.generation_config)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos_ids[0]
-        self._seed = seed
+        torch.manual_seed(seed)
 
     @staticmethod
     def _eos_ids(gen_config) -> list[int]:
@@ -49,7 +49,8 @@ class HFBackend:
     def _generate_one(self, req: GenerateRequest) -> GenerateOutput:
         stop = list(dict.fromkeys(list(req.stop_token_ids) + self.eos_ids))
         greedy = req.temperature <= 0
-        torch.manual_seed(self._seed if req.seed is None else req.seed)
+        if req.seed is not None:  # unseeded requests continue the engine's RNG stream
+            torch.manual_seed(req.seed)
         ids = torch.tensor([req.prompt_ids], device=self.device)
         gen_config = GenerationConfig(
             do_sample=not greedy,

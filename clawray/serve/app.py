@@ -16,7 +16,6 @@ Every client error is an HTTP 4xx with an OpenAI-style body
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -26,15 +25,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clawray.chat import RequestError, normalize_messages, parse_reply
+from clawray.chat import RequestError, parse_reply
 from clawray.engines.base import GenerateRequest
+from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.types import Turn
 
 app = FastAPI(title="clawray policy server")
 logger = logging.getLogger("ray.serve")
 
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str = "invalid_request",
@@ -44,28 +44,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                         content={"error": {"message": message, "type": err_type, "param": param, "code": code}})
 
 
-def _number(body: dict, key: str, default: Any, lo: float, hi: float, integer: bool = False) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise RequestError(f"'{key}' must be {'an integer' if integer else 'a number'}", key)
-    if not lo <= value <= hi:
-        raise RequestError(f"'{key}'={value} is outside [{lo}, {hi}]", key)
-    return value
-
-
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("'tools' must be a list", "tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"tools[{i}].function.name is required", f"tools[{i}]")
-    return tools or None
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods answer in the OpenAI error shape too."""
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None,
+                          "not_found" if exc.status_code == 404 else "invalid_request")
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -78,7 +61,7 @@ class PolicyServer:
         engines: RolloutEngine actor handles; a session sticks to one engine (prefix-cache locality).
         tracker: SessionTracker actor handle.
         cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
-            "generate_timeout_s"}``.
+            "generate_timeout_s", "max_body_bytes"}``.
     """
 
     def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict):
@@ -104,16 +87,14 @@ class PolicyServer:
     async def chat_completions(self, request: Request) -> JSONResponse:
         self.counts["requests"] += 1
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise RequestError("request body is not valid JSON", None, "invalid_json") from None
-            if not isinstance(body, dict):
-                raise RequestError("request body must be a JSON object", None)
-            return await self._complete(body, request.headers)
+            raw = await self._read_body(request)
+            req = parse_chat_request(decode_body(raw), request.headers, self.cfg["default_max_tokens"],
+                                     self.cfg["default_temperature"])
+            return await self._complete(req)
         except RequestError as e:
             self.counts["rejected"] += 1
-            return error_response(400, str(e), e.param, e.code)
+            status = 413 if e.code == "body_too_large" else 400
+            return error_response(status, str(e), e.param, e.code)
         except asyncio.TimeoutError:
             return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
                                   "server_error")
@@ -122,41 +103,40 @@ class PolicyServer:
             return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error",
                                   "server_error")
 
-    async def _complete(self, body: dict, headers: Any) -> JSONResponse:
-        messages = normalize_messages(body.get("messages"))
-        tools = _tools(body)
-        if body.get("stream"):
-            raise RequestError("stream=true is not supported yet; send stream=false", "stream", "unsupported")
-        if _number(body, "n", 1, 1, 1, integer=True) != 1:
-            raise RequestError("only n=1 is supported", "n")
-        max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 20, integer=True)
-        max_tokens = _number(body, "max_tokens", max_tokens or self.cfg["default_max_tokens"], 1, 1 << 20, True)
-        temperature = float(_number(body, "temperature", self.cfg["default_temperature"], 0.0, 2.0))
-        top_p = float(_number(body, "top_p", 1.0, 1e-6, 1.0))
-        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg["max_body_bytes"]
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(f"request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"request body exceeds the limit of {limit} bytes", None, "body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-        session_id = headers.get("x-session-id") or body.get("session_id")
-        turn_type = str(headers.get("x-turn-type") or body.get("turn_type") or "main").lower()
-        if turn_type not in ("main", "side"):
-            raise RequestError(f"turn type {turn_type!r} is not 'main' or 'side'", "turn_type")
-        done = str(headers.get("x-session-done") or body.get("session_done") or "").lower() in _TRUE
-
+    def _render(self, req: ChatRequest) -> list[int]:
+        """Prompt token ids from the tokenizer's own chat template (CPU-bound: runs in a thread)."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+            text = self.tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
                                                       tokenize=False)
         except Exception as e:  # a template that cannot render this conversation is the client's input
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _complete(self, req: ChatRequest) -> JSONResponse:
+        prompt_ids = await asyncio.to_thread(self._render, req)
         limit = self.cfg["max_model_len"]
         if len(prompt_ids) >= limit:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {limit}", "messages",
                                "context_length_exceeded")
-        max_tokens = min(max_tokens, limit - len(prompt_ids))
+        max_tokens = min(req.max_tokens, limit - len(prompt_ids))
 
-        key = session_id or uuid.uuid4().hex
+        key = req.session_id or uuid.uuid4().hex
         engine = self.engines[zlib.crc32(key.encode()) % len(self.engines)]
-        gen = GenerateRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              stop_token_ids=self.stop_ids, seed=seed)
+        gen = GenerateRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=req.temperature,
+                              top_p=req.top_p, stop_token_ids=self.stop_ids, seed=req.seed)
         out = await asyncio.wait_for(engine.generate.remote(gen), timeout=self.cfg["generate_timeout_s"])
 
         response_ids = out["response_ids"]
@@ -169,29 +149,29 @@ class PolicyServer:
             message["tool_calls"] = tool_calls
 
         turn_index = None
-        if turn_type == "side":
+        if req.turn_type == "side":
             self.counts["side_turns"] += 1
-        elif session_id is None:
+            if req.done and req.session_id:
+                await self.tracker.close_session.remote(req.session_id)
+        elif req.session_id is None:
             self.counts["unattributed"] += 1
         else:
             self.counts["main_turns"] += 1
-            turn = Turn(session_id=session_id, turn_index=0, messages=messages, response_message=message,
+            turn = Turn(session_id=req.session_id, turn_index=0, messages=req.messages, response_message=message,
                         prompt_ids=prompt_ids, response_ids=response_ids, rollout_logprobs=out["logprobs"],
-                        policy_version=out["policy_version"], finish_reason=finish, temperature=temperature,
-                        tools=tools)
-            turn_index = await self.tracker.record_turn.remote(turn, done)
-        if done and turn_type == "side" and session_id:
-            await self.tracker.close_session.remote(session_id)
+                        policy_version=out["policy_version"], finish_reason=finish, temperature=req.temperature,
+                        tools=req.tools)
+            turn_index = await self.tracker.record_turn.remote(turn, req.done)
 
         payload = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": body.get("model") or self.cfg["model_name"],
+            "model": req.model or self.cfg["model_name"],
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),
                       "total_tokens": len(prompt_ids) + len(response_ids)},
-            "session_id": session_id,
+            "session_id": req.session_id,
             "turn_index": turn_index,
             "policy_version": out["policy_version"],
         }

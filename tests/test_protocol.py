@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from clawray.chat import RequestError
+from clawray.serve.protocol import MAX_SESSION_ID_CHARS, decode_body, parse_chat_request
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def parse(body, headers=None):
+    return parse_chat_request(body, headers or {}, default_max_tokens=64, default_temperature=1.0)
+
+
+def test_defaults_and_session_fields():
+    r = parse({"messages": MSG, "session_id": "body-s", "turn_type": "SIDE", "session_done": "yes"})
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.model) == (64, 1.0, 1.0, None, None)
+    assert (r.session_id, r.turn_type, r.done) == ("body-s", "side", True)
+    r = parse({"messages": MSG, "session_id": "body"}, {"x-session-id": "hdr", "x-session-done": "false"})
+    assert (r.session_id, r.turn_type, r.done) == ("hdr", "main", False)
+    assert parse({"messages": MSG, "max_completion_tokens": 9}).max_tokens == 9
+
+
+def test_tool_choice_none_drops_tools():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert parse({"messages": MSG, "tools": tools}).tools == tools
+    assert parse({"messages": MSG, "tools": tools, "tool_choice": "none"}).tools is None
+
+
+@pytest.mark.parametrize("body, headers, param, code", [
+    ({"messages": MSG, "session_id": 5}, {}, "session_id", "invalid_request"),
+    ({"messages": MSG, "session_id": "x" * (MAX_SESSION_ID_CHARS + 1)}, {}, "session_id", "invalid_request"),
+    ({"messages": MSG, "session_id": ""}, {}, "session_id", "invalid_request"),
+    ({"messages": MSG, "model": 5}, {}, "model", "invalid_request"),
+    ({"messages": MSG, "user": {"id": 1}}, {}, "user", "invalid_request"),
+    ({"messages": MSG}, {"x-session-done": "maybe"}, "session_done", "invalid_request"),
+    ({"messages": MSG, "session_done": {}}, {}, "session_done", "invalid_request"),
+    ({"messages": MSG}, {"x-turn-type": "garbage"}, "turn_type", "invalid_request"),
+    ({"messages": MSG, "temperature": float("nan")}, {}, "temperature", "invalid_request"),
+    ({"messages": MSG, "temperature": True}, {}, "temperature", "invalid_request"),
+    ({"messages": MSG, "max_tokens": 1.5}, {}, "max_tokens", "invalid_request"),
+    ({"messages": MSG, "top_p": 0}, {}, "top_p", "invalid_request"),
+    ({"messages": MSG, "stream": True}, {}, "stream", "unsupported"),
+    ({"messages": MSG, "n": 3}, {}, "n", "unsupported"),
+    ({"messages": MSG, "stop": ["e"]}, {}, "stop", "unsupported"),
+    ({"messages": MSG, "logprobs": True}, {}, "logprobs", "unsupported"),
+    ({"messages": MSG, "presence_penalty": 0.5}, {}, "presence_penalty", "unsupported"),
+    ({"messages": MSG, "tool_choice": "required"}, {}, "tool_choice", "unsupported"),
+    ({"messages": MSG, "tool_choice": 5}, {}, "tool_choice", "invalid_request"),
+    ({"messages": MSG, "tools": [{"type": "garbage", "function": {"name": "f"}}]}, {}, "tools[0].type",
+     "invalid_request"),
+    ({"messages": MSG, "tools": [{"function": {"name": "f", "parameters": "lol"}}]}, {}, "tools[0]",
+     "invalid_request"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "[1, 2]"}}]}]}, {}, "messages[0].tool_calls", "invalid_request"),
+    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": {"a": 1}}]}, {},
+     "messages[0].tool_call_id", "invalid_request"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, {}, "messages[0].name", "invalid_request"),
+])
+def test_rejections_name_the_field(body, headers, param, code):
+    with pytest.raises(RequestError) as e:
+        parse(body, headers)
+    assert (e.value.param, e.value.code) == (param, code)
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b"{bad", "invalid_json"),
+    (b"[1]", "invalid_json"),
+    (b"\xff\xfe", "invalid_json"),
+    (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", "invalid_json"),
+    (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), "invalid_unicode"),
+])
+def test_decode_body_rejections(raw, code):
+    with pytest.raises(RequestError) as e:
+        decode_body(raw)
+    assert e.value.code == code
+
+
+def test_decode_body_accepts_unicode_and_nul():
+    assert decode_body('{"a": "h\\u00e9 \\u0000 \U0001F600"}'.encode())["a"] == "hé \x00 \U0001F600"
