@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("clawray: interrupted; shut down cleanly", file=sys.stderr)
         return 130
+    except (TimeoutError, FileNotFoundError) as e:
+        print(f"clawray: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

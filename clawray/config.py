@@ -118,8 +118,8 @@ class TrainerConfig:
 
     algo: str = "rl"  # "rl" (Binary RL); "opd" and "combine" come later
     batch_size: int = 4  # samples per optimizer step
-    num_steps: int = 3  # policy updates, then the run ends
-    batch_timeout_s: float = 900.0  # give up waiting for a batch after this long
+    num_steps: int = 3  # policy updates, then the run ends; -1 = until interrupted
+    batch_timeout_s: float = 900.0  # give up waiting for a batch after this long; 0 = wait forever
 
 
 @dataclass
@@ -222,8 +222,10 @@ def _check_ranges(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
     if cfg.env.level not in (1, 2, 3):
         raise ConfigError(f"env.level must be 1, 2 or 3, got {cfg.env.level}")
-    if cfg.trainer.num_steps < 0:
-        raise ConfigError(f"trainer.num_steps must be >= 0, got {cfg.trainer.num_steps}")
+    if cfg.trainer.num_steps < -1:
+        raise ConfigError(f"trainer.num_steps must be >= -1 (-1 = until interrupted), got {cfg.trainer.num_steps}")
+    if cfg.trainer.batch_timeout_s < 0:
+        raise ConfigError(f"trainer.batch_timeout_s must be >= 0 (0 = wait forever), got {cfg.trainer.batch_timeout_s}")
     if not 0 <= cfg.learner.eps < 1 or not 0 <= cfg.learner.eps_high:
         raise ConfigError("learner.eps must be in [0, 1) and learner.eps_high >= 0")
 

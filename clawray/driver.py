@@ -147,7 +147,8 @@ class Driver:
         cfg = self.cfg
         t0 = time.perf_counter()
         next_version = self.version + 1
-        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, cfg.trainer.batch_timeout_s))
+        timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
+        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, timeout))
         if batch is None:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
@@ -168,6 +169,8 @@ class Driver:
         sync_s = time.perf_counter() - t_sync0
         self.version = next_version
         sent, loads = results[0], results[len(self.learners.workers):]
+        # sync time = pause -> resume; it includes the engines finishing the generations already
+        # running (every response comes from one weight version), then gather, broadcast and load
 
         rewards = [s.reward for s in samples if s.reward is not None]
         qstats = ray.get(self.queue.stats.remote())
@@ -197,24 +200,30 @@ class Driver:
             "timing/train_s": t_train,
             "timing/weight_sync_s": sync_s,
             "sync/bytes": sent.get("bytes", 0.0),
+            "sync/gather_s": sent.get("gather_s", 0.0),
+            "sync/send_s": sent.get("send_s", 0.0),
             "sync/load_s_max": max(r["load_s"] for r in loads),
             "timing/step_s": time.perf_counter() - t0,
         }
         self.tracking.log(metrics, step=self.version)
         self.history.append(metrics)
-        print(f"[clawray] step {self.version}/{cfg.trainer.num_steps} | samples {len(samples)} | "
+        total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
+        reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
+        print(f"[clawray] step {self.version}{total} | samples {len(samples)} | "
               f"reward {metrics['reward_mean']:+.2f} | loss {metrics['loss']:+.4f} | sync {sync_s:.2f}s | "
               f"policy v{self.version} | staleness {metrics['staleness_mean']:.1f} | "
-              f"dropped {metrics['samples_dropped']} | wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
+              f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
+              f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
         return metrics
 
     def run(self) -> dict[str, Any]:
-        """``setup`` (if needed), start traffic, run ``trainer.num_steps`` updates; returns the summary."""
+        """``setup`` (if needed), start traffic, run ``trainer.num_steps`` updates (``-1``: until
+        interrupted); returns the summary."""
         if not hasattr(self, "engines"):
             self.setup()
         t0 = time.perf_counter()
         self.start_traffic()
-        for _ in range(self.cfg.trainer.num_steps):
+        while self.cfg.trainer.num_steps < 0 or len(self.history) < self.cfg.trainer.num_steps:
             self.step()
         return self.summary(time.perf_counter() - t0)
 

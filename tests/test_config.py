@@ -13,6 +13,13 @@ def test_presets_merge_and_override():
     assert cfg.learner.lr == 2.0e-6
 
 
+def test_serve_preset_trains_until_interrupted():
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/serve.yaml"])
+    assert (cfg.env.enabled, cfg.trainer.num_steps, cfg.trainer.batch_timeout_s) == (False, -1, 0)
+    with pytest.raises(ConfigError, match="num_steps"):
+        load_config([], ["trainer.num_steps=-2"])
+
+
 def test_rl_preset_alone_uses_engine_judge():
     assert load_config(["conf/rl.yaml"]).judge.backend == "engine"
 

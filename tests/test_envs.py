@@ -37,7 +37,7 @@ def test_levels():
     easy = make_problems(20, seed=1, level=1)
     for p in easy:
         x, op, y = p.question.removeprefix("What is ").removesuffix("?").split()
-        assert p.answer == (int(x) + int(y) if op == "+" else int(x) - int(y)) and p.answer >= 0
+        assert op == "+" and 1 <= int(x) <= 5 and 1 <= int(y) <= 5 and p.answer == int(x) + int(y)
     assert all("How many" in p.question for p in make_problems(5, level=2))
     import pytest
     with pytest.raises(ValueError, match="unknown problem level"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import logging
 import os
 from contextlib import contextmanager
 from typing import Iterable, Iterator
@@ -38,6 +39,19 @@ def _set_logit_scale(value: float | None, factor: float, model: torch.nn.Module)
     old = proc.scale
     proc.scale = value if value is not None else old * factor
     return old
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" reload warnings for layers that never have
+    checkpoint weights: rotary embeddings (computed buffers) and a tied lm_head (it shares
+    embed_tokens, which is reloaded). Any other layer's warning still shows."""
+
+    def __init__(self, tied_lm_head: bool):
+        super().__init__()
+        self.quiet = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_lm_head else set())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.quiet)
 
 
 class VLLMBackend:
@@ -70,6 +84,8 @@ class VLLMBackend:
                        seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                        logprobs_mode="processed_logprobs", **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:

@@ -20,19 +20,16 @@ class Problem:
 def make_problem(rng: random.Random, level: int = 3) -> Problem:
     """A problem of difficulty ``level``.
 
-    Levels: 1 = a bare one-digit sum or difference ("What is 4 + 3?"; SmolLM2-135M-Instruct gets about
-    40% right, a learnable signal); 2 = a one-step word problem; 3 = a two-step word problem (answers
-    in 0..400).
+    Levels: 1 = a bare sum of two numbers in 1..5 ("What is 4 + 3?"; SmolLM2-135M-Instruct answers
+    about 60% of them right and briefly, a learnable signal); 2 = a one-step word problem; 3 = a
+    two-step word problem (answers in 0..400).
 
     Raises:
         ValueError: an unknown level.
     """
     if level == 1:
-        x, y = rng.randint(1, 9), rng.randint(1, 9)
-        if rng.random() < 0.5:
-            return Problem(f"What is {x} + {y}?", x + y)
-        x, y = max(x, y), min(x, y)
-        return Problem(f"What is {x} - {y}?", x - y)
+        x, y = rng.randint(1, 5), rng.randint(1, 5)
+        return Problem(f"What is {x} + {y}?", x + y)
     a, b = rng.sample(_NAMES, 2)
     item = rng.choice(_ITEMS)
     if level == 2:

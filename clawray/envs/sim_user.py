@@ -1,7 +1,7 @@
 """A simulated user: multi-turn sessions through the official ``openai`` client.
 
 The user asks an arithmetic problem (``env.level``, see :mod:`clawray.envs.arith`) and states a
-preference: one short plain sentence, no markdown, ending with ``Answer: N``. After each reply it gives feedback in
+preference: one short sentence, no markdown. After each reply it gives feedback in
 plain words ("Correct, thanks!", "That's wrong, try again", "please no markdown", ...), which is the
 next state the judge reads. A calculator tool is offered; tool calls are executed and their result is
 sent back as a ``tool`` message. A session ends (``X-Session-Done: true``) when the answer is right
@@ -25,8 +25,7 @@ import ray
 
 from clawray.envs.arith import Problem, make_problem
 
-PREFERENCE = ("Please answer in one short plain sentence with no markdown (no bold, no lists, no headings), "
-              "and end with 'Answer: <number>'.")
+PREFERENCE = "Reply in one short sentence, no markdown."
 
 CALCULATOR_TOOL = {
     "type": "function",
@@ -84,10 +83,9 @@ def feedback(reply: str, problem: Problem) -> tuple[str, bool]:
     if correct and not markdown:
         return "Correct, thanks! That is exactly what I wanted.", True
     if correct:
-        return ("The number is right, but I asked for no markdown. Please redo it as one plain sentence "
-                "ending with 'Answer: <number>'."), False
+        return "The number is right, but I asked for no markdown. Please redo it as one plain sentence.", False
     if not has_answer:
-        return "I can't find the final answer. Please try again and end with 'Answer: <number>'.", False
+        return "I can't find the answer in that. Please try again in one short sentence.", False
     return "That's wrong. Please try again, in one plain sentence.", False
 
 
@@ -156,7 +154,7 @@ class SimUserPool:
         """One session; returns whether the problem was solved."""
         session = f"sim-{uuid.uuid4().hex[:12]}"
         self._count("sessions")
-        messages: list[dict[str, Any]] = [{"role": "user", "content": f"{problem.question}\n\n{PREFERENCE}"}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"{problem.question} {PREFERENCE}"}]
         for turn in range(self.cfg["max_turns"]):
             if self._stop.is_set():
                 return False

@@ -181,7 +181,8 @@ class PolicyServer:
 def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict, host: str, port: int,
                         num_cpus: float) -> str:
     """Start Serve on ``host:port`` and deploy the PolicyServer; returns the base URL (``.../v1``)."""
-    serve.start(http_options={"host": host, "port": port})
+    # one access-log line per request floods a training console; errors are still logged
+    serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     serve.run(PolicyServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(model_path, engines, tracker, cfg),
               name="clawray", route_prefix="/", blocking=False)
     return f"http://{host}:{port}/v1"
