@@ -11,7 +11,7 @@ class Tracker:
     """Logs one dict of scalars per policy update.
 
     Args:
-        run_dir: the run folder (``metrics.jsonl`` and the offline wandb run go there).
+        run_dir: the run folder (``metrics.jsonl``, rewritten from scratch, and the offline wandb run go there).
         mode: wandb mode: ``"offline"`` (default; ``wandb sync`` uploads later), ``"online"`` or
             ``"disabled"`` (jsonl only).
         project, name: wandb project and run name.
@@ -22,6 +22,7 @@ class Tracker:
                  config: dict | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        open(self.path, "w").close()  # one run per folder: a rerun starts the file afresh
         self.run = None
         if mode != "disabled":
             import wandb

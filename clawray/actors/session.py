@@ -57,6 +57,7 @@ class SessionTracker:
         if records_dir:
             os.makedirs(records_dir, exist_ok=True)
             self.records_path = os.path.join(records_dir, "turns.jsonl")
+            open(self.records_path, "w").close()  # a rerun in the same folder starts afresh
 
     async def record_turn(self, turn: Turn, done: bool = False) -> int:
         """Record a served main-line turn; resolves the session's previous turn with this request.

@@ -183,6 +183,7 @@ def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict,
     """Start Serve on ``host:port`` and deploy the PolicyServer; returns the base URL (``.../v1``)."""
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(model_path, engines, tracker, cfg),
-              name="clawray", route_prefix="/", blocking=False)
+    server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus},
+                                  logging_config={"enable_access_log": False})
+    serve.run(server.bind(model_path, engines, tracker, cfg), name="clawray", route_prefix="/", blocking=False)
     return f"http://{host}:{port}/v1"
