@@ -18,6 +18,8 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     from clawray.ray_env import apply_loopback_env
 
+    """Entry point of the ``clawray`` command; returns the exit status (0 ok, 1 run failed,
+    2 bad config, 130 interrupted)."""
     apply_loopback_env()  # before anything imports ray: Ray reads these at import time
     parser = argparse.ArgumentParser(prog="clawray", description="online RL of LLM agents on Ray")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -138,6 +138,8 @@ class EnvConfig:
 
 @dataclass
 class WandbConfig:
+    """Experiment tracking (wandb), offline unless told otherwise."""
+
     mode: str = "offline"  # "offline" | "online" | "disabled"
     project: str = "clawray"
     name: str = ""
@@ -145,6 +147,8 @@ class WandbConfig:
 
 @dataclass
 class RayConfig:
+    """Where Ray runs: a fresh local instance, or a cluster to join."""
+
     address: str = ""  # "" starts a local Ray; "auto" joins a running cluster (ray job)
     num_cpus: int = 0  # 0 = all cores (local Ray only)
 

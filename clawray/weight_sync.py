@@ -38,6 +38,7 @@ class Bucket:
 
     @property
     def numel(self) -> int:
+        """Elements in the flat bucket."""
         return sum(_numel(s.shape) for s in self.specs)
 
 

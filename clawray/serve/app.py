@@ -75,16 +75,20 @@ class PolicyServer:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        """``GET /v1/models``: the one served policy."""
         return {"object": "list", "data": [{"id": self.cfg["model_name"], "object": "model", "created": 0,
                                             "owned_by": "clawray"}]}
 
     @app.get("/health")
     async def health(self) -> dict:
+        """``GET /health``: each engine's policy version and the request counters."""
         versions = await asyncio.gather(*(e.get_version.remote() for e in self.engines))
         return {"status": "ok", "policy_versions": versions, "counts": self.counts}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
+        """``POST /v1/chat/completions`` (non-streaming). 400/413 for client errors, 503 when the
+        engine does not answer within ``generate_timeout_s``, 500 only for a server-side fault."""
         self.counts["requests"] += 1
         try:
             raw = await self._read_body(request)
