@@ -70,3 +70,147 @@ def test_sequence_logprobs_temperature_and_greedy():
 
 def test_token_entropy_uniform():
     assert token_entropy(torch.zeros(2, 4)).tolist() == pytest.approx([math.log(4)] * 2)
+
+
+# ---------------------------------------------------------------- advantages
+from clawray.algos.advantages import combine_advantages, group_advantages, opd_advantages  # noqa: E402
+from clawray.algos.losses import aggregate, kl_penalty, topk_reverse_kl  # noqa: E402
+
+
+def test_group_advantages_population_std_and_zero_variance_group():
+    rewards = torch.tensor([0.3] * 7 + [0.9] + [1.0, 1.0, 1.0] + [5.0])
+    groups = torch.tensor([0] * 8 + [1, 1, 1] + [2])
+    adv = group_advantages(rewards, groups)
+    assert adv[:7].tolist() == pytest.approx([-0.3779645] * 7, abs=1e-6)
+    assert adv[7].item() == pytest.approx(2.6457513, abs=1e-6)
+    assert adv[8:].tolist() == [0.0, 0.0, 0.0, 0.0]  # all-equal group and a group of one: exactly 0
+
+
+def test_group_advantages_tiny_std_is_not_amplified():
+    adv = group_advantages(torch.tensor([1.0, 1.0 + 1e-9]), torch.tensor([0, 0]))
+    assert adv.tolist() == [0.0, 0.0]
+
+
+def test_opd_and_combine_advantages():
+    teacher = torch.tensor([[-1.0, -0.5, -3.0]])
+    rollout = torch.tensor([[-2.0, -0.5, -1.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert opd_advantages(teacher, rollout, mask).tolist() == [[1.0, 0.0, 0.0]]
+    assert opd_advantages(teacher, rollout, torch.ones(1, 3), clip=1.5).tolist() == [[1.0, 0.0, -1.5]]
+    both = combine_advantages(torch.tensor([1.0, -1.0]), teacher.repeat(2, 1), rollout.repeat(2, 1),
+                              torch.ones(2, 3), torch.tensor([True, False]), w_rl=0.5, w_opd=2.0)
+    # sample 0: 0.5*1 + 2*(1, 0, -2); sample 1 has no hint: exactly 0.5*-1, no mismatch noise
+    assert both.tolist() == [[2.5, 0.5, -3.5], [-0.5, -0.5, -0.5]]
+
+
+# ---------------------------------------------------------------- aggregation
+def test_aggregation_modes_hand_computed():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(values, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((2.0 + 4.0) / 2)
+    assert aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx((6.0 + 4.0) / 2)
+    assert aggregate(values, mask, "token-mean", num_tokens=8).item() == pytest.approx(10 / 8)
+    assert aggregate(values, mask, "seq-mean-token-sum", num_seqs=4).item() == pytest.approx(10 / 4)
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate(values, mask, "mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_all_masked_micro_batch_gives_zero_loss_and_finite_zero_grad(mode):
+    logp = torch.randn(2, 4, requires_grad=True)
+    out = ppo_clip_loss(logp, torch.zeros(2, 4), torch.ones(2, 4), torch.zeros(2, 4), agg_mode=mode)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.isfinite(logp.grad).all() and logp.grad.abs().sum() == 0
+
+
+# ---------------------------------------------------------------- PPO variants
+def test_dual_clip_bounds_negative_advantage_loss():
+    new = torch.log(torch.tensor([5.0, 5.0, 0.5]))  # ratio 5 with A<0: PPO loss 5; dual clip c=3 -> 3
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    out = ppo_clip_loss(new, torch.zeros(3), adv, torch.ones(3), eps=0.2, eps_high=0.28, dual_clip=3.0)
+    assert out.token_loss.tolist() == pytest.approx([3.0, -1.28, 0.8])
+    assert out.clipped.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(new, torch.zeros(3), adv, torch.ones(3), dual_clip=1.0)
+
+
+def test_decoupled_ppo_with_truncated_importance_weight():
+    logp = torch.log(torch.tensor([1.0, 1.0]))
+    proximal = torch.zeros(2)  # the anchor equals the current policy: ratio 1
+    behaviour = torch.log(torch.tensor([0.5, 0.1]))  # proximal/behaviour weights 2 and 10
+    out = ppo_clip_loss(logp, proximal, torch.ones(2), torch.ones(2), behaviour_logprobs=behaviour, tis_cap=4.0)
+    assert out.is_weight.tolist() == pytest.approx([2.0, 4.0])  # 10 truncated at the cap
+    assert out.token_loss.tolist() == pytest.approx([-2.0, -4.0])
+    assert out.loss.item() == pytest.approx(-3.0)
+
+
+# ---------------------------------------------------------------- KL and distillation
+def test_kl_estimators_hand_computed():
+    logp, ref = torch.tensor([0.0, -1.0]), torch.tensor([-1.0, 0.0])  # d = +1, -1
+    assert kl_penalty(logp, ref, "k1").tolist() == [1.0, -1.0]
+    assert kl_penalty(logp, ref, "k2").tolist() == [0.5, 0.5]
+    assert kl_penalty(logp, ref, "k3").tolist() == pytest.approx([math.exp(-1) - 1 + 1, math.exp(1) - 1 - 1])
+    assert kl_penalty(logp, logp, "k3").tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_topk_reverse_kl_with_tail_bin_hand_computed():
+    # vocab of 3, student uniform; teacher top-2 = ids (0, 1) with p = 0.5, 0.25 -> tail 0.25
+    student = torch.zeros(1, 3, requires_grad=True)
+    t_lp = torch.log(torch.tensor([[0.5, 0.25]]))
+    ids = torch.tensor([[0, 1]])
+    kl = topk_reverse_kl(student, t_lp, ids)
+    third = 1 / 3
+    expected = third * math.log(third / 0.5) + third * math.log(third / 0.25) + third * math.log(third / 0.25)
+    assert kl.item() == pytest.approx(expected, abs=1e-6)
+    kl.sum().backward()
+    assert torch.isfinite(student.grad).all()
+    # identical distributions: zero
+    same = topk_reverse_kl(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), t_lp, ids)
+    assert same.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_topk_reverse_kl_full_mass_stays_finite():
+    kl = topk_reverse_kl(torch.tensor([[10.0, -10.0]]), torch.log(torch.tensor([[0.5, 0.5]])), torch.tensor([[0, 1]]))
+    assert torch.isfinite(kl).all()
+
+
+# ---------------------------------------------------------------- invariants
+from clawray.algos.invariants import (DegenerateBatchGuard, EntropyController, effective_token_rate,  # noqa: E402
+                                      logprob_mismatch_kl, masked_quantile, signal_stats)
+
+
+def test_invariant_metrics_hand_computed():
+    assert masked_quantile(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0]), 0.5) == 2.0
+    assert math.isnan(masked_quantile(torch.tensor([1.0]), torch.tensor([0]), 0.1))
+    r, l = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0 + math.log(2)])
+    assert logprob_mismatch_kl(r, l, torch.tensor([1, 1])) == pytest.approx((0 + (2 - 1 - math.log(2))) / 2)
+    assert logprob_mismatch_kl(r, r, torch.tensor([1, 1])) == 0.0
+    adv = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert effective_token_rate(adv, torch.tensor([[1, 1, 1], [1, 1, 0]]), response_tokens=5) == pytest.approx(0.4)
+    assert signal_stats([1, 1, 1]) == {"nonzero_reward_frac": 1.0, "reward_std": 0.0, "one_signed": 1.0}
+    assert signal_stats([1, -1, 0, 0]) == {"nonzero_reward_frac": 0.5, "reward_std": pytest.approx(math.sqrt(0.5)),
+                                           "one_signed": 0.0}
+
+
+def test_degenerate_guard_modes():
+    g = DegenerateBatchGuard("baseline", momentum=0.5)
+    adv1, train1 = g.apply([1.0, 1.0])
+    adv2, train2 = g.apply([1.0, 1.0])
+    assert (adv1, adv2, train1, train2) == ([1.0, 1.0], [0.5, 0.5], True, True)
+    assert g.baseline == pytest.approx(0.75) and g.degenerate_batches == 2
+    skip = DegenerateBatchGuard("skip")
+    assert skip.apply([1.0, 1.0]) == ([1.0, 1.0], False) and skip.apply([1.0, -1.0]) == ([1.0, -1.0], True)
+    assert skip.degenerate_batches == 1
+    with pytest.raises(ValueError):
+        DegenerateBatchGuard("sometimes")
+
+
+def test_entropy_controller_rises_below_floor_and_falls_back():
+    c = EntropyController(coef=0.0, floor=1.0, lr=0.1, max_coef=0.05)
+    assert c.update(0.6) == pytest.approx(0.04)
+    assert c.update(0.6) == pytest.approx(0.05)  # capped
+    assert c.update(1.5) == pytest.approx(0.0)   # entropy back above the floor: the bonus decays
+    assert EntropyController(coef=0.01).update(0.0) == 0.01  # floor 0: fixed coefficient

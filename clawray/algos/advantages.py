@@ -1,7 +1,7 @@
 """Advantage estimators.
 
-All functions take and return ``torch.Tensor`` on the same device; shapes are given as
-``[B]`` (one value per sample) and ``[B, T]`` (one value per response token, right-padded).
+All functions take and return ``torch.Tensor`` on the same device; shapes are ``[B]`` (one value
+per sample) and ``[B, T]`` (one value per response token, right-padded, with a 0/1 ``loss_mask``).
 """
 
 from __future__ import annotations
@@ -29,3 +29,80 @@ def binary_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.T
         raise ValueError(f"expected rewards [B] and loss_mask [B, T], got {tuple(rewards.shape)} "
                          f"and {tuple(loss_mask.shape)}")
     return rewards.to(torch.float32)[:, None] * loss_mask.to(torch.float32)
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:
+    """Group-normalised (GRPO) scalar advantages for samples that share a prompt.
+
+    For each group g: ``A_i = (r_i - mean_g) / std_g`` with the *population* std (GRPO, arXiv
+    2402.03300, §4.1.2, outcome supervision). A group whose rewards are all equal (``std_g <
+    min_std``) gets exactly 0: it carries no preference between its samples, and dividing by a tiny
+    std would turn float noise into a full-size advantage. A group of one therefore gets 0.
+
+    Example: rewards ``[0.3] * 7 + [0.9]`` in one group give ``≈ -0.378`` seven times and ``≈ +2.646``.
+
+    Args:
+        rewards: ``[B]`` scalar rewards.
+        group_ids: ``[B]`` integer group of each sample (same prompt = same group).
+        min_std: groups with a smaller std count as all-equal.
+
+    Returns:
+        ``[B]`` float32 advantages.
+
+    Raises:
+        ValueError: the shapes differ or are not 1-D.
+    """
+    if rewards.dim() != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"expected rewards [B] and group_ids [B], got {tuple(rewards.shape)} and "
+                         f"{tuple(group_ids.shape)}")
+    r = rewards.to(torch.float64)
+    out = torch.zeros_like(r)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        mean = r[idx].mean()
+        std = r[idx].std(unbiased=False)
+        if std >= min_std:
+            out[idx] = (r[idx] - mean) / std
+    return out.to(torch.float32)
+
+
+def opd_advantages(teacher_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                   clip: float | None = None) -> torch.Tensor:
+    """On-policy distillation token advantage ``A_t = teacher_logprob_t - rollout_logprob_t``.
+
+    The teacher scores the *same* response tokens under the hint-augmented prompt (OpenClaw-RL,
+    arXiv 2603.10165, §4; on-policy distillation as reverse KL, Agarwal et al., arXiv 2306.13649).
+    ``clip`` bounds ``|A_t|`` (``opd.adv_clip``).
+
+    Args:
+        teacher_logprobs, rollout_logprobs, loss_mask: ``[B, T]`` (or any one shared shape).
+        clip: optional bound on ``|A_t|``.
+
+    Returns:
+        advantages of the same shape, zero where ``loss_mask`` is zero.
+    """
+    adv = (teacher_logprobs.float() - rollout_logprobs.float()) * loss_mask.float()
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv
+
+
+def combine_advantages(rewards: torch.Tensor, teacher_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                       loss_mask: torch.Tensor, has_teacher: torch.Tensor, w_rl: float = 1.0,
+                       w_opd: float = 1.0, clip: float | None = None) -> torch.Tensor:
+    """Combine: ``A_t = w_rl * r + w_opd * (teacher_logprob_t - rollout_logprob_t)`` (OpenClaw-RL §5).
+
+    A sample without an accepted hint (``has_teacher[b] = False``) gets *no* OPD term: exactly
+    ``w_rl * r`` (OpenClaw-RL substitutes the rollout log-probs and trains on their mismatch noise).
+
+    Args:
+        rewards: ``[B]``; teacher_logprobs, rollout_logprobs, loss_mask: ``[B, T]``;
+        has_teacher: ``[B]`` bool.
+        w_rl, w_opd: the two weights; clip: bound on the OPD term.
+
+    Returns:
+        ``[B, T]`` advantages, zero where ``loss_mask`` is zero.
+    """
+    rl = binary_advantages(rewards, loss_mask)
+    opd = opd_advantages(teacher_logprobs, rollout_logprobs, loss_mask, clip) * has_teacher.float()[:, None]
+    return w_rl * rl + w_opd * opd
