@@ -101,6 +101,18 @@ class LearnerConfig:
     grad_clip: float = 1.0
     eps: float = 0.2  # PPO clip, lower side
     eps_high: float = 0.28  # PPO clip, upper side (DAPO clip-higher)
+    dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    # trust-region anchor: "rollout" (ratio vs the behaviour log-probs: the clip acts on stale
+    # samples) or "proximal" (decoupled PPO: ratio vs the pre-update learner, TIS weight vs rollout)
+    ratio_anchor: str = "rollout"
+    tis_cap: float = 2.0  # truncation of the rollout importance weight (proximal anchor); 0 = none
+    agg_mode: str = "token-mean"  # | "seq-mean-token-mean" | "seq-mean-token-sum"
+    kl_coef: float = 0.0  # KL to the initial policy; > 0 loads a reference model on every rank
+    kl_estimator: str = "k3"  # | "k1" | "k2"
+    entropy_coef: float = 0.0  # initial entropy-bonus coefficient
+    entropy_floor: float = 0.0  # nats; > 0 turns on the adaptive coefficient (rises while below)
+    entropy_coef_lr: float = 0.01
+    entropy_coef_max: float = 0.1
     dist_timeout_s: float = 120.0
 
 
@@ -120,6 +132,10 @@ class TrainerConfig:
     batch_size: int = 4  # samples per optimizer step
     num_steps: int = 3  # policy updates, then the run ends; -1 = until interrupted
     batch_timeout_s: float = 900.0  # give up waiting for a batch after this long; 0 = wait forever
+    # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
+    # skip the update ("skip"), or train on raw rewards ("none", OpenClaw-RL)
+    degenerate_batches: str = "baseline"
+    baseline_momentum: float = 0.9
 
 
 @dataclass
@@ -177,6 +193,10 @@ _CHOICES = {
     "judge.backend": ("feedback", "engine", "openai"),
     "judge.engine_backend": ("vllm", "hf"),
     "trainer.algo": ("rl",),
+    "trainer.degenerate_batches": ("baseline", "skip", "none"),
+    "learner.ratio_anchor": ("rollout", "proximal"),
+    "learner.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "learner.kl_estimator": ("k1", "k2", "k3"),
     "model.build": ("none", "tiny", "smollm2"),
     "wandb.mode": ("offline", "online", "disabled"),
 }
@@ -232,6 +252,8 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.batch_timeout_s must be >= 0 (0 = wait forever), got {cfg.trainer.batch_timeout_s}")
     if not 0 <= cfg.learner.eps < 1 or not 0 <= cfg.learner.eps_high:
         raise ConfigError("learner.eps must be in [0, 1) and learner.eps_high >= 0")
+    if cfg.learner.dual_clip and cfg.learner.dual_clip <= 1:
+        raise ConfigError(f"learner.dual_clip must be 0 (off) or > 1, got {cfg.learner.dual_clip}")
 
 
 def _describe(e: OmegaConfBaseException) -> str:

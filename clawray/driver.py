@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
 from clawray.config import model_path
 
 
@@ -55,6 +56,11 @@ class Driver:
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self._owns_ray = False
+        self.guard = DegenerateBatchGuard(cfg.trainer.degenerate_batches, cfg.trainer.baseline_momentum)
+        self.entropy = EntropyController(cfg.learner.entropy_coef, cfg.learner.entropy_floor,
+                                         cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
+        self.all_masked_dropped = 0
+        self.skipped_steps: dict[str, int] = {}
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -139,7 +145,11 @@ class Driver:
 
     # ------------------------------------------------------------------ loop
     def step(self) -> dict[str, Any]:
-        """Wait for one batch, train on it, sync the new weights; returns the step's metrics.
+        """Wait for one batch, apply the signal guards, train, sync; returns the step's metrics.
+
+        A batch is not trained when the degenerate-batch guard says skip (``skipped: degenerate``)
+        or when the learners met a non-finite loss or gradient (``skipped: nonfinite``); then no
+        weights are synced and the policy version stays.
 
         Raises:
             TimeoutError: no full batch arrived within ``trainer.batch_timeout_s``.
@@ -156,62 +166,81 @@ class Driver:
         samples = ray.get(batch["refs"])
         t_wait = time.perf_counter() - t0
 
-        train = self.learners.train_step(batch["refs"], next_version)
+        # effective samples: an all-masked sample only costs compute
+        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0]
+        self.all_masked_dropped += len(samples) - len(keep)
+        refs = [batch["refs"][i] for i in keep]
+        samples = [samples[i] for i in keep]
+        rewards = [float(s.reward or 0.0) for s in samples]
+        signal = signal_stats(rewards)
+        advantages, train_ok = self.guard.apply(rewards)
+        skipped = "" if train_ok and refs else "degenerate"
+
+        train: dict[str, Any] = {}
+        if not skipped:
+            train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
+            if train["skipped"]:
+                skipped = "nonfinite"
         t_train = time.perf_counter() - t0 - t_wait
 
-        t_sync0 = time.perf_counter()
-        ray.get([e.pause.remote() for e in self.engines])
-        try:
-            results = ray.get(self.learners.sync_weights(next_version)
-                              + [e.receive_weights.remote(next_version) for e in self.engines])
-        finally:
-            ray.get([e.resume.remote() for e in self.engines])
-        sync_s = time.perf_counter() - t_sync0
-        self.version = next_version
-        sent, loads = results[0], results[len(self.learners.workers):]
-        # sync time = pause -> resume; it includes the engines finishing the generations already
-        # running (every response comes from one weight version), then gather, broadcast and load
+        sync_s, sent, loads = 0.0, {}, []
+        if not skipped:
+            # sync time = pause -> resume; it includes the engines finishing the generations already
+            # running (every response comes from one weight version), then gather, broadcast and load
+            t_sync0 = time.perf_counter()
+            ray.get([e.pause.remote() for e in self.engines])
+            try:
+                results = ray.get(self.learners.sync_weights(next_version)
+                                  + [e.receive_weights.remote(next_version) for e in self.engines])
+            finally:
+                ray.get([e.resume.remote() for e in self.engines])
+            sync_s = time.perf_counter() - t_sync0
+            self.version = next_version
+            sent, loads = results[0], results[len(self.learners.workers):]
+            self.entropy.update(train["inv/entropy"])
+        else:
+            self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
 
-        rewards = [s.reward for s in samples if s.reward is not None]
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
+        dropped["dropped/all_masked"] = self.all_masked_dropped
         metrics = {
             "policy_version": self.version,
             "samples": len(samples),
             "reward_mean": sum(rewards) / max(len(rewards), 1),
-            "loss": train["loss"],
-            "pg_clipfrac": train["pg_clipfrac"],
-            "ratio_mean": train["ratio_mean"],
-            "ratio_max": train["ratio_max"],
-            "entropy": train["entropy"],
-            "logprob_abs_diff": train["logprob_abs_diff"],
-            "grad_norm": train["grad_norm"],
-            "num_tokens": train["num_tokens"],
-            "skipped_step": train["skipped"],
-            "staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
-            "staleness_max": max(batch["staleness"]),
+            "skipped": skipped or "no",
+            **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
+            "inv/nonzero_reward_frac": signal["nonzero_reward_frac"],
+            "inv/reward_std": signal["reward_std"],
+            "inv/degenerate_batches": self.guard.degenerate_batches,
+            "inv/baseline": self.guard.baseline,
+            "inv/entropy_coef": self.entropy.coef,
+            "inv/staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
+            "inv/staleness_max": max(batch["staleness"]),
+            **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             "samples_in": qstats["put"],
             "samples_trained": qstats["taken"],
             "samples_dropped": sum(dropped.values()),
-            **dropped,
             "timing/wait_batch_s": t_wait,
             "timing/train_s": t_train,
             "timing/weight_sync_s": sync_s,
             "sync/bytes": sent.get("bytes", 0.0),
             "sync/gather_s": sent.get("gather_s", 0.0),
             "sync/send_s": sent.get("send_s", 0.0),
-            "sync/load_s_max": max(r["load_s"] for r in loads),
+            "sync/load_s_max": max((r["load_s"] for r in loads), default=0.0),
             "timing/step_s": time.perf_counter() - t0,
         }
-        self.tracking.log(metrics, step=self.version)
         self.history.append(metrics)
+        self.tracking.log({k: v for k, v in metrics.items() if k != "skipped"}, step=len(self.history))
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
-        print(f"[clawray] step {self.version}{total} | samples {len(samples)} | "
-              f"reward {metrics['reward_mean']:+.2f} | loss {metrics['loss']:+.4f} | sync {sync_s:.2f}s | "
-              f"policy v{self.version} | staleness {metrics['staleness_mean']:.1f} | "
+        loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
+        print(f"[clawray] step {len(self.history)}{total} | samples {len(samples)} | "
+              f"reward {metrics['reward_mean']:+.2f} | loss {loss} | sync {sync_s:.2f}s | "
+              f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
+              f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
         return metrics
@@ -232,6 +261,7 @@ class Driver:
         out = {
             "policy_version": self.version,
             "steps": len(self.history),
+            "skipped_steps": self.skipped_steps,
             "loop_seconds": round(seconds, 1),
             "engine_versions": ray.get([e.get_version.remote() for e in self.engines]),
             "engines": ray.get([e.stats.remote() for e in self.engines]),

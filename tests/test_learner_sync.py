@@ -1,5 +1,7 @@
 """LearnerGroup (FSDP2 over 2 gloo ranks) -> weight broadcast -> RolloutEngine, on the tiny model."""
 
+import math
+
 import pytest
 import ray
 import torch
@@ -64,8 +66,11 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         expected = -sum(r * n for r, n in zip(rewards, lengths)) / sum(lengths)
         assert m["loss"] == pytest.approx(expected, abs=1e-4)
         assert m["num_tokens"] == sum(lengths) and m["num_samples"] == 3
-        assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["pg_clipfrac"] == 0.0
-        assert m["logprob_abs_diff"] < 1e-5 and m["skipped"] == 0.0
+        assert m["inv/ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["inv/clip_frac"] == 0.0
+        assert m["inv/logprob_mismatch_kl"] < 1e-9 and m["skipped"] == 0.0
+        assert m["inv/effective_token_rate"] == 1.0 and m["inv/adv_std"] == pytest.approx(
+            (1 - (sum(r * n for r, n in zip(rewards, lengths)) / sum(lengths)) ** 2) ** 0.5, abs=1e-6)
+        assert 0 < m["inv/entropy_min"] <= m["inv/entropy_p10"] <= m["inv/entropy"]
 
         results = ray.get(learners.sync_weights(1) + [engine.receive_weights.remote(1)])
         assert results[0]["bytes"] == sum(4 * torch.Size(sp.shape).numel() for sp in plan)
@@ -81,7 +86,8 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
 
         # a second step trains on the now-stale samples: the ratio departs from 1 and is clipped
         m2 = learners.train_step(refs, version=2)
-        assert m2["logprob_abs_diff"] > 1e-3 and m2["ratio_mean"] != pytest.approx(1.0, abs=1e-4)
+        assert m2["inv/ratio_mean"] != pytest.approx(1.0, abs=1e-4)
+        assert math.isnan(m2["inv/logprob_mismatch_kl"])  # no sample was made by the v1 weights
     finally:
         for actor in [engine] + learners.workers:
             ray.kill(actor)
@@ -108,7 +114,7 @@ def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
                                loss_mask=[1] * len(o["response_ids"]), rollout_logprobs=o["logprobs"], reward=r,
                                policy_version=0)) for o, r in zip(outs, [1.0, -1.0])]
         m = learners.train_step(refs, version=1)
-        assert m["logprob_abs_diff"] < 1e-4  # vLLM fp32 rollout log-probs vs the learner's, same weights
+        assert m["inv/logprob_mismatch_kl"] < 1e-8  # vLLM fp32 rollout log-probs vs the learner's, same weights
         results = ray.get(learners.sync_weights(1) + [engine.receive_weights.remote(1)])
         assert results[-1]["version"] == 1
         after = ray.get(engine.generate.remote(GenerateRequest(prompt, max_tokens=3, temperature=0.0)))

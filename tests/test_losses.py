@@ -201,6 +201,7 @@ def test_degenerate_guard_modes():
     adv2, train2 = g.apply([1.0, 1.0])
     assert (adv1, adv2, train1, train2) == ([1.0, 1.0], [0.5, 0.5], True, True)
     assert g.baseline == pytest.approx(0.75) and g.degenerate_batches == 2
+    assert g.apply([1.0, -1.0]) == ([1.0, -1.0], True)  # mixed signs keep raw rewards
     skip = DegenerateBatchGuard("skip")
     assert skip.apply([1.0, 1.0]) == ([1.0, 1.0], False) and skip.apply([1.0, -1.0]) == ([1.0, -1.0], True)
     assert skip.degenerate_batches == 1

@@ -17,8 +17,7 @@ from datetime import timedelta
 import ray
 import torch
 
-from clawray.algos.advantages import binary_advantages
-from clawray.algos.losses import ppo_clip_loss, sequence_logprobs, token_entropy
+from clawray.algos.losses import aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy
 from clawray.types import Sample
 
 
@@ -53,6 +52,10 @@ class LearnerWorker:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
+        self.ref_model = None
+        if cfg.get("kl_coef", 0.0) > 0:  # a frozen full copy of the initial policy, only when KL is on
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
                                            weight_decay=cfg["weight_decay"])
         self.version = 0
@@ -74,93 +77,143 @@ class LearnerWorker:
         return {k: tuple(v.shape) for k, v in self._full_state_dict().items()}
 
     # ------------------------------------------------------------------ training
-    def _forward_logprobs(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, sample: Sample, with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Learner log-probs ``[R]`` of the response tokens and per-token entropies ``[R]``."""
         ids = torch.tensor([sample.tokens], device=self.device)
         logits = self.model(input_ids=ids).logits[0, sample.prompt_len - 1 : -1]  # [R, V]
-        targets = ids[0, sample.prompt_len:]
-        return sequence_logprobs(logits, targets, sample.temperature), logits
+        t = sample.temperature if sample.temperature > 0 else 1.0
+        logprobs = sequence_logprobs(logits, ids[0, sample.prompt_len:], t)
+        scaled = logits / t
+        entropy = token_entropy(scaled if with_entropy_grad else scaled.detach())
+        return logprobs, entropy
 
-    def train_step(self, sample_refs: list, version: int) -> dict:
+    def _ref_logprobs(self, sample: Sample) -> torch.Tensor:
+        ids = torch.tensor([sample.tokens], device=self.device)
+        with torch.no_grad():
+            logits = self.ref_model(input_ids=ids).logits[0, sample.prompt_len - 1 : -1]
+        return sequence_logprobs(logits, ids[0, sample.prompt_len:], sample.temperature)
+
+    def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
+                   entropy_coef: float = 0.0) -> dict:
         """One optimizer step on a batch; the step produces policy ``version``.
+
+        Per sample: token advantages ``A_t = a * loss_mask_t`` (``a`` from ``advantages``, default
+        the sample's reward); loss = PPO clip (anchor: rollout log-probs, or the proximal policy
+        with TIS weights, ``ratio_anchor``) + ``kl_coef`` * KL to the reference - ``entropy_coef`` *
+        entropy, each aggregated by ``agg_mode`` over the *global* batch.
 
         Args:
             sample_refs: the whole batch's ``ObjectRef[Sample]`` list (each rank takes its share).
             version: the policy version the updated weights will carry.
+            advantages: one scalar per sample (after the driver's guards), or None for raw rewards.
+            entropy_coef: the entropy-bonus coefficient for this step.
 
         Returns:
-            metrics reduced over ranks (rank 0's dict is the batch's): ``loss``, ``pg_clipfrac``,
-            ``ratio_mean``, ``ratio_max``, ``entropy``, ``logprob_abs_diff``, ``grad_norm``,
-            ``num_tokens``, ``num_samples``, ``skipped`` (1 when a non-finite loss/grad skipped the step).
+            metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl``, ``grad_norm``, ``num_tokens``,
+            ``num_samples``, ``skipped`` (a non-finite loss or gradient skipped the step) and the
+            invariants ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
+            ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``, ``inv/is_weight_mean``,
+            ``inv/logprob_mismatch_kl`` (fresh samples only, same weights on both sides; nan when
+            there are none), ``inv/effective_token_rate``.
         """
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        n = self.world_size
-        mine = sample_refs[self.rank :: n]
-        samples: list[Sample] = ray.get(mine) if mine else []
+        cfg, n = self.cfg, self.world_size
+        idx = list(range(self.rank, len(sample_refs), n))
+        samples: list[Sample] = ray.get([sample_refs[i] for i in idx]) if idx else []
+        advs = [float(advantages[i]) if advantages is not None else float(samples[k].reward or 0.0)
+                for k, i in enumerate(idx)]
         passes = math.ceil(len(sample_refs) / n)
-        local_tokens = float(sum(sum(s.loss_mask) for s in samples))
-        totals = torch.tensor([local_tokens], dtype=torch.float64)
+        totals = torch.tensor([float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))], dtype=torch.float64)
         dist.all_reduce(totals)
-        global_tokens = max(totals.item(), 1.0)
+        norm_tokens, norm_seqs = max(totals[0].item(), 1.0) / n, max(totals[1].item(), 1.0) / n
+        proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, clipped, ratio_sum, tokens, entropy, absdiff, nonfinite, samples
+        # sums: loss, pg_loss, kl, clipped, ratio, tokens, adv, adv^2, effective, resp_tokens, nonfinite,
+        #       samples, is_weight, mismatch_kl_sum, mismatch_tokens, entropy
+        sums = torch.zeros(16, dtype=torch.float64)
         ratio_max = torch.zeros(1, dtype=torch.float64)
+        entropies: list[torch.Tensor] = []
         for i in range(passes):
             if i < len(samples):
                 s = samples[i]
-                logprobs, logits = self._forward_logprobs(s)
+                logprobs, entropy = self._forward(s, with_entropy_grad=entropy_coef > 0)
                 mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
-                old = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-                reward = torch.tensor([0.0 if s.reward is None else float(s.reward)], device=self.device)
-                adv = binary_advantages(reward, mask[None])[0]
-                out = ppo_clip_loss(logprobs, old, adv, mask, self.cfg["eps"], self.cfg["eps_high"],
-                                    normalizer=global_tokens / n)
+                rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+                adv = mask * advs[i]
+                agg = dict(mode=cfg.get("agg_mode", "token-mean"), num_tokens=norm_tokens, num_seqs=norm_seqs)
+                out = ppo_clip_loss(
+                    logprobs, logprobs.detach() if proximal else rollout, adv, mask, cfg["eps"], cfg["eps_high"],
+                    normalizer=norm_tokens, dual_clip=cfg.get("dual_clip") or None,
+                    behaviour_logprobs=rollout if proximal else None, tis_cap=cfg.get("tis_cap") or None,
+                    agg_mode=agg["mode"], num_seqs=norm_seqs)
                 loss = out.loss
+                kl_value = torch.zeros(())
+                if self.ref_model is not None:
+                    kl_tok = kl_penalty(logprobs, self._ref_logprobs(s), cfg.get("kl_estimator", "k3"))
+                    kl_value = aggregate(kl_tok, mask, **agg)
+                    loss = loss + cfg["kl_coef"] * kl_value
+                if entropy_coef > 0:
+                    loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
                 with torch.no_grad():
                     m = mask.bool()
-                    ent = token_entropy(logits.detach())[m]
+                    entropies.append(entropy.detach()[m].double())
+                    fresh = s.policy_version == self.version  # generated by exactly these weights
+                    log_r = (logprobs.detach() - rollout)[m]
                     sums += torch.tensor([
-                        out.loss.item() / n, out.clipped[m].sum().item(), out.ratio[m].sum().item(),
-                        m.sum().item(), ent.sum().item(), (logprobs.detach() - old).abs()[m].sum().item(),
-                        0.0, 1.0], dtype=torch.float64)
+                        loss.item(), out.loss.item(), kl_value.item(), out.clipped[m].sum().item(),
+                        out.ratio[m].sum().item(), m.sum().item(), adv[m].sum().item(), adv[m].pow(2).sum().item(),
+                        ((adv != 0) & m).sum().item(), len(s.loss_mask), 0.0, 1.0, out.is_weight[m].sum().item(),
+                        (log_r.exp() - 1 - log_r).sum().item() if fresh else 0.0, m.sum().item() if fresh else 0.0,
+                        entropy.detach()[m].sum().item()], dtype=torch.float64)
                     if m.any():
                         ratio_max = torch.maximum(ratio_max, out.ratio[m].max().double().reshape(1))
             else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
-                ids = torch.tensor([[0]], device=self.device)
-                loss = self.model(input_ids=ids).logits.sum() * 0.0
+                loss = self.model(input_ids=torch.tensor([[0]], device=self.device)).logits.sum() * 0.0
             if not torch.isfinite(loss):
-                sums[6] += 1
-                loss = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+                sums[10] += 1
+                loss = torch.nan_to_num(loss) * 0.0
             loss.backward()
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["grad_clip"])
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         dist.all_reduce(sums)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-        skipped = sums[6].item() > 0 or not torch.isfinite(grad_norm).item()
+        gathered: list = [None] * n
+        dist.all_gather_object(gathered, torch.cat(entropies) if entropies else torch.zeros(0, dtype=torch.float64))
+        all_entropy = torch.cat(gathered)
+        skipped = sums[10].item() > 0 or not torch.isfinite(grad_norm).item()
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
         else:
             self.optimizer.step()
-        self.version = version
-        tokens = max(sums[3].item(), 1.0)
+            self.version = version
+        tokens = max(sums[5].item(), 1.0)
+        adv_mean = sums[6].item() / tokens
         return {
-            "loss": sums[0].item(),
-            "pg_clipfrac": sums[1].item() / tokens,
-            "ratio_mean": sums[2].item() / tokens,
-            "ratio_max": ratio_max.item(),
-            "entropy": sums[4].item() / tokens,
-            "logprob_abs_diff": sums[5].item() / tokens,
+            "loss": sums[0].item() / n,
+            "pg_loss": sums[1].item() / n,
+            "kl": sums[2].item() / n,
             "grad_norm": float(grad_norm.item()),
-            "num_tokens": sums[3].item(),
-            "num_samples": sums[7].item(),
+            "num_tokens": sums[5].item(),
+            "num_samples": sums[11].item(),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
+            "inv/entropy": sums[15].item() / tokens,
+            "inv/entropy_p10": float(torch.quantile(all_entropy, 0.1)) if all_entropy.numel() else math.nan,
+            "inv/entropy_min": float(all_entropy.min()) if all_entropy.numel() else math.nan,
+            "inv/adv_std": math.sqrt(max(sums[7].item() / tokens - adv_mean**2, 0.0)),
+            "inv/ratio_mean": sums[4].item() / tokens,
+            "inv/ratio_max": ratio_max.item(),
+            "inv/clip_frac": sums[3].item() / tokens,
+            "inv/is_weight_mean": sums[12].item() / tokens,
+            "inv/logprob_mismatch_kl": sums[13].item() / sums[14].item() if sums[14].item() else math.nan,
+            "inv/effective_token_rate": sums[8].item() / max(sums[9].item(), 1.0),
         }
 
     # ------------------------------------------------------------------ weight sync
@@ -224,9 +277,10 @@ class LearnerGroup:
         ]
         ray.get([w.ready.remote() for w in self.workers])
 
-    def train_step(self, sample_refs: list, version: int) -> dict:
-        """Run one optimizer step on every rank; returns rank 0's metrics."""
-        return ray.get([w.train_step.remote(sample_refs, version) for w in self.workers])[0]
+    def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
+                   entropy_coef: float = 0.0) -> dict:
+        """Run one optimizer step on every rank (see :meth:`LearnerWorker.train_step`); returns rank 0's metrics."""
+        return ray.get([w.train_step.remote(sample_refs, version, advantages, entropy_coef) for w in self.workers])[0]
 
     def init_weight_sender(self, **kwargs) -> list:
         """Refs of every rank's :meth:`LearnerWorker.init_weight_sender` (run with the receivers)."""

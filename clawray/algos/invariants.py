@@ -70,9 +70,10 @@ class DegenerateBatchGuard:
 
     Modes:
       * ``none``: train on raw rewards (OpenClaw-RL's behaviour).
-      * ``baseline``: subtract a running mean reward ``b`` (EMA with ``momentum``) from every reward
-        of *every* batch, so a stream of all +1 stops pushing once ``b`` has caught up (REINFORCE
-        with a baseline, Williams 1992). ``b`` starts at 0.
+      * ``baseline``: a one-signed batch trains on ``r - b``, with ``b`` a running mean reward over
+        all batches (EMA with ``momentum``, starting at 0), so a stream of all +1 stops pushing once
+        ``b`` has caught up and a promoted 0-reward turn gets a real gradient (REINFORCE with a
+        baseline, Williams 1992). Mixed-sign batches keep their raw rewards.
       * ``skip``: one-signed batches are not trained (the learner step is skipped).
     """
 
@@ -93,7 +94,7 @@ class DegenerateBatchGuard:
             return list(rewards), True
         if self.mode == "skip":
             return list(rewards), not degenerate
-        adv = [r - self.baseline for r in rewards]
+        adv = [r - self.baseline for r in rewards] if degenerate else list(rewards)
         mean = sum(rewards) / max(len(rewards), 1)
         self.baseline = self.momentum * self.baseline + (1.0 - self.momentum) * mean
         return adv, True
