@@ -36,7 +36,7 @@ def logprob_mismatch_kl(rollout_logprobs: torch.Tensor, learner_logprobs: torch.
     m = loss_mask.bool()
     if not m.any():
         return 0.0
-    log_r = (learner_logprobs.float() - rollout_logprobs.float())[m]
+    log_r = (learner_logprobs.double() - rollout_logprobs.double())[m]  # float64: tiny KLs must not cancel
     return float((torch.exp(log_r) - 1.0 - log_r).mean())
 
 
