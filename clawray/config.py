@@ -135,6 +135,9 @@ class TrainerConfig:
     # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
     # skip the update ("skip"), or train on raw rewards ("none", OpenClaw-RL)
     degenerate_batches: str = "baseline"
+    # "binary": the (guarded) reward on every token (OpenClaw-RL); "grpo": group-normalised over
+    # samples of the batch that share a prompt (a group of one, or of equal rewards, gets 0)
+    advantage: str = "binary"
     baseline_momentum: float = 0.9
 
 
@@ -194,6 +197,7 @@ _CHOICES = {
     "judge.engine_backend": ("vllm", "hf"),
     "trainer.algo": ("rl",),
     "trainer.degenerate_batches": ("baseline", "skip", "none"),
+    "trainer.advantage": ("binary", "grpo"),
     "learner.ratio_anchor": ("rollout", "proximal"),
     "learner.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "learner.kl_estimator": ("k1", "k2", "k3"),

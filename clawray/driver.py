@@ -16,8 +16,10 @@ import time
 from typing import Any
 
 import ray
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from clawray.algos.advantages import group_advantages
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
 from clawray.config import model_path
 
@@ -174,6 +176,10 @@ class Driver:
         rewards = [float(s.reward or 0.0) for s in samples]
         signal = signal_stats(rewards)
         advantages, train_ok = self.guard.apply(rewards)
+        if cfg.trainer.advantage == "grpo":  # samples with identical prompt tokens form a group
+            groups: dict[tuple, int] = {}
+            ids = torch.tensor([groups.setdefault(tuple(s.tokens[: s.prompt_len]), len(groups)) for s in samples])
+            advantages = group_advantages(torch.tensor(rewards), ids).tolist()
         skipped = "" if train_ok and refs else "degenerate"
 
         train: dict[str, Any] = {}

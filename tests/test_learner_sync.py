@@ -127,3 +127,35 @@ def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
     finally:
         for actor in [engine] + learners.workers:
             ray.kill(actor)
+
+
+def test_kl_proximal_anchor_dual_clip_and_nonfinite_skip(ray_cluster, tiny_model):
+    """Learner options on the real FSDP2 group: KL to a reference (0 while the policy equals it),
+    the proximal anchor with TIS weights, dual clip, seq-mean aggregation, and a non-finite loss
+    that skips the optimizer step."""
+    cfg = dict(LEARNER, kl_coef=0.5, kl_estimator="k3", ratio_anchor="proximal", tis_cap=2.0, dual_clip=3.0,
+               agg_mode="seq-mean-token-mean")
+    learners = LearnerGroup(tiny_model, cfg, free_port())
+    try:
+        prompt = [5, 6, 7]
+        resp = [[11, 12, 13, 14], [21, 22]]
+        rollout = [[-7.0, -7.1, -6.9, -7.2], [-6.8, -7.0]]
+        refs = [ray.put(Sample(tokens=prompt + r, prompt_len=3, loss_mask=[1] * len(r), rollout_logprobs=lp,
+                               reward=rw, policy_version=0)) for r, lp, rw in zip(resp, rollout, [1.0, -1.0])]
+        m1 = learners.train_step(refs, 1)
+        assert m1["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy still equals the reference
+        assert m1["inv/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # proximal anchor: ratio 1
+        assert m1["inv/is_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # the rollout gap is in the weight
+        assert m1["loss"] == pytest.approx(m1["pg_loss"], abs=1e-6)
+        m2 = learners.train_step(refs, 2)
+        assert m2["kl"] > 0 and m2["loss"] == pytest.approx(m2["pg_loss"] + 0.5 * m2["kl"], rel=1e-4, abs=1e-6)
+
+        bad = ray.put(Sample(tokens=prompt + [11, 12], prompt_len=3, loss_mask=[1, 1],
+                             rollout_logprobs=[float("nan"), -1.0], reward=1.0, policy_version=0))
+        m3 = learners.train_step([bad, refs[0]], 3)
+        assert m3["skipped"] == 1.0
+        m4 = learners.train_step(refs, 3)  # the next step is fine again
+        assert m4["skipped"] == 0.0
+    finally:
+        for w in learners.workers:
+            ray.kill(w)

@@ -25,6 +25,8 @@ class FakeJudge:
             score = table[next_state[-1]["content"]]
             if score is None:
                 return JudgeResult(0, [None, None], counts={"valid": 0, "invalid": 2, "tie": 0})
+            if score == 0:  # a 0 majority whose votes lean positive
+                return JudgeResult(0, [0, 0, 1], counts={"valid": 3, "invalid": 0, "tie": 0})
             return JudgeResult(score, [score], counts={"valid": 1, "invalid": 0, "tie": 0})
         self.seen = []
         self.judge = _Remote(judge)
@@ -98,8 +100,8 @@ def test_zero_scores_at_least_one_unscored_and_branch():
         return await tracker.stats()
 
     stats = asyncio.run(scenario())
-    # first 0 is promoted (at-least-one), the second 0 is dropped, all-invalid is unscored
-    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 0.0)]
+    # first 0 is promoted (at-least-one) with its mean vote, the second 0 is dropped, all-invalid is unscored
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(1 / 3))]
     assert stats["at_least_one_promoted"] == 1
     assert stats["dropped/zero_score"] == 1
     assert stats["dropped/unscored"] == 1

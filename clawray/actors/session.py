@@ -8,7 +8,10 @@ contain turn t's response at the expected place, the turn is counted as a ``bran
 Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
   * score +1/-1 -> a sample with that reward on every response token;
   * score 0 -> dropped (``zero_score``), except the at-least-one rule: the first 0-scored turn of a
-    session that has no trained turn yet is promoted and trained with reward 0;
+    session that has no trained turn yet is promoted. Its reward is the mean of its valid votes
+    (e.g. votes [0, 0, 1] -> 1/3), so a leaning vote still gives a gradient; OpenClaw-RL promotes
+    with reward 0, a gradient no-op. A promoted turn whose votes average 0 trains with reward 0,
+    which the driver's degenerate-batch baseline turns into a real advantage;
   * every vote invalid -> ``unscored``, dropped (unlike a neutral 0);
   * the last turn of a closed session has no next state -> ``no_next_state``, dropped.
 """
@@ -125,7 +128,11 @@ class SessionTracker:
             self.counts[f"dropped/{reason}"] += 1
             return
         s.effective = True
-        sample = Sample.from_turn(turn, reward=float(result.score), kind="rl", votes=result.votes)
+        reward = float(result.score)
+        if result.score == 0:  # at-least-one promotion: the votes' mean keeps their leaning
+            valid = [v for v in result.votes if v is not None]
+            reward = sum(valid) / len(valid)
+        sample = Sample.from_turn(turn, reward=reward, kind="rl", votes=result.votes)
         await self.queue.put.remote([ray.put(sample)], sample.policy_version)
         self.counts["samples"] += 1
 
