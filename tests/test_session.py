@@ -87,23 +87,46 @@ def test_zero_scores_at_least_one_unscored_and_branch():
         await tracker.record_turn(turn("a", h, "r1"))
         h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "meh"}]
         await tracker.record_turn(turn("a", h2, "r2"))
-        await tracker.drain()
         h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "meh2"}]
         await tracker.record_turn(turn("a", h3, "r3"))
-        await tracker.drain()
         h4 = h3 + [{"role": "assistant", "content": "r3"}, {"role": "user", "content": "???"}]
         await tracker.record_turn(turn("a", h4, "r4"))
         # the client edited the history: the reply we served is not there -> branch, not mis-paired
         h5 = h4 + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "meh"}]
         await tracker.record_turn(turn("a", h5, "r5"))
         await tracker.drain()
-        return await tracker.stats()
+        held = len(queue.items)
+        await tracker.close_session("a")
+        await tracker.drain()
+        return held, await tracker.stats()
 
-    stats = asyncio.run(scenario())
-    # first 0 is promoted (at-least-one) with its mean vote, the second 0 is dropped, all-invalid is unscored
+    held, stats = asyncio.run(scenario())
+    assert held == 0  # 0-scored turns wait for the session's end
+    # at close: the best-signed 0-scored turn (mean vote 1/3; the first of two equals) is promoted
+    # with its mean vote as reward; the other 0 is dropped; all-invalid is unscored
     assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(1 / 3))]
     assert stats["at_least_one_promoted"] == 1
     assert stats["dropped/zero_score"] == 1
     assert stats["dropped/unscored"] == 1
     assert stats["dropped/branch"] == 1
-    assert stats["open_sessions"] == 1
+    assert stats["dropped/no_next_state"] == 1 and stats["open_sessions"] == 0
+
+
+def test_session_with_a_scored_turn_promotes_nothing():
+    judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, at_least_one=True)
+
+    async def scenario():
+        h = [{"role": "user", "content": "q"}]
+        await tracker.record_turn(turn("b", h, "r1"))
+        h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "meh"}]
+        await tracker.record_turn(turn("b", h2, "r2"))
+        h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "good"}]
+        await tracker.record_turn(turn("b", h3, "r3"), done=True)
+        await tracker.drain()
+        await tracker.drain()
+        return await tracker.stats()
+
+    stats = asyncio.run(scenario())
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(2, 1.0)]
+    assert stats["dropped/zero_score"] == 1 and "at_least_one_promoted" not in stats

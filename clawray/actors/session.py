@@ -7,11 +7,12 @@ contain turn t's response at the expected place, the turn is counted as a ``bran
 
 Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
   * score +1/-1 -> a sample with that reward on every response token;
-  * score 0 -> dropped (``zero_score``), except the at-least-one rule: the first 0-scored turn of a
-    session that has no trained turn yet is promoted. Its reward is the mean of its valid votes
-    (e.g. votes [0, 0, 1] -> 1/3), so a leaning vote still gives a gradient; OpenClaw-RL promotes
-    with reward 0, a gradient no-op. A promoted turn whose votes average 0 trains with reward 0,
-    which the driver's degenerate-batch baseline turns into a real advantage;
+  * score 0 -> dropped (``zero_score``), except the at-least-one rule: when a session closes
+    without any trained turn, its *best-signed* 0-scored turn (largest |mean of valid votes|, e.g.
+    votes [0, 0, 1] -> 1/3) is promoted with that mean as its reward, so a leaning vote still gives
+    a gradient (OpenClaw-RL promotes the first one with reward 0, a gradient no-op). A promoted turn
+    whose votes average 0 trains with reward 0, which the driver's degenerate-batch baseline turns
+    into a real advantage;
   * every vote invalid -> ``unscored``, dropped (unlike a neutral 0);
   * the last turn of a closed session has no next state -> ``no_next_state``, dropped.
 """
@@ -36,6 +37,8 @@ class _Session:
     turns: int = 0
     pending: Turn | None = None
     effective: bool = False  # a turn of this session has been trained
+    held: list = field(default_factory=list)  # (turn, mean vote) of 0-scored turns, for at-least-one
+    tasks: list = field(default_factory=list)  # this session's judge tasks
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -85,13 +88,33 @@ class SessionTracker:
         return turn.turn_index
 
     async def close_session(self, session_id: str) -> None:
-        """Close a session; its last turn has no next state and is not trained (counted)."""
+        """Close a session; its last turn has no next state and is not trained (counted). Once its
+        judge tasks finish, the at-least-one rule runs (in the background: the caller does not wait)."""
         s = self.sessions.pop(session_id, None)
         if s is None:
             return
         self.counts["sessions_closed"] += 1
         if s.pending is not None:
             self.counts["dropped/no_next_state"] += 1
+        self._track(asyncio.ensure_future(self._finalize(s)))
+
+    async def _finalize(self, s: _Session) -> None:
+        if s.tasks:
+            await asyncio.gather(*s.tasks, return_exceptions=True)
+        if not s.held:
+            return
+        if self.at_least_one and not s.effective:
+            best = max(range(len(s.held)), key=lambda i: abs(s.held[i][1]))  # first of equals
+            turn, mean_vote = s.held.pop(best)
+            self.counts["at_least_one_promoted"] += 1
+            await self._emit(s, turn, mean_vote)
+        self.counts["dropped/zero_score"] += len(s.held)
+        s.held.clear()
+
+    def _track(self, task: asyncio.Task) -> asyncio.Task:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     def _resolve(self, s: _Session, prev: Turn, messages: list[dict[str, Any]]) -> None:
         n = len(prev.messages)
@@ -102,9 +125,7 @@ class SessionTracker:
         next_state = messages[n + 1 :]
         judge = self.judges[self._rr % len(self.judges)]
         self._rr += 1
-        task = asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        s.tasks.append(self._track(asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))))
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
         try:
@@ -115,24 +136,21 @@ class SessionTracker:
             return
         self.counts["judged"] += 1
         self.counts[f"score/{result.score}"] += 1
-        reason = None
-        if result.counts.get("valid", 0) == 0:
-            reason = "unscored"
-        elif result.score == 0:
-            if self.at_least_one and not s.effective:
-                self.counts["at_least_one_promoted"] += 1
-            else:
-                reason = "zero_score"
-        self._record(turn, next_state, result, reason)
-        if reason is not None:
-            self.counts[f"dropped/{reason}"] += 1
+        valid = [v for v in result.votes if v is not None]
+        if not valid:
+            self._record(turn, next_state, result, "unscored")
+            self.counts["dropped/unscored"] += 1
             return
+        if result.score == 0:  # held for the at-least-one rule until the session closes
+            self._record(turn, next_state, result, "held")
+            s.held.append((turn, sum(valid) / len(valid)))
+            return
+        self._record(turn, next_state, result, None)
+        await self._emit(s, turn, float(result.score))
+
+    async def _emit(self, s: _Session, turn: Turn, reward: float) -> None:
         s.effective = True
-        reward = float(result.score)
-        if result.score == 0:  # at-least-one promotion: the votes' mean keeps their leaning
-            valid = [v for v in result.votes if v is not None]
-            reward = sum(valid) / len(valid)
-        sample = Sample.from_turn(turn, reward=reward, kind="rl", votes=result.votes)
+        sample = Sample.from_turn(turn, reward=reward, kind="rl")
         await self.queue.put.remote([ray.put(sample)], sample.policy_version)
         self.counts["samples"] += 1
 
