@@ -80,6 +80,19 @@ class JudgeConfig:
 
 
 @dataclass
+class OPDConfig:
+    """On-policy distillation (``trainer.algo`` ``opd`` or ``combine``): hints and the teacher."""
+
+    accept: str = "any"  # "any" positive hint vote (OpenClaw-RL) or a "majority" of valid votes
+    min_hint_chars: int = 10  # a hint must be longer than this
+    hint_template: str = "\n\n[user's hint / instruction]\n{hint}"
+    teacher_backend: str = "hf"  # engine backend of the frozen teacher (initial policy)
+    adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
+    w_rl: float = 1.0  # Combine: weight of the reward term
+    w_opd: float = 1.0  # weight of the teacher term
+
+
+@dataclass
 class QueueConfig:
     """TrajectoryQueue: staleness cap between rollout and learner."""
 
@@ -128,7 +141,7 @@ class SyncConfig:
 class TrainerConfig:
     """The driver loop."""
 
-    algo: str = "rl"  # "rl" (Binary RL); "opd" and "combine" come later
+    algo: str = "rl"  # "rl" (Binary RL), "opd" (on-policy distillation), "combine" (both)
     batch_size: int = 4  # samples per optimizer step
     num_steps: int = 3  # policy updates, then the run ends; -1 = until interrupted
     batch_timeout_s: float = 900.0  # give up waiting for a batch after this long; 0 = wait forever
@@ -182,6 +195,7 @@ class ClawrayConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -195,7 +209,9 @@ _CHOICES = {
     "rollout.backend": ("vllm", "hf"),
     "judge.backend": ("feedback", "engine", "openai"),
     "judge.engine_backend": ("vllm", "hf"),
-    "trainer.algo": ("rl",),
+    "trainer.algo": ("rl", "opd", "combine"),
+    "opd.accept": ("any", "majority"),
+    "opd.teacher_backend": ("vllm", "hf"),
     "trainer.degenerate_batches": ("baseline", "skip", "none"),
     "trainer.advantage": ("binary", "grpo"),
     "learner.ratio_anchor": ("rollout", "proximal"),

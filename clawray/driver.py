@@ -72,6 +72,7 @@ class Driver:
         from clawray.actors.queue import TrajectoryQueueActor
         from clawray.actors.rollout import RolloutEngineActor
         from clawray.actors.session import SessionTrackerActor
+        from clawray.actors.teacher import TeacherWorkerActor
         from clawray.ray_env import free_port, init_ray
         from clawray.serve.app import start_policy_server
         from clawray.tracking import Tracker
@@ -102,11 +103,26 @@ class Driver:
                 OmegaConf.to_container(cfg.judge), judge_engine, path)
             for _ in range(cfg.judge.num_workers)
         ]
+        # OPD / Combine: a frozen teacher (the initial policy) on its own engine; it shares the judge's
+        # engine when that one is the same frozen model on the same backend
+        teacher_engine, self.teachers = None, []
+        if cfg.trainer.algo in ("opd", "combine"):
+            teacher_engine = judge_engine if (judge_engine is not None and
+                                              cfg.judge.engine_backend == cfg.opd.teacher_backend) else None
+            if teacher_engine is None:
+                teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+                    cfg.opd.teacher_backend, path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
+                    self._engine_kwargs(cfg.opd.teacher_backend))
+            self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(teacher_engine, path, cfg.opd.hint_template)]
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
-            self.judges, self.queue, records_dir=os.path.join(self.run_dir, "records"))
-        self.learners = LearnerGroup(path, OmegaConf.to_container(cfg.learner), free_port())
-        ready = ray.get([e.ready.remote() for e in self.engines + ([judge_engine] if judge_engine else [])])
-        self.judge_engine = judge_engine
+            self.judges, self.queue, records_dir=os.path.join(self.run_dir, "records"), algo=cfg.trainer.algo,
+            teachers=self.teachers, opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars})
+        learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
+                       else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
+        self.learners = LearnerGroup(path, learner_cfg, free_port())
+        aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None]
+        ready = ray.get([e.ready.remote() for e in self.engines + aux])
+        self.judge_engine, self.teacher_engine = judge_engine, teacher_engine
 
         plan = ray.get(self.engines[0].weight_specs.remote())
         port, world = free_port(), 1 + len(self.engines)
@@ -174,8 +190,15 @@ class Driver:
         refs = [batch["refs"][i] for i in keep]
         samples = [samples[i] for i in keep]
         rewards = [float(s.reward or 0.0) for s in samples]
-        signal = signal_stats(rewards)
-        advantages, train_ok = self.guard.apply(rewards)
+        # the signal guards look at samples that carry a reward (pure OPD samples carry none)
+        rewarded = [i for i, s in enumerate(samples) if s.reward is not None]
+        signal = signal_stats([rewards[i] for i in rewarded])
+        advantages = list(rewards)
+        train_ok = True
+        if rewarded:
+            guarded, train_ok = self.guard.apply([rewards[i] for i in rewarded])
+            for i, a in zip(rewarded, guarded):
+                advantages[i] = a
         if cfg.trainer.advantage == "grpo":  # samples with identical prompt tokens form a group
             groups: dict[tuple, int] = {}
             ids = torch.tensor([groups.setdefault(tuple(s.tokens[: s.prompt_len]), len(groups)) for s in samples])
@@ -296,7 +319,8 @@ class Driver:
         except Exception:
             pass
         for actor in getattr(self, "engines", []) + getattr(self, "judges", []) + [
-                getattr(self, "judge_engine", None), getattr(self, "tracker", None), getattr(self, "queue", None)]:
+                getattr(self, "judge_engine", None), getattr(self, "teacher_engine", None),
+                getattr(self, "tracker", None), getattr(self, "queue", None)] + getattr(self, "teachers", []):
             if actor is not None:
                 ray.kill(actor)
         for w in getattr(getattr(self, "learners", None), "workers", []):

@@ -119,6 +119,86 @@ def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]]) -> list[dic
     return [{"role": "system", "content": PRM_SYSTEM}, {"role": "user", "content": user}]
 
 
+HINT_SYSTEM = (
+    "You read one step of an AI assistant's work in hindsight: its output and the state that followed "
+    "(the user's next message, or a tool result). Decide whether that next state reveals something the "
+    "assistant should have known or done to give a better output (a preference, a correction, a missing "
+    "fact). A clean tool result usually means the action was right and teaches nothing.\n"
+    "Answer \\boxed{1} if it does and \\boxed{-1} if it does not. Only after \\boxed{1}, give a short, "
+    "concrete instruction of one to three sentences that would have produced the better output, between "
+    "[HINT_START] and [HINT_END]."
+)
+_HINT_BLOCK = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.DOTALL)
+
+
+def build_hint_messages(turn: Turn, next_state: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages asking a judge for a hindsight hint on ``turn`` given ``next_state``."""
+    state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
+    user = (f"## Assistant output\n{render_response(turn.response_message)}\n\n## Next state\n{state}\n\n"
+            "Does the next state reveal how the output should have been? Answer \\boxed{1} or \\boxed{-1}; "
+            "after \\boxed{1} give [HINT_START] your instruction [HINT_END].")
+    return [{"role": "system", "content": HINT_SYSTEM}, {"role": "user", "content": user}]
+
+
+def parse_hint(text: str) -> tuple[int | None, str | None]:
+    """``(decision, hint)`` from a hint-judge answer.
+
+    decision: the last ``\\boxed{n}`` if n is 1 or -1, else None (invalid vote; 0 is not on this
+    scale). hint: the last ``[HINT_START]...[HINT_END]`` block, stripped, or None.
+    """
+    found = _BOXED.findall(text or "")
+    decision = int(found[-1]) if found and int(found[-1]) in (1, -1) else None
+    blocks = _HINT_BLOCK.findall(text or "")
+    hint = blocks[-1].strip() if blocks else None
+    return decision, (hint or None)
+
+
+def feedback_hint(next_state: list[dict[str, Any]]) -> tuple[int | None, str | None]:
+    """The ``feedback`` backend's hint vote: a user message with a negative signal *is* the hint
+    (the correction, verbatim); any other next state votes -1 (nothing to learn in hindsight);
+    no next state is an invalid vote."""
+    if not next_state:
+        return None, None
+    if feedback_score(next_state) == -1:
+        users = [m.get("content") or "" for m in next_state if m.get("role") == "user"]
+        if users:
+            return 1, users[-1].strip()
+    return -1, None
+
+
+@dataclass
+class HintResult:
+    """Hint votes for one turn.
+
+    Attributes:
+        hint: the accepted hint (longest among accepted votes), or None.
+        votes: each vote's ``(decision, hint)``; decision None = invalid vote.
+        raw: each vote's raw text.
+    """
+
+    hint: str | None
+    votes: list[tuple[int | None, str | None]]
+    raw: list[str] = field(default_factory=list)
+
+
+def accept_hint(votes: list[tuple[int | None, str | None]], accept: str = "any", min_chars: int = 10) -> HintResult:
+    """Apply the acceptance rule to hint votes.
+
+    A vote *qualifies* when its decision is 1 and its hint is longer than ``min_chars`` characters.
+    ``any``: accept when at least one vote qualifies (OpenClaw-RL). ``majority``: accept when the
+    qualifying votes are more than half of the valid votes. The longest qualifying hint wins.
+
+    Raises:
+        ValueError: unknown ``accept`` rule.
+    """
+    if accept not in ("any", "majority"):
+        raise ValueError(f"unknown hint acceptance rule {accept!r}; expected 'any' or 'majority'")
+    qualifying = [h for d, h in votes if d == 1 and h is not None and len(h) > min_chars]
+    valid = sum(d is not None for d, _ in votes)
+    ok = bool(qualifying) and (accept == "any" or 2 * len(qualifying) > valid)
+    return HintResult(hint=max(qualifying, key=len) if ok else None, votes=list(votes))
+
+
 @dataclass
 class JudgeResult:
     """The outcome of judging one turn.
@@ -169,7 +249,9 @@ class JudgeWorker:
         if self.backend == "feedback":
             votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
         else:
-            raw = await asyncio.gather(*(self._vote(turn, next_state, i) for i in range(self.cfg["m"])))
+            messages = build_prm_messages(turn, next_state)
+            raw = await asyncio.gather(*(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}")
+                                         for i in range(self.cfg["m"])))
             votes = [parse_score(r) for r in raw]
         score, counts = majority_vote(votes)
         self.stats["turns"] += 1
@@ -179,8 +261,30 @@ class JudgeWorker:
         self.stats[f"score_{score}"] += 1
         return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
 
-    async def _vote(self, turn: Turn, next_state: list[dict[str, Any]], i: int) -> str:
-        messages = build_prm_messages(turn, next_state)
+    async def hint(self, turn: Turn, next_state: list[dict[str, Any]], accept: str = "any",
+                   min_chars: int = 10) -> HintResult:
+        """OPD hint votes for ``turn``: m votes (one for ``feedback``), accepted by ``accept``
+        (``"any"`` positive vote, as OpenClaw-RL, or ``"majority"`` of valid votes) among votes with
+        a hint longer than ``min_chars``; the longest accepted hint wins. Never raises for a bad
+        answer or a failed call (invalid votes)."""
+        if self.backend == "feedback":
+            votes = [feedback_hint(next_state)]
+            raw = [json.dumps(next_state)[:500]]
+        else:
+            messages = build_hint_messages(turn, next_state)
+            raw = await asyncio.gather(*(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}")
+                                         for i in range(self.cfg["m"])))
+            votes = [parse_hint(r) for r in raw]
+        result = accept_hint(votes, accept, min_chars)
+        result.raw = list(raw)
+        self.stats["hint_turns"] += 1
+        self.stats["hint_votes"] += len(votes)
+        self.stats["hint_invalid_votes"] += sum(d is None for d, _ in votes)
+        self.stats["hints_accepted"] += int(result.hint is not None)
+        return result
+
+    async def _ask(self, messages: list[dict[str, str]], seed_key: str) -> str:
+        """One judge completion for ``messages`` (a failed call returns a marker text: an invalid vote)."""
         try:
             if self.backend == "engine":
                 from clawray.engines.base import GenerateRequest
@@ -189,7 +293,7 @@ class JudgeWorker:
                 prompt_ids = self.tokenizer.encode(ids, add_special_tokens=False)
                 out = await self.engine.generate.remote(GenerateRequest(
                     prompt_ids=prompt_ids, max_tokens=self.cfg["max_tokens"], temperature=self.cfg["temperature"],
-                    seed=zlib.crc32(f"{turn.session_id}/{turn.turn_index}/{i}".encode())))
+                    seed=zlib.crc32(seed_key.encode())))
                 return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
             resp = await self.client.chat.completions.create(
                 model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],

@@ -17,6 +17,7 @@ from datetime import timedelta
 import ray
 import torch
 
+from clawray.algos.advantages import opd_advantages
 from clawray.algos.losses import aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy
 from clawray.types import Sample
 
@@ -97,8 +98,9 @@ class LearnerWorker:
                    entropy_coef: float = 0.0) -> dict:
         """One optimizer step on a batch; the step produces policy ``version``.
 
-        Per sample: token advantages ``A_t = a * loss_mask_t`` (``a`` from ``advantages``, default
-        the sample's reward); loss = PPO clip (anchor: rollout log-probs, or the proximal policy
+        Per sample: token advantages ``A_t = w_rl * a * loss_mask_t`` (``a`` from ``advantages``,
+        default the sample's reward) ``+ w_opd * clip(teacher_t - rollout_t)`` when the sample has
+        teacher log-probs (OPD / Combine, OpenClaw-RL §4-5); loss = PPO clip (anchor: rollout log-probs, or the proximal policy
         with TIS weights, ``ratio_anchor``) + ``kl_coef`` * KL to the reference - ``entropy_coef`` *
         entropy, each aggregated by ``agg_mode`` over the *global* batch.
 
@@ -143,7 +145,11 @@ class LearnerWorker:
                 logprobs, entropy = self._forward(s, with_entropy_grad=entropy_coef > 0)
                 mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
                 rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-                adv = mask * advs[i]
+                adv = mask * advs[i] * cfg.get("w_rl", 1.0)
+                if s.teacher_logprobs is not None:  # OPD term (OPD / Combine samples with an accepted hint)
+                    teacher = torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
+                    adv = adv + cfg.get("w_opd", 1.0) * opd_advantages(teacher, rollout, mask,
+                                                                       cfg.get("opd_adv_clip") or None)
                 agg = dict(mode=cfg.get("agg_mode", "token-mean"), num_tokens=norm_tokens, num_seqs=norm_seqs)
                 out = ppo_clip_loss(
                     logprobs, logprobs.detach() if proximal else rollout, adv, mask, cfg["eps"], cfg["eps_high"],

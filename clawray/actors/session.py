@@ -52,8 +52,13 @@ class SessionTracker:
         records_dir: when set, every judged turn is appended to ``records_dir/turns.jsonl``.
     """
 
-    def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None):
+    def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
+                 algo: str = "rl", teachers: list | None = None, opd: dict | None = None):
         self.judges, self.queue = judges, queue
+        self.algo, self.teachers = algo, teachers or []
+        self.opd = {"accept": "any", "min_hint_chars": 10, **(opd or {})}
+        if algo in ("opd", "combine") and not self.teachers:
+            raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
         self.sessions: dict[str, _Session] = {}
         self.counts: Counter[str] = Counter()
@@ -128,6 +133,8 @@ class SessionTracker:
         s.tasks.append(self._track(asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))))
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
+        if self.algo in ("opd", "combine"):
+            return await self._distill_and_emit(turn, next_state, judge)
         try:
             result = await judge.judge.remote(turn, next_state)
         except Exception as e:  # a dead judge loses the turn, not the tracker
@@ -148,20 +155,67 @@ class SessionTracker:
         self._record(turn, next_state, result, None)
         await self._emit(s, turn, float(result.score))
 
+    async def _distill_and_emit(self, turn: Turn, next_state: list[dict], judge: Any) -> None:
+        """OPD / Combine dispatch (OpenClaw-RL §4-5, with the hint and eval votes run concurrently).
+
+        | hint accepted | score ±1 | sample                                     |
+        |---------------|----------|--------------------------------------------|
+        | yes           | yes      | teacher log-probs and the reward            |
+        | yes           | no       | teacher log-probs, reward 0                 |
+        | no            | yes      | reward only; no OPD term (no teacher)       |
+        | no            | no       | none (``dropped/no_signal``)                |
+
+        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``.
+        """
+        combine = self.algo == "combine"
+        try:
+            calls = [judge.hint.remote(turn, next_state, self.opd["accept"], self.opd["min_hint_chars"])]
+            if combine:
+                calls.append(judge.judge.remote(turn, next_state))
+            results = await asyncio.gather(*calls)
+        except Exception as e:  # a dead judge loses the turn, not the tracker
+            self.counts["dropped/judge_error"] += 1
+            self._record(turn, next_state, None, f"judge error: {e!r}")
+            return
+        hint = results[0].hint
+        score = results[1].score if combine else 0
+        self.counts["judged"] += 1
+        self.counts["hints_accepted"] += int(hint is not None)
+        case = ("hint" if hint else "nohint") + ("+score" if score else "")
+        self.counts[f"dispatch/{case}"] += 1
+        if hint is None and (not combine or score == 0):
+            reason = "no_signal" if combine else "no_hint"
+            self.counts[f"dropped/{reason}"] += 1
+            self._record(turn, next_state, results[-1], reason, hint=None)
+            return
+        teacher = None
+        if hint is not None:
+            worker = self.teachers[self._rr % len(self.teachers)]
+            try:
+                teacher = await worker.teacher_logprobs.remote(turn, hint)
+            except Exception as e:  # no zeros in place of teacher log-probs: the turn is dropped
+                self.counts["dropped/teacher_error"] += 1
+                self._record(turn, next_state, results[-1], f"teacher error: {e!r}", hint=hint)
+                return
+        self._record(turn, next_state, results[-1], None, hint=hint)
+        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.algo, hint=hint)
+        sample.teacher_logprobs = teacher
+        await self.queue.put.remote([ray.put(sample)], sample.policy_version)
+        self.counts["samples"] += 1
+
     async def _emit(self, s: _Session, turn: Turn, reward: float) -> None:
         s.effective = True
         sample = Sample.from_turn(turn, reward=reward, kind="rl")
         await self.queue.put.remote([ray.put(sample)], sample.policy_version)
         self.counts["samples"] += 1
 
-    def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None) -> None:
+    def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
         if self.records_path is None:
             return
-        row = {"session_id": turn.session_id, "turn": turn.turn_index, "policy_version": turn.policy_version,
+        row = {**extra, "session_id": turn.session_id, "turn": turn.turn_index, "policy_version": turn.policy_version,
                "response": turn.response_message, "next_state": next_state,
-               "score": None if result is None else result.score,
-               "votes": None if result is None else result.votes,
-               "raw_votes": None if result is None else result.raw, "dropped": dropped}
+               "score": getattr(result, "score", None), "votes": getattr(result, "votes", None),
+               "raw_votes": getattr(result, "raw", None), "dropped": dropped}
         with open(self.records_path, "a") as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 

@@ -1,0 +1,70 @@
+"""TeacherWorker (OPD): teacher log-probs of a turn's *own* response tokens under a hinted prompt.
+
+The teacher context is the turn's request messages with the hint appended to the last user message
+(OpenClaw-RL, arXiv 2603.10165, §4). It is rendered with the teacher's chat template and the turn's
+tools, and the engine scores exactly ``turn.response_ids`` after it (``prompt_logprobs`` in vLLM, a
+forward pass in ``hf``): the response is never re-tokenised from text. Log-probs are taken at the
+turn's sampling temperature, so ``teacher - rollout`` compares the same distribution family.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import ray
+
+from clawray.types import Turn
+
+DEFAULT_HINT_TEMPLATE = "\n\n[user's hint / instruction]\n{hint}"
+
+
+def hinted_messages(messages: list[dict[str, Any]], hint: str, template: str = DEFAULT_HINT_TEMPLATE) -> list[dict]:
+    """A copy of ``messages`` with ``template.format(hint=hint)`` appended to the last user message
+    (to the last message when there is no user message; a new user message when there is none)."""
+    out = copy.deepcopy(messages)
+    text = template.format(hint=hint)
+    users = [i for i, m in enumerate(out) if m.get("role") == "user"]
+    if users:
+        out[users[-1]]["content"] = (out[users[-1]].get("content") or "") + text
+    elif out:
+        out[-1]["content"] = (out[-1].get("content") or "") + text
+    else:
+        out.append({"role": "user", "content": text.lstrip()})
+    return out
+
+
+class TeacherWorker:
+    """Scores responses under hinted prompts with a teacher RolloutEngine.
+
+    Args:
+        engine: RolloutEngine actor handle of the teacher (frozen initial policy by default).
+        tokenizer_path: the teacher's tokenizer folder; its vocabulary must equal the policy's.
+        template: how the hint is appended (``{hint}`` is replaced).
+    """
+
+    def __init__(self, engine: Any, tokenizer_path: str, template: str = DEFAULT_HINT_TEMPLATE):
+        from transformers import AutoTokenizer
+
+        self.engine = engine
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.template = template
+        self.scored = 0
+
+    def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
+        """Token ids of the hinted teacher prompt (generation prompt included)."""
+        text = self.tokenizer.apply_chat_template(hinted_messages(turn.messages, hint, self.template),
+                                                  tools=turn.tools, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def teacher_logprobs(self, turn: Turn, hint: str) -> list[float]:
+        """Teacher log-probs (length R) of ``turn.response_ids`` after the hinted prompt."""
+        logprobs = await self.engine.score.remote(self.teacher_prompt_ids(turn, hint), list(turn.response_ids),
+                                                  turn.temperature)
+        if len(logprobs) != len(turn.response_ids):
+            raise RuntimeError(f"teacher returned {len(logprobs)} log-probs for {len(turn.response_ids)} tokens")
+        self.scored += 1
+        return logprobs
+
+
+TeacherWorkerActor = ray.remote(TeacherWorker)

@@ -1,0 +1,166 @@
+"""OPD and Combine: hint parsing and acceptance, the teacher context, and the tracker's dispatch."""
+
+import asyncio
+
+import pytest
+
+from clawray.actors import session as session_mod
+from clawray.actors.judge import HintResult, JudgeResult, accept_hint, feedback_hint, parse_hint
+from clawray.actors.session import SessionTracker
+from clawray.actors.teacher import TeacherWorker, hinted_messages
+from clawray.types import Turn
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("thinking \\boxed{1} [HINT_START] Use plain text, no lists. [HINT_END]", (1, "Use plain text, no lists.")),
+    ("\\boxed{-1}", (-1, None)),
+    ("\\boxed{0} [HINT_START]x[HINT_END]", (None, "x")),  # 0 is not on the hint scale: invalid decision
+    ("\\boxed{1} no tags", (1, None)),
+    ("\\boxed{1} [HINT_START]a[HINT_END] \\boxed{1} [HINT_START] last one [HINT_END]", (1, "last one")),
+    ("garbage", (None, None)),
+])
+def test_parse_hint(text, expected):
+    assert parse_hint(text) == expected
+
+
+def test_accept_hint_rules():
+    votes = [(1, "short"), (1, "Answer with one plain sentence."), (-1, None), (None, None)]
+    assert accept_hint(votes, "any", 10).hint == "Answer with one plain sentence."
+    assert accept_hint(votes, "majority", 10).hint is None  # 1 qualifying of 3 valid votes
+    assert accept_hint(votes[:2] + [(1, "Drop the markdown.")], "majority", 10).hint == \
+        "Answer with one plain sentence."  # 2 of 3 valid votes qualify; the longest wins
+    assert accept_hint([(1, "exactly10!")], "any", 10).hint is None  # must be longer than min_chars
+    with pytest.raises(ValueError):
+        accept_hint(votes, "all")
+
+
+def test_feedback_hint_is_the_users_correction():
+    assert feedback_hint([{"role": "user", "content": "That's wrong. Please try again, in one plain sentence."}]) == \
+        (1, "That's wrong. Please try again, in one plain sentence.")
+    assert feedback_hint([{"role": "user", "content": "Correct, thanks!"}]) == (-1, None)
+    assert feedback_hint([{"role": "tool", "content": "42"}]) == (-1, None)
+    assert feedback_hint([]) == (None, None)
+
+
+def test_hinted_messages():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}, {"role": "tool", "content": "t"}]
+    out = hinted_messages(msgs, "be brief", "\n\nHINT: {hint}")
+    assert out[3]["content"] == "q2\n\nHINT: be brief" and msgs[3]["content"] == "q2"  # a copy
+    assert [m["content"] for m in out if m is not out[3]] == ["s", "q1", "a", "t"]
+    assert hinted_messages([{"role": "system", "content": "s"}], "h", "+{hint}")[0]["content"] == "s+h"
+    assert hinted_messages([], "h", "\n{hint}") == [{"role": "user", "content": "h"}]
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+def _turn(reply="r1", version=0):
+    return Turn(session_id="s", turn_index=0, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                response_message={"role": "assistant", "content": reply}, prompt_ids=[1, 2, 3],
+                response_ids=[7, 8, 9], rollout_logprobs=[-1.0, -2.0, -3.0], policy_version=version,
+                finish_reason="stop")
+
+
+def test_teacher_worker_scores_the_exact_response_ids(tiny_model):
+    seen = []
+
+    async def score(prompt_ids, response_ids, temperature):
+        seen.append((prompt_ids, response_ids, temperature))
+        return [-0.5, -0.25, -0.125]
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.score = _Remote(score)
+    worker = TeacherWorker(engine, tiny_model, "\n\n[hint] {hint}")
+    turn = _turn()
+    turn.temperature = 0.7
+    lp = asyncio.run(worker.teacher_logprobs(turn, "answer in one sentence"))
+    assert lp == [-0.5, -0.25, -0.125]
+    (prompt_ids, response_ids, temperature), = seen
+    expected = worker.tokenizer.encode(worker.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?\n\n[hint] answer in one sentence"}],
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    assert prompt_ids == expected and response_ids == [7, 8, 9] and temperature == 0.7
+
+
+class FakeJudge:
+    def __init__(self, hints, scores):
+        async def hint(turn, next_state, accept, min_chars):
+            text = next_state[-1]["content"]
+            return HintResult(hints.get(text), [(1, hints.get(text))])
+
+        async def judge(turn, next_state):
+            s = scores.get(next_state[-1]["content"], 0)
+            return JudgeResult(s, [s], counts={"valid": 1, "invalid": 0, "tie": 0})
+        self.hint, self.judge = _Remote(hint), _Remote(judge)
+
+
+class FakeTeacher:
+    def __init__(self):
+        async def teacher_logprobs(turn, hint):
+            return [-0.5] * len(turn.response_ids)
+        self.teacher_logprobs = _Remote(teacher_logprobs)
+
+
+class FakeQueue:
+    def __init__(self):
+        async def put(refs, version):
+            self.items.append(refs[0])
+        self.items = []
+        self.put = _Remote(put)
+
+
+@pytest.fixture(autouse=True)
+def no_object_store(monkeypatch):
+    monkeypatch.setattr(session_mod.ray, "put", lambda x: x)
+
+
+def _run(tracker, feedbacks):
+    async def scenario():
+        h = [{"role": "user", "content": "What is 2 + 3?"}]
+        await tracker.record_turn(_turn("r0"))
+        for k, fb in enumerate(feedbacks):
+            h = h + [{"role": "assistant", "content": f"r{k}"}, {"role": "user", "content": fb}]
+            await tracker.record_turn(Turn(**{**_turn(f"r{k + 1}").__dict__, "messages": list(h)}))
+        await tracker.drain()
+        return await tracker.stats()
+    return asyncio.run(scenario())
+
+
+def test_combine_dispatch_all_four_cases():
+    judge = FakeJudge(hints={"hint+score": "Say it in one sentence.", "hint only": "Drop the markdown now."},
+                      scores={"hint+score": -1, "score only": 1})
+    queue = FakeQueue()
+    tracker = SessionTracker([judge], queue, algo="combine", teachers=[FakeTeacher()])
+    stats = _run(tracker, ["hint+score", "hint only", "score only", "nothing"])
+    got = [(s.turn_index, s.kind, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items]
+    assert got == [
+        (1, "combine", -1.0, [-0.5] * 3, "Say it in one sentence."),
+        (2, "combine", 0.0, [-0.5] * 3, "Drop the markdown now."),
+        (3, "combine", 1.0, None, None),  # no hint: no teacher term at all (not rollout-lp noise)
+    ]
+    assert stats["dispatch/hint+score"] == 1 and stats["dispatch/hint"] == 1
+    assert stats["dispatch/nohint+score"] == 1 and stats["dispatch/nohint"] == 1
+    assert stats["dropped/no_signal"] == 1 and stats["samples"] == 3
+
+
+def test_opd_keeps_only_hinted_turns():
+    judge = FakeJudge(hints={"fix": "Answer with just the number."}, scores={})
+    queue = FakeQueue()
+    tracker = SessionTracker([judge], queue, algo="opd", teachers=[FakeTeacher()])
+    stats = _run(tracker, ["fix", "thanks"])
+    assert [(s.turn_index, s.kind, s.reward, s.teacher_logprobs) for s in queue.items] == [(1, "opd", None, [-0.5] * 3)]
+    assert stats["dropped/no_hint"] == 1 and stats["hints_accepted"] == 1
+
+
+def test_opd_needs_a_teacher():
+    with pytest.raises(ValueError, match="TeacherWorker"):
+        SessionTracker([], None, algo="opd")
