@@ -1,0 +1,41 @@
+"""`conf/opd.yaml` and `conf/combine.yaml` run the whole loop (tiny model): simulated users, hint
+judge, frozen teacher scoring, FSDP2 update with the OPD term, weight sync."""
+
+import json
+
+import pytest
+import ray
+
+from clawray.config import load_config
+from clawray.driver import Driver
+from clawray.ray_env import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("preset", ["conf/opd.yaml", "conf/combine.yaml"])
+def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset):
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", preset], [
+        f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
+        "trainer.batch_size=2", "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2",
+        "env.max_tokens=12", "env.max_turns=2", "learner.lr=1e-3", f"run_dir={tmp_path}",
+        f"serve.port={free_port()}", "wandb.mode=disabled"])
+    d = Driver(cfg)
+    try:
+        d.setup()
+        summary = d.run()
+        algo = cfg.trainer.algo
+        assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]
+        sessions = summary["sessions"]
+        assert sessions["hints_accepted"] >= 1 and sessions["samples"] >= 4
+        rows = [json.loads(line) for line in open(tmp_path / "records" / "turns.jsonl")]
+        hinted = [r for r in rows if r.get("hint")]
+        assert hinted and all(len(r["hint"]) > cfg.opd.min_hint_chars for r in hinted)
+        if algo == "opd":
+            assert all(r["score"] is None for r in rows)  # OPD casts no PRM vote
+        else:
+            assert any(k.startswith("dispatch/") for k in sessions)
+        metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+        assert [m["policy_version"] for m in metrics] == [1, 2]
+    finally:
+        d.shutdown()
