@@ -76,7 +76,10 @@ class JudgeConfig:
     base_url: str = ""
     api_key: str = "EMPTY"
     model: str = ""
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # per judge call
+    retries: int = 1  # a failed or timed-out call is retried this many times, then an invalid vote
+    concurrency: int = 8  # judge calls in flight per worker
+    context_messages: int = 4  # conversation messages the judge sees before the turn's output
 
 
 @dataclass

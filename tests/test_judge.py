@@ -86,4 +86,40 @@ def test_openai_judge_failed_calls_are_invalid_votes_not_crashes():
     result = asyncio.run(judge.judge(_turn(), [{"role": "user", "content": "thanks"}]))
     assert result.score == 0 and result.votes == [None, None, None]
     assert all(r.startswith("<judge call failed") for r in result.raw)
-    assert judge.stats["failed_votes"] == 3
+    assert judge.stats["failed_votes"] == 3 and judge.stats["failed_calls"] == 3 * 2  # 1 retry each
+
+
+def test_prm_prompt_carries_the_conversation_context():
+    turn = _turn()
+    turn.messages = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "old q"},
+                     {"role": "assistant", "content": "old a"}, {"role": "user", "content": "1+2?"}]
+    user = build_prm_messages(turn, [{"role": "user", "content": "thanks"}], context_messages=2)[1]["content"]
+    assert user.startswith("## Conversation so far\n[assistant] old a\n[user] 1+2?\n\n## Assistant output\nAnswer: 3")
+    assert "old q" not in user
+    assert "Conversation" not in build_prm_messages(turn, [], context_messages=0)[1]["content"]
+
+
+def test_engine_judge_times_out_retries_and_counts(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    good = tok.encode("fine \\boxed{1}", add_special_tokens=False)
+    calls = []
+
+    class SlowThenFast:
+        class generate:  # noqa: N801 - mimics an actor method handle
+            @staticmethod
+            def remote(request):
+                async def run():
+                    calls.append(request.seed)
+                    if len(calls) <= 2:
+                        await asyncio.sleep(5)  # the first attempt of both (parallel) votes times out
+                    return {"response_ids": good}
+                return run()
+
+    judge = JudgeWorker({"backend": "engine", "m": 2, "temperature": 0.6, "max_tokens": 8, "timeout_s": 0.3,
+                         "retries": 1, "concurrency": 2}, engine=SlowThenFast(), tokenizer_path=tiny_model)
+    result = asyncio.run(judge.judge(_turn(), [{"role": "user", "content": "ok"}]))
+    assert result.votes == [1, 1] and result.score == 1
+    assert judge.stats["failed_calls"] == 2 and judge.stats.get("failed_votes", 0) == 0
+    assert len(calls) == 4 and len(set(calls)) == 4  # each retry resamples with its own seed

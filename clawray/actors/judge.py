@@ -109,10 +109,21 @@ PRM_SYSTEM = (
 )
 
 
-def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Chat messages asking a PRM judge to score ``turn`` from ``next_state``."""
+def render_context(turn: Turn, context_messages: int) -> str:
+    """The last ``context_messages`` messages of the turn's request, one ``[role] text`` line each
+    (tool calls rendered readably); empty when ``context_messages`` is 0."""
+    if context_messages <= 0:
+        return ""
+    lines = [f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else m.get('content') or ''}"
+             for m in turn.messages[-context_messages:]]
+    return "## Conversation so far\n" + "\n".join(lines) + "\n\n"
+
+
+def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4) -> list[dict[str, str]]:
+    """Chat messages asking a PRM judge to score ``turn`` from ``next_state``, with the last
+    ``context_messages`` messages of the conversation as context (OpenClaw-RL's judge saw none)."""
     state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
-    user = (f"## Assistant output\n{render_response(turn.response_message)}\n\n"
+    user = (f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n"
             f"## Next state\n{state}\n\n"
             "Is the next state (a) progress, (b) a correction or redo, or (c) ambiguous? "
             "End with \\boxed{1}, \\boxed{-1} or \\boxed{0}.")
@@ -131,10 +142,10 @@ HINT_SYSTEM = (
 _HINT_BLOCK = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.DOTALL)
 
 
-def build_hint_messages(turn: Turn, next_state: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Chat messages asking a judge for a hindsight hint on ``turn`` given ``next_state``."""
+def build_hint_messages(turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4) -> list[dict[str, str]]:
+    """Chat messages asking a judge for a hindsight hint on ``turn`` given ``next_state`` (with context)."""
     state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
-    user = (f"## Assistant output\n{render_response(turn.response_message)}\n\n## Next state\n{state}\n\n"
+    user = (f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n## Next state\n{state}\n\n"
             "Does the next state reveal how the output should have been? Answer \\boxed{1} or \\boxed{-1}; "
             "after \\boxed{1} give [HINT_START] your instruction [HINT_END].")
     return [{"role": "system", "content": HINT_SYSTEM}, {"role": "user", "content": user}]
@@ -230,6 +241,7 @@ class JudgeWorker:
         self.backend = cfg["backend"]
         self.engine = engine
         self.stats: Counter[str] = Counter()
+        self.semaphore = asyncio.Semaphore(int(cfg.get("concurrency", 8)))
         if self.backend == "engine":
             from transformers import AutoTokenizer
 
@@ -249,7 +261,7 @@ class JudgeWorker:
         if self.backend == "feedback":
             votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
         else:
-            messages = build_prm_messages(turn, next_state)
+            messages = build_prm_messages(turn, next_state, self.cfg.get("context_messages", 4))
             raw = await asyncio.gather(*(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}")
                                          for i in range(self.cfg["m"])))
             votes = [parse_score(r) for r in raw]
@@ -271,7 +283,7 @@ class JudgeWorker:
             votes = [feedback_hint(next_state)]
             raw = [json.dumps(next_state)[:500]]
         else:
-            messages = build_hint_messages(turn, next_state)
+            messages = build_hint_messages(turn, next_state, self.cfg.get("context_messages", 4))
             raw = await asyncio.gather(*(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}")
                                          for i in range(self.cfg["m"])))
             votes = [parse_hint(r) for r in raw]
@@ -281,30 +293,43 @@ class JudgeWorker:
         self.stats["hint_votes"] += len(votes)
         self.stats["hint_invalid_votes"] += sum(d is None for d, _ in votes)
         self.stats["hints_accepted"] += int(result.hint is not None)
+        self.stats["hint_chars"] += len(result.hint or "")
         return result
 
     async def _ask(self, messages: list[dict[str, str]], seed_key: str) -> str:
-        """One judge completion for ``messages`` (a failed call returns a marker text: an invalid vote)."""
-        try:
-            if self.backend == "engine":
-                from clawray.engines.base import GenerateRequest
+        """One judge completion, at most ``concurrency`` at a time per worker, each attempt bounded by
+        ``timeout_s`` and retried ``retries`` times; a vote that still fails returns a marker text
+        (an invalid vote, counted), never an exception."""
+        attempts = 1 + int(self.cfg.get("retries", 1))
+        text = ""
+        for attempt in range(attempts):
+            async with self.semaphore:
+                try:
+                    return await asyncio.wait_for(self._ask_once(messages, f"{seed_key}/{attempt}"),
+                                                  timeout=self.cfg["timeout_s"])
+                except Exception as e:
+                    self.stats["failed_calls"] += 1
+                    text = f"<judge call failed: {type(e).__name__}: {e}>"
+        self.stats["failed_votes"] += 1
+        return text
 
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                prompt_ids = self.tokenizer.encode(ids, add_special_tokens=False)
-                out = await self.engine.generate.remote(GenerateRequest(
-                    prompt_ids=prompt_ids, max_tokens=self.cfg["max_tokens"], temperature=self.cfg["temperature"],
-                    seed=zlib.crc32(seed_key.encode())))
-                return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
-            resp = await self.client.chat.completions.create(
-                model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],
-                max_tokens=self.cfg["max_tokens"])
-            return resp.choices[0].message.content or ""
-        except Exception as e:  # a failed call is an invalid vote, never a crash
-            self.stats["failed_votes"] += 1
-            return f"<judge call failed: {type(e).__name__}: {e}>"
+    async def _ask_once(self, messages: list[dict[str, str]], seed_key: str) -> str:
+        if self.backend == "engine":
+            from clawray.engines.base import GenerateRequest
+
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            out = await self.engine.generate.remote(GenerateRequest(
+                prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg["max_tokens"],
+                temperature=self.cfg["temperature"], seed=zlib.crc32(seed_key.encode())))
+            return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
+        resp = await self.client.chat.completions.create(
+            model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],
+            max_tokens=self.cfg["max_tokens"])
+        return resp.choices[0].message.content or ""
 
     async def get_stats(self) -> dict:
-        """Counters: turns, votes, invalid_votes, failed_votes, ties, score_{1,0,-1}."""
+        """Counters: turns, votes, invalid_votes, failed_calls, failed_votes, ties, score_{1,0,-1},
+        hint_turns, hint_votes, hint_invalid_votes, hints_accepted, hint_chars."""
         return dict(self.stats)
 
 
