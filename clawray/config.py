@@ -89,7 +89,10 @@ class OPDConfig:
     accept: str = "any"  # "any" positive hint vote (OpenClaw-RL) or a "majority" of valid votes
     min_hint_chars: int = 10  # a hint must be longer than this
     hint_template: str = "\n\n[user's hint / instruction]\n{hint}"
-    teacher_backend: str = "hf"  # engine backend of the frozen teacher (initial policy)
+    # "frozen": the initial policy on its own engine; "live": the current policy (self-distillation,
+    # scored on rollout engine 0); or a path to another HF folder with an identical tokenizer
+    teacher: str = "frozen"
+    teacher_backend: str = "hf"  # engine backend of a frozen or path teacher
     adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
     w_rl: float = 1.0  # Combine: weight of the reward term
     w_opd: float = 1.0  # weight of the teacher term

@@ -11,6 +11,7 @@ Serving never stops except for the weight broadcast; requests that arrive during
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
@@ -72,7 +73,7 @@ class Driver:
         from clawray.actors.queue import TrajectoryQueueActor
         from clawray.actors.rollout import RolloutEngineActor
         from clawray.actors.session import SessionTrackerActor
-        from clawray.actors.teacher import TeacherWorkerActor
+        from clawray.actors.teacher import TeacherWorkerActor, check_same_tokenizer
         from clawray.ray_env import free_port, init_ray
         from clawray.serve.app import start_policy_server
         from clawray.tracking import Tracker
@@ -107,11 +108,17 @@ class Driver:
         # engine when that one is the same frozen model on the same backend
         teacher_engine, self.teachers = None, []
         if cfg.trainer.algo in ("opd", "combine"):
-            teacher_engine = judge_engine if (judge_engine is not None and
-                                              cfg.judge.engine_backend == cfg.opd.teacher_backend) else None
+            teacher_path = path
+            if cfg.opd.teacher == "live":
+                teacher_engine = self.engines[0]
+            elif cfg.opd.teacher != "frozen":
+                teacher_path = os.path.abspath(os.path.expanduser(cfg.opd.teacher))
+                check_same_tokenizer(path, teacher_path)
+            elif judge_engine is not None and cfg.judge.engine_backend == cfg.opd.teacher_backend:
+                teacher_engine = judge_engine
             if teacher_engine is None:
                 teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
-                    cfg.opd.teacher_backend, path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
+                    cfg.opd.teacher_backend, teacher_path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
                     self._engine_kwargs(cfg.opd.teacher_backend))
             self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(teacher_engine, path, cfg.opd.hint_template)]
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
@@ -120,7 +127,7 @@ class Driver:
         learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
                        else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
         self.learners = LearnerGroup(path, learner_cfg, free_port())
-        aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None]
+        aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         ready = ray.get([e.ready.remote() for e in self.engines + aux])
         self.judge_engine, self.teacher_engine = judge_engine, teacher_engine
 
@@ -232,6 +239,7 @@ class Driver:
 
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
+        judge_metrics = self._judge_metrics(tstats)
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
@@ -249,6 +257,7 @@ class Driver:
             "inv/staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
             "inv/staleness_max": max(batch["staleness"]),
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
+            **judge_metrics,
             "samples_in": qstats["put"],
             "samples_trained": qstats["taken"],
             "samples_dropped": sum(dropped.values()),
@@ -273,6 +282,31 @@ class Driver:
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
         return metrics
+
+    def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
+        """Cumulative judge and teacher figures: votes per turn, invalid-vote and agreement rates,
+        hint acceptance rate and mean length, teacher-scoring seconds, Combine dispatch counts."""
+        total: dict[str, float] = {}
+        for stats in ray.get([j.get_stats.remote() for j in self.judges]):
+            for k, v in stats.items():
+                total[k] = total.get(k, 0) + v
+        out = {}
+        if total.get("turns"):
+            out["judge/votes_per_turn"] = total["votes"] / total["turns"]
+            out["judge/invalid_vote_rate"] = total.get("invalid_votes", 0) / max(total["votes"], 1)
+            valid = total["votes"] - total.get("invalid_votes", 0)
+            out["judge/agreement_rate"] = total.get("agree_votes", 0) / valid if valid else math.nan
+        if total.get("hint_turns"):
+            out["judge/hint_acceptance_rate"] = total.get("hints_accepted", 0) / total["hint_turns"]
+            out["judge/hint_invalid_vote_rate"] = total.get("hint_invalid_votes", 0) / max(total["hint_votes"], 1)
+            if total.get("hints_accepted"):
+                out["judge/mean_hint_chars"] = total["hint_chars"] / total["hints_accepted"]
+        if self.teachers:
+            teacher = ray.get([t.get_stats.remote() for t in self.teachers])
+            out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher)
+            out["teacher/scored"] = sum(t["scored"] for t in teacher)
+        out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
+        return out
 
     def run(self) -> dict[str, Any]:
         """``setup`` (if needed), start traffic, run ``trainer.num_steps`` updates (``-1``: until

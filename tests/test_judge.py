@@ -74,7 +74,7 @@ def test_feedback_judge_worker_counts():
     r2 = asyncio.run(judge.judge(_turn(), [{"role": "user", "content": "hmm, tell me a joke"}]))
     assert (r1.score, r1.votes) == (1, [1])
     assert (r2.score, r2.votes, r2.counts["invalid"]) == (0, [None], 1)
-    assert asyncio.run(judge.get_stats()) == {"turns": 2, "votes": 2, "invalid_votes": 1, "ties": 0, "score_1": 1,
+    assert asyncio.run(judge.get_stats()) == {"turns": 2, "votes": 2, "invalid_votes": 1, "ties": 0, "score_1": 1, "agree_votes": 1,
                                               "score_0": 1}
 
 

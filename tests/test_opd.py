@@ -164,3 +164,20 @@ def test_opd_keeps_only_hinted_turns():
 def test_opd_needs_a_teacher():
     with pytest.raises(ValueError, match="TeacherWorker"):
         SessionTracker([], None, algo="opd")
+
+
+def test_teacher_tokenizer_must_match(tiny_model, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from clawray.actors.teacher import check_same_tokenizer
+
+    check_same_tokenizer(tiny_model, tiny_model)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra_token>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ValueError, match="1025 tokens, the policy's has 1024"):
+        check_same_tokenizer(tiny_model, str(other))

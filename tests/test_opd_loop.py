@@ -37,5 +37,10 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
             assert any(k.startswith("dispatch/") for k in sessions)
         metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
         assert [m["policy_version"] for m in metrics] == [1, 2]
+        last = metrics[-1]
+        assert 0 < last["judge/hint_acceptance_rate"] <= 1 and last["judge/mean_hint_chars"] > cfg.opd.min_hint_chars
+        assert last["teacher/scored"] >= 1 and last["timing/teacher_scoring_s"] > 0
+        if algo == "combine":
+            assert last["judge/votes_per_turn"] == 1.0 and last["judge/agreement_rate"] == 1.0
     finally:
         d.shutdown()

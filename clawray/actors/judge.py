@@ -270,6 +270,7 @@ class JudgeWorker:
         self.stats["votes"] += len(votes)
         self.stats["invalid_votes"] += counts["invalid"]
         self.stats["ties"] += counts["tie"]
+        self.stats["agree_votes"] += sum(v == score for v in votes if v is not None)
         self.stats[f"score_{score}"] += 1
         return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
 

@@ -10,6 +10,7 @@ turn's sampling temperature, so ``teacher - rollout`` compares the same distribu
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import ray
@@ -34,6 +35,27 @@ def hinted_messages(messages: list[dict[str, Any]], hint: str, template: str = D
     return out
 
 
+def check_same_tokenizer(policy_path: str, teacher_path: str) -> None:
+    """Teacher log-probs are read at the policy's token ids, so both tokenizers must be identical.
+
+    Raises:
+        ValueError: naming the first difference (vocabulary size, a token whose id differs, or the
+            eos token).
+    """
+    from transformers import AutoTokenizer
+
+    a, b = AutoTokenizer.from_pretrained(policy_path), AutoTokenizer.from_pretrained(teacher_path)
+    va, vb = a.get_vocab(), b.get_vocab()
+    if len(va) != len(vb):
+        raise ValueError(f"teacher tokenizer at {teacher_path} has {len(vb)} tokens, the policy's has {len(va)}")
+    for token, idx in sorted(va.items(), key=lambda kv: kv[1]):
+        if vb.get(token) != idx:
+            raise ValueError(f"teacher tokenizer at {teacher_path} maps {token!r} to {vb.get(token)}, the "
+                             f"policy's to {idx}")
+    if a.eos_token != b.eos_token:
+        raise ValueError(f"teacher eos {b.eos_token!r} differs from the policy's {a.eos_token!r}")
+
+
 class TeacherWorker:
     """Scores responses under hinted prompts with a teacher RolloutEngine.
 
@@ -50,6 +72,7 @@ class TeacherWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template = template
         self.scored = 0
+        self.seconds = 0.0
 
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
         """Token ids of the hinted teacher prompt (generation prompt included)."""
@@ -59,12 +82,18 @@ class TeacherWorker:
 
     async def teacher_logprobs(self, turn: Turn, hint: str) -> list[float]:
         """Teacher log-probs (length R) of ``turn.response_ids`` after the hinted prompt."""
+        t0 = time.perf_counter()
         logprobs = await self.engine.score.remote(self.teacher_prompt_ids(turn, hint), list(turn.response_ids),
                                                   turn.temperature)
+        self.seconds += time.perf_counter() - t0
         if len(logprobs) != len(turn.response_ids):
             raise RuntimeError(f"teacher returned {len(logprobs)} log-probs for {len(turn.response_ids)} tokens")
         self.scored += 1
         return logprobs
+
+    async def get_stats(self) -> dict:
+        """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``."""
+        return {"scored": self.scored, "seconds": self.seconds}
 
 
 TeacherWorkerActor = ray.remote(TeacherWorker)
