@@ -94,6 +94,9 @@ class OPDConfig:
     teacher: str = "frozen"
     teacher_backend: str = "hf"  # engine backend of a frozen or path teacher
     adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
+    # top-k distillation (SDFT/SDPO variant): > 0 asks the teacher for its top-k per position and
+    # trains hinted samples on the reverse KL over those k ids plus a tail bin instead of PPO
+    topk: int = 0
     w_rl: float = 1.0  # Combine: weight of the reward term
     w_opd: float = 1.0  # weight of the teacher term
 

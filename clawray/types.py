@@ -51,6 +51,8 @@ class Sample:
         temperature: sampling temperature (logits are divided by it when recomputing log-probs).
         kind: ``"rl"`` | ``"opd"`` | ``"combine"``.
         teacher_logprobs: length R teacher log-probs (OPD), or None.
+        teacher_topk_logprobs, teacher_topk_ids: ``[R][k]`` teacher top-k distribution (top-k
+            distillation), or None.
         session_id, turn_index: where the sample came from (for records and debugging).
         info: free-form metadata (judge votes, reasons), never used by the loss.
     """
@@ -64,6 +66,8 @@ class Sample:
     temperature: float = 1.0
     kind: str = "rl"
     teacher_logprobs: list[float] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
+    teacher_topk_ids: list[list[int]] | None = None
     session_id: str = ""
     turn_index: int = 0
     info: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +82,10 @@ class Sample:
                 raise ValueError(f"{name} has length {len(getattr(self, name))}, expected R={n_resp}")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n_resp:
             raise ValueError(f"teacher_logprobs has length {len(self.teacher_logprobs)}, expected R={n_resp}")
+        for name in ("teacher_topk_logprobs", "teacher_topk_ids"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n_resp:
+                raise ValueError(f"{name} has {len(value)} rows, expected R={n_resp}")
 
     @property
     def response_len(self) -> int:

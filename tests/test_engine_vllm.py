@@ -122,3 +122,16 @@ def test_load_weights_changes_and_restores(env):
     restored = _greedy(backend, prompt)
     assert restored.response_ids == base.response_ids
     torch.testing.assert_close(torch.tensor(restored.logprobs), torch.tensor(base.logprobs), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_score_topk_matches_hf(env, temperature):
+    backend, hf, _ = env
+    prompt, response = [3, 4, 5, 6, 7], [100, 200, 300, 42]
+    values, ids = backend.score_topk(prompt, response, k=5, temperature=temperature)
+    ids_t = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = hf(input_ids=ids_t).logits[0, len(prompt) - 1 : -1].float()
+    ref = torch.log_softmax(logits / temperature, dim=-1).topk(5, dim=-1)
+    assert ids == ref.indices.tolist()
+    torch.testing.assert_close(torch.tensor(values), ref.values, atol=ATOL, rtol=0)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,8 +22,12 @@ def test_submit_script_runs_a_short_job(ray_cluster, tiny_model, tmp_path):
            "trainer.batch_size=2", "trainer.num_steps=1", "trainer.batch_timeout_s=180", "env.concurrency=2",
            "env.max_tokens=16", "env.max_turns=2", "wandb.mode=disabled", f"serve.port={free_port()}",
            f"run_dir={run_dir}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
+    for _ in range(10):  # right after `ray start` the head's job agent may not have registered yet
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        out = r.stdout + r.stderr
+        if "No available agent to submit job" not in out:
+            break
+        time.sleep(3)
     assert r.returncode == 0, out[-4000:]
     assert "[clawray] step 1/1 | samples 2" in out and "succeeded" in out
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -181,3 +181,20 @@ def test_teacher_tokenizer_must_match(tiny_model, tmp_path):
     tok.save_pretrained(other)
     with pytest.raises(ValueError, match="1025 tokens, the policy's has 1024"):
         check_same_tokenizer(tiny_model, str(other))
+
+
+def test_hf_score_topk_matches_a_forward_pass(tiny_model):
+    import torch
+
+    from clawray.engines.hf import HFBackend
+
+    engine = HFBackend(tiny_model)
+    prompt, response = [5, 6, 7, 8], [9, 10, 11]
+    values, ids = engine.score_topk(prompt, response, k=4, temperature=0.7)
+    assert len(values) == len(ids) == 3 and all(len(v) == 4 for v in values)
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt + response])).logits[0, 3:-1]
+    ref = torch.log_softmax(logits / 0.7, dim=-1)
+    for t in range(3):
+        assert ids[t][0] == int(ref[t].argmax()) and values[t] == sorted(values[t], reverse=True)
+        assert values[t] == pytest.approx(ref[t, ids[t]].tolist(), abs=1e-5)

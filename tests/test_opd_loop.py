@@ -13,9 +13,10 @@ from clawray.ray_env import free_port
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("preset", ["conf/opd.yaml", "conf/combine.yaml"])
-def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset):
-    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", preset], [
+@pytest.mark.parametrize("preset, extra", [("conf/opd.yaml", []), ("conf/combine.yaml", []),
+                                           ("conf/opd.yaml", ["opd.topk=8"])])
+def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", preset], extra + [
         f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
         "trainer.batch_size=2", "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2",
         "env.max_tokens=12", "env.max_turns=2", "learner.lr=1e-3", f"run_dir={tmp_path}",

@@ -18,7 +18,8 @@ import ray
 import torch
 
 from clawray.algos.advantages import opd_advantages
-from clawray.algos.losses import aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy
+from clawray.algos.losses import (aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy,
+                                  topk_reverse_kl)
 from clawray.types import Sample
 
 
@@ -78,15 +79,16 @@ class LearnerWorker:
         return {k: tuple(v.shape) for k, v in self._full_state_dict().items()}
 
     # ------------------------------------------------------------------ training
-    def _forward(self, sample: Sample, with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Learner log-probs ``[R]`` of the response tokens and per-token entropies ``[R]``."""
+    def _forward(self, sample: Sample, with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Learner log-probs ``[R]`` of the response tokens, per-token entropies ``[R]`` and the
+        temperature-scaled logits ``[R, V]``."""
         ids = torch.tensor([sample.tokens], device=self.device)
         logits = self.model(input_ids=ids).logits[0, sample.prompt_len - 1 : -1]  # [R, V]
         t = sample.temperature if sample.temperature > 0 else 1.0
         logprobs = sequence_logprobs(logits, ids[0, sample.prompt_len:], t)
         scaled = logits / t
         entropy = token_entropy(scaled if with_entropy_grad else scaled.detach())
-        return logprobs, entropy
+        return logprobs, entropy, scaled
 
     def _ref_logprobs(self, sample: Sample) -> torch.Tensor:
         ids = torch.tensor([sample.tokens], device=self.device)
@@ -142,7 +144,7 @@ class LearnerWorker:
         for i in range(passes):
             if i < len(samples):
                 s = samples[i]
-                logprobs, entropy = self._forward(s, with_entropy_grad=entropy_coef > 0)
+                logprobs, entropy, scaled = self._forward(s, with_entropy_grad=entropy_coef > 0)
                 mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
                 rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
                 adv = mask * advs[i] * cfg.get("w_rl", 1.0)
@@ -157,6 +159,10 @@ class LearnerWorker:
                     behaviour_logprobs=rollout if proximal else None, tis_cap=cfg.get("tis_cap") or None,
                     agg_mode=agg["mode"], num_seqs=norm_seqs)
                 loss = out.loss
+                if s.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
+                    kl_t = topk_reverse_kl(scaled, torch.tensor(s.teacher_topk_logprobs, device=self.device),
+                                           torch.tensor(s.teacher_topk_ids, device=self.device))
+                    loss = aggregate(kl_t, mask, **agg)
                 kl_value = torch.zeros(())
                 if self.ref_model is not None:
                     kl_tok = kl_penalty(logprobs, self._ref_logprobs(s), cfg.get("kl_estimator", "k3"))

@@ -161,6 +161,11 @@ class RolloutEngine:
         """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
         return await self._call(lambda: self._backend.score(prompt_ids, response_ids, temperature))
 
+    async def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
+                         temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+        """Top-``k`` log-probs and ids (``[R][k]``) at each response position (top-k teacher path)."""
+        return await self._call(lambda: self._backend.score_topk(prompt_ids, response_ids, k, temperature))
+
     async def weight_specs(self) -> list[WeightSpec]:
         """The weights this engine loads, in sync order."""
         return await self._call(self._backend.weight_specs)

@@ -56,7 +56,7 @@ class SessionTracker:
                  algo: str = "rl", teachers: list | None = None, opd: dict | None = None):
         self.judges, self.queue = judges, queue
         self.algo, self.teachers = algo, teachers or []
-        self.opd = {"accept": "any", "min_hint_chars": 10, **(opd or {})}
+        self.opd = {"accept": "any", "min_hint_chars": 10, "topk": 0, **(opd or {})}
         if algo in ("opd", "combine") and not self.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
@@ -188,11 +188,14 @@ class SessionTracker:
             self.counts[f"dropped/{reason}"] += 1
             self._record(turn, next_state, results[-1], reason, hint=None)
             return
-        teacher = None
+        teacher, topk = None, None
         if hint is not None:
             worker = self.teachers[self._rr % len(self.teachers)]
             try:
-                teacher = await worker.teacher_logprobs.remote(turn, hint)
+                if self.opd["topk"] > 0:
+                    topk = await worker.teacher_topk.remote(turn, hint, self.opd["topk"])
+                else:
+                    teacher = await worker.teacher_logprobs.remote(turn, hint)
             except Exception as e:  # no zeros in place of teacher log-probs: the turn is dropped
                 self.counts["dropped/teacher_error"] += 1
                 self._record(turn, next_state, results[-1], f"teacher error: {e!r}", hint=hint)
@@ -200,6 +203,8 @@ class SessionTracker:
         self._record(turn, next_state, results[-1], None, hint=hint)
         sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.algo, hint=hint)
         sample.teacher_logprobs = teacher
+        if topk is not None:
+            sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
         await self.queue.put.remote([ray.put(sample)], sample.policy_version)
         self.counts["samples"] += 1
 

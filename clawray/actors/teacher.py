@@ -91,6 +91,18 @@ class TeacherWorker:
         self.scored += 1
         return logprobs
 
+    async def teacher_topk(self, turn: Turn, hint: str, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """The teacher's top-``k`` log-probs and ids (``[R][k]``) at each response position under the
+        hinted prompt (top-k distillation, the SDFT/SDPO variant)."""
+        t0 = time.perf_counter()
+        values, ids = await self.engine.score_topk.remote(self.teacher_prompt_ids(turn, hint),
+                                                          list(turn.response_ids), k, turn.temperature)
+        self.seconds += time.perf_counter() - t0
+        if len(ids) != len(turn.response_ids):
+            raise RuntimeError(f"teacher returned {len(ids)} top-k rows for {len(turn.response_ids)} tokens")
+        self.scored += 1
+        return values, ids
+
     async def get_stats(self) -> dict:
         """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``."""
         return {"scored": self.scored, "seconds": self.seconds}

@@ -72,6 +72,10 @@ class Backend(Protocol):
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of the given response ids after the given prompt (teacher path)."""
 
+    def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
+                   temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+        """Top-k log-probs and ids (``[R][k]``, descending) at each response position (top-k teacher)."""
+
     def weight_specs(self) -> list[WeightSpec]:
         """The HF-named weights this engine loads, in the order a sync sends them."""
 

@@ -80,6 +80,18 @@ class HFBackend:
         logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
         return sequence_logprobs(logits, ids[0, len(prompt_ids):], temperature).tolist()
 
+    @torch.inference_mode()
+    def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
+                   temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+        """The top-``k`` log-probs and ids at each response position (``[R][k]`` each, descending)."""
+        if not prompt_ids or not response_ids:
+            raise ValueError("score_topk needs a non-empty prompt and response")
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        t = temperature if temperature > 0 else 1.0
+        top = torch.log_softmax(logits / t, dim=-1).topk(k, dim=-1)
+        return top.values.tolist(), top.indices.tolist()
+
     def weight_specs(self) -> list[WeightSpec]:
         """Every tensor of the model's state dict, sorted by name (tied aliases included)."""
         sd = self.model.state_dict()

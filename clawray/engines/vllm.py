@@ -131,6 +131,26 @@ class VLLMBackend:
         """
         return self._score_batch([(list(prompt_ids), list(response_ids))], temperature)[0]
 
+    def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
+                   temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+        """The top-``k`` log-probs and ids at each response position (``[R][k]`` each, descending),
+        from ``prompt_logprobs=k`` (vLLM adds the actual token when it is outside the top k; it is
+        left out here by rank)."""
+        from vllm import SamplingParams
+
+        prompt, response = list(prompt_ids), list(response_ids)
+        if not prompt:
+            raise ValueError("score_topk needs a non-empty prompt")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+        with self._logit_temperature(temperature if temperature > 0 else 1.0):
+            out = self._run([prompt + response], params)[0]
+        values, ids = [], []
+        for step in out.prompt_logprobs[len(prompt):]:
+            ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in step.items() if lp.rank <= k))[:k]
+            ids.append([tok for _, tok, _ in ranked])
+            values.append([lp for _, _, lp in ranked])
+        return values, ids
+
     def _score_batch(self, pairs: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
         from vllm import SamplingParams
 
