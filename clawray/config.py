@@ -94,9 +94,10 @@ class OPDConfig:
     teacher: str = "frozen"
     teacher_backend: str = "hf"  # engine backend of a frozen or path teacher
     adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
-    # top-k distillation (SDFT/SDPO variant): > 0 asks the teacher for its top-k per position and
-    # trains hinted samples on the reverse KL over those k ids plus a tail bin instead of PPO
-    topk: int = 0
+    # "advantage": A_t = teacher - rollout in the PPO loss; "topk": top-k distillation (SDFT/SDPO
+    # variant), the reverse KL over the teacher's top-k ids plus a tail bin replaces the PPO term
+    loss: str = "advantage"
+    topk: int = 50
     w_rl: float = 1.0  # Combine: weight of the reward term
     w_opd: float = 1.0  # weight of the teacher term
 
@@ -220,6 +221,7 @@ _CHOICES = {
     "judge.engine_backend": ("vllm", "hf"),
     "trainer.algo": ("rl", "opd", "combine"),
     "opd.accept": ("any", "majority"),
+    "opd.loss": ("advantage", "topk"),
     "opd.teacher_backend": ("vllm", "hf"),
     "trainer.degenerate_batches": ("baseline", "skip", "none"),
     "trainer.advantage": ("binary", "grpo"),

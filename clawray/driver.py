@@ -124,7 +124,7 @@ class Driver:
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
             self.judges, self.queue, records_dir=os.path.join(self.run_dir, "records"), algo=cfg.trainer.algo,
             teachers=self.teachers, opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
-                                         "topk": cfg.opd.topk})
+                                         "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0})
         learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
                        else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
         self.learners = LearnerGroup(path, learner_cfg, free_port())

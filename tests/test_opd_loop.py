@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("preset, extra", [("conf/opd.yaml", []), ("conf/combine.yaml", []),
-                                           ("conf/opd.yaml", ["opd.topk=8"])])
+                                           ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"])])
 def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", preset], extra + [
         f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
