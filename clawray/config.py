@@ -58,6 +58,7 @@ class ServeConfig:
     num_cpus: float = 0.1
     generate_timeout_s: float = 600.0  # a request waits at most this long for the engine
     max_body_mb: float = 8.0  # larger request bodies get HTTP 413
+    api_key: str = ""  # when set, requests need "Authorization: Bearer <api_key>" (else 401)
 
 
 @dataclass
@@ -100,6 +101,15 @@ class OPDConfig:
     topk: int = 50
     w_rl: float = 1.0  # Combine: weight of the reward term
     w_opd: float = 1.0  # weight of the teacher term
+
+
+@dataclass
+class SessionConfig:
+    """Session bookkeeping in the SessionTracker."""
+
+    # a session with no request for this long is closed like X-Session-Done: its last turn has no
+    # next state (not trained, counted), the at-least-one rule runs, its memory is freed; 0 = never
+    idle_timeout_s: float = 900.0
 
 
 @dataclass
@@ -206,6 +216,7 @@ class ClawrayConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     opd: OPDConfig = field(default_factory=OPDConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

@@ -123,7 +123,7 @@ class Driver:
             self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(teacher_engine, path, cfg.opd.hint_template)]
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
             self.judges, self.queue, records_dir=os.path.join(self.run_dir, "records"), algo=cfg.trainer.algo,
-            teachers=self.teachers, opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
+            teachers=self.teachers, idle_timeout_s=cfg.session.idle_timeout_s, opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
                                          "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0})
         learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
                        else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
@@ -143,7 +143,7 @@ class Driver:
         serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
                      "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
                      "generate_timeout_s": cfg.serve.generate_timeout_s,
-                     "max_body_bytes": int(cfg.serve.max_body_mb * 2**20)}
+                     "max_body_bytes": int(cfg.serve.max_body_mb * 2**20), "api_key": cfg.serve.api_key}
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
@@ -259,6 +259,8 @@ class Driver:
             "inv/staleness_max": max(batch["staleness"]),
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
+            "sessions/open": tstats.get("open_sessions", 0),
+            "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
             "samples_in": qstats["put"],
             "samples_trained": qstats["taken"],
             "samples_dropped": sum(dropped.values()),

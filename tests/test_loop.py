@@ -106,8 +106,10 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
             assert key in m
     # the first update trains on samples made by v0 with v0 weights: on-policy, same numerics (hf fp32)
     assert lines[0]["inv/staleness_max"] == 1 and lines[0]["inv/logprob_mismatch_kl"] < 1e-9
-    r = chat(driver, {"messages": [{"role": "user", "content": "after the update"}], "max_tokens": 2})
+    r = chat(driver, {"messages": [{"role": "user", "content": "after the update"}], "max_tokens": 2},
+             {"X-Request-Id": "trace-42"})
     assert r.json()["policy_version"] == 2 and r.headers["x-policy-version"] == "2"
+    assert r.headers["x-request-id"] == "trace-42"
     import glob
     assert glob.glob(f"{driver.run_dir}/wandb/offline-run-*/run-*.wandb")  # wandb logged offline
     health = httpx.get(driver.base_url.removesuffix("/v1") + "/health", timeout=30).json()
@@ -152,11 +154,17 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
     engine = ray.remote(ScriptedEngine).options(num_cpus=0).remote(reply_ids, logprobs)
     tracker = SessionTrackerActor.options(num_cpus=0).remote([], TrajectoryQueueActor.options(num_cpus=0).remote(2))
     cfg = {"model_name": "scripted", "default_max_tokens": 32, "default_temperature": 1.0, "max_model_len": 512,
-           "generate_timeout_s": 30, "max_body_bytes": 1 << 20}
+           "generate_timeout_s": 30, "max_body_bytes": 1 << 20, "api_key": "sekret"}
     serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
               name="scripted", route_prefix="/scripted")
     try:
-        client = OpenAI(base_url=driver.base_url.removesuffix("/v1") + "/scripted/v1", api_key="x", max_retries=0)
+        import openai
+
+        base = driver.base_url.removesuffix("/v1") + "/scripted/v1"
+        with pytest.raises(openai.AuthenticationError):  # serve.api_key set: a wrong key is a 401
+            OpenAI(base_url=base, api_key="wrong", max_retries=0).chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "hi"}])
+        client = OpenAI(base_url=base, api_key="sekret", max_retries=0)
         tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
         messages = [{"role": "user", "content": "What is 3*4?"}]
         r = client.chat.completions.create(model="scripted", messages=messages, tools=tools,

@@ -19,6 +19,8 @@ def test_defaults_and_session_fields():
     r = parse({"messages": MSG, "session_id": "body"}, {"x-session-id": "hdr", "x-session-done": "false"})
     assert (r.session_id, r.turn_type, r.done) == ("hdr", "main", False)
     assert parse({"messages": MSG, "max_completion_tokens": 9}).max_tokens == 9
+    assert parse({"messages": MSG, "user": "alice-thread-7"}).session_id == "alice-thread-7"  # plain OpenAI client
+    assert parse({"messages": MSG, "user": "u"}, {"x-session-id": "h"}).session_id == "h"
 
 
 def test_tool_choice_none_drops_tools():

@@ -130,3 +130,23 @@ def test_session_with_a_scored_turn_promotes_nothing():
     stats = asyncio.run(scenario())
     assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(2, 1.0)]
     assert stats["dropped/zero_score"] == 1 and "at_least_one_promoted" not in stats
+
+
+def test_idle_sessions_close_and_free_memory():
+    import time
+
+    judge, queue = FakeJudge({"good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, idle_timeout_s=10.0)
+
+    async def scenario():
+        h = [{"role": "user", "content": "q"}]
+        await tracker.record_turn(turn("idle", h, "r1"))
+        await tracker.record_turn(turn("busy", h, "r1"))
+        tracker.sessions["busy"].last_seen = time.monotonic() + 8  # seen recently
+        closed = await tracker.close_idle(now=time.monotonic() + 11)
+        await tracker.drain()
+        return closed, await tracker.stats()
+
+    closed, stats = asyncio.run(scenario())
+    assert closed == 1 and stats["sessions_idle_closed"] == 1 and stats["open_sessions"] == 1
+    assert stats["dropped/no_next_state"] == 1 and "idle" not in tracker.sessions

@@ -14,7 +14,8 @@ Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
     whose votes average 0 trains with reward 0, which the driver's degenerate-batch baseline turns
     into a real advantage;
   * every vote invalid -> ``unscored``, dropped (unlike a neutral 0);
-  * the last turn of a closed session has no next state -> ``no_next_state``, dropped.
+  * the last turn of a closed session has no next state -> ``no_next_state``, dropped. A session is
+    closed by ``X-Session-Done`` or after ``idle_timeout_s`` without a request (its memory is freed).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class SessionTracker:
     """
 
     def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
-                 algo: str = "rl", teachers: list | None = None, opd: dict | None = None):
+                 algo: str = "rl", teachers: list | None = None, opd: dict | None = None,
+                 idle_timeout_s: float = 0.0):
         self.judges, self.queue = judges, queue
         self.algo, self.teachers = algo, teachers or []
         self.opd = {"accept": "any", "min_hint_chars": 10, "topk": 0, **(opd or {})}
@@ -64,6 +66,8 @@ class SessionTracker:
         self.counts: Counter[str] = Counter()
         self.tasks: set[asyncio.Task] = set()
         self._rr = 0
+        self.idle_timeout_s = idle_timeout_s
+        self._sweeper: asyncio.Task | None = None
         self.records_path = None
         if records_dir:
             os.makedirs(records_dir, exist_ok=True)
@@ -80,6 +84,8 @@ class SessionTracker:
         Returns:
             the turn's 1-based index in its session.
         """
+        if self.idle_timeout_s > 0 and self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep_idle())
         s = self.sessions.setdefault(turn.session_id, _Session())
         s.last_seen = time.monotonic()
         s.turns += 1
@@ -102,6 +108,20 @@ class SessionTracker:
         if s.pending is not None:
             self.counts["dropped/no_next_state"] += 1
         self._track(asyncio.ensure_future(self._finalize(s)))
+
+    async def close_idle(self, now: float | None = None) -> int:
+        """Close every session idle for longer than ``idle_timeout_s``; returns how many."""
+        now = time.monotonic() if now is None else now
+        idle = [sid for sid, s in self.sessions.items() if now - s.last_seen > self.idle_timeout_s]
+        for sid in idle:
+            await self.close_session(sid)
+        self.counts["sessions_idle_closed"] += len(idle)
+        return len(idle)
+
+    async def _sweep_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(max(self.idle_timeout_s / 4, 0.05), 30.0))
+            await self.close_idle()
 
     async def _finalize(self, s: _Session) -> None:
         if s.tasks:

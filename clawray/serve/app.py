@@ -16,6 +16,7 @@ Every client error is an HTTP 4xx with an OpenAI-style body
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -61,7 +62,7 @@ class PolicyServer:
         engines: RolloutEngine actor handles; a session sticks to one engine (prefix-cache locality).
         tracker: SessionTracker actor handle.
         cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
-            "generate_timeout_s", "max_body_bytes"}``.
+            "generate_timeout_s", "max_body_bytes", "api_key"}`` (an empty key disables auth).
     """
 
     def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict):
@@ -87,9 +88,29 @@ class PolicyServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
-        """``POST /v1/chat/completions`` (non-streaming). 400/413 for client errors, 503 when the
-        engine does not answer within ``generate_timeout_s``, 500 only for a server-side fault."""
+        """``POST /v1/chat/completions`` (non-streaming). 401 without the configured API key,
+        400/413 for client errors, 503 when the engine does not answer within
+        ``generate_timeout_s``, 500 only for a server-side fault. The ``X-Request-Id`` header is
+        echoed (one is made when the client sends none)."""
         self.counts["requests"] += 1
+        request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        response = await self._chat_completions(request)
+        response.headers["X-Request-Id"] = request_id[:200]
+        return response
+
+    def _authorized(self, request: Request) -> bool:
+        key = self.cfg.get("api_key") or ""
+        if not key:
+            return True
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(token.encode(), key.encode())  # constant time
+
+    async def _chat_completions(self, request: Request) -> JSONResponse:
+        if not self._authorized(request):
+            self.counts["unauthorized"] = self.counts.get("unauthorized", 0) + 1
+            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
+                                  "invalid_api_key", "authentication_error")
         try:
             raw = await self._read_body(request)
             req = parse_chat_request(decode_body(raw), request.headers, self.cfg["default_max_tokens"],

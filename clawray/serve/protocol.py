@@ -152,7 +152,8 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     """Validate a decoded body and the session headers.
 
     Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``, or
-    the body keys ``session_id``, ``turn_type``, ``session_done``; the header wins.
+    the body keys ``session_id``, ``turn_type``, ``session_done``; the header wins. Without either,
+    the OpenAI ``user`` field is the session id.
 
     Raises:
         RequestError: any invalid or unsupported field (``param`` names it).
@@ -171,6 +172,8 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     session_id = headers.get("x-session-id")
     if session_id is None:
         session_id = _optional_str(body, "session_id")
+    if session_id is None:  # plain OpenAI clients: the `user` field names the end user / conversation
+        session_id = _optional_str(body, "user")
     if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
         raise RequestError(f"session id must be 1..{MAX_SESSION_ID_CHARS} characters", "session_id")
     turn_type = headers.get("x-turn-type") or body.get("turn_type") or "main"
