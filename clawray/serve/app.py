@@ -90,13 +90,10 @@ class PolicyServer:
     async def chat_completions(self, request: Request) -> JSONResponse:
         """``POST /v1/chat/completions`` (non-streaming). 401 without the configured API key,
         400/413 for client errors, 503 when the engine does not answer within
-        ``generate_timeout_s``, 500 only for a server-side fault. The ``X-Request-Id`` header is
-        echoed (one is made when the client sends none)."""
+        ``generate_timeout_s``, 500 only for a server-side fault. Ray Serve's proxy echoes the
+        client's ``X-Request-Id`` (or returns the id it made)."""
         self.counts["requests"] += 1
-        request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
-        response = await self._chat_completions(request)
-        response.headers["X-Request-Id"] = request_id[:200]
-        return response
+        return await self._chat_completions(request)
 
     def _authorized(self, request: Request) -> bool:
         key = self.cfg.get("api_key") or ""
