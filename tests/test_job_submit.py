@@ -22,7 +22,7 @@ def test_submit_script_runs_a_short_job(ray_cluster, tiny_model, tmp_path):
            "trainer.batch_size=2", "trainer.num_steps=1", "trainer.batch_timeout_s=180", "env.concurrency=2",
            "env.max_tokens=16", "env.max_turns=2", "wandb.mode=disabled", f"serve.port={free_port()}",
            f"run_dir={run_dir}"]
-    for _ in range(10):  # right after `ray start` the head's job agent may not have registered yet
+    for _ in range(40):  # the head's job agent can take a while to register on a loaded 2-core box
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         out = r.stdout + r.stderr
         if "No available agent to submit job" not in out:
