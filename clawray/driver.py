@@ -149,7 +149,8 @@ class Driver:
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
                                 OmegaConf.to_container(cfg, resolve=True))
         self.sim = None
-        print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(ready)} engine(s) ({ro.backend}), "
+        extra = f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)" if len(ready) > len(self.engines) else ""
+        print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
 
     def _engine_kwargs(self, backend: str) -> dict:
@@ -247,7 +248,7 @@ class Driver:
         metrics = {
             "policy_version": self.version,
             "samples": len(samples),
-            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "reward_mean": sum(rewards[i] for i in rewarded) / max(len(rewarded), 1),
             "skipped": skipped or "no",
             **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
             "inv/nonzero_reward_frac": signal["nonzero_reward_frac"],
@@ -278,8 +279,9 @@ class Driver:
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
+        reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
         print(f"[clawray] step {len(self.history)}{total} | samples {len(samples)} | "
-              f"reward {metrics['reward_mean']:+.2f} | loss {loss} | sync {sync_s:.2f}s | "
+              f"reward {reward} | loss {loss} | sync {sync_s:.2f}s | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
