@@ -20,6 +20,17 @@ for _k, _v in LOOPBACK_ENV.items():
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
+    """A run config for the whole loop on the tiny model on 2 CPU cores: hf engine, feedback judge,
+    batches of 2, a free serve port; ``overrides`` (``key=value``) come last."""
+    from clawray.config import load_config
+
+    return load_config(["conf/rl.yaml", "conf/cpu.yaml", *presets], [
+        f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
+        "judge.backend=feedback", "trainer.batch_size=2", f"run_dir={run_dir}", f"serve.port={free_port()}",
+        *overrides])
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Path of the tiny Qwen-style model + BPE tokenizer (clawray.models.build_tiny_model)."""

@@ -12,11 +12,10 @@ import pytest
 import ray
 
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
-from clawray.config import load_config
 from clawray.driver import Driver
 from clawray.engines.base import GenerateRequest
-from clawray.ray_env import free_port
 from clawray.types import Sample
+from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +23,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def driver(ray_cluster, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("inv-run")
-    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], [
-        f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
-        "judge.backend=feedback", "env.enabled=false", "trainer.batch_size=2", "trainer.batch_timeout_s=60",
-        "learner.lr=0.0", f"run_dir={run_dir}", f"serve.port={free_port()}", "wandb.mode=disabled"])
+    cfg = tiny_run_config(tiny_model, run_dir, overrides=[
+        "env.enabled=false", "trainer.batch_timeout_s=60", "learner.lr=0.0", "wandb.mode=disabled"])
     d = Driver(cfg)
     d.setup()
     yield d

@@ -7,9 +7,8 @@ import httpx
 import pytest
 import ray
 
-from clawray.config import load_config
 from clawray.driver import Driver
-from clawray.ray_env import free_port
+from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +16,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def driver(ray_cluster, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], [
-        f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25",
-        "rollout.torch_threads=1", "judge.backend=feedback", "trainer.batch_size=2", "trainer.num_steps=2",
-        "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=16", "env.max_turns=2",
-        "learner.lr=1e-3", f"run_dir={run_dir}", f"serve.port={free_port()}", "wandb.mode=offline"])
+    cfg = tiny_run_config(tiny_model, run_dir, overrides=[
+        "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=16",
+        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=offline"])
     d = Driver(cfg)
     d.setup()
     yield d

@@ -4,11 +4,9 @@ judge, frozen teacher scoring, FSDP2 update with the OPD term, weight sync."""
 import json
 
 import pytest
-import ray
 
-from clawray.config import load_config
 from clawray.driver import Driver
-from clawray.ray_env import free_port
+from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -16,11 +14,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("preset, extra", [("conf/opd.yaml", []), ("conf/combine.yaml", []),
                                            ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"])])
 def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
-    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", preset], extra + [
-        f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
-        "trainer.batch_size=2", "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2",
-        "env.max_tokens=12", "env.max_turns=2", "learner.lr=1e-3", f"run_dir={tmp_path}",
-        f"serve.port={free_port()}", "wandb.mode=disabled"])
+    cfg = tiny_run_config(tiny_model, tmp_path, presets=[preset], overrides=extra + [
+        "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=12",
+        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=disabled"])
     d = Driver(cfg)
     try:
         d.setup()

@@ -78,21 +78,26 @@ def test_pairs_next_state_and_emits_samples_in_order():
     assert stats["samples"] == 2 and stats["dropped/no_next_state"] == 1 and stats["open_sessions"] == 0
 
 
+def conversation(session, feedbacks):
+    """Turns r1, r2, ...: turn k+1's history holds every earlier reply, each followed by its feedback."""
+    h = [{"role": "user", "content": "q"}]
+    turns = [turn(session, h, "r1")]
+    for k, fb in enumerate(feedbacks, start=1):
+        h = h + [{"role": "assistant", "content": f"r{k}"}, {"role": "user", "content": fb}]
+        turns.append(turn(session, h, f"r{k + 1}"))
+    return turns
+
+
 def test_zero_scores_at_least_one_unscored_and_branch():
     judge, queue = FakeJudge({"meh": 0, "meh2": 0, "???": None}), FakeQueue()
     tracker = SessionTracker([judge], queue, at_least_one=True)
 
     async def scenario():
-        h = [{"role": "user", "content": "q"}]
-        await tracker.record_turn(turn("a", h, "r1"))
-        h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "meh"}]
-        await tracker.record_turn(turn("a", h2, "r2"))
-        h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "meh2"}]
-        await tracker.record_turn(turn("a", h3, "r3"))
-        h4 = h3 + [{"role": "assistant", "content": "r3"}, {"role": "user", "content": "???"}]
-        await tracker.record_turn(turn("a", h4, "r4"))
+        turns = conversation("a", ["meh", "meh2", "???"])
+        for t in turns:
+            await tracker.record_turn(t)
         # the client edited the history: the reply we served is not there -> branch, not mis-paired
-        h5 = h4 + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "meh"}]
+        h5 = turns[-1].messages + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "meh"}]
         await tracker.record_turn(turn("a", h5, "r5"))
         await tracker.drain()
         held = len(queue.items)
@@ -117,12 +122,10 @@ def test_session_with_a_scored_turn_promotes_nothing():
     tracker = SessionTracker([judge], queue, at_least_one=True)
 
     async def scenario():
-        h = [{"role": "user", "content": "q"}]
-        await tracker.record_turn(turn("b", h, "r1"))
-        h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "meh"}]
-        await tracker.record_turn(turn("b", h2, "r2"))
-        h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "good"}]
-        await tracker.record_turn(turn("b", h3, "r3"), done=True)
+        *first, last = conversation("b", ["meh", "good"])
+        for t in first:
+            await tracker.record_turn(t)
+        await tracker.record_turn(last, done=True)
         await tracker.drain()
         await tracker.drain()
         return await tracker.stats()

@@ -74,10 +74,6 @@ class LearnerWorker:
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def weight_names(self) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of the full state dict (collective: call on every rank)."""
-        return {k: tuple(v.shape) for k, v in self._full_state_dict().items()}
-
     # ------------------------------------------------------------------ training
     def _forward(self, sample: Sample, with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Learner log-probs ``[R]`` of the response tokens, per-token entropies ``[R]`` and the
