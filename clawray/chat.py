@@ -1,5 +1,6 @@
-"""Chat messages in and out: validation/normalisation of OpenAI messages, and parsing of the
-model's reply text into OpenAI ``content`` + ``tool_calls`` (hermes/Qwen ``<tool_call>`` JSON blocks).
+"""Chat messages in: validation and normalisation of OpenAI messages, and the conversation key that
+matches a history against the replies clawray served. (The model's reply text is parsed in
+:mod:`clawray.serve.reply`.)
 
 The prompt itself is always rendered by the tokenizer's own chat template; nothing here builds
 prompt text.
@@ -7,9 +8,8 @@ prompt text.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import re
-import uuid
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -48,7 +48,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Validate OpenAI chat messages and return them in the form the chat template renders.
 
     ``developer`` becomes ``system``; list content becomes its concatenated text parts; assistant
-    ``tool_calls[].function.arguments`` given as a JSON string become the decoded object.
+    ``tool_calls[].function.arguments`` given as a JSON string become the decoded object (so both
+    forms render to the same prompt); an assistant's ``reasoning`` (or ``reasoning_content``) becomes
+    ``reasoning_content``.
 
     Raises:
         RequestError: not a non-empty list, an unknown role, bad content or bad tool-call arguments;
@@ -68,6 +70,12 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                                 "content": _text(msg.get("content"), where)}
         if role == "assistant" and msg.get("tool_calls"):
             norm["tool_calls"] = _normalize_tool_calls(msg["tool_calls"], where)
+        if role == "assistant":
+            reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise RequestError(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+                norm["reasoning_content"] = reasoning
         if role == "tool" and msg.get("tool_call_id") is not None:
             if not isinstance(msg["tool_call_id"], str):
                 raise RequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
@@ -103,40 +111,19 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+def conversation_key(messages: list[dict[str, Any]]) -> str:
+    """A digest of normalised ``messages`` that identifies a conversation prefix.
 
-
-def parse_reply(text: str) -> tuple[str | None, list[dict[str, Any]], bool]:
-    """Split a model reply into OpenAI ``content`` and ``tool_calls``.
-
-    Every ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` block whose body is a JSON
-    object with a string ``name`` becomes one tool call (``arguments`` re-encoded as a JSON string);
-    the text outside the blocks is the content (None when empty).
-
-    Returns:
-        ``(content, tool_calls, parse_error)``; ``parse_error`` is True when a block was not valid
-        JSON, in which case the whole text is returned as content and ``tool_calls`` is empty.
+    Assistant messages count by what they say (content without surrounding whitespace, tool-call
+    names and decoded arguments), not by how a client echoes them (call ids, argument encoding,
+    reasoning kept or dropped), so the served reply and the client's copy of it give the same key.
     """
-    blocks = list(_TOOL_CALL.finditer(text))
-    if not blocks:
-        return (text if text.strip() else None), [], False
-    calls = []
-    for m in blocks:
-        try:
-            obj = json.loads(m.group(1))
-        except (json.JSONDecodeError, RecursionError):
-            return text, [], True
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, [], True
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (json.JSONDecodeError, RecursionError):
-                return text, [], True
-        if not isinstance(args, dict):
-            return text, [], True
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
-    content = _TOOL_CALL.sub("", text).strip()
-    return (content or None), calls, False
+    canon = []
+    for m in messages:
+        if m["role"] == "assistant":
+            calls = [(c["function"]["name"], c["function"]["arguments"] if isinstance(c["function"]["arguments"], dict)
+                      else json.loads(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+            canon.append(["assistant", (m.get("content") or "").strip(), calls])
+        else:
+            canon.append([m["role"], m.get("content"), m.get("tool_call_id")])
+    return hashlib.sha256(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode()).hexdigest()

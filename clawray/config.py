@@ -59,6 +59,10 @@ class ServeConfig:
     generate_timeout_s: float = 600.0  # a request waits at most this long for the engine
     max_body_mb: float = 8.0  # larger request bodies get HTTP 413
     api_key: str = ""  # when set, requests need "Authorization: Bearer <api_key>" (else 401)
+    # during a weight sync requests wait this long for the engine, then get 503 with Retry-After
+    sync_wait_timeout_s: float = 30.0
+    retry_after_s: int = 2  # the Retry-After header of that 503, in seconds
+    max_n: int = 8  # most choices per request (n); each is recorded as its own turn
 
 
 @dataclass
@@ -110,6 +114,19 @@ class SessionConfig:
     # a session with no request for this long is closed like X-Session-Done: its last turn has no
     # next state (not trained, counted), the at-least-one rule runs, its memory is freed; 0 = never
     idle_timeout_s: float = 900.0
+    # a reply cut by max_tokens (finish_reason "length"): "mask" = not trained (counted
+    # dropped/truncated), "keep" = judged and trained like any other turn
+    truncated: str = "mask"
+
+
+@dataclass
+class RecordsConfig:
+    """JSONL records of served main-line turns (``turns.jsonl``) and judge results (``judgments.jsonl``)
+    under ``{run_dir}/records``: appended, rotated at ``max_mb``, never truncated, mode 0600."""
+
+    enabled: bool = True
+    max_mb: float = 64.0  # rotate a file when it would grow past this
+    keep_files: int = 5  # rotated files kept per record (turns.jsonl.1 .. .N); older ones are deleted
 
 
 @dataclass
@@ -217,6 +234,7 @@ class ClawrayConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     opd: OPDConfig = field(default_factory=OPDConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
+    records: RecordsConfig = field(default_factory=RecordsConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -240,6 +258,7 @@ _CHOICES = {
     "learner.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "model.build": ("none", "tiny", "smollm2"),
+    "session.truncated": ("mask", "keep"),
     "wandb.mode": ("offline", "online", "disabled"),
 }
 
@@ -281,7 +300,7 @@ def _check_ranges(cfg: DictConfig) -> None:
     positive = [
         "rollout.num_engines", "rollout.max_model_len", "rollout.max_batch_size", "judge.m",
         "judge.num_workers", "learner.num_workers", "trainer.batch_size", "sync.bucket_mb",
-        "queue.max_staleness", "env.max_turns", "env.max_tokens",
+        "queue.max_staleness", "env.max_turns", "env.max_tokens", "serve.max_n",
     ]
     for key in positive:
         if OmegaConf.select(cfg, key) < 1:

@@ -122,9 +122,12 @@ class Driver:
                     self._engine_kwargs(cfg.opd.teacher_backend))
             self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(teacher_engine, path, cfg.opd.hint_template)]
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
-            self.judges, self.queue, records_dir=os.path.join(self.run_dir, "records"), algo=cfg.trainer.algo,
-            teachers=self.teachers, idle_timeout_s=cfg.session.idle_timeout_s, opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
-                                         "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0})
+            self.judges, self.queue, algo=cfg.trainer.algo, teachers=self.teachers,
+            idle_timeout_s=cfg.session.idle_timeout_s, truncated=cfg.session.truncated,
+            opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
+                 "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0},
+            records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
+            records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
         learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
                        else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
         self.learners = LearnerGroup(path, learner_cfg, free_port())
@@ -143,7 +146,9 @@ class Driver:
         serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
                      "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
                      "generate_timeout_s": cfg.serve.generate_timeout_s,
-                     "max_body_bytes": int(cfg.serve.max_body_mb * 2**20), "api_key": cfg.serve.api_key}
+                     "max_body_bytes": int(cfg.serve.max_body_mb * 2**20), "api_key": cfg.serve.api_key,
+                     "sync_wait_timeout_s": cfg.serve.sync_wait_timeout_s, "retry_after_s": cfg.serve.retry_after_s,
+                     "max_n": cfg.serve.max_n}
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,

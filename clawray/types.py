@@ -22,6 +22,10 @@ class Turn:
         finish_reason: ``"stop"``, ``"length"`` or ``"tool_calls"``.
         temperature: sampling temperature of the request (the learner scales logits by it; 0 -> 1).
         tools: the request's tool definitions (for judges and teachers), or None.
+        truncated: the engine stopped at ``max_tokens`` (or the context end), not at a stop token.
+        tool_parse_error: the reply held a ``<tool_call>`` block that was not valid JSON.
+        spliced: ``prompt_ids`` continue the previous turn's exact prompt + response ids (see
+            :mod:`clawray.serve.splice`) instead of a fresh render of the history.
     """
 
     session_id: str
@@ -35,6 +39,13 @@ class Turn:
     finish_reason: str
     temperature: float = 1.0
     tools: list[dict[str, Any]] | None = None
+    truncated: bool = False
+    tool_parse_error: bool = False
+    spliced: bool = False
+
+    def record(self) -> dict[str, Any]:
+        """The turn as one JSON-able row of ``records/turns.jsonl`` (everything but the tools)."""
+        return {k: v for k, v in self.__dict__.items() if k != "tools"}
 
 
 @dataclass

@@ -1,8 +1,6 @@
-import json
-
 import pytest
 
-from clawray.chat import RequestError, normalize_messages, parse_reply
+from clawray.chat import RequestError, conversation_key, normalize_messages
 
 
 def test_normalize_developer_list_content_and_tool_call_arguments():
@@ -38,25 +36,23 @@ def test_normalize_rejects_with_param(messages, param):
     assert e.value.param == param
 
 
-def test_parse_reply_plain_text():
-    assert parse_reply("Answer: 4") == ("Answer: 4", [], False)
-    assert parse_reply("  ") == (None, [], False)
+def test_reasoning_and_argument_forms_normalise_alike():
+    as_string = normalize_messages([{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "reasoning": "think",
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
+    as_object = normalize_messages([{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "reasoning_content": "think",
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}])
+    assert as_string == as_object
+    assert as_string[1]["reasoning_content"] == "think" and as_string[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
 
 
-def test_parse_reply_tool_calls_object_and_string_arguments():
-    text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
-            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
-    content, calls, err = parse_reply(text)
-    assert (content, err) == ("Let me compute.", False)
-    assert [c["function"]["name"] for c in calls] == ["calculator", "calculator"]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"expression": "2*3"}, {"expression": "1+1"}]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
-
-
-@pytest.mark.parametrize("text", [
-    "<tool_call>{not json}</tool_call>",
-    '<tool_call>{"arguments": {}}</tool_call>',
-    '<tool_call>["calculator"]</tool_call>',
-])
-def test_parse_reply_bad_block_is_content_with_flag(text):
-    assert parse_reply(text) == (text, [], True)
+def test_conversation_key_ignores_echo_form_but_not_content():
+    served = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a ", "reasoning_content": "r",
+               "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+    echoed = normalize_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}])
+    assert conversation_key(served) == conversation_key(echoed)
+    changed = [dict(echoed[0]), {**echoed[1], "tool_calls": [{"function": {"name": "f", "arguments": {"x": 2}}}]}]
+    assert conversation_key(changed) != conversation_key(served)
+    assert conversation_key([{"role": "user", "content": "q2"}, echoed[1]]) != conversation_key(served)

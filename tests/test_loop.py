@@ -57,7 +57,7 @@ def test_openai_client_models_and_a_main_turn(driver):
     (None, b"[1, 2]", None),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, None, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, None, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": "calculator"}, None, "tools"),
     ({"messages": [{"role": "user", "content": "x " * 3000}]}, None, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": 5}, None, "model"),

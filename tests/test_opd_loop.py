@@ -25,7 +25,7 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
         assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]
         sessions = summary["sessions"]
         assert sessions["hints_accepted"] >= 1 and sessions["samples"] >= 4
-        rows = [json.loads(line) for line in open(tmp_path / "records" / "turns.jsonl")]
+        rows = [json.loads(line) for line in open(tmp_path / "records" / "judgments.jsonl")]
         hinted = [r for r in rows if r.get("hint")]
         assert hinted and all(len(r["hint"]) > cfg.opd.min_hint_chars for r in hinted)
         if algo == "opd":

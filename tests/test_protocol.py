@@ -9,7 +9,14 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def parse(body, headers=None):
-    return parse_chat_request(body, headers or {}, default_max_tokens=64, default_temperature=1.0)
+    return parse_chat_request(body, headers or {}, default_max_tokens=64, default_temperature=1.0, max_n=8)
+
+
+def test_stream_and_n_fields():
+    req = parse({"messages": MSG, "stream": True, "stream_options": {"include_usage": True}})
+    assert (req.stream, req.include_usage, req.n) == (True, True, 1)
+    req = parse({"messages": MSG, "n": 3, "stream": False})
+    assert (req.stream, req.include_usage, req.n) == (False, False, 3)
 
 
 def test_defaults_and_session_fields():
@@ -42,8 +49,15 @@ def test_tool_choice_none_drops_tools():
     ({"messages": MSG, "temperature": True}, {}, "temperature", "invalid_request"),
     ({"messages": MSG, "max_tokens": 1.5}, {}, "max_tokens", "invalid_request"),
     ({"messages": MSG, "top_p": 0}, {}, "top_p", "invalid_request"),
-    ({"messages": MSG, "stream": True}, {}, "stream", "unsupported"),
-    ({"messages": MSG, "n": 3}, {}, "n", "unsupported"),
+    ({"messages": MSG, "stream": "yes"}, {}, "stream", "invalid_request"),
+    ({"messages": MSG, "stream_options": {"include_usage": True}}, {}, "stream_options", "invalid_request"),
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}}, {}, "stream_options.include_usage",
+     "invalid_request"),
+    ({"messages": MSG, "n": 3, "stream": True}, {}, "n", "unsupported"),
+    ({"messages": MSG, "n": 0}, {}, "n", "invalid_request"),
+    ({"messages": MSG, "n": 99}, {}, "n", "invalid_request"),
+    ({"messages": [{"role": "assistant", "content": "a", "reasoning": 5}]}, {}, "messages[0].reasoning_content",
+     "invalid_request"),
     ({"messages": MSG, "stop": ["e"]}, {}, "stop", "unsupported"),
     ({"messages": MSG, "logprobs": True}, {}, "logprobs", "unsupported"),
     ({"messages": MSG, "presence_penalty": 0.5}, {}, "presence_penalty", "unsupported"),

@@ -20,11 +20,16 @@ import ray
 from clawray.engines.base import GenerateRequest, WeightSpec
 
 
-class _Job:
-    __slots__ = ("kind", "payload", "future", "loop")
+class EnginePausedError(RuntimeError):
+    """The engine stayed paused (loading new weights) longer than the caller was willing to wait."""
 
-    def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
-        self.kind, self.payload, self.loop = kind, payload, loop
+
+class _Job:
+    __slots__ = ("kind", "payload", "future", "loop", "stream")
+
+    def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop,
+                 stream: Callable[[list[int]], None] | None = None):
+        self.kind, self.payload, self.loop, self.stream = kind, payload, loop, stream
         self.future: asyncio.Future = loop.create_future()
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
@@ -113,8 +118,10 @@ class RolloutEngine:
     def _run_generate(self, batch: list[_Job]) -> None:
         t0 = time.perf_counter()
         version = self.version
+        streams = [j.stream for j in batch]
+        on_tokens = (lambda i, ids: streams[i] and streams[i](ids)) if any(streams) else None
         try:
-            outputs = self._backend.generate([j.payload for j in batch])
+            outputs = self._backend.generate([j.payload for j in batch], on_tokens)
         except BaseException as e:
             for j in batch:
                 j.resolve(error=e)
@@ -125,14 +132,30 @@ class RolloutEngine:
             self._stats["tokens"] += len(out.response_ids)
             job.resolve({**asdict(out), "policy_version": version, "engine": self.name})
 
-    async def _submit(self, kind: str, payload: Any) -> Any:
+    async def _enqueue(self, job: _Job) -> None:
         if not self._ready.is_set():
             await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
         if self._init_error is not None:
             raise RuntimeError(f"{self.name}: backend failed to start: {self._init_error!r}")
-        job = _Job(kind, payload, asyncio.get_running_loop())
         self._jobs.put(job)
+
+    async def _submit(self, kind: str, payload: Any) -> Any:
+        job = _Job(kind, payload, asyncio.get_running_loop())
+        await self._enqueue(job)
         return await job.future
+
+    async def _admit(self, wait_s: float | None) -> None:
+        """Wait while paused: forever (``wait_s`` None) or up to ``wait_s`` seconds.
+
+        Raises:
+            EnginePausedError: still paused after ``wait_s`` seconds.
+        """
+        if self._resumed.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._resumed.wait(), wait_s)
+        except asyncio.TimeoutError:
+            raise EnginePausedError(f"{self.name} is loading new weights (paused > {wait_s} s)") from None
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         return self._submit("call", fn)
@@ -147,15 +170,47 @@ class RolloutEngine:
         await self._call(lambda: None)
         return {"name": self.name, "version": self.version}
 
-    async def generate(self, request: GenerateRequest) -> dict:
-        """Sample one response; waits while the engine is paused.
+    async def generate(self, request: GenerateRequest, wait_s: float | None = None) -> dict:
+        """Sample one response; waits while the engine is paused (at most ``wait_s`` seconds if given).
 
         Returns:
             dict with ``response_ids`` (list[int], R), ``logprobs`` (list[float], R),
             ``finish_reason`` (``"stop"``/``"length"``), ``policy_version`` (int) and ``engine`` (str).
+
+        Raises:
+            EnginePausedError: paused for longer than ``wait_s``.
         """
-        await self._resumed.wait()
+        await self._admit(wait_s)
         return await self._submit("generate", request)
+
+    async def generate_stream(self, request: GenerateRequest, wait_s: float | None = None):
+        """Sample one response, streaming its tokens (a Ray streaming generator).
+
+        Yields ``{"admitted": True}`` once the request is queued (after any pause), then
+        ``{"token_ids": [...]}`` as tokens are sampled (several per item when the caller lags), and
+        last the :meth:`generate` dict with ``"done": True``. The streamed ids join to its
+        ``response_ids``.
+
+        Raises:
+            EnginePausedError: paused for longer than ``wait_s`` (before anything is yielded).
+        """
+        await self._admit(wait_s)
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[list[int]] = asyncio.Queue()
+        job = _Job("generate", request, loop, stream=lambda ids: loop.call_soon_threadsafe(tokens.put_nowait, ids))
+        await self._enqueue(job)
+        yield {"admitted": True}
+        while not (job.future.done() and tokens.empty()):
+            getter = asyncio.ensure_future(tokens.get())
+            done, _ = await asyncio.wait({getter, job.future}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                continue
+            ids = getter.result()
+            while not tokens.empty():
+                ids = ids + tokens.get_nowait()
+            yield {"token_ids": ids}
+        yield {**job.future.result(), "done": True}
 
     async def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
@@ -169,6 +224,10 @@ class RolloutEngine:
     async def weight_specs(self) -> list[WeightSpec]:
         """The weights this engine loads, in sync order."""
         return await self._call(self._backend.weight_specs)
+
+    async def is_paused(self) -> bool:
+        """Whether generation is paused (a weight sync is in progress)."""
+        return not self._resumed.is_set()
 
     async def pause(self) -> None:
         """Stop admitting generation requests; they wait until :meth:`resume`."""

@@ -15,13 +15,21 @@ Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
     into a real advantage;
   * every vote invalid -> ``unscored``, dropped (unlike a neutral 0);
   * the last turn of a closed session has no next state -> ``no_next_state``, dropped. A session is
-    closed by ``X-Session-Done`` or after ``idle_timeout_s`` without a request (its memory is freed).
+    closed by ``X-Session-Done`` or after ``idle_timeout_s`` without a request (its memory is freed);
+  * a reply cut by ``max_tokens`` (``truncated``) is not judged when ``truncated="mask"``
+    (``dropped/truncated``); with ``"keep"`` it is judged and trained like any other;
+  * a request with ``n`` choices records n turns with the same prompt; the next request continues
+    one of them (the one whose reply its history holds), the others are ``dropped/unchosen``.
+
+The tracker also answers the server's :meth:`SessionTracker.lookup`: which open session a history
+continues (for clients that send no session id) and which pending turn it extends (for splicing).
+Every served main-line turn is appended to ``records/turns.jsonl`` and every judged one to
+``records/judgments.jsonl`` (see :class:`clawray.records.JsonlRecords`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections import Counter
@@ -30,13 +38,16 @@ from typing import Any
 
 import ray
 
+from clawray.chat import conversation_key
+from clawray.records import JsonlRecords
 from clawray.types import Sample, Turn
 
 
 @dataclass
 class _Session:
     turns: int = 0
-    pending: Turn | None = None
+    pending: list = field(default_factory=list)  # the latest request's turns (n choices), awaiting a next state
+    keys: list = field(default_factory=list)  # conversation_key(history + reply) of each pending turn
     effective: bool = False  # a turn of this session has been trained
     held: list = field(default_factory=list)  # (turn, mean vote) of 0-scored turns, for at-least-one
     tasks: list = field(default_factory=list)  # this session's judge tasks
@@ -50,12 +61,17 @@ class SessionTracker:
         judges: JudgeWorker actor handles (used round-robin).
         queue: TrajectoryQueue actor handle.
         at_least_one: apply the at-least-one rule.
-        records_dir: when set, every judged turn is appended to ``records_dir/turns.jsonl``.
+        records_dir: when set, served turns go to ``records_dir/turns.jsonl`` and judge results to
+            ``records_dir/judgments.jsonl`` (rotated at ``records_max_bytes``, ``records_keep`` kept).
+        algo: ``"rl"``, ``"opd"`` or ``"combine"``; teachers and ``opd`` serve the last two.
+        idle_timeout_s: close sessions idle this long (seconds); 0 = never.
+        truncated: ``"mask"`` (truncated turns are not trained) or ``"keep"``.
     """
 
     def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
                  algo: str = "rl", teachers: list | None = None, opd: dict | None = None,
-                 idle_timeout_s: float = 0.0):
+                 idle_timeout_s: float = 0.0, truncated: str = "mask", records_max_bytes: int = 64 << 20,
+                 records_keep: int = 5):
         self.judges, self.queue = judges, queue
         self.algo, self.teachers = algo, teachers or []
         self.opd = {"accept": "any", "min_hint_chars": 10, "topk": 0, **(opd or {})}
@@ -63,40 +79,83 @@ class SessionTracker:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
         self.sessions: dict[str, _Session] = {}
+        self.index: dict[str, str] = {}  # conversation_key of a pending turn's history + reply -> session id
+        self.truncated = truncated
         self.counts: Counter[str] = Counter()
         self.tasks: set[asyncio.Task] = set()
         self._rr = 0
         self.idle_timeout_s = idle_timeout_s
         self._sweeper: asyncio.Task | None = None
-        self.records_path = None
+        self.served_records = self.judged_records = None
         if records_dir:
-            os.makedirs(records_dir, exist_ok=True)
-            self.records_path = os.path.join(records_dir, "turns.jsonl")
-            open(self.records_path, "w").close()  # a rerun in the same folder starts afresh
+            self.served_records = JsonlRecords(os.path.join(records_dir, "turns.jsonl"), records_max_bytes, records_keep)
+            self.judged_records = JsonlRecords(os.path.join(records_dir, "judgments.jsonl"), records_max_bytes,
+                                               records_keep)
 
-    async def record_turn(self, turn: Turn, done: bool = False) -> int:
-        """Record a served main-line turn; resolves the session's previous turn with this request.
+    async def lookup(self, session_id: str | None, keys: dict[int, str]) -> dict:
+        """Which session and pending turn a new request continues.
 
         Args:
-            turn: the new turn (its ``turn_index`` is assigned here).
+            session_id: the request's session id, or None (then it is inferred from ``keys``).
+            keys: ``{k: conversation_key(messages[:k + 1])}`` for each assistant message ``k`` of the
+                request's history.
+
+        Returns:
+            ``{"session_id", "prev"}``: the session (None when none matches), and the pending turn
+            whose history + reply the request extends as ``{"prompt_ids", "response_ids",
+            "n_messages"}`` (None when it extends none: first turn, or a branch).
+        """
+        if session_id is None:
+            session_id = next((self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index), None)
+        s = self.sessions.get(session_id) if session_id is not None else None
+        prev = None
+        for t, key in zip(s.pending, s.keys) if s else ():
+            if keys.get(len(t.messages)) == key:
+                prev = {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "n_messages": len(t.messages)}
+                break
+        return {"session_id": session_id, "prev": prev}
+
+    async def record_turn(self, turn: Turn, done: bool = False) -> int:
+        """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""
+        return (await self.record_turns([turn], done))[0]
+
+    async def record_turns(self, turns: list[Turn], done: bool = False) -> list[int]:
+        """Record the served main-line turns of one request (its n choices, same session and prompt).
+
+        The session's previous turns are resolved with this request's history: the one it continues
+        gets its next state and is judged; the others are counted (``unchosen``, or ``branch`` when
+        the history continues none of them).
+
+        Args:
+            turns: the new turns (their ``turn_index`` is assigned here, unique in the session).
             done: the client closed the session with this request.
 
         Returns:
-            the turn's 1-based index in its session.
+            the turns' indexes.
         """
         if self.idle_timeout_s > 0 and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_idle())
-        s = self.sessions.setdefault(turn.session_id, _Session())
+        sid = turns[0].session_id
+        s = self.sessions.setdefault(sid, _Session())
         s.last_seen = time.monotonic()
-        s.turns += 1
-        turn.turn_index = s.turns
-        self.counts["turns"] += 1
-        if s.pending is not None:
-            self._resolve(s, s.pending, turn.messages)
-        s.pending = turn
+        if s.pending:
+            self._resolve(s, turns[0].messages)
+        s.pending, s.keys = [], []
+        for turn in turns:
+            s.turns += 1
+            turn.turn_index = s.turns
+            self.counts["turns"] += 1
+            self.counts["turns_truncated"] += int(turn.truncated)
+            self.counts["turns_tool_parse_error"] += int(turn.tool_parse_error)
+            key = conversation_key([*turn.messages, turn.response_message])
+            s.pending.append(turn)
+            s.keys.append(key)
+            self.index[key] = sid
+            if self.served_records is not None:
+                self.served_records.append(turn.record())
         if done:
-            await self.close_session(turn.session_id)
-        return turn.turn_index
+            await self.close_session(sid)
+        return [t.turn_index for t in turns]
 
     async def close_session(self, session_id: str) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
@@ -105,8 +164,8 @@ class SessionTracker:
         if s is None:
             return
         self.counts["sessions_closed"] += 1
-        if s.pending is not None:
-            self.counts["dropped/no_next_state"] += 1
+        self.counts["dropped/no_next_state"] += len(s.pending)
+        self._unindex(s)
         self._track(asyncio.ensure_future(self._finalize(s)))
 
     async def close_idle(self, now: float | None = None) -> int:
@@ -141,13 +200,28 @@ class SessionTracker:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _resolve(self, s: _Session, prev: Turn, messages: list[dict[str, Any]]) -> None:
-        n = len(prev.messages)
-        if len(messages) <= n + 1 or messages[n].get("role") != "assistant" or not _same_reply(
-                messages[n], prev.response_message):
-            self.counts["dropped/branch"] += 1
+    def _unindex(self, s: _Session) -> None:
+        for key in s.keys:
+            self.index.pop(key, None)
+
+    def _resolve(self, s: _Session, messages: list[dict[str, Any]]) -> None:
+        """Pair the pending turn that ``messages`` continues with its next state; count the rest."""
+        self._unindex(s)
+        chosen = None
+        for turn, key in zip(s.pending, s.keys):
+            n = len(turn.messages)
+            if len(messages) > n + 1 and conversation_key(messages[: n + 1]) == key:
+                chosen = turn
+                break
+        if chosen is None:
+            self.counts["dropped/branch"] += len(s.pending)
             return
-        next_state = messages[n + 1 :]
+        self.counts["dropped/unchosen"] += len(s.pending) - 1
+        prev, next_state = chosen, messages[len(chosen.messages) + 1 :]
+        if prev.truncated and self.truncated == "mask":
+            self.counts["dropped/truncated"] += 1
+            self._record(prev, next_state, None, "truncated")
+            return
         judge = self.judges[self._rr % len(self.judges)]
         self._rr += 1
         s.tasks.append(self._track(asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))))
@@ -235,19 +309,18 @@ class SessionTracker:
         self.counts["samples"] += 1
 
     def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
-        if self.records_path is None:
+        if self.judged_records is None:
             return
         row = {**extra, "session_id": turn.session_id, "turn": turn.turn_index, "policy_version": turn.policy_version,
                "response": turn.response_message, "next_state": next_state,
                "score": getattr(result, "score", None), "votes": getattr(result, "votes", None),
                "raw_votes": getattr(result, "raw", None), "dropped": dropped}
-        with open(self.records_path, "a") as f:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.judged_records.append(row)
 
-    async def pending_turn(self, session_id: str) -> Turn | None:
-        """The session's latest turn, still waiting for its next state (None if none)."""
+    async def pending_turn(self, session_id: str, choice: int = 0) -> Turn | None:
+        """The session's latest turn (of choice ``choice``), still waiting for its next state, or None."""
         s = self.sessions.get(session_id)
-        return None if s is None else s.pending
+        return s.pending[choice] if s is not None and choice < len(s.pending) else None
 
     async def drain(self, timeout_s: float = 60.0) -> int:
         """Wait until in-flight judge tasks finish; returns how many were still running at the timeout."""
@@ -258,14 +331,6 @@ class SessionTracker:
     async def stats(self) -> dict:
         """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
         return {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks)}
-
-
-def _same_reply(history_msg: dict[str, Any], response: dict[str, Any]) -> bool:
-    """Whether the history's assistant message is the reply we served (text, or tool-call names)."""
-    if (history_msg.get("content") or "").strip() != (response.get("content") or "").strip():
-        return False
-    names = lambda m: [c["function"]["name"] for c in m.get("tool_calls") or []]  # noqa: E731
-    return names(history_msg) == names(response)
 
 
 SessionTrackerActor = ray.remote(SessionTracker)

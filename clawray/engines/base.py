@@ -9,7 +9,7 @@ applied, so the learner can recompute exactly the same quantity from logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -51,6 +51,10 @@ class GenerateOutput:
     finish_reason: str
 
 
+#: ``on_tokens(request_index, new_token_ids)``: streaming callback of :meth:`Backend.generate`.
+TokenCallback = Callable[[int, list[int]], None]
+
+
 @dataclass(frozen=True)
 class WeightSpec:
     """Name, shape and dtype of one weight tensor, as exchanged before a weight sync."""
@@ -66,8 +70,12 @@ class Backend(Protocol):
     Implementations: :class:`clawray.engines.hf.HFBackend`, :class:`clawray.engines.vllm.VLLMBackend`.
     """
 
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Sample a response for every request (batched where the engine can)."""
+    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None) -> list[GenerateOutput]:
+        """Sample a response for every request (batched where the engine can).
+
+        ``on_tokens(i, ids)``, when given, is called from the engine thread as request ``i``'s new
+        token ids are sampled (streaming); the returned outputs are the same either way.
+        """
 
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of the given response ids after the given prompt (teacher path)."""

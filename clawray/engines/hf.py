@@ -8,7 +8,24 @@ import torch
 from transformers import GenerationConfig
 
 from clawray.algos.losses import sequence_logprobs
-from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
+from clawray.engines.base import GenerateOutput, GenerateRequest, TokenCallback, WeightSpec
+
+
+class _TokenStreamer:
+    """transformers streamer protocol (``put``/``end``): forwards each sampled token to ``on_tokens``.
+    ``generate`` first puts the prompt, which is skipped."""
+
+    def __init__(self, index: int, on_tokens: TokenCallback):
+        self.index, self.on_tokens, self.prompt_seen = index, on_tokens, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.on_tokens(self.index, value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
 
 
 class HFBackend:
@@ -42,11 +59,12 @@ class HFBackend:
         return [eos] if isinstance(eos, int) else list(eos)
 
     @torch.inference_mode()
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None) -> list[GenerateOutput]:
         """Sample each request in turn; see :meth:`clawray.engines.base.Backend.generate`."""
-        return [self._generate_one(r) for r in requests]
+        return [self._generate_one(r, _TokenStreamer(i, on_tokens) if on_tokens else None)
+                for i, r in enumerate(requests)]
 
-    def _generate_one(self, req: GenerateRequest) -> GenerateOutput:
+    def _generate_one(self, req: GenerateRequest, streamer: _TokenStreamer | None = None) -> GenerateOutput:
         stop = list(dict.fromkeys(list(req.stop_token_ids) + self.eos_ids))
         greedy = req.temperature <= 0
         if req.seed is not None:  # unseeded requests continue the engine's RNG stream
@@ -63,7 +81,8 @@ class HFBackend:
             output_logits=True,
             return_dict_in_generate=True,
         )
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
+                                  streamer=streamer)
         response = out.sequences[0, ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1)[0, : response.shape[0]]  # [R, V] raw logits
         logprobs = sequence_logprobs(logits, response, req.temperature)

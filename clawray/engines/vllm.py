@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
 import logging
 import os
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
+from clawray.engines.base import GenerateOutput, GenerateRequest, TokenCallback, WeightSpec
 
 
 def _set_logit_scale(value: float | None, factor: float, model: torch.nn.Module) -> float:
@@ -87,11 +88,14 @@ class VLLMBackend:
         tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
+        self._request_ids = itertools.count()
 
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None) -> list[GenerateOutput]:
         """Sample all requests in one batched engine call; outputs are in request order.
 
         Each output's ``logprobs`` follow the module convention (length R = len(response_ids)).
+        With ``on_tokens`` the engine is stepped here (``RequestOutputKind.DELTA``) and each step's
+        new tokens are passed on as they come; without it, one blocking ``llm.generate``.
         ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
         Raises:
             ValueError: vLLM rejected a request, e.g. a prompt longer than ``max_model_len``.
@@ -104,15 +108,16 @@ class VLLMBackend:
         params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                  stop_token_ids=list(r.stop_token_ids), seed=r.seed, logprobs=0, detokenize=False)
                   for r in requests]
-        outs = self._run([list(r.prompt_ids) for r in requests], params)
-        results = []
-        for out in outs:
-            comp = out.outputs[0]
-            if comp.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM request {out.request_id} finished with {comp.finish_reason!r}")
-            ids = list(comp.token_ids)
-            lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
-            results.append(GenerateOutput(response_ids=ids, logprobs=lps, finish_reason=comp.finish_reason))
+        prompts = [list(r.prompt_ids) for r in requests]
+        if on_tokens is not None:
+            results = self._run_streaming(prompts, params, on_tokens)
+        else:
+            results = []
+            for out in self._run(prompts, params):
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
+                results.append(self._output(out.request_id, ids, lps, comp.finish_reason))
         # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T.
         nucleus = [i for i, r in enumerate(requests) if r.top_p < 1.0 and r.temperature > 0]
         for temp in sorted({requests[i].temperature for i in nucleus}):
@@ -121,6 +126,45 @@ class VLLMBackend:
             for i, lps in zip(idx, self._score_batch(pairs, temp)):
                 results[i].logprobs = lps
         return results
+
+    @staticmethod
+    def _output(request_id: str, ids: list[int], logprobs: list[float], finish_reason: str | None) -> GenerateOutput:
+        if finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request {request_id} finished with {finish_reason!r}")
+        return GenerateOutput(response_ids=ids, logprobs=logprobs, finish_reason=finish_reason)
+
+    def _run_streaming(self, prompts: list[list[int]], params: list, on_tokens: TokenCallback) -> list[GenerateOutput]:
+        """Add the requests to the engine and step it until all finish, passing on new tokens."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        index: dict[str, int] = {}
+        internal: dict[str, str] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                p.output_kind = RequestOutputKind.DELTA
+                rid = f"clawray-{next(self._request_ids)}"  # outputs carry this id; vLLM adds a suffix inside
+                internal[rid] = engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+                index[rid] = i
+        except VLLMValidationError as e:
+            engine.abort_request(list(internal.values()), internal=True)
+            raise ValueError(str(e)) from e
+        ids: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        finish: list[str | None] = [None] * len(prompts)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = index[out.request_id]
+                comp = out.outputs[0]
+                new = list(comp.token_ids)
+                ids[i] += new
+                lps[i] += [step[tok].logprob for tok, step in zip(new, comp.logprobs or [])]
+                if new:
+                    on_tokens(i, new)
+                if out.finished:
+                    finish[i] = comp.finish_reason
+        return [self._output(rid, ids[i], lps[i], finish[i]) for rid, i in index.items()]
 
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs ``log_softmax(logits / T)[y_t]`` of ``response_ids`` after ``prompt_ids`` (T = 1 if 0).

@@ -1,13 +1,17 @@
 """PolicyServer: the OpenAI-compatible chat endpoint, a Ray Serve deployment with a FastAPI ingress.
 
-Routes: ``POST /v1/chat/completions`` (non-streaming; ``tools`` in, ``tool_calls`` out),
-``GET /v1/models``, ``GET /health``. Each request is rendered with the tokenizer's own chat template,
-sent to a RolloutEngine as token ids, and every main-line turn is recorded with the exact prompt and
-response token ids and the engine's log-probs (the response text is never re-tokenised).
+Routes: ``POST /v1/chat/completions`` (plain or SSE-streamed; ``tools`` in, ``tool_calls`` out,
+``<think>`` out as ``reasoning_content``; ``n`` choices), ``GET /v1/models``, ``GET /health``. Each
+request becomes prompt token ids -- the tokenizer's own chat template, with the previous turn's exact
+tokens spliced in (:mod:`clawray.serve.splice`) -- and goes to a RolloutEngine; every main-line turn is
+recorded with the exact prompt and response token ids and the engine's log-probs (the response text
+is never re-tokenised).
 
-Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header or body ``session_id``;
-``X-Turn-Type: side`` (or body ``turn_type``) marks a turn that is served but never trained (default
-``main``); ``X-Session-Done: true`` (or body ``session_done``) closes the session.
+Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header, body ``session_id``, or the OpenAI
+``user`` field; without any, the session is inferred from the message prefix (see
+:meth:`clawray.actors.session.SessionTracker.lookup`). ``X-Turn-Type: side`` (or body ``turn_type``)
+marks a turn that is served but never trained (default ``main``); ``X-Session-Done: true`` (or body
+``session_done``) closes the session. A session's requests run one at a time, in arrival order.
 
 Every client error is an HTTP 4xx with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request.
@@ -17,20 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 import uuid
 import zlib
-from typing import Any
+from collections import Counter
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clawray.chat import RequestError, parse_reply
+from clawray.actors.rollout import EnginePausedError
+from clawray.chat import RequestError, conversation_key
 from clawray.engines.base import GenerateRequest
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
+from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply, ReplyParser, parse_reply_text
+from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.types import Turn
 
 app = FastAPI(title="clawray policy server")
@@ -39,9 +48,9 @@ logger = logging.getLogger("ray.serve")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str = "invalid_request",
-                   err_type: str = "invalid_request_error") -> JSONResponse:
-    """An OpenAI-style error body with ``status``."""
-    return JSONResponse(status_code=status,
+                   err_type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    """An OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": err_type, "param": param, "code": code}})
 
 
@@ -52,6 +61,46 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                           "not_found" if exc.status_code == 404 else "invalid_request")
 
 
+async def _next(stream: Any) -> dict:
+    """The next item of a Ray streaming generator (``StopAsyncIteration`` at its end)."""
+    return await (await stream.__anext__())
+
+
+class _SessionLocks:
+    """One FIFO lock per session id, so a session's requests run in arrival order; an entry lives
+    only while a request of its session holds or awaits it."""
+
+    def __init__(self):
+        self._locks: dict[str, list] = {}  # session id -> [asyncio.Lock, holders + waiters]
+
+    async def acquire(self, session_id: str) -> None:
+        entry = self._locks.setdefault(session_id, [asyncio.Lock(), 0])
+        entry[1] += 1
+        await entry[0].acquire()
+
+    def release(self, session_id: str) -> None:
+        entry = self._locks[session_id]
+        entry[0].release()
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._locks[session_id]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class _Call:
+    """One request on its way through the server: the parsed request, its session and prompt."""
+
+    def __init__(self, req: ChatRequest, locked: str | None):
+        self.req = req
+        self.session_id = req.session_id
+        self.locked = locked  # the session whose lock this request holds
+        self.prompt_ids: list[int] = []
+        self.spliced = False
+        self.in_reasoning = False
+
+
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(app)
 class PolicyServer:
@@ -60,19 +109,23 @@ class PolicyServer:
     Args:
         model_path: policy folder (its tokenizer and chat template are used).
         engines: RolloutEngine actor handles; a session sticks to one engine (prefix-cache locality).
-        tracker: SessionTracker actor handle.
+        tracker: SessionTracker actor handle (session state, turn records).
         cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
-            "generate_timeout_s", "max_body_bytes", "api_key"}`` (an empty key disables auth).
+            "generate_timeout_s", "max_body_bytes", "api_key", "sync_wait_timeout_s",
+            "retry_after_s", "max_n"}`` (an empty key disables auth).
     """
 
     def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.engines, self.tracker, self.cfg = engines, tracker, cfg
-        eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
-        self.stop_ids = [eos]
-        self.counts = {"requests": 0, "rejected": 0, "main_turns": 0, "side_turns": 0, "unattributed": 0}
+        self.engines, self.tracker = engines, tracker
+        self.cfg = {"sync_wait_timeout_s": 30.0, "retry_after_s": 2, "max_n": 8, **cfg}
+        self.stop_text = self.tokenizer.eos_token
+        self.stop_ids = [self.tokenizer.convert_tokens_to_ids(self.stop_text)]
+        self.locks = _SessionLocks()
+        self.counts: Counter[str] = Counter()
+        self._warned_no_session = False
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -82,19 +135,65 @@ class PolicyServer:
 
     @app.get("/health")
     async def health(self) -> dict:
-        """``GET /health``: each engine's policy version and the request counters."""
-        versions = await asyncio.gather(*(e.get_version.remote() for e in self.engines))
-        return {"status": "ok", "policy_versions": versions, "counts": self.counts}
+        """``GET /health``: each engine's name, policy version and state, open sessions, counters."""
+        stats, paused = await asyncio.gather(asyncio.gather(*(e.stats.remote() for e in self.engines)),
+                                             asyncio.gather(*(e.is_paused.remote() for e in self.engines)))
+        engines = [{"name": st["name"], "policy_version": st["version"], "state": "syncing" if p else "serving",
+                    "requests": st["requests"]} for st, p in zip(stats, paused)]
+        tracker = await self.tracker.stats.remote()
+        return {"status": "ok", "policy_versions": [e["policy_version"] for e in engines], "engines": engines,
+                "open_sessions": tracker.get("open_sessions", 0), "counts": dict(self.counts)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> JSONResponse:
-        """``POST /v1/chat/completions`` (non-streaming). 401 without the configured API key,
-        400/413 for client errors, 503 when the engine does not answer within
-        ``generate_timeout_s``, 500 only for a server-side fault. Ray Serve's proxy echoes the
-        client's ``X-Request-Id`` (or returns the id it made)."""
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``, plain or streamed (SSE). 401 without the configured API key,
+        400/413 for client errors, 503 (with ``Retry-After``) while a weight sync outlasts
+        ``sync_wait_timeout_s`` or when the engine does not answer within ``generate_timeout_s``,
+        500 only for a server-side fault. Ray Serve's proxy echoes the client's ``X-Request-Id``."""
         self.counts["requests"] += 1
-        return await self._chat_completions(request)
+        if not self._authorized(request):
+            self.counts["unauthorized"] += 1
+            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
+                                  "invalid_api_key", "authentication_error")
+        locked: str | None = None  # the session whose lock this request holds
+        call: _Call | None = None
+        streaming = False
+        try:
+            header_sid = request.headers.get("x-session-id")
+            if header_sid:  # arrival order: queue behind the session's earlier requests right away
+                await self.locks.acquire(header_sid)
+                locked = header_sid
+            raw = await self._read_body(request)
+            req = parse_chat_request(decode_body(raw), request.headers, self.cfg["default_max_tokens"],
+                                     self.cfg["default_temperature"], self.cfg["max_n"])
+            call = _Call(req, locked)
+            await self._prepare(call)
+            if req.stream:
+                response = await self._stream(call)
+                streaming = True  # the stream releases the lock when it ends
+                return response
+            return await self._complete(call)
+        except RequestError as e:
+            self.counts["rejected"] += 1
+            return error_response(413 if e.code == "body_too_large" else 400, str(e), e.param, e.code)
+        except EnginePausedError:
+            self.counts["sync_wait_timeouts"] += 1
+            return error_response(503, "the policy is being updated; retry shortly", None, "engine_syncing",
+                                  "server_error", headers={"Retry-After": str(self.cfg["retry_after_s"])})
+        except asyncio.TimeoutError:
+            self.counts["engine_timeouts"] += 1
+            return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
+                                  "server_error", headers={"Retry-After": str(self.cfg["retry_after_s"])})
+        except Exception as e:  # a server-side fault: logged, reported in OpenAI form, replica stays up
+            logger.exception("chat completion failed")
+            return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error",
+                                  "server_error")
+        finally:
+            locked = call.locked if call is not None else locked
+            if locked and not streaming:
+                self.locks.release(locked)
 
+    # ------------------------------------------------------------------ request plumbing
     def _authorized(self, request: Request) -> bool:
         key = self.cfg.get("api_key") or ""
         if not key:
@@ -102,28 +201,6 @@ class PolicyServer:
         given = request.headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
         return hmac.compare_digest(token.encode(), key.encode())  # constant time
-
-    async def _chat_completions(self, request: Request) -> JSONResponse:
-        if not self._authorized(request):
-            self.counts["unauthorized"] = self.counts.get("unauthorized", 0) + 1
-            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
-                                  "invalid_api_key", "authentication_error")
-        try:
-            raw = await self._read_body(request)
-            req = parse_chat_request(decode_body(raw), request.headers, self.cfg["default_max_tokens"],
-                                     self.cfg["default_temperature"])
-            return await self._complete(req)
-        except RequestError as e:
-            self.counts["rejected"] += 1
-            status = 413 if e.code == "body_too_large" else 400
-            return error_response(status, str(e), e.param, e.code)
-        except asyncio.TimeoutError:
-            return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
-                                  "server_error")
-        except Exception as e:  # a server-side fault: logged, reported in OpenAI form, replica stays up
-            logger.exception("chat completion failed")
-            return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error",
-                                  "server_error")
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.cfg["max_body_bytes"]
@@ -138,66 +215,202 @@ class PolicyServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _render(self, req: ChatRequest) -> list[int]:
-        """Prompt token ids from the tokenizer's own chat template (CPU-bound: runs in a thread)."""
+    async def _prepare(self, call: _Call) -> None:
+        """Resolve the session (explicit, inferred or new), take its lock, build the prompt ids."""
+        req = call.req
+        keys = {k: conversation_key(req.messages[: k + 1]) for k, m in enumerate(req.messages)
+                if m["role"] == "assistant"}
+        prev = None
+        if req.turn_type == "main":
+            if call.session_id is None:
+                self._warn_no_session()
+                found = await self.tracker.lookup.remote(None, keys)
+                if found["session_id"] is not None:
+                    call.session_id = found["session_id"]
+                    self.counts["sessions_inferred"] += 1
+                elif not keys:  # a conversation's first request: a new session
+                    call.session_id = f"auto-{uuid.uuid4().hex}"
+                    self.counts["sessions_started_without_id"] += 1
+                else:
+                    self.counts["unattributable"] += 1
+            if call.session_id is not None and call.locked is None:
+                await self.locks.acquire(call.session_id)
+                call.locked = call.session_id
+            if call.session_id is not None and keys:
+                prev = (await self.tracker.lookup.remote(call.session_id, keys))["prev"]
+        call.prompt_ids, call.spliced = await asyncio.to_thread(self._prompt_ids, req, prev)
+        tail = self.tokenizer.decode(call.prompt_ids[-4:], skip_special_tokens=False)
+        call.in_reasoning = tail.rstrip().endswith(THINK_OPEN)
+        limit = self.cfg["max_model_len"]
+        if len(call.prompt_ids) >= limit:
+            raise RequestError(f"prompt is {len(call.prompt_ids)} tokens; max_model_len is {limit}", "messages",
+                               "context_length_exceeded")
+
+    def _warn_no_session(self) -> None:
+        if not self._warned_no_session:
+            self._warned_no_session = True
+            logger.warning("a client sends no X-Session-Id header (nor session_id / user in the body): its "
+                           "sessions are inferred by matching message prefixes; send X-Session-Id to be exact")
+
+    def _render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as e:  # a template that cannot render this conversation is the client's input
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _complete(self, req: ChatRequest) -> JSONResponse:
-        prompt_ids = await asyncio.to_thread(self._render, req)
-        limit = self.cfg["max_model_len"]
-        if len(prompt_ids) >= limit:
-            raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {limit}", "messages",
-                               "context_length_exceeded")
-        max_tokens = min(req.max_tokens, limit - len(prompt_ids))
+    def _prompt_ids(self, req: ChatRequest, prev: dict | None) -> tuple[list[int], bool]:
+        """Prompt token ids (CPU-bound: runs in a thread): the previous turn's exact ids spliced with
+        the newly rendered suffix when the request continues it, else a fresh render."""
+        if prev is not None:
+            try:
+                suffix = splice_suffix(lambda m, g: self._render(m, req.tools, g), req.messages, prev["n_messages"],
+                                       self.stop_text, prev["response_ids"][-1:] == self.stop_ids[-1:])
+                self.counts["prompts_spliced"] += 1
+                return [*prev["prompt_ids"], *prev["response_ids"],
+                        *self.tokenizer.encode(suffix, add_special_tokens=False)], True
+            except SpliceError as e:
+                self.counts["splice_fallbacks"] += 1
+                logger.debug("splice fell back to a fresh render: %s", e)
+        text = self._render(req.messages, req.tools, True)
+        return self.tokenizer.encode(text, add_special_tokens=False), False
 
-        key = req.session_id or uuid.uuid4().hex
-        engine = self.engines[zlib.crc32(key.encode()) % len(self.engines)]
-        gen = GenerateRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=req.temperature,
-                              top_p=req.top_p, stop_token_ids=self.stop_ids, seed=req.seed)
-        out = await asyncio.wait_for(engine.generate.remote(gen), timeout=self.cfg["generate_timeout_s"])
+    def _engine(self, call: _Call) -> Any:
+        key = call.session_id or uuid.uuid4().hex
+        return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
 
-        response_ids = out["response_ids"]
-        body_ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
-        reply = self.tokenizer.decode(body_ids, skip_special_tokens=False)
-        content, tool_calls, _parse_error = parse_reply(reply)
-        finish = "tool_calls" if tool_calls else out["finish_reason"]
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
+    def _generate_requests(self, call: _Call) -> list[GenerateRequest]:
+        req = call.req
+        max_tokens = min(req.max_tokens, self.cfg["max_model_len"] - len(call.prompt_ids))
+        return [GenerateRequest(prompt_ids=call.prompt_ids, max_tokens=max_tokens, temperature=req.temperature,
+                                top_p=req.top_p, stop_token_ids=self.stop_ids,
+                                seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
 
-        turn_index = None
+    def _body_ids(self, response_ids: list[int]) -> list[int]:
+        return response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
+
+    def _turn(self, call: _Call, out: dict, parsed: ParsedReply) -> Turn:
+        req = call.req
+        return Turn(session_id=call.session_id, turn_index=0, messages=req.messages, response_message=parsed.message(),
+                    prompt_ids=call.prompt_ids, response_ids=out["response_ids"], rollout_logprobs=out["logprobs"],
+                    policy_version=out["policy_version"], finish_reason=self._finish(out, parsed),
+                    temperature=req.temperature, tools=req.tools, truncated=out["finish_reason"] == "length",
+                    tool_parse_error=parsed.tool_parse_error, spliced=call.spliced)
+
+    @staticmethod
+    def _finish(out: dict, parsed: ParsedReply) -> str:
+        return "tool_calls" if parsed.tool_calls else out["finish_reason"]
+
+    async def _record(self, call: _Call, turns: list[Turn]) -> list[int | None]:
+        """Record main-line turns with the tracker; returns their indexes (None when not recorded)."""
+        req = call.req
         if req.turn_type == "side":
-            self.counts["side_turns"] += 1
-            if req.done and req.session_id:
-                await self.tracker.close_session.remote(req.session_id)
-        elif req.session_id is None:
-            self.counts["unattributed"] += 1
-        else:
-            self.counts["main_turns"] += 1
-            turn = Turn(session_id=req.session_id, turn_index=0, messages=req.messages, response_message=message,
-                        prompt_ids=prompt_ids, response_ids=response_ids, rollout_logprobs=out["logprobs"],
-                        policy_version=out["policy_version"], finish_reason=finish, temperature=req.temperature,
-                        tools=req.tools)
-            turn_index = await self.tracker.record_turn.remote(turn, req.done)
+            self.counts["side_turns"] += len(turns)
+            if req.done and call.session_id:
+                await self.tracker.close_session.remote(call.session_id)
+            return [None] * len(turns)
+        if call.session_id is None:
+            return [None] * len(turns)
+        self.counts["main_turns"] += len(turns)
+        return await self.tracker.record_turns.remote(turns, req.done)
 
+    # ------------------------------------------------------------------ plain answers
+    async def _complete(self, call: _Call) -> JSONResponse:
+        engine = self._engine(call)
+        wait_s = self.cfg["sync_wait_timeout_s"]
+        outs = await asyncio.wait_for(asyncio.gather(*(engine.generate.remote(g, wait_s)
+                                                       for g in self._generate_requests(call))),
+                                      timeout=self.cfg["generate_timeout_s"])
+        parsed = [parse_reply_text(self.tokenizer.decode(self._body_ids(o["response_ids"]), skip_special_tokens=False),
+                                   call.in_reasoning) for o in outs]
+        turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
+        indexes = await self._record(call, turns)
+        completion = sum(len(o["response_ids"]) for o in outs)
+        version = outs[0]["policy_version"]
         payload = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.model or self.cfg["model_name"],
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),
-                      "total_tokens": len(prompt_ids) + len(response_ids)},
-            "session_id": req.session_id,
-            "turn_index": turn_index,
-            "policy_version": out["policy_version"],
+            "model": call.req.model or self.cfg["model_name"],
+            "choices": [{"index": i, "message": p.message(), "finish_reason": t.finish_reason, "logprobs": None}
+                        for i, (p, t) in enumerate(zip(parsed, turns))],
+            "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
+                      "total_tokens": len(call.prompt_ids) + completion},
+            "session_id": call.session_id,
+            "turn_index": indexes[0],
+            "policy_version": version,
         }
-        return JSONResponse(payload, headers={"X-Policy-Version": str(out["policy_version"])})
+        if call.req.n > 1:
+            payload["turn_indexes"] = indexes
+        return JSONResponse(payload, headers={"X-Policy-Version": str(version)})
+
+    # ------------------------------------------------------------------ streamed answers
+    async def _stream(self, call: _Call) -> StreamingResponse:
+        """Start the engine stream and answer with SSE once the engine admitted the request (so a
+        sync timeout is still a 503, not a broken stream)."""
+        (gen_req,) = self._generate_requests(call)
+        stream = self._engine(call).generate_stream.remote(gen_req, self.cfg["sync_wait_timeout_s"])
+        await asyncio.wait_for(_next(stream), timeout=self.cfg["generate_timeout_s"])  # {"admitted": True}
+        return StreamingResponse(self._sse(call, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _sse(self, call: _Call, stream: Any) -> AsyncIterator[str]:
+        """The event stream: role delta, reasoning/content/tool-call deltas as tokens arrive (text on
+        UTF-8 character boundaries), the finish chunk, the usage chunk when asked, ``[DONE]``."""
+        req = call.req
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": req.model or self.cfg["model_name"]}
+        usage_field = {"usage": None} if req.include_usage else {}
+
+        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
+            body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                    **usage_field, **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def deltas(events: list) -> Iterator[str]:
+            for kind, value in events:
+                if kind == "tool_call":
+                    yield chunk({"tool_calls": [value]})
+                else:
+                    yield chunk({"reasoning_content" if kind == "reasoning" else "content": value})
+
+        detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        parser = ReplyParser(call.in_reasoning)
+        completed = False
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            out = None
+            while out is None:
+                item = await asyncio.wait_for(_next(stream), timeout=self.cfg["generate_timeout_s"])
+                if item.get("done"):
+                    out = item
+                    break
+                for text in deltas(parser.feed(detok.add([t for t in item["token_ids"] if t not in self.stop_ids]))):
+                    yield text
+            for text in deltas(parser.feed(detok.finish()) + parser.finish()):
+                yield text
+            turn = self._turn(call, out, parser.result)
+            (index,) = await self._record(call, [turn])  # before [DONE]: the client's next request sees it
+            n_prompt, n_completion = len(call.prompt_ids), len(out["response_ids"])
+            yield chunk({}, turn.finish_reason, session_id=call.session_id, turn_index=index,
+                        policy_version=out["policy_version"])
+            if req.include_usage:
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': {'prompt_tokens': n_prompt, 'completion_tokens': n_completion, 'total_tokens': n_prompt + n_completion}})}\n\n"
+            yield "data: [DONE]\n\n"
+            completed = True
+            self.counts["streams"] += 1
+        except Exception as e:  # headers are sent: report in-band, never a broken connection
+            logger.exception("stream failed")
+            self.counts["stream_errors"] += 1
+            err = {"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
+                             "param": None, "code": "internal_error"}}
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not completed:
+                self.counts["streams_not_completed"] += 1
+            if call.locked:
+                self.locks.release(call.locked)
 
 
 def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict, host: str, port: int,

@@ -2,8 +2,8 @@
 
 Everything the client sends is checked here, before any engine work: a bad value raises
 :class:`~clawray.chat.RequestError` naming the field (HTTP 400). Parameters clawray does not implement
-yet (streaming, n > 1, stop strings, penalties, logprobs, forced tool choice) are rejected with code
-``unsupported`` rather than silently ignored.
+yet (stop strings, penalties, logprobs, forced tool choice, n > 1 with streaming) are rejected with
+code ``unsupported`` rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class ChatRequest:
         session_id: the session, or None when the client sent none.
         turn_type: ``"main"`` or ``"side"``.
         done: the client closes the session with this request.
+        n: choices to sample (each recorded as its own turn).
+        stream: answer as server-sent events; ``include_usage`` adds the usage chunk.
     """
 
     messages: list[dict[str, Any]]
@@ -45,6 +47,9 @@ class ChatRequest:
     session_id: str | None
     turn_type: str
     done: bool
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -108,7 +113,6 @@ def _tools(body: Mapping) -> list[dict[str, Any]] | None:
 
 def _unsupported(body: Mapping) -> None:
     checks = {
-        "stream": lambda v: v is False,
         "stop": lambda v: v in ([], ""),
         "logprobs": lambda v: v is False,
         "top_logprobs": lambda v: v == 0,
@@ -120,8 +124,6 @@ def _unsupported(body: Mapping) -> None:
     for key, ok in checks.items():
         if body.get(key) is not None and not ok(body[key]):
             raise RequestError(f"'{key}' is not supported yet; omit it", key, "unsupported")
-    if _number(body, "n", 1, 1, 1 << 10, integer=True) != 1:
-        raise RequestError("only n=1 is supported", "n", "unsupported")
 
 
 def _tool_choice(body: Mapping, tools: list | None) -> list | None:
@@ -147,8 +149,25 @@ def _flag(value: Any, key: str) -> bool:
     raise RequestError(f"{key} must be true or false, got {value!r}", key)
 
 
+def _stream(body: Mapping) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError("'stream' must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not isinstance(options, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with stream=true", "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise RequestError("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
+    return True, include
+
+
 def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], default_max_tokens: int,
-                       default_temperature: float) -> ChatRequest:
+                       default_temperature: float, max_n: int = 1) -> ChatRequest:
     """Validate a decoded body and the session headers.
 
     Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``, or
@@ -167,7 +186,11 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     max_tokens = _number(body, "max_tokens", max_tokens or default_max_tokens, 1, 1 << 20, integer=True)
     temperature = float(_number(body, "temperature", default_temperature, 0.0, 2.0))
     top_p = float(_number(body, "top_p", 1.0, 1e-6, 1.0))
-    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1 - max_n, integer=True)
+    stream, include_usage = _stream(body)
+    n = _number(body, "n", 1, 1, max_n, integer=True)
+    if n > 1 and stream:
+        raise RequestError("n > 1 cannot be streamed yet; use stream=false or n=1", "n", "unsupported")
 
     session_id = headers.get("x-session-id")
     if session_id is None:
@@ -182,4 +205,5 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     done_raw = headers.get("x-session-done")
     done = _flag(done_raw if done_raw is not None else body.get("session_done", False), "session_done")
     return ChatRequest(messages=messages, tools=tools, model=model, max_tokens=max_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed, session_id=session_id, turn_type=turn_type.lower(), done=done)
+                       top_p=top_p, seed=seed, session_id=session_id, turn_type=turn_type.lower(), done=done,
+                       n=n, stream=stream, include_usage=include_usage)

@@ -1,0 +1,287 @@
+"""The model's reply, token by token: incremental detokenisation and the reply parser.
+
+One code path serves streamed and non-streamed answers: a non-streamed reply is the same parser fed
+the whole text at once, so for a fixed sample the merged stream deltas equal the non-streamed message
+by construction (and ``tests/test_reply.py`` checks that every chunking gives the same result).
+
+Reply grammar (hermes / Qwen conventions)::
+
+    reply     := [ "<think>" reasoning "</think>" ] content
+    content   := text with zero or more "<tool_call>" JSON "</tool_call>" blocks
+
+* ``reasoning_content`` is the text between the think tags, as generated. A prompt that already
+  ends with ``<think>`` (thinking templates that open the block themselves) starts the parser inside
+  the reasoning. An unterminated think block is all reasoning.
+* ``content`` is the text outside think and tool-call blocks with surrounding whitespace stripped
+  (None when empty). Streaming holds back trailing whitespace and anything that may be the start of
+  a tag, so it never has to take text back.
+* A tool-call block holds one JSON object ``{"name": ..., "arguments": ...}``, several objects in a
+  row, or a JSON list of them; ``arguments`` (or ``parameters``) may be an object or a JSON string
+  encoding one (double-encoded strings are decoded). Each call becomes an OpenAI tool call with
+  ``arguments`` a JSON string. Once a block opens, the rest of the reply is buffered and parsed at
+  the end; if any block is not valid JSON, or is not closed, the whole non-reasoning text is the
+  content and the reply is flagged ``tool_parse_error`` (never a server error).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.DOTALL)
+
+
+def _partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass
+class ParsedReply:
+    """A parsed reply.
+
+    Attributes:
+        content: the text outside think and tool-call blocks, stripped; None when empty.
+        reasoning_content: the think block's text, or None when there is none.
+        tool_calls: OpenAI tool calls (``{"id", "type": "function", "function": {"name", "arguments"}}``
+            with ``arguments`` a JSON string).
+        tool_parse_error: a tool-call block was not valid JSON or not closed.
+    """
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_parse_error: bool = False
+
+    def message(self) -> dict[str, Any]:
+        """The OpenAI assistant message (``tool_calls`` and ``reasoning_content`` only when present)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def parse_tool_block(body: str) -> list[dict[str, Any]]:
+    """The tool calls in one block's JSON body.
+
+    Returns:
+        ``[{"name": str, "arguments": dict}, ...]`` (one or more).
+
+    Raises:
+        ValueError: the body is not one or more JSON call objects with a string ``name`` and
+            object (or JSON-string-encoded object) ``arguments``.
+    """
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    pos, text = 0, body.strip()
+    if not text:
+        raise ValueError("empty tool-call block")
+    while pos < len(text):
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"tool-call block is not JSON: {e}") from None
+        items.extend(obj if isinstance(obj, list) else [obj])
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+    calls = []
+    for obj in items:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            raise ValueError("a tool call needs a string 'name'")
+        args = obj.get("arguments", obj.get("parameters", {}))
+        for _ in range(2):  # an object, a JSON string of it, or (double-encoded) a JSON string of that
+            if not isinstance(args, str):
+                break
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError("tool-call arguments are not valid JSON") from None
+        if not isinstance(args, dict):
+            raise ValueError("tool-call arguments must be a JSON object")
+        calls.append({"name": obj["name"], "arguments": args})
+    return calls
+
+
+class ReplyParser:
+    """Splits a reply into reasoning, content and tool calls as its text arrives.
+
+    ``feed(text)`` returns the deltas that are now certain, ``finish()`` the rest; both return a list
+    of ``(kind, value)`` with kind ``"reasoning"`` or ``"content"`` (str) or ``"tool_call"`` (an
+    OpenAI tool call dict with its ``index``). ``result`` is the whole :class:`ParsedReply` after
+    ``finish()``. The outcome does not depend on how the text is split into chunks.
+
+    Args:
+        in_reasoning: the prompt already opened a think block (its rendered text ends with ``<think>``).
+        make_id: tool-call id factory (tests pass a deterministic one).
+    """
+
+    def __init__(self, in_reasoning: bool = False, make_id: Callable[[], str] | None = None):
+        self.state = "reasoning" if in_reasoning else "start"
+        self.make_id = make_id or (lambda: f"call_{uuid.uuid4().hex[:24]}")
+        self.pending = ""  # text not yet classified (a possible partial tag, or the undecided start)
+        self.held_ws = ""  # content whitespace not yet emitted (dropped if nothing follows)
+        self.content_started = False
+        self.tool_buffer = ""
+        self.result = ParsedReply(reasoning_content="" if in_reasoning else None)
+        self._content: list[str] = []
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        """Add reply text; returns the deltas it makes certain."""
+        out: list[tuple[str, Any]] = []
+        self.pending += text
+        while self.pending:
+            if self.state == "start":
+                head = self.pending.lstrip()
+                if THINK_OPEN.startswith(head):  # undecided (empty or a partial "<think>")
+                    break
+                if head.startswith(THINK_OPEN):
+                    self.state, self.pending = "reasoning", head[len(THINK_OPEN):]
+                    self.result.reasoning_content = ""
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                end = self.pending.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _partial_tag_len(self.pending, THINK_CLOSE)
+                    self._reasoning(self.pending[: len(self.pending) - keep], out)
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                self._reasoning(self.pending[:end], out)
+                self.state, self.pending = "content", self.pending[end + len(THINK_CLOSE):]
+            elif self.state == "content":
+                start = self.pending.find(TOOL_OPEN)
+                if start < 0:
+                    keep = _partial_tag_len(self.pending, TOOL_OPEN)
+                    self._content_text(self.pending[: len(self.pending) - keep], out)
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                self._content_text(self.pending[:start], out)
+                self.state, self.tool_buffer, self.pending = "tools", "", self.pending[start:]
+            else:  # tools: everything is parsed at the end
+                self.tool_buffer += self.pending
+                self.pending = ""
+        return out
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """Flush: classify what is left, parse the tool-call blocks; returns the last deltas."""
+        out: list[tuple[str, Any]] = []
+        rest, self.pending = self.pending, ""
+        if self.state == "reasoning":
+            self._reasoning(rest, out)
+        elif self.state in ("start", "content"):
+            self._content_text(rest, out)
+        else:
+            self.tool_buffer += rest
+            self._finish_tools(out)
+        content = "".join(self._content)
+        self.result.content = content or None
+        return out
+
+    def _finish_tools(self, out: list) -> None:
+        buf = self.tool_buffer
+        calls: list[dict[str, Any]] = []
+        outside: list[str] = []
+        pos, ok = 0, True
+        for m in _BLOCK.finditer(buf):
+            outside.append(buf[pos : m.start()])
+            pos = m.end()
+            try:
+                calls += parse_tool_block(m.group(1))
+            except ValueError:
+                ok = False
+                break
+        outside.append(buf[pos:])
+        if ok and TOOL_OPEN in "".join(outside):  # a block that never closed
+            ok = False
+        if not ok:
+            self.result.tool_parse_error = True
+            self._content_text(buf, out)
+            return
+        self._content_text("".join(outside), out)
+        for i, call in enumerate(calls):
+            tc = {"id": self.make_id(), "type": "function",
+                  "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+            self.result.tool_calls.append(tc)
+            out.append(("tool_call", {"index": i, **tc}))
+
+    # ------------------------------------------------------------------ emitters
+    def _reasoning(self, text: str, out: list) -> None:
+        if text:
+            self.result.reasoning_content += text
+            out.append(("reasoning", text))
+
+    def _content_text(self, text: str, out: list) -> None:
+        """Emit content with the stripping rule: no leading whitespace, trailing whitespace held."""
+        if not self.content_started:
+            text = text.lstrip()
+            if not text:
+                return
+            self.content_started = True
+        body = text.rstrip()
+        if not body:
+            self.held_ws += text
+            return
+        piece = self.held_ws + body
+        self.held_ws = text[len(body):]
+        self._content.append(piece)
+        out.append(("content", piece))
+
+
+def parse_reply_text(text: str, in_reasoning: bool = False) -> ParsedReply:
+    """Parse a whole reply at once (the non-streamed path); see :class:`ReplyParser`."""
+    parser = ReplyParser(in_reasoning)
+    parser.feed(text)
+    parser.finish()
+    return parser.result
+
+
+class IncrementalDetokenizer:
+    """Turns response token ids into text deltas that end on UTF-8 character boundaries.
+
+    A byte-level BPE token can hold part of a multi-byte character; its decoded text then ends in
+    U+FFFD, and the delta is withheld until the character completes. Decoding uses a window that
+    starts one step back (the offsets of Hugging Face's TGI / vLLM detokenisers) so each step
+    decodes a few tokens, not the whole reply.
+
+    Args:
+        decode: ``ids -> str`` (the tokenizer's decode, special tokens kept).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.emitted = ""
+
+    def add(self, ids: list[int]) -> str:
+        """Append token ids; returns the newly complete text ('' while a character is incomplete)."""
+        self.ids.extend(ids)
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        delta = text[len(prefix):]
+        self.emitted += delta
+        return delta
+
+    def finish(self) -> str:
+        """The remaining text, so that all deltas join to ``decode(all ids)``."""
+        full = self.decode(self.ids)
+        if not full.startswith(self.emitted):  # cannot happen for byte-level BPE; never drop text
+            return ""
+        delta = full[len(self.emitted):]
+        self.emitted = full
+        return delta

@@ -1,0 +1,411 @@
+"""OpenAI compatibility of the PolicyServer, driven by the official ``openai`` client (sync, async,
+streaming, tools, errors), on the tiny model's real engine and on a scripted engine where exact
+outputs are needed. Also: sessions without drift (token splicing under a thinking template), session
+inference, arrival order, n > 1, truncation, the weight-sync 503 and the records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from clawray.ray_env import free_port
+
+pytestmark = pytest.mark.slow
+
+# A Qwen3-style thinking template: an assistant's reasoning is rendered only after the last user
+# message, so a fresh render of the history drops earlier think blocks; tool-call JSON is re-serialised.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if tools -%}{{- '<|im_start|>system\\n<tools>' -}}{%- for t in tools -%}{{- t.function.name -}}{%- endfor -%}"
+    "{{- '</tools><|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if m.reasoning_content and loop.index0 > ns.last_user -%}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content or '' -}}"
+    "{%- for c in m.tool_calls or [] -%}{{- '<tool_call>\\n' -}}"
+    "{{- {'name': c.function.name, 'arguments': c.function.arguments} | tojson -}}{{- '\\n</tool_call>' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+def _scripted_engine_class():
+    """Stands in for a RolloutEngine: replies with queued token ids (one token per stream item) and
+    remembers every request, so outputs and recorded tokens can be checked exactly."""
+
+    class ScriptedEngine:
+        def __init__(self):
+            self.replies, self.requests, self.delay_s = [], [], 0.0
+
+        async def script(self, replies, delay_s=0.0):
+            self.replies, self.delay_s = list(replies), delay_s
+
+        async def _next(self, request):
+            self.requests.append(request)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            ids, finish = self.replies.pop(0) if self.replies else ([1], "length")
+            if len(ids) > request.max_tokens:  # cut like a real engine
+                ids, finish = ids[: request.max_tokens], "length"
+            return {"response_ids": ids, "logprobs": [-0.01 * (i + 1) for i in range(len(ids))],
+                    "finish_reason": finish,
+                    "policy_version": 3, "engine": "scripted"}
+
+        async def generate(self, request, wait_s=None):
+            return await self._next(request)
+
+        async def generate_stream(self, request, wait_s=None):
+            out = await self._next(request)
+            yield {"admitted": True}
+            for t in out["response_ids"]:
+                yield {"token_ids": [t]}
+            yield {**out, "done": True}
+
+        async def seen(self):
+            return self.requests
+
+        async def stats(self):
+            return {"name": "scripted", "version": 3, "requests": len(self.requests)}
+
+        async def is_paused(self):
+            return False
+
+        async def get_version(self):
+            return 3
+
+    return ScriptedEngine
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_model, tmp_path_factory):
+    """Two PolicyServer apps on one Serve instance: ``/real`` (the tiny model on an hf RolloutEngine)
+    and ``/scripted`` (a scripted engine, the thinking template), each with its own SessionTracker."""
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.rollout import RolloutEngineActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.serve.app import PolicyServer
+
+    tmp = tmp_path_factory.mktemp("serve")
+    thinking_model = str(tmp / "tiny-thinking")
+    shutil.copytree(tiny_model, thinking_model)
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    tok.chat_template = THINKING_TEMPLATE
+    tok.save_pretrained(thinking_model)
+
+    real_engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
+    scripted = ray.remote(_scripted_engine_class()).options(num_cpus=0).remote()
+    judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
+    trackers = {}
+    for name in ("real", "scripted"):
+        queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
+        trackers[name] = SessionTrackerActor.options(num_cpus=0).remote(
+            [judge], queue, records_dir=str(tmp / name / "records"), idle_timeout_s=600.0, truncated="mask")
+    ray.get(real_engine.ready.remote())
+    cfg = {"model_name": "tiny", "default_max_tokens": 100, "default_temperature": 1.0, "max_model_len": 256,
+           "generate_timeout_s": 60, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 1.0,
+           "retry_after_s": 2, "max_n": 4}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    opts = {"ray_actor_options": {"num_cpus": 0}}
+    serve.run(PolicyServer.options(**opts).bind(tiny_model, [real_engine], trackers["real"], cfg),
+              name="real", route_prefix="/real")
+    serve.run(PolicyServer.options(**opts).bind(thinking_model, [scripted], trackers["scripted"], cfg),
+              name="scripted", route_prefix="/scripted")
+    root = f"http://127.0.0.1:{port}"
+    yield {"root": root, "real": f"{root}/real/v1", "scripted": f"{root}/scripted/v1", "engine": real_engine,
+           "scripted_engine": scripted, "trackers": trackers, "tok": tok, "records": tmp}
+    serve.shutdown()
+    ray.kill(real_engine)
+
+
+def _client(base):
+    return openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+
+
+def _ids(tok, text, stop=True):
+    return tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if stop else [])
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+def test_stream_merges_to_the_plain_answer_for_a_fixed_seed(served):
+    client = _client(served["real"])
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, seed=11, max_tokens=24,
+                                           extra_headers={"X-Session-Id": "plain-11"})
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, seed=11, max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_headers={"X-Session-Id": "stream-11"}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == (plain.choices[0].message.content or "")
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [plain.choices[0].finish_reason]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    turn = ray.get(served["trackers"]["real"].pending_turn.remote("stream-11"))
+    assert usage.usage.completion_tokens == len(turn.response_ids)
+    assert usage.usage.prompt_tokens == len(turn.prompt_ids)
+    # the raw event stream ends with [DONE]
+    with httpx.stream("POST", served["real"] + "/chat/completions", timeout=60, json={
+            "messages": messages, "stream": True, "max_tokens": 4, "seed": 1}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+
+
+def test_stream_emits_whole_characters_reasoning_and_tool_call_deltas(served):
+    tok, engine = served["tok"], served["scripted_engine"]
+    reply = ('<think>\n漢字 ✓ plan\n</think>\n\nCalling the tool: é.\n<tool_call>\n'
+             '{"name": "calculator", "arguments": "{\\"expression\\": \\"3*4\\"}"}\n</tool_call>')
+    ray.get(engine.script.remote([(_ids(tok, reply), "stop"), (_ids(tok, reply), "stop")]))
+    client = _client(served["scripted"])
+    messages = [{"role": "user", "content": "3*4?"}]
+    plain = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                           extra_headers={"X-Session-Id": "utf-plain"})
+    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True,
+                                                 extra_headers={"X-Session-Id": "utf-stream"}))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    reasoning = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks]
+    reasoning = [r for r in reasoning if r]
+    assert len(texts) > 3 and len(reasoning) > 3  # token by token
+    assert all("\ufffd" not in t for t in texts + reasoning)
+    assert "".join(texts) == plain.choices[0].message.content == "Calling the tool: é."
+    assert "".join(reasoning) == plain.choices[0].message.model_extra["reasoning_content"] == "\n漢字 ✓ plan\n"
+    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "calculator", {"expression": "3*4"})]
+    (plain_call,) = plain.choices[0].message.tool_calls
+    assert json.loads(plain_call.function.arguments) == {"expression": "3*4"}  # double-encoded -> one JSON string
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason == "tool_calls"
+    turn = ray.get(served["trackers"]["scripted"].pending_turn.remote("utf-stream"))
+    assert turn.response_ids == _ids(tok, reply)  # think tokens kept in the recorded response
+
+
+# ---------------------------------------------------------------------------------------------- tool calls
+def test_scripted_tool_blocks_two_objects_bad_json_and_truncation(served):
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    two = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+    bad = 'Result: <tool_call>\n{"name": "calculator", "arguments": {oops}}\n</tool_call>'
+    long_reply = _ids(tok, "one two three four five six seven eight nine ten", stop=False)
+    ray.get(engine.script.remote([(_ids(tok, two), "stop"), (_ids(tok, bad), "stop"), (long_reply, "stop")]))
+    client = _client(served["scripted"])
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "sums"}], tools=TOOLS,
+                                       extra_headers={"X-Session-Id": "two-calls"})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [
+        {"expression": "1+1"}, {"expression": "2+2"}]
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "bad"}], tools=TOOLS,
+                                       extra_headers={"X-Session-Id": "bad-call"})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == bad
+    assert ray.get(tracker.pending_turn.remote("bad-call")).tool_parse_error
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "count"}], max_tokens=4,
+                                       extra_headers={"X-Session-Id": "cut"})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    cut = ray.get(tracker.pending_turn.remote("cut"))
+    assert cut.truncated and cut.response_ids == long_reply[:4]
+    # the next request resolves the truncated turn: masked (not judged), counted
+    before = ray.get(tracker.stats.remote()).get("dropped/truncated", 0)
+    client.chat.completions.create(model="m", messages=[
+        {"role": "user", "content": "count"}, {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "go on"}], max_tokens=2, extra_headers={"X-Session-Id": "cut"})
+    assert ray.get(tracker.stats.remote())["dropped/truncated"] == before + 1
+
+
+def test_history_tool_arguments_as_string_or_object_render_the_same(served):
+    engine = served["scripted_engine"]
+    ray.get(engine.script.remote([([5], "length"), ([5], "length")]))
+    client = _client(served["scripted"])
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}
+    history = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    as_object = [history[0], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": {"expression": "1+1"}}}]},
+                 history[2]]
+    n0 = len(ray.get(engine.seen.remote()))
+    for msgs in (history, as_object):  # side turns: rendered fresh, never spliced
+        client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, extra_headers={"X-Turn-Type": "side"})
+    a, b = ray.get(engine.seen.remote())[n0:]
+    assert a.prompt_ids == b.prompt_ids
+    bad = [history[0], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": "{nope"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=bad)
+    assert e.value.body["param"] == "messages[1].tool_calls"
+
+
+# ---------------------------------------------------------------------------------------------- no drift
+def test_spliced_prompts_keep_earlier_responses_exactly_under_a_thinking_template(served):
+    """Three turns of a tool session with think blocks and compact tool-call JSON: a fresh render
+    would drop the think block and re-serialise the JSON, but each recorded prompt holds the earlier
+    turns' prompt + response ids exactly."""
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    replies = ['<think>\nneed the tool\n</think>\n\n<tool_call>\n{"name":"calculator","arguments":{"expression":"6*7"}}\n</tool_call>',
+               '<think>\ngot 42\n</think>\n\nIt is 42.',
+               '<think>\nagain\n</think>\n\n<tool_call>\n{"name":"calculator","arguments":{"expression":"42+1"}}\n</tool_call>']
+    ray.get(engine.script.remote([(_ids(tok, r), "stop") for r in replies]))
+    client = _client(served["scripted"])
+    messages = [{"role": "user", "content": "6*7?"}]
+    turns = []
+    for k, follow in enumerate([{"role": "tool", "tool_call_id": "x", "content": "42"},
+                                {"role": "user", "content": "and plus one?"}, None]):
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                           extra_headers={"X-Session-Id": "drift"}, stream=(k == 1))
+        if k == 1:  # a streamed turn: rebuild the message from the deltas, as a client does
+            chunks = list(r)
+            msg = {"role": "assistant", "content": "".join(c.choices[0].delta.content or "" for c in chunks),
+                   "reasoning_content": "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)}
+        else:
+            msg = r.choices[0].message.model_dump(exclude_none=True)
+        turns.append(ray.get(tracker.pending_turn.remote("drift")))
+        if follow is not None:
+            messages = messages + [msg, follow]
+    for prev, nxt in zip(turns, turns[1:]):
+        head = prev.prompt_ids + prev.response_ids
+        assert nxt.spliced and nxt.prompt_ids[: len(head)] == head
+    fresh = tok.encode(tok.apply_chat_template(turns[2].messages, tools=TOOLS, add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False)
+    assert fresh != turns[2].prompt_ids  # the template would have drifted: think dropped, JSON re-serialised
+    assert fresh[-3:] == turns[2].prompt_ids[-3:]  # ... while the new suffix is the template's own rendering
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+def test_sessions_are_inferred_for_clients_without_ids(served):
+    client, tracker = _client(served["real"]), served["trackers"]["real"]
+    messages = [{"role": "user", "content": "no header here"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=3)
+    sid = first.model_extra["session_id"]
+    assert sid.startswith("auto-") and first.model_extra["turn_index"] == 1
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=4)
+    assert second.model_extra["session_id"] == sid and second.model_extra["turn_index"] == 2
+    assert ray.get(tracker.pending_turn.remote(sid)).spliced
+    stray = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "never served"}, {"role": "user", "content": "?"}])
+    assert stray.model_extra["session_id"] is None and stray.model_extra["turn_index"] is None
+    counts = httpx.get(served["root"] + "/real/health", timeout=30).json()["counts"]
+    assert counts["sessions_inferred"] >= 1 and counts["unattributable"] >= 1
+    assert counts["sessions_started_without_id"] >= 2
+
+
+def test_concurrent_requests_of_one_session_run_in_arrival_order(served):
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    ray.get(engine.script.remote([(_ids(tok, f"reply {i}"), "stop") for i in range(3)], delay_s=0.3))
+    client = openai.AsyncOpenAI(base_url=served["scripted"], api_key="x", max_retries=0)
+    n0 = len(ray.get(engine.seen.remote()))
+
+    async def burst():
+        async def one(i):
+            await asyncio.sleep(0.05 * i)
+            return await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}],
+                                                        extra_headers={"X-Session-Id": "burst"})
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(burst())
+    assert time.perf_counter() - t0 >= 0.9  # one at a time
+    assert [r.model_extra["turn_index"] for r in results] == [1, 2, 3]
+    assert [r.choices[0].message.content for r in results] == ["reply 0", "reply 1", "reply 2"]
+    seen = ray.get(engine.seen.remote())[n0:]
+    assert [tok.decode(s.prompt_ids).split("q")[-1][0] for s in seen] == ["0", "1", "2"]
+    stats = ray.get(tracker.stats.remote())
+    assert stats["dropped/branch"] >= 2  # q1 and q2 do not continue the earlier replies
+
+
+def test_n_choices_are_recorded_as_n_turns_and_one_is_continued(served):
+    client, tracker = _client(served["real"]), served["trackers"]["real"]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pick"}], n=3, seed=5,
+                                       max_tokens=6, extra_headers={"X-Session-Id": "multi"})
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.model_extra["turn_indexes"] == [1, 2, 3]
+    turns = [ray.get(tracker.pending_turn.remote("multi", i)) for i in range(3)]
+    assert len({tuple(t.prompt_ids) for t in turns}) == 1
+    assert r.usage.completion_tokens == sum(len(t.response_ids) for t in turns)
+    before = ray.get(tracker.stats.remote())
+    chosen = r.choices[1].message.model_dump(exclude_none=True)
+    client.chat.completions.create(model="tiny", max_tokens=2, extra_headers={"X-Session-Id": "multi"}, messages=[
+        {"role": "user", "content": "pick"}, chosen, {"role": "user", "content": "thanks"}])
+    after = ray.get(tracker.stats.remote())
+    assert after.get("dropped/unchosen", 0) == before.get("dropped/unchosen", 0) + 2
+    assert after.get("judged", 0) + after.get("dropped/truncated", 0) > before.get("judged", 0) + before.get(
+        "dropped/truncated", 0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=5)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2, stream=True)
+    assert e.value.body["code"] == "unsupported"
+
+
+# ---------------------------------------------------------------------------------------------- errors, limits
+def test_async_client_errors_and_limits(served):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=served["real"], api_key="x", max_retries=0)
+        ok = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=3, extra_headers={"X-Session-Id": "limits"})
+        assert ok.model_extra["turn_index"] == 1
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 400}],
+                                                 extra_headers={"X-Session-Id": "limits"})
+        assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
+        assert "max_model_len is 256" in e.value.body["message"] and "prompt is" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                 stream=False, stream_options={"include_usage": True})
+        assert e.value.body["param"] == "stream_options"
+        again = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=3, extra_headers={"X-Session-Id": "limits"})
+        return again
+
+    again = asyncio.run(run())
+    assert again.model_extra["turn_index"] == 2  # the rejected request recorded nothing
+
+
+def test_sync_pause_gives_503_with_retry_after_then_serves(served):
+    engine = served["engine"]
+    ray.get(engine.pause.remote())
+    try:
+        health = httpx.get(served["root"] + "/real/health", timeout=30).json()
+        assert health["engines"][0]["state"] == "syncing"
+        t0 = time.perf_counter()
+        r = httpx.post(served["real"] + "/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["code"] == "engine_syncing" and time.perf_counter() - t0 >= 1.0
+    finally:
+        ray.get(engine.resume.remote())
+    r = httpx.post(served["real"] + "/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200
+    health = httpx.get(served["root"] + "/real/health", timeout=30).json()
+    assert health["engines"][0] == {**health["engines"][0], "name": "rollout-0", "policy_version": 0, "state": "serving"}
+    assert health["open_sessions"] >= 1
+
+
+def test_records_are_appended_0600_with_turns_and_judgments(served):
+    records = served["records"] / "real" / "records"
+    turns = [json.loads(line) for line in open(records / "turns.jsonl")]
+    assert turns and {"session_id", "turn_index", "prompt_ids", "response_ids", "rollout_logprobs",
+                      "policy_version", "truncated", "spliced"} <= set(turns[0])
+    assert all(len(t["response_ids"]) == len(t["rollout_logprobs"]) for t in turns)
+    assert stat.S_IMODE(os.stat(records / "turns.jsonl").st_mode) == 0o600
+    ray.get(served["trackers"]["real"].drain.remote(30))
+    judged = [json.loads(line) for line in open(records / "judgments.jsonl")]
+    assert judged and stat.S_IMODE(os.stat(records / "judgments.jsonl").st_mode) == 0o600
