@@ -153,8 +153,9 @@ class LearnerConfig:
 class SyncConfig:
     """Learner -> rollout weight broadcast."""
 
-    bucket_mb: int = 64
-    timeout_s: float = 120.0
+    transport: str = "collective"  # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline)
+    bucket_mb: int = 64  # flat bucket size, MiB
+    timeout_s: float = 120.0  # deadline of one sync and of each collective in it; a failed sync rebuilds the group
 
 
 @dataclass
@@ -241,6 +242,7 @@ _CHOICES = {
     "learner.kl_estimator": ("k1", "k2", "k3"),
     "model.build": ("none", "tiny", "smollm2"),
     "wandb.mode": ("offline", "online", "disabled"),
+    "sync.transport": ("collective", "object_store"),
 }
 
 
