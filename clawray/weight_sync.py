@@ -12,10 +12,11 @@ per tensor. Implementations:
 * :class:`ObjectStoreTransport`: the naive baseline; rank 0 ``ray.put``\\ s the buckets and posts their
   refs to a :class:`WeightMailbox` actor, receivers ``ray.get`` them.
 
-Every sync starts with a header: the policy version, the plan's size, a 64-bit digest of the ordered
-``(name, shape, dtype)`` plan and the sender's plan itself (a few KB of JSON). A receiver compares
-them with its own plan *before* it yields any weight and raises :class:`WeightSyncError` naming the
-first differences; it still drains the sync's buckets so that the group stays in step.
+Every sync starts with a header: the policy version, the plan's size and a 64-bit digest of the
+ordered ``(name, shape, dtype)`` plan; the sender's plan itself (a few KB of JSON) follows the
+header of a group's first sync (every object-store sync). A receiver compares them with its own plan
+*before* it yields any weight and raises :class:`WeightSyncError` naming the first differences; it
+still drains the sync's buckets so that the group stays in step.
 
 :class:`WeightSyncController` is the driver's side: it builds the group, pauses the engines, runs one
 sync under ``timeout_s``, always resumes the engines, names the engines that failed and rebuilds the
@@ -158,7 +159,8 @@ def plan_diff(expected: list[WeightSpec], got: list[WeightSpec], limit: int = 3)
 @dataclass
 class SyncHeader:
     """What precedes the buckets of one sync (``digest``: :func:`plan_digest` of the sender's plan;
-    ``meta_nbytes``: bytes of :func:`encode_plan`; ``status``: 0 ok, 1 the sender aborted)."""
+    ``meta_nbytes``: bytes of :func:`encode_plan` that follow the header, 0 when the receivers
+    already have it; ``status``: 0 ok, 1 the sender aborted)."""
 
     version: int
     n_tensors: int
@@ -223,7 +225,8 @@ class WeightTransport(abc.ABC):
     def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive one sync. The header (version, names, shapes, dtypes) is checked before this
         returns; the iterator then yields ``(name, tensor)`` in plan order as buckets arrive and
-        must be consumed to the end (tensors are views of the flat buckets, valid until the next sync).
+        must be consumed to the end. Tensors are views of flat buckets that the collective transport
+        reuses: copy them (load them) before the next sync.
 
         Raises:
             WeightSyncError: version or metadata mismatch (naming the differences), the sender
@@ -239,7 +242,7 @@ class WeightTransport(abc.ABC):
         return SyncHeader(version, len(self.plan), len(self.buckets), self.digest, len(self.meta), status)
 
     def _check_header(self, header: SyncHeader, meta: bytes, expected_version: int) -> list[tuple[int, torch.dtype]]:
-        """The sender's bucket layout; raises when the sync must not be loaded (after draining is arranged)."""
+        """The sender's bucket layout; raises :class:`_Abort` (carrying it) when the sync must not be loaded."""
         _, layout = decode_plan(meta)
         if header.status == _ABORT:
             raise _Abort(layout, f"the sender aborted the sync to v{header.version} (its state does not fit "
@@ -256,12 +259,17 @@ class WeightTransport(abc.ABC):
                                  f"buckets {header.n_buckets} vs {len(self.buckets)})")
         return layout
 
-    def _pack(self, bucket: Bucket, state: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """One flat tensor of ``bucket.numel`` elements; no copy when the bucket is one contiguous tensor."""
+    def _pack(self, bucket: Bucket, state: dict[str, torch.Tensor], device: torch.device,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """One flat tensor of ``bucket.numel`` elements, packed into ``out`` (a uint8 buffer of at least
+        the bucket's bytes) when given; no copy when the bucket is one contiguous tensor."""
         parts = [state[s.name].detach().reshape(-1) for s in bucket.specs]
         if len(parts) == 1 and parts[0].dtype == bucket.dtype and parts[0].device == device:
             return parts[0].contiguous()
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+        if out is not None:
+            flat = out[: bucket.numel * bucket.dtype.itemsize].view(bucket.dtype)
+        else:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
         offset = 0
         for p in parts:
             flat[offset: offset + p.numel()].copy_(p)
@@ -311,6 +319,10 @@ class CollectiveTransport(WeightTransport):
         self.max_inflight = max(1, max_inflight)
         self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         self.broken = False
+        self._meta_sent = False  # the sender's plan travels with the group's first sync only
+        self._sender_meta: bytes | None = None  # what a receiver got from that first sync
+        self._pack_bufs: list[torch.Tensor] = []  # sender: ring of max_inflight reusable pack buffers
+        self._recv_bufs: list[torch.Tensor] = []  # receiver: one reusable flat buffer per bucket
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
         if backend == "gloo":
@@ -346,19 +358,29 @@ class CollectiveTransport(WeightTransport):
     def send(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
-        meta = torch.frombuffer(bytearray(self.meta), dtype=torch.uint8).to(self.device)
         try:
             check_plan(self.plan, state)
+            status = _OK
         except WeightSyncError:
-            self._bcast(self._header(version, _ABORT).to_tensor().to(self.device))  # receivers fail fast
-            self._bcast(meta)
-            raise
-        self._bcast(self._header(version).to_tensor().to(self.device))
-        self._bcast(meta)
+            status = _ABORT  # receivers are told, and fail fast instead of waiting for buckets
+        header = self._header(version, status)
+        if self._meta_sent:
+            header.meta_nbytes = 0
+        self._bcast(header.to_tensor().to(self.device))
+        if header.meta_nbytes:
+            self._bcast(torch.frombuffer(bytearray(self.meta), dtype=torch.uint8).to(self.device))
+            self._meta_sent = True
+        if status == _ABORT:
+            check_plan(self.plan, state)  # raises the reason
+        if not self._pack_bufs:
+            most = max((b.numel * b.dtype.itemsize for b in self.buckets if len(b.specs) > 1), default=0)
+            self._pack_bufs = [torch.zeros(most, dtype=torch.uint8, device=self.device)
+                               for _ in range(self.max_inflight)] if most else []
         nbytes = 0
         pending: deque = deque()
-        for bucket in self.buckets:
-            flat = self._pack(bucket, state, self.device)
+        for i, bucket in enumerate(self.buckets):
+            out = self._pack_bufs[i % len(self._pack_bufs)] if self._pack_bufs else None
+            flat = self._pack(bucket, state, self.device, out)
             nbytes += flat.numel() * flat.element_size()
             pending.append((self._start(flat), flat))  # keep ``flat`` alive until its broadcast is done
             while len(pending) >= self.max_inflight:
@@ -371,11 +393,15 @@ class CollectiveTransport(WeightTransport):
         header_t = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
         self._bcast(header_t)
         header = SyncHeader.from_tensor(header_t.cpu())
-        meta_t = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
-        self._bcast(meta_t)
-        meta = bytes(meta_t.cpu().numpy().tobytes())
+        if header.meta_nbytes:
+            meta_t = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
+            self._bcast(meta_t)
+            self._sender_meta = bytes(meta_t.cpu().numpy().tobytes())
+        if self._sender_meta is None:
+            self.broken = True
+            raise WeightSyncError("the sender's plan never arrived (this receiver missed the group's first sync)")
         try:
-            self._check_header(header, meta, expected_version)
+            self._check_header(header, self._sender_meta, expected_version)
         except _Abort as e:
             if header.status != _ABORT:  # drain the sender's buckets so the group stays in step
                 for numel, dtype in e.layout:
@@ -384,8 +410,11 @@ class CollectiveTransport(WeightTransport):
         return self._receive_buckets()
 
     def _receive_buckets(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self._recv_bufs:
+            self._recv_bufs = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
+
         def post(i: int):
-            flat = torch.empty(self.buckets[i].numel, dtype=self.buckets[i].dtype, device=self.device)
+            flat = self._recv_bufs[i]
             return flat, self._start(flat)
 
         nxt = post(0) if self.buckets else None

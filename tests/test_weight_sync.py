@@ -79,7 +79,7 @@ def test_gloo_broadcast_roundtrip_version_check_and_group_stays_in_step():
 
     def receiver():
         t = CollectiveTransport(1, 2, "127.0.0.1", port, plan, bucket_bytes=100, timeout_s=20)
-        got7 = dict(t.receive(expected_version=7))
+        got7 = {n: v.clone() for n, v in t.receive(expected_version=7)}  # views of reused buffers
         try:
             t.receive(expected_version=99)  # the sender stamps 8
             err = None
@@ -119,7 +119,7 @@ def test_metadata_mismatch_is_rejected_before_any_weight_loads(kind):
 
     def good():
         t = CollectiveTransport(1, 3, "127.0.0.1", port, plan, bucket_bytes=100, timeout_s=20)
-        return [dict(t.receive(v)) for v in (1, 2)]
+        return [{n: x.clone() for n, x in t.receive(v)} for v in (1, 2)]
 
     def bad():
         t = CollectiveTransport(2, 3, "127.0.0.1", port, wrong, bucket_bytes=100, timeout_s=20)
