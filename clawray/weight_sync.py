@@ -433,7 +433,7 @@ class CollectiveTransport(WeightTransport):
 class WeightMailbox:
     """Where :class:`ObjectStoreTransport` posts each sync: the header, the plan bytes and the bucket refs.
 
-    Posts are numbered 1, 2, ... per transport generation (a rebuild creates a new mailbox).
+    Posts are numbered 1, 2, ... per transport generation; a group rebuild calls :meth:`reset`.
     """
 
     def __init__(self):
@@ -441,6 +441,11 @@ class WeightMailbox:
 
         self._posts: dict[int, tuple[dict, bytes, list]] = {}
         self._cond = asyncio.Condition()
+
+    async def reset(self) -> None:
+        """Forget every post (a new transport generation starts at 1)."""
+        async with self._cond:
+            self._posts.clear()
 
     async def post(self, seq: int, header: dict, meta: bytes, refs: list) -> None:
         """Publish sync number ``seq`` (keeps only the newest two)."""
@@ -648,11 +653,12 @@ class WeightSyncController:
         _, errors = _collect({n: m.ready.remote() for n, m in members}, self.timeout_s)
         if errors:
             raise _group_error(self._describe("rebuilding the sync group", errors, "not ready"), errors)
-        if self._mailbox is not None:
-            ray.kill(self._mailbox)
-            self._mailbox = None
-        if self.transport == "object_store":
-            self._mailbox = WeightMailboxActor.options(num_cpus=0).remote()
+        if self.transport == "object_store":  # one mailbox for the controller's lifetime, emptied here
+            if self._mailbox is None:
+                self._mailbox = WeightMailboxActor.options(num_cpus=0).remote()
+            _, errors = _collect({"mailbox": self._mailbox.reset.remote()}, 2 * self.timeout_s + 30)
+            if errors:
+                raise _group_error(self._describe("starting the weight mailbox", errors), errors)
         world, port = 1 + len(self.engines), free_port()
         named = {n: s.init_weight_sender.remote(
                     world_size=world, host=self.host, port=port, plan=self.plan, bucket_bytes=self.bucket_bytes,
