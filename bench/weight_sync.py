@@ -201,7 +201,7 @@ def main(argv=None) -> None:
 
     print(f"\n1 sender -> 2 receivers, gloo on loopback (CPU), buckets {args.bucket_mb} MiB, median of {args.reps}; "
           "GB/s = payload bytes / 1e9 / seconds")
-    head = (f"| state | tensors | MB | " + " | ".join(f"{m} s (GB/s)" for m in METHODS)
+    head = ("| state | tensors | MB | " + " | ".join(f"{m} s (GB/s)" for m in METHODS)
             + " | clawray / flat | clawray vs per_tensor | clawray vs object_store |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
