@@ -170,8 +170,9 @@ class LearnerConfig:
 class SyncConfig:
     """Learner -> rollout weight broadcast."""
 
-    bucket_mb: int = 64
-    timeout_s: float = 120.0
+    transport: str = "collective"  # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline)
+    bucket_mb: int = 64  # flat bucket size, MiB
+    timeout_s: float = 120.0  # deadline of one sync and of each collective in it; a failed sync rebuilds the group
 
 
 @dataclass
@@ -260,6 +261,7 @@ _CHOICES = {
     "model.build": ("none", "tiny", "smollm2"),
     "session.truncated": ("mask", "keep"),
     "wandb.mode": ("offline", "online", "disabled"),
+    "sync.transport": ("collective", "object_store"),
 }
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from clawray.algos.advantages import group_advantages
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
 from clawray.config import model_path
+from clawray.weight_sync import WeightSyncController
 
 
 def ensure_model(cfg: DictConfig) -> str:
@@ -136,12 +137,10 @@ class Driver:
         self.judge_engine, self.teacher_engine = judge_engine, teacher_engine
 
         plan = ray.get(self.engines[0].weight_specs.remote())
-        port, world = free_port(), 1 + len(self.engines)
-        bucket = cfg.sync.bucket_mb << 20
-        ray.get(self.learners.init_weight_sender(world_size=world, host="127.0.0.1", port=port, plan=plan,
-                                                 bucket_bytes=bucket, timeout_s=cfg.sync.timeout_s)
-                + [e.init_weight_receiver.remote(i + 1, world, "127.0.0.1", port, plan, bucket, cfg.sync.timeout_s)
-                   for i, e in enumerate(self.engines)])
+        self.weight_sync = WeightSyncController(
+            self.learners.workers, self.engines, [f"rollout-{i}" for i in range(len(self.engines))], plan,
+            transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s)
+        self.weight_sync.connect(check_plan=True)
 
         serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
                      "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
@@ -226,23 +225,29 @@ class Driver:
                 skipped = "nonfinite"
         t_train = time.perf_counter() - t0 - t_wait
 
-        sync_s, sent, loads = 0.0, {}, []
-        if not skipped:
+        sync_s, sync_error = 0.0, None
+        sync_metrics = {"timing/weight_sync_s": 0.0, "sync/bytes": 0.0, "sync/gbytes_per_s": 0.0,
+                        "sync/gather_s": 0.0, "sync/send_s": 0.0, "sync/load_s_max": 0.0}
+        if not skipped or self.weight_sync.behind:
             # sync time = pause -> resume; it includes the engines finishing the generations already
-            # running (every response comes from one weight version), then gather, broadcast and load
-            t_sync0 = time.perf_counter()
-            ray.get([e.pause.remote() for e in self.engines])
-            try:
-                results = ray.get(self.learners.sync_weights(next_version)
-                                  + [e.receive_weights.remote(next_version) for e in self.engines])
-            finally:
-                ray.get([e.resume.remote() for e in self.engines])
-            sync_s = time.perf_counter() - t_sync0
-            self.version = next_version
-            sent, loads = results[0], results[len(self.learners.workers):]
+            # running (every response comes from one weight version), then gather, broadcast and load.
+            # A failed sync never stops training: the engines are resumed on their old version, and
+            # the next sync (even on a skipped step) rebuilds the group and sends the newest weights.
+            result = self.weight_sync.sync(next_version if not skipped else self.version)
+            sync_s = result["seconds"]
+            sync_metrics.update(WeightSyncController.metrics(result, self.weight_sync.failures))
+            if not result["ok"]:
+                sync_error = result["error"]
+                print(f"[clawray] {sync_error}; engines resumed at versions {result['versions']}; the sync group "
+                      "is rebuilt and the newest weights re-sent at the next sync", flush=True)
+        if not skipped:
+            self.version = next_version  # the learner's weights moved on even when the sync failed
             self.entropy.update(train["inv/entropy"])
         else:
             self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
+        if not any(k.startswith("engine_version/") for k in sync_metrics):
+            sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v)
+                                 for n, v in self.engine_versions().items()})
 
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
@@ -272,26 +277,30 @@ class Driver:
             "samples_dropped": sum(dropped.values()),
             "timing/wait_batch_s": t_wait,
             "timing/train_s": t_train,
-            "timing/weight_sync_s": sync_s,
-            "sync/bytes": sent.get("bytes", 0.0),
-            "sync/gather_s": sent.get("gather_s", 0.0),
-            "sync/send_s": sent.get("send_s", 0.0),
-            "sync/load_s_max": max((r["load_s"] for r in loads), default=0.0),
+            **sync_metrics,
             "timing/step_s": time.perf_counter() - t0,
         }
+        if sync_error:
+            metrics["sync_error"] = sync_error
         self.history.append(metrics)
-        self.tracking.log({k: v for k, v in metrics.items() if k != "skipped"}, step=len(self.history))
+        self.tracking.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=len(self.history))
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
         reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
         print(f"[clawray] step {len(self.history)}{total} | samples {len(samples)} | "
-              f"reward {reward} | loss {loss} | sync {sync_s:.2f}s | "
+              f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
         return metrics
+
+    def engine_versions(self) -> dict[str, int | None]:
+        """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine
+        did not answer within 10 s). After a failed sync an engine may lag ``self.version`` until the
+        next sync; the per-engine data for ``/health``."""
+        return self.weight_sync.engine_versions()
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """Cumulative judge and teacher figures: votes per turn, invalid-vote and agreement rates,
@@ -369,6 +378,8 @@ class Driver:
                 ray.kill(actor)
         for w in getattr(getattr(self, "learners", None), "workers", []):
             ray.kill(w)
+        if getattr(self, "weight_sync", None) is not None:
+            self.weight_sync.close()
         if self._owns_ray:
             ray.shutdown()
 

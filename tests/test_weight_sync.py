@@ -1,16 +1,48 @@
+"""Weight transport (collective over gloo, object store), its metadata check, timeouts, and the
+driver-side controller's failure reporting and recovery with two real (hf) RolloutEngine actors."""
+
 import threading
+import time
 
 import pytest
 import torch
 
 from clawray.engines.base import WeightSpec
 from clawray.ray_env import free_port
-from clawray.weight_sync import CollectiveTransport, WeightSyncError, check_plan, plan_buckets
+from clawray.weight_sync import (CollectiveTransport, ObjectStoreTransport, WeightSyncError, check_plan,
+                                 plan_buckets, plan_digest)
 
 
 def specs():
     return [WeightSpec("a", (4, 4), "torch.float32"), WeightSpec("b", (8,), "torch.float32"),
             WeightSpec("c", (2, 2), "torch.bfloat16"), WeightSpec("d", (64,), "torch.float32")]
+
+
+def make_state(plan, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=gen).to(getattr(torch, s.dtype[6:])) for s in plan}
+
+
+def assert_exact(received: dict, state: dict):
+    assert set(received) == set(state)
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def run_receivers(fns: list) -> tuple[list, list[threading.Thread]]:
+    """Start one thread per receiver function; returns (per-receiver result dicts, threads)."""
+    results = [{} for _ in fns]
+    threads = []
+    for fn, res in zip(fns, results):
+        def target(fn=fn, res=res):
+            try:
+                res["value"] = fn()
+            except Exception as e:  # recorded for the assertions
+                res["error"] = e
+        th = threading.Thread(target=target, daemon=True)
+        th.start()
+        threads.append(th)
+    return results, threads
 
 
 def test_plan_buckets_split_by_size_and_dtype():
@@ -29,29 +61,371 @@ def test_check_plan_names_missing_and_shape_mismatch():
         check_plan(specs(), state)
 
 
-def test_gloo_broadcast_roundtrip_and_version_check():
+def test_plan_digest_covers_names_shapes_dtypes_and_order():
+    base = plan_digest(specs())
+    assert base == plan_digest(specs())  # deterministic
+    variants = [specs()[::-1],
+                [WeightSpec("a2", (4, 4), "torch.float32")] + specs()[1:],
+                [WeightSpec("a", (16,), "torch.float32")] + specs()[1:],
+                [WeightSpec("a", (4, 4), "torch.bfloat16")] + specs()[1:]]
+    digests = {plan_digest(v) for v in variants}
+    assert base not in digests and len(digests) == 4
+
+
+def test_gloo_broadcast_roundtrip_version_check_and_group_stays_in_step():
     plan = specs()
     port = free_port()
-    state = {s.name: torch.randn(s.shape).to(getattr(torch, s.dtype[6:])) for s in plan}
-    received, errors = {}, []
+    states = {v: make_state(plan, seed=v) for v in (7, 8, 9)}
 
     def receiver():
         t = CollectiveTransport(1, 2, "127.0.0.1", port, plan, bucket_bytes=100, timeout_s=20)
-        received.update(dict(t.receive(expected_version=7)))
+        got7 = {n: v.clone() for n, v in t.receive(expected_version=7)}  # views of reused buffers
         try:
-            dict(t.receive(expected_version=9))  # the sender stamps 8
+            t.receive(expected_version=99)  # the sender stamps 8
+            err = None
         except WeightSyncError as e:
-            errors.append(str(e))
+            err = str(e)
+        got9 = dict(t.receive(expected_version=9))  # the rejected sync was drained: still in step
+        return got7, err, got9
 
-    th = threading.Thread(target=receiver)
-    th.start()
+    (res,), (th,) = run_receivers([receiver])
     sender = CollectiveTransport(0, 2, "127.0.0.1", port, plan, bucket_bytes=100, timeout_s=20)
-    stats = sender.send(state, version=7)
-    # the second sync: only the header is consumed by the failing receiver
-    sender._bcast(torch.tensor([8, len(plan), len(sender.buckets)], dtype=torch.int64))
+    stats = [sender.send(states[v], version=v) for v in (7, 8, 9)]
     th.join(timeout=30)
-    assert stats["bytes"] == (16 + 8 + 64) * 4 + 4 * 2
-    assert set(received) == {"a", "b", "c", "d"}
-    for name, tensor in state.items():
-        assert torch.equal(received[name], tensor) and received[name].dtype == tensor.dtype
-    assert errors and "version=8" in errors[0] and "version=9" in errors[0]
+    got7, err, got9 = res["value"]
+    assert stats[0]["bytes"] == (16 + 8 + 64) * 4 + 4 * 2
+    assert_exact(got7, states[7])
+    assert_exact(got9, states[9])
+    assert err is not None and "version 8 != expected 99" in err
+    assert not sender.broken
+
+
+@pytest.mark.parametrize("kind", ["dtype", "name", "shape"])
+def test_metadata_mismatch_is_rejected_before_any_weight_loads(kind):
+    plan = specs()
+    wrong = list(plan)
+    if kind == "dtype":
+        wrong[2] = WeightSpec("c", (2, 2), "torch.float32")  # sender sends bf16
+        expected = "dtype (sender != engine): ['c: torch.bfloat16 != torch.float32']"
+    elif kind == "name":
+        wrong[1] = WeightSpec("b_renamed", (8,), "torch.float32")
+        expected = "sender has 1 weight(s) this engine does not load, e.g. ['b']"
+    else:
+        wrong[3] = WeightSpec("d", (8, 8), "torch.float32")  # same bytes, different shape
+        expected = "shape (sender != engine): ['d: (64,) != (8, 8)']"
+    port = free_port()
+    states = {v: make_state(plan, seed=v) for v in (1, 2)}
+    loaded_by_wrong: list[str] = []
+
+    def good():
+        t = CollectiveTransport(1, 3, "127.0.0.1", port, plan, bucket_bytes=100, timeout_s=20)
+        return [{n: x.clone() for n, x in t.receive(v)} for v in (1, 2)]
+
+    def bad():
+        t = CollectiveTransport(2, 3, "127.0.0.1", port, wrong, bucket_bytes=100, timeout_s=20)
+        errors = []
+        for v in (1, 2):
+            try:
+                for name, _ in t.receive(v):
+                    loaded_by_wrong.append(name)
+            except WeightSyncError as e:
+                errors.append(str(e))
+        return errors
+
+    results, threads = run_receivers([good, bad])
+    sender = CollectiveTransport(0, 3, "127.0.0.1", port, plan, bucket_bytes=100, timeout_s=20)
+    t0 = time.perf_counter()
+    for v in (1, 2):
+        sender.send(states[v], v)  # completes: the rejecting receiver drains the buckets
+    send_s = time.perf_counter() - t0
+    for th in threads:
+        th.join(timeout=30)
+    assert send_s < 10 and not sender.broken
+    got1, got2 = results[0]["value"]
+    assert_exact(got1, states[1])
+    assert_exact(got2, states[2])
+    errors = results[1]["value"]
+    assert loaded_by_wrong == []  # nothing was yielded to the loader, in either sync
+    assert len(errors) == 2 and all(expected in e and "rejected before loading" in e for e in errors)
+    if kind == "name":
+        assert "sender lacks 1 weight(s) this engine loads, e.g. ['b_renamed']" in errors[0]
+
+
+def test_engine_rejects_a_mismatched_sync_without_touching_its_weights(tiny_model):
+    """A RolloutEngine (in this process, hf backend) whose plan wants bf16 where the sender sends
+    fp32: receive_weights raises naming the engine and the weight, loads nothing, keeps v0."""
+    import asyncio
+
+    from clawray.actors.rollout import RolloutEngine
+
+    engine = RolloutEngine("hf", tiny_model, "rollout-7", 1)
+    try:
+        loop = asyncio.new_event_loop()
+        assert loop.run_until_complete(engine.ready()) == {"name": "rollout-7", "version": 0}
+        plan = loop.run_until_complete(engine.weight_specs())
+        before = {k: v.clone() for k, v in engine._backend.model.state_dict().items()}
+        engine_plan = [WeightSpec(s.name, s.shape, "torch.bfloat16") if s.name == "lm_head.weight" else s for s in plan]
+        port = free_port()
+        sender_box = {}
+
+        def sender():
+            sender_box["t"] = t = CollectiveTransport(0, 2, "127.0.0.1", port, plan, 1 << 20, timeout_s=20)
+            t.send({k: v + 1.0 for k, v in before.items()}, 1)
+
+        th = threading.Thread(target=sender, daemon=True)
+        th.start()
+        loop.run_until_complete(engine.init_weight_receiver(1, 2, "127.0.0.1", port, engine_plan, 1 << 20, 20))
+        with pytest.raises(WeightSyncError) as info:
+            loop.run_until_complete(engine.receive_weights(1))
+        th.join(timeout=30)
+        msg = str(info.value)
+        assert msg.startswith("rollout-7: sync header rejected before loading")
+        assert "lm_head.weight: torch.float32 != torch.bfloat16" in msg
+        assert loop.run_until_complete(engine.get_version()) == 0
+        stats = loop.run_until_complete(engine.stats())
+        assert stats["loads"] == 0 and "lm_head.weight" in stats["last_sync_error"]
+        after = engine._backend.model.state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+    finally:
+        engine._jobs.put(None)
+
+
+def test_collective_timeout_does_not_hang_and_a_rebuilt_group_works():
+    """One receiver joins the group but never takes part in the sync: the sender raises within the
+    timeout (no hang), the group is marked broken, and a group rebuilt on a new port syncs exactly."""
+    plan = [WeightSpec(f"w{i}", (1024, 1024), "torch.float32") for i in range(16)]  # 64 MiB
+    state = make_state(plan, seed=3)
+    port = free_port()
+    joined = threading.Event()
+
+    def absent():
+        t = CollectiveTransport(2, 3, "127.0.0.1", port, plan, 16 << 20, timeout_s=2)
+        joined.set()
+        time.sleep(6)  # busy elsewhere: never calls receive
+        return t
+
+    def present():
+        t = CollectiveTransport(1, 3, "127.0.0.1", port, plan, 16 << 20, timeout_s=2)
+        try:
+            return dict(t.receive(1))
+        except WeightSyncError as e:
+            return e
+
+    results, threads = run_receivers([present, absent])
+    sender = CollectiveTransport(0, 3, "127.0.0.1", port, plan, 16 << 20, timeout_s=2)
+    joined.wait(20)
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="timed out"):
+        sender.send(state, 1)
+    assert time.perf_counter() - t0 < 10
+    assert sender.broken
+    with pytest.raises(WeightSyncError, match="broken"):
+        sender.send(state, 2)  # an unusable group refuses instead of hanging again
+    for th in threads:
+        th.join(timeout=30)
+    sender.close()
+
+    # recovery: every member builds a new group on a new port; the next sync is exact everywhere
+    port2 = free_port()
+    state2 = make_state(plan, seed=4)
+    fns = [lambda r=r: dict(CollectiveTransport(r, 3, "127.0.0.1", port2, plan, 16 << 20, timeout_s=20).receive(2))
+           for r in (1, 2)]
+    results, threads = run_receivers(fns)
+    CollectiveTransport(0, 3, "127.0.0.1", port2, plan, 16 << 20, timeout_s=20).send(state2, 2)
+    for th in threads:
+        th.join(timeout=60)
+    for res in results:
+        assert_exact(res["value"], state2)
+
+
+def test_object_store_transport_roundtrips_bit_exactly_and_checks_metadata(ray_cluster):
+    from clawray.weight_sync import WeightMailboxActor, make_transport
+
+    plan = specs() + [WeightSpec("e", (300,), "torch.bfloat16")]  # e: a bucket of its own (no-copy path)
+    mailbox = WeightMailboxActor.options(num_cpus=0).remote()
+    sender = make_transport("object_store", 0, 3, plan, 100, 10, mailbox=mailbox)
+    r1 = make_transport("object_store", 1, 3, plan, 100, 10, mailbox=mailbox)
+    wrong = [WeightSpec("c", (2, 2), "torch.float16") if s.name == "c" else s for s in plan]
+    r2 = ObjectStoreTransport(2, wrong, 100, 10, mailbox)
+    assert isinstance(sender, ObjectStoreTransport)
+    for version in (3, 4):
+        state = make_state(plan, seed=version)
+        stats = sender.send(state, version)
+        assert stats["bytes"] == (16 + 8 + 64) * 4 + 4 * 2 + 300 * 2
+        assert_exact(dict(r1.receive(version)), state)
+        with pytest.raises(WeightSyncError, match=r"dtype \(sender != engine\): \['c: torch.bfloat16 != torch.float16'\]"):
+            r2.receive(version)
+    # a sync that never comes: the receiver gives up after its timeout instead of hanging
+    r3 = ObjectStoreTransport(1, plan, 100, 1.0, mailbox)
+    r3._seq = 10
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="no sync #11 posted within 1s"):
+        r3.receive(5)
+    assert time.perf_counter() - t0 < 8
+    # a sender whose state lacks a planned weight aborts, and receivers fail fast with the reason
+    with pytest.raises(WeightSyncError, match="lacks 1 planned weights"):
+        sender.send({k: v for k, v in make_state(plan).items() if k != "a"}, 5)
+    with pytest.raises(WeightSyncError, match="the sender aborted the sync to v5"):
+        r1.receive(5)
+
+
+def test_sync_config_transport_choice():
+    from clawray.config import ConfigError, load_config
+
+    assert load_config().sync.transport == "collective"
+    assert load_config(overrides=["sync.transport=object_store"]).sync.transport == "object_store"
+    with pytest.raises(ConfigError, match="sync.transport='nccl' is not one of"):
+        load_config(overrides=["sync.transport=nccl"])
+
+
+def test_vllm_backend_resets_the_prefix_cache_after_every_load():
+    """VLLMBackend.load_weights reloads through vLLM and then drops the prefix cache (a stale KV
+    prefix would mix old-weight activations into new-version tokens); a refused reset raises."""
+    from clawray.engines.vllm import VLLMBackend
+
+    class FakeLLM:
+        def __init__(self, reset_ok):
+            self.calls, self.reset_ok = [], reset_ok
+
+        def collective_rpc(self, method, kwargs):
+            self.calls.append((method, [n for n, _ in kwargs["weights_iterator"]]))
+
+        def reset_prefix_cache(self):
+            self.calls.append(("reset_prefix_cache", None))
+            return self.reset_ok
+
+    backend = VLLMBackend.__new__(VLLMBackend)
+    backend.llm = FakeLLM(True)
+    backend.load_weights(iter([("a", torch.zeros(2)), ("b", torch.ones(1))]))
+    assert backend.llm.calls == [("reload_weights", ["a", "b"]), ("reset_prefix_cache", None)]
+    backend.llm = FakeLLM(False)
+    with pytest.raises(RuntimeError, match="refused to reset the prefix cache"):
+        backend.load_weights([("a", torch.zeros(2))])
+
+
+@pytest.mark.parametrize("transport", ["collective", "object_store"])
+def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_cluster, tiny_model, transport):
+    import ray
+
+    from clawray.actors.rollout import RolloutEngine
+    from clawray.engines.base import GenerateRequest
+    from clawray.weight_sync import WeightSyncController
+
+    class FakeLearner:
+        """Rank 0 of a learner group: the tiny model's weights, shifted by 0.01 per version."""
+
+        def __init__(self, model_path):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.transport = None
+
+        def ready(self):
+            return 0
+
+        def state(self, version):
+            return {k: v + 0.01 * version for k, v in self.base.items()}
+
+        def init_weight_sender(self, world_size, host, port, plan, bucket_bytes, timeout_s, backend, transport,
+                               mailbox, check):
+            from clawray.weight_sync import make_transport
+
+            if self.transport is not None:
+                self.transport.close()
+            self.transport = make_transport(transport, 0, world_size, plan, bucket_bytes, timeout_s, host=host,
+                                            port=port, backend=backend, mailbox=mailbox)
+
+        def sync_weights(self, version):
+            stats = self.transport.send(self.state(version), version)
+            return {"bytes": stats["bytes"], "gather_s": 0.0, "send_s": stats["seconds"]}
+
+    class FaultyEngine(RolloutEngine):
+        """A RolloutEngine whose next load can be made to raise, or whose engine thread can be kept busy."""
+
+        async def fail_next_load(self):
+            def arm():
+                def boom(weights):
+                    del self._backend.load_weights  # back to the real method afterwards
+                    raise RuntimeError("injected load failure")
+                self._backend.load_weights = boom
+            await self._call(arm)
+
+        async def block(self, seconds):
+            import asyncio
+
+            asyncio.ensure_future(self._call(lambda: time.sleep(seconds)))  # occupies the engine thread
+
+        async def weights(self):
+            return await self._call(lambda: {k: v.clone() for k, v in self._backend.model.state_dict().items()})
+
+    learner = ray.remote(FakeLearner).options(num_cpus=0.2).remote(tiny_model)
+    engine_cls = ray.remote(FaultyEngine)
+    names = ["rollout-0", "rollout-1"]
+    engines = [engine_cls.options(num_cpus=0.2).remote("hf", tiny_model, n, 1, 8, {}) for n in names]
+    ctl = None
+    try:
+        ray.get([e.ready.remote() for e in engines] + [learner.ready.remote()])
+        plan = ray.get(engines[0].weight_specs.remote())
+        ctl = WeightSyncController([learner], engines, names, plan, transport=transport, bucket_bytes=1 << 20,
+                                   timeout_s=4.0)
+        ctl.connect()
+
+        def serving_versions():
+            outs = ray.get([e.generate.remote(GenerateRequest([5, 6, 7], max_tokens=2, seed=0)) for e in engines],
+                           timeout=30)  # would time out if an engine had been left paused
+            return [o["policy_version"] for o in outs]
+
+        # 1) rollout-1 raises while loading v1: named, engines resumed, rollout-0 on v1, rollout-1 on v0
+        ray.get(engines[1].fail_next_load.remote())
+        r1 = ctl.sync(1)
+        assert r1["ok"] is False and r1["failed"] == ["rollout-1"]
+        assert r1["error"].startswith("weight sync to v1 failed on rollout-1 (")
+        assert "injected load failure" in r1["error"]
+        assert r1["versions"] == {"rollout-0": 1, "rollout-1": 0}
+        assert ctl.engine_versions() == {"rollout-0": 1, "rollout-1": 0} and ctl.behind
+        assert serving_versions() == [1, 0]
+        stats1 = ray.get(engines[1].stats.remote())
+        assert stats1["loads"] == 0 and "injected load failure" in stats1["last_sync_error"]
+
+        # 2) the next sync rebuilds the group and brings both engines to v2 with exactly v2's weights
+        r2 = ctl.sync(2)
+        assert r2["ok"] is True and r2["failed"] == [] and r2["error"] is None and r2["rebuild_s"] > 0
+        assert r2["versions"] == {"rollout-0": 2, "rollout-1": 2} and not ctl.behind
+        assert serving_versions() == [2, 2]
+        expected = ray.get(learner.state.remote(2))
+        for got in ray.get([e.weights.remote() for e in engines]):
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+        m = WeightSyncController.metrics(r2, ctl.failures)
+        assert m["sync/bytes"] == sum(4 * torch.Size(s.shape).numel() for s in plan) == r2["bytes"]
+        assert m["sync/ok"] == 1.0 and m["sync/failures"] == 1.0 and m["sync/gbytes_per_s"] > 0
+        assert set(k for k in m if k.startswith("sync/load_s/")) == {"sync/load_s/rollout-0", "sync/load_s/rollout-1"}
+        assert m["engine_version/rollout-0"] == 2 and m["engine_version/rollout-1"] == 2
+        assert m["timing/weight_sync_s"] == r2["seconds"] > 0
+
+        # 3) rollout-1's engine thread is busy past the deadline: the sync returns in bounded time,
+        #    names rollout-1 as timed out, and leaves no engine paused
+        ray.get(engines[1].block.remote(6.0))
+        t0 = time.perf_counter()
+        r3 = ctl.sync(3)
+        assert time.perf_counter() - t0 < 4.0 + 35
+        assert r3["ok"] is False and "rollout-1" in r3["failed"]
+        assert "rollout-1 (timed out after 4s)" in r3["error"]
+        assert r3["versions"]["rollout-0"] in (2, 3)
+        assert ray.get(engines[0].generate.remote(GenerateRequest([5], max_tokens=1)), timeout=30)["policy_version"] \
+            == r3["versions"]["rollout-0"]
+
+        # 4) the next sync recovers: both engines on v4 with exactly v4's weights
+        r4 = ctl.sync(4)
+        assert r4["ok"] is True, r4["error"]
+        assert r4["versions"] == {"rollout-0": 4, "rollout-1": 4}
+        assert serving_versions() == [4, 4]
+        expected = ray.get(learner.state.remote(4))
+        for got in ray.get([e.weights.remote() for e in engines]):
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+        assert ctl.failures == 2 and ctl.rebuilds == 2
+    finally:
+        if ctl is not None:
+            ctl.close()
+        for a in engines + [learner]:
+            ray.kill(a)

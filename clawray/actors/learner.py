@@ -226,21 +226,29 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ weight sync
     def init_weight_sender(self, world_size: int, host: str, port: int, plan: list, bucket_bytes: int,
-                           timeout_s: float, backend: str = "gloo") -> None:
-        """Rank 0 joins the weight-sync group as the sender and checks the plan; other ranks no-op.
+                           timeout_s: float, backend: str = "gloo", transport: str = "collective", mailbox=None,
+                           check: bool = True) -> None:
+        """Rank 0 (re)joins the weight-sync transport as the sender; other ranks no-op.
 
-        Collective over the learner group (every rank gathers the state dict for the check).
+        With ``check`` (the first time) every rank gathers the state dict (collective over the learner
+        group) and rank 0 checks the plan against it; a rebuild after a failed sync passes
+        ``check=False``. ``transport``/``mailbox``: see :func:`clawray.weight_sync.make_transport`.
 
         Raises:
             WeightSyncError: the engines' plan names a weight the learner lacks or a different shape.
         """
-        from clawray.weight_sync import CollectiveTransport, check_plan
+        from clawray.weight_sync import check_plan, make_transport
 
-        state = self._full_state_dict()
+        state = self._full_state_dict() if check else None
         if self.rank != 0:
             return
-        check_plan(plan, state)
-        self._transport = CollectiveTransport(0, world_size, host, port, plan, bucket_bytes, timeout_s, backend)
+        if state is not None:
+            check_plan(plan, state)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._transport = make_transport(transport, 0, world_size, plan, bucket_bytes, timeout_s, host=host,
+                                         port=port, backend=backend, mailbox=mailbox)
 
     def sync_weights(self, version: int) -> dict:
         """Gather the full weights (every rank) and broadcast them from rank 0 stamped ``version``.

@@ -68,7 +68,7 @@ class RolloutEngine:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._backend = None
-        self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0}
+        self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0, "last_sync_error": None}
         self._thread = threading.Thread(
             target=self._run, args=(backend, model_path, torch_threads, backend_kwargs or {}), daemon=True,
             name=f"{name}-engine")
@@ -242,40 +242,68 @@ class RolloutEngine:
         return self.version
 
     async def stats(self) -> dict:
-        """Counters: requests, generated tokens, generation seconds, weight loads, version."""
+        """Counters: requests, generated tokens, generation seconds, weight loads, version, and the
+        last sync's error (None after a successful load)."""
         return {**self._stats, "version": self.version, "name": self.name}
 
     async def init_weight_receiver(self, rank: int, world_size: int, host: str, port: int,
                                    plan: list[WeightSpec], bucket_bytes: int, timeout_s: float,
-                                   backend: str = "gloo") -> None:
-        """Join the weight-sync group as receiver ``rank`` (blocks until every member joins)."""
-        from clawray.weight_sync import CollectiveTransport
+                                   backend: str = "gloo", transport: str = "collective", mailbox=None) -> None:
+        """Join (or re-join, closing the previous one) the weight-sync transport as receiver ``rank``.
+
+        ``transport`` is ``"collective"`` (blocks until every member joins the group at
+        ``host:port``; ``backend`` gloo or nccl) or ``"object_store"`` (``mailbox``: a
+        ``WeightMailboxActor``). See :func:`clawray.weight_sync.make_transport`.
+
+        Raises:
+            RuntimeError: the rendezvous timed out after ``timeout_s`` seconds.
+        """
+        from clawray.weight_sync import make_transport
 
         def _join() -> None:
-            self._transport = CollectiveTransport(rank, world_size, host, port, plan, bucket_bytes,
-                                                  timeout_s, backend)
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
+            self._transport = make_transport(transport, rank, world_size, plan, bucket_bytes, timeout_s,
+                                             host=host, port=port, backend=backend, mailbox=mailbox)
 
         await self._call(_join)
 
     async def receive_weights(self, version: int) -> dict:
-        """Receive one broadcast and load it; the engine's version becomes ``version``.
+        """Receive one sync and load it; the engine's version becomes ``version``.
 
         Runs as an engine-thread job, so generation jobs queued before it finish on the old weights.
+        The whole sync is received (and its header checked) before the backend loads anything.
 
         Returns:
-            ``{"engine", "receive_s", "load_s", "version"}``.
+            ``{"engine", "receive_s", "load_s", "version"}`` (seconds).
 
         Raises:
-            WeightSyncError: the broadcast's header does not match (the version is left unchanged).
+            WeightSyncError: ``"<name>: ..."``: no transport, the header's version or metadata does
+                not match, the transport failed or timed out, or the backend raised while loading.
+                The version is left unchanged; a load that failed part-way leaves a mix of weights
+                until the next successful sync (``stats()["last_sync_error"]`` says so).
         """
+        from clawray.weight_sync import WeightSyncError
 
         def _load() -> dict:
+            if self._transport is None:
+                raise WeightSyncError(f"{self.name}: no weight-sync transport (init_weight_receiver first)")
             t0 = time.perf_counter()
-            weights = list(self._transport.receive(version))
+            try:
+                weights = list(self._transport.receive(version))
+            except WeightSyncError as e:
+                self._stats["last_sync_error"] = str(e)
+                raise WeightSyncError(f"{self.name}: {e}") from None
             t1 = time.perf_counter()
-            self._backend.load_weights(weights)
+            try:
+                self._backend.load_weights(weights)
+            except Exception as e:
+                self._stats["last_sync_error"] = f"load of v{version} failed: {e!r}"
+                raise WeightSyncError(f"{self.name}: loading v{version} failed: {e!r}") from e
             self.version = version
             self._stats["loads"] += 1
+            self._stats["last_sync_error"] = None
             return {"engine": self.name, "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
                     "version": version}
 
