@@ -114,9 +114,9 @@ class SessionConfig:
     # a session with no request for this long is closed like X-Session-Done: its last turn has no
     # next state (not trained, counted), the at-least-one rule runs, its memory is freed; 0 = never
     idle_timeout_s: float = 900.0
-    # a reply cut by max_tokens (finish_reason "length"): "mask" = not trained (counted
-    # dropped/truncated), "keep" = judged and trained like any other turn
-    truncated: str = "mask"
+    # a reply cut by max_tokens (finish_reason "length"): "keep" = judged and trained like any other
+    # turn (OpenClaw-RL), "mask" = not trained (counted dropped/truncated, DAPO's overlong filter)
+    truncated: str = "keep"
 
 
 @dataclass

@@ -65,12 +65,12 @@ class SessionTracker:
             ``records_dir/judgments.jsonl`` (rotated at ``records_max_bytes``, ``records_keep`` kept).
         algo: ``"rl"``, ``"opd"`` or ``"combine"``; teachers and ``opd`` serve the last two.
         idle_timeout_s: close sessions idle this long (seconds); 0 = never.
-        truncated: ``"mask"`` (truncated turns are not trained) or ``"keep"``.
+        truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
     """
 
     def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
                  algo: str = "rl", teachers: list | None = None, opd: dict | None = None,
-                 idle_timeout_s: float = 0.0, truncated: str = "mask", records_max_bytes: int = 64 << 20,
+                 idle_timeout_s: float = 0.0, truncated: str = "keep", records_max_bytes: int = 64 << 20,
                  records_keep: int = 5):
         self.judges, self.queue = judges, queue
         self.algo, self.teachers = algo, teachers or []
