@@ -3,16 +3,21 @@
 Loop (one iteration per policy update)::
 
     wait for a batch (staleness-capped) -> train_step on all learners -> pause rollout engines
-    -> broadcast weights (new version) -> resume -> log -> next
+    -> broadcast weights (new version) -> resume -> log -> checkpoint every k steps -> next
 
 Serving never stops except for the weight broadcast; requests that arrive during it wait.
+Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state, the queued untrained
+samples and the driver's counters; ``resume=true`` continues from the latest one with the same
+policy-version numbering.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import pickle
 import time
 from typing import Any
 
@@ -22,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from clawray.algos.advantages import group_advantages
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
-from clawray.config import model_path
+from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
+from clawray.config import checkpoint_dir, model_path
 
 
 def ensure_model(cfg: DictConfig) -> str:
@@ -64,6 +70,11 @@ class Driver:
                                          cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
         self.all_masked_dropped = 0
         self.skipped_steps: dict[str, int] = {}
+        self.steps_done = 0  # driver steps, continued across a resume
+        self.checkpoint_dir = checkpoint_dir(cfg)
+        # the batch taken from the queue and not yet trained: requeued by a checkpoint at exit
+        self._in_flight: dict | None = None
+        self.trained_samples: list[tuple[str, int]] = []  # (session_id, turn_index) of each trained sample
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -86,7 +97,8 @@ class Driver:
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
 
-        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness)
+        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness,
+                                                                     cfg.learner.max_tokens_per_micro_batch)
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
@@ -139,6 +151,8 @@ class Driver:
                                                  bucket_bytes=bucket, timeout_s=cfg.sync.timeout_s)
                 + [e.init_weight_receiver.remote(i + 1, world, "127.0.0.1", port, plan, bucket, cfg.sync.timeout_s)
                    for i, e in enumerate(self.engines)])
+        if cfg.resume:
+            self._restore_checkpoint()
 
         serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
                      "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
@@ -191,6 +205,7 @@ class Driver:
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
         samples = ray.get(batch["refs"])
+        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"]}
         t_wait = time.perf_counter() - t0
 
         # effective samples: an all-masked sample only costs compute
@@ -198,6 +213,7 @@ class Driver:
         self.all_masked_dropped += len(samples) - len(keep)
         refs = [batch["refs"][i] for i in keep]
         samples = [samples[i] for i in keep]
+        self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
         rewards = [float(s.reward or 0.0) for s in samples]
         # the signal guards look at samples that carry a reward (pure OPD samples carry none)
         rewarded = [i for i, s in enumerate(samples) if s.reward is not None]
@@ -219,6 +235,9 @@ class Driver:
             train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
             if train["skipped"]:
                 skipped = "nonfinite"
+            else:
+                self.trained_samples += [(s.session_id, s.turn_index) for s in samples]
+        self._in_flight = None  # trained, or decided against (degenerate / non-finite)
         t_train = time.perf_counter() - t0 - t_wait
 
         sync_s, sent, loads = 0.0, {}, []
@@ -275,18 +294,91 @@ class Driver:
             "timing/step_s": time.perf_counter() - t0,
         }
         self.history.append(metrics)
-        self.tracking.log({k: v for k, v in metrics.items() if k != "skipped"}, step=len(self.history))
+        self.steps_done += 1
+        self.tracking.log({k: v for k, v in metrics.items() if k != "skipped"}, step=self.steps_done)
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
         reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
-        print(f"[clawray] step {len(self.history)}{total} | samples {len(samples)} | "
+        print(f"[clawray] step {self.steps_done}{total} | samples {len(samples)} | "
               f"reward {reward} | loss {loss} | sync {sync_s:.2f}s | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
+        every = cfg.checkpoint.every_steps
+        if every > 0 and self.steps_done % every == 0:
+            self.save_checkpoint()
         return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Write a checkpoint atomically (see :mod:`clawray.checkpoint`) and return its folder.
+
+        Contents: the learners' part (HF ``model/``, sharded weights + AdamW state, scheduler,
+        version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
+        plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
+        and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
+        state, drop and skip counters). Samples still being judged in the session tracker are not
+        part of it. Takes seconds on small models; the metrics line gets ``checkpoint/seconds``.
+        """
+        t0 = time.perf_counter()
+        tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
+        results = ray.get([w.save_checkpoint.remote(tmp) for w in self.learners.workers])
+        learner_version = results[0]["version"]
+        queue_state = ray.get(self.queue.snapshot.remote())
+        steps_done = self.steps_done
+        if self._in_flight is not None:
+            if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
+                steps_done += 1
+                self.trained_samples += [(s.session_id, s.turn_index) for s in self._in_flight["samples"]]
+            else:  # not trained: back to the head of the queue
+                queue_state["samples"] = self._in_flight["samples"] + queue_state["samples"]
+                queue_state["versions"] = self._in_flight["versions"] + queue_state["versions"]
+                queue_state["taken"] -= len(self._in_flight["samples"])
+        with open(os.path.join(tmp, "queue.pkl"), "wb") as f:
+            pickle.dump(queue_state, f)
+        state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
+                 "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
+                 "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
+                 "learner_world_size": len(self.learners.workers), "time": time.time()}
+        with open(os.path.join(tmp, "driver.json"), "w") as f:
+            json.dump(state, f, indent=2)
+        commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
+        seconds = time.perf_counter() - t0
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
+        self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version}
+        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {len(queue_state['samples'])} queued "
+              f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s", flush=True)
+        return final
+
+    def _restore_checkpoint(self) -> None:
+        """Load the latest checkpoint into the learners, the queue and the driver, then sync the
+        engines to its weights at its version (``resume=true``).
+
+        Raises:
+            FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
+        """
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
+        with open(os.path.join(path, "driver.json")) as f:
+            state = json.load(f)
+        ray.get([w.load_checkpoint.remote(path) for w in self.learners.workers])
+        with open(os.path.join(path, "queue.pkl"), "rb") as f:
+            queue_state = pickle.load(f)
+        ray.get(self.queue.restore.remote(queue_state))
+        self.version, self.steps_done = state["version"], state["steps_done"]
+        for key, value in state["guard"].items():
+            setattr(self.guard, key, value)
+        for key, value in state["entropy"].items():
+            setattr(self.entropy, key, value)
+        self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
+        # the engines serve the checkpoint's weights, stamped with its version
+        ray.get(self.learners.sync_weights(self.version) + [e.receive_weights.remote(self.version)
+                                                            for e in self.engines])
+        print(f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "
+              f"{len(queue_state['samples'])} queued sample(s)", flush=True)
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """Cumulative judge and teacher figures: votes per turn, invalid-vote and agreement rates,
@@ -320,7 +412,7 @@ class Driver:
             self.setup()
         t0 = time.perf_counter()
         self.start_traffic()
-        while self.cfg.trainer.num_steps < 0 or len(self.history) < self.cfg.trainer.num_steps:
+        while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
             self.step()
         return self.summary(time.perf_counter() - t0)
 
@@ -328,7 +420,7 @@ class Driver:
         """Counters of every component, written to ``run_dir/summary.json``."""
         out = {
             "policy_version": self.version,
-            "steps": len(self.history),
+            "steps": self.steps_done,
             "skipped_steps": self.skipped_steps,
             "loop_seconds": round(seconds, 1),
             "engine_versions": ray.get([e.get_version.remote() for e in self.engines]),
@@ -341,6 +433,22 @@ class Driver:
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(out, f, indent=2)
         return out
+
+    def close(self) -> None:
+        """Stop traffic, write the at-exit checkpoint (``checkpoint.save_at_exit``; a failure to
+        write it is reported, not raised), then :meth:`shutdown`."""
+        if getattr(self, "sim", None) is not None:
+            try:
+                ray.get(self.sim.stop.remote(), timeout=30)
+            except Exception:
+                pass
+            self.sim = None
+        if self.cfg.checkpoint.save_at_exit and hasattr(self, "learners") and hasattr(self, "queue"):
+            try:
+                self.save_checkpoint()
+            except Exception as e:  # a dead learner cannot save; the last periodic checkpoint stands
+                print(f"[clawray] checkpoint at exit failed: {type(e).__name__}: {e}", flush=True)
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Stop traffic, the server and every actor; stop Ray if this driver started it."""
@@ -378,4 +486,4 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               flush=True)
         return summary
     finally:
-        driver.shutdown()
+        driver.close()
