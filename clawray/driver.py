@@ -257,6 +257,11 @@ class Driver:
             self.entropy.update(train["inv/entropy"])
         else:
             self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
+        self.steps_done += 1
+        ckpt_s = 0.0
+        if cfg.checkpoint.every_steps > 0 and self.steps_done % cfg.checkpoint.every_steps == 0:
+            self.save_checkpoint()
+            ckpt_s = self.last_checkpoint["seconds"]
 
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
@@ -291,10 +296,10 @@ class Driver:
             "sync/gather_s": sent.get("gather_s", 0.0),
             "sync/send_s": sent.get("send_s", 0.0),
             "sync/load_s_max": max((r["load_s"] for r in loads), default=0.0),
+            "timing/checkpoint_s": ckpt_s,
             "timing/step_s": time.perf_counter() - t0,
         }
         self.history.append(metrics)
-        self.steps_done += 1
         self.tracking.log({k: v for k, v in metrics.items() if k != "skipped"}, step=self.steps_done)
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
@@ -306,9 +311,6 @@ class Driver:
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
-        every = cfg.checkpoint.every_steps
-        if every > 0 and self.steps_done % every == 0:
-            self.save_checkpoint()
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -320,13 +322,14 @@ class Driver:
         plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
         and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
         state, drop and skip counters). Samples still being judged in the session tracker are not
-        part of it. Takes seconds on small models; the metrics line gets ``checkpoint/seconds``.
+        part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
         results = ray.get([w.save_checkpoint.remote(tmp) for w in self.learners.workers])
         learner_version = results[0]["version"]
         queue_state = ray.get(self.queue.snapshot.remote())
+        marker = self._checkpoint_marker(queue_state)
         steps_done = self.steps_done
         if self._in_flight is not None:
             if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
@@ -347,10 +350,16 @@ class Driver:
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
-        self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version}
+        self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version,
+                                "marker": marker}
         print(f"[clawray] checkpoint {final}: policy v{learner_version}, {len(queue_state['samples'])} queued "
               f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s", flush=True)
         return final
+
+    def _checkpoint_marker(self, queue_state: dict) -> tuple:
+        """What a checkpoint would capture: the same marker twice means nothing changed in between."""
+        return (self.version, self.steps_done, self._in_flight is None, queue_state["put"], queue_state["taken"],
+                sorted(queue_state["dropped"].items()))
 
     def _restore_checkpoint(self) -> None:
         """Load the latest checkpoint into the learners, the queue and the driver, then sync the
@@ -445,7 +454,9 @@ class Driver:
             self.sim = None
         if self.cfg.checkpoint.save_at_exit and hasattr(self, "learners") and hasattr(self, "queue"):
             try:
-                self.save_checkpoint()
+                last = getattr(self, "last_checkpoint", None)
+                if last is None or last["marker"] != self._checkpoint_marker(ray.get(self.queue.stats.remote())):
+                    self.save_checkpoint()  # else the last periodic checkpoint already holds this state
             except Exception as e:  # a dead learner cannot save; the last periodic checkpoint stands
                 print(f"[clawray] checkpoint at exit failed: {type(e).__name__}: {e}", flush=True)
         self.shutdown()
