@@ -171,11 +171,14 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
 
 
 @pytest.mark.slow
-def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, tiny_model):
+def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, tiny_model, tmp_path):
     """LoRA on FSDP2 (2 ranks): rl, opd, combine and top-k samples train; only adapter tensors
-    change; the merged state dict has exactly the base names and equals base + alpha/r * B @ A;
-    two optimizer steps per batch follow the cosine schedule."""
+    change; the merged state dict has exactly the base names and equals base + alpha/r * B @ A, and
+    that is what the weight sync delivers to an engine; two optimizer steps per batch follow the
+    cosine schedule; a checkpoint loaded into a fresh group continues exactly like the original."""
     from transformers import AutoModelForCausalLM
+
+    from clawray.actors.rollout import RolloutEngineActor
 
     base_sd = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     cfg = {**LEARNER, "lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0,
@@ -194,7 +197,15 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
                   teacher_topk_logprobs=[[-0.5, -2.0, -3.0], [-0.7, -1.5, -3.5]])
     refs = [ray.put(s) for s in (rl, opd, combine, topk)]
     group = LearnerGroup(tiny_model, cfg, free_port())
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-lora", 1, 8, {})
+    resumed = None
     try:
+        ray.get(engine.ready.remote())
+        plan = ray.get(engine.weight_specs.remote())
+        port = free_port()
+        ray.get(group.init_weight_sender(world_size=2, host="127.0.0.1", port=port, plan=plan, bucket_bytes=1 << 20,
+                                         timeout_s=60)  # checks the merged names against the engine's plan
+                + [engine.init_weight_receiver.remote(1, 2, "127.0.0.1", port, plan, 1 << 20, 60)])
         raw0 = ray.get([w.state_dict.remote(merged=False) for w in group.workers])[0]
         lora_keys = [k for k in raw0 if ".lora_" in k]
         assert len(lora_keys) == 2 * 3 * 2  # A and B x 3 modules x 2 layers
@@ -208,8 +219,24 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
         assert lrs == pytest.approx([1e-2, 1e-2 * (0.1 + 0.9 * 0.5)])
         raw = ray.get([w.state_dict.remote(merged=False) for w in group.workers])[0]
         merged = ray.get([w.state_dict.remote() for w in group.workers])[0]
+        ray.get(group.sync_weights(2) + [engine.receive_weights.remote(2)])
+        prompt, response = [5, 6, 7, 8], [21, 22, 23]
+        scored = ray.get(engine.score.remote(prompt, response))
+
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        ray.get([w.save_checkpoint.remote(str(ckpt)) for w in group.workers])
+        resumed = LearnerGroup(tiny_model, cfg, free_port())
+        loaded = ray.get([w.load_checkpoint.remote(str(ckpt)) for w in resumed.workers])[0]
+        assert loaded["version"] == 2 and loaded["optimizer_steps"] == 4
+        assert loaded["lr"] == pytest.approx(1e-2 * (0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4))))
+        nxt = [g.train_step(refs, 3, advantages=[1.0, 0.0, -1.0, 0.0]) for g in (group, resumed)]
+        assert nxt[0]["loss"] == pytest.approx(nxt[1]["loss"], abs=1e-7) and nxt[0]["lr"] == nxt[1]["lr"]
+        after = [ray.get([w.state_dict.remote(merged=False) for w in g.workers])[0] for g in (group, resumed)]
+        for k in after[0]:  # same weights, Adam moments and schedule: the same update
+            assert torch.allclose(after[0][k], after[1][k], atol=1e-7), k
     finally:
-        for w in group.workers:
+        for w in group.workers + (resumed.workers if resumed else []) + [engine]:
             ray.kill(w)
     for k in raw:
         if ".lora_" in k:
@@ -229,3 +256,10 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
             assert not torch.allclose(value, base_sd[name])
         assert torch.allclose(value, expected, atol=1e-6), name
     assert n_merged == 6
+    # the engine received the merged weights: its log-probs equal a plain model loaded with them
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.load_state_dict(merged)
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        expected_lp = sequence_logprobs(model(input_ids=ids).logits[0, 3:-1], ids[0, 4:]).tolist()
+    assert scored == pytest.approx(expected_lp, abs=1e-5)
