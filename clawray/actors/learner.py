@@ -474,7 +474,12 @@ class LearnerWorker:
         state = self._full_state_dict()
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
-            self._hf_model(self.model).save_pretrained(path, state_dict=state)
+            hf = self._hf_model(self.model)
+            out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
+            if out_emb is not None and out_emb.weight is in_emb.weight:  # tied: store the matrix once
+                name = next(n for n, m in hf.named_modules() if m is out_emb)
+                state = {k: v for k, v in state.items() if k != f"{name}.weight"}
+            hf.save_pretrained(path, state_dict=state)
             for name in os.listdir(self.model_path):  # tokenizer, chat template, generation config
                 src = os.path.join(self.model_path, name)
                 if (os.path.isfile(src) and not name.endswith(_WEIGHT_FILES) and name != "config.json"
