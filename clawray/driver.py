@@ -21,6 +21,8 @@ import pickle
 import time
 from typing import Any
 
+from collections import deque
+
 import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -74,7 +76,9 @@ class Driver:
         self.checkpoint_dir = checkpoint_dir(cfg)
         # the batch taken from the queue and not yet trained: requeued by a checkpoint at exit
         self._in_flight: dict | None = None
-        self.trained_samples: list[tuple[str, int]] = []  # (session_id, turn_index) of each trained sample
+        # (session_id, turn_index) of the most recently trained samples, for audits of "trained once"
+        self.trained_samples: deque[tuple[str, int]] = deque(maxlen=1 << 16)
+        self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -164,6 +168,7 @@ class Driver:
                                 OmegaConf.to_container(cfg, resolve=True))
         self.sim = None
         extra = f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)" if len(ready) > len(self.engines) else ""
+        self._ready = True
         print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
 
@@ -236,7 +241,7 @@ class Driver:
             if train["skipped"]:
                 skipped = "nonfinite"
             else:
-                self.trained_samples += [(s.session_id, s.turn_index) for s in samples]
+                self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
         self._in_flight = None  # trained, or decided against (degenerate / non-finite)
         t_train = time.perf_counter() - t0 - t_wait
 
@@ -334,7 +339,7 @@ class Driver:
         if self._in_flight is not None:
             if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
                 steps_done += 1
-                self.trained_samples += [(s.session_id, s.turn_index) for s in self._in_flight["samples"]]
+                self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
             else:  # not trained: back to the head of the queue
                 queue_state["samples"] = self._in_flight["samples"] + queue_state["samples"]
                 queue_state["versions"] = self._in_flight["versions"] + queue_state["versions"]
@@ -444,15 +449,16 @@ class Driver:
         return out
 
     def close(self) -> None:
-        """Stop traffic, write the at-exit checkpoint (``checkpoint.save_at_exit``; a failure to
-        write it is reported, not raised), then :meth:`shutdown`."""
+        """Stop traffic, write the at-exit checkpoint (``checkpoint.save_at_exit``, only after a
+        complete setup, so a failed start or resume never replaces ``latest``; a failure to write it
+        is reported, not raised), then :meth:`shutdown`."""
         if getattr(self, "sim", None) is not None:
             try:
                 ray.get(self.sim.stop.remote(), timeout=30)
             except Exception:
                 pass
             self.sim = None
-        if self.cfg.checkpoint.save_at_exit and hasattr(self, "learners") and hasattr(self, "queue"):
+        if self.cfg.checkpoint.save_at_exit and self._ready:
             try:
                 last = getattr(self, "last_checkpoint", None)
                 if last is None or last["marker"] != self._checkpoint_marker(ray.get(self.queue.stats.remote())):
