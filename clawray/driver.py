@@ -19,9 +19,8 @@ import math
 import os
 import pickle
 import time
-from typing import Any
-
 from collections import deque
+from typing import Any
 
 import ray
 import torch

@@ -140,3 +140,25 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     ids_out = first + second
     assert sorted(ids_out) == sorted((s.session_id, 1) for s in put) and len(set(ids_out)) == len(ids_out)
     print(f"\nstep seconds {step_s}; checkpoint {periodic['bytes'] / 2**20:.2f} MiB in {periodic['seconds']:.2f}s")
+
+
+def test_queue_snapshot_restore_round_trip(ray_cluster):
+    """Snapshot returns the Sample objects themselves; restore puts them back in order, ahead of new
+    ones, with the counters; a sample over a smaller budget is dropped as too_long."""
+    async def scenario():
+        q = TrajectoryQueue(max_staleness=5)
+        for i in range(3):
+            await q.put([ray.put(_sample(i, n_resp=2 + 4 * i))], i)  # 5, 9, 13 tokens
+        await q.get_batch(1, next_version=1, timeout_s=1)
+        snap = await q.snapshot()
+        q2 = TrajectoryQueue(max_staleness=5, max_tokens=10)
+        await q2.put([ray.put(_sample(7))], 3)
+        size = await q2.restore(snap)
+        batch = await q2.get_batch(2, next_version=3, timeout_s=1)
+        return snap, size, [s.session_id for s in await asyncio.gather(*batch["refs"])], await q2.stats()
+
+    snap, size, order, stats = asyncio.run(scenario())
+    assert [s.session_id for s in snap["samples"]] == ["s1", "s2"] and snap["versions"] == [1, 2]
+    assert (snap["put"], snap["taken"], snap["dropped"]) == (3, 1, {})
+    assert size == 2 and order == ["s1", "s7"]  # s2 (13 tokens) exceeds the new 10-token budget
+    assert stats == {"size": 0, "put": 4, "taken": 3, "dropped": {"too_long": 1}}

@@ -111,16 +111,23 @@ class TrajectoryQueue:
 
     async def restore(self, state: dict) -> int:
         """Put a :meth:`snapshot`'s samples back ahead of anything queued, and its counters.
+        Samples longer than this queue's ``max_tokens`` (a smaller budget than the saved run's) are
+        dropped as ``too_long``.
 
         Returns:
             the queue length.
         """
         async with self._cond:
-            restored = [(ray.put(s), int(v)) for s, v in zip(state["samples"], state["versions"])]
+            self.dropped.update(state["dropped"])
+            restored = []
+            for sample, version in zip(state["samples"], state["versions"]):
+                if 0 < self.max_tokens < len(sample.tokens):
+                    self.dropped["too_long"] += 1
+                else:
+                    restored.append((ray.put(sample), int(version)))
             self._items = deque(restored + list(self._items))
             self.num_put += state["put"]
             self.num_taken += state["taken"]
-            self.dropped.update(state["dropped"])
             self._cond.notify_all()
             return len(self._items)
 
