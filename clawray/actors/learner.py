@@ -1,26 +1,109 @@
 """LearnerGroup: N LearnerWorker actors forming one torch.distributed group, the model under FSDP2.
 
-Each optimizer step consumes one batch of :class:`~clawray.types.Sample` refs. Rank ``r`` trains
-samples ``r, r + N, ...``; every rank runs the same number of forward/backward passes (padding with
-zero-weight passes) because FSDP2 all-gathers and reduce-scatters in every pass. The loss is the
-token-mean over the *global* batch's ``loss_mask`` tokens; since FSDP2 averages gradients over the
-N ranks, each rank scales its masked sum by ``N / global_tokens``.
+Each call of :meth:`LearnerWorker.train_step` consumes one batch of :class:`~clawray.types.Sample`
+refs and takes ``steps_per_batch`` optimizer steps (the batch splits into that many contiguous
+mini-batches). In a mini-batch, rank ``r`` trains samples ``r, r + N, ...``, packed into padded
+micro-batches of at most ``max_tokens_per_micro_batch`` tokens (rows x longest sequence) with
+gradients accumulated over them. Every rank runs the same number of forward/backward passes
+(padding with zero-weight passes) because FSDP2 all-gathers and reduce-scatters in every pass. The
+loss is the token-mean over the *mini-batch's* ``loss_mask`` tokens across all ranks; since FSDP2
+averages gradients over the N ranks, each rank scales its masked sum by ``N / global_tokens``, which
+makes the gradient independent of how samples are packed.
+
+Optional: LoRA adapters through peft (only adapters train; weight sync and the HF export carry the
+merged weights under the base model's names), activation checkpointing, bf16 mixed precision on
+CUDA (fp32 on CPU), a constant or cosine learning-rate schedule with linear warmup.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import pickle
+import random
+import shutil
 import time
 from datetime import timedelta
 
+import numpy as np
 import ray
 import torch
 
 from clawray.algos.advantages import opd_advantages
 from clawray.algos.losses import (aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy,
                                   topk_reverse_kl)
+from clawray.algos.schedule import lr_factor
 from clawray.types import Sample
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices into padded micro-batches of at most ``max_tokens`` tokens.
+
+    A micro-batch costs ``rows * longest`` tokens (the padded ``[B, T]`` input). Samples are taken
+    longest first and added to the open micro-batch while the cost stays within the budget (first
+    fit on the sorted lengths, which keeps padding low). A sample longer than the budget gets a
+    micro-batch of its own (the queue rejects such samples before they reach the learner).
+
+    Args:
+        lengths: tokens (prompt + response) per sample.
+        max_tokens: the budget in tokens; <= 0 means no limit (one micro-batch).
+
+    Returns:
+        lists of indices into ``lengths``; every index appears exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if max_tokens <= 0:
+        return [order] if order else []
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def merge_lora_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, float], fan_in_fan_out: set[str],
+                          adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The base model's state dict with LoRA deltas merged in, from a peft model's full state dict.
+
+    For every LoRA-wrapped linear ``m``: ``W = W_base + scaling * B @ A`` (LoRA, Hu et al.,
+    arXiv 2106.09685, eq. 3) with ``A: [r, in]``, ``B: [out, r]``, ``scaling = alpha / r``
+    (transposed for ``fan_in_fan_out`` layers). Names lose peft's ``base_model.model.`` prefix and
+    ``.base_layer`` infix, so they equal the base model's names; adapter tensors are dropped. The
+    input tensors are not modified.
+
+    Args:
+        state: the peft model's full (unsharded) state dict.
+        scalings: module name (peft naming) -> its LoRA scaling.
+        fan_in_fan_out: module names whose weight is stored ``[in, out]``.
+        adapter: the adapter's name.
+
+    Raises:
+        ValueError: a DoRA magnitude vector (not supported) or an adapter tensor without its pair.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".lora_magnitude_vector" in name:
+            raise ValueError(f"DoRA weights ({name}) cannot be merged here")
+        if ".lora_" in name:
+            continue
+        value = tensor
+        if name.endswith(".base_layer.weight"):
+            module = name[: -len(".base_layer.weight")]
+            if module in scalings:
+                a_name, b_name = f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight"
+                if a_name not in state or b_name not in state:
+                    raise ValueError(f"LoRA module {module} lacks {a_name} or {b_name}")
+                delta = state[b_name].float() @ state[a_name].float() * scalings[module]
+                if module in fan_in_fan_out:
+                    delta = delta.T
+                value = (tensor.float() + delta).to(tensor.dtype)
+        base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        out[base] = value
+    return out
 
 
 class LearnerWorker:
@@ -30,77 +113,214 @@ class LearnerWorker:
         rank, world_size: position in the learner group.
         master_port: TCP port of the group's rendezvous on 127.0.0.1 (rank 0 hosts it).
         model_path: HF folder of the initial policy.
-        cfg: the ``learner`` section of the config, as a plain dict.
+        cfg: the ``learner`` section of the config, as a plain dict (``lora`` a nested dict).
     """
 
     def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: dict):
         import torch.distributed as dist
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
         torch.set_num_threads(max(1, int(cfg.get("torch_threads", 1))))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=cfg["dist_timeout_s"]))
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # same seed on every rank: LoRA's A matrices start identical everywhere
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
-        from torch.distributed.device_mesh import init_device_mesh
+        if cfg.get("activation_checkpointing"):
+            # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's per-layer hooks
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora = dict(cfg.get("lora") or {})
+        self.lora_rank = int(lora.get("rank", 0))
+        self._lora_scalings: dict[str, float] = {}
+        self._lora_fan_in_fan_out: set[str] = set()
+        if self.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+            from peft.tuners.lora import LoraLayer
 
+            model = get_peft_model(model, LoraConfig(
+                r=self.lora_rank, lora_alpha=float(lora.get("alpha", 16.0)), lora_dropout=float(lora.get("dropout", 0.0)),
+                target_modules=list(lora.get("target_modules") or []), bias="none"))
+            for name, module in model.named_modules():
+                if isinstance(module, LoraLayer) and "default" in module.scaling:
+                    self._lora_scalings[name] = float(module.scaling["default"])
+                    if getattr(module, "fan_in_fan_out", False):
+                        self._lora_fan_in_fan_out.add(name)
         mesh = init_device_mesh(self.device.type, (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_kwargs: dict = {"mesh": mesh}
+        if self.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
+            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in self._hf_model(model).model.layers:
+            fully_shard(layer, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer
         self.model = model
         self.ref_model = None
         if cfg.get("kl_coef", 0.0) > 0:  # a frozen full copy of the initial policy, only when KL is on
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg["lr"], betas=tuple(cfg["betas"]),
                                            weight_decay=cfg["weight_decay"])
+        schedule = (cfg.get("lr_schedule", "constant"), int(cfg.get("warmup_steps", 0)),
+                    int(cfg.get("total_steps", 0)), float(cfg.get("min_lr_ratio", 0.0)))
+        lr_factor(0, *schedule)  # raises on a bad schedule here rather than at the first step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, *schedule))
         self.version = 0
         self._transport = None
         self.skipped_steps = 0
+        self.optimizer_steps = 0
+
+    @staticmethod
+    def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+        """The transformers model inside a peft wrapper (the model itself without LoRA)."""
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def ready(self) -> int:
         """Rank, once the model is sharded."""
         return self.rank
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) state dict on rank 0, CPU; empty on other ranks. Collective."""
+        """The full (unsharded) state dict on rank 0, CPU; empty on other ranks. Collective.
+
+        With LoRA it is the *merged* weights under the base model's names (:func:`merge_lora_state_dict`),
+        computed from copies: the training weights are not touched.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.lora_rank > 0 and self.rank == 0:
+            state = merge_lora_state_dict(state, self._lora_scalings, self._lora_fan_in_fan_out)
+        return state
+
+    def state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
+        """Full CPU state dict on rank 0 (``{}`` elsewhere); ``merged=False`` keeps peft's names and
+        adapter tensors. Collective: call on every rank."""
+        if merged:
+            return self._full_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    # ------------------------------------------------------------------ training
-    def _forward(self, sample: Sample, with_entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Learner log-probs ``[R]`` of the response tokens, per-token entropies ``[R]`` and the
-        temperature-scaled logits ``[R, V]``."""
-        ids = torch.tensor([sample.tokens], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, sample.prompt_len - 1 : -1]  # [R, V]
-        t = sample.temperature if sample.temperature > 0 else 1.0
-        logprobs = sequence_logprobs(logits, ids[0, sample.prompt_len:], t)
-        scaled = logits / t
-        entropy = token_entropy(scaled if with_entropy_grad else scaled.detach())
-        return logprobs, entropy, scaled
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The full gradients left by the last optimizer step (peft names), on rank 0; ``{}`` elsewhere.
+        For tests and debugging. Collective: call on every rank."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = g.detach().cpu().clone()
+        return out if self.rank == 0 else {}
 
-    def _ref_logprobs(self, sample: Sample) -> torch.Tensor:
-        ids = torch.tensor([sample.tokens], device=self.device)
-        with torch.no_grad():
-            logits = self.ref_model(input_ids=ids).logits[0, sample.prompt_len - 1 : -1]
-        return sequence_logprobs(logits, ids[0, sample.prompt_len:], sample.temperature)
+    # ------------------------------------------------------------------ training
+    def _forward(self, samples: list[Sample], model: torch.nn.Module) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of a right-padded micro-batch (``T`` = its longest sample, tokens).
+
+        Right padding with causal attention leaves every real position's logits unchanged, so one
+        sample alone and the same sample in a padded batch give the same values (up to fp rounding).
+        """
+        longest = max(len(s.tokens) for s in samples)
+        ids = torch.zeros(len(samples), longest, dtype=torch.long)
+        mask = torch.zeros(len(samples), longest, dtype=torch.long)
+        for b, s in enumerate(samples):
+            ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
+            mask[b, : len(s.tokens)] = 1
+        ids = ids.to(self.device)
+        if len(samples) == 1:
+            return model(input_ids=ids).logits
+        return model(input_ids=ids, attention_mask=mask.to(self.device)).logits
+
+    def _micro_batch_loss(self, samples: list[Sample], advs: list[float], norm_tokens: float, norm_seqs: float,
+                          entropy_coef: float, first_mini_batch: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Sum of the samples' losses (each already normalised by the global mini-batch size).
+
+        Per sample: token advantages ``A_t = w_rl * a * loss_mask_t`` (``a`` = ``advs[i]``)
+        ``+ w_opd * clip(teacher_t - rollout_t)`` when it has teacher log-probs (OPD / Combine,
+        OpenClaw-RL §4-5); loss = PPO clip (anchor: rollout log-probs, or the proximal policy with
+        TIS weights, ``ratio_anchor``) + ``kl_coef`` * KL to the reference - ``entropy_coef`` *
+        entropy, each aggregated by ``agg_mode``; top-k distillation samples replace the PPO term by
+        the reverse KL over the teacher's top-k.
+
+        Returns:
+            ``(loss, sums[16], ratio_max[1], entropies)``, see :meth:`train_step` for the sums.
+        """
+        cfg = self.cfg
+        proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
+        logits_all = self._forward(samples, self.model)
+        ref_all = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_all = self._forward(samples, self.ref_model)
+        total = torch.zeros((), device=self.device)
+        sums = torch.zeros(16, dtype=torch.float64)
+        ratio_max = torch.zeros(1, dtype=torch.float64)
+        entropies: list[torch.Tensor] = []
+        agg = dict(mode=cfg.get("agg_mode", "token-mean"), num_tokens=norm_tokens, num_seqs=norm_seqs)
+        for b, s in enumerate(samples):
+            end = len(s.tokens)
+            targets = torch.tensor(s.tokens[s.prompt_len:], device=self.device)
+            logits = logits_all[b, s.prompt_len - 1 : end - 1]  # [R, V]
+            t = s.temperature if s.temperature > 0 else 1.0
+            logprobs = sequence_logprobs(logits, targets, t)
+            scaled = logits / t
+            entropy = token_entropy(scaled if entropy_coef > 0 else scaled.detach())
+            mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
+            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+            adv = mask * advs[b] * cfg.get("w_rl", 1.0)
+            if s.teacher_logprobs is not None:  # OPD term (OPD / Combine samples with an accepted hint)
+                teacher = torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
+                adv = adv + cfg.get("w_opd", 1.0) * opd_advantages(teacher, rollout, mask,
+                                                                   cfg.get("opd_adv_clip") or None)
+            out = ppo_clip_loss(
+                logprobs, logprobs.detach() if proximal else rollout, adv, mask, cfg["eps"], cfg["eps_high"],
+                normalizer=norm_tokens, dual_clip=cfg.get("dual_clip") or None,
+                behaviour_logprobs=rollout if proximal else None, tis_cap=cfg.get("tis_cap") or None,
+                agg_mode=agg["mode"], num_seqs=norm_seqs)
+            loss = out.loss
+            if s.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
+                kl_t = topk_reverse_kl(scaled, torch.tensor(s.teacher_topk_logprobs, device=self.device),
+                                       torch.tensor(s.teacher_topk_ids, device=self.device))
+                loss = aggregate(kl_t, mask, **agg)
+            kl_value = torch.zeros(())
+            if ref_all is not None:
+                ref_lp = sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)
+                kl_tok = kl_penalty(logprobs, ref_lp, cfg.get("kl_estimator", "k3"))
+                kl_value = aggregate(kl_tok, mask, **agg)
+                loss = loss + cfg["kl_coef"] * kl_value
+            if entropy_coef > 0:
+                loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
+            total = total + loss
+            with torch.no_grad():
+                m = mask.bool()
+                entropies.append(entropy.detach()[m].double())
+                # generated by exactly these weights (later mini-batches run on already-updated weights)
+                fresh = first_mini_batch and s.policy_version == self.version
+                log_r = (logprobs.detach() - rollout)[m].double()  # float64: tiny KLs do not cancel to 0
+                sums += torch.tensor([
+                    loss.item(), out.loss.item(), kl_value.item(), out.clipped[m].sum().item(),
+                    out.ratio[m].sum().item(), m.sum().item(), adv[m].sum().item(), adv[m].pow(2).sum().item(),
+                    ((adv != 0) & m).sum().item(), len(s.loss_mask), 0.0, 1.0, out.is_weight[m].sum().item(),
+                    (log_r.exp() - 1 - log_r).sum().item() if fresh else 0.0, m.sum().item() if fresh else 0.0,
+                    entropy.detach()[m].sum().item()], dtype=torch.float64)
+                if m.any():
+                    ratio_max = torch.maximum(ratio_max, out.ratio[m].max().double().reshape(1))
+        return total, sums, ratio_max, entropies
 
     def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
                    entropy_coef: float = 0.0) -> dict:
-        """One optimizer step on a batch; the step produces policy ``version``.
+        """``steps_per_batch`` optimizer steps on a batch; the step produces policy ``version``.
 
-        Per sample: token advantages ``A_t = w_rl * a * loss_mask_t`` (``a`` from ``advantages``,
-        default the sample's reward) ``+ w_opd * clip(teacher_t - rollout_t)`` when the sample has
-        teacher log-probs (OPD / Combine, OpenClaw-RL §4-5); loss = PPO clip (anchor: rollout log-probs, or the proximal policy
-        with TIS weights, ``ratio_anchor``) + ``kl_coef`` * KL to the reference - ``entropy_coef`` *
-        entropy, each aggregated by ``agg_mode`` over the *global* batch.
+        The batch splits into ``steps_per_batch`` contiguous mini-batches (one optimizer step each,
+        gradient-norm clipped at ``grad_clip``, learning rate from the schedule). Inside a
+        mini-batch each rank packs its samples into micro-batches (:func:`pack_micro_batches`) and
+        accumulates their gradients; the per-sample loss is described in :meth:`_micro_batch_loss`,
+        normalised by the mini-batch's global token (or sequence) count, so packing does not change
+        the loss or the gradient.
 
         Args:
             sample_refs: the whole batch's ``ObjectRef[Sample]`` list (each rank takes its share).
@@ -109,107 +329,99 @@ class LearnerWorker:
             entropy_coef: the entropy-bonus coefficient for this step.
 
         Returns:
-            metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl``, ``grad_norm``, ``num_tokens``,
-            ``num_samples``, ``skipped`` (a non-finite loss or gradient skipped the step) and the
-            invariants ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
+            metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl`` (means over mini-batches),
+            ``grad_norm`` (mean over mini-batches, before clipping), ``lr`` (of the last optimizer
+            step), ``num_tokens``, ``num_samples``, ``micro_batches`` (forward/backward passes per
+            rank, padding included), ``optimizer_steps``, ``skipped`` (1 when no optimizer step was
+            taken: a non-finite loss or gradient skips its mini-batch) and the invariants
+            ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
             ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``, ``inv/is_weight_mean``,
-            ``inv/logprob_mismatch_kl`` (fresh samples only, same weights on both sides; nan when
-            there are none), ``inv/effective_token_rate``.
+            ``inv/logprob_mismatch_kl`` (fresh samples of the first mini-batch only, same weights on
+            both sides; nan when there are none), ``inv/effective_token_rate``.
         """
         import torch.distributed as dist
 
         t0 = time.perf_counter()
         cfg, n = self.cfg, self.world_size
-        idx = list(range(self.rank, len(sample_refs), n))
-        samples: list[Sample] = ray.get([sample_refs[i] for i in idx]) if idx else []
-        advs = [float(advantages[i]) if advantages is not None else float(samples[k].reward or 0.0)
-                for k, i in enumerate(idx)]
-        passes = math.ceil(len(sample_refs) / n)
-        totals = torch.tensor([float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))], dtype=torch.float64)
-        dist.all_reduce(totals)
-        norm_tokens, norm_seqs = max(totals[0].item(), 1.0) / n, max(totals[1].item(), 1.0) / n
-        proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
+        total = len(sample_refs)
+        num_mini = max(1, min(int(cfg.get("steps_per_batch", 1)), total))
+        bounds = [round(j * total / num_mini) for j in range(num_mini + 1)]
+        mine = [list(range(bounds[j] + self.rank, bounds[j + 1], n)) for j in range(num_mini)]
+        flat = [i for idx in mine for i in idx]
+        fetched = dict(zip(flat, ray.get([sample_refs[i] for i in flat]) if flat else []))
+        adv_of = {i: float(advantages[i]) if advantages is not None else float(fetched[i].reward or 0.0) for i in flat}
+        budget = int(cfg.get("max_tokens_per_micro_batch", 0))
+        packs = [[[idx[k] for k in group] for group in pack_micro_batches([len(fetched[i].tokens) for i in idx], budget)]
+                 for idx in mine]
+        # global counts per mini-batch: tokens and samples (sum), micro-batches (max over ranks)
+        counts = torch.tensor([[float(sum(sum(fetched[i].loss_mask) for i in idx)), float(len(idx))] for idx in mine],
+                              dtype=torch.float64)
+        dist.all_reduce(counts)
+        passes = torch.tensor([len(p) for p in packs], dtype=torch.int64)
+        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         # sums: loss, pg_loss, kl, clipped, ratio, tokens, adv, adv^2, effective, resp_tokens, nonfinite,
         #       samples, is_weight, mismatch_kl_sum, mismatch_tokens, entropy
         sums = torch.zeros(16, dtype=torch.float64)
         ratio_max = torch.zeros(1, dtype=torch.float64)
         entropies: list[torch.Tensor] = []
-        for i in range(passes):
-            if i < len(samples):
-                s = samples[i]
-                logprobs, entropy, scaled = self._forward(s, with_entropy_grad=entropy_coef > 0)
-                mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
-                rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-                adv = mask * advs[i] * cfg.get("w_rl", 1.0)
-                if s.teacher_logprobs is not None:  # OPD term (OPD / Combine samples with an accepted hint)
-                    teacher = torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
-                    adv = adv + cfg.get("w_opd", 1.0) * opd_advantages(teacher, rollout, mask,
-                                                                       cfg.get("opd_adv_clip") or None)
-                agg = dict(mode=cfg.get("agg_mode", "token-mean"), num_tokens=norm_tokens, num_seqs=norm_seqs)
-                out = ppo_clip_loss(
-                    logprobs, logprobs.detach() if proximal else rollout, adv, mask, cfg["eps"], cfg["eps_high"],
-                    normalizer=norm_tokens, dual_clip=cfg.get("dual_clip") or None,
-                    behaviour_logprobs=rollout if proximal else None, tis_cap=cfg.get("tis_cap") or None,
-                    agg_mode=agg["mode"], num_seqs=norm_seqs)
-                loss = out.loss
-                if s.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
-                    kl_t = topk_reverse_kl(scaled, torch.tensor(s.teacher_topk_logprobs, device=self.device),
-                                           torch.tensor(s.teacher_topk_ids, device=self.device))
-                    loss = aggregate(kl_t, mask, **agg)
-                kl_value = torch.zeros(())
-                if self.ref_model is not None:
-                    kl_tok = kl_penalty(logprobs, self._ref_logprobs(s), cfg.get("kl_estimator", "k3"))
-                    kl_value = aggregate(kl_tok, mask, **agg)
-                    loss = loss + cfg["kl_coef"] * kl_value
-                if entropy_coef > 0:
-                    loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
-                with torch.no_grad():
-                    m = mask.bool()
-                    entropies.append(entropy.detach()[m].double())
-                    fresh = s.policy_version == self.version  # generated by exactly these weights
-                    log_r = (logprobs.detach() - rollout)[m].double()  # float64: tiny KLs do not cancel to 0
-                    sums += torch.tensor([
-                        loss.item(), out.loss.item(), kl_value.item(), out.clipped[m].sum().item(),
-                        out.ratio[m].sum().item(), m.sum().item(), adv[m].sum().item(), adv[m].pow(2).sum().item(),
-                        ((adv != 0) & m).sum().item(), len(s.loss_mask), 0.0, 1.0, out.is_weight[m].sum().item(),
-                        (log_r.exp() - 1 - log_r).sum().item() if fresh else 0.0, m.sum().item() if fresh else 0.0,
-                        entropy.detach()[m].sum().item()], dtype=torch.float64)
-                    if m.any():
-                        ratio_max = torch.maximum(ratio_max, out.ratio[m].max().double().reshape(1))
-            else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
-                loss = self.model(input_ids=torch.tensor([[0]], device=self.device)).logits.sum() * 0.0
-            if not torch.isfinite(loss):
-                sums[10] += 1
-                loss = torch.nan_to_num(loss) * 0.0
-            loss.backward()
-
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["grad_clip"])
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
+        for j in range(num_mini):
+            norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
+            self.optimizer.zero_grad(set_to_none=True)
+            nonfinite = torch.zeros(1, dtype=torch.float64)
+            for p in range(int(passes[j])):
+                if p < len(packs[j]):
+                    group = packs[j][p]
+                    loss, part, rmax, ents = self._micro_batch_loss(
+                        [fetched[i] for i in group], [adv_of[i] for i in group], norm_tokens, norm_seqs,
+                        entropy_coef, j == 0)
+                    sums += part
+                    ratio_max = torch.maximum(ratio_max, rmax)
+                    entropies += ents
+                else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
+                    loss = self.model(input_ids=torch.tensor([[0]], device=self.device)).logits.sum() * 0.0
+                if not torch.isfinite(loss):
+                    nonfinite += 1
+                    loss = torch.nan_to_num(loss) * 0.0
+                loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg["grad_clip"])
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            dist.all_reduce(nonfinite)
+            sums[10] += nonfinite.item()
+            if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            grad_norms.append(float(grad_norm.item()))
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+            steps_taken += 1
         dist.all_reduce(sums)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         gathered: list = [None] * n
         dist.all_gather_object(gathered, torch.cat(entropies) if entropies else torch.zeros(0, dtype=torch.float64))
         all_entropy = torch.cat(gathered)
-        skipped = sums[10].item() > 0 or not torch.isfinite(grad_norm).item()
+        skipped = steps_taken == 0
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
         else:
-            self.optimizer.step()
             self.version = version
         tokens = max(sums[5].item(), 1.0)
         adv_mean = sums[6].item() / tokens
         return {
-            "loss": sums[0].item() / n,
-            "pg_loss": sums[1].item() / n,
-            "kl": sums[2].item() / n,
-            "grad_norm": float(grad_norm.item()),
+            "loss": sums[0].item() / n / num_mini,
+            "pg_loss": sums[1].item() / n / num_mini,
+            "kl": sums[2].item() / n / num_mini,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+            "lr": lr,
             "num_tokens": sums[5].item(),
             "num_samples": sums[11].item(),
+            "micro_batches": float(passes.sum().item()),
+            "optimizer_steps": float(steps_taken),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
             "inv/entropy": sums[15].item() / tokens,
@@ -265,11 +477,99 @@ class LearnerWorker:
         return {"bytes": stats["bytes"], "gather_s": t1 - t0, "send_s": stats["seconds"]}
 
     def save(self, path: str) -> None:
-        """Write the full model as an HF folder at ``path`` (collective; rank 0 writes)."""
+        """Write the full model as an HF folder at ``path`` (collective; rank 0 writes): merged
+        weights under the base names with LoRA, plus the initial folder's tokenizer and config files."""
         state = self._full_state_dict()
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=state)
+            hf = self._hf_model(self.model)
+            out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
+            if out_emb is not None and out_emb.weight is in_emb.weight:  # tied: store the matrix once
+                name = next(n for n, m in hf.named_modules() if m is out_emb)
+                state = {k: v for k, v in state.items() if k != f"{name}.weight"}
+            hf.save_pretrained(path, state_dict=state)
+            for name in os.listdir(self.model_path):  # tokenizer, chat template, generation config
+                src = os.path.join(self.model_path, name)
+                if (os.path.isfile(src) and not name.endswith(_WEIGHT_FILES) and name != "config.json"
+                        and not name.endswith(".index.json") and not os.path.exists(os.path.join(path, name))):
+                    shutil.copy2(src, os.path.join(path, name))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> dict:
+        """Write this learner's part of a checkpoint into the existing folder ``path``. Collective.
+
+        Layout: ``model/`` (HF folder, :meth:`save`), ``train_state/`` (sharded
+        ``torch.distributed.checkpoint``: the model's training parameters, adapters included, and
+        the AdamW state, one file per rank: no rank gathers the optimizer state, and a different
+        number of ranks can load it), ``learner.pkl`` (rank 0: scheduler state, policy version,
+        optimizer and skipped step counts) and ``rng/rank{r}.pkl`` (torch, python, numpy and CUDA
+        RNG states of each rank).
+
+        Returns:
+            ``{"version", "seconds"}`` on every rank.
+        """
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        t0 = time.perf_counter()
+        self.save(os.path.join(path, "model"))
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "train_state"))
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        with open(os.path.join(path, "rng", f"rank{self.rank}.pkl"), "wb") as f:
+            pickle.dump(rng, f)
+        if self.rank == 0:
+            with open(os.path.join(path, "learner.pkl"), "wb") as f:
+                pickle.dump({"scheduler": self.scheduler.state_dict(), "version": self.version,
+                             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                             "world_size": self.world_size, "lora_rank": self.lora_rank}, f)
+        dist.barrier()
+        return {"version": self.version, "seconds": time.perf_counter() - t0}
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore weights, optimizer, scheduler, version and this rank's RNG states from a checkpoint
+        folder written by :meth:`save_checkpoint`. Collective.
+
+        Returns:
+            ``{"version", "optimizer_steps", "lr"}``.
+
+        Raises:
+            FileNotFoundError: ``path`` lacks ``train_state/`` or ``learner.pkl``.
+            ValueError: the checkpoint was made with a different LoRA rank.
+        """
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        for name in ("train_state", "learner.pkl"):
+            if not os.path.exists(os.path.join(path, name)):
+                raise FileNotFoundError(f"checkpoint {path} has no {name}")
+        with open(os.path.join(path, "learner.pkl"), "rb") as f:
+            meta = pickle.load(f)
+        if meta["lora_rank"] != self.lora_rank:
+            raise ValueError(f"checkpoint {path} has LoRA rank {meta['lora_rank']}, the learner {self.lora_rank}")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "train_state"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.version, self.optimizer_steps, self.skipped_steps = (meta["version"], meta["optimizer_steps"],
+                                                                  meta["skipped_steps"])
+        rng_file = os.path.join(path, "rng", f"rank{self.rank}.pkl")
+        if os.path.exists(rng_file):  # absent when the group grew: the new rank keeps its seed
+            with open(rng_file, "rb") as f:
+                rng = pickle.load(f)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        dist.barrier()
+        return {"version": self.version, "optimizer_steps": self.optimizer_steps,
+                "lr": self.optimizer.param_groups[0]["lr"]}
 
 
 # The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.

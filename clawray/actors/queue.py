@@ -5,6 +5,11 @@ When the learner takes a batch for the update that will produce version ``v_next
 sample with ``staleness = v_next - sample.policy_version > max_staleness`` is dropped and counted
 (reason ``stale``). With ``max_staleness = 1`` a sample generated at v3 is trained by the update
 that produces v4 and dropped if it would only be trained by the one producing v5.
+
+A sample longer than the learner's micro-batch budget (``max_tokens``) is rejected at ``put``
+(reason ``too_long``): it would not fit in one forward pass. For checkpoints, :meth:`TrajectoryQueue.snapshot`
+returns the queued :class:`~clawray.types.Sample` objects themselves (refs do not outlive the run)
+and :meth:`TrajectoryQueue.restore` puts them back.
 """
 
 from __future__ import annotations
@@ -21,24 +26,36 @@ class TrajectoryQueue:
 
     Args:
         max_staleness: the largest staleness a trained sample may have (>= 1).
+        max_tokens: the longest admitted sample in tokens (prompt + response); 0 = no limit.
     """
 
-    def __init__(self, max_staleness: int):
+    def __init__(self, max_staleness: int, max_tokens: int = 0):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         self.max_staleness = max_staleness
+        self.max_tokens = int(max_tokens)
         self._items: deque[tuple[ray.ObjectRef, int]] = deque()
         self._cond = asyncio.Condition()
         self.num_put = 0
         self.num_taken = 0
         self.dropped: Counter[str] = Counter()
 
-    async def put(self, sample_ref: list[ray.ObjectRef], policy_version: int) -> int:
+    async def put(self, sample_ref: list[ray.ObjectRef], policy_version: int, num_tokens: int | None = None) -> int:
         """Enqueue one sample; ``sample_ref`` is ``[ref]`` (wrapped so Ray does not fetch it).
 
+        Args:
+            num_tokens: the sample's prompt + response length; fetched from the sample when None and
+                a ``max_tokens`` limit is set.
+
         Returns:
-            the queue length after the put.
+            the queue length after the put (unchanged when the sample is rejected as ``too_long``).
         """
+        if self.max_tokens > 0:
+            if num_tokens is None:
+                num_tokens = len((await sample_ref[0]).tokens)
+            if num_tokens > self.max_tokens:
+                self.dropped["too_long"] += 1
+                return len(self._items)
         async with self._cond:
             self._items.append((sample_ref[0], int(policy_version)))
             self.num_put += 1
@@ -82,6 +99,37 @@ class TrajectoryQueue:
     async def count_drop(self, reason: str, n: int = 1) -> None:
         """Count samples dropped upstream (before they were enqueued) under ``reason``."""
         self.dropped[reason] += n
+
+    async def snapshot(self) -> dict:
+        """The queue's state for a checkpoint: ``{"samples": [Sample], "versions": [int], "put",
+        "taken", "dropped"}``, the samples in FIFO order (fetched from the object store)."""
+        async with self._cond:
+            items = list(self._items)
+            state = {"put": self.num_put, "taken": self.num_taken, "dropped": dict(self.dropped)}
+        samples = list(await asyncio.gather(*[ref for ref, _ in items])) if items else []
+        return {"samples": samples, "versions": [v for _, v in items], **state}
+
+    async def restore(self, state: dict) -> int:
+        """Put a :meth:`snapshot`'s samples back ahead of anything queued, and its counters.
+        Samples longer than this queue's ``max_tokens`` (a smaller budget than the saved run's) are
+        dropped as ``too_long``.
+
+        Returns:
+            the queue length.
+        """
+        async with self._cond:
+            self.dropped.update(state["dropped"])
+            restored = []
+            for sample, version in zip(state["samples"], state["versions"]):
+                if 0 < self.max_tokens < len(sample.tokens):
+                    self.dropped["too_long"] += 1
+                else:
+                    restored.append((ray.put(sample), int(version)))
+            self._items = deque(restored + list(self._items))
+            self.num_put += state["put"]
+            self.num_taken += state["taken"]
+            self._cond.notify_all()
+            return len(self._items)
 
     async def stats(self) -> dict:
         """``{"size", "put", "taken", "dropped": {reason: count}}``."""

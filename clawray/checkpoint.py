@@ -1,0 +1,71 @@
+"""Checkpoint folders: atomic commit, the ``latest`` pointer and pruning.
+
+A checkpoint is written into a hidden temporary folder (``.tmp-ckpt-NNNNNN-PID``) and renamed to
+``ckpt-NNNNNN`` only once every part is on disk; then the ``latest`` file (replaced atomically) names
+it. A crash mid-write leaves a temporary folder that is ignored (and removed by the next commit),
+never a broken ``latest``. Contents (see ``Driver.save_checkpoint`` and
+``LearnerWorker.save_checkpoint``): ``model/`` (HF folder), ``train_state/`` (sharded optimizer and
+weights), ``learner.pkl``, ``rng/``, ``queue.pkl`` (queued, untrained samples) and ``driver.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+_NAME = re.compile(r"^ckpt-(\d{6})$")
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Committed checkpoint folders under ``root``, oldest first (absolute paths)."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if _NAME.match(n) and os.path.isdir(os.path.join(root, n)))
+    return [os.path.join(root, n) for n in names]
+
+
+def new_checkpoint_dirs(root: str) -> tuple[str, str]:
+    """``(tmp, final)`` folder paths for the next checkpoint; ``tmp`` is created empty.
+
+    Left-over temporary folders of earlier crashed writes are removed first.
+    """
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+        if name.startswith(".tmp-ckpt-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    existing = list_checkpoints(root)
+    seq = int(_NAME.match(os.path.basename(existing[-1])).group(1)) + 1 if existing else 1
+    final = os.path.join(root, f"ckpt-{seq:06d}")
+    tmp = os.path.join(root, f".tmp-ckpt-{seq:06d}-{os.getpid()}")
+    os.makedirs(tmp)
+    return tmp, final
+
+
+def commit_checkpoint(tmp: str, final: str, keep_last: int = 0) -> str:
+    """Rename ``tmp`` to ``final``, point ``latest`` at it, then delete all but the ``keep_last``
+    newest checkpoints (0 keeps all). Returns ``final``."""
+    root = os.path.dirname(final)
+    os.rename(tmp, final)
+    pointer = os.path.join(root, "latest")
+    with open(pointer + ".tmp", "w") as f:
+        f.write(os.path.basename(final) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer + ".tmp", pointer)
+    if keep_last > 0:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The folder ``latest`` names, else the newest committed ``ckpt-*`` folder, else None."""
+    pointer = os.path.join(root, "latest")
+    if os.path.exists(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isdir(path):
+            return path
+    found = list_checkpoints(root)
+    return found[-1] if found else None

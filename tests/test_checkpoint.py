@@ -1,0 +1,164 @@
+"""Checkpoints: atomic commit and pruning, queue admission and snapshot, and a real stop + resume
+of the Driver that keeps the policy-version numbering and trains every queued sample exactly once."""
+
+import asyncio
+import json
+import os
+
+import pytest
+import ray
+import torch
+
+from clawray.actors.queue import TrajectoryQueue
+from clawray.checkpoint import commit_checkpoint, latest_checkpoint, list_checkpoints, new_checkpoint_dirs
+from clawray.types import Sample
+from conftest import tiny_run_config
+
+
+def test_commit_is_atomic_and_prunes(tmp_path):
+    root = str(tmp_path / "ck")
+    assert latest_checkpoint(root) is None
+    for _ in range(3):
+        tmp, final = new_checkpoint_dirs(root)
+        open(os.path.join(tmp, "driver.json"), "w").write("{}")
+        commit_checkpoint(tmp, final, keep_last=2)
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["ckpt-000002", "ckpt-000003"]
+    assert latest_checkpoint(root) == os.path.join(root, "ckpt-000003")
+    # a write that dies before the commit leaves a temporary folder: "latest" is unaffected
+    tmp, final = new_checkpoint_dirs(root)
+    open(os.path.join(tmp, "half-written"), "w").write("x")
+    assert latest_checkpoint(root) == os.path.join(root, "ckpt-000003") and not os.path.exists(final)
+    tmp2, final2 = new_checkpoint_dirs(root)  # the next write cleans it up
+    assert os.listdir(tmp2) == [] and os.path.basename(final2) == "ckpt-000004"  # half-written file gone
+    # a pointer to a vanished folder falls back to the newest committed one
+    open(os.path.join(root, "latest"), "w").write("ckpt-000009\n")
+    assert latest_checkpoint(root) == os.path.join(root, "ckpt-000003")
+
+
+def test_queue_rejects_too_long_samples_with_a_counted_reason():
+    async def scenario():
+        q = TrajectoryQueue(max_staleness=2, max_tokens=10)
+        assert await q.put(["fits"], 0, num_tokens=10) == 1
+        assert await q.put(["too-long"], 0, num_tokens=11) == 1  # rejected at admission
+        return await q.stats()
+
+    assert asyncio.run(scenario()) == {"size": 1, "put": 1, "taken": 0, "dropped": {"too_long": 1}}
+
+
+def _sample(i, n_resp=3, version=0):
+    return Sample(tokens=[5, 6, 7] + [100 + i] * n_resp, prompt_len=3, loss_mask=[1] * n_resp,
+                  rollout_logprobs=[-6.9] * n_resp, reward=1.0 if i % 2 else -1.0, policy_version=version,
+                  session_id=f"s{i}", turn_index=1)
+
+
+@pytest.mark.slow
+def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_cluster, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from clawray.driver import Driver
+
+    run_dir = tmp_path / "run"
+    common = ["env.enabled=false", "queue.max_staleness=10", "learner.max_tokens_per_micro_batch=32",
+              "checkpoint.every_steps=1", "checkpoint.keep_last=2", "learner.lr=1e-3", "wandb.mode=disabled",
+              "trainer.batch_timeout_s=60"]
+    d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
+    d.setup()
+    try:
+        put = [_sample(i) for i in range(6)]
+        for s in put[:3]:
+            ray.get(d.queue.put.remote([ray.put(s)], s.policy_version))
+        long_sample = _sample(99, n_resp=30)  # 33 tokens > the 32-token micro-batch budget
+        assert ray.get(d.queue.put.remote([ray.put(long_sample)], 0)) == 3  # fetched, measured, rejected
+        for s in put[3:]:
+            ray.get(d.queue.put.remote([ray.put(s)], s.policy_version))
+        summary = d.run()
+        assert summary["policy_version"] == 2 and summary["queue"]["dropped"] == {"too_long": 1}
+        assert d.history[-1]["inv/dropped_samples/too_long"] == 1
+        step_s = [m["timing/step_s"] for m in d.history]
+        periodic = dict(d.last_checkpoint)
+    finally:
+        d.close()  # stop: nothing changed since the step-2 checkpoint, which holds s4, s5 (queued, untrained)
+    first = list(d.trained_samples)
+    assert sorted(first) == [(f"s{i}", 1) for i in range(4)]
+
+    root = str(run_dir / "checkpoints")
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["ckpt-000001", "ckpt-000002"]
+    ckpt = latest_checkpoint(root)
+    assert ckpt.endswith("ckpt-000002")
+    state = json.load(open(os.path.join(ckpt, "driver.json")))
+    assert (state["version"], state["steps_done"], state["queued_samples"]) == (2, 2, 2)
+    for part in ("model/config.json", "model/model.safetensors", "model/tokenizer.json", "train_state/.metadata",
+                 "learner.pkl", "rng/rank0.pkl", "rng/rank1.pkl", "queue.pkl"):
+        assert os.path.exists(os.path.join(ckpt, part)), part
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "model"), dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    assert set(exported) == set(initial)
+    assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # two updates are in it
+
+    # resume: same run folder, one more step
+    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true"]))
+    d2.setup()
+    try:
+        assert d2.version == 2 and d2.steps_done == 2
+        assert ray.get([e.get_version.remote() for e in d2.engines]) == [2]  # engines synced to the checkpoint
+        stats = ray.get(d2.queue.stats.remote())
+        assert (stats["size"], stats["dropped"], stats["put"], stats["taken"]) == (2, {"too_long": 1}, 6, 4)
+        # the engine serves exactly the checkpoint's weights
+        prompt, response = [5, 6, 7, 8], [9, 10, 11]
+        scored = ray.get(d2.engines[0].score.remote(prompt, response))
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "model"), dtype=torch.float32)
+        from clawray.algos.losses import sequence_logprobs
+
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            expected = sequence_logprobs(model(input_ids=ids).logits[0, 3:-1], ids[0, 4:]).tolist()
+        assert scored == pytest.approx(expected, abs=1e-5)
+        summary = d2.run()
+        assert summary["policy_version"] == 3 and summary["steps"] == 3
+        assert d2.history[-1]["policy_version"] == 3 and summary["engine_versions"] == [3]
+        assert summary["queue"]["taken"] == 6 and summary["queue"]["size"] == 0
+        assert d2.history[-1]["timing/checkpoint_s"] > 0
+        # a stop in the middle of a step: the batch taken from the queue but not trained goes back
+        late = [_sample(i, version=3) for i in (6, 7)]
+        for s in late:
+            ray.get(d2.queue.put.remote([ray.put(s)], s.policy_version))
+        batch = ray.get(d2.queue.get_batch.remote(2, 4, 10))
+        d2._in_flight = {"next_version": 4, "samples": ray.get(batch["refs"]), "versions": batch["versions"]}
+    finally:
+        d2.close()
+    last = latest_checkpoint(root)
+    assert last.endswith("ckpt-000004") and [os.path.basename(p) for p in list_checkpoints(root)] == [
+        "ckpt-000003", "ckpt-000004"]
+    import pickle
+
+    queued = pickle.load(open(os.path.join(last, "queue.pkl"), "rb"))
+    assert [s.session_id for s in queued["samples"]] == ["s6", "s7"] and queued["versions"] == [3, 3]
+    assert (queued["put"], queued["taken"]) == (8, 6)
+    assert json.load(open(os.path.join(last, "driver.json")))["version"] == 3
+    second = list(d2.trained_samples)
+    assert sorted(second) == [("s4", 1), ("s5", 1)]
+    ids_out = first + second
+    assert sorted(ids_out) == sorted((s.session_id, 1) for s in put) and len(set(ids_out)) == len(ids_out)
+    print(f"\nstep seconds {step_s}; checkpoint {periodic['bytes'] / 2**20:.2f} MiB in {periodic['seconds']:.2f}s")
+
+
+def test_queue_snapshot_restore_round_trip(ray_cluster):
+    """Snapshot returns the Sample objects themselves; restore puts them back in order, ahead of new
+    ones, with the counters; a sample over a smaller budget is dropped as too_long."""
+    async def scenario():
+        q = TrajectoryQueue(max_staleness=5)
+        for i in range(3):
+            await q.put([ray.put(_sample(i, n_resp=2 + 4 * i))], i)  # 5, 9, 13 tokens
+        await q.get_batch(1, next_version=1, timeout_s=1)
+        snap = await q.snapshot()
+        q2 = TrajectoryQueue(max_staleness=5, max_tokens=10)
+        await q2.put([ray.put(_sample(7))], 3)
+        size = await q2.restore(snap)
+        batch = await q2.get_batch(2, next_version=3, timeout_s=1)
+        return snap, size, [s.session_id for s in await asyncio.gather(*batch["refs"])], await q2.stats()
+
+    snap, size, order, stats = asyncio.run(scenario())
+    assert [s.session_id for s in snap["samples"]] == ["s1", "s2"] and snap["versions"] == [1, 2]
+    assert (snap["put"], snap["taken"], snap["dropped"]) == (3, 1, {})
+    assert size == 2 and order == ["s1", "s7"]  # s2 (13 tokens) exceeds the new 10-token budget
+    assert stats == {"size": 0, "put": 4, "taken": 3, "dropped": {"too_long": 1}}
