@@ -95,8 +95,11 @@ class OPDConfig:
     min_hint_chars: int = 10  # a hint must be longer than this
     hint_template: str = "\n\n[user's hint / instruction]\n{hint}"
     # "frozen": the initial policy on its own engine; "live": the current policy (self-distillation,
-    # scored on rollout engine 0); or a path to another HF folder with an identical tokenizer
+    # scored on rollout engine 0); a path to another HF folder with an identical tokenizer; or the
+    # http(s) base URL of a vLLM OpenAI-compatible server (".../v1") serving such a model (T = 1 only)
     teacher: str = "frozen"
+    teacher_model: str = ""  # endpoint teacher: the served model name ("" = the first one listed)
+    teacher_api_key: str = "EMPTY"  # endpoint teacher: its API key
     teacher_backend: str = "hf"  # engine backend of a frozen or path teacher
     adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
     # "advantage": A_t = teacher - rollout in the PPO loss; "topk": top-k distillation (SDFT/SDPO

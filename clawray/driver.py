@@ -123,7 +123,12 @@ class Driver:
         # OPD / Combine: a frozen teacher (the initial policy) on its own engine; it shares the judge's
         # engine when that one is the same frozen model on the same backend
         teacher_engine, self.teachers = None, []
-        if cfg.trainer.algo in ("opd", "combine"):
+        if cfg.trainer.algo in ("opd", "combine") and cfg.opd.teacher.startswith(("http://", "https://")):
+            endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
+            teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint)
+            ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
+            self.teachers = [teacher]
+        elif cfg.trainer.algo in ("opd", "combine"):
             teacher_path = path
             if cfg.opd.teacher == "live":
                 teacher_engine = self.engines[0]

@@ -125,7 +125,7 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
         def __init__(self, reply_ids, logprobs):
             self.reply_ids, self.logprobs, self.requests = reply_ids, logprobs, []
 
-        async def generate(self, request):
+        async def generate(self, request, wait_s=None):
             self.requests.append(request)
             return {"response_ids": self.reply_ids, "logprobs": self.logprobs, "finish_reason": "stop",
                     "policy_version": 7, "engine": "scripted"}

@@ -57,18 +57,27 @@ def check_same_tokenizer(policy_path: str, teacher_path: str) -> None:
 
 
 class TeacherWorker:
-    """Scores responses under hinted prompts with a teacher RolloutEngine.
+    """Scores responses under hinted prompts with a teacher RolloutEngine or a vLLM endpoint.
 
     Args:
-        engine: RolloutEngine actor handle of the teacher (frozen initial policy by default).
+        engine: RolloutEngine actor handle of the teacher (frozen initial policy by default), or None
+            with ``endpoint``.
         tokenizer_path: the teacher's tokenizer folder; its vocabulary must equal the policy's.
         template: how the hint is appended (``{hint}`` is replaced).
+        endpoint: ``{"base_url", "model", "api_key"}`` of a vLLM OpenAI-compatible server that scores
+            instead of an engine (see :class:`clawray.engines.endpoint.EndpointScorer`; T = 1 only).
     """
 
-    def __init__(self, engine: Any, tokenizer_path: str, template: str = DEFAULT_HINT_TEMPLATE):
+    def __init__(self, engine: Any, tokenizer_path: str, template: str = DEFAULT_HINT_TEMPLATE,
+                 endpoint: dict | None = None):
         from transformers import AutoTokenizer
 
+        from clawray.engines.endpoint import EndpointScorer
+
+        if (engine is None) == (endpoint is None):
+            raise ValueError("a TeacherWorker needs exactly one of an engine and an endpoint")
         self.engine = engine
+        self.scorer = EndpointScorer(**endpoint) if endpoint is not None else None
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template = template
         self.scored = 0
@@ -83,8 +92,8 @@ class TeacherWorker:
     async def teacher_logprobs(self, turn: Turn, hint: str) -> list[float]:
         """Teacher log-probs (length R) of ``turn.response_ids`` after the hinted prompt."""
         t0 = time.perf_counter()
-        logprobs = await self.engine.score.remote(self.teacher_prompt_ids(turn, hint), list(turn.response_ids),
-                                                  turn.temperature)
+        args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), turn.temperature)
+        logprobs = await (self.scorer.score(*args) if self.scorer else self.engine.score.remote(*args))
         self.seconds += time.perf_counter() - t0
         if len(logprobs) != len(turn.response_ids):
             raise RuntimeError(f"teacher returned {len(logprobs)} log-probs for {len(turn.response_ids)} tokens")
@@ -95,13 +104,24 @@ class TeacherWorker:
         """The teacher's top-``k`` log-probs and ids (``[R][k]``) at each response position under the
         hinted prompt (top-k distillation, the SDFT/SDPO variant)."""
         t0 = time.perf_counter()
-        values, ids = await self.engine.score_topk.remote(self.teacher_prompt_ids(turn, hint),
-                                                          list(turn.response_ids), k, turn.temperature)
+        args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), k, turn.temperature)
+        values, ids = await (self.scorer.score_topk(*args) if self.scorer else self.engine.score_topk.remote(*args))
         self.seconds += time.perf_counter() - t0
         if len(ids) != len(turn.response_ids):
             raise RuntimeError(f"teacher returned {len(ids)} top-k rows for {len(turn.response_ids)} tokens")
         self.scored += 1
         return values, ids
+
+    async def check_endpoint(self, policy_path: str) -> None:
+        """Start-up check of an endpoint teacher's tokenizer against the policy's.
+
+        Raises:
+            ValueError: naming the first difference (see :func:`clawray.engines.endpoint.check_endpoint_tokenizer`).
+        """
+        from clawray.engines.endpoint import check_endpoint_tokenizer
+
+        if self.scorer is not None:
+            await check_endpoint_tokenizer(policy_path, self.scorer)
 
     async def get_stats(self) -> dict:
         """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``."""
