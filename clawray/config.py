@@ -40,7 +40,9 @@ class RolloutConfig:
     num_engines: int = 1
     num_cpus: float = 0.5  # Ray CPUs per engine actor
     # Ray GPUs per engine actor; 0 on CPU. A fraction (0.5) lets an engine and a learner share one
-    # GPU: Ray hides every GPU (CUDA_VISIBLE_DEVICES="") from actors that request none.
+    # GPU and pins both to it (Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU). Ray 2.60 leaves
+    # CUDA_VISIBLE_DEVICES alone for actors that request none (ray-project/ray#54868), so they see
+    # every GPU unaccounted; older Ray, or RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, hides all of them.
     num_gpus: float = 0.0
     gpu_memory_utilization: float = 0.5  # vLLM on CUDA: share of the GPU's memory the engine may take
     torch_threads: int = 2  # intra-op threads inside the engine
