@@ -34,10 +34,9 @@ python - <<'EOF'
 import time
 import ray, torch
 from clawray.engines.base import WeightSpec
-from clawray.ray_env import apply_loopback_env
+from clawray.ray_env import init_ray
 
-apply_loopback_env()
-ray.init(include_dashboard=False, log_to_driver=True)
+init_ray()  # a local Ray on loopback, as `clawray run` starts it
 from clawray.weight_sync import IpcTransport, WeightMailboxActor
 
 PLAN = [WeightSpec(f"w{i}", (4096, 4096), "torch.bfloat16") for i in range(16)]  # 512 MiB

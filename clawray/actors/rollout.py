@@ -275,7 +275,8 @@ class RolloutEngine:
         """Receive one sync and load it; the engine's version becomes ``version``.
 
         Runs as an engine-thread job, so generation jobs queued before it finish on the old weights.
-        The whole sync is received (and its header checked) before the backend loads anything.
+        The whole sync is received (and its header checked) before the backend loads anything; the
+        transport's ``done`` follows the load (the ipc transport acks the sender there).
 
         Returns:
             ``{"engine", "receive_s", "load_s", "version"}`` (seconds).
