@@ -11,6 +11,9 @@ start) with the system-wide monotonic clock, after one warm-up, and reports the 
 * ``per_tensor``: one ``broadcast`` per tensor, each waited for (the naive sync).
 * ``object_store``: :class:`clawray.weight_sync.ObjectStoreTransport` (``ray.put`` per bucket,
   receivers ``ray.get``), same buckets and metadata check.
+* ``ipc``: :class:`clawray.weight_sync.IpcTransport` (same host: the sender packs into shared-memory
+  buffers and posts handles; receivers map them, no copy, and ack); a receiver is done after its ack.
+  Like the others it excludes the engine's load, which copies out of the received buffers either way.
 
 State dicts: the tiny test model, SmolLM2-135M (``~/.cache/clawray/models/smollm2-135m-instruct``,
 skipped with a message when absent) and a synthetic ~1 GB bf16 state with Qwen2.5-1.5B layer shapes.
@@ -34,7 +37,7 @@ import torch
 from clawray.engines.base import WeightSpec
 
 SMOLLM2 = os.path.expanduser("~/.cache/clawray/models/smollm2-135m-instruct")
-METHODS = ("clawray", "flat", "per_tensor", "object_store")
+METHODS = ("clawray", "flat", "per_tensor", "object_store", "ipc")
 
 
 def synthetic_shapes(target_bytes: int = 1 << 30) -> list[tuple[str, tuple[int, ...]]]:
@@ -94,17 +97,18 @@ class Peer:
             self.state = state
         return [WeightSpec(k, tuple(v.shape), str(v.dtype)) for k, v in state.items()]
 
-    def connect(self, plan, bucket_bytes: int, port_t: int, port_raw: int, mailbox) -> None:
+    def connect(self, plan, bucket_bytes: int, port_t: int, port_raw: int, mailbox, ipc_mailbox) -> None:
         """Build clawray's transports and a raw gloo group (for the baselines) on two ports."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        from clawray.weight_sync import CollectiveTransport, ObjectStoreTransport
+        from clawray.weight_sync import CollectiveTransport, IpcTransport, ObjectStoreTransport
 
         self.plan = plan
         self.coll = CollectiveTransport(self.rank, self.world, "127.0.0.1", port_t, plan, bucket_bytes, timeout_s=300)
         self.obj = ObjectStoreTransport(self.rank, plan, bucket_bytes, 300, mailbox)
+        self.ipc = IpcTransport(self.rank, self.world, plan, bucket_bytes, 300, ipc_mailbox, name=f"peer-{self.rank}")
         td = timedelta(seconds=300)
         self._store = dist.TCPStore("127.0.0.1", port_raw, self.world, is_master=self.rank == 0, timeout=td)
         self.pg = dist.ProcessGroupGloo(self._store, self.rank, self.world, td)
@@ -121,6 +125,8 @@ class Peer:
                 self.coll.send(self.state, self.version)
             elif method == "object_store":
                 self.obj.send(self.state, self.version)
+            elif method == "ipc":
+                self.ipc.send(self.state, self.version)
             elif method == "flat":
                 self.pg.broadcast(self.flat, 0).wait()
             else:
@@ -131,6 +137,11 @@ class Peer:
             tr = self.coll if method == "clawray" else self.obj
             got = [t for _, t in tr.receive(self.version)]
             assert len(got) == len(self.plan)
+        elif method == "ipc":
+            got = [t for _, t in self.ipc.receive(self.version)]
+            assert len(got) == len(self.plan)
+            del got
+            self.ipc.done()
         elif method == "flat":
             self.pg.broadcast(self.flat, 0).wait()
         else:
@@ -148,11 +159,12 @@ def bench_state(which: str, tiny_dir: str, reps: int, bucket_mb: int) -> dict[st
 
     peers = [PeerActor.options(num_cpus=0.1).remote(r, 3) for r in range(3)]
     mailbox = WeightMailboxActor.options(num_cpus=0).remote()
+    ipc_mailbox = WeightMailboxActor.options(num_cpus=0).remote()  # its own post numbering
     try:
         plan = ray.get([p.load.remote(which, tiny_dir) for p in peers])[0]
         nbytes = sum(torch.Size(s.shape).numel() * getattr(torch, s.dtype[6:]).itemsize for s in plan)
         pt, praw = free_port(), free_port()
-        ray.get([p.connect.remote(plan, bucket_mb << 20, pt, praw, mailbox) for p in peers])
+        ray.get([p.connect.remote(plan, bucket_mb << 20, pt, praw, mailbox, ipc_mailbox) for p in peers])
         row = {"bytes": nbytes, "tensors": len(plan)}
         for method in METHODS:
             times = []
@@ -167,7 +179,7 @@ def bench_state(which: str, tiny_dir: str, reps: int, bucket_mb: int) -> dict[st
             row[method] = statistics.median(times)
         return row
     finally:
-        for a in peers + [mailbox]:
+        for a in peers + [mailbox, ipc_mailbox]:
             ray.kill(a)
 
 
@@ -202,14 +214,15 @@ def main(argv=None) -> None:
     print(f"\n1 sender -> 2 receivers, gloo on loopback (CPU), buckets {args.bucket_mb} MiB, median of {args.reps}; "
           "GB/s = payload bytes / 1e9 / seconds")
     head = ("| state | tensors | MB | " + " | ".join(f"{m} s (GB/s)" for m in METHODS)
-            + " | clawray / flat | clawray vs per_tensor | clawray vs object_store |")
+            + " | clawray / flat | clawray vs per_tensor | clawray vs object_store | ipc vs clawray |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for which, r in rows.items():
         gb = r["bytes"] / 1e9
         cells = " | ".join(f"{r[m]:.4f} ({gb / r[m]:.2f})" for m in METHODS)
         print(f"| {which} | {r['tensors']} | {r['bytes'] / 1e6:.1f} | {cells} | {r['flat'] / r['clawray']:.2f}x "
-              f"| {r['per_tensor'] / r['clawray']:.2f}x | {r['object_store'] / r['clawray']:.2f}x |")
+              f"| {r['per_tensor'] / r['clawray']:.2f}x | {r['object_store'] / r['clawray']:.2f}x "
+              f"| {r['clawray'] / r['ipc']:.2f}x |")
     ray.shutdown()
 
 

@@ -39,6 +39,12 @@ class RolloutConfig:
     backend: str = "vllm"  # "vllm" | "hf"
     num_engines: int = 1
     num_cpus: float = 0.5  # Ray CPUs per engine actor
+    # Ray GPUs per engine actor; 0 on CPU. A fraction (0.5) lets an engine and a learner share one
+    # GPU and pins both to it (Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU). Ray 2.60 leaves
+    # CUDA_VISIBLE_DEVICES alone for actors that request none (ray-project/ray#54868), so they see
+    # every GPU unaccounted; older Ray, or RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, hides all of them.
+    num_gpus: float = 0.0
+    gpu_memory_utilization: float = 0.5  # vLLM on CUDA: share of the GPU's memory the engine may take
     torch_threads: int = 2  # intra-op threads inside the engine
     dtype: str = "bfloat16"  # vLLM weights dtype ("float32" for exact tests)
     max_model_len: int = 2048  # tokens, prompt + response
@@ -168,6 +174,7 @@ class LearnerConfig:
 
     num_workers: int = 2
     num_cpus: float = 0.25
+    num_gpus: float = 0.0  # Ray GPUs per learner worker; 0 on CPU (see rollout.num_gpus)
     torch_threads: int = 1
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -205,7 +212,9 @@ class LearnerConfig:
 class SyncConfig:
     """Learner -> rollout weight broadcast."""
 
-    transport: str = "collective"  # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline)
+    # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline) | "ipc" (same host only:
+    # CUDA IPC handles on GPU, shared-memory files on CPU; the one-GPU colocated path)
+    transport: str = "collective"
     bucket_mb: int = 64  # flat bucket size, MiB
     timeout_s: float = 120.0  # deadline of one sync and of each collective in it; a failed sync rebuilds the group
 
@@ -299,7 +308,7 @@ _CHOICES = {
     "model.build": ("none", "tiny", "smollm2"),
     "session.truncated": ("mask", "keep"),
     "wandb.mode": ("offline", "online", "disabled"),
-    "sync.transport": ("collective", "object_store"),
+    "sync.transport": ("collective", "object_store", "ipc"),
 }
 
 

@@ -79,6 +79,7 @@ class Driver:
         # (session_id, turn_index) of the most recently trained samples, for audits of "trained once"
         self.trained_samples: deque[tuple[str, int]] = deque(maxlen=1 << 16)
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
+        self._gen_seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -106,7 +107,7 @@ class Driver:
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
-            RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+            RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus).remote(
                 ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs)
             for i in range(ro.num_engines)
         ]
@@ -184,7 +185,7 @@ class Driver:
         ro = self.cfg.rollout
         if backend == "vllm":
             return {"dtype": ro.dtype, "max_model_len": ro.max_model_len, "seed": self.cfg.seed,
-                    "kv_cache_gib": ro.kv_cache_gib}
+                    "kv_cache_gib": ro.kv_cache_gib, "gpu_memory_utilization": ro.gpu_memory_utilization}
         return {"dtype": "float32", "seed": self.cfg.seed}
 
     def start_traffic(self) -> None:
@@ -285,6 +286,7 @@ class Driver:
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
         judge_metrics = self._judge_metrics(tstats)
+        gen_metrics = self._generation_metrics()
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
@@ -303,6 +305,7 @@ class Driver:
             "inv/staleness_max": max(batch["staleness"]),
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
+            **gen_metrics,
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
             "samples_in": qstats["put"],
@@ -329,6 +332,24 @@ class Driver:
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
         return metrics
+
+    def _generation_metrics(self) -> dict[str, float]:
+        """``rollout/tokens``: tokens the rollout engines generated since the last step (all engines);
+        ``rollout/tokens_per_s``: per engine, those tokens / its generation seconds, summed over the
+        engines (throughput while generating, not wall time). ``{}`` when an engine does not answer
+        within 10 s."""
+        try:
+            stats = ray.get([e.stats.remote() for e in self.engines], timeout=10)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+            return {}
+        tokens, rate = 0, 0.0
+        for st in stats:
+            seen_tokens, seen_s = self._gen_seen.get(st["name"], (0, 0.0))
+            d_tokens, d_s = st["tokens"] - seen_tokens, st["gen_seconds"] - seen_s
+            self._gen_seen[st["name"]] = (st["tokens"], st["gen_seconds"])
+            tokens += d_tokens
+            rate += d_tokens / d_s if d_s > 0 else 0.0
+        return {"rollout/tokens": float(tokens), "rollout/tokens_per_s": rate}
 
     def engine_versions(self) -> dict[str, int | None]:
         """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine

@@ -11,6 +11,10 @@ per tensor. Implementations:
   overlapped with the broadcast of the current one.
 * :class:`ObjectStoreTransport`: the naive baseline; rank 0 ``ray.put``\\ s the buckets and posts their
   refs to a :class:`WeightMailbox` actor, receivers ``ray.get`` them.
+* :class:`IpcTransport`: same host only; rank 0 packs the buckets into buffers on its own device and
+  posts *handles* to them (CUDA IPC on GPU, shared-memory files on CPU) through the mailbox;
+  receivers map the buffers (no copy), load from them and ack. The colocated path for one GPU,
+  where two processes cannot form an NCCL group.
 
 Every sync starts with a header: the policy version, the plan's size and a 64-bit digest of the
 ordered ``(name, shape, dtype)`` plan; the sender's plan itself (a few KB of JSON) follows the
@@ -40,10 +44,10 @@ import torch.distributed as dist
 
 from clawray.engines.base import WeightSpec
 
-TRANSPORTS = ("collective", "object_store")
+TRANSPORTS = ("collective", "object_store", "ipc")
 _MAGIC = 0x5C1A_0001  # first header word: a sender speaking another header layout fails loudly
 _HEADER_LEN = 7  # magic, version, n_tensors, n_buckets, digest, meta_nbytes, status
-_OK, _ABORT = 0, 1
+_OK, _ABORT, _WITHDRAWN = 0, 1, 2  # header status; _WITHDRAWN: the ipc sender gave up waiting for acks
 
 
 class WeightSyncError(RuntimeError):
@@ -236,6 +240,16 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the group or mailbox; the transport cannot be used afterwards."""
+
+    def done(self, ok: bool = True) -> None:
+        """Receiver: the tensors of the last :meth:`receive` are loaded (``ok``) or given up on; the
+        transport may reuse their memory from now on. A no-op except for :class:`IpcTransport`, whose
+        tensors are the sender's buffers (it acks the sender here).
+
+        Raises:
+            WeightSyncError: (ipc) the sender withdrew the sync before this ack: what was loaded
+                may be incomplete.
+        """
 
     # shared by both transports
     def _header(self, version: int, status: int = _OK) -> SyncHeader:
@@ -431,7 +445,9 @@ class CollectiveTransport(WeightTransport):
 
 
 class WeightMailbox:
-    """Where :class:`ObjectStoreTransport` posts each sync: the header, the plan bytes and the bucket refs.
+    """Where :class:`ObjectStoreTransport` and :class:`IpcTransport` post each sync: the header, the
+    plan bytes and the bucket refs (ipc: per-receiver handle lists). The ipc receivers also register
+    their names here and ack each sync.
 
     Posts are numbered 1, 2, ... per transport generation; a group rebuild calls :meth:`reset`.
     """
@@ -440,12 +456,16 @@ class WeightMailbox:
         import asyncio
 
         self._posts: dict[int, tuple[dict, bytes, list]] = {}
+        self._acks: dict[int, dict[int, tuple[bool, str]]] = {}  # seq -> {rank: (ok, note)}
+        self._names: dict[int, str] = {}  # rank -> receiver name
         self._cond = asyncio.Condition()
 
     async def reset(self) -> None:
-        """Forget every post (a new transport generation starts at 1)."""
+        """Forget every post, ack and name (a new transport generation starts at 1)."""
         async with self._cond:
             self._posts.clear()
+            self._acks.clear()
+            self._names.clear()
 
     async def post(self, seq: int, header: dict, meta: bytes, refs: list) -> None:
         """Publish sync number ``seq`` (keeps only the newest two)."""
@@ -453,7 +473,48 @@ class WeightMailbox:
             self._posts[seq] = (header, meta, refs)
             for old in [k for k in self._posts if k < seq - 1]:
                 del self._posts[old]
+            for old in [k for k in self._acks if k < seq - 1]:
+                del self._acks[old]
             self._cond.notify_all()
+
+    async def join(self, rank: int, name: str) -> None:
+        """Register receiver ``rank``'s name (used in the sender's timeout errors)."""
+        self._names[rank] = name
+
+    async def names(self) -> dict[int, str]:
+        """``{rank: name}`` of the registered receivers."""
+        return dict(self._names)
+
+    async def ack(self, seq: int, rank: int, ok: bool, note: str = "") -> bool:
+        """Receiver ``rank`` is done with sync ``seq`` (``ok``: loaded). Returns False when the
+        sender had already withdrawn that sync (its buffers may have been reused)."""
+        async with self._cond:
+            post = self._posts.get(seq)
+            if post is None or post[0].get("status") == _WITHDRAWN:
+                return False
+            self._acks.setdefault(seq, {})[rank] = (bool(ok), note)
+            self._cond.notify_all()
+            return True
+
+    async def wait_acks(self, seq: int, ranks: list[int], timeout_s: float) -> dict[int, tuple[bool, str]]:
+        """Wait up to ``timeout_s`` seconds for every rank in ``ranks`` to ack sync ``seq``, then
+        withdraw the sync if some did not (their later acks return False, their fetches see status
+        withdrawn). Returns the acks received, ``{rank: (ok, note)}``; never raises on a timeout."""
+        import asyncio
+
+        async with self._cond:
+            def complete() -> bool:
+                return all(r in self._acks.get(seq, {}) for r in ranks)
+            try:
+                await asyncio.wait_for(self._cond.wait_for(complete), timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+            acks = dict(self._acks.get(seq, {}))
+            if not complete() and seq in self._posts:
+                header, meta, _ = self._posts[seq]
+                self._posts[seq] = ({**header, "status": _WITHDRAWN}, meta, [])
+                self._cond.notify_all()
+            return acks
 
     async def fetch(self, seq: int, timeout_s: float) -> tuple[dict, bytes, list]:
         """Wait up to ``timeout_s`` seconds for sync number ``seq``.
@@ -532,13 +593,203 @@ class ObjectStoreTransport(WeightTransport):
         self.mailbox, self._live = None, []
 
 
+# Buffers of closed ipc senders, by (plan digest, device): the next sender of the same plan in this
+# process takes them over instead of allocating (and sharing) one more copy of the weights.
+_IPC_BUFFERS: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+
+class IpcTransport(WeightTransport):
+    """Same-host zero-copy transport: rank 0 shares its packed buckets by handle, receivers map them.
+
+    The sender packs every bucket into a flat buffer on ``device`` (one buffer per bucket, kept and
+    reused for the transport's lifetime: the sender holds one extra packed copy of the plan, in GPU
+    memory on CUDA, in ``/dev/shm`` on CPU), pickles one handle per bucket *per receiver* with
+    torch's multiprocessing reductions (``reduce_tensor``; every handle adds one cross-process
+    reference that the receiver's rebuild consumes, so handles are never shared between receivers)
+    and posts them with the usual header and plan to a :class:`WeightMailbox`. A receiver checks the
+    header and plan first (nothing is opened when they do not match), maps the buffers, yields views
+    of them, and acks in :meth:`done` after loading. The sender's :meth:`send` returns when every
+    receiver acked; after ``timeout_s`` without all acks it withdraws the sync (late receivers then
+    fail instead of reading buffers the next sync rewrites) and raises naming the missing receivers.
+
+    Handles by device:
+
+    * CUDA: a CUDA IPC memory handle plus torch's IPC reference counter, so a freed buffer is not
+      reused while a receiver still maps it. Every member must be on this host and see the sender's
+      device (same GPU, e.g. fractional ``num_gpus`` on one device, or P2P-capable devices).
+    * CPU: a named shared-memory file (torch's ``file_system`` sharing strategy, set process-wide
+      in the sender). The default ``file_descriptor`` strategy does not work between Ray actors: it
+      passes the fd through ``multiprocessing``'s resource sharer, which authenticates with the
+      process's ``authkey``; Ray workers are not forked from one another, so each has its own key
+      and the receiver fails with ``AuthenticationError: digest sent was rejected``. Also,
+      Ray's own pickler copies a tensor's storage by value, so the handle must be made with
+      ``ForkingPickler`` (torch's registered reductions), not ``ray.put`` of the tensor.
+
+    Args:
+        rank: 0 sends, any other rank receives.
+        world_size: 1 + number of receivers (the sender waits for ranks ``1..world_size-1``).
+        plan, bucket_bytes, timeout_s: see :class:`WeightTransport`; ``timeout_s`` bounds the
+            sender's wait for acks and a receiver's wait for a post.
+        mailbox: a ``WeightMailboxActor`` handle shared by the sender and every receiver.
+        device: sender only: where the buckets are packed (the learner's device).
+        name: receiver only: its name in the sender's errors (e.g. ``"rollout-1"``).
+
+    Raises:
+        WeightSyncError: (receiver) registering with the mailbox timed out.
+    """
+
+    kind = "ipc"
+
+    def __init__(self, rank: int, world_size: int, plan: list[WeightSpec], bucket_bytes: int, timeout_s: float,
+                 mailbox, device: str | torch.device = "cpu", name: str = ""):
+        super().__init__(rank, plan, bucket_bytes, timeout_s)
+        self.world_size = world_size
+        self.mailbox = mailbox
+        self.device = torch.device(device)
+        self.name = name or f"rank {rank}"
+        self._seq = 0
+        self._bufs: list[torch.Tensor] = []  # sender: one shared flat buffer per bucket
+        self._held: list[torch.Tensor] = []  # receiver: the mapped buffers of the last receive
+        self._pending: int | None = None  # receiver: seq of a received sync not yet acked
+        if rank == 0:
+            if self.device.type == "cpu":
+                import torch.multiprocessing as mp
+
+                mp.set_sharing_strategy("file_system")  # see the class docstring
+        else:
+            try:
+                ray.get(mailbox.join.remote(rank, self.name), timeout=timeout_s)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+                raise WeightSyncError(f"{self.name}: could not register with the weight mailbox: {_reason(e)}") from None
+
+    # ------------------------------------------------------------------ sender
+    def _buffers(self) -> list[torch.Tensor]:
+        if not self._bufs:
+            self._bufs = _IPC_BUFFERS.pop((self.digest, str(self.device)), [])
+        if not self._bufs:
+            self._bufs = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
+            if self.device.type == "cpu":
+                for b in self._bufs:
+                    b.share_memory_()  # allocated in shared memory once; sharing later copies nothing
+        return self._bufs
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """See :meth:`WeightTransport.send`. Returns once every receiver acked (loaded or rejected).
+
+        Raises:
+            WeightSyncError: ``state`` does not fit the plan (receivers are told to abort), or some
+                receivers did not ack within ``timeout_s`` seconds (named, e.g. ``rollout-1 (rank 2)``;
+                the sync is withdrawn).
+        """
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's tensor/storage reductions
+
+        assert self.rank == 0, "only rank 0 sends"
+        t0 = time.perf_counter()
+        self._seq += 1
+        try:
+            check_plan(self.plan, state)
+        except WeightSyncError:
+            ray.get(self.mailbox.post.remote(self._seq, vars(self._header(version, _ABORT)), self.meta, []),
+                    timeout=self.timeout_s)
+            raise
+        nbytes = 0
+        bufs = self._buffers()
+        for bucket, buf in zip(self.buckets, bufs):
+            offset = 0
+            for spec in bucket.specs:
+                n = _numel(spec.shape)
+                buf[offset: offset + n].copy_(state[spec.name].detach().reshape(-1))
+                offset += n
+            nbytes += buf.numel() * buf.element_size()
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            torch.cuda.current_stream(self.device).synchronize()  # packed before any receiver reads
+        ranks = list(range(1, self.world_size))
+        handles = [[bytes(ForkingPickler.dumps(buf)) for buf in bufs] for _ in ranks]
+        ray.get(self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, handles),
+                timeout=self.timeout_s)
+        acks = ray.get(self.mailbox.wait_acks.remote(self._seq, ranks, self.timeout_s), timeout=self.timeout_s + 30)
+        missing = [r for r in ranks if r not in acks]
+        if missing:
+            names = ray.get(self.mailbox.names.remote(), timeout=30)
+            who = ", ".join(f"{names[r]} (rank {r})" if r in names else f"rank {r}" for r in missing)
+            raise WeightSyncError(f"sync #{self._seq} to v{version}: no ack from {who} within "
+                                  f"{self.timeout_s:g}s; the sync is withdrawn")
+        return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ receiver
+    def _ack(self, seq: int, ok: bool, note: str = "") -> bool:
+        try:
+            return ray.get(self.mailbox.ack.remote(seq, self.rank, ok, note), timeout=self.timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            raise WeightSyncError(f"ack of sync #{seq} failed: {_reason(e)}") from None
+
+    def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """See :meth:`WeightTransport.receive`. The yielded tensors are the sender's buffers (read
+        only, valid until :meth:`done`); call :meth:`done` once they are loaded."""
+        import pickle
+
+        import torch.multiprocessing  # noqa: F401 - the handles' rebuild functions
+
+        if self._pending is not None:  # the previous sync was never acked: release it first
+            self.done(ok=False)
+        self._seq += 1
+        seq = self._seq
+        try:
+            header, meta, handles = ray.get(self.mailbox.fetch.remote(seq, self.timeout_s),
+                                            timeout=self.timeout_s + 5)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, TimeoutError) as e:
+            raise WeightSyncError(f"no sync #{seq} posted within {self.timeout_s:g}s: {e!r}") from None
+        if header.get("status") == _WITHDRAWN:
+            raise WeightSyncError(f"the sender withdrew sync #{seq} to v{header['version']} (it stopped waiting "
+                                  "for acks) before this receiver fetched it")
+        try:
+            self._check_header(SyncHeader(**header), meta, expected_version)
+        except _Abort as e:
+            if header.get("status") != _ABORT:
+                self._ack(seq, False, "rejected")
+            raise WeightSyncError(str(e)) from None
+        try:
+            flats = [pickle.loads(h) for h in handles[self.rank - 1]]
+            for bucket, flat in zip(self.buckets, flats, strict=True):
+                if flat.numel() != bucket.numel or flat.dtype != bucket.dtype:
+                    raise ValueError(f"a bucket of {flat.numel()} x {flat.dtype} where the plan has "
+                                     f"{bucket.numel} x {bucket.dtype}")
+        except Exception as e:  # noqa: BLE001 - a withdrawn/freed buffer, another device, a bad layout
+            self._ack(seq, False, "open failed")
+            raise WeightSyncError(f"could not map the shared buckets of sync #{seq}: {e!r}") from None
+        self._held, self._pending = flats, seq
+        return (item for bucket, flat in zip(self.buckets, flats) for item in self._views(bucket, flat))
+
+    def done(self, ok: bool = True) -> None:
+        """Ack the last received sync (see :meth:`WeightTransport.done`) and unmap its buffers."""
+        if self._pending is None:
+            return
+        seq, self._pending = self._pending, None
+        if any(t.is_cuda for t in self._held):  # pragma: no cover - GPU only
+            torch.cuda.synchronize()  # the engine's copies out of the buffers have finished
+        self._held = []
+        if not self._ack(seq, ok) and ok:
+            raise WeightSyncError(f"the sender withdrew sync #{seq} (it stopped waiting for acks) before this "
+                                  "receiver acked; the loaded weights may be incomplete")
+
+    def close(self) -> None:
+        """Forget the mailbox; a sender hands its buffers to the next sender of the same plan here."""
+        if self._bufs:
+            _IPC_BUFFERS[(self.digest, str(self.device))] = self._bufs
+        self._bufs, self._held, self._pending, self.mailbox = [], [], None, None
+
+
 def make_transport(transport: str, rank: int, world_size: int, plan: list[WeightSpec], bucket_bytes: int,
                    timeout_s: float, *, host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
-                   mailbox=None) -> WeightTransport:
-    """Build one end of a ``transport`` (``"collective"`` or ``"object_store"``).
+                   mailbox=None, name: str = "") -> WeightTransport:
+    """Build one end of a ``transport`` (``"collective"``, ``"object_store"`` or ``"ipc"``).
 
     ``host``/``port``/``backend`` are used by the collective transport, ``mailbox`` (a
-    ``WeightMailboxActor``) by the object store. Blocks until every collective member joined.
+    ``WeightMailboxActor``) by the object store and ipc, ``name`` (the receiver's name) by ipc. The
+    ipc sender packs on this process's accelerator when it has one (CUDA, like the learner), else
+    on CPU. Blocks until every collective member joined.
 
     Raises:
         ValueError: unknown ``transport``.
@@ -549,6 +800,11 @@ def make_transport(transport: str, rank: int, world_size: int, plan: list[Weight
         if mailbox is None:
             raise ValueError("the object_store transport needs a WeightMailboxActor handle")
         return ObjectStoreTransport(rank, plan, bucket_bytes, timeout_s, mailbox)
+    if transport == "ipc":
+        if mailbox is None:
+            raise ValueError("the ipc transport needs a WeightMailboxActor handle")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return IpcTransport(rank, world_size, plan, bucket_bytes, timeout_s, mailbox, device=device, name=name)
     raise ValueError(f"unknown sync transport {transport!r}; expected one of {list(TRANSPORTS)}")
 
 
@@ -604,7 +860,7 @@ class WeightSyncController:
         engines: RolloutEngine actor handles (receivers ``1..len(engines)``).
         names: the engines' names (``"rollout-0"``, ...), used in errors and metric keys.
         plan: the ordered weight specs (from an engine's ``weight_specs``).
-        transport: ``"collective"`` or ``"object_store"``.
+        transport: ``"collective"``, ``"object_store"`` or ``"ipc"`` (same host only).
         bucket_bytes: maximum bytes per flat bucket.
         timeout_s: deadline in seconds of one sync (and of every collective inside it); the group
             rebuild waits up to twice that.
@@ -653,7 +909,7 @@ class WeightSyncController:
         _, errors = _collect({n: m.ready.remote() for n, m in members}, self.timeout_s)
         if errors:
             raise _group_error(self._describe("rebuilding the sync group", errors, "not ready"), errors)
-        if self.transport == "object_store":  # one mailbox for the controller's lifetime, emptied here
+        if self.transport in ("object_store", "ipc"):  # one mailbox for the controller's lifetime, emptied here
             if self._mailbox is None:
                 self._mailbox = WeightMailboxActor.options(num_cpus=0).remote()
             _, errors = _collect({"mailbox": self._mailbox.reset.remote()}, 2 * self.timeout_s + 30)

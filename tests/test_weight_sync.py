@@ -1,4 +1,4 @@
-"""Weight transport (collective over gloo, object store), its metadata check, timeouts, and the
+"""Weight transport (collective over gloo, object store, ipc), its metadata check, timeouts, and the
 driver-side controller's failure reporting and recovery with two real (hf) RolloutEngine actors."""
 
 import threading
@@ -269,11 +269,78 @@ def test_object_store_transport_roundtrips_bit_exactly_and_checks_metadata(ray_c
         r1.receive(5)
 
 
+def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_missing_receiver(ray_cluster):
+    """Sender and two receivers in three Ray actors: receivers see the sender's buffers (shared
+    memory, no copy) bit-exactly across two syncs (buffers reused); a receiver whose plan differs is
+    rejected before any buffer is opened and the sender still completes; a receiver that never
+    takes part makes the sender raise within its timeout naming it, and its late fetch fails."""
+    import ray
+
+    from clawray.weight_sync import WeightMailboxActor
+
+    class Peer:
+        def __init__(self, rank, plan, mailbox, timeout_s, name):
+            from clawray.weight_sync import IpcTransport
+
+            self.t = IpcTransport(rank, 3, plan, 100, timeout_s, mailbox, name=name)
+
+        def send(self, state, version):
+            return self.t.send(state, version)
+
+        def receive(self, version):
+            from clawray.weight_sync import WeightSyncError
+
+            try:
+                items = list(self.t.receive(version))
+            except WeightSyncError as e:
+                return str(e)
+            shared = all(v.is_shared() for _, v in items)  # views of the sender's shared-memory buffers
+            got = {n: v.clone() for n, v in items}
+            del items
+            self.t.done()
+            return got, shared
+
+    plan = specs() + [WeightSpec("e", (300,), "torch.bfloat16")]
+    wrong = [WeightSpec("c", (2, 2), "torch.float16") if s.name == "c" else s for s in plan]
+    mailbox = WeightMailboxActor.options(num_cpus=0).remote()
+    peer = ray.remote(Peer)
+    sender = peer.options(num_cpus=0.1).remote(0, plan, mailbox, 3.0, "")
+    r1 = peer.options(num_cpus=0.1).remote(1, plan, mailbox, 3.0, "rollout-0")
+    r2 = peer.options(num_cpus=0.1).remote(2, wrong, mailbox, 3.0, "rollout-1")
+    try:
+        for version in (3, 4):
+            state = make_state(plan, seed=version)
+            sent, got1, err2 = ray.get([sender.send.remote(state, version), r1.receive.remote(version),
+                                        r2.receive.remote(version)], timeout=60)
+            assert sent["bytes"] == (16 + 8 + 64) * 4 + 4 * 2 + 300 * 2
+            got, shared = got1
+            assert shared
+            assert_exact(got, state)
+            assert "rejected before loading" in err2
+            assert "dtype (sender != engine): ['c: torch.bfloat16 != torch.float16']" in err2
+        # rollout-1 never receives sync 5: the sender gives up after 3 s and names it
+        state = make_state(plan, seed=5)
+        send_ref, recv_ref = sender.send.remote(state, 5), r1.receive.remote(5)
+        t0 = time.perf_counter()
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(send_ref, timeout=60)
+        assert time.perf_counter() - t0 < 20
+        assert isinstance(info.value.cause, WeightSyncError)
+        assert "sync #3 to v5: no ack from rollout-1 (rank 2) within 3s; the sync is withdrawn" in str(info.value.cause)
+        assert_exact(ray.get(recv_ref, timeout=30)[0], state)
+        late = ray.get(r2.receive.remote(5), timeout=30)
+        assert isinstance(late, str) and "the sender withdrew sync #3 to v5" in late
+    finally:
+        for a in (sender, r1, r2, mailbox):
+            ray.kill(a)
+
+
 def test_sync_config_transport_choice():
     from clawray.config import ConfigError, load_config
 
     assert load_config().sync.transport == "collective"
     assert load_config(overrides=["sync.transport=object_store"]).sync.transport == "object_store"
+    assert load_config(overrides=["sync.transport=ipc"]).sync.transport == "ipc"
     with pytest.raises(ConfigError, match="sync.transport='nccl' is not one of"):
         load_config(overrides=["sync.transport=nccl"])
 
@@ -303,7 +370,7 @@ def test_vllm_backend_resets_the_prefix_cache_after_every_load():
         backend.load_weights([("a", torch.zeros(2))])
 
 
-@pytest.mark.parametrize("transport", ["collective", "object_store"])
+@pytest.mark.parametrize("transport", ["collective", "object_store", "ipc"])
 def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_cluster, tiny_model, transport):
     import ray
 

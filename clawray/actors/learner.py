@@ -588,7 +588,8 @@ class LearnerGroup:
     def __init__(self, model_path: str, cfg: dict, master_port: int):
         n = int(cfg["num_workers"])
         self.workers = [
-            LearnerWorkerActor.options(num_cpus=cfg["num_cpus"], name=None).remote(i, n, master_port, model_path, cfg)
+            LearnerWorkerActor.options(num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None).remote(
+                i, n, master_port, model_path, cfg)
             for i in range(n)
         ]
         ray.get([w.ready.remote() for w in self.workers])

@@ -252,8 +252,9 @@ class RolloutEngine:
         """Join (or re-join, closing the previous one) the weight-sync transport as receiver ``rank``.
 
         ``transport`` is ``"collective"`` (blocks until every member joins the group at
-        ``host:port``; ``backend`` gloo or nccl) or ``"object_store"`` (``mailbox``: a
-        ``WeightMailboxActor``). See :func:`clawray.weight_sync.make_transport`.
+        ``host:port``; ``backend`` gloo or nccl), ``"object_store"`` or ``"ipc"`` (``mailbox``: a
+        ``WeightMailboxActor``; ipc: same host as the sender). See
+        :func:`clawray.weight_sync.make_transport`.
 
         Raises:
             RuntimeError: the rendezvous timed out after ``timeout_s`` seconds.
@@ -265,7 +266,8 @@ class RolloutEngine:
                 self._transport.close()
                 self._transport = None
             self._transport = make_transport(transport, rank, world_size, plan, bucket_bytes, timeout_s,
-                                             host=host, port=port, backend=backend, mailbox=mailbox)
+                                             host=host, port=port, backend=backend, mailbox=mailbox,
+                                             name=self.name)
 
         await self._call(_join)
 
@@ -273,7 +275,8 @@ class RolloutEngine:
         """Receive one sync and load it; the engine's version becomes ``version``.
 
         Runs as an engine-thread job, so generation jobs queued before it finish on the old weights.
-        The whole sync is received (and its header checked) before the backend loads anything.
+        The whole sync is received (and its header checked) before the backend loads anything; the
+        transport's ``done`` follows the load (the ipc transport acks the sender there).
 
         Returns:
             ``{"engine", "receive_s", "load_s", "version"}`` (seconds).
@@ -300,7 +303,18 @@ class RolloutEngine:
                 self._backend.load_weights(weights)
             except Exception as e:
                 self._stats["last_sync_error"] = f"load of v{version} failed: {e!r}"
+                del weights
+                try:
+                    self._transport.done(ok=False)  # ipc: release the sender's buffers now
+                except WeightSyncError:
+                    pass
                 raise WeightSyncError(f"{self.name}: loading v{version} failed: {e!r}") from e
+            del weights  # ipc: views of the sender's buffers, unmapped by done()
+            try:
+                self._transport.done(ok=True)
+            except WeightSyncError as e:
+                self._stats["last_sync_error"] = str(e)
+                raise WeightSyncError(f"{self.name}: {e}") from None
             self.version = version
             self._stats["loads"] += 1
             self._stats["last_sync_error"] = None
