@@ -728,9 +728,10 @@ class IpcTransport(WeightTransport):
     def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """See :meth:`WeightTransport.receive`. The yielded tensors are the sender's buffers (read
         only, valid until :meth:`done`); call :meth:`done` once they are loaded."""
+        import importlib
         import pickle
 
-        import torch.multiprocessing  # noqa: F401 - the handles' rebuild functions
+        importlib.import_module("torch.multiprocessing.reductions")  # the handles' rebuild functions
 
         if self._pending is not None:  # the previous sync was never acked: release it first
             self.done(ok=False)

@@ -303,13 +303,13 @@ class RolloutEngine:
                 self._backend.load_weights(weights)
             except Exception as e:
                 self._stats["last_sync_error"] = f"load of v{version} failed: {e!r}"
-                del weights
+                weights = None
                 try:
                     self._transport.done(ok=False)  # ipc: release the sender's buffers now
                 except WeightSyncError:
                     pass
                 raise WeightSyncError(f"{self.name}: loading v{version} failed: {e!r}") from e
-            del weights  # ipc: views of the sender's buffers, unmapped by done()
+            weights = None  # ipc: views of the sender's buffers, unmapped by done()
             try:
                 self._transport.done(ok=True)
             except WeightSyncError as e:
