@@ -55,8 +55,8 @@ def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, ma
                          "tokens": m["num_tokens"]})
         return rows
     finally:
-        for a in [engine] + learners.workers:
-            ray.kill(a)
+        ray.kill(engine)
+        learners.shutdown()
 
 
 def main() -> int:

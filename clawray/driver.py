@@ -527,8 +527,8 @@ class Driver:
                 getattr(self, "tracker", None), getattr(self, "queue", None)] + getattr(self, "teachers", []):
             if actor is not None:
                 ray.kill(actor)
-        for w in getattr(getattr(self, "learners", None), "workers", []):
-            ray.kill(w)
+        if getattr(self, "learners", None) is not None:
+            self.learners.shutdown()
         if getattr(self, "weight_sync", None) is not None:
             self.weight_sync.close()
         if self._owns_ray:

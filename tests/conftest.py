@@ -49,6 +49,9 @@ def ray_cluster(tmp_path_factory):
     temp = str(tmp_path_factory.mktemp("ray"))
     subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+                    # own agent ports: another Ray on this machine must not take the job agent's default
+                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
                     "--disable-usage-stats", f"--temp-dir={temp}"], check=True, capture_output=True, timeout=120)
     try:
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)

@@ -148,8 +148,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
         try:
             results[label] = _step(group, refs, 1)
         finally:
-            for w in group.workers:
-                ray.kill(w)
+            group.shutdown()
     packed, single = results["packed"], results["one-per-pass"]
     # passes per rank: one packed micro-batch; or 3 samples on rank 0 and 2 + 1 padding pass on rank 1
     assert packed[0]["micro_batches"] == 1 and single[0]["micro_batches"] == 3
@@ -236,8 +235,10 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
         for k in after[0]:  # same weights, Adam moments and schedule: the same update
             assert torch.allclose(after[0][k], after[1][k], atol=1e-7), k
     finally:
-        for w in group.workers + (resumed.workers if resumed else []) + [engine]:
-            ray.kill(w)
+        for g in (group, resumed):
+            if g is not None:
+                g.shutdown()
+        ray.kill(engine)
     for k in raw:
         if ".lora_" in k:
             assert not torch.equal(raw[k], raw0[k]), f"adapter {k} did not train"

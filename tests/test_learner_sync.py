@@ -89,8 +89,8 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         assert m2["inv/ratio_mean"] != pytest.approx(1.0, abs=1e-4)
         assert math.isnan(m2["inv/logprob_mismatch_kl"])  # no sample was made by the v1 weights
     finally:
-        for actor in [engine] + learners.workers:
-            ray.kill(actor)
+        ray.kill(engine)
+        learners.shutdown()
 
 
 def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
@@ -125,8 +125,8 @@ def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
         assert scored == pytest.approx(_reference_logprobs(str(tmp_path / "v1"), prompt, response), abs=1e-4)
         assert max(abs(a - b) for a, b in zip(scored, ref)) > 1e-3
     finally:
-        for actor in [engine] + learners.workers:
-            ray.kill(actor)
+        ray.kill(engine)
+        learners.shutdown()
 
 
 def test_kl_proximal_anchor_dual_clip_and_nonfinite_skip(ray_cluster, tiny_model):
@@ -157,5 +157,4 @@ def test_kl_proximal_anchor_dual_clip_and_nonfinite_skip(ray_cluster, tiny_model
         m4 = learners.train_step(refs, 3)  # the next step is fine again
         assert m4["skipped"] == 0.0
     finally:
-        for w in learners.workers:
-            ray.kill(w)
+        learners.shutdown()

@@ -577,22 +577,49 @@ LearnerWorkerActor = ray.remote(LearnerWorker)
 
 
 class LearnerGroup:
-    """Driver-side handle of the N LearnerWorker actors.
+    """Driver-side handle of the N LearnerWorker actors, gang-scheduled in one placement group
+    (one bundle per rank: ``num_cpus`` CPUs and, on GPU, ``num_gpus`` GPUs; strategy ``PACK``).
 
     Args:
         model_path: initial policy folder.
         cfg: the ``learner`` config section (plain dict).
         master_port: rendezvous port for the FSDP group.
+        placement_timeout_s: how long to wait for the cluster to grant the bundles.
+
+    Raises:
+        RuntimeError: the placement group could not be scheduled in time (names the bundles and the
+            cluster's resources).
     """
 
-    def __init__(self, model_path: str, cfg: dict, master_port: int):
+    def __init__(self, model_path: str, cfg: dict, master_port: int, placement_timeout_s: float = 120.0):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         n = int(cfg["num_workers"])
+        bundle = {"CPU": float(cfg["num_cpus"])}
+        if cfg.get("num_gpus", 0.0):
+            bundle["GPU"] = float(cfg["num_gpus"])
+        self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement_group)
+            raise RuntimeError(f"the learner placement group ({n} x {bundle}) was not granted within "
+                               f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}") from None
         self.workers = [
-            LearnerWorkerActor.options(num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None).remote(
-                i, n, master_port, model_path, cfg)
+            LearnerWorkerActor.options(
+                num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+            ).remote(i, n, master_port, model_path, cfg)
             for i in range(n)
         ]
         ray.get([w.ready.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        """Kill the workers and release the placement group."""
+        for w in self.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(self.placement_group)
 
     def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
                    entropy_coef: float = 0.0) -> dict:
