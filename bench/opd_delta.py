@@ -2,7 +2,9 @@
 
 For a few prompts that draw markdown from SmolLM2-135M-Instruct, sample a reply (rollout log-probs at
 T = 1), then score the *same* reply ids under the prompt with a corrective hint appended (the frozen
-initial policy as teacher, as in ``conf/opd.yaml``). Prints, per turn and overall, the mean
+initial policy as teacher, as in ``conf/opd.yaml``), with the hint in the last user message
+(``opd.hint_placement=user``, OpenClaw-RL) and in the system message (``system``). Prints, per turn,
+placement and overall, the mean
 ``Δ = teacher_logprob - rollout_logprob`` on markdown tokens (the offending ones: list markers,
 ``*``, ``#``) and on the other tokens, and the fraction of tokens with Δ > 0.
 
@@ -27,6 +29,12 @@ PROMPTS = [
     "Summarize the benefits of exercise.",
     "Name four planets and describe them briefly.",
     "How do I prepare for a job interview?",
+    "What should I pack for a weekend hiking trip?",
+    "Compare cats and dogs as pets.",
+    "Explain how to start learning to code.",
+    "What are good habits for better sleep?",
+    "Give tips for saving money each month.",
+    "Describe the water cycle.",
 ]
 HINT = "No markdown please: answer in plain sentences, without lists, bullets, numbering, bold or headings."
 _MARKS = {"**", "*", "#", "##", "###", "-", "•"}
@@ -47,39 +55,45 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/smollm2-135m-instruct"))
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--placement", default="both", choices=["user", "system", "both"],
+                        help="where the teacher sees the hint (opd.hint_placement)")
     args = parser.parse_args()
+    placements = ["user", "system"] if args.placement == "both" else [args.placement]
     torch.set_num_threads(2)
     engine = HFBackend(args.model, seed=0)
     tok = __import__("transformers").AutoTokenizer.from_pretrained(args.model)
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
-    all_md, all_other, positive, total = [], [], 0, 0
-    print("| turn | tokens | markdown tokens | mean Δ markdown | mean Δ other | frac Δ>0 |")
-    print("|---|---|---|---|---|---|")
+    stats = {p: {"md": [], "other": [], "positive": 0, "total": 0} for p in placements}
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    print("| turn | placement | tokens | markdown tokens | mean Δ markdown | mean Δ other | frac Δ>0 |")
+    print("|---|---|---|---|---|---|---|")
     for i, prompt in enumerate(PROMPTS):
         messages = [{"role": "user", "content": prompt}]
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                          add_special_tokens=False)
         out = engine.generate([GenerateRequest(ids, max_tokens=args.max_tokens, temperature=1.0, seed=i,
                                                stop_token_ids=stop)])[0]
-        teacher_ids = tok.encode(tok.apply_chat_template(hinted_messages(messages, HINT, DEFAULT_HINT_TEMPLATE),
-                                                         add_generation_prompt=True, tokenize=False),
-                                 add_special_tokens=False)
-        teacher = engine.score(teacher_ids, out.response_ids, 1.0)
-        delta = [t - r for t, r in zip(teacher, out.logprobs)]
-        pieces = [tok.decode([t]) for t in out.response_ids]
-        flags = offending(pieces)
-        md = [d for d, f in zip(delta, flags) if f]
-        other = [d for d, f in zip(delta, flags) if not f]
-        all_md += md
-        all_other += other
-        positive += sum(d > 0 for d in delta)
-        total += len(delta)
-        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-        print(f"| {i} | {len(delta)} | {len(md)} | {mean(md):+.3f} | {mean(other):+.3f} | "
-              f"{sum(d > 0 for d in delta) / len(delta):.2f} |", flush=True)
-    print(f"\noverall: {total} tokens, {len(all_md)} markdown; mean Δ markdown {sum(all_md) / max(len(all_md), 1):+.3f}, "
-          f"mean Δ other {sum(all_other) / max(len(all_other), 1):+.3f}, mean Δ all "
-          f"{(sum(all_md) + sum(all_other)) / max(total, 1):+.3f}, fraction Δ>0 {positive / max(total, 1):.2f}")
+        flags = offending([tok.decode([t]) for t in out.response_ids])
+        for placement in placements:
+            hinted = hinted_messages(messages, HINT, DEFAULT_HINT_TEMPLATE, placement)
+            teacher_ids = tok.encode(tok.apply_chat_template(hinted, add_generation_prompt=True, tokenize=False),
+                                     add_special_tokens=False)
+            teacher = engine.score(teacher_ids, out.response_ids, 1.0)
+            delta = [t - r for t, r in zip(teacher, out.logprobs)]
+            md = [d for d, f in zip(delta, flags) if f]
+            other = [d for d, f in zip(delta, flags) if not f]
+            st = stats[placement]
+            st["md"] += md
+            st["other"] += other
+            st["positive"] += sum(d > 0 for d in delta)
+            st["total"] += len(delta)
+            print(f"| {i} | {placement} | {len(delta)} | {len(md)} | {mean(md):+.3f} | {mean(other):+.3f} | "
+                  f"{sum(d > 0 for d in delta) / len(delta):.2f} |", flush=True)
+    print()
+    for placement, st in stats.items():
+        print(f"overall ({placement}): {st['total']} tokens, {len(st['md'])} markdown; mean Δ markdown "
+              f"{mean(st['md']):+.3f}, mean Δ other {mean(st['other']):+.3f}, mean Δ all "
+              f"{mean(st['md'] + st['other']):+.3f}, fraction Δ>0 {st['positive'] / max(st['total'], 1):.2f}")
     return 0
 
 

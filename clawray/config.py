@@ -100,6 +100,9 @@ class OPDConfig:
     accept: str = "any"  # "any" positive hint vote (OpenClaw-RL) or a "majority" of valid votes
     min_hint_chars: int = 10  # a hint must be longer than this
     hint_template: str = "\n\n[user's hint / instruction]\n{hint}"
+    # where the teacher sees the hint: "user" = appended to the last user message (OpenClaw-RL);
+    # "system" = appended to (or as) the system message
+    hint_placement: str = "user"
     # "frozen": the initial policy on its own engine; "live": the current policy (self-distillation,
     # scored on rollout engine 0); a path to another HF folder with an identical tokenizer; or the
     # http(s) base URL of a vLLM OpenAI-compatible server (".../v1") serving such a model (T = 1 only)
@@ -298,6 +301,7 @@ _CHOICES = {
     "trainer.algo": ("rl", "opd", "combine"),
     "opd.accept": ("any", "majority"),
     "opd.loss": ("advantage", "topk"),
+    "opd.hint_placement": ("user", "system"),
     "opd.teacher_backend": ("vllm", "hf"),
     "trainer.degenerate_batches": ("baseline", "skip", "none"),
     "trainer.advantage": ("binary", "grpo"),

@@ -126,7 +126,8 @@ class Driver:
         teacher_engine, self.teachers = None, []
         if cfg.trainer.algo in ("opd", "combine") and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
-            teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint)
+            teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint,
+                                                                    cfg.opd.hint_placement)
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
             self.teachers = [teacher]
         elif cfg.trainer.algo in ("opd", "combine"):
@@ -142,7 +143,8 @@ class Driver:
                 teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
                     cfg.opd.teacher_backend, teacher_path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
                     self._engine_kwargs(cfg.opd.teacher_backend))
-            self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(teacher_engine, path, cfg.opd.hint_template)]
+            self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(
+                teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement)]
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
             self.judges, self.queue, algo=cfg.trainer.algo, teachers=self.teachers,
             idle_timeout_s=cfg.session.idle_timeout_s, truncated=cfg.session.truncated,

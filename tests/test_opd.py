@@ -50,6 +50,13 @@ def test_hinted_messages():
     assert [m["content"] for m in out if m is not out[3]] == ["s", "q1", "a", "t"]
     assert hinted_messages([{"role": "system", "content": "s"}], "h", "+{hint}")[0]["content"] == "s+h"
     assert hinted_messages([], "h", "\n{hint}") == [{"role": "user", "content": "h"}]
+    # placement "system": appended to the system message, or a new leading one
+    assert hinted_messages(msgs[1:2], "be brief", "\nHINT: {hint}", "system") == [
+        {"role": "system", "content": "HINT: be brief"}, {"role": "user", "content": "q1"}]
+    assert hinted_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "h", "+{hint}",
+                           "system") == [{"role": "system", "content": "s+h"}, {"role": "user", "content": "u"}]
+    with pytest.raises(ValueError):
+        hinted_messages(msgs, "h", placement="assistant")
 
 
 class _Remote:

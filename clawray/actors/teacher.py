@@ -20,11 +20,27 @@ from clawray.types import Turn
 DEFAULT_HINT_TEMPLATE = "\n\n[user's hint / instruction]\n{hint}"
 
 
-def hinted_messages(messages: list[dict[str, Any]], hint: str, template: str = DEFAULT_HINT_TEMPLATE) -> list[dict]:
-    """A copy of ``messages`` with ``template.format(hint=hint)`` appended to the last user message
-    (to the last message when there is no user message; a new user message when there is none)."""
+def hinted_messages(messages: list[dict[str, Any]], hint: str, template: str = DEFAULT_HINT_TEMPLATE,
+                    placement: str = "user") -> list[dict]:
+    """A copy of ``messages`` with ``template.format(hint=hint)`` added to the teacher context.
+
+    ``placement="user"`` (OpenClaw-RL): appended to the last user message (to the last message when
+    there is no user message; a new user message when there are no messages). ``"system"``: appended
+    to the system message, or a new leading system message holding the hint.
+
+    Raises:
+        ValueError: an unknown ``placement``.
+    """
     out = copy.deepcopy(messages)
     text = template.format(hint=hint)
+    if placement == "system":
+        if out and out[0].get("role") == "system":
+            out[0]["content"] = (out[0].get("content") or "") + text
+        else:
+            out.insert(0, {"role": "system", "content": text.lstrip()})
+        return out
+    if placement != "user":
+        raise ValueError(f"hint placement must be 'user' or 'system', got {placement!r}")
     users = [i for i, m in enumerate(out) if m.get("role") == "user"]
     if users:
         out[users[-1]]["content"] = (out[users[-1]].get("content") or "") + text
@@ -64,12 +80,13 @@ class TeacherWorker:
             with ``endpoint``.
         tokenizer_path: the teacher's tokenizer folder; its vocabulary must equal the policy's.
         template: how the hint is appended (``{hint}`` is replaced).
+        placement: where the hint goes: ``"user"`` (the last user message) or ``"system"``.
         endpoint: ``{"base_url", "model", "api_key"}`` of a vLLM OpenAI-compatible server that scores
             instead of an engine (see :class:`clawray.engines.endpoint.EndpointScorer`; T = 1 only).
     """
 
     def __init__(self, engine: Any, tokenizer_path: str, template: str = DEFAULT_HINT_TEMPLATE,
-                 endpoint: dict | None = None):
+                 endpoint: dict | None = None, placement: str = "user"):
         from transformers import AutoTokenizer
 
         from clawray.engines.endpoint import EndpointScorer
@@ -79,13 +96,13 @@ class TeacherWorker:
         self.engine = engine
         self.scorer = EndpointScorer(**endpoint) if endpoint is not None else None
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.template = template
+        self.template, self.placement = template, placement
         self.scored = 0
         self.seconds = 0.0
 
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
         """Token ids of the hinted teacher prompt (generation prompt included)."""
-        text = self.tokenizer.apply_chat_template(hinted_messages(turn.messages, hint, self.template),
+        text = self.tokenizer.apply_chat_template(hinted_messages(turn.messages, hint, self.template, self.placement),
                                                   tools=turn.tools, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
