@@ -176,7 +176,8 @@ class Driver:
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
-                                OmegaConf.to_container(cfg, resolve=True))
+                                OmegaConf.to_container(cfg, resolve=True),
+                                resume_step=self.steps_done if cfg.resume else None)
         self.sim = None
         extra = f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)" if len(ready) > len(self.engines) else ""
         self._ready = True
@@ -189,6 +190,16 @@ class Driver:
             return {"dtype": ro.dtype, "max_model_len": ro.max_model_len, "seed": self.cfg.seed,
                     "kv_cache_gib": ro.kv_cache_gib, "gpu_memory_utilization": ro.gpu_memory_utilization}
         return {"dtype": "float32", "seed": self.cfg.seed}
+
+    def stop_traffic(self) -> None:
+        """Stop the simulated users (waits up to 30 s for their sessions to end)."""
+        if getattr(self, "sim", None) is not None:
+            try:
+                ray.get(self.sim.stop.remote(), timeout=30)
+                self.sim_stats = ray.get(self.sim.get_stats.remote(), timeout=30)
+            except Exception:
+                pass
+            self.sim = None
 
     def start_traffic(self) -> None:
         """Start the simulated users (``env.enabled``)."""
@@ -295,7 +306,8 @@ class Driver:
         metrics = {
             "policy_version": self.version,
             "samples": len(samples),
-            "reward_mean": sum(rewards[i] for i in rewarded) / max(len(rewarded), 1),
+            # pure OPD samples carry no reward: no value (null), not a 0
+            "reward_mean": sum(rewards[i] for i in rewarded) / len(rewarded) if rewarded else math.nan,
             "skipped": skipped or "no",
             **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
             "inv/nonzero_reward_frac": signal["nonzero_reward_frac"],
@@ -468,8 +480,17 @@ class Driver:
             self.setup()
         t0 = time.perf_counter()
         self.start_traffic()
-        while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
-            self.step()
+        try:
+            while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
+                self.step()
+        except BaseException:  # interrupted (a serving run ends this way): still leave a summary
+            self.stop_traffic()
+            try:
+                self.summary(time.perf_counter() - t0)
+            except Exception:
+                pass
+            raise
+        self.stop_traffic()  # the summary describes the final state: no traffic after it
         return self.summary(time.perf_counter() - t0)
 
     def summary(self, seconds: float) -> dict[str, Any]:
@@ -484,7 +505,7 @@ class Driver:
             "queue": ray.get(self.queue.stats.remote()),
             "sessions": ray.get(self.tracker.stats.remote()),
             "judges": ray.get([j.get_stats.remote() for j in self.judges]),
-            "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else {},
+            "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else getattr(self, "sim_stats", {}),
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(out, f, indent=2)
@@ -494,12 +515,7 @@ class Driver:
         """Stop traffic, write the at-exit checkpoint (``checkpoint.save_at_exit``, only after a
         complete setup, so a failed start or resume never replaces ``latest``; a failure to write it
         is reported, not raised), then :meth:`shutdown`."""
-        if getattr(self, "sim", None) is not None:
-            try:
-                ray.get(self.sim.stop.remote(), timeout=30)
-            except Exception:
-                pass
-            self.sim = None
+        self.stop_traffic()
         if self.cfg.checkpoint.save_at_exit and self._ready:
             try:
                 last = getattr(self, "last_checkpoint", None)

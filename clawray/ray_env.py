@@ -20,17 +20,26 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
     """Start a local Ray (``address=""``) or join a cluster (``"auto"`` or ``host:port``).
 
     Idempotent: does nothing when Ray is already initialised in this process (e.g. inside a Ray job).
+    A Python SIGTERM handler installed before the call stays installed.
     """
     import ray
+
+    import signal
+    import threading
 
     if ray.is_initialized():
         return
     apply_loopback_env()
+    on_term = signal.getsignal(signal.SIGTERM)
     if address:
         ray.init(address=address, log_to_driver=True)
-        return
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
-             _node_ip_address="127.0.0.1")
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                 _node_ip_address="127.0.0.1")
+    # ray.init installs its own C++ SIGTERM handler (it kills the process at once); put back a
+    # Python handler set before (the CLI's: unwind like Ctrl-C, so shutdown and checkpoint run)
+    if callable(on_term) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
 
 
 def free_port() -> int:

@@ -40,15 +40,17 @@ def load_metrics(run_dir: str) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict]) -> list[tuple[str, str, float, float, float, float, float]]:
-    """``(invariant, metric, first, min, mean, max, last)`` for every plotted metric present
-    (non-finite values, e.g. a mismatch with no fresh sample, are left out of the statistics)."""
+def summarize(rows: list[dict]) -> list[tuple[str, str, int, float, float, float, float, float]]:
+    """``(invariant, metric, steps with a value, first, min, mean, max, last)`` for every plotted
+    metric present. Steps without a value (``null``: e.g. a log-prob mismatch when no sample was
+    fresh, a reward mean when no sample carried a reward) are counted out of the statistics."""
     table = []
     for name, (_, keys) in INVARIANTS.items():
         for key in keys:
             values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
             if values:
-                table.append((name, key, values[0], min(values), sum(values) / len(values), max(values), values[-1]))
+                table.append((name, key, len(values), values[0], min(values), sum(values) / len(values), max(values),
+                              values[-1]))
     return table
 
 
@@ -81,9 +83,10 @@ def write_report(run_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
     lines = [f"# clawray report: {run_dir}", "", f"{len(rows)} steps.", "",
-             "| invariant | metric | first | min | mean | max | last |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {inv} | `{key}` | " + " | ".join(f"{v:.4g}" for v in vals) + " |"
-              for inv, key, *vals in summarize(rows)]
+             "| invariant | metric | steps with a value | first | min | mean | max | last |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {inv} | `{key}` | {n}/{len(rows)} | " + " | ".join(f"{v:.4g}" for v in vals) + " |"
+              for inv, key, n, *vals in summarize(rows)]
     path = os.path.join(out_dir, "summary.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -318,9 +318,15 @@ class PolicyServer:
     async def _complete(self, call: _Call) -> JSONResponse:
         engine = self._engine(call)
         wait_s = self.cfg["sync_wait_timeout_s"]
+        # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
+        # no gathered exception is left unretrieved
         outs = await asyncio.wait_for(asyncio.gather(*(engine.generate.remote(g, wait_s)
-                                                       for g in self._generate_requests(call))),
+                                                       for g in self._generate_requests(call)),
+                                                     return_exceptions=True),
                                       timeout=self.cfg["generate_timeout_s"])
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
         parsed = [parse_reply_text(self.tokenizer.decode(self._body_ids(o["response_ids"]), skip_special_tokens=False),
                                    call.in_reasoning) for o in outs]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
