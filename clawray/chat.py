@@ -28,6 +28,28 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+#: A JSON decoder that refuses ``NaN`` / ``Infinity`` (Python's default accepts them, and they would
+#: make records and replies invalid JSON).
+STRICT_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """``json.loads`` that accepts only UTF-8 standard JSON.
+
+    Raises:
+        ValueError: invalid JSON, ``NaN``/``Infinity``, an integer beyond Python's digit limit, or
+            bytes that are not UTF-8 (JSON in UTF-16/32 is refused).
+        RecursionError: nesting too deep.
+    """
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    return STRICT_JSON.decode(text)
+
+
 def _text(content: Any, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
@@ -99,8 +121,8 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except (json.JSONDecodeError, RecursionError):
+                args = loads_strict(args) if args.strip() else {}
+            except (ValueError, RecursionError):
                 raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
                                    f"{where}.tool_calls") from None
         if not isinstance(args, dict):

@@ -12,6 +12,13 @@ def parse(body, headers=None):
     return parse_chat_request(body, headers or {}, default_max_tokens=64, default_temperature=1.0, max_n=8)
 
 
+def test_tiny_temperature_is_greedy_and_session_header_is_utf8():
+    assert parse({"messages": MSG, "temperature": 1e-45}).temperature == 0.0
+    assert parse({"messages": MSG, "temperature": 1e-5}).temperature == 1e-5
+    raw_header = "séss🙂".encode("utf-8").decode("latin-1")  # what the HTTP server hands over
+    assert parse({"messages": MSG}, {"x-session-id": raw_header}).session_id == "séss🙂"
+
+
 def test_stream_and_n_fields():
     req = parse({"messages": MSG, "stream": True, "stream_options": {"include_usage": True}})
     assert (req.stream, req.include_usage, req.n) == (True, True, 1)
@@ -72,6 +79,16 @@ def test_tool_choice_none_drops_tools():
     ({"messages": [{"role": "tool", "content": "1", "tool_call_id": {"a": 1}}]}, {},
      "messages[0].tool_call_id", "invalid_request"),
     ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, {}, "messages[0].name", "invalid_request"),
+    ({"messages": MSG, "turn_type": False}, {}, "turn_type", "invalid_request"),
+    ({"messages": MSG, "turn_type": ""}, {}, "turn_type", "invalid_request"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": ""}}]}, {}, "tools[0]", "invalid_request"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"a": NaN}'}}]}]}, {}, "messages[0].tool_calls", "invalid_request"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"a": ' + "9" * 5000 + "}"}}]}]}, {}, "messages[0].tool_calls",
+     "invalid_request"),
+    ({"messages": MSG}, {"x-session-id": "\xff\xfe".encode("latin-1").decode("latin-1")}, "session_id",
+     "invalid_request"),
 ])
 def test_rejections_name_the_field(body, headers, param, code):
     with pytest.raises(RequestError) as e:
@@ -85,6 +102,10 @@ def test_rejections_name_the_field(body, headers, param, code):
     (b"\xff\xfe", "invalid_json"),
     (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", "invalid_json"),
     (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), "invalid_unicode"),
+    (b'{"messages": [], "foo": ' + b"1" * 4400 + b"}", "invalid_json"),  # over Python's int digit limit
+    (b'{"temperature": NaN}', "invalid_json"),
+    (b'{"tools": [{"function": {"name": "f", "parameters": {"x": Infinity}}}]}', "invalid_json"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode("utf-16"), "invalid_json"),
 ])
 def test_decode_body_rejections(raw, code):
     with pytest.raises(RequestError) as e:

@@ -84,7 +84,7 @@ def test_tool_calls_double_encoded_and_two_objects_in_one_block():
     assert [c["name"] for c in parse_tool_block('[{"name": "p"}, {"name": "q", "arguments": {}}]')] == ["p", "q"]
 
 
-@pytest.mark.parametrize("text", ["Before <tool_call>{not json}</tool_call> after", "x <tool_call>{\"name\": \"a\"}", "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>[\"calculator\"]</tool_call>",
+@pytest.mark.parametrize("text", ["Before <tool_call>{not json}</tool_call> after", "x <tool_call>{\"name\": \"a\"}", "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>[\"calculator\"]</tool_call>", "<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": NaN}}</tool_call>",
                                   "<tool_call>{\"name\": 3}</tool_call>", "<tool_call>{\"name\": \"a\", \"arguments\": [1]}</tool_call>"])
 def test_bad_tool_block_is_raw_content_and_flagged(text):
     r = parse_reply_text(text)

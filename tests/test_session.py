@@ -153,3 +153,20 @@ def test_idle_sessions_close_and_free_memory():
     closed, stats = asyncio.run(scenario())
     assert closed == 1 and stats["sessions_idle_closed"] == 1 and stats["open_sessions"] == 1
     assert stats["dropped/no_next_state"] == 1 and "idle" not in tracker.sessions
+
+
+def test_a_closed_session_id_used_again_continues_its_turn_indexes():
+    judge, queue = FakeJudge({"good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue)
+
+    async def scenario():
+        h = [{"role": "user", "content": "q"}]
+        assert await tracker.record_turn(turn("re", h, "r1")) == 1
+        assert await tracker.record_turn(turn("re", h + [{"role": "assistant", "content": "r1"},
+                                                         {"role": "user", "content": "good"}], "r2"), done=True) == 2
+        assert await tracker.record_turn(turn("re", h, "again")) == 3  # not 1 again
+        await tracker.drain()
+        return await tracker.stats()
+
+    stats = asyncio.run(scenario())
+    assert stats["sessions_closed"] == 1 and stats["open_sessions"] == 1 and stats["turns"] == 3

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,9 @@ import ray
 from clawray.chat import conversation_key
 from clawray.records import JsonlRecords
 from clawray.types import Sample, Turn
+
+
+MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
 
 
 @dataclass
@@ -80,6 +83,8 @@ class SessionTracker:
         self.at_least_one = at_least_one
         self.sessions: dict[str, _Session] = {}
         self.index: dict[str, str] = {}  # conversation_key of a pending turn's history + reply -> session id
+        # last turn index of recently closed sessions, so a reused id never repeats an index
+        self.closed_turns: OrderedDict[str, int] = OrderedDict()
         self.truncated = truncated
         self.counts: Counter[str] = Counter()
         self.tasks: set[asyncio.Task] = set()
@@ -136,7 +141,9 @@ class SessionTracker:
         if self.idle_timeout_s > 0 and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_idle())
         sid = turns[0].session_id
-        s = self.sessions.setdefault(sid, _Session())
+        s = self.sessions.get(sid)
+        if s is None:  # a new session, or a closed id used again: its turn indexes continue
+            s = self.sessions[sid] = _Session(turns=self.closed_turns.pop(sid, 0))
         s.last_seen = time.monotonic()
         if s.pending:
             self._resolve(s, turns[0].messages)
@@ -163,6 +170,9 @@ class SessionTracker:
         s = self.sessions.pop(session_id, None)
         if s is None:
             return
+        self.closed_turns[session_id] = s.turns
+        if len(self.closed_turns) > MAX_CLOSED_REMEMBERED:
+            self.closed_turns.popitem(last=False)
         self.counts["sessions_closed"] += 1
         self.counts["dropped/no_next_state"] += len(s.pending)
         self._unindex(s)

@@ -42,8 +42,9 @@ from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply,
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.types import Turn
 
-app = FastAPI(title="clawray policy server")
+app = FastAPI(title="clawray policy server", docs_url=None, redoc_url=None, openapi_url=None)
 logger = logging.getLogger("ray.serve")
+MAX_CHARS_PER_TOKEN = 128  # no tokenizer token is longer: a prompt with more characters cannot fit
 
 
 
@@ -76,7 +77,13 @@ class _SessionLocks:
     async def acquire(self, session_id: str) -> None:
         entry = self._locks.setdefault(session_id, [asyncio.Lock(), 0])
         entry[1] += 1
-        await entry[0].acquire()
+        try:
+            await entry[0].acquire()
+        except BaseException:  # cancelled while waiting (the client left): not a holder
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._locks[session_id]
+            raise
 
     def release(self, session_id: str) -> None:
         entry = self._locks[session_id]
@@ -128,14 +135,18 @@ class PolicyServer:
         self._warned_no_session = False
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
-        """``GET /v1/models``: the one served policy."""
+    async def models(self, request: Request) -> Any:
+        """``GET /v1/models``: the one served policy (401 without the API key, as OpenAI)."""
+        if not self._authorized(request):
+            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
+                                  "invalid_api_key", "authentication_error")
         return {"object": "list", "data": [{"id": self.cfg["model_name"], "object": "model", "created": 0,
                                             "owned_by": "clawray"}]}
 
     @app.get("/health")
     async def health(self) -> dict:
-        """``GET /health``: each engine's name, policy version and state, open sessions, counters."""
+        """``GET /health``: each engine's name, policy version and state, open sessions, counters.
+        Open without the API key (load balancers probe it); it shows no conversation content."""
         stats, paused = await asyncio.gather(asyncio.gather(*(e.stats.remote() for e in self.engines)),
                                              asyncio.gather(*(e.is_paused.remote() for e in self.engines)))
         engines = [{"name": st["name"], "policy_version": st["version"], "state": "syncing" if p else "serving",
@@ -216,8 +227,18 @@ class PolicyServer:
         return b"".join(chunks)
 
     async def _prepare(self, call: _Call) -> None:
-        """Resolve the session (explicit, inferred or new), take its lock, build the prompt ids."""
+        """Resolve the session (explicit, inferred or new), take its lock, build the prompt ids.
+
+        Raises:
+            RequestError: the prompt does not fit ``max_model_len`` (checked on characters first, so
+                a megabyte of text is refused without tokenising it).
+        """
         req = call.req
+        limit = self.cfg["max_model_len"]
+        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in req.messages)
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            raise RequestError(f"prompt is {chars} characters, more than max_model_len {limit} tokens can hold",
+                               "messages", "context_length_exceeded")
         keys = {k: conversation_key(req.messages[: k + 1]) for k, m in enumerate(req.messages)
                 if m["role"] == "assistant"}
         prev = None
@@ -241,7 +262,6 @@ class PolicyServer:
         call.prompt_ids, call.spliced = await asyncio.to_thread(self._prompt_ids, req, prev)
         tail = self.tokenizer.decode(call.prompt_ids[-4:], skip_special_tokens=False)
         call.in_reasoning = tail.rstrip().endswith(THINK_OPEN)
-        limit = self.cfg["max_model_len"]
         if len(call.prompt_ids) >= limit:
             raise RequestError(f"prompt is {len(call.prompt_ids)} tokens; max_model_len is {limit}", "messages",
                                "context_length_exceeded")

@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from clawray.chat import RequestError, normalize_messages
+from clawray.chat import RequestError, loads_strict, normalize_messages
 
 MAX_SESSION_ID_CHARS = 256
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy decoding (vLLM's sampling epsilon)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
@@ -56,13 +57,14 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     """JSON-decode a request body into an object.
 
     Raises:
-        RequestError: not UTF-8 JSON, not an object, nested too deeply, or holding lone surrogates
+        RequestError: not UTF-8 standard JSON (``NaN``/``Infinity`` and integers over Python's
+            digit limit included), not an object, nested too deeply, or holding lone surrogates
             (which no tokenizer can encode).
     """
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("request body is not valid JSON", None, "invalid_json") from None
+        body = loads_strict(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a 5000-digit integer
+        raise RequestError(f"request body is not valid JSON ({str(e)[:120]})", None, "invalid_json") from None
     except RecursionError:
         raise RequestError("request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
@@ -102,7 +104,7 @@ def _tools(body: Mapping) -> list[dict[str, Any]] | None:
         raise RequestError("'tools' must be a list", "tools")
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"tools[{i}].function.name is required", f"tools[{i}]")
         if tool.get("type", "function") != "function":
             raise RequestError(f"tools[{i}].type must be 'function'", f"tools[{i}].type")
@@ -136,6 +138,21 @@ def _tool_choice(body: Mapping, tools: list | None) -> list | None:
         raise RequestError("tool_choice 'required' or a named function is not supported yet; use 'auto' or "
                            "'none'", "tool_choice", "unsupported")
     raise RequestError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
+
+
+def _header_text(headers: Mapping[str, str], name: str, param: str) -> str | None:
+    """A header's value as UTF-8 text (HTTP servers hand header bytes over as latin-1).
+
+    Raises:
+        RequestError: the bytes are not UTF-8.
+    """
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        raise RequestError(f"header {name} is not UTF-8 text", param) from None
 
 
 def _flag(value: Any, key: str) -> bool:
@@ -185,6 +202,8 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 20, integer=True)
     max_tokens = _number(body, "max_tokens", max_tokens or default_max_tokens, 1, 1 << 20, integer=True)
     temperature = float(_number(body, "temperature", default_temperature, 0.0, 2.0))
+    if temperature < GREEDY_BELOW:  # as vLLM: a temperature this small is greedy decoding (1/T overflows)
+        temperature = 0.0
     top_p = float(_number(body, "top_p", 1.0, 1e-6, 1.0))
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1 - max_n, integer=True)
     stream, include_usage = _stream(body)
@@ -192,14 +211,16 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     if n > 1 and stream:
         raise RequestError("n > 1 cannot be streamed yet; use stream=false or n=1", "n", "unsupported")
 
-    session_id = headers.get("x-session-id")
+    session_id = _header_text(headers, "x-session-id", "session_id")
     if session_id is None:
         session_id = _optional_str(body, "session_id")
     if session_id is None:  # plain OpenAI clients: the `user` field names the end user / conversation
         session_id = _optional_str(body, "user")
     if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
         raise RequestError(f"session id must be 1..{MAX_SESSION_ID_CHARS} characters", "session_id")
-    turn_type = headers.get("x-turn-type") or body.get("turn_type") or "main"
+    turn_type = headers.get("x-turn-type")
+    if turn_type is None:
+        turn_type = body.get("turn_type", "main")
     if not isinstance(turn_type, str) or turn_type.lower() not in ("main", "side"):
         raise RequestError(f"turn type {turn_type!r} is not 'main' or 'side'", "turn_type")
     done_raw = headers.get("x-session-done")

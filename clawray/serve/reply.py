@@ -31,6 +31,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clawray.chat import STRICT_JSON
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.DOTALL)
@@ -81,7 +83,7 @@ def parse_tool_block(body: str) -> list[dict[str, Any]]:
         ValueError: the body is not one or more JSON call objects with a string ``name`` and
             object (or JSON-string-encoded object) ``arguments``.
     """
-    decoder = json.JSONDecoder()
+    decoder = STRICT_JSON  # NaN / Infinity would make the returned arguments invalid JSON
     items: list[Any] = []
     pos, text = 0, body.strip()
     if not text:
@@ -89,7 +91,7 @@ def parse_tool_block(body: str) -> list[dict[str, Any]]:
     while pos < len(text):
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"tool-call block is not JSON: {e}") from None
         items.extend(obj if isinstance(obj, list) else [obj])
         while pos < len(text) and text[pos] in " \t\r\n,":
@@ -103,8 +105,8 @@ def parse_tool_block(body: str) -> list[dict[str, Any]]:
             if not isinstance(args, str):
                 break
             try:
-                args = json.loads(args) if args.strip() else {}
-            except (json.JSONDecodeError, RecursionError):
+                args = STRICT_JSON.decode(args) if args.strip() else {}
+            except (ValueError, RecursionError):
                 raise ValueError("tool-call arguments are not valid JSON") from None
         if not isinstance(args, dict):
             raise ValueError("tool-call arguments must be a JSON object")
