@@ -441,10 +441,27 @@ class PolicyServer:
 
 def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict, host: str, port: int,
                         num_cpus: float) -> str:
-    """Start Serve on ``host:port`` and deploy the PolicyServer; returns the base URL (``.../v1``)."""
+    """Start Serve on ``host:port`` and deploy the PolicyServer; returns the base URL (``.../v1``).
+
+    Raises:
+        RuntimeError: nothing answers on ``host:port`` 30 s after the deployment (e.g. Serve was
+            already running in this Ray cluster on another port: Serve keeps its first port).
+    """
+    import httpx
+
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus},
                                   logging_config={"enable_access_log": False})
     serve.run(server.bind(model_path, engines, tracker, cfg), name="clawray", route_prefix="/", blocking=False)
-    return f"http://{host}:{port}/v1"
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            if httpx.get(f"http://{host}:{port}/health", timeout=10.0).status_code == 200:
+                return f"http://{host}:{port}/v1"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the policy server does not answer on {host}:{port}; is Ray Serve already running "
+                               "in this cluster on another port? (Serve keeps the port it first started on)")
+        time.sleep(0.5)
