@@ -24,6 +24,7 @@ def test_stream_and_n_fields():
     assert (req.stream, req.include_usage, req.n) == (True, True, 1)
     req = parse({"messages": MSG, "n": 3, "stream": False})
     assert (req.stream, req.include_usage, req.n) == (False, False, 3)
+    assert parse({"messages": MSG, "n": 3, "stream": True}).n == 3
 
 
 def test_defaults_and_session_fields():
@@ -60,7 +61,6 @@ def test_tool_choice_none_drops_tools():
     ({"messages": MSG, "stream_options": {"include_usage": True}}, {}, "stream_options", "invalid_request"),
     ({"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}}, {}, "stream_options.include_usage",
      "invalid_request"),
-    ({"messages": MSG, "n": 3, "stream": True}, {}, "n", "unsupported"),
     ({"messages": MSG, "n": 0}, {}, "n", "invalid_request"),
     ({"messages": MSG, "n": 99}, {}, "n", "invalid_request"),
     ({"messages": [{"role": "assistant", "content": "a", "reasoning": 5}]}, {}, "messages[0].reasoning_content",

@@ -347,9 +347,20 @@ def test_n_choices_are_recorded_as_n_turns_and_one_is_continued(served):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=5)
     assert e.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2, stream=True)
-    assert e.value.body["code"] == "unsupported"
+    # streamed n = 2: the interleaved deltas of each choice merge to that choice's plain answer
+    msgs = [{"role": "user", "content": "two ways"}]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, n=2, seed=21, max_tokens=12,
+                                           extra_headers={"X-Session-Id": "multi-plain"})
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, n=2, seed=21, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_headers={"X-Session-Id": "multi-stream"}))
+    for i in range(2):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == (plain.choices[i].message.content or "")
+        (finish,) = [c for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].finish_reason]
+        assert finish.choices[0].finish_reason == plain.choices[i].finish_reason
+        assert finish.model_extra["turn_index"] == i + 1
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
 # ---------------------------------------------------------------------------------------------- errors, limits

@@ -372,56 +372,81 @@ class PolicyServer:
 
     # ------------------------------------------------------------------ streamed answers
     async def _stream(self, call: _Call) -> StreamingResponse:
-        """Start the engine stream and answer with SSE once the engine admitted the request (so a
-        sync timeout is still a 503, not a broken stream)."""
-        (gen_req,) = self._generate_requests(call)
-        stream = self._engine(call).generate_stream.remote(gen_req, self.cfg["sync_wait_timeout_s"])
-        await asyncio.wait_for(_next(stream), timeout=self.cfg["generate_timeout_s"])  # {"admitted": True}
-        return StreamingResponse(self._sse(call, stream), media_type="text/event-stream",
+        """Start the engine streams (one per choice) and answer with SSE once the engine admitted
+        them all (so a sync timeout is still a 503, not a broken stream)."""
+        engine, wait_s = self._engine(call), self.cfg["sync_wait_timeout_s"]
+        streams = [engine.generate_stream.remote(g, wait_s) for g in self._generate_requests(call)]
+        # each stream's first item is {"admitted": True}
+        await asyncio.wait_for(asyncio.gather(*(_next(s) for s in streams)), timeout=self.cfg["generate_timeout_s"])
+        return StreamingResponse(self._sse(call, streams), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _sse(self, call: _Call, stream: Any) -> AsyncIterator[str]:
-        """The event stream: role delta, reasoning/content/tool-call deltas as tokens arrive (text on
-        UTF-8 character boundaries), the finish chunk, the usage chunk when asked, ``[DONE]``."""
-        req = call.req
+    async def _sse(self, call: _Call, streams: list) -> AsyncIterator[str]:
+        """The event stream: per choice a role delta, reasoning/content/tool-call deltas as its tokens
+        arrive (text on UTF-8 character boundaries; choices interleave, each chunk names its
+        ``index``), then every choice's finish chunk, the usage chunk when asked, ``[DONE]``. The
+        turns are recorded before the finish chunks, so the client's next request finds them."""
+        req, n = call.req, len(streams)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": req.model or self.cfg["model_name"]}
         usage_field = {"usage": None} if req.include_usage else {}
+        timeout = self.cfg["generate_timeout_s"]
 
-        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
-            body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        def chunk(i: int, delta: dict, finish: str | None = None, **extra: Any) -> str:
+            body = {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}],
                     **usage_field, **extra}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def deltas(events: list) -> Iterator[str]:
+        def deltas(i: int, events: list) -> Iterator[str]:
             for kind, value in events:
                 if kind == "tool_call":
-                    yield chunk({"tool_calls": [value]})
+                    yield chunk(i, {"tool_calls": [value]})
                 else:
-                    yield chunk({"reasoning_content" if kind == "reasoning" else "content": value})
+                    yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": value})
 
-        detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
-        parser = ReplyParser(call.in_reasoning)
+        detoks = [IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+                  for _ in range(n)]
+        parsers = [ReplyParser(call.in_reasoning) for _ in range(n)]
+        outs: list[dict | None] = [None] * n
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: Any) -> None:  # one engine stream into the merged queue
+            try:
+                while True:
+                    item = await asyncio.wait_for(_next(stream), timeout=timeout)
+                    merged.put_nowait((i, item, None))
+                    if item.get("done"):
+                        return
+            except Exception as e:
+                merged.put_nowait((i, None, e))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         completed = False
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            out = None
-            while out is None:
-                item = await asyncio.wait_for(_next(stream), timeout=self.cfg["generate_timeout_s"])
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            remaining = n
+            while remaining:
+                i, item, error = await merged.get()
+                if error is not None:
+                    raise error
                 if item.get("done"):
-                    out = item
-                    break
-                for text in deltas(parser.feed(detok.add([t for t in item["token_ids"] if t not in self.stop_ids]))):
+                    outs[i], remaining = item, remaining - 1
+                    events = parsers[i].feed(detoks[i].finish()) + parsers[i].finish()
+                else:
+                    events = parsers[i].feed(detoks[i].add([t for t in item["token_ids"] if t not in self.stop_ids]))
+                for text in deltas(i, events):
                     yield text
-            for text in deltas(parser.feed(detok.finish()) + parser.finish()):
-                yield text
-            turn = self._turn(call, out, parser.result)
-            (index,) = await self._record(call, [turn])  # before [DONE]: the client's next request sees it
-            n_prompt, n_completion = len(call.prompt_ids), len(out["response_ids"])
-            yield chunk({}, turn.finish_reason, session_id=call.session_id, turn_index=index,
-                        policy_version=out["policy_version"])
+            turns = [self._turn(call, outs[i], parsers[i].result) for i in range(n)]
+            indexes = await self._record(call, turns)  # before [DONE]: the client's next request sees them
+            for i, (turn, index) in enumerate(zip(turns, indexes)):
+                yield chunk(i, {}, turn.finish_reason, session_id=call.session_id, turn_index=index,
+                            policy_version=outs[i]["policy_version"])
             if req.include_usage:
-                yield f"data: {json.dumps({**base, 'choices': [], 'usage': {'prompt_tokens': n_prompt, 'completion_tokens': n_completion, 'total_tokens': n_prompt + n_completion}})}\n\n"
+                n_prompt, n_completion = len(call.prompt_ids), sum(len(o["response_ids"]) for o in outs)
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                         "total_tokens": n_prompt + n_completion}
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             completed = True
             self.counts["streams"] += 1
@@ -433,6 +458,8 @@ class PolicyServer:
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            for p in pumps:
+                p.cancel()
             if not completed:
                 self.counts["streams_not_completed"] += 1
             if call.locked:

@@ -2,8 +2,8 @@
 
 Everything the client sends is checked here, before any engine work: a bad value raises
 :class:`~clawray.chat.RequestError` naming the field (HTTP 400). Parameters clawray does not implement
-yet (stop strings, penalties, logprobs, forced tool choice, n > 1 with streaming) are rejected with
-code ``unsupported`` rather than silently ignored.
+yet (stop strings, penalties, logprobs, forced tool choice) are rejected with code ``unsupported``
+rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -208,8 +208,6 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1 - max_n, integer=True)
     stream, include_usage = _stream(body)
     n = _number(body, "n", 1, 1, max_n, integer=True)
-    if n > 1 and stream:
-        raise RequestError("n > 1 cannot be streamed yet; use stream=false or n=1", "n", "unsupported")
 
     session_id = _header_text(headers, "x-session-id", "session_id")
     if session_id is None:
