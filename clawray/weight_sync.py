@@ -550,12 +550,7 @@ class ObjectStoreTransport(WeightTransport):
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
         self._seq += 1
-        try:
-            check_plan(self.plan, state)
-        except WeightSyncError:
-            ray.get(self.mailbox.post.remote(self._seq, vars(self._header(version, _ABORT)), self.meta, []),
-                    timeout=self.timeout_s)
-            raise
+        _check_state_or_abort(self, state, version)
         cpu = torch.device("cpu")
         refs, nbytes = [], 0
         for bucket in self.buckets:
@@ -688,12 +683,7 @@ class IpcTransport(WeightTransport):
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
         self._seq += 1
-        try:
-            check_plan(self.plan, state)
-        except WeightSyncError:
-            ray.get(self.mailbox.post.remote(self._seq, vars(self._header(version, _ABORT)), self.meta, []),
-                    timeout=self.timeout_s)
-            raise
+        _check_state_or_abort(self, state, version)
         nbytes = 0
         bufs = self._buffers()
         for bucket, buf in zip(self.buckets, bufs):
@@ -780,6 +770,22 @@ class IpcTransport(WeightTransport):
         if self._bufs:
             _IPC_BUFFERS[(self.digest, str(self.device))] = self._bufs
         self._bufs, self._held, self._pending, self.mailbox = [], [], None, None
+
+
+def _check_state_or_abort(transport: Any, state: dict[str, torch.Tensor], version: int) -> None:
+    """Sender side of a mailbox transport (``object_store``, ``ipc``): check ``state`` against the plan;
+    on a mismatch post an abort header for this sync (receivers fail fast instead of waiting out
+    the timeout), then raise.
+
+    Raises:
+        WeightSyncError: the state lacks a planned weight or has another shape.
+    """
+    try:
+        check_plan(transport.plan, state)
+    except WeightSyncError:
+        ray.get(transport.mailbox.post.remote(transport._seq, vars(transport._header(version, _ABORT)), transport.meta,
+                                              []), timeout=transport.timeout_s)
+        raise
 
 
 def make_transport(transport: str, rank: int, world_size: int, plan: list[WeightSpec], bucket_bytes: int,
