@@ -52,6 +52,7 @@ def ray_cluster(tmp_path_factory):
                     # own agent ports: another Ray on this machine must not take the job agent's default
                     f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                     f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+                    f"--ray-client-server-port={free_port()}",
                     "--disable-usage-stats", f"--temp-dir={temp}"], check=True, capture_output=True, timeout=120)
     try:
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
@@ -62,17 +63,20 @@ def ray_cluster(tmp_path_factory):
 
 
 def _stop_cluster(temp_dir: str) -> None:
-    """Stop only this session's cluster: every process whose command line names its temp dir
-    (``ray stop`` would stop every Ray cluster on the machine)."""
+    """Stop only this session's cluster: every process whose command line names its temp dir, and
+    their descendants (agents rename themselves, e.g. ``ray::DashboardAgent``, and the client server
+    does not name the dir); ``ray stop`` would stop every Ray cluster on the machine."""
     import psutil
 
-    procs = []
+    procs: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):
         try:
             if any(temp_dir in arg for arg in p.info["cmdline"] or []):
-                procs.append(p)
+                procs[p.pid] = p
+                procs.update({c.pid: c for c in p.children(recursive=True)})
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    procs = list(procs.values())
     for p in procs:
         try:
             p.terminate()
