@@ -59,10 +59,10 @@ def ray_cluster(tmp_path_factory):
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
     finally:
         ray.shutdown()
-        _stop_cluster(temp)
+        _stop_cluster(temp, f"--address=127.0.0.1:{port}")
 
 
-def _stop_cluster(temp_dir: str) -> None:
+def _stop_cluster(temp_dir: str, gcs_address: str = "") -> None:
     """Stop only this session's cluster: every process whose command line names its temp dir, and
     their descendants (agents rename themselves, e.g. ``ray::DashboardAgent``, and the client server
     does not name the dir); ``ray stop`` would stop every Ray cluster on the machine."""
@@ -71,7 +71,7 @@ def _stop_cluster(temp_dir: str) -> None:
     procs: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if any(temp_dir in arg for arg in p.info["cmdline"] or []):
+            if any(temp_dir in arg or (gcs_address and gcs_address in arg) for arg in p.info["cmdline"] or []):
                 procs[p.pid] = p
                 procs.update({c.pid: c for c in p.children(recursive=True)})
         except (psutil.NoSuchProcess, psutil.AccessDenied):
