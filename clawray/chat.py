@@ -133,6 +133,27 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _canonical(m: dict[str, Any]) -> bytes:
+    """One message as it counts for conversation keys (see :func:`conversation_keys`)."""
+    if m["role"] == "assistant":
+        calls = [(c["function"]["name"], c["function"]["arguments"] if isinstance(c["function"]["arguments"], dict)
+                  else json.loads(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+        canon = ["assistant", (m.get("content") or "").strip(), calls]
+    else:
+        canon = [m["role"], m.get("content"), m.get("tool_call_id")]
+    return json.dumps(canon, sort_keys=True, ensure_ascii=False).encode() + b"\n"
+
+
+def conversation_keys(messages: list[dict[str, Any]]) -> list[str]:
+    """``keys[k]`` = :func:`conversation_key` of ``messages[:k + 1]``, for every k, in one pass
+    (a running SHA-256: linear in the conversation's size, not quadratic)."""
+    digest, keys = hashlib.sha256(), []
+    for m in messages:
+        digest.update(_canonical(m))
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
 def conversation_key(messages: list[dict[str, Any]]) -> str:
     """A digest of normalised ``messages`` that identifies a conversation prefix.
 
@@ -140,12 +161,7 @@ def conversation_key(messages: list[dict[str, Any]]) -> str:
     names and decoded arguments), not by how a client echoes them (call ids, argument encoding,
     reasoning kept or dropped), so the served reply and the client's copy of it give the same key.
     """
-    canon = []
+    digest = hashlib.sha256()
     for m in messages:
-        if m["role"] == "assistant":
-            calls = [(c["function"]["name"], c["function"]["arguments"] if isinstance(c["function"]["arguments"], dict)
-                      else json.loads(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
-            canon.append(["assistant", (m.get("content") or "").strip(), calls])
-        else:
-            canon.append([m["role"], m.get("content"), m.get("tool_call_id")])
-    return hashlib.sha256(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+        digest.update(_canonical(m))
+    return digest.hexdigest()

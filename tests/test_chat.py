@@ -1,6 +1,6 @@
 import pytest
 
-from clawray.chat import RequestError, conversation_key, normalize_messages
+from clawray.chat import RequestError, conversation_key, conversation_keys, normalize_messages
 
 
 def test_normalize_developer_list_content_and_tool_call_arguments():
@@ -56,3 +56,10 @@ def test_conversation_key_ignores_echo_form_but_not_content():
     changed = [dict(echoed[0]), {**echoed[1], "tool_calls": [{"function": {"name": "f", "arguments": {"x": 2}}}]}]
     assert conversation_key(changed) != conversation_key(served)
     assert conversation_key([{"role": "user", "content": "q2"}, echoed[1]]) != conversation_key(served)
+
+
+def test_conversation_keys_are_the_prefix_keys():
+    msgs = normalize_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                               {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t",
+                                                                        "tool_call_id": "1"}])
+    assert conversation_keys(msgs) == [conversation_key(msgs[: k + 1]) for k in range(len(msgs))]

@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from clawray.chat import conversation_key
+from clawray.chat import conversation_key, conversation_keys
 from clawray.records import JsonlRecords
 from clawray.types import Sample, Turn
 
@@ -218,9 +218,10 @@ class SessionTracker:
         """Pair the pending turn that ``messages`` continues with its next state; count the rest."""
         self._unindex(s)
         chosen = None
+        prefix_keys = conversation_keys(messages)
         for turn, key in zip(s.pending, s.keys):
             n = len(turn.messages)
-            if len(messages) > n + 1 and conversation_key(messages[: n + 1]) == key:
+            if len(messages) > n + 1 and prefix_keys[n] == key:
                 chosen = turn
                 break
         if chosen is None:

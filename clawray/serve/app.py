@@ -35,7 +35,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.actors.rollout import EnginePausedError
-from clawray.chat import RequestError, conversation_key
+from clawray.chat import RequestError, conversation_keys
 from clawray.engines.base import GenerateRequest
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply, ReplyParser, parse_reply_text
@@ -239,10 +239,10 @@ class PolicyServer:
         if chars > limit * MAX_CHARS_PER_TOKEN:
             raise RequestError(f"prompt is {chars} characters, more than max_model_len {limit} tokens can hold",
                                "messages", "context_length_exceeded")
-        keys = {k: conversation_key(req.messages[: k + 1]) for k, m in enumerate(req.messages)
-                if m["role"] == "assistant"}
         prev = None
         if req.turn_type == "main":
+            prefix_keys = conversation_keys(req.messages)
+            keys = {k: prefix_keys[k] for k, m in enumerate(req.messages) if m["role"] == "assistant"}
             if call.session_id is None:
                 self._warn_no_session()
                 found = await self.tracker.lookup.remote(None, keys)
