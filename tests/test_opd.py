@@ -119,7 +119,7 @@ class FakeTeacher:
 
 class FakeQueue:
     def __init__(self):
-        async def put(refs, version):
+        async def put(refs, version, num_tokens=None):
             self.items.append(refs[0])
         self.items = []
         self.put = _Remote(put)

@@ -34,7 +34,7 @@ class FakeJudge:
 
 class FakeQueue:
     def __init__(self):
-        async def put(refs, version):
+        async def put(refs, version, num_tokens=None):
             self.items.append((refs[0], version))
         self.items = []
         self.put = _Remote(put)

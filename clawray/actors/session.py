@@ -310,13 +310,13 @@ class SessionTracker:
         sample.teacher_logprobs = teacher
         if topk is not None:
             sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
-        await self.queue.put.remote([ray.put(sample)], sample.policy_version)
+        await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
         self.counts["samples"] += 1
 
     async def _emit(self, s: _Session, turn: Turn, reward: float) -> None:
         s.effective = True
         sample = Sample.from_turn(turn, reward=reward, kind="rl")
-        await self.queue.put.remote([ray.put(sample)], sample.policy_version)
+        await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
         self.counts["samples"] += 1
 
     def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
