@@ -183,27 +183,23 @@ class LearnerWorker:
         """Rank, once the model is sharded."""
         return self.rank
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+    def _full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict on rank 0, CPU; empty on other ranks. Collective.
 
-        With LoRA it is the *merged* weights under the base model's names (:func:`merge_lora_state_dict`),
-        computed from copies: the training weights are not touched.
+        With LoRA and ``merged`` it is the *merged* weights under the base model's names
+        (:func:`merge_lora_state_dict`), computed from copies: the training weights are not touched.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.lora_rank > 0 and self.rank == 0:
+        if merged and self.lora_rank > 0 and self.rank == 0:
             state = merge_lora_state_dict(state, self._lora_scalings, self._lora_fan_in_fan_out)
         return state
 
     def state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """Full CPU state dict on rank 0 (``{}`` elsewhere); ``merged=False`` keeps peft's names and
         adapter tensors. Collective: call on every rank."""
-        if merged:
-            return self._full_state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self._full_state_dict(merged)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The full gradients left by the last optimizer step (peft names), on rank 0; ``{}`` elsewhere.
