@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from clawray.actors import session as session_mod
-from clawray.actors.judge import HintResult, JudgeResult, accept_hint, feedback_hint, parse_hint
+from clawray.actors.judge import HintResult, JudgeResult, JudgeWorker, accept_hint, feedback_hint, parse_hint
 from clawray.actors.session import SessionTracker
 from clawray.actors.teacher import TeacherWorker, hinted_messages
 from clawray.types import Turn
@@ -157,6 +157,41 @@ def test_combine_dispatch_all_four_cases():
     assert stats["dispatch/hint+score"] == 1 and stats["dispatch/hint"] == 1
     assert stats["dispatch/nohint+score"] == 1 and stats["dispatch/nohint"] == 1
     assert stats["dropped/no_signal"] == 1 and stats["samples"] == 3
+
+
+@pytest.mark.parametrize("concurrency, peak", [(4, 4), (3, 3), (1, 1)])
+def test_combine_runs_hint_and_eval_votes_concurrently_within_the_worker_limit(tiny_model, concurrency, peak):
+    """m = 2 hint votes and m = 2 PRM votes of one Combine turn are all in flight together (OpenClaw-RL
+    runs the eval votes after the hint votes), at most ``judge.concurrency`` at a time."""
+    from transformers import AutoTokenizer
+
+    answer = "\\boxed{1} [HINT_START] Answer with the number only. [HINT_END]"
+    ids = AutoTokenizer.from_pretrained(tiny_model).encode(answer, add_special_tokens=False)
+    in_flight, seen = [0], []
+
+    async def generate(request):
+        in_flight[0] += 1
+        seen.append(in_flight[0])
+        await asyncio.sleep(0.2)
+        in_flight[0] -= 1
+        return {"response_ids": ids}
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.generate = _Remote(generate)
+    worker = JudgeWorker({"backend": "engine", "m": 2, "temperature": 0.6, "max_tokens": 32, "timeout_s": 5,
+                          "retries": 0, "concurrency": concurrency}, engine=engine, tokenizer_path=tiny_model)
+    judge = Engine()
+    judge.hint, judge.judge = _Remote(worker.hint), _Remote(worker.judge)
+    queue = FakeQueue()
+    stats = _run(SessionTracker([judge], queue, algo="combine", teachers=[FakeTeacher()]), ["wrong, just 5"])
+    assert len(seen) == 4 and max(seen) == peak
+    (sample,) = queue.items
+    assert (sample.kind, sample.reward, sample.teacher_logprobs) == ("combine", 1.0, [-0.5] * 3)
+    assert sample.info["hint"] == "Answer with the number only." and stats["dispatch/hint+score"] == 1
+    assert worker.stats["votes"] == 2 and worker.stats["hint_votes"] == 2 and worker.stats["agree_votes"] == 2
 
 
 def test_opd_keeps_only_hinted_turns():

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("preset, extra", [("conf/opd.yaml", []), ("conf/combine.yaml", []),
-                                           ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"])])
+                                           ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"]),
+                                           ("conf/opd.yaml", ["opd.teacher=live"])])
 def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
     cfg = tiny_run_config(tiny_model, tmp_path, presets=[preset], overrides=extra + [
         "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=12",
@@ -20,6 +21,10 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
     d = Driver(cfg)
     try:
         d.setup()
+        if "opd.teacher=live" in extra:  # self-distillation: the teacher is the synced rollout engine
+            assert d.teacher_engine is d.engines[0]
+        else:
+            assert d.teacher_engine is not None and d.teacher_engine not in d.engines
         summary = d.run()
         algo = cfg.trainer.algo
         assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]
