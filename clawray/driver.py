@@ -54,6 +54,42 @@ def ensure_model(cfg: DictConfig) -> str:
     return path
 
 
+def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tracker_stats: dict) -> dict[str, float]:
+    """Cumulative judge and teacher figures from the workers' counters (summed over the J judges).
+
+    - ``judge/votes_per_turn`` = votes / turns; ``judge/invalid_vote_rate`` = invalid votes / votes;
+      ``judge/agreement_rate`` = votes equal to their turn's majority / valid votes (NaN without valid
+      votes).
+    - ``judge/hint_acceptance_rate`` = accepted hints / hint turns; ``judge/hint_invalid_vote_rate``;
+      ``judge/mean_hint_chars`` = characters of accepted hints / accepted hints.
+    - ``timing/teacher_scoring_s`` (seconds, summed over teachers) and ``teacher/scored`` (turns),
+      when there are teachers.
+    - ``judge/dispatch/<case>``: the SessionTracker's Combine dispatch counts.
+
+    A figure whose denominator is zero is left out (never divided by zero).
+    """
+    total: dict[str, float] = {}
+    for stats in judge_stats:
+        for k, v in stats.items():
+            total[k] = total.get(k, 0) + v
+    out = {}
+    if total.get("turns"):
+        out["judge/votes_per_turn"] = total["votes"] / total["turns"]
+        out["judge/invalid_vote_rate"] = total.get("invalid_votes", 0) / max(total["votes"], 1)
+        valid = total["votes"] - total.get("invalid_votes", 0)
+        out["judge/agreement_rate"] = total.get("agree_votes", 0) / valid if valid else math.nan
+    if total.get("hint_turns"):
+        out["judge/hint_acceptance_rate"] = total.get("hints_accepted", 0) / total["hint_turns"]
+        out["judge/hint_invalid_vote_rate"] = total.get("hint_invalid_votes", 0) / max(total["hint_votes"], 1)
+        if total.get("hints_accepted"):
+            out["judge/mean_hint_chars"] = total["hint_chars"] / total["hints_accepted"]
+    if teacher_stats is not None:
+        out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher_stats)
+        out["teacher/scored"] = sum(t["scored"] for t in teacher_stats)
+    out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
+    return out
+
+
 class Driver:
     """Owns the actors of one run.
 
@@ -449,29 +485,9 @@ class Driver:
               f"{len(queue_state['samples'])} queued sample(s)", flush=True)
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
-        """Cumulative judge and teacher figures: votes per turn, invalid-vote and agreement rates,
-        hint acceptance rate and mean length, teacher-scoring seconds, Combine dispatch counts."""
-        total: dict[str, float] = {}
-        for stats in ray.get([j.get_stats.remote() for j in self.judges]):
-            for k, v in stats.items():
-                total[k] = total.get(k, 0) + v
-        out = {}
-        if total.get("turns"):
-            out["judge/votes_per_turn"] = total["votes"] / total["turns"]
-            out["judge/invalid_vote_rate"] = total.get("invalid_votes", 0) / max(total["votes"], 1)
-            valid = total["votes"] - total.get("invalid_votes", 0)
-            out["judge/agreement_rate"] = total.get("agree_votes", 0) / valid if valid else math.nan
-        if total.get("hint_turns"):
-            out["judge/hint_acceptance_rate"] = total.get("hints_accepted", 0) / total["hint_turns"]
-            out["judge/hint_invalid_vote_rate"] = total.get("hint_invalid_votes", 0) / max(total["hint_votes"], 1)
-            if total.get("hints_accepted"):
-                out["judge/mean_hint_chars"] = total["hint_chars"] / total["hints_accepted"]
-        if self.teachers:
-            teacher = ray.get([t.get_stats.remote() for t in self.teachers])
-            out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher)
-            out["teacher/scored"] = sum(t["scored"] for t in teacher)
-        out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
-        return out
+        """:func:`judge_metrics` over this run's judge and teacher workers."""
+        teachers = ray.get([t.get_stats.remote() for t in self.teachers]) if self.teachers else None
+        return judge_metrics(ray.get([j.get_stats.remote() for j in self.judges]), teachers, tracker_stats)
 
     def run(self) -> dict[str, Any]:
         """``setup`` (if needed), start traffic, run ``trainer.num_steps`` updates (``-1``: until

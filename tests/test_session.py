@@ -27,7 +27,7 @@ class FakeJudge:
                 return JudgeResult(0, [None, None], counts={"valid": 0, "invalid": 2, "tie": 0})
             if score == 0:  # a 0 majority whose votes lean positive
                 return JudgeResult(0, [0, 0, 1], counts={"valid": 3, "invalid": 0, "tie": 0})
-            return JudgeResult(score, [score], counts={"valid": 1, "invalid": 0, "tie": 0})
+            return JudgeResult(score, [score], raw=[f"\\boxed{{{score}}}"], counts={"valid": 1, "invalid": 0, "tie": 0})
         self.seen = []
         self.judge = _Remote(judge)
 
@@ -170,3 +170,35 @@ def test_a_closed_session_id_used_again_continues_its_turn_indexes():
 
     stats = asyncio.run(scenario())
     assert stats["sessions_closed"] == 1 and stats["open_sessions"] == 1 and stats["turns"] == 3
+
+
+def test_judges_take_turns_round_robin_a_dead_one_loses_only_its_turn_and_votes_are_recorded(tmp_path):
+    import json
+
+    class DeadJudge:
+        def __init__(self):
+            async def judge(turn, next_state):
+                self.seen.append(turn.turn_index)
+                raise RuntimeError("judge actor died")
+            self.seen = []
+            self.judge = _Remote(judge)
+
+    live = FakeJudge({"good": 1, "bad": -1, "fine": 1, "nope": -1})
+    dead, queue = DeadJudge(), FakeQueue()
+    tracker = SessionTracker([live, dead], queue, records_dir=str(tmp_path))
+
+    async def scenario():
+        for t in conversation("s", ["good", "bad", "fine", "nope"]):
+            await tracker.record_turn(t)
+        await tracker.drain()
+        return await tracker.stats()
+
+    stats = asyncio.run(scenario())
+    assert [i for i, _ in live.seen] == [1, 3] and dead.seen == [2, 4]  # J = 2 judges alternate
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 1.0), (3, 1.0)]
+    assert stats["dropped/judge_error"] == 2 and stats["judged"] == 2 and stats["samples"] == 2
+    rows = {r["turn"]: r for r in map(json.loads, open(tmp_path / "judgments.jsonl"))}
+    assert (rows[1]["score"], rows[1]["votes"], rows[1]["raw_votes"]) == (1, [1], ["\\boxed{1}"])
+    assert rows[2]["dropped"].startswith("judge error: RuntimeError('judge actor died')")
+    assert rows[2]["votes"] is None and rows[2]["next_state"] == [{"role": "user", "content": "bad"}]
+
