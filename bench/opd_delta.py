@@ -1,9 +1,11 @@
 """Does the hinted teacher move the right tokens? OPD's token advantage on real SmolLM2 turns.
 
 For each prompt, sample replies from SmolLM2-135M-Instruct at T = 1 (rollout log-probs) and keep the
-first one a user would correct. Score the *same* reply ids under the prompt with the correction's
-hint added (the frozen initial policy as teacher, as in ``conf/opd.yaml``; the hint in the last user
-message, ``opd.hint_placement=user`` as in OpenClaw-RL, or in the system message). Per turn and
+first one a user would correct. The user's corrective next state goes through the production hint
+path: the ``feedback`` hint judge (``JudgeWorker.hint``; the correction itself is the hint) and
+``TeacherWorker.teacher_prompt_ids`` (the frozen initial policy as teacher, as in ``conf/opd.yaml``;
+the hint in the last user message, ``opd.hint_placement=user`` as in OpenClaw-RL, or in the system
+message). The teacher scores the *same* reply ids under that prompt. Per turn and
 overall it prints ``Δ = teacher_logprob - rollout_logprob`` (OPD's advantage, OpenClaw-RL §4) on the
 offending tokens and on the other tokens, Δ at the *decision token* (the first offending one), and
 the fraction of tokens with Δ > 0. The expected direction is Δ(offending) < Δ(other). As a control,
@@ -12,11 +14,12 @@ polite."): it separates what the hint *says* from the shift any added text cause
 
 Two corrections:
 
-- ``fact``: a short factual question ("... Answer in one sentence."); a wrong reply (it lacks the answer) meets the next state "No,
-  that's wrong: it is <answer>." and the hint "The correct answer is <answer>." Offending tokens: the
+- ``fact``: a short factual question ("... Answer in one sentence."); a wrong reply (it lacks the
+  answer) meets the next state "No, that's wrong: the correct answer is <answer>." Offending tokens: the
   capitalised words or numbers of the reply that the question does not hold and that do not open a
   sentence (the wrong name or number it claims).
-- ``markdown``: a how-to question; a reply with markdown meets "No markdown please." Offending tokens:
+- ``markdown``: a how-to question; a reply with markdown meets "No markdown please: answer in plain
+  sentences, without lists, bullets, numbering, bold or headings." Offending tokens:
   bold and heading markers, and list markers that open a line.
 
 ``--follow`` adds the premise check: how often the *teacher itself* avoids the offending behaviour
@@ -33,6 +36,7 @@ The vLLM engine (the default; fp32, the ``vllm`` extra) also exercises the teach
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from clawray.actors.judge import JudgeWorker
 from clawray.actors.teacher import TeacherWorker
 from clawray.engines.base import GenerateRequest
 from clawray.types import Turn
@@ -116,7 +121,7 @@ class Case:
     name: str
     prompts: list[str]
     offending: Callable[[list[str], str], list[bool]]  # (token pieces, prompt) -> per-token flag
-    hint: Callable[[str], str]                          # prompt -> hint
+    correction: Callable[[str], str]                    # prompt -> the user's corrective next message
     wrong: Callable[[str, str], bool] = lambda prompt, text: True  # beyond holding offending tokens
 
 
@@ -126,10 +131,10 @@ def _answers(prompt: str) -> list[str]:
 
 CASES = {
     "fact": Case("fact", [q + SHORT for q, _ in FACTS], offending=claim_tokens,
-                 hint=lambda p: f"The correct answer is {_answers(p)[0]}.",
+                 correction=lambda p: f"No, that's wrong: the correct answer is {_answers(p)[0]}.",
                  wrong=lambda p, text: not any(a.lower() in text.lower() for a in _answers(p))),
     "markdown": Case("markdown", HOWTO, offending=lambda pieces, p: markdown_tokens(pieces),
-                     hint=lambda p: NO_MARKDOWN),
+                     correction=lambda p: NO_MARKDOWN),
 }
 
 
@@ -193,6 +198,7 @@ def main() -> int:
         engine = HFBackend(args.model, seed=0)
     tok = __import__("transformers").AutoTokenizer.from_pretrained(args.model)
     teachers = {p: TeacherWorker(engine, args.model, placement=p) for p in placements}  # production prompts
+    hint_judge = JudgeWorker({"backend": "feedback", "m": 1})
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
     max_tokens = {"fact": 32, "markdown": 96}
 
@@ -222,8 +228,11 @@ def main() -> int:
             follow["plain"][1] += len(outs)
             turn = next((o for o in outs if corrected(o, prompt)), None)
             asked = Turn("bench", 1, messages, {}, ids, [], [], 0, "stop")  # the teacher prompt reads messages only
+            next_state = [{"role": "user", "content": case.correction(prompt)}]
+            hint = asyncio.run(hint_judge.hint(asked, next_state, "any", 10)).hint
+            assert hint, f"the feedback judge found no hint in {next_state}"
             for placement in placements:
-                hinted = teachers[placement].teacher_prompt_ids(asked, case.hint(prompt))
+                hinted = teachers[placement].teacher_prompt_ids(asked, hint)
                 if args.follow:
                     taught = sample(hinted, i, case)
                     follow[placement][0] += sum(corrected(o, prompt) for o in taught)
