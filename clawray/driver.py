@@ -62,8 +62,8 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
       votes).
     - ``judge/hint_acceptance_rate`` = accepted hints / hint turns; ``judge/hint_invalid_vote_rate``;
       ``judge/mean_hint_chars`` = characters of accepted hints / accepted hints.
-    - ``timing/teacher_scoring_s`` (seconds, summed over teachers) and ``teacher/scored`` (turns),
-      when there are teachers.
+    - ``timing/teacher_scoring_s`` (seconds, summed over teachers), ``teacher/scored`` (turns) and
+      ``teacher/errors`` (failed teacher calls, from the SessionTracker), when there are teachers.
     - ``judge/dispatch/<case>``: the SessionTracker's Combine dispatch counts.
 
     A figure whose denominator is zero is left out (never divided by zero).
@@ -86,6 +86,7 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
     if teacher_stats is not None:
         out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher_stats)
         out["teacher/scored"] = sum(t["scored"] for t in teacher_stats)
+        out["teacher/errors"] = tracker_stats.get("teacher_errors", 0)
     out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
     return out
 

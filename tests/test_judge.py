@@ -133,10 +133,11 @@ def test_judge_metrics_hand_computed():
               {"turns": 1, "votes": 3, "invalid_votes": 2, "agree_votes": 1, "hint_turns": 2, "hint_votes": 6,
                "hint_invalid_votes": 0, "hints_accepted": 2, "hint_chars": 24}]
     teachers = [{"scored": 2, "seconds": 0.5}, {"scored": 1, "seconds": 0.25}]
-    out = judge_metrics(judges, teachers, {"dispatch/hint+score": 2, "dispatch/nohint": 1, "samples": 3})
+    out = judge_metrics(judges, teachers, {"dispatch/hint+score": 2, "dispatch/nohint": 1, "samples": 3,
+                                               "teacher_errors": 1})
     assert out == {"judge/votes_per_turn": 3.0, "judge/invalid_vote_rate": 3 / 9, "judge/agreement_rate": 5 / 6,
                    "judge/hint_acceptance_rate": 0.75, "judge/hint_invalid_vote_rate": 2 / 12,
-                   "judge/mean_hint_chars": 18.0, "timing/teacher_scoring_s": 0.75, "teacher/scored": 3,
+                   "judge/mean_hint_chars": 18.0, "timing/teacher_scoring_s": 0.75, "teacher/scored": 3, "teacher/errors": 1,
                    "judge/dispatch/hint+score": 2, "judge/dispatch/nohint": 1}
     # nothing judged yet: no rate is divided by zero; all votes invalid: agreement is NaN, not 0
     assert judge_metrics([{}], None, {}) == {}

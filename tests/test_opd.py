@@ -194,6 +194,33 @@ def test_combine_runs_hint_and_eval_votes_concurrently_within_the_worker_limit(t
     assert worker.stats["votes"] == 2 and worker.stats["hint_votes"] == 2 and worker.stats["agree_votes"] == 2
 
 
+@pytest.mark.parametrize("algo", ["opd", "combine"])
+def test_a_failing_teacher_never_gives_zero_teacher_logprobs(algo, tmp_path):
+    import json
+
+    class BrokenTeacher:
+        def __init__(self):
+            async def teacher_logprobs(turn, hint):
+                raise RuntimeError("prompt is 9000 tokens; max_model_len is 2048")
+            self.teacher_logprobs = _Remote(teacher_logprobs)
+
+    judge = FakeJudge(hints={"hint+score": "Say it in one sentence.", "hint only": "Drop the markdown now."},
+                      scores={"hint+score": -1})
+    queue = FakeQueue()
+    tracker = SessionTracker([judge], queue, algo=algo, teachers=[BrokenTeacher()], records_dir=str(tmp_path))
+    stats = _run(tracker, ["hint+score", "hint only"])
+    got = [(s.turn_index, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items]
+    rows = [json.loads(line) for line in open(tmp_path / "judgments.jsonl")]
+    assert stats["teacher_errors"] == 2
+    if algo == "combine":  # the scored turn keeps its reward term alone; the hint-only turn is lost
+        assert got == [(1, -1.0, None, None)] and stats["dropped/teacher_error"] == 1
+        assert rows[0]["teacher_error"].startswith("RuntimeError('prompt is 9000 tokens") and rows[0]["dropped"] is None
+    else:
+        assert got == [] and stats["dropped/teacher_error"] == 2
+        assert rows[0]["dropped"].startswith("teacher error: RuntimeError(")
+    assert rows[-1]["hint"] == "Drop the markdown now." and rows[-1]["dropped"].startswith("teacher error")
+
+
 def test_opd_keeps_only_hinted_turns():
     judge = FakeJudge(hints={"fix": "Answer with just the number."}, scores={})
     queue = FakeQueue()

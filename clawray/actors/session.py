@@ -270,7 +270,9 @@ class SessionTracker:
         | no            | yes      | reward only; no OPD term (no teacher)       |
         | no            | no       | none (``dropped/no_signal``)                |
 
-        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``.
+        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. A teacher that fails
+        (counted ``teacher_errors``) leaves a Combine turn with a score its reward term alone; any
+        other turn is dropped (``dropped/teacher_error``).
         """
         combine = self.algo == "combine"
         try:
@@ -293,7 +295,7 @@ class SessionTracker:
             self.counts[f"dropped/{reason}"] += 1
             self._record(turn, next_state, results[-1], reason, hint=None)
             return
-        teacher, topk = None, None
+        teacher, topk, failure = None, None, {}
         if hint is not None:
             worker = self.teachers[self._rr % len(self.teachers)]
             try:
@@ -301,12 +303,16 @@ class SessionTracker:
                     topk = await worker.teacher_topk.remote(turn, hint, self.opd["topk"])
                 else:
                     teacher = await worker.teacher_logprobs.remote(turn, hint)
-            except Exception as e:  # no zeros in place of teacher log-probs: the turn is dropped
-                self.counts["dropped/teacher_error"] += 1
-                self._record(turn, next_state, results[-1], f"teacher error: {e!r}", hint=hint)
-                return
-        self._record(turn, next_state, results[-1], None, hint=hint)
-        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.algo, hint=hint)
+            except Exception as e:  # never zeros in place of teacher log-probs
+                self.counts["teacher_errors"] += 1
+                if not (combine and score):  # nothing left to train on: the turn is dropped
+                    self.counts["dropped/teacher_error"] += 1
+                    self._record(turn, next_state, results[-1], f"teacher error: {e!r}", hint=hint)
+                    return
+                failure = {"teacher_error": repr(e)}  # Combine with a score: the reward term alone
+        self._record(turn, next_state, results[-1], None, hint=hint, **failure)
+        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.algo,
+                                  hint=None if failure else hint)
         sample.teacher_logprobs = teacher
         if topk is not None:
             sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
