@@ -17,6 +17,14 @@ from clawray.types import Turn
     ("\\boxed{10}", None),
     ("score: 1", None),
     ("", None),
+    ("\\boxed{1} hmm, no. Final: \\boxed{-1.0}", None),  # a malformed *last* box: no earlier box decides
+    ("\\boxed{0001}", None),
+    ("\\boxed{\uff11}", None),  # a full-width or Arabic-Indic digit is not a vote
+    ("\\boxed{-\u0661}", None),
+    ("\\boxed{" + "9" * 5000 + "}", None),  # used to raise: int() refuses over 4300 digits
+    ("\\boxed{\\text{1}}", None),
+    (["\\boxed{1}"], None),  # a judge that answered with a list or an object: invalid, not a crash
+    (None, None),
 ])
 def test_parse_score(text, expected):
     assert parse_score(text) == expected
@@ -143,3 +151,23 @@ def test_judge_metrics_hand_computed():
     assert judge_metrics([{}], None, {}) == {}
     nan = judge_metrics([{"turns": 1, "votes": 3, "invalid_votes": 3}], None, {})["judge/agreement_rate"]
     assert nan != nan
+
+
+def test_openai_judge_content_parts_are_read_and_other_shapes_are_invalid_votes():
+    from types import SimpleNamespace
+
+    judge = JudgeWorker({"backend": "openai", "m": 1, "base_url": "http://127.0.0.1:9/v1", "api_key": "x",
+                         "model": "judge", "timeout_s": 5.0, "temperature": 0.6, "max_tokens": 16, "retries": 0})
+    answers = iter([[{"type": "text", "text": "fine "}, {"type": "text", "text": "\\boxed{-1}"}],
+                    {"text": "\\boxed{1}"}, "x" * 100_000 + "\\boxed{1}"])
+
+    async def create(**_):
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=next(answers)))])
+
+    judge.client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    state = [{"role": "user", "content": "hmm"}]
+    parts, obj, huge = (asyncio.run(judge.judge(_turn(), state)) for _ in range(3))
+    assert (parts.votes, parts.raw) == ([-1], ["fine \\boxed{-1}"])
+    assert obj.votes == [None] and obj.raw[0].startswith("<judge call failed: TypeError: the judge answered with dict")
+    assert huge.votes == [1] and len(huge.raw[0]) == 65536  # kept by its last 64 Ki characters
+    assert judge.stats["failed_votes"] == 1 and judge.stats["invalid_votes"] == 1

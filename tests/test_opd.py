@@ -18,6 +18,14 @@ from clawray.types import Turn
     ("\\boxed{1} no tags", (1, None)),
     ("\\boxed{1} [HINT_START]a[HINT_END] \\boxed{1} [HINT_START] last one [HINT_END]", (1, "last one")),
     ("garbage", (None, None)),
+    # a box quoted in the hint is part of the hint, not the decision, before or after the verdict
+    ("\\boxed{-1} [HINT_START] answer like \\boxed{1} [HINT_END]", (-1, "answer like \\boxed{1}")),
+    ("\\boxed{1} [HINT_START] Put only the number in a box, like \\boxed{5}. [HINT_END]",
+     (1, "Put only the number in a box, like \\boxed{5}.")),
+    ("\\boxed{1} [HINT_START] a [HINT_START] b [HINT_END]", (1, "a [HINT_START] b")),
+    ("\\boxed{1} " + "[HINT_START]" * 30000, (1, None)),  # linear: a lazy regex took minutes here
+    ("\\boxed{" + "1" * 5000 + "} [HINT_START] long enough hint [HINT_END]", (None, "long enough hint")),
+    ({"text": "\\boxed{1}"}, (None, None)),
 ])
 def test_parse_hint(text, expected):
     assert parse_hint(text) == expected

@@ -22,16 +22,26 @@ import ray
 
 from clawray.types import Turn
 
-_BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
+_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
+_VOTE = re.compile(r"\s*([+-]?[01])\s*", re.ASCII)  # ASCII digits only: a "１" or "١" is not a vote
+MAX_ANSWER_CHARS = 65536  # a judge answer is parsed and kept by its last 64 Ki characters
+
+
+def _last_box(text: str) -> int | None:
+    """The value of the *last* ``\\boxed{...}`` in ``text`` when it is exactly -1, 0 or 1 (an optional
+    sign and spaces allowed); None when there is no box or the last one holds anything else, so a
+    malformed final answer never lets an earlier box decide. Linear in ``len(text)``."""
+    found = _BOX.findall(text)
+    match = _VOTE.fullmatch(found[-1]) if found else None
+    return int(match.group(1)) if match else None
 
 
 def parse_score(text: str) -> int | None:
-    """The last ``\\boxed{n}`` in ``text`` if n is 1, -1 or 0; otherwise None (an invalid vote)."""
-    found = _BOXED.findall(text or "")
-    if not found:
-        return None
-    value = int(found[-1])
-    return value if value in (-1, 0, 1) else None
+    """The last ``\\boxed{n}`` in ``text`` if n is 1, -1 or 0; otherwise None (an invalid vote).
+
+    Anything but a string (a judge that answered with a list or an object) is an invalid vote.
+    """
+    return _last_box(text) if isinstance(text, str) else None
 
 
 def majority_vote(votes: list[int | None]) -> tuple[int, dict[str, int]]:
@@ -139,7 +149,7 @@ HINT_SYSTEM = (
     "concrete instruction of one to three sentences that would have produced the better output, between "
     "[HINT_START] and [HINT_END]."
 )
-_HINT_BLOCK = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.DOTALL)
+_HINT_START, _HINT_END = "[HINT_START]", "[HINT_END]"
 
 
 def build_hint_messages(turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4) -> list[dict[str, str]]:
@@ -151,17 +161,39 @@ def build_hint_messages(turn: Turn, next_state: list[dict[str, Any]], context_me
     return [{"role": "system", "content": HINT_SYSTEM}, {"role": "user", "content": user}]
 
 
+def _hint_blocks(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` spans of the ``[HINT_START]...[HINT_END]`` blocks, left to right, each ending
+    at the first end tag after its start tag. Linear in ``len(text)`` (a regex with a lazy ``.*?``
+    is quadratic on many start tags without an end tag)."""
+    spans, pos = [], 0
+    while (start := text.find(_HINT_START, pos)) != -1:
+        end = text.find(_HINT_END, start + len(_HINT_START))
+        if end == -1:
+            break
+        pos = end + len(_HINT_END)
+        spans.append((start, pos))
+    return spans
+
+
 def parse_hint(text: str) -> tuple[int | None, str | None]:
     """``(decision, hint)`` from a hint-judge answer.
 
-    decision: the last ``\\boxed{n}`` if n is 1 or -1, else None (invalid vote; 0 is not on this
-    scale). hint: the last ``[HINT_START]...[HINT_END]`` block, stripped, or None.
+    decision: the last ``\\boxed{n}`` *outside* the hint blocks if n is 1 or -1, else None (an invalid
+    vote; 0 is not on this scale, and a box quoted inside a hint is part of the hint). hint: the
+    last ``[HINT_START]...[HINT_END]`` block, stripped, or None. Anything but a string is ``(None,
+    None)``.
     """
-    found = _BOXED.findall(text or "")
-    decision = int(found[-1]) if found and int(found[-1]) in (1, -1) else None
-    blocks = _HINT_BLOCK.findall(text or "")
-    hint = blocks[-1].strip() if blocks else None
-    return decision, (hint or None)
+    if not isinstance(text, str):
+        return None, None
+    spans = _hint_blocks(text)
+    outside, pos = [], 0
+    for start, end in spans:
+        outside.append(text[pos:start])
+        pos = end
+    outside.append(text[pos:])
+    decision = _last_box("".join(outside))
+    hint = text[spans[-1][0] + len(_HINT_START): spans[-1][1] - len(_HINT_END)].strip() if spans else None
+    return (decision if decision in (1, -1) else None), (hint or None)
 
 
 def feedback_hint(next_state: list[dict[str, Any]]) -> tuple[int | None, str | None]:
@@ -253,7 +285,9 @@ class JudgeWorker:
 
             if not cfg["base_url"] or not cfg["model"]:
                 raise ValueError("judge backend 'openai' needs judge.base_url and judge.model")
-            self.client = AsyncOpenAI(base_url=cfg["base_url"], api_key=cfg["api_key"], timeout=cfg["timeout_s"])
+            # no retries inside the client: judge.retries is the one retry policy
+            self.client = AsyncOpenAI(base_url=cfg["base_url"], api_key=cfg["api_key"], timeout=cfg["timeout_s"],
+                                      max_retries=0)
 
     async def judge(self, turn: Turn, next_state: list[dict[str, Any]]) -> JudgeResult:
         """Score ``turn`` from ``next_state``; never raises for a bad judge answer or a failed call
@@ -300,14 +334,16 @@ class JudgeWorker:
     async def _ask(self, messages: list[dict[str, str]], seed_key: str) -> str:
         """One judge completion, at most ``concurrency`` at a time per worker, each attempt bounded by
         ``timeout_s`` and retried ``retries`` times; a vote that still fails returns a marker text
-        (an invalid vote, counted), never an exception."""
+        (an invalid vote, counted), never an exception. An answer is kept by its last
+        ``MAX_ANSWER_CHARS`` characters (the final verdict is at the end)."""
         attempts = 1 + int(self.cfg.get("retries", 1))
         text = ""
         for attempt in range(attempts):
             async with self.semaphore:
                 try:
-                    return await asyncio.wait_for(self._ask_once(messages, f"{seed_key}/{attempt}"),
-                                                  timeout=self.cfg["timeout_s"])
+                    answer = await asyncio.wait_for(self._ask_once(messages, f"{seed_key}/{attempt}"),
+                                                    timeout=self.cfg["timeout_s"])
+                    return answer[-MAX_ANSWER_CHARS:]
                 except Exception as e:
                     self.stats["failed_calls"] += 1
                     text = f"<judge call failed: {type(e).__name__}: {e}>"
@@ -326,7 +362,12 @@ class JudgeWorker:
         resp = await self.client.chat.completions.create(
             model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],
             max_tokens=self.cfg["max_tokens"])
-        return resp.choices[0].message.content or ""
+        content = resp.choices[0].message.content
+        if isinstance(content, list):  # content parts, as some OpenAI-compatible servers answer
+            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+        if content is not None and not isinstance(content, str):
+            raise TypeError(f"the judge answered with {type(content).__name__} content, not text")
+        return content or ""
 
     async def get_stats(self) -> dict:
         """Counters: turns, votes, invalid_votes, failed_calls, failed_votes, ties, score_{1,0,-1},
