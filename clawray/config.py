@@ -110,6 +110,7 @@ class OPDConfig:
     teacher_model: str = ""  # endpoint teacher: the served model name ("" = the first one listed)
     teacher_api_key: str = "EMPTY"  # endpoint teacher: its API key
     teacher_backend: str = "hf"  # engine backend of a frozen or path teacher
+    teacher_timeout_s: float = 300.0  # a teacher call past this is a counted teacher error (seconds)
     adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
     # "advantage": A_t = teacher - rollout in the PPO loss; "topk": top-k distillation (SDFT/SDPO
     # variant), the reverse KL over the teacher's top-k ids plus a tail bin replaces the PPO term
@@ -379,6 +380,15 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError("learner.lora.rank must be >= 0, learner.lora.alpha > 0 and learner.lora.dropout in [0, 1)")
     if lrn.lora.rank > 0 and not lrn.lora.target_modules:
         raise ConfigError("learner.lora.target_modules must name at least one module when learner.lora.rank > 0")
+    try:  # the hint template is formatted with the hint alone, once per hinted turn
+        probe = cfg.opd.hint_template.format(hint="\0")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} must be formatted by {{hint}} alone: "
+                          f"{type(e).__name__}: {e}") from None
+    if "\0" not in probe:
+        raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
+    if cfg.opd.teacher_timeout_s <= 0:
+        raise ConfigError(f"opd.teacher_timeout_s must be > 0 seconds, got {cfg.opd.teacher_timeout_s}")
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
 

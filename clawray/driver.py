@@ -186,7 +186,8 @@ class Driver:
             self.judges, self.queue, algo=cfg.trainer.algo, teachers=self.teachers,
             idle_timeout_s=cfg.session.idle_timeout_s, truncated=cfg.session.truncated,
             opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
-                 "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0},
+                 "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0,
+                 "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
         learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"

@@ -31,6 +31,10 @@ def test_rl_preset_alone_uses_engine_judge():
     ("rollout.backend=sglang", "rollout.backend"),
     ("judge.m=0", "judge.m"),
     ("no_equals_sign", "key=value"),
+    ("opd.hint_template='{hint} {other}'", "opd.hint_template"),  # would fail on every hinted turn
+    ("opd.hint_template='[{0}] {hint}'", "opd.hint_template"),
+    ("opd.hint_template=no placeholder", "opd.hint_template"),
+    ("opd.teacher_timeout_s=0", "opd.teacher_timeout_s"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):

@@ -77,7 +77,7 @@ class SessionTracker:
                  records_keep: int = 5):
         self.judges, self.queue = judges, queue
         self.algo, self.teachers = algo, teachers or []
-        self.opd = {"accept": "any", "min_hint_chars": 10, "topk": 0, **(opd or {})}
+        self.opd = {"accept": "any", "min_hint_chars": 10, "topk": 0, "teacher_timeout_s": 300.0, **(opd or {})}
         if algo in ("opd", "combine") and not self.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
@@ -271,7 +271,7 @@ class SessionTracker:
         | no            | no       | none (``dropped/no_signal``)                |
 
         OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. A teacher that fails
-        (counted ``teacher_errors``) leaves a Combine turn with a score its reward term alone; any
+        or gives no answer within ``opd.teacher_timeout_s`` (counted ``teacher_errors``) leaves a Combine turn with a score its reward term alone; any
         other turn is dropped (``dropped/teacher_error``).
         """
         combine = self.algo == "combine"
@@ -298,11 +298,14 @@ class SessionTracker:
         teacher, topk, failure = None, None, {}
         if hint is not None:
             worker = self.teachers[self._rr % len(self.teachers)]
+            call = (worker.teacher_topk.remote(turn, hint, self.opd["topk"]) if self.opd["topk"] > 0
+                    else worker.teacher_logprobs.remote(turn, hint))
             try:
-                if self.opd["topk"] > 0:
-                    topk = await worker.teacher_topk.remote(turn, hint, self.opd["topk"])
-                else:
-                    teacher = await worker.teacher_logprobs.remote(turn, hint)
+                try:
+                    answer = await asyncio.wait_for(call, self.opd["teacher_timeout_s"])
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"the teacher gave no answer in {self.opd['teacher_timeout_s']:g} s") from None
+                topk, teacher = (answer, None) if self.opd["topk"] > 0 else (None, answer)
             except Exception as e:  # never zeros in place of teacher log-probs
                 self.counts["teacher_errors"] += 1
                 if not (combine and score):  # nothing left to train on: the turn is dropped

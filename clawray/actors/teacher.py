@@ -10,6 +10,7 @@ turn's sampling temperature, so ``teacher - rollout`` compares the same distribu
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any
 
@@ -95,13 +96,31 @@ class TeacherWorker:
             raise ValueError("a TeacherWorker needs exactly one of an engine and an endpoint")
         self.engine = engine
         self.scorer = EndpointScorer(**endpoint) if endpoint is not None else None
+        from transformers import AutoConfig
+
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template, self.placement = template, placement
+        # chat-control strings a hint must not carry into the teacher prompt (longest first)
+        added = [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
+        self.special = sorted(set(self.tokenizer.all_special_tokens) | set(added), key=len, reverse=True)
+        try:
+            self.vocab_size = int(AutoConfig.from_pretrained(tokenizer_path).vocab_size)
+        except (OSError, ValueError, AttributeError, TypeError):
+            self.vocab_size = len(self.tokenizer)
         self.scored = 0
         self.seconds = 0.0
 
+    def plain_hint(self, hint: str) -> str:
+        """``hint`` without the tokenizer's special-token strings (e.g. ``<|im_end|>``), so a hint (with
+        the ``feedback`` judge, the user's own words) cannot forge turns in the teacher prompt."""
+        while any(t in hint for t in self.special):  # removing one may join the halves of another
+            for t in self.special:
+                hint = hint.replace(t, "")
+        return hint
+
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
         """Token ids of the hinted teacher prompt (generation prompt included)."""
+        hint = self.plain_hint(hint)
         text = self.tokenizer.apply_chat_template(hinted_messages(turn.messages, hint, self.template, self.placement),
                                                   tools=turn.tools, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -114,6 +133,7 @@ class TeacherWorker:
         self.seconds += time.perf_counter() - t0
         if len(logprobs) != len(turn.response_ids):
             raise RuntimeError(f"teacher returned {len(logprobs)} log-probs for {len(turn.response_ids)} tokens")
+        logprobs = [_logprob(v, f"position {t}") for t, v in enumerate(logprobs)]
         self.scored += 1
         return logprobs
 
@@ -124,8 +144,17 @@ class TeacherWorker:
         args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), k, turn.temperature)
         values, ids = await (self.scorer.score_topk(*args) if self.scorer else self.engine.score_topk.remote(*args))
         self.seconds += time.perf_counter() - t0
-        if len(ids) != len(turn.response_ids):
-            raise RuntimeError(f"teacher returned {len(ids)} top-k rows for {len(turn.response_ids)} tokens")
+        if len(ids) != len(turn.response_ids) or len(values) != len(ids):
+            raise RuntimeError(f"teacher returned {len(values)} top-k value rows and {len(ids)} id rows for "
+                               f"{len(turn.response_ids)} tokens")
+        width = len(ids[0]) if ids else 0
+        for t, (row_values, row_ids) in enumerate(zip(values, ids)):
+            if not 1 <= width <= k or len(row_values) != width or len(row_ids) != width:
+                raise RuntimeError(f"teacher top-k row {t} holds {len(row_values)} values and {len(row_ids)} ids; "
+                                   f"every row needs the same 1..{k}")
+            values[t] = [_logprob(v, f"position {t}") for v in row_values]
+            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in row_ids):
+                raise RuntimeError(f"teacher top-k row {t} holds an id outside [0, {self.vocab_size}): {row_ids}")
         self.scored += 1
         return values, ids
 
@@ -143,6 +172,17 @@ class TeacherWorker:
     async def get_stats(self) -> dict:
         """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``."""
         return {"scored": self.scored, "seconds": self.seconds}
+
+
+def _logprob(value: object, where: str) -> float:
+    """``value`` as a log-prob: a finite number <= 0 (1e-3 of rounding allowed).
+
+    Raises:
+        RuntimeError: naming ``where`` and the value (NaN, inf, a positive number, not a number).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 1e-3:
+        raise RuntimeError(f"teacher returned {value!r} at {where}; a log-prob is a finite number <= 0")
+    return float(value)
 
 
 TeacherWorkerActor = ray.remote(TeacherWorker)
