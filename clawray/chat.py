@@ -165,3 +165,26 @@ def conversation_key(messages: list[dict[str, Any]]) -> str:
     for m in messages:
         digest.update(_canonical(m))
     return digest.hexdigest()
+
+
+class SpecialTokenStripper:
+    """Removes a tokenizer's special-token strings (``<|im_start|>``, ``<|im_end|>``, ...) from text
+    that clawray itself places inside a prompt it renders (a hint in the teacher prompt; the turn and
+    next state in an engine judge's prompt), so that text cannot forge chat turns once the rendered
+    prompt is tokenised. A client's own messages are not stripped: they are its prompt.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any):
+        added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+        self.special = sorted(set(tokenizer.all_special_tokens) | set(added), key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        """``text`` with every special-token string removed (repeatedly: removing one may join the
+        halves of another)."""
+        while any(t in text for t in self.special):
+            for t in self.special:
+                text = text.replace(t, "")
+        return text

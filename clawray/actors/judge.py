@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from clawray.chat import SpecialTokenStripper
 from clawray.types import Turn
 
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -280,6 +281,7 @@ class JudgeWorker:
             if engine is None or tokenizer_path is None:
                 raise ValueError("judge backend 'engine' needs an engine and a tokenizer path")
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            self.plain = SpecialTokenStripper(self.tokenizer)  # the judged text cannot forge judge turns
         elif self.backend == "openai":
             from openai import AsyncOpenAI
 
@@ -354,6 +356,7 @@ class JudgeWorker:
         if self.backend == "engine":
             from clawray.engines.base import GenerateRequest
 
+            messages = [{**m, "content": self.plain(m["content"])} for m in messages]
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             out = await self.engine.generate.remote(GenerateRequest(
                 prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg["max_tokens"],

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from clawray.chat import SpecialTokenStripper
 from clawray.types import Turn
 
 DEFAULT_HINT_TEMPLATE = "\n\n[user's hint / instruction]\n{hint}"
@@ -100,9 +101,7 @@ class TeacherWorker:
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template, self.placement = template, placement
-        # chat-control strings a hint must not carry into the teacher prompt (longest first)
-        added = [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
-        self.special = sorted(set(self.tokenizer.all_special_tokens) | set(added), key=len, reverse=True)
+        self.plain_hint = SpecialTokenStripper(self.tokenizer)  # a hint cannot forge turns in the prompt
         try:
             self.vocab_size = int(AutoConfig.from_pretrained(tokenizer_path).vocab_size)
         except (OSError, ValueError, AttributeError, TypeError):
@@ -110,16 +109,9 @@ class TeacherWorker:
         self.scored = 0
         self.seconds = 0.0
 
-    def plain_hint(self, hint: str) -> str:
-        """``hint`` without the tokenizer's special-token strings (e.g. ``<|im_end|>``), so a hint (with
-        the ``feedback`` judge, the user's own words) cannot forge turns in the teacher prompt."""
-        while any(t in hint for t in self.special):  # removing one may join the halves of another
-            for t in self.special:
-                hint = hint.replace(t, "")
-        return hint
-
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
-        """Token ids of the hinted teacher prompt (generation prompt included)."""
+        """Token ids of the hinted teacher prompt (generation prompt included); the hint's special-token
+        strings are removed first (:class:`clawray.chat.SpecialTokenStripper`)."""
         hint = self.plain_hint(hint)
         text = self.tokenizer.apply_chat_template(hinted_messages(turn.messages, hint, self.template, self.placement),
                                                   tools=turn.tools, add_generation_prompt=True, tokenize=False)
