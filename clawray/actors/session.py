@@ -270,9 +270,10 @@ class SessionTracker:
         | no            | yes      | reward only; no OPD term (no teacher)       |
         | no            | no       | none (``dropped/no_signal``)                |
 
-        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. A teacher that fails
-        or gives no answer within ``opd.teacher_timeout_s`` (counted ``teacher_errors``) leaves a Combine turn with a score its reward term alone; any
-        other turn is dropped (``dropped/teacher_error``).
+        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. When the teacher fails
+        or gives no answer within ``opd.teacher_timeout_s`` (counted ``teacher_errors``), a Combine
+        turn with a score keeps its reward term alone; any other turn is dropped
+        (``dropped/teacher_error``).
         """
         combine = self.algo == "combine"
         try:

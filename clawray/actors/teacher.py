@@ -89,7 +89,7 @@ class TeacherWorker:
 
     def __init__(self, engine: Any, tokenizer_path: str, template: str = DEFAULT_HINT_TEMPLATE,
                  endpoint: dict | None = None, placement: str = "user"):
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from clawray.engines.endpoint import EndpointScorer
 
@@ -97,8 +97,6 @@ class TeacherWorker:
             raise ValueError("a TeacherWorker needs exactly one of an engine and an endpoint")
         self.engine = engine
         self.scorer = EndpointScorer(**endpoint) if endpoint is not None else None
-        from transformers import AutoConfig
-
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template, self.placement = template, placement
         self.plain_hint = SpecialTokenStripper(self.tokenizer)  # a hint cannot forge turns in the prompt
