@@ -153,22 +153,14 @@ class ReplyParser:
                 else:
                     self.state = "content"
             elif self.state == "reasoning":
-                end = self.pending.find(THINK_CLOSE)
+                end = self._emit_until(THINK_CLOSE, self._reasoning, out)
                 if end < 0:
-                    keep = _partial_tag_len(self.pending, THINK_CLOSE)
-                    self._reasoning(self.pending[: len(self.pending) - keep], out)
-                    self.pending = self.pending[len(self.pending) - keep:]
                     break
-                self._reasoning(self.pending[:end], out)
                 self.state, self.pending = "content", self.pending[end + len(THINK_CLOSE):]
             elif self.state == "content":
-                start = self.pending.find(TOOL_OPEN)
+                start = self._emit_until(TOOL_OPEN, self._content_text, out)
                 if start < 0:
-                    keep = _partial_tag_len(self.pending, TOOL_OPEN)
-                    self._content_text(self.pending[: len(self.pending) - keep], out)
-                    self.pending = self.pending[len(self.pending) - keep:]
                     break
-                self._content_text(self.pending[:start], out)
                 self.state, self.tool_buffer, self.pending = "tools", "", self.pending[start:]
             else:  # tools: everything is parsed at the end
                 self.tool_buffer += self.pending
@@ -218,6 +210,18 @@ class ReplyParser:
             out.append(("tool_call", {"index": i, **tc}))
 
     # ------------------------------------------------------------------ emitters
+    def _emit_until(self, tag: str, emit, out: list) -> int:
+        """Emit the pending text before ``tag`` and return the tag's index in ``pending``; without the
+        tag, emit all but a trailing partial tag, keep that pending, and return -1."""
+        index = self.pending.find(tag)
+        if index >= 0:
+            emit(self.pending[:index], out)
+            return index
+        keep = len(self.pending) - _partial_tag_len(self.pending, tag)
+        emit(self.pending[:keep], out)
+        self.pending = self.pending[keep:]
+        return -1
+
     def _reasoning(self, text: str, out: list) -> None:
         if text:
             self.result.reasoning_content += text
