@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -491,9 +492,10 @@ def _check_cross_fields(cfg: DictConfig) -> None:
 
 
 def redacted(cfg: DictConfig | dict) -> dict:
-    """The config as a plain dict with every :func:`secret` field hidden, safe to log (wandb config):
-    a non-empty key becomes ``"***"``, a URL loses the password of its ``user:password@`` part."""
-    out = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    """The config (a ``DictConfig`` or its plain-dict form) as a new plain dict with every
+    :func:`secret` field hidden, safe to log (wandb config): a non-empty key becomes ``"***"``, a URL
+    loses the password of its ``user:password@`` part. The argument is not changed."""
+    out = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
     for key, f, _ in schema_fields():
         kind = f.metadata.get("secret")
         *path, name = key.split(".")
