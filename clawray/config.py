@@ -482,6 +482,12 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if lrn.entropy_floor > 0 and lrn.entropy_coef > lrn.entropy_coef_max:  # the controller clips to the max
         raise ConfigError(f"learner.entropy_coef={lrn.entropy_coef} exceeds learner.entropy_coef_max="
                           f"{lrn.entropy_coef_max} while the adaptive coefficient is on (learner.entropy_floor > 0)")
+    if lrn.steps_per_batch > cfg.trainer.batch_size:  # the learner would silently take fewer steps
+        raise ConfigError(f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
+                          f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample")
+    if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
+        raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
+    _check_topk_teacher(cfg)
     try:  # the hint template is formatted with the hint alone, once per hinted turn
         probe = cfg.opd.hint_template.format(hint="\0")
     except (KeyError, IndexError, ValueError) as e:
@@ -489,6 +495,22 @@ def _check_cross_fields(cfg: DictConfig) -> None:
                           f"{type(e).__name__}: {e}") from None
     if "\0" not in probe:
         raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
+
+
+VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k log-probs a vLLM engine returns
+
+
+def _check_topk_teacher(cfg: DictConfig) -> None:
+    """Top-k distillation on a vLLM teacher engine needs ``opd.topk`` <= vLLM's ``max_logprobs``
+    (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
+    opd = cfg.opd
+    if cfg.trainer.algo == "rl" or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
+        return
+    backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
+    if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
+        where = "rollout.backend" if opd.teacher == "live" else "opd.teacher_backend"
+        raise ConfigError(f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
+                          f"returns ({where}=vllm, opd.loss=topk)")
 
 
 def redacted(cfg: DictConfig | dict) -> dict:

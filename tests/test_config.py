@@ -187,6 +187,12 @@ def test_choices_are_declared_on_the_fields():
     (["learner.lr_schedule=cosine", "learner.total_steps=2", "learner.warmup_steps=2"], "total_steps > learner.warmup"),
     (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules"),
     (["learner.entropy_coef=0.2", "learner.entropy_coef_max=0.1", "learner.entropy_floor=0.5"], "entropy_coef_max"),
+    # siblings found at run time before: fewer optimizer steps than asked, a dead judge actor, and
+    # every vLLM teacher call failing ("greater than max allowed: 20")
+    (["trainer.batch_size=2", "learner.steps_per_batch=3"], r"learner\.steps_per_batch=3 exceeds trainer\.batch_size=2"),
+    (["judge.base_url=http://j/v1", "judge.backend=openai"], "judge.backend=openai needs judge.base_url and judge.model"),
+    (["trainer.algo=opd", "opd.loss=topk", "opd.topk=21", "opd.teacher_backend=vllm"], r"opd\.topk=21 exceeds 20"),
+    (["trainer.algo=combine", "opd.loss=topk", "rollout.backend=vllm", "opd.teacher=live"], r"opd\.topk=50 exceeds 20"),
 ])
 def test_cross_field_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):
