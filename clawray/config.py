@@ -489,6 +489,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
+    _check_endpoint_teacher(cfg)
     try:  # the hint template is formatted with the hint alone, once per hinted turn
         probe = cfg.opd.hint_template.format(hint="\0")
     except (KeyError, IndexError, ValueError) as e:
@@ -512,6 +513,21 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
         where = "rollout.backend" if opd.teacher == "live" else "opd.teacher_backend"
         raise ConfigError(f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
                           f"returns ({where}=vllm, opd.loss=topk)")
+
+
+def _check_endpoint_teacher(cfg: DictConfig) -> None:
+    """An endpoint teacher scores turns sampled at T = 1 (or greedy) only (vLLM's prompt log-probs
+    use raw logits); the run's own sampling temperatures must be such, or every turn fails at run
+    time as a teacher error."""
+    if cfg.trainer.algo == "rl" or not cfg.opd.teacher.startswith(("http://", "https://")):
+        return
+    temps = {"serve.default_temperature": cfg.serve.default_temperature}
+    if cfg.env.enabled:
+        temps["env.temperature"] = cfg.env.temperature
+    for key, value in temps.items():
+        if value not in (0.0, 1.0):
+            raise ConfigError(f"{key}={value} but an endpoint teacher (opd.teacher=http...) scores turns sampled "
+                              f"at temperature 1 (or 0) only; set {key}=1.0")
 
 
 def redacted(cfg: DictConfig | dict) -> dict:

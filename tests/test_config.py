@@ -193,6 +193,9 @@ def test_choices_are_declared_on_the_fields():
     (["judge.base_url=http://j/v1", "judge.backend=openai"], "judge.backend=openai needs judge.base_url and judge.model"),
     (["trainer.algo=opd", "opd.loss=topk", "opd.topk=21", "opd.teacher_backend=vllm"], r"opd\.topk=21 exceeds 20"),
     (["trainer.algo=combine", "opd.loss=topk", "rollout.backend=vllm", "opd.teacher=live"], r"opd\.topk=50 exceeds 20"),
+    (["trainer.algo=opd", "env.temperature=0.7", "opd.teacher=http://t:8000/v1"], r"env\.temperature=0\.7 but an endpoint"),
+    (["trainer.algo=opd", "env.temperature=1.0", "serve.default_temperature=0.5", "opd.teacher=https://t/v1"],
+     r"serve\.default_temperature=0\.5 but an endpoint"),
 ])
 def test_cross_field_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):
