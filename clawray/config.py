@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import os
 import typing
@@ -422,6 +423,12 @@ def schema_fields(cls: type = ClawrayConfig, prefix: str = "") -> Iterator[tuple
             yield f"{prefix}{f.name}", f, kind
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """The structured schema with its defaults (built once: omegaconf's dataclass walk is slow)."""
+    return OmegaConf.structured(ClawrayConfig)
+
+
 def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
     """Merge YAML ``files`` (in order) and ``key=value`` ``overrides`` onto the schema.
 
@@ -432,7 +439,7 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
             the field's choices or outside the field's range, or fields contradict each other; the
             message names the file or key (and the value and the valid range or choices).
     """
-    cfg = OmegaConf.structured(ClawrayConfig)
+    cfg = _schema()  # shared and never changed: every merge returns a new config
     for path in files:
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
@@ -447,6 +454,8 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except (OmegaConfBaseException, yaml.YAMLError) as e:  # the value is parsed as YAML
             raise ConfigError(f"override {item!r}: {_describe(e)}") from None
+    if cfg is _schema():
+        cfg = copy.deepcopy(cfg)
     for key, f, _ in schema_fields():
         _check_field(key, f, OmegaConf.select(cfg, key))
     _check_cross_fields(cfg)
