@@ -1,6 +1,10 @@
-import pytest
+import math
+import typing
 
-from clawray.config import ConfigError, load_config
+import pytest
+from omegaconf import OmegaConf
+
+from clawray.config import Bounds, ConfigError, load_config, redacted, schema_fields
 
 
 def test_presets_merge_and_override():
@@ -60,10 +64,6 @@ def test_config_is_read_only():
 
 
 # ---------------------------------------------------------------- ranges declared on the schema fields
-import math  # noqa: E402
-import typing  # noqa: E402
-
-from clawray.config import Bounds, ClawrayConfig, redacted, schema_fields  # noqa: E402
 
 _NUMERIC = (int, float, list[int], list[float])
 
@@ -141,8 +141,6 @@ def test_edge_value_is_accepted(key, kind, value):
 
 
 def _select(cfg, key):
-    from omegaconf import OmegaConf
-
     value = OmegaConf.select(cfg, key)
     return list(value) if not isinstance(value, (int, float, str)) else value
 
