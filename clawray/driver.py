@@ -418,8 +418,8 @@ class Driver:
         version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
         plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
         and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
-        state, drop and skip counters, the wandb run id that a resume continues). Samples still being judged in the session tracker are not
-        part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
+        state, drop and skip counters, the wandb run id that a resume continues). Samples still being
+        judged in the session tracker are not part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
