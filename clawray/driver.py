@@ -117,6 +117,7 @@ class Driver:
         self.trained_samples: deque[tuple[str, int]] = deque(maxlen=1 << 16)
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
         self._gen_seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
+        self._wandb_run_id: str | None = None  # a resumed run continues the checkpoint's wandb run
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -215,7 +216,7 @@ class Driver:
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
                                 OmegaConf.to_container(cfg, resolve=True),
-                                resume_step=self.steps_done if cfg.resume else None)
+                                resume_step=self.steps_done if cfg.resume else None, run_id=self._wandb_run_id)
         self.sim = None
         extra = f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)" if len(ready) > len(self.engines) else ""
         self._ready = True
@@ -417,8 +418,8 @@ class Driver:
         version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
         plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
         and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
-        state, drop and skip counters). Samples still being judged in the session tracker are not
-        part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
+        state, drop and skip counters, the wandb run id that a resume continues). Samples still being
+        judged in the session tracker are not part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
@@ -440,7 +441,8 @@ class Driver:
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
                  "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
-                 "learner_world_size": len(self.learners.workers), "time": time.time()}
+                 "learner_world_size": len(self.learners.workers), "time": time.time(),
+                 "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
@@ -479,6 +481,7 @@ class Driver:
         for key, value in state["entropy"].items():
             setattr(self.entropy, key, value)
         self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
+        self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
         # the engines serve the checkpoint's weights, stamped with its version
         result = self.weight_sync.sync(self.version)
         if not result["ok"]:

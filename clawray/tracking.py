@@ -1,4 +1,12 @@
-"""Metrics: wandb (offline by default) plus a ``metrics.jsonl`` in the run folder."""
+"""Metrics: wandb (offline by default) plus a ``metrics.jsonl`` in the run folder.
+
+A resumed run continues the same wandb run: the driver stores :attr:`Tracker.run_id` in each
+checkpoint's ``driver.json`` and passes it back (``run_id``), and wandb reopens that id with
+``resume="allow"``. Online this appends to the one history. Offline, wandb writes a second
+``offline-run-*-<id>`` folder with the same id; ``wandb sync`` uploads the folders of one id in order
+of their start time into that one run. The config is logged through :func:`clawray.config.redacted`:
+API keys and URL passwords never reach wandb.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,8 @@ import json
 import math
 import os
 from typing import Any
+
+from clawray.config import redacted
 
 
 class Tracker:
@@ -17,12 +27,17 @@ class Tracker:
             ``"disabled"`` (jsonl only).
         project, name: wandb project and run name.
         config: the resolved run config, stored with the run.
+            Secret fields (:func:`clawray.config.secret`) are replaced by ``"***"`` before logging.
         resume_step: a resumed run keeps the ``metrics.jsonl`` rows up to this step (later ones, from
             after the checkpoint, are dropped); None (a fresh run) starts the file afresh.
+        run_id: the wandb run id to continue (a resumed run: the id its checkpoint stored); None
+            starts a new wandb run. Online, steps that the old run logged after its checkpoint are
+            already in the history: wandb drops re-logged steps that are not past its last one
+            (with a warning), while ``metrics.jsonl`` holds the rows of the resumed run.
     """
 
     def __init__(self, run_dir: str, mode: str = "offline", project: str = "clawray", name: str = "",
-                 config: dict | None = None, resume_step: int | None = None):
+                 config: dict | None = None, resume_step: int | None = None, run_id: str | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         kept = []
@@ -31,12 +46,20 @@ class Tracker:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
-        self.run = None
+        self.run, self._run_id = None, None
         if mode != "disabled":
             import wandb
 
-            self.run = wandb.init(project=project, name=name or None, dir=run_dir, mode=mode, config=config or {},
-                                  reinit="finish_previous")
+            resume = {"id": run_id, "resume": "allow"} if run_id else {}
+            self.run = wandb.init(project=project, name=name or None, dir=run_dir, mode=mode,
+                                  config=redacted(config or {}), reinit="finish_previous", **resume)
+            self._run_id = self.run.id
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run id (stored with each checkpoint so a resume continues this run), also after
+        :meth:`finish`; None when wandb is disabled."""
+        return self._run_id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Append ``metrics`` (scalars) for ``step`` to wandb and ``metrics.jsonl`` (a non-finite

@@ -1,5 +1,6 @@
 """Checkpoints: atomic commit and pruning, queue admission and snapshot, and a real stop + resume
-of the Driver that keeps the policy-version numbering and trains every queued sample exactly once."""
+of the Driver that keeps the policy-version numbering and the wandb run, and trains every queued
+sample exactly once."""
 
 import asyncio
 import json
@@ -59,7 +60,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
 
     run_dir = tmp_path / "run"
     common = ["env.enabled=false", "queue.max_staleness=10", "learner.max_tokens_per_micro_batch=32",
-              "checkpoint.every_steps=1", "checkpoint.keep_last=2", "learner.lr=1e-3", "wandb.mode=disabled",
+              "checkpoint.every_steps=1", "checkpoint.keep_last=2", "learner.lr=1e-3", "wandb.mode=offline",
               "trainer.batch_timeout_s=60"]
     d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
     d.setup()
@@ -76,6 +77,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         assert d.history[-1]["inv/dropped_samples/too_long"] == 1
         step_s = [m["timing/step_s"] for m in d.history]
         periodic = dict(d.last_checkpoint)
+        wandb_id = d.tracking.run_id
     finally:
         d.close()  # stop: nothing changed since the step-2 checkpoint, which holds s4, s5 (queued, untrained)
     first = list(d.trained_samples)
@@ -87,6 +89,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     assert ckpt.endswith("ckpt-000002")
     state = json.load(open(os.path.join(ckpt, "driver.json")))
     assert (state["version"], state["steps_done"], state["queued_samples"]) == (2, 2, 2)
+    assert state["wandb_run_id"] == wandb_id and wandb_id  # the resume continues this wandb run
     for part in ("model/config.json", "model/model.safetensors", "model/tokenizer.json", "train_state/.metadata",
                  "learner.pkl", "rng/rank0.pkl", "rng/rank1.pkl", "queue.pkl"):
         assert os.path.exists(os.path.join(ckpt, part)), part
@@ -118,6 +121,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     d2.setup()
     try:
         assert d2.version == 2 and d2.steps_done == 2
+        assert d2.tracking.run_id == wandb_id  # one wandb history across the stop
         assert ray.get([e.get_version.remote() for e in d2.engines]) == [2]  # engines synced to the checkpoint
         stats = ray.get(d2.queue.stats.remote())
         assert (stats["size"], stats["dropped"], stats["put"], stats["taken"]) == (2, {"too_long": 1}, 6, 4)

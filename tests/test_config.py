@@ -1,6 +1,10 @@
-import pytest
+import math
+import typing
 
-from clawray.config import ConfigError, load_config
+import pytest
+from omegaconf import OmegaConf
+
+from clawray.config import Bounds, ConfigError, load_config, redacted, schema_fields
 
 
 def test_presets_merge_and_override():
@@ -57,3 +61,158 @@ def test_config_is_read_only():
     cfg = load_config()
     with pytest.raises(Exception):
         cfg.trainer.num_steps = 3
+
+
+# ---------------------------------------------------------------- ranges declared on the schema fields
+
+_NUMERIC = (int, float, list[int], list[float])
+
+
+def _numeric_fields():
+    return [(key, f.metadata.get("bounds"), kind) for key, f, kind in schema_fields() if kind in _NUMERIC]
+
+
+def _item_type(kind):
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
+
+
+def _bad_values(bounds: Bounds, item: type) -> list:
+    """Values just outside each end of the range (never one of its special values), plus NaN/inf
+    for floats and an off-quantum value for Ray resources."""
+    out = []
+    if bounds.lo is not None:
+        out += [bounds.lo - 1] + ([bounds.lo] if bounds.lo_open else []) + ([bounds.lo - 0.5] if item is float else [])
+    if bounds.hi is not None:
+        out += [bounds.hi + 1] + ([bounds.hi] if bounds.hi_open else []) + ([bounds.hi + 0.5] if item is float else [])
+    if item is float:
+        out += [math.nan, math.inf, -math.inf]
+    if bounds.quantum is not None:
+        out.append(bounds.quantum / 10)
+    specials = {v for v, _ in bounds.special}
+    return [item(v) if math.isfinite(v) else v for v in out if v not in specials]
+
+
+def _edge_values(bounds: Bounds, item: type) -> list:
+    """The closed ends of the range and its special values: all valid."""
+    out = [v for v, _ in bounds.special]
+    out += [bounds.lo] if bounds.lo is not None and not bounds.lo_open else []
+    out += [bounds.hi] if bounds.hi is not None and not bounds.hi_open else []
+    return [item(v) for v in out]
+
+
+def _override(key: str, kind, value) -> str:
+    text = {math.inf: ".inf", -math.inf: "-.inf"}.get(value, ".nan" if value != value else repr(value))
+    if typing.get_origin(kind) is list:  # each item bad in turn, next to valid defaults
+        return f"{key}=[{text}, {text}]"
+    return f"{key}={text}"
+
+
+def test_every_numeric_key_has_a_range():
+    """A new int/float field without bounds (num(...)) fails here."""
+    missing = [key for key, bounds, _ in _numeric_fields() if bounds is None]
+    assert missing == []
+    assert len(_numeric_fields()) >= 79  # the whole schema is walked (79 numeric keys at the time of writing)
+    assert "learner.lora.dropout" in {k for k, *_ in _numeric_fields()}
+
+
+BAD = [(key, kind, bounds, v) for key, bounds, kind in _numeric_fields() if bounds
+       for v in _bad_values(bounds, _item_type(kind))]
+
+
+@pytest.mark.parametrize("key, kind, bounds, value", BAD, ids=[f"{k}={v}" for k, _, _, v in BAD])
+def test_out_of_range_value_is_refused_naming_key_value_and_range(key, kind, bounds, value):
+    with pytest.raises(ConfigError) as err:
+        load_config([], [_override(key, kind, value)])
+    msg = str(err.value)
+    assert f"{key}=" in msg and bounds.describe() in msg, msg
+    shown = repr([value, value]) if typing.get_origin(kind) is list else repr(value)
+    assert shown in msg, msg
+
+
+EDGE = [(key, kind, v) for key, bounds, kind in _numeric_fields() if bounds
+        for v in _edge_values(bounds, _item_type(kind))]
+
+
+@pytest.mark.parametrize("key, kind, value", EDGE, ids=[f"{k}={v}" for k, _, v in EDGE])
+def test_edge_value_is_accepted(key, kind, value):
+    cfg = load_config([], [_override(key, kind, value)])
+    got = _select(cfg, key)
+    assert got == ([value, value] if typing.get_origin(kind) is list else value)
+
+
+def _select(cfg, key):
+    value = OmegaConf.select(cfg, key)
+    return list(value) if not isinstance(value, (int, float, str)) else value
+
+
+@pytest.mark.parametrize("override, message", [
+    # the faults of issue 11 item 6: no clip (frozen weights) and a negative clip (gradient ascent)
+    ("learner.grad_clip=0", "learner.grad_clip=0.0 is out of range: must be > 0.0"),
+    ("learner.grad_clip=-1", "learner.grad_clip=-1.0 is out of range: must be > 0.0"),
+    ("learner.betas=[0.9,1.0]", "learner.betas=[0.9, 1.0] is out of range: each value must be in [0.0, 1.0)"),
+    ("learner.betas=[0.9]", "learner.betas=[0.9] must have 2 values"),
+    ("learner.dual_clip=0.5", "learner.dual_clip=0.5 is out of range: must be > 1.0 or 0.0 (off)"),
+    ("serve.port=70000", "serve.port=70000 is out of range: must be in [1, 65535]"),
+    ("trainer.num_steps=-2", "trainer.num_steps=-2 is out of range: must be >= 0 or -1 (until interrupted)"),
+    ("rollout.num_cpus=0.00005", "rollout.num_cpus=5e-05 is out of range: must be >= 0 in steps of 0.0001"),
+    ("env.temperature=2.5", "env.temperature=2.5 is out of range: must be in [0.0, 2.0]"),
+    ("learner.tis_cap=0.5", "learner.tis_cap=0.5 is out of range: must be >= 1.0 or 0.0 (none)"),
+    ("trainer.algo=ppo", "trainer.algo='ppo' is not one of ['rl', 'opd', 'combine']"),
+])
+def test_range_messages(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config([], [override])
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_documented_zero_meanings_load():
+    cfg = load_config([], ["learner.lr=0", "learner.dual_clip=0", "learner.tis_cap=0", "opd.adv_clip=0",
+                           "session.idle_timeout_s=0", "trainer.batch_timeout_s=0", "trainer.num_steps=-1",
+                           "checkpoint.every_steps=0", "checkpoint.keep_last=0", "ray.num_cpus=0",
+                           "serve.sync_wait_timeout_s=0", "judge.context_messages=0", "learner.lora.rank=0"])
+    assert (cfg.learner.lr, cfg.learner.dual_clip, cfg.trainer.num_steps) == (0.0, 0.0, -1)
+
+
+def test_choices_are_declared_on_the_fields():
+    """Every field that used to be in a separate _CHOICES table carries its choices itself."""
+    choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
+    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 19  # 18 + rollout.dtype
+    defaults = load_config()
+    for key, allowed in choices.items():
+        assert _select(defaults, key) == allowed[0]  # the default is the first choice
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.lr_schedule=cosine", "learner.total_steps=2", "learner.warmup_steps=2"], "total_steps > learner.warmup"),
+    (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules"),
+    (["learner.entropy_coef=0.2", "learner.entropy_coef_max=0.1", "learner.entropy_floor=0.5"], "entropy_coef_max"),
+    # siblings found at run time before: fewer optimizer steps than asked, a dead judge actor, and
+    # every vLLM teacher call failing ("greater than max allowed: 20")
+    (["trainer.batch_size=2", "learner.steps_per_batch=3"], r"learner\.steps_per_batch=3 exceeds trainer\.batch_size=2"),
+    (["judge.base_url=http://j/v1", "judge.backend=openai"], "judge.backend=openai needs judge.base_url and judge.model"),
+    (["trainer.algo=opd", "opd.loss=topk", "opd.topk=21", "opd.teacher_backend=vllm"], r"opd\.topk=21 exceeds 20"),
+    (["trainer.algo=combine", "opd.loss=topk", "rollout.backend=vllm", "opd.teacher=live"], r"opd\.topk=50 exceeds 20"),
+    (["trainer.algo=opd", "env.temperature=0.7", "opd.teacher=http://t:8000/v1"], r"env\.temperature=0\.7 but an endpoint"),
+    (["trainer.algo=opd", "env.temperature=1.0", "serve.default_temperature=0.5", "opd.teacher=https://t/v1"],
+     r"serve\.default_temperature=0\.5 but an endpoint"),
+])
+def test_cross_field_rules(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], overrides)
+    load_config([], overrides[:-1])  # each rule needs all its fields
+
+
+def test_yaml_syntax_error_in_an_override_is_a_config_error():
+    with pytest.raises(ConfigError, match="sync.transport"):
+        load_config([], ["sync.transport='nccl' x"])
+
+
+def test_redacted_hides_secrets_for_logging():
+    cfg = load_config([], ["serve.api_key=sk-serve", "judge.api_key=sk-judge", "opd.teacher_api_key=sk-teach",
+                           "judge.base_url=http://bob:pw@judge:8000/v1", "opd.teacher=https://t.example/v1"])
+    out = redacted(cfg)
+    assert (out["serve"]["api_key"], out["judge"]["api_key"], out["opd"]["teacher_api_key"]) == ("***",) * 3
+    assert out["judge"]["base_url"] == "http://bob:***@judge:8000/v1" and out["opd"]["teacher"] == "https://t.example/v1"
+    assert "sk-" not in repr(out) and "pw" not in repr(out)
+    assert redacted(load_config())["serve"]["api_key"] == ""  # empty stays visible: auth is off
+    assert cfg.serve.api_key == "sk-serve"  # the config itself is unchanged

@@ -1,0 +1,60 @@
+"""The Tracker: a resumed run continues its wandb run (offline here), metrics.jsonl keeps the rows up
+to the checkpoint, and secrets never reach the wandb files."""
+
+import glob
+import json
+import os
+
+from clawray.config import load_config
+from clawray.tracking import Tracker
+
+
+def _offline_folders(run_dir) -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*")))
+
+
+def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = str(tmp_path / "run")
+    cfg = load_config([], ["serve.api_key=sk-serve-SECRET1", "judge.api_key=sk-judge-SECRET2",
+                           "opd.teacher_api_key=sk-teacher-SECRET3", "judge.base_url=http://bob:SECRET4@judge:1/v1",
+                           "model.path=/models/VISIBLE-MARKER"])
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    first = Tracker(run_dir, "offline", "clawray-test", config=config)
+    run_id = first.run_id
+    assert isinstance(run_id, str) and len(run_id) >= 8
+    for step in (1, 2, 3):
+        first.log({"loss": float(step)}, step=step)
+    first.finish()
+    assert first.run_id == run_id  # still known after finish: an exit checkpoint stores it
+
+    # resume from a checkpoint taken at step 2, with the id it stored
+    second = Tracker(run_dir, "offline", "clawray-test", config=config, resume_step=2, run_id=run_id)
+    assert second.run_id == run_id
+    second.log({"loss": 3.5}, step=3)
+    second.finish()
+    folders = _offline_folders(run_dir)
+    assert len(folders) == 2 and all(f.endswith(f"-{run_id}") for f in folders)  # one run id, two segments
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.5)]
+
+    # a fresh run (no id) is a new wandb run
+    third = Tracker(run_dir, "offline", "clawray-test", config=config)
+    assert third.run_id != run_id
+    third.finish()
+
+    data = b"".join(open(p, "rb").read() for p in glob.glob(os.path.join(run_dir, "wandb", "**", "*"), recursive=True)
+                    if os.path.isfile(p))
+    assert b"VISIBLE-MARKER" in data  # the config is in the files: the search below can see it
+    for secret in (b"SECRET1", b"SECRET2", b"SECRET3", b"SECRET4"):
+        assert secret not in data, secret
+    assert config["serve"]["api_key"] == "sk-serve-SECRET1"  # the caller's dict is not changed
+
+
+def test_disabled_tracker_has_no_run_id(tmp_path):
+    t = Tracker(str(tmp_path), "disabled")
+    t.log({"x": 1.0}, step=1)
+    assert t.run_id is None
+    t.finish()
