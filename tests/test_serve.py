@@ -238,6 +238,26 @@ def test_scripted_tool_blocks_two_objects_bad_json_and_truncation(served):
     assert ray.get(tracker.stats.remote())["dropped/truncated"] == before + 1
 
 
+def test_no_tool_calls_unless_tools_are_offered(served):
+    """As vLLM: without tools, or with tool_choice "none", a <tool_call> block is content (plain and
+    streamed), never a tool call; with tools it is a call."""
+    tok, engine = served["tok"], served["scripted_engine"]
+    reply = 'Sure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    ray.get(engine.script.remote([(_ids(tok, reply), "stop")] * 3))
+    client = _client(served["scripted"])
+    msgs = [{"role": "user", "content": "1+1?"}]
+    bare = client.chat.completions.create(model="m", messages=msgs, extra_headers={"X-Turn-Type": "side"})
+    chunks = list(client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none",
+                                                 stream=True, extra_headers={"X-Turn-Type": "side"}))
+    offered = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, extra_headers={"X-Turn-Type": "side"})
+    assert bare.choices[0].message.content == reply and bare.choices[0].message.tool_calls is None
+    assert bare.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+    assert offered.choices[0].finish_reason == "tool_calls" and offered.choices[0].message.content == "Sure."
+
+
 def test_history_tool_arguments_as_string_or_object_render_the_same(served):
     engine = served["scripted_engine"]
     ray.get(engine.script.remote([([5], "length"), ([5], "length")]))

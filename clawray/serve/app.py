@@ -369,7 +369,7 @@ class PolicyServer:
             if isinstance(out, BaseException):
                 raise out
         texts = [self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False) for o in outs]
-        parsed = [parse_reply_text(text, call.in_reasoning) for text in texts]
+        parsed = [parse_reply_text(text, call.in_reasoning, tools=bool(call.req.tools)) for text in texts]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
         completion = sum(len(o["response_ids"]) for o in outs)
@@ -427,7 +427,7 @@ class PolicyServer:
 
         detoks = [IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
                   for _ in range(n)]
-        parsers = [ReplyParser(call.in_reasoning) for _ in range(n)]
+        parsers = [ReplyParser(call.in_reasoning, tools=bool(req.tools)) for _ in range(n)]
         outs: list[dict | None] = [None] * n
         merged: asyncio.Queue = asyncio.Queue()
 
