@@ -249,7 +249,8 @@ def test_no_tool_calls_unless_tools_are_offered(served):
     bare = client.chat.completions.create(model="m", messages=msgs, extra_headers={"X-Turn-Type": "side"})
     chunks = list(client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none",
                                                  stream=True, extra_headers={"X-Turn-Type": "side"}))
-    offered = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, extra_headers={"X-Turn-Type": "side"})
+    offered = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
+                                             extra_headers={"X-Turn-Type": "side"})
     assert bare.choices[0].message.content == reply and bare.choices[0].message.tool_calls is None
     assert bare.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply
@@ -360,7 +361,8 @@ def test_request_stop_token_ids_end_the_turn_too(served):
     client = _client(served["scripted"])
     n0 = len(ray.get(engine.seen.remote()))
     r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hey"}],
-                                       extra_body={"stop_token_ids": [extra]}, extra_headers={"X-Session-Id": "req-stop"})
+                                       extra_body={"stop_token_ids": [extra]},
+                                       extra_headers={"X-Session-Id": "req-stop"})
     assert r.choices[0].message.content == "Hi there" and r.choices[0].finish_reason == "stop"
     assert ray.get(engine.seen.remote())[n0].stop_token_ids == [tok.eos_token_id, 0, extra]
     assert ray.get(tracker.pending_turn.remote("req-stop")).response_ids == body + [extra]
@@ -401,7 +403,8 @@ def test_prompt_reuse_keys_on_tools_tool_choice_and_system_message(served):
         text = tok.decode(turn.prompt_ids)
         assert ("calculator" in text, "get_weather" in text) == (k == 0, 1 <= k <= 2), k
         turns.append(turn)
-        messages = messages + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"q{k + 1}"}]
+        messages = messages + [r.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "user", "content": f"q{k + 1}"}]
     ray.get(tracker.drain.remote(30))
     after = ray.get(tracker.stats.remote())
     # turns 1-4 were paired with their next state (judged); only the system-message change is a branch

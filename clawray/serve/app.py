@@ -368,7 +368,8 @@ class PolicyServer:
         for out in outs:
             if isinstance(out, BaseException):
                 raise out
-        texts = [self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False) for o in outs]
+        texts = [self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False)
+                 for o in outs]
         parsed = [parse_reply_text(text, call.in_reasoning, tools=bool(call.req.tools)) for text in texts]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
