@@ -1,16 +1,23 @@
-"""Chat messages in: validation and normalisation of OpenAI messages, and the conversation key that
-matches a history against the replies clawray served. (The model's reply text is parsed in
+"""Chat messages in: validation and normalisation of OpenAI messages, the conversation key that
+matches a history against the replies clawray served, the render key of everything else that shapes
+a prompt, and the end-of-turn token ids. (The model's reply text is parsed in
 :mod:`clawray.serve.reply`.)
 
 The prompt itself is always rendered by the tokenizer's own chat template; nothing here builds
 prompt text.
+
+End of turn: :func:`end_of_turn_ids` is the one definition of the ids that end a reply (the
+tokenizer's eos, every ``eos_token_id`` of the model folder's generation config, and a request's own
+stop ids). The server passes them to the engine as its stop list and uses the same set to strip the
+reply's last id from what the client sees, to set ``finish_reason`` and to splice the next prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+import os
+from typing import Any, Iterable
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -165,6 +172,48 @@ def conversation_key(messages: list[dict[str, Any]]) -> str:
     for m in messages:
         digest.update(_canonical(m))
     return digest.hexdigest()
+
+
+def render_key(tools: list[dict[str, Any]] | None) -> str:
+    """A digest of everything besides the messages that the chat template renders into a prompt:
+    the tool list exactly as it is passed to the template (order and key order included; ``None``
+    when ``tool_choice`` is ``"none"`` or there are no tools). A turn's prompt can be spliced onto
+    the previous turn's ids only when both have the same render key (see :mod:`clawray.serve.splice`).
+    """
+    return hashlib.sha256(json.dumps(tools, ensure_ascii=False).encode()).hexdigest()
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    values = [value] if isinstance(value, int) else list(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"eos_token_id {value!r} is not a token id or a list of token ids")
+    return values
+
+
+def end_of_turn_ids(model_path: str, tokenizer: Any, extra: Iterable[int] = ()) -> list[int]:
+    """The token ids that end a reply: the tokenizer's eos (first: the chat template's own end tag),
+    then every ``eos_token_id`` of the folder's ``generation_config.json`` (or of ``config.json``
+    when there is none: what transformers and vLLM both stop on), then ``extra`` (a request's stop
+    ids); duplicates removed, order kept.
+
+    Args:
+        model_path: the policy's HF folder.
+        tokenizer: its transformers tokenizer.
+        extra: more stop ids (e.g. a request's ``stop_token_ids``).
+
+    Raises:
+        ValueError: an ``eos_token_id`` in the folder is not an id or list of ids.
+    """
+    ids = _eos_list(tokenizer.eos_token_id)
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_path, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                ids += _eos_list(json.load(f).get("eos_token_id"))
+            break
+    return list(dict.fromkeys([*ids, *extra]))
 
 
 class SpecialTokenStripper:

@@ -1,6 +1,7 @@
 import pytest
 
-from clawray.chat import RequestError, conversation_key, conversation_keys, normalize_messages
+from clawray.chat import (RequestError, conversation_key, conversation_keys, end_of_turn_ids, normalize_messages,
+                          render_key)
 
 
 def test_normalize_developer_list_content_and_tool_call_arguments():
@@ -63,3 +64,27 @@ def test_conversation_keys_are_the_prefix_keys():
                                {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t",
                                                                         "tool_call_id": "1"}])
     assert conversation_keys(msgs) == [conversation_key(msgs[: k + 1]) for k in range(len(msgs))]
+
+
+class _Tok:
+    eos_token_id = 2
+
+
+def test_end_of_turn_ids_join_tokenizer_generation_config_and_request_ids(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert end_of_turn_ids(str(tmp_path), _Tok()) == [2, 7]  # no generation config: config.json's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))  # Qwen-style list
+    assert end_of_turn_ids(str(tmp_path), _Tok()) == [2, 0]  # the generation config wins over config.json
+    assert end_of_turn_ids(str(tmp_path), _Tok(), [9, 0]) == [2, 0, 9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        end_of_turn_ids(str(tmp_path), _Tok())
+
+
+def test_render_key_tells_tool_lists_apart():
+    calc = [{"type": "function", "function": {"name": "calculator"}}]
+    weather = [{"type": "function", "function": {"name": "get_weather"}}]
+    assert render_key(calc) == render_key([dict(calc[0])]) != render_key(weather)
+    assert render_key(None) != render_key(calc)

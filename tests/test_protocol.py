@@ -38,6 +38,28 @@ def test_defaults_and_session_fields():
     assert parse({"messages": MSG, "user": "u"}, {"x-session-id": "h"}).session_id == "h"
 
 
+def test_current_openai_fields_win_over_their_deprecated_aliases():
+    """OpenAI / vLLM semantics: max_completion_tokens over max_tokens (vLLM: ``max_completion_tokens
+    or max_tokens``); X-Session-Id over body session_id over user."""
+    assert parse({"messages": MSG, "max_completion_tokens": 3, "max_tokens": 40}).max_tokens == 3
+    assert parse({"messages": MSG, "max_tokens": 40, "max_completion_tokens": 3}).max_tokens == 3
+    assert parse({"messages": MSG, "max_tokens": 40}).max_tokens == 40
+    assert parse({"messages": MSG, "max_completion_tokens": None, "max_tokens": 40}).max_tokens == 40
+    assert parse({"messages": MSG, "session_id": "s", "user": "u"}).session_id == "s"
+    assert parse({"messages": MSG, "session_id": "s", "user": "u"}, {"x-session-id": "h"}).session_id == "h"
+
+
+def test_neutral_values_of_implemented_later_fields_and_metadata_fields_are_accepted():
+    r = parse({"messages": MSG, "stop": [], "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
+               "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+               "parallel_tool_calls": True, "modalities": ["text"], "top_k": -1, "min_p": 0, "repetition_penalty": 1.0,
+               "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
+               "safety_identifier": "h", "stop_token_ids": [7, 8], "stream": True,
+               "stream_options": {"include_usage": True}})
+    assert (r.stop_token_ids, r.include_usage, r.max_tokens) == ([7, 8], True, 64)
+    assert parse({"messages": MSG}).stop_token_ids == []
+
+
 def test_tool_choice_none_drops_tools():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert parse({"messages": MSG, "tools": tools}).tools == tools
@@ -89,6 +111,34 @@ def test_tool_choice_none_drops_tools():
      "invalid_request"),
     ({"messages": MSG}, {"x-session-id": "\xff\xfe".encode("latin-1").decode("latin-1")}, "session_id",
      "invalid_request"),
+    # both token caps are validated, whichever wins
+    ({"messages": MSG, "max_completion_tokens": 3, "max_tokens": 0}, {}, "max_tokens", "invalid_request"),
+    ({"messages": MSG, "max_completion_tokens": 0, "max_tokens": 40}, {}, "max_completion_tokens", "invalid_request"),
+    # deprecated aliases, unknown fields, non-neutral values of fields implemented later: never ignored
+    ({"messages": MSG, "functions": [{"name": "f", "parameters": {}}]}, {}, "functions", "unsupported"),
+    ({"messages": MSG, "function_call": "auto"}, {}, "function_call", "unsupported"),
+    ({"messages": MSG, "max_token": 5}, {}, "max_token", "unsupported"),
+    ({"messages": MSG, "reasoning_effort": "low"}, {}, "reasoning_effort", "unsupported"),
+    ({"messages": MSG, "audio": {"voice": "x"}}, {}, "audio", "unsupported"),
+    ({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, {}, "chat_template_kwargs",
+     "unsupported"),
+    ({"messages": MSG, "parallel_tool_calls": False}, {}, "parallel_tool_calls", "unsupported"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}}, {}, "response_format", "unsupported"),
+    ({"messages": MSG, "top_logprobs": 2}, {}, "top_logprobs", "unsupported"),
+    ({"messages": MSG, "logit_bias": {"5": 10}}, {}, "logit_bias", "unsupported"),
+    ({"messages": MSG, "modalities": ["text", "audio"]}, {}, "modalities", "unsupported"),
+    ({"messages": MSG, "top_k": 5}, {}, "top_k", "unsupported"),
+    ({"messages": MSG, "min_p": 0.1}, {}, "min_p", "unsupported"),
+    ({"messages": MSG, "repetition_penalty": 1.2}, {}, "repetition_penalty", "unsupported"),
+    ({"messages": MSG, "stop": "END"}, {}, "stop", "unsupported"),
+    ({"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": True}}, {},
+     "stream_options.continuous_usage_stats", "unsupported"),
+    ({"messages": MSG, "metadata": "x"}, {}, "metadata", "invalid_request"),
+    ({"messages": MSG, "store": "yes"}, {}, "store", "invalid_request"),
+    ({"messages": MSG, "prompt_cache_key": 5}, {}, "prompt_cache_key", "invalid_request"),
+    ({"messages": MSG, "stop_token_ids": [1, -1]}, {}, "stop_token_ids", "invalid_request"),
+    ({"messages": MSG, "stop_token_ids": [True]}, {}, "stop_token_ids", "invalid_request"),
+    ({"messages": MSG, "stop_token_ids": 5}, {}, "stop_token_ids", "invalid_request"),
 ])
 def test_rejections_name_the_field(body, headers, param, code):
     with pytest.raises(RequestError) as e:

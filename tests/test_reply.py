@@ -121,3 +121,17 @@ def test_detokenizer_matches_the_real_tokenizer(tiny_model):
     det = IncrementalDetokenizer(lambda x: tok.decode(x, skip_special_tokens=False))
     out = "".join(det.add([i]) for i in ids) + det.finish()
     assert out == tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_without_offered_tools_a_tool_block_is_content():
+    """As vLLM: tool calls are parsed only when the request offers tools (and tool_choice is not
+    "none"); otherwise the block is text, in every chunking."""
+    text = '<think>\nplan\n</think>\n\nLet me compute.\n<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>\n'
+    whole = parse_reply_text(text, tools=False)
+    assert (whole.reasoning_content, whole.tool_calls, whole.tool_parse_error) == ("\nplan\n", [], False)
+    assert whole.content == 'Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>'
+    for cut in range(len(text) + 1):
+        parser = ReplyParser(tools=False)
+        events = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert "".join(v for k, v in events if k == "content") == whole.content
+        assert parser.result == whole

@@ -41,6 +41,7 @@ THINKING_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
 def _scripted_engine_class():
@@ -109,6 +110,13 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(thinking_model)
     tok.chat_template = THINKING_TEMPLATE
     tok.save_pretrained(thinking_model)
+    # as Qwen2.5/Qwen3: the generation config lists two end ids, <|im_end|> (the tokenizer's eos) and <|endoftext|>
+    gen_path = os.path.join(thinking_model, "generation_config.json")
+    with open(gen_path) as f:
+        gen = json.load(f)
+    gen["eos_token_id"] = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    with open(gen_path, "w") as f:
+        json.dump(gen, f)
 
     real_engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
     scripted = ray.remote(_scripted_engine_class()).options(num_cpus=0).remote()
@@ -230,6 +238,27 @@ def test_scripted_tool_blocks_two_objects_bad_json_and_truncation(served):
     assert ray.get(tracker.stats.remote())["dropped/truncated"] == before + 1
 
 
+def test_no_tool_calls_unless_tools_are_offered(served):
+    """As vLLM: without tools, or with tool_choice "none", a <tool_call> block is content (plain and
+    streamed), never a tool call; with tools it is a call."""
+    tok, engine = served["tok"], served["scripted_engine"]
+    reply = 'Sure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    ray.get(engine.script.remote([(_ids(tok, reply), "stop")] * 3))
+    client = _client(served["scripted"])
+    msgs = [{"role": "user", "content": "1+1?"}]
+    bare = client.chat.completions.create(model="m", messages=msgs, extra_headers={"X-Turn-Type": "side"})
+    chunks = list(client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none",
+                                                 stream=True, extra_headers={"X-Turn-Type": "side"}))
+    offered = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
+                                             extra_headers={"X-Turn-Type": "side"})
+    assert bare.choices[0].message.content == reply and bare.choices[0].message.tool_calls is None
+    assert bare.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+    assert offered.choices[0].finish_reason == "tool_calls" and offered.choices[0].message.content == "Sure."
+
+
 def test_history_tool_arguments_as_string_or_object_render_the_same(served):
     engine = served["scripted_engine"]
     ray.get(engine.script.remote([([5], "length"), ([5], "length")]))
@@ -283,6 +312,106 @@ def test_spliced_prompts_keep_earlier_responses_exactly_under_a_thinking_templat
                                                tokenize=False), add_special_tokens=False)
     assert fresh != turns[2].prompt_ids  # the template would have drifted: think dropped, JSON re-serialised
     assert fresh[-3:] == turns[2].prompt_ids[-3:]  # ... while the new suffix is the template's own rendering
+
+
+# ---------------------------------------------------------------------------------------------- end of turn
+def test_every_end_id_ends_the_turn_hidden_kept_and_spliced_as_the_template_renders(served):
+    """The scripted model's generation config lists <|im_end|> (2) and <|endoftext|> (0). A reply that
+    ends on <|endoftext|> shows no end text (plain and streamed), keeps the sampled id in its record,
+    finishes with "stop", and the next prompt is exactly the one after an <|im_end|> stop: the reply's
+    body followed by the template's own end tag."""
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    im_end, eot = tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")
+    body = tok.encode("Hi there", add_special_tokens=False)
+    ray.get(engine.script.remote([(body + [eot], "stop"), (body + [eot], "stop"), (body + [im_end], "stop"),
+                                  ([5], "length"), ([5], "length"), ([5], "length")]))
+    client = _client(served["scripted"])
+    first = [{"role": "user", "content": "hello"}]
+    n0 = len(ray.get(engine.seen.remote()))
+    plain = client.chat.completions.create(model="m", messages=first, extra_headers={"X-Session-Id": "eot-plain"})
+    chunks = list(client.chat.completions.create(model="m", messages=first, stream=True,
+                                                 extra_headers={"X-Session-Id": "eot-stream"}))
+    normal = client.chat.completions.create(model="m", messages=first, extra_headers={"X-Session-Id": "eot-normal"})
+    assert ray.get(engine.seen.remote())[n0].stop_token_ids == [im_end, eot]  # the engine stops on both
+    assert plain.choices[0].message.content == "Hi there" == normal.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hi there"
+    assert plain.choices[0].finish_reason == "stop" == [c for c in chunks if c.choices[0].finish_reason][0].choices[
+        0].finish_reason
+    assert plain.usage.completion_tokens == len(body) + 1
+    for sid, last in (("eot-plain", eot), ("eot-stream", eot), ("eot-normal", im_end)):
+        turn = ray.get(tracker.pending_turn.remote(sid))
+        assert turn.response_ids == body + [last] and not turn.truncated and turn.finish_reason == "stop"
+    follow = first + [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "more"}]
+    prompt1 = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    expected = prompt1 + body + [im_end] + tok.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n",
+                                                      add_special_tokens=False)
+    for sid in ("eot-plain", "eot-stream", "eot-normal"):
+        client.chat.completions.create(model="m", messages=follow, extra_headers={"X-Session-Id": sid})
+        turn = ray.get(tracker.pending_turn.remote(sid))
+        assert turn.spliced and turn.prompt_ids == expected, sid
+        fresh = tok.encode(tok.apply_chat_template(follow, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)
+        assert turn.prompt_ids == fresh  # what the chat template renders for that history
+
+
+def test_request_stop_token_ids_end_the_turn_too(served):
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    body, extra = tok.encode("Hi there", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_start|>")
+    ray.get(engine.script.remote([(body + [extra], "stop"), ([5], "length")]))
+    client = _client(served["scripted"])
+    n0 = len(ray.get(engine.seen.remote()))
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hey"}],
+                                       extra_body={"stop_token_ids": [extra]},
+                                       extra_headers={"X-Session-Id": "req-stop"})
+    assert r.choices[0].message.content == "Hi there" and r.choices[0].finish_reason == "stop"
+    assert ray.get(engine.seen.remote())[n0].stop_token_ids == [tok.eos_token_id, 0, extra]
+    assert ray.get(tracker.pending_turn.remote("req-stop")).response_ids == body + [extra]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hey"}],
+                                       extra_body={"stop_token_ids": [len(tok)]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
+# ---------------------------------------------------------------------------------------------- prompt reuse
+def test_prompt_reuse_keys_on_tools_tool_choice_and_system_message(served):
+    """One session changes its tools, then sets tool_choice "none", then changes its system message:
+    each such turn is rendered afresh with what the client sent (never spliced onto a prompt with
+    other tools), a turn that changes nothing is spliced, and every turn still gets its next state."""
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    replies = [f"answer {k}" for k in range(6)]
+    ray.get(engine.script.remote([(_ids(tok, r), "stop") for r in replies]))
+    client = _client(served["scripted"])
+    before = ray.get(tracker.stats.remote())
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q0"}]
+    plan = [(dict(tools=TOOLS), False), (dict(tools=WEATHER), False), (dict(tools=WEATHER), True),
+            (dict(tools=WEATHER, tool_choice="none"), False), (dict(tools=WEATHER, tool_choice="none"), True),
+            (dict(), False)]
+    turns = []
+    for k, (kw, spliced) in enumerate(plan):
+        if k == 5:  # a new system message: the history differs from the start
+            messages = [{"role": "system", "content": "be verbose"}, *messages[1:]]
+        r = client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Session-Id": "reuse"}, **kw)
+        turn = ray.get(tracker.pending_turn.remote("reuse"))
+        tools = None if kw.get("tool_choice") == "none" else kw.get("tools")
+        fresh = tok.encode(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)
+        assert turn.spliced == spliced, k
+        if spliced:
+            head = turns[-1].prompt_ids + turns[-1].response_ids
+            assert turn.prompt_ids[: len(head)] == head, k
+        assert turn.prompt_ids == fresh, k  # (short plain replies: the splice equals the fresh render too)
+        text = tok.decode(turn.prompt_ids)
+        assert ("calculator" in text, "get_weather" in text) == (k == 0, 1 <= k <= 2), k
+        turns.append(turn)
+        messages = messages + [r.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "user", "content": f"q{k + 1}"}]
+    ray.get(tracker.drain.remote(30))
+    after = ray.get(tracker.stats.remote())
+    # turns 1-4 were paired with their next state (judged); only the system-message change is a branch
+    assert after.get("judged", 0) - before.get("judged", 0) == 4
+    assert after.get("dropped/branch", 0) - before.get("dropped/branch", 0) == 1
+    counts = httpx.get(served["root"] + "/scripted/health", timeout=30).json()["counts"]
+    assert counts["splice_context_changed"] >= 2
 
 
 # ---------------------------------------------------------------------------------------------- sessions

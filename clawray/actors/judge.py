@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from clawray.chat import SpecialTokenStripper
+from clawray.chat import SpecialTokenStripper, end_of_turn_ids
 from clawray.types import Turn
 
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -282,6 +282,7 @@ class JudgeWorker:
                 raise ValueError("judge backend 'engine' needs an engine and a tokenizer path")
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
             self.plain = SpecialTokenStripper(self.tokenizer)  # the judged text cannot forge judge turns
+            self.end_ids = end_of_turn_ids(tokenizer_path, self.tokenizer)  # the policy's own stop list
         elif self.backend == "openai":
             from openai import AsyncOpenAI
 
@@ -360,7 +361,7 @@ class JudgeWorker:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             out = await self.engine.generate.remote(GenerateRequest(
                 prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg["max_tokens"],
-                temperature=self.cfg["temperature"], seed=zlib.crc32(seed_key.encode())))
+                temperature=self.cfg["temperature"], stop_token_ids=self.end_ids, seed=zlib.crc32(seed_key.encode())))
             return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         resp = await self.client.chat.completions.create(
             model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],

@@ -23,6 +23,9 @@ Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
 
 The tracker also answers the server's :meth:`SessionTracker.lookup`: which open session a history
 continues (for clients that send no session id) and which pending turn it extends (for splicing).
+Pairing a turn with its next state keys on the messages alone; splicing also needs the same render
+key (tools): a request that changes its tools still gives the previous turn its next state, but its
+prompt is rendered afresh.
 Every served main-line turn is appended to ``records/turns.jsonl`` and every judged one to
 ``records/judgments.jsonl`` (see :class:`clawray.records.JsonlRecords`).
 """
@@ -39,6 +42,7 @@ from typing import Any
 import ray
 
 from clawray.chat import conversation_key, conversation_keys
+from clawray.chat import render_key as chat_render_key
 from clawray.records import JsonlRecords
 from clawray.types import Sample, Turn
 
@@ -97,28 +101,38 @@ class SessionTracker:
             self.judged_records = JsonlRecords(os.path.join(records_dir, "judgments.jsonl"), records_max_bytes,
                                                records_keep)
 
-    async def lookup(self, session_id: str | None, keys: dict[int, str]) -> dict:
+    async def lookup(self, session_id: str | None, keys: dict[int, str], render_key: str | None = None) -> dict:
         """Which session and pending turn a new request continues.
 
         Args:
             session_id: the request's session id, or None (then it is inferred from ``keys``).
             keys: ``{k: conversation_key(messages[:k + 1])}`` for each assistant message ``k`` of the
                 request's history.
+            render_key: :func:`clawray.chat.render_key` of the request (what besides the messages
+                shapes its prompt: the tools). A pending turn rendered with another render key is
+                still found (its session and next-state pairing do not depend on it), but is not
+                offered for splicing.
 
         Returns:
-            ``{"session_id", "prev"}``: the session (None when none matches), and the pending turn
-            whose history + reply the request extends as ``{"prompt_ids", "response_ids",
-            "n_messages"}`` (None when it extends none: first turn, or a branch).
+            ``{"session_id", "prev", "context_changed"}``: the session (None when none matches); the
+            pending turn whose history + reply the request extends, as ``{"prompt_ids",
+            "response_ids", "ended", "n_messages"}`` (``ended``: the reply's last id is an end-of-turn
+            id), or None when it extends none (first turn, branch) or when the render key differs
+            (then ``context_changed`` is True).
         """
         if session_id is None:
             session_id = next((self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index), None)
         s = self.sessions.get(session_id) if session_id is not None else None
-        prev = None
+        prev, changed = None, False
         for t, key in zip(s.pending, s.keys) if s else ():
             if keys.get(len(t.messages)) == key:
-                prev = {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "n_messages": len(t.messages)}
+                if render_key is not None and render_key != chat_render_key(t.tools):
+                    changed = True
+                    break
+                prev = {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "ended": not t.truncated,
+                        "n_messages": len(t.messages)}
                 break
-        return {"session_id": session_id, "prev": prev}
+        return {"session_id": session_id, "prev": prev, "context_changed": changed}
 
     async def record_turn(self, turn: Turn, done: bool = False) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""

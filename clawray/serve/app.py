@@ -7,6 +7,13 @@ tokens spliced in (:mod:`clawray.serve.splice`) -- and goes to a RolloutEngine; 
 recorded with the exact prompt and response token ids and the engine's log-probs (the response text
 is never re-tokenised).
 
+End of turn: every id of :func:`clawray.chat.end_of_turn_ids` (tokenizer eos, the generation
+config's eos list, the request's ``stop_token_ids``) is the engine's stop list; a reply whose last id
+is one of them has ``finish_reason`` ``"stop"`` (``"tool_calls"`` when it holds a call), that id is
+kept in the recorded ``response_ids`` but never shown to the client (plain or streamed), and the next
+prompt continues it with the template's end tag (:mod:`clawray.serve.splice`). Any other reply was
+cut (``"length"``, ``truncated``).
+
 Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header, body ``session_id``, or the OpenAI
 ``user`` field; without any, the session is inferred from the message prefix (see
 :meth:`clawray.actors.session.SessionTracker.lookup`). ``X-Turn-Type: side`` (or body ``turn_type``)
@@ -35,7 +42,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.actors.rollout import EnginePausedError
-from clawray.chat import RequestError, conversation_keys
+from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
 from clawray.engines.base import GenerateRequest
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply, ReplyParser, parse_reply_text
@@ -106,6 +113,7 @@ class _Call:
         self.prompt_ids: list[int] = []
         self.spliced = False
         self.in_reasoning = False
+        self.end_ids: list[int] = []  # the ids that end this request's replies (end_of_turn_ids)
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -128,8 +136,8 @@ class PolicyServer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engines, self.tracker = engines, tracker
         self.cfg = {"sync_wait_timeout_s": 30.0, "retry_after_s": 2, "max_n": 8, **cfg}
-        self.stop_text = self.tokenizer.eos_token
-        self.stop_ids = [self.tokenizer.convert_tokens_to_ids(self.stop_text)]
+        self.stop_text = self.tokenizer.eos_token  # the end tag the chat template renders after a reply
+        self.end_ids = end_of_turn_ids(model_path, self.tokenizer)
         self.locks = _SessionLocks()
         self.counts: Counter[str] = Counter()
         self._warned_no_session = False
@@ -234,6 +242,11 @@ class PolicyServer:
                 a megabyte of text is refused without tokenising it).
         """
         req = call.req
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})", "stop_token_ids")
+        call.end_ids = list(dict.fromkeys([*self.end_ids, *req.stop_token_ids]))
         limit = self.cfg["max_model_len"]
         chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in req.messages)
         if chars > limit * MAX_CHARS_PER_TOKEN:
@@ -258,7 +271,9 @@ class PolicyServer:
                 await self.locks.acquire(call.session_id)
                 call.locked = call.session_id
             if call.session_id is not None and keys:
-                prev = (await self.tracker.lookup.remote(call.session_id, keys))["prev"]
+                found = await self.tracker.lookup.remote(call.session_id, keys, render_key(req.tools))
+                prev = found["prev"]
+                self.counts["splice_context_changed"] += int(found["context_changed"])
         call.prompt_ids, call.spliced = await asyncio.to_thread(self._prompt_ids, req, prev)
         tail = self.tokenizer.decode(call.prompt_ids[-4:], skip_special_tokens=False)
         call.in_reasoning = tail.rstrip().endswith(THINK_OPEN)
@@ -280,15 +295,17 @@ class PolicyServer:
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
 
     def _prompt_ids(self, req: ChatRequest, prev: dict | None) -> tuple[list[int], bool]:
-        """Prompt token ids (CPU-bound: runs in a thread): the previous turn's exact ids spliced with
-        the newly rendered suffix when the request continues it, else a fresh render."""
+        """Prompt token ids (CPU-bound: runs in a thread): the previous turn's exact prompt and reply
+        ids (without the end-of-turn id it stopped on) spliced with the newly rendered suffix, which
+        starts with the template's end tag, when the request continues it with the same tools; else
+        a fresh render."""
         if prev is not None:
             try:
                 suffix = splice_suffix(lambda m, g: self._render(m, req.tools, g), req.messages, prev["n_messages"],
-                                       self.stop_text, prev["response_ids"][-1:] == self.stop_ids[-1:])
+                                       self.stop_text)
+                body = prev["response_ids"][:-1] if prev["ended"] else prev["response_ids"]
                 self.counts["prompts_spliced"] += 1
-                return [*prev["prompt_ids"], *prev["response_ids"],
-                        *self.tokenizer.encode(suffix, add_special_tokens=False)], True
+                return [*prev["prompt_ids"], *body, *self.tokenizer.encode(suffix, add_special_tokens=False)], True
             except SpliceError as e:
                 self.counts["splice_fallbacks"] += 1
                 logger.debug("splice fell back to a fresh render: %s", e)
@@ -303,23 +320,27 @@ class PolicyServer:
         req = call.req
         max_tokens = min(req.max_tokens, self.cfg["max_model_len"] - len(call.prompt_ids))
         return [GenerateRequest(prompt_ids=call.prompt_ids, max_tokens=max_tokens, temperature=req.temperature,
-                                top_p=req.top_p, stop_token_ids=self.stop_ids,
+                                top_p=req.top_p, stop_token_ids=call.end_ids,
                                 seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
 
-    def _body_ids(self, response_ids: list[int]) -> list[int]:
-        return response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
+    @staticmethod
+    def _ended(call: _Call, response_ids: list[int]) -> bool:
+        """The reply ends with an end-of-turn id (the engine stopped on it), not cut at a length."""
+        return bool(response_ids) and response_ids[-1] in call.end_ids
+
+    def _body_ids(self, call: _Call, response_ids: list[int]) -> list[int]:
+        """The reply's ids the client sees: without the end-of-turn id that ended it."""
+        return response_ids[:-1] if self._ended(call, response_ids) else response_ids
 
     def _turn(self, call: _Call, out: dict, parsed: ParsedReply) -> Turn:
         req = call.req
+        ended = self._ended(call, out["response_ids"])
+        finish = "tool_calls" if parsed.tool_calls else "stop" if ended else "length"
         return Turn(session_id=call.session_id, turn_index=0, messages=req.messages, response_message=parsed.message(),
                     prompt_ids=call.prompt_ids, response_ids=out["response_ids"], rollout_logprobs=out["logprobs"],
-                    policy_version=out["policy_version"], finish_reason=self._finish(out, parsed),
-                    temperature=req.temperature, tools=req.tools, truncated=out["finish_reason"] == "length",
+                    policy_version=out["policy_version"], finish_reason=finish,
+                    temperature=req.temperature, tools=req.tools, truncated=not ended,
                     tool_parse_error=parsed.tool_parse_error, spliced=call.spliced)
-
-    @staticmethod
-    def _finish(out: dict, parsed: ParsedReply) -> str:
-        return "tool_calls" if parsed.tool_calls else out["finish_reason"]
 
     async def _record(self, call: _Call, turns: list[Turn]) -> list[int | None]:
         """Record main-line turns with the tracker; returns their indexes (None when not recorded)."""
@@ -347,8 +368,9 @@ class PolicyServer:
         for out in outs:
             if isinstance(out, BaseException):
                 raise out
-        parsed = [parse_reply_text(self.tokenizer.decode(self._body_ids(o["response_ids"]), skip_special_tokens=False),
-                                   call.in_reasoning) for o in outs]
+        texts = [self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False)
+                 for o in outs]
+        parsed = [parse_reply_text(text, call.in_reasoning, tools=bool(call.req.tools)) for text in texts]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
         completion = sum(len(o["response_ids"]) for o in outs)
@@ -406,7 +428,7 @@ class PolicyServer:
 
         detoks = [IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
                   for _ in range(n)]
-        parsers = [ReplyParser(call.in_reasoning) for _ in range(n)]
+        parsers = [ReplyParser(call.in_reasoning, tools=bool(req.tools)) for _ in range(n)]
         outs: list[dict | None] = [None] * n
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -434,7 +456,7 @@ class PolicyServer:
                     outs[i], remaining = item, remaining - 1
                     events = parsers[i].feed(detoks[i].finish()) + parsers[i].finish()
                 else:
-                    events = parsers[i].feed(detoks[i].add([t for t in item["token_ids"] if t not in self.stop_ids]))
+                    events = parsers[i].feed(detoks[i].add([t for t in item["token_ids"] if t not in call.end_ids]))
                 for text in deltas(i, events):
                     yield text
             turns = [self._turn(call, outs[i], parsers[i].result) for i in range(n)]

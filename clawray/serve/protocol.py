@@ -1,21 +1,43 @@
 """Parsing and validation of ``POST /v1/chat/completions`` requests.
 
 Everything the client sends is checked here, before any engine work: a bad value raises
-:class:`~clawray.chat.RequestError` naming the field (HTTP 400). Parameters clawray does not implement
-yet (stop strings, penalties, logprobs, forced tool choice) are rejected with code ``unsupported``
-rather than silently ignored.
+:class:`~clawray.chat.RequestError` naming the field (HTTP 400). No field is silently ignored: a
+field that is not in :data:`BODY_KEYS` (a misspelling, an OpenAI field clawray does not implement
+such as ``reasoning_effort`` or ``audio``, the deprecated ``functions`` / ``function_call``), and an
+implemented-later field with a value that would change the output (stop strings, penalties,
+logprobs, forced tool choice, ``parallel_tool_calls: false``, a JSON response format, a vLLM
+sampling extra other than its neutral value) is rejected with code ``unsupported``.
+
+Aliases follow OpenAI and vLLM: ``max_completion_tokens`` wins over the deprecated ``max_tokens``
+when both are sent; the session id is the ``X-Session-Id`` header, else the body ``session_id``,
+else the OpenAI ``user`` field. ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key`` and
+``safety_identifier`` are type-checked and do not change the reply (clawray records every turn and
+routes a session to one engine anyway).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from clawray.chat import RequestError, loads_strict, normalize_messages
 
 MAX_SESSION_ID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+#: Every body key clawray reads; any other key is refused (``unsupported``), never ignored.
+BODY_KEYS = frozenset({
+    # OpenAI chat completions
+    "messages", "model", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "max_tokens",
+    "temperature", "top_p", "seed", "n", "stream", "stream_options", "stop", "logprobs", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user", "metadata", "store",
+    "service_tier", "prompt_cache_key", "safety_identifier", "modalities",
+    # vLLM extensions
+    "stop_token_ids", "top_k", "min_p", "repetition_penalty",
+    # clawray's session protocol
+    "session_id", "turn_type", "session_done",
+})
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy decoding (vLLM's sampling epsilon)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -36,6 +58,8 @@ class ChatRequest:
         done: the client closes the session with this request.
         n: choices to sample (each recorded as its own turn).
         stream: answer as server-sent events; ``include_usage`` adds the usage chunk.
+        stop_token_ids: the request's own end-of-turn ids (vLLM's extension), added to the model's
+            (see :func:`clawray.chat.end_of_turn_ids`); the server checks them against the vocabulary.
     """
 
     messages: list[dict[str, Any]]
@@ -51,6 +75,7 @@ class ChatRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -113,19 +138,53 @@ def _tools(body: Mapping) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+#: Implemented-later fields: accepted only with the value that leaves the reply as clawray makes it.
+_NEUTRAL = {
+    "stop": lambda v: v in ([], ""),
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
+    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
+    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
+    "logit_bias": lambda v: v == {},
+    "response_format": lambda v: v == {"type": "text"},
+    "parallel_tool_calls": lambda v: v is True,
+    "modalities": lambda v: v == ["text"],
+    "top_k": lambda v: v in (0, -1) and not isinstance(v, bool),
+    "min_p": lambda v: v == 0 and not isinstance(v, bool),
+    "repetition_penalty": lambda v: v == 1 and not isinstance(v, bool),
+}
+_DEPRECATED = {"functions": "tools", "function_call": "tool_choice"}
+
+
 def _unsupported(body: Mapping) -> None:
-    checks = {
-        "stop": lambda v: v in ([], ""),
-        "logprobs": lambda v: v is False,
-        "top_logprobs": lambda v: v == 0,
-        "presence_penalty": lambda v: v == 0,
-        "frequency_penalty": lambda v: v == 0,
-        "logit_bias": lambda v: v == {},
-        "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    }
-    for key, ok in checks.items():
+    for key in body:
+        if key in _DEPRECATED:
+            raise RequestError(f"'{key}' (deprecated by OpenAI) is not supported; use '{_DEPRECATED[key]}'", key,
+                               "unsupported")
+        if key not in BODY_KEYS:
+            raise RequestError(f"unknown or unsupported parameter '{key}'", key, "unsupported")
+    for key, ok in _NEUTRAL.items():
         if body.get(key) is not None and not ok(body[key]):
-            raise RequestError(f"'{key}' is not supported yet; omit it", key, "unsupported")
+            raise RequestError(f"'{key}'={json.dumps(body[key])[:80]} is not supported yet; omit it", key,
+                               "unsupported")
+    for key in ("metadata",):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise RequestError(f"'{key}' must be an object", key)
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise RequestError("'store' must be true or false", "store")
+    for key in ("service_tier", "prompt_cache_key", "safety_identifier"):
+        _optional_str(body, key)
+
+
+def _stop_token_ids(body: Mapping) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise RequestError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers "
+                           ">= 0)", "stop_token_ids")
+    return ids
 
 
 def _tool_choice(body: Mapping, tools: list | None) -> list | None:
@@ -177,6 +236,10 @@ def _stream(body: Mapping) -> tuple[bool, bool]:
         raise RequestError("'stream_options' must be an object", "stream_options")
     if not stream:
         raise RequestError("'stream_options' is only allowed with stream=true", "stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise RequestError(f"stream_options.{unknown[0]} is not supported", f"stream_options.{unknown[0]}",
+                           "unsupported")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise RequestError("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
@@ -189,7 +252,8 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
 
     Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``, or
     the body keys ``session_id``, ``turn_type``, ``session_done``; the header wins. Without either,
-    the OpenAI ``user`` field is the session id.
+    the OpenAI ``user`` field is the session id. ``max_completion_tokens`` wins over ``max_tokens``
+    (OpenAI's current field over its deprecated alias, as in vLLM); both are validated.
 
     Raises:
         RequestError: any invalid or unsupported field (``param`` names it).
@@ -199,8 +263,10 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     _unsupported(body)
     model = _optional_str(body, "model")
     _optional_str(body, "user")
+    legacy_max = _number(body, "max_tokens", None, 1, 1 << 20, integer=True)
     max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 20, integer=True)
-    max_tokens = _number(body, "max_tokens", max_tokens or default_max_tokens, 1, 1 << 20, integer=True)
+    if max_tokens is None:
+        max_tokens = legacy_max if legacy_max is not None else default_max_tokens
     temperature = float(_number(body, "temperature", default_temperature, 0.0, 2.0))
     if temperature < GREEDY_BELOW:  # as vLLM: a temperature this small is greedy decoding (1/T overflows)
         temperature = 0.0
@@ -208,6 +274,7 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1 - max_n, integer=True)
     stream, include_usage = _stream(body)
     n = _number(body, "n", 1, 1, max_n, integer=True)
+    stop_token_ids = _stop_token_ids(body)
 
     session_id = _header_text(headers, "x-session-id", "session_id")
     if session_id is None:
@@ -225,4 +292,4 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     done = _flag(done_raw if done_raw is not None else body.get("session_done", False), "session_done")
     return ChatRequest(messages=messages, tools=tools, model=model, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, seed=seed, session_id=session_id, turn_type=turn_type.lower(), done=done,
-                       n=n, stream=stream, include_usage=include_usage)
+                       n=n, stream=stream, include_usage=include_usage, stop_token_ids=stop_token_ids)

@@ -21,6 +21,9 @@ Reply grammar (hermes / Qwen conventions)::
   ``arguments`` a JSON string. Once a block opens, the rest of the reply is buffered and parsed at
   the end; if any block is not valid JSON, or is not closed, the whole non-reasoning text is the
   content and the reply is flagged ``tool_parse_error`` (never a server error).
+* Tool-call blocks are parsed only when the request offered tools (``tools`` given and
+  ``tool_choice`` not ``"none"``, as vLLM): otherwise a ``<tool_call>`` block is plain content, so a
+  client that offered no tool never receives a tool call.
 """
 
 from __future__ import annotations
@@ -125,9 +128,11 @@ class ReplyParser:
     Args:
         in_reasoning: the prompt already opened a think block (its rendered text ends with ``<think>``).
         make_id: tool-call id factory (tests pass a deterministic one).
+        tools: the request offered tools; when False, ``<tool_call>`` blocks are content.
     """
 
-    def __init__(self, in_reasoning: bool = False, make_id: Callable[[], str] | None = None):
+    def __init__(self, in_reasoning: bool = False, make_id: Callable[[], str] | None = None, tools: bool = True):
+        self.tools = tools
         self.state = "reasoning" if in_reasoning else "start"
         self.make_id = make_id or (lambda: f"call_{uuid.uuid4().hex[:24]}")
         self.pending = ""  # text not yet classified (a possible partial tag, or the undecided start)
@@ -157,6 +162,9 @@ class ReplyParser:
                 if end < 0:
                     break
                 self.state, self.pending = "content", self.pending[end + len(THINK_CLOSE):]
+            elif self.state == "content" and not self.tools:
+                self._content_text(self.pending, out)
+                self.pending = ""
             elif self.state == "content":
                 start = self._emit_until(TOOL_OPEN, self._content_text, out)
                 if start < 0:
@@ -244,9 +252,9 @@ class ReplyParser:
         out.append(("content", piece))
 
 
-def parse_reply_text(text: str, in_reasoning: bool = False) -> ParsedReply:
+def parse_reply_text(text: str, in_reasoning: bool = False, tools: bool = True) -> ParsedReply:
     """Parse a whole reply at once (the non-streamed path); see :class:`ReplyParser`."""
-    parser = ReplyParser(in_reasoning)
+    parser = ReplyParser(in_reasoning, tools=tools)
     parser.feed(text)
     parser.finish()
     return parser.result

@@ -8,12 +8,23 @@ misses). As NeMo-RL does, clawray builds turn t+1's prompt as
 
     prompt_ids(t) + response_ids(t) + tokens(everything the template renders after reply t)
 
-so the earlier reply's tokens appear exactly as sampled. "Everything after reply t" is found by
-rendering the history up to and including reply t, and the whole new history with the generation
-prompt, both with reasoning dropped from assistant messages (the only part thinking templates render
-differently depending on what follows); the suffix is the difference, starting right after the end
-of reply t (the text of the stop token the engine sampled, or the whole end tag when the reply was
-cut short).
+so the earlier reply's tokens appear exactly as sampled. Precisely, with ``body(t)`` = reply t's
+ids without its final end-of-turn id (any id of :func:`clawray.chat.end_of_turn_ids` the engine
+stopped on; all of them when the reply was cut at ``max_tokens``):
+
+    prompt_ids(t + 1) = prompt_ids(t) + body(t) + tokens(template text from reply t's end tag on)
+
+The end tag (e.g. ``<|im_end|>``) is the template's own, so a reply that ended on another end id
+(``<|endoftext|>`` in Qwen's generation config) continues exactly as one that ended on ``<|im_end|>``
+(the same ids: a special token is tokenised on its own), and a cut reply gets the end tag the
+template renders. The stored response ids of turn t keep the id that was sampled.
+
+"Template text from the end tag on" is found by rendering the history up to and including reply t,
+and the whole new history with the generation prompt, both with reasoning dropped from assistant
+messages (the only part thinking templates render differently depending on what follows); the
+suffix is the difference, starting at reply t's end tag. Both renders use the new request's tools;
+the server splices only when they are the tools of turn t too (:func:`clawray.chat.render_key`),
+else it renders the whole prompt afresh.
 """
 
 from __future__ import annotations
@@ -32,21 +43,19 @@ def _without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for m in messages]
 
 
-def splice_suffix(render: Render, messages: list[dict[str, Any]], n_messages: int, stop_text: str,
-                  reply_stopped: bool) -> str:
-    """The template text that follows reply t (``messages[n_messages]``) in the new prompt.
+def splice_suffix(render: Render, messages: list[dict[str, Any]], n_messages: int, stop_text: str) -> str:
+    """The template text that follows reply t's body (``messages[n_messages]``) in the new prompt,
+    starting with the end tag.
 
     Args:
         render: ``(messages, add_generation_prompt) -> text`` with the tokenizer's chat template
             (and the request's tools).
         messages: the new request's normalised history; ``messages[n_messages]`` is reply t.
         n_messages: how many messages turn t's prompt had.
-        stop_text: the text of the stop token that ends an assistant message (e.g. ``<|im_end|>``).
-        reply_stopped: reply t's ids end with that stop token (else it was cut at max_tokens and the
-            suffix starts with the end tag).
+        stop_text: the end tag the template renders after an assistant message (e.g. ``<|im_end|>``).
 
     Returns:
-        the text to tokenise and append after ``prompt_ids(t) + response_ids(t)``.
+        the text to tokenise and append after ``prompt_ids(t) + body(t)``.
 
     Raises:
         SpliceError: the template renders the shorter history differently from the start of the
@@ -60,5 +69,4 @@ def splice_suffix(render: Render, messages: list[dict[str, Any]], n_messages: in
     end = head.rfind(stop_text) if stop_text else -1
     if end < 0:
         raise SpliceError(f"the rendered reply does not end with the stop text {stop_text!r}")
-    bridge = head[end + len(stop_text):] if reply_stopped else head[end:]
-    return bridge + full[len(head):]
+    return head[end:] + full[len(head):]
