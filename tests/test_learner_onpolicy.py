@@ -11,6 +11,7 @@
 import dataclasses
 import json
 import shutil
+import sys
 import time
 
 import pytest
@@ -24,6 +25,9 @@ from clawray.types import Sample
 
 LEARNER = dict(num_cpus=0.25, torch_threads=1, lr=0.0, weight_decay=0.0, betas=[0.9, 0.98], grad_clip=1.0,
                eps=0.2, eps_high=0.28, dist_timeout_s=60, max_tokens_per_micro_batch=1)
+# the helpers below run inside the learner actors (__ray_call__), which cannot import this test module
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
 LORA = {"rank": 8, "alpha": 16.0, "dropout": 0.3, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
@@ -37,12 +41,14 @@ def _samples(prompt_lens=(3, 5, 4, 6, 3), resp_lens=(4, 2, 7, 3, 5), seed=0) -> 
     return out
 
 
-def _on_policy(model_dir: str, samples: list[Sample]) -> list[Sample]:
-    """The samples with rollout log-probs of the initial weights (one sample per forward, eval mode:
-    what a rollout engine computes; a fresh LoRA adapter has B = 0, so these are its weights too)."""
+def _on_policy(model_dir: str, samples: list[Sample], state: dict | None = None) -> list[Sample]:
+    """The samples with rollout log-probs of the model at ``model_dir`` (with the weights ``state``
+    when given), one sample per forward in eval mode: what a rollout engine computes."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
     out = []
     with torch.no_grad():
         for s in samples:
@@ -63,6 +69,21 @@ def dropout_model(tiny_model, tmp_path_factory) -> str:
     return str(path)
 
 
+def _random_lora_b(worker, seed: int) -> None:
+    """Inside a LearnerWorker (every rank): the adapters' B matrices get N(0, 0.1^2) values, the same
+    on every rank, as after some training. A fresh adapter has B = 0, where LoRA dropout (on the
+    adapter's input) cannot change the output."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    full = get_model_state_dict(worker.model, options=options)
+    g = torch.Generator().manual_seed(seed)
+    for name in sorted(full):
+        if ".lora_B." in name:
+            full[name] = 0.1 * torch.randn(full[name].shape, generator=g)
+    set_model_state_dict(worker.model, full, options=options)
+
+
 def _set(group: LearnerGroup, **options) -> None:
     """Change learner options read at each ``train_step`` (anchor, steps per batch) on every rank."""
     ray.get([w.__ray_call__.remote(lambda self, kw: self.cfg.update(kw), options) for w in group.workers])
@@ -71,16 +92,20 @@ def _set(group: LearnerGroup, **options) -> None:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_lr0_on_policy_matrix(ray_cluster, tiny_model, dropout_model, workers):
     """lr = 0 and samples made by the learner's weights: every cell of {rollout, proximal} x {full
-    model (attention dropout 0.3), LoRA r8 (dropout 0.3)} x {1, 2 steps per batch} has ratio 1
-    within fp32 rounding, clip_frac 0, mismatch KL < 1e-6 and KL to the frozen reference < 1e-6
-    (kl_coef 0.05). ``max_tokens_per_micro_batch=1``: one sample per pass, so with 2 ranks and 5
-    samples one rank runs padding passes (also in the proximal pre-pass)."""
+    model (attention dropout 0.3), LoRA r8 (dropout 0.3, non-zero B)} x {1, 2 steps per batch} has
+    ratio 1 within fp32 rounding, clip_frac 0 and mismatch KL < 1e-6; the full model also has KL to
+    its frozen reference < 1e-6 (kl_coef 0.05). ``max_tokens_per_micro_batch=1``: one sample per
+    pass, so with 2 ranks and 5 samples one rank runs padding passes (also in the proximal pre-pass)."""
     failures = []
     for label, model, extra in [("full", dropout_model, {"kl_coef": 0.05}),
-                                 ("lora", tiny_model, {"lora": LORA, "kl_coef": 0.05})]:
-        refs = [ray.put(s) for s in _on_policy(model, _samples())]
+                                 ("lora", tiny_model, {"lora": LORA})]:
         group = LearnerGroup(model, {**LEARNER, **extra, "num_workers": workers}, free_port())
         try:
+            state = None
+            if "lora" in extra:
+                ray.get([w.__ray_call__.remote(_random_lora_b, 0) for w in group.workers])
+                state = ray.get([w.state_dict.remote() for w in group.workers])[0]  # merged, base names
+            refs = [ray.put(s) for s in _on_policy(model, _samples(), state)]
             version = 0
             for anchor in ("rollout", "proximal"):
                 for steps in (1, 2):
@@ -95,10 +120,12 @@ def test_lr0_on_policy_matrix(ray_cluster, tiny_model, dropout_model, workers):
                           and abs(m["kl"]) < 1e-6 and abs(m["inv/is_weight_mean"] - 1) < 1e-5)
                     if not ok:
                         failures.append((cell, {k: round(m[k], 6) for k in (
-                            "inv/ratio_max", "inv/ratio_mean", "inv/clip_frac", "inv/logprob_mismatch_kl", "kl")}))
+                            "inv/ratio_max", "inv/ratio_mean", "inv/clip_frac", "inv/logprob_mismatch_kl", "kl",
+                            "inv/is_weight_mean")}))
         finally:
             group.shutdown()
-    assert not failures, failures
+    if failures:
+        pytest.fail("cells off-policy at lr 0:\n" + "\n".join(f"{c}: {m}" for c, m in failures))
 
 
 def test_proximal_anchor_clips_in_the_second_mini_batch(ray_cluster, tiny_model, tmp_path):
