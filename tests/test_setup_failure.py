@@ -15,6 +15,7 @@ def _alive_actors(cluster: dict) -> set[str]:
                                             limit=10_000)}
 
 
+@pytest.mark.slow
 def test_driver_setup_failure_releases_actors_and_resources(ray_cluster, tiny_model, tmp_path):
     """The learners fail to start (LoRA on a module the model lacks) after the queue, engine, judge
     and session tracker exist: setup raises the learner's cause, and afterwards no actor it created
