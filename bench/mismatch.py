@@ -32,8 +32,9 @@ LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=0.0, weight_dec
 def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, max_tokens: int = 32) -> list[dict]:
     kwargs = {"dtype": dtype, "max_model_len": 1024, "kv_cache_gib": 0.5} if backend == "vllm" else {"dtype": dtype}
     engine = RolloutEngineActor.options(num_cpus=0.5).remote(backend, model, "bench", 2, 16, kwargs)
-    learners = LearnerGroup(model, LEARNER, free_port())
+    learners = None
     try:
+        learners = LearnerGroup(model, LEARNER, free_port())
         ray.get(engine.ready.remote())
         plan = ray.get(engine.weight_specs.remote())
         port = free_port()
@@ -56,7 +57,8 @@ def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, ma
         return rows
     finally:
         ray.kill(engine)
-        learners.shutdown()
+        if learners is not None:
+            learners.shutdown()
 
 
 def main() -> int:

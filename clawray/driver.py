@@ -115,13 +115,27 @@ class Driver:
         self._in_flight: dict | None = None
         # (session_id, turn_index) of the most recently trained samples, for audits of "trained once"
         self.trained_samples: deque[tuple[str, int]] = deque(maxlen=1 << 16)
+        self._shut_down = False
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
         self._gen_seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
         self._wandb_run_id: str | None = None  # a resumed run continues the checkpoint's wandb run
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Create queue, engines, judges, session tracker, learners, the sync group and the server."""
+        """Create queue, engines, judges, session tracker, learners, the sync group and the server.
+
+        A failure part-way (a learner or engine that does not start, a sync group that does not
+        form, a resume or a server that fails) first shuts down everything created so far (actors,
+        the learners' placement group, Serve, the sync mailbox; Ray itself when this driver started
+        it), then re-raises: nothing stays reserved.
+        """
+        try:
+            self._setup()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _setup(self) -> None:
         from clawray.actors.judge import JudgeWorkerActor
         from clawray.actors.learner import LearnerGroup
         from clawray.actors.queue import TrajectoryQueueActor
@@ -149,9 +163,10 @@ class Driver:
                 ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs)
             for i in range(ro.num_engines)
         ]
-        judge_engine = None
+        # every actor is stored on self as soon as it exists, so that shutdown() finds it after a failure
+        self.judge_engine = self.teacher_engine = judge_engine = None
         if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
-            judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+            self.judge_engine = judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
                 cfg.judge.engine_backend, path, "judge-engine", ro.torch_threads, ro.max_batch_size,
                 self._engine_kwargs(cfg.judge.engine_backend))
         self.judges = [
@@ -166,8 +181,8 @@ class Driver:
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
             teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint,
                                                                     cfg.opd.hint_placement)
-            ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
             self.teachers = [teacher]
+            ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
         elif cfg.trainer.algo in ("opd", "combine"):
             teacher_path = path
             if cfg.opd.teacher == "live":
@@ -181,6 +196,7 @@ class Driver:
                 teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
                     cfg.opd.teacher_backend, teacher_path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
                     self._engine_kwargs(cfg.opd.teacher_backend))
+            self.teacher_engine = teacher_engine
             self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(
                 teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement)]
         self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
@@ -196,7 +212,6 @@ class Driver:
         self.learners = LearnerGroup(path, learner_cfg, free_port())
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         ready = ray.get([e.ready.remote() for e in self.engines + aux])
-        self.judge_engine, self.teacher_engine = judge_engine, teacher_engine
 
         plan = ray.get(self.engines[0].weight_specs.remote())
         self.weight_sync = WeightSyncController(
@@ -547,16 +562,23 @@ class Driver:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop traffic, the server and every actor; stop Ray if this driver started it."""
+        """Stop traffic, the server and every actor; stop Ray if this driver started it. Idempotent
+        (a failed :meth:`setup` has already called it)."""
         from ray import serve
 
-        if getattr(self, "sim", None) is not None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        ray_up = ray.is_initialized()  # False when setup failed before Ray started
+        if ray_up and getattr(self, "sim", None) is not None:
             try:
                 ray.get(self.sim.stop.remote(), timeout=30)
             except Exception:
                 pass
         if hasattr(self, "tracking"):
             self.tracking.finish()
+        if not ray_up:
+            return
         try:
             serve.shutdown()
         except Exception:
@@ -565,7 +587,10 @@ class Driver:
                 getattr(self, "judge_engine", None), getattr(self, "teacher_engine", None),
                 getattr(self, "tracker", None), getattr(self, "queue", None)] + getattr(self, "teachers", []):
             if actor is not None:
-                ray.kill(actor)
+                try:
+                    ray.kill(actor)
+                except Exception:  # noqa: BLE001 - already gone; the rest must still be released
+                    pass
         if getattr(self, "learners", None) is not None:
             self.learners.shutdown()
         if getattr(self, "weight_sync", None) is not None:

@@ -13,10 +13,22 @@ makes the gradient independent of how samples are packed.
 Optional: LoRA adapters through peft (only adapters train; weight sync and the HF export carry the
 merged weights under the base model's names), activation checkpointing, bf16 mixed precision on
 CUDA (fp32 on CPU), a constant or cosine learning-rate schedule with linear warmup.
+
+Invariants:
+  * Every log-prob forward (policy, proximal, reference) is deterministic, as in the rollout engine:
+    the models stay in eval mode, so no dropout (LoRA, attention, hidden) or other stochastic layer
+    acts; gradients flow as usual. Activation checkpointing therefore does not rely on the training
+    flag (HF's does): each decoder layer's forward runs under ``torch.utils.checkpoint``. Samples made
+    by the learner's own weights give ratio 1 and zero mismatch KL (up to fp rounding).
+  * ``ratio_anchor: proximal`` (decoupled PPO): the proximal log-probs are those of the weights
+    before the batch's first optimizer step. Mini-batch 1 runs on those weights, so its own detached
+    log-probs are the anchor; mini-batches 2.. use log-probs computed once per batch by a no-grad
+    forward before the first step. The trust region thus acts on every later mini-batch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -106,6 +118,22 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, fl
     return out
 
 
+def checkpoint_layers(layers) -> None:
+    """Activation checkpointing of each layer, whatever the module's training flag.
+
+    Each layer's ``forward`` is replaced (on the instance; parameter names do not change) by
+    ``torch.utils.checkpoint.checkpoint(forward, ..., use_reentrant=False)``: its activations are
+    recomputed in the backward pass instead of stored. Non-reentrant checkpointing works with frozen
+    inputs (LoRA) and with FSDP2's per-layer hooks, which stay outside the checkpointed region (the
+    layer's parameters are all-gathered again before the recompute). HF's own checkpointing acts only
+    in train mode, which would also switch on dropout.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
 class LearnerWorker:
     """One FSDP2 rank.
 
@@ -132,8 +160,7 @@ class LearnerWorker:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
         if cfg.get("activation_checkpointing"):
-            # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's per-layer hooks
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_layers(self._hf_model(model).model.layers)
         lora = dict(cfg.get("lora") or {})
         self.lora_rank = int(lora.get("rank", 0))
         self._lora_scalings: dict[str, float] = {}
@@ -157,7 +184,7 @@ class LearnerWorker:
         for layer in self._hf_model(model).model.layers:
             fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer
-        self.model = model
+        self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
         self.ref_model = None
         if cfg.get("kl_coef", 0.0) > 0:  # a frozen full copy of the initial policy, only when KL is on
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
@@ -230,8 +257,38 @@ class LearnerWorker:
             return model(input_ids=ids).logits
         return model(input_ids=ids, attention_mask=mask.to(self.device)).logits
 
+    def _padding_pass(self) -> torch.Tensor:
+        """A one-token forward whose loss is 0 (with zero gradients): FSDP2 needs every rank in every
+        collective, so a rank with fewer micro-batches runs these."""
+        return self.model(input_ids=torch.tensor([[0]], device=self.device)).logits.sum() * 0.0
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, fetched: dict[int, Sample], packs: list[list[list[int]]],
+                           passes: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Log-probs ``[R]`` (response tokens, float32, at the sample's temperature) of the current
+        weights for the samples of mini-batches 2.. (``packs[1:]``), keyed by batch index.
+
+        Called once per batch before the first optimizer step, so these are the proximal policy's
+        log-probs of decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298). One
+        no-grad forward per sample, in the same micro-batches (and padding passes: collective) as
+        training; mini-batch 1 needs none (it trains on these very weights).
+        """
+        out: dict[int, torch.Tensor] = {}
+        for j in range(1, len(packs)):
+            for p in range(int(passes[j])):
+                if p >= len(packs[j]):
+                    self._padding_pass()
+                    continue
+                samples = [fetched[i] for i in packs[j][p]]
+                logits_all = self._forward(samples, self.model)
+                for b, (i, s) in enumerate(zip(packs[j][p], samples)):
+                    targets = torch.tensor(s.tokens[s.prompt_len:], device=self.device)
+                    out[i] = sequence_logprobs(logits_all[b, s.prompt_len - 1 : len(s.tokens) - 1], targets,
+                                               s.temperature)
+        return out
+
     def _micro_batch_loss(self, samples: list[Sample], advs: list[float], norm_tokens: float, norm_seqs: float,
-                          entropy_coef: float, first_mini_batch: bool
+                          entropy_coef: float, first_mini_batch: bool, proximal: list[torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Sum of the samples' losses (each already normalised by the global mini-batch size).
 
@@ -242,11 +299,15 @@ class LearnerWorker:
         entropy, each aggregated by ``agg_mode``; top-k distillation samples replace the PPO term by
         the reverse KL over the teacher's top-k.
 
+        ``proximal``: with the proximal anchor, each sample's proximal log-probs ``[R]``
+        (:meth:`_proximal_logprobs`); None in the first mini-batch, where the current weights are the
+        proximal ones and the forward's own detached log-probs serve.
+
         Returns:
             ``(loss, sums[16], ratio_max[1], entropies)``, see :meth:`train_step` for the sums.
         """
         cfg = self.cfg
-        proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
+        use_proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
         logits_all = self._forward(samples, self.model)
         ref_all = None
         if self.ref_model is not None:
@@ -272,10 +333,13 @@ class LearnerWorker:
                 teacher = torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
                 adv = adv + cfg.get("w_opd", 1.0) * opd_advantages(teacher, rollout, mask,
                                                                    cfg.get("opd_adv_clip") or None)
+            anchor = rollout
+            if use_proximal:  # decoupled PPO: trust region around the pre-update weights
+                anchor = logprobs.detach() if proximal is None else proximal[b]
             out = ppo_clip_loss(
-                logprobs, logprobs.detach() if proximal else rollout, adv, mask, cfg["eps"], cfg["eps_high"],
+                logprobs, anchor, adv, mask, cfg["eps"], cfg["eps_high"],
                 normalizer=norm_tokens, dual_clip=cfg.get("dual_clip") or None,
-                behaviour_logprobs=rollout if proximal else None, tis_cap=cfg.get("tis_cap") or None,
+                behaviour_logprobs=rollout if use_proximal else None, tis_cap=cfg.get("tis_cap") or None,
                 agg_mode=agg["mode"], num_seqs=norm_seqs)
             loss = out.loss
             if s.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
@@ -316,7 +380,9 @@ class LearnerWorker:
         mini-batch each rank packs its samples into micro-batches (:func:`pack_micro_batches`) and
         accumulates their gradients; the per-sample loss is described in :meth:`_micro_batch_loss`,
         normalised by the mini-batch's global token (or sequence) count, so packing does not change
-        the loss or the gradient.
+        the loss or the gradient. With ``ratio_anchor: proximal`` and two or more mini-batches, the
+        proximal log-probs of mini-batches 2.. are computed first, before any optimizer step
+        (:meth:`_proximal_logprobs`, one no-grad forward per such sample).
 
         Args:
             sample_refs: the whole batch's ``ObjectRef[Sample]`` list (each rank takes its share).
@@ -356,7 +422,10 @@ class LearnerWorker:
         passes = torch.tensor([len(p) for p in packs], dtype=torch.int64)
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)
 
-        self.model.train()
+        self.model.eval()  # never train mode: dropout would make the log-probs stochastic
+        proximal = None
+        if cfg.get("ratio_anchor", "rollout") == "proximal" and num_mini > 1:
+            proximal = self._proximal_logprobs(fetched, packs, passes)
         # sums: loss, pg_loss, kl, clipped, ratio, tokens, adv, adv^2, effective, resp_tokens, nonfinite,
         #       samples, is_weight, mismatch_kl_sum, mismatch_tokens, entropy
         sums = torch.zeros(16, dtype=torch.float64)
@@ -370,14 +439,15 @@ class LearnerWorker:
             for p in range(int(passes[j])):
                 if p < len(packs[j]):
                     group = packs[j][p]
+                    anchors = [proximal[i] for i in group] if proximal is not None and j > 0 else None
                     loss, part, rmax, ents = self._micro_batch_loss(
                         [fetched[i] for i in group], [adv_of[i] for i in group], norm_tokens, norm_seqs,
-                        entropy_coef, j == 0)
+                        entropy_coef, j == 0, anchors)
                     sums += part
                     ratio_max = torch.maximum(ratio_max, rmax)
                     entropies += ents
                 else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
-                    loss = self.model(input_ids=torch.tensor([[0]], device=self.device)).logits.sum() * 0.0
+                    loss = self._padding_pass()
                 if not torch.isfinite(loss):
                     nonfinite += 1
                     loss = torch.nan_to_num(loss) * 0.0
@@ -568,6 +638,17 @@ class LearnerWorker:
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
 
+def _cause(error: BaseException) -> str:
+    """One line naming the original exception behind a Ray error (a worker's constructor raising
+    surfaces as ``ActorDiedError`` whose text holds the traceback): the last line of its message
+    that reads ``SomeError: ...``, else the first line."""
+    text = str(error).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    named = [ln for ln in lines if ln.split(":", 1)[0].replace(".", "").isidentifier() and ":" in ln
+             and ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+    return named[-1] if named else (lines[0] if lines else type(error).__name__)
+
+
 # The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.
 LearnerWorkerActor = ray.remote(LearnerWorker)
 
@@ -584,38 +665,62 @@ class LearnerGroup:
 
     Raises:
         RuntimeError: the placement group could not be scheduled in time (names the bundles and the
-            cluster's resources).
+            cluster's resources), or a worker failed to start (names the rank and the cause, e.g. an
+            exception in its constructor). Either way every worker created is killed and the
+            placement group removed before raising: nothing stays reserved.
     """
 
     def __init__(self, model_path: str, cfg: dict, master_port: int, placement_timeout_s: float = 120.0):
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         n = int(cfg["num_workers"])
         bundle = {"CPU": float(cfg["num_cpus"])}
         if cfg.get("num_gpus", 0.0):
             bundle["GPU"] = float(cfg["num_gpus"])
+        self.workers: list = []
         self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
-            ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(self.placement_group)
-            raise RuntimeError(f"the learner placement group ({n} x {bundle}) was not granted within "
-                               f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}") from None
-        self.workers = [
-            LearnerWorkerActor.options(
-                num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-            ).remote(i, n, master_port, model_path, cfg)
-            for i in range(n)
-        ]
-        ray.get([w.ready.remote() for w in self.workers])
+            try:
+                ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"the learner placement group ({n} x {bundle}) was not granted within "
+                                   f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
+                                   ) from None
+            self._start_workers(n, model_path, cfg, master_port)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self, n: int, model_path: str, cfg: dict, master_port: int) -> None:
+        """Create the N workers in the placement group and wait until each has sharded its model;
+        the first failure raises at once (the other ranks may be blocked in a collective with it)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        for i in range(n):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
+            self.workers.append(LearnerWorkerActor.options(
+                num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None, scheduling_strategy=strategy,
+            ).remote(i, n, master_port, model_path, cfg))
+        rank_of = {w.ready.remote(): i for i, w in enumerate(self.workers)}
+        pending = list(rank_of)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(f"learner rank {rank_of[done[0]]} of {n} failed to start: {_cause(e)}") from e
 
     def shutdown(self) -> None:
-        """Kill the workers and release the placement group."""
+        """Kill the workers and release the placement group (idempotent)."""
         for w in self.workers:
-            ray.kill(w)
-        ray.util.remove_placement_group(self.placement_group)
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.workers = []
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
 
     def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
                    entropy_coef: float = 0.0) -> dict:
