@@ -262,7 +262,9 @@ class LoraConfig:
 
     rank: int = num(0, ge=0, note="0 = full model, no LoRA")
     alpha: float = num(16.0, gt=0.0)  # the update is scaled by alpha / rank
-    dropout: float = num(0.0, ge=0.0, lt=1.0)
+    # the learner's log-prob forwards never apply dropout (they must match the engine's, see
+    # clawray.actors.learner), so any other value would be silently without effect: refused
+    dropout: float = num(0.0, ge=0.0, le=0.0, note="the learner's forwards are deterministic: no dropout")
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
 
