@@ -245,6 +245,9 @@ class EnvConfig:
     """The simulated user that drives traffic in the main job (clawray.envs)."""
 
     enabled: bool = True
+    # the environment (task set, preference, the user's check): "arith" (word problems at `level`,
+    # "one short sentence, no markdown") or "sums" (x + y, "the number only"); see clawray.envs
+    name: str = "arith"
     concurrency: int = 4  # sessions in flight
     level: int = 3  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
     max_turns: int = 3  # assistant turns per session, the last one closes the session
@@ -252,6 +255,20 @@ class EnvConfig:
     temperature: float = 0.7
     seed: int = 0
     request_timeout_s: float = 600.0
+
+
+@dataclass
+class EvalConfig:
+    """The main job's evaluation (clawray.evaluation): the environment's held-out (eval split)
+    prompts through rollout engine 0 (the current policy), before training, every ``every_steps``
+    and at the end; first-turn success measures with 95% Wilson CIs, logged as ``eval/<measure>``."""
+
+    enabled: bool = True
+    every_steps: int = 0  # range [0, 10**6]; also evaluate after every this many steps; 0 = before/after only
+    n: int = 4  # range [1, 1024]; samples per prompt
+    num_prompts: int = 64  # range [0, 10**6]; eval-split prompts used; 0 = all
+    temperature: float = 0.7  # range [0, 2]; sampling temperature
+    seed: int = 0  # orders the prompts and seeds every sample (paired before/after)
 
 
 @dataclass
@@ -291,6 +308,7 @@ class ClawrayConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -314,6 +332,7 @@ _CHOICES = {
     "session.truncated": ("mask", "keep"),
     "wandb.mode": ("offline", "online", "disabled"),
     "sync.transport": ("collective", "object_store", "ipc"),
+    "env.name": ("arith", "sums"),
 }
 
 
@@ -389,6 +408,9 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
     if cfg.opd.teacher_timeout_s <= 0:
         raise ConfigError(f"opd.teacher_timeout_s must be > 0 seconds, got {cfg.opd.teacher_timeout_s}")
+    ev = cfg.eval
+    if ev.every_steps < 0 or ev.n < 1 or ev.num_prompts < 0 or not 0 <= ev.temperature <= 2:
+        raise ConfigError("eval.every_steps and eval.num_prompts must be >= 0, eval.n >= 1, eval.temperature in [0, 2]")
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
 
