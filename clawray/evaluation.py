@@ -48,7 +48,10 @@ def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, fl
     denom = 1 + z2 / n
     center = (p + z2 / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    return max(0.0, center - half), min(1.0, center + half)
+    # the bounds are exactly 0 at no successes and 1 at all successes (no rounding residue)
+    lo = 0.0 if successes == 0 else max(0.0, center - half)
+    hi = 1.0 if successes == n else min(1.0, center + half)
+    return lo, hi
 
 
 def summarize(scores: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
