@@ -228,7 +228,11 @@ class TrainerConfig:
     """The driver loop."""
 
     algo: str = "rl"  # "rl" (Binary RL), "opd" (on-policy distillation), "combine" (both)
-    batch_size: int = 4  # samples per optimizer step
+    batch_size: int = 4  # the least samples per policy update (the driver waits for them)
+    # range [0, 10**6]; the most samples per policy update: every fresh queued sample up to this many is
+    # taken, oldest version first, so few go stale when the learner is the bottleneck (see
+    # clawray.actors.queue); 0 = exactly batch_size
+    max_batch_size: int = 64
     num_steps: int = 3  # policy updates, then the run ends; -1 = until interrupted
     batch_timeout_s: float = 900.0  # give up waiting for a batch after this long; 0 = wait forever
     # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
@@ -408,6 +412,9 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
     if cfg.opd.teacher_timeout_s <= 0:
         raise ConfigError(f"opd.teacher_timeout_s must be > 0 seconds, got {cfg.opd.teacher_timeout_s}")
+    if cfg.trainer.max_batch_size and cfg.trainer.max_batch_size < cfg.trainer.batch_size:
+        raise ConfigError(f"trainer.max_batch_size must be 0 (= batch_size) or >= trainer.batch_size, got "
+                          f"{cfg.trainer.max_batch_size} < {cfg.trainer.batch_size}")
     ev = cfg.eval
     if ev.every_steps < 0 or ev.n < 1 or ev.num_prompts < 0 or not 0 <= ev.temperature <= 2:
         raise ConfigError("eval.every_steps and eval.num_prompts must be >= 0, eval.n >= 1, eval.temperature in [0, 2]")
