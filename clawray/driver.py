@@ -6,6 +6,9 @@ Loop (one iteration per policy update)::
     -> broadcast weights (new version) -> resume -> log -> checkpoint every k steps -> next
 
 Serving never stops except for the weight broadcast; requests that arrive during it wait.
+The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
+``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
+policy version; the run ends by printing each measure before -> after with its 95% CI.
 Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state, the queued untrained
 samples and the driver's counters; ``resume=true`` continues from the latest one with the same
 policy-version numbering.
@@ -480,7 +483,7 @@ class Driver:
         version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
         plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
         and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
-        state, drop and skip counters). Samples still being judged in the session tracker are not
+        state, drop, skip and trained-sample counters). Samples still being judged in the session tracker are not
         part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
