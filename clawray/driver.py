@@ -6,6 +6,9 @@ Loop (one iteration per policy update)::
     -> broadcast weights (new version) -> resume -> log -> checkpoint every k steps -> next
 
 Serving never stops except for the weight broadcast; requests that arrive during it wait.
+The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
+``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
+policy version; the run ends by printing each measure before -> after with its 95% CI.
 Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state, the queued untrained
 samples and the driver's counters; ``resume=true`` continues from the latest one with the same
 policy-version numbering.
@@ -108,6 +111,8 @@ class Driver:
         self.entropy = EntropyController(cfg.learner.entropy_coef, cfg.learner.entropy_floor,
                                          cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
         self.all_masked_dropped = 0
+        self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
+        self.eval_results: list[dict[str, Any]] = []  # {"step", "policy_version", "metrics", ...} per evaluation
         self.skipped_steps: dict[str, int] = {}
         self.steps_done = 0  # driver steps, continued across a resume
         self.checkpoint_dir = checkpoint_dir(cfg)
@@ -265,6 +270,58 @@ class Driver:
                                                                self.cfg.serve.model_name)
         ray.get(self.sim.start.remote())
 
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, when: str) -> dict[str, Any] | None:
+        """Evaluate the current policy on the environment's eval split (``eval.*``, see
+        :mod:`clawray.evaluation`) through rollout engine 0, which serves the current policy (no
+        extra engine); the driver syncs weights only inside :meth:`step`, so every sample comes from
+        one policy version. Logs ``eval/<measure>``, ``eval/<measure>_lo``/``_hi`` (95% Wilson) and
+        ``eval/seconds`` at the current step, appends to ``self.eval_results`` and writes
+        ``run_dir/eval.json``.
+
+        Args:
+            when: ``"before"``, ``"step"`` or ``"after"`` (a label in the record and the log line).
+
+        Returns:
+            the record (``{"when", "step", "policy_version", "metrics", ...}``), or None when
+            ``eval.enabled`` is false or the evaluation failed (the error is printed, the run goes on).
+        """
+        from clawray.evaluation import flat_metrics, format_metrics
+
+        if not self.cfg.eval.enabled:
+            return None
+        try:
+            result = self._evaluator().run(self._engine0_generate)
+        except Exception as e:  # an evaluation never ends a training run
+            print(f"[clawray] eval ({when}) failed: {type(e).__name__}: {e}", flush=True)
+            return None
+        record = {"when": when, "step": self.steps_done, "policy_version": self.version, **result}
+        self.eval_results.append(record)
+        self.tracking.log({**flat_metrics(result["metrics"]), "eval/seconds": result["seconds"],
+                           "policy_version": self.version}, step=self.steps_done)
+        with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
+            json.dump(self.eval_results, f, indent=2)
+        print(f"[clawray] eval {when} (step {self.steps_done}, policy v{self.version}, {result['env']} "
+              f"{result['split']}: {result['prompts']} prompts x {result['n']}, T={result['temperature']}, "
+              f"{result['seconds']:.1f}s): {format_metrics(result['metrics'])}", flush=True)
+        return record
+
+    def _evaluator(self):
+        if getattr(self, "_eval", None) is None:
+            from transformers import AutoTokenizer
+
+            from clawray.envs import make_env
+            from clawray.evaluation import Evaluator
+
+            ev, env = self.cfg.eval, self.cfg.env
+            self._eval = Evaluator(make_env(env.name, env.level), AutoTokenizer.from_pretrained(self.model_path),
+                                   n=ev.n, num_prompts=ev.num_prompts, temperature=ev.temperature, seed=ev.seed,
+                                   max_tokens=env.max_tokens, split="eval")
+        return self._eval
+
+    def _engine0_generate(self, requests: list) -> list[dict]:
+        return ray.get([self.engines[0].generate.remote(r) for r in requests])
+
     # ------------------------------------------------------------------ loop
     def step(self) -> dict[str, Any]:
         """Wait for one batch, apply the signal guards, train, sync; returns the step's metrics.
@@ -280,7 +337,8 @@ class Driver:
         t0 = time.perf_counter()
         next_version = self.version + 1
         timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
-        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, timeout))
+        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, timeout,
+                                                    cfg.trainer.max_batch_size))
         if batch is None:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
@@ -318,6 +376,7 @@ class Driver:
                 skipped = "nonfinite"
             else:
                 self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
+                self.samples_trained += len(samples)
         self._in_flight = None  # trained, or decided against (degenerate / non-finite)
         t_train = time.perf_counter() - t0 - t_wait
 
@@ -357,6 +416,7 @@ class Driver:
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
+        decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
         metrics = {
             "policy_version": self.version,
             "samples": len(samples),
@@ -371,13 +431,18 @@ class Driver:
             "inv/entropy_coef": self.entropy.coef,
             "inv/staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
             "inv/staleness_max": max(batch["staleness"]),
+            # samples trained / samples whose fate the queue decided (taken by the learner or dropped
+            # as stale); queued ones are not counted yet. All-masked samples and skipped steps count
+            # as taken, not trained.
+            "inv/effective_sample_rate": self.samples_trained / decided if decided else math.nan,
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
             **gen_metrics,
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
             "samples_in": qstats["put"],
-            "samples_trained": qstats["taken"],
+            "samples_taken": qstats["taken"],
+            "samples_trained": self.samples_trained,
             "samples_dropped": sum(dropped.values()),
             "timing/wait_batch_s": t_wait,
             "timing/train_s": t_train,
@@ -397,6 +462,7 @@ class Driver:
               f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
+              f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
         return metrics
@@ -433,8 +499,9 @@ class Driver:
         version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
         plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
         and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
-        state, drop and skip counters, the wandb run id that a resume continues). Samples still being
-        judged in the session tracker are not part of it. A periodic checkpoint's seconds are the step's ``timing/checkpoint_s``.
+        state, drop, skip and trained-sample counters, the wandb run id that a resume continues). Samples
+        still being judged in the session tracker are not part of it. A periodic checkpoint's seconds are
+        the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
@@ -442,10 +509,11 @@ class Driver:
         learner_version = results[0]["version"]
         queue_state = ray.get(self.queue.snapshot.remote())
         marker = self._checkpoint_marker(queue_state)
-        steps_done = self.steps_done
+        steps_done, samples_trained = self.steps_done, self.samples_trained
         if self._in_flight is not None:
             if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
                 steps_done += 1
+                samples_trained += len(self._in_flight["samples"])
                 self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
             else:  # not trained: back to the head of the queue
                 queue_state["samples"] = self._in_flight["samples"] + queue_state["samples"]
@@ -455,6 +523,7 @@ class Driver:
             pickle.dump(queue_state, f)
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
+                 "samples_trained": samples_trained,
                  "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
                  "learner_world_size": len(self.learners.workers), "time": time.time(),
                  "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
@@ -497,6 +566,7 @@ class Driver:
             setattr(self.entropy, key, value)
         self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
         self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
+        self.samples_trained = state.get("samples_trained", 0)
         # the engines serve the checkpoint's weights, stamped with its version
         result = self.weight_sync.sync(self.version)
         if not result["ok"]:
@@ -515,10 +585,15 @@ class Driver:
         if not hasattr(self, "engines"):
             self.setup()
         t0 = time.perf_counter()
+        every = self.cfg.eval.every_steps
+        self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
         self.start_traffic()
         try:
             while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
                 self.step()
+                last = self.cfg.trainer.num_steps >= 0 and self.steps_done >= self.cfg.trainer.num_steps
+                if every > 0 and self.steps_done % every == 0 and not last:
+                    self.evaluate("step")
         except BaseException:  # interrupted (a serving run ends this way): still leave a summary
             self.stop_traffic()
             try:
@@ -527,6 +602,7 @@ class Driver:
                 pass
             raise
         self.stop_traffic()  # the summary describes the final state: no traffic after it
+        self.evaluate("after")
         return self.summary(time.perf_counter() - t0)
 
     def summary(self, seconds: float) -> dict[str, Any]:
@@ -542,6 +618,8 @@ class Driver:
             "sessions": ray.get(self.tracker.stats.remote()),
             "judges": ray.get([j.get_stats.remote() for j in self.judges]),
             "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else getattr(self, "sim_stats", {}),
+            "samples_trained": self.samples_trained,
+            "eval": [{k: v for k, v in r.items() if k != "replies"} for r in self.eval_results],
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(out, f, indent=2)
@@ -607,6 +685,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         print(f"[clawray] done: {summary['steps']} updates, policy v{summary['policy_version']}, "
               f"engines at {summary['engine_versions']}, {summary['loop_seconds']}s; run folder {driver.run_dir}",
               flush=True)
-        return summary
     finally:
         driver.close()
+    for line in eval_change_lines(driver.eval_results):
+        print(f"[clawray] {line}", flush=True)
+    return summary
+
+
+def eval_change_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The closing lines: each eval measure before -> after with its 95% CI (first and last
+    evaluation of the run); ``[]`` with fewer than two evaluations."""
+    from clawray.evaluation import format_change
+
+    if len(results) < 2:
+        return []
+    first, last = results[0], results[-1]
+    head = (f"eval on {last['env']} {last['split']} ({last['samples']} samples each): step {first['step']} "
+            f"(v{first['policy_version']}) -> step {last['step']} (v{last['policy_version']})")
+    return [head, *(f"  {line}" for line in format_change(first["metrics"], last["metrics"]))]

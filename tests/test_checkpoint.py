@@ -61,7 +61,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     run_dir = tmp_path / "run"
     common = ["env.enabled=false", "queue.max_staleness=10", "learner.max_tokens_per_micro_batch=32",
               "checkpoint.every_steps=1", "checkpoint.keep_last=2", "learner.lr=1e-3", "wandb.mode=offline",
-              "trainer.batch_timeout_s=60"]
+              "trainer.batch_timeout_s=60", "trainer.max_batch_size=2"]  # exact batches of 2: counts below
     d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
     d.setup()
     try:
@@ -90,6 +90,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     state = json.load(open(os.path.join(ckpt, "driver.json")))
     assert (state["version"], state["steps_done"], state["queued_samples"]) == (2, 2, 2)
     assert state["wandb_run_id"] == wandb_id and wandb_id  # the resume continues this wandb run
+    assert state["samples_trained"] == 4  # the effective-sample-rate numerator survives a resume
     for part in ("model/config.json", "model/model.safetensors", "model/tokenizer.json", "train_state/.metadata",
                  "learner.pkl", "rng/rank0.pkl", "rng/rank1.pkl", "queue.pkl"):
         assert os.path.exists(os.path.join(ckpt, part)), part
@@ -120,7 +121,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true"]))
     d2.setup()
     try:
-        assert d2.version == 2 and d2.steps_done == 2
+        assert d2.version == 2 and d2.steps_done == 2 and d2.samples_trained == 4
         assert d2.tracking.run_id == wandb_id  # one wandb history across the stop
         assert ray.get([e.get_version.remote() for e in d2.engines]) == [2]  # engines synced to the checkpoint
         stats = ray.get(d2.queue.stats.remote())

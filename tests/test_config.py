@@ -129,13 +129,15 @@ def test_out_of_range_value_is_refused_naming_key_value_and_range(key, kind, bou
     assert shown in msg, msg
 
 
+# keys whose range also depends on another key (a cross-field rule): the edge loads in this context
+EDGE_CONTEXT = {"trainer.max_batch_size": ["trainer.batch_size=1"]}
 EDGE = [(key, kind, v) for key, bounds, kind in _numeric_fields() if bounds
         for v in _edge_values(bounds, _item_type(kind))]
 
 
 @pytest.mark.parametrize("key, kind, value", EDGE, ids=[f"{k}={v}" for k, _, v in EDGE])
 def test_edge_value_is_accepted(key, kind, value):
-    cfg = load_config([], [_override(key, kind, value)])
+    cfg = load_config([], [*EDGE_CONTEXT.get(key, []), _override(key, kind, value)])
     got = _select(cfg, key)
     assert got == ([value, value] if typing.get_origin(kind) is list else value)
 
@@ -176,7 +178,7 @@ def test_documented_zero_meanings_load():
 def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
-    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 19  # 18 + rollout.dtype
+    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 20  # 18 + rollout.dtype + env.name
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice
@@ -195,6 +197,7 @@ def test_choices_are_declared_on_the_fields():
     (["trainer.algo=opd", "env.temperature=0.7", "opd.teacher=http://t:8000/v1"], r"env\.temperature=0\.7 but an endpoint"),
     (["trainer.algo=opd", "env.temperature=1.0", "serve.default_temperature=0.5", "opd.teacher=https://t/v1"],
      r"serve\.default_temperature=0\.5 but an endpoint"),
+    (["trainer.batch_size=4", "trainer.max_batch_size=3"], r"trainer\.max_batch_size must be 0 \(= batch_size\) or >="),
 ])
 def test_cross_field_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):

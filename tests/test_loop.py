@@ -7,7 +7,8 @@ import httpx
 import pytest
 import ray
 
-from clawray.driver import Driver
+from clawray.driver import Driver, eval_change_lines
+from clawray.envs import make_env
 from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
@@ -18,7 +19,9 @@ def driver(ray_cluster, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = tiny_run_config(tiny_model, run_dir, overrides=[
         "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=16",
-        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=offline"])
+        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=offline",
+        # evaluation before, after step 1 and at the end, on 2 held-out prompts x 2 samples
+        "eval.enabled=true", "eval.num_prompts=2", "eval.n=2", "eval.every_steps=1"])
     d = Driver(cfg)
     d.setup()
     yield d
@@ -91,12 +94,17 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
     summary = driver.run()
     assert summary["policy_version"] == 2 and summary["steps"] == 2
     assert summary["engine_versions"] == [2]
-    assert summary["queue"]["taken"] == 4
     assert summary["sessions"]["samples"] >= 4 and summary["sim_user"]["requests"] > 0
-    lines = [json.loads(line) for line in open(f"{driver.run_dir}/metrics.jsonl")]
+    rows = [json.loads(line) for line in open(f"{driver.run_dir}/metrics.jsonl")]
+    lines = [m for m in rows if "eval/solved" not in m]
     assert [m["policy_version"] for m in lines] == [1, 2]
+    # batches take every fresh queued sample: at least trainer.batch_size (2), at most max_batch_size
+    assert summary["queue"]["taken"] == lines[-1]["samples_taken"] >= 4
+    assert summary["samples_trained"] == lines[-1]["samples_trained"] == sum(m["samples"] for m in lines)
     for m in lines:
-        assert m["samples"] == 2 and m["reward_mean"] in (-1.0, -0.5, 0.0, 0.5, 1.0)
+        assert 2 <= m["samples"] <= 64 and -1.0 <= m["reward_mean"] <= 1.0
+        decided = m["samples_taken"] + m.get("inv/dropped_samples/stale", 0)
+        assert m["inv/effective_sample_rate"] == m["samples_trained"] / decided
         assert 1 <= m["inv/staleness_max"] <= 2 and m["timing/weight_sync_s"] > 0 and m["sync/bytes"] > 0
         for key in ("inv/entropy", "inv/entropy_p10", "inv/clip_frac", "inv/ratio_max", "inv/adv_std",
                     "inv/effective_token_rate", "inv/nonzero_reward_frac", "inv/degenerate_batches"):
@@ -111,6 +119,20 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
     assert glob.glob(f"{driver.run_dir}/wandb/offline-run-*/run-*.wandb")  # wandb logged offline
     health = httpx.get(driver.base_url.removesuffix("/v1") + "/health", timeout=30).json()
     assert health["policy_versions"] == [2]
+    # evaluation through rollout engine 0: before (v0), after step 1 (v1), at the end (v2)
+    evals = [m for m in rows if "eval/solved" in m]
+    assert [(m["step"], m["policy_version"]) for m in evals] == [(0, 0), (1, 1), (2, 2)]
+    for m in evals:
+        for k in ("solved", "correct", "no_markdown", "has_answer"):
+            assert 0 <= m[f"eval/{k}_lo"] <= m[f"eval/{k}"] <= m[f"eval/{k}_hi"] <= 1
+    assert [(r["when"], r["policy_versions"], r["samples"]) for r in driver.eval_results] == [
+        ("before", [0], 4), ("step", [1], 4), ("after", [2], 4)]
+    assert [e["when"] for e in json.load(open(f"{driver.run_dir}/eval.json"))] == ["before", "step", "after"]
+    held = {t.question for t in make_env("arith", 1).prompts("eval")}
+    assert all(r["question"] in held for r in driver.eval_results[0]["replies"])
+    change = eval_change_lines(driver.eval_results)
+    assert change[0] == "eval on arith eval (4 samples each): step 0 (v0) -> step 2 (v2)"
+    assert change[1].startswith("  solved: ") and "->" in change[1] and len(change) == 5
 
 
 def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):

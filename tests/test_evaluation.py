@@ -1,0 +1,107 @@
+"""clawray eval: the Wilson interval, the model/checkpoint resolution and a tiny-model run (hf)."""
+
+import json
+import os
+
+import pytest
+
+from clawray.evaluation import (Evaluator, flat_metrics, format_change, resolve_model_dir, summarize,
+                                wilson_interval)
+
+
+def test_wilson_interval_hand_computed():
+    # 56/100: p = .56, z^2 = 3.8415; center = (.56 + .019207) / 1.038415 = .55778,
+    # half = 1.96 * sqrt(.002464 + .000096) / 1.038415 = .09550 -> [.4623, .6533]
+    lo, hi = wilson_interval(56, 100)
+    assert (round(lo, 3), round(hi, 3)) == (0.462, 0.653)
+    # 0/10: center = half = (z^2/20) / (1 + z^2/10) = .13877 -> [0, .2775]; 10/10 mirrors it
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=1e-5)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0  # exact, no residue
+    assert wilson_interval(10, 10) == pytest.approx((0.72247, 1.0), abs=1e-5)
+    # 1/2: center .5, half = 1.96 * sqrt(.125 + .96) / 2.92073 = .69904 / ... -> [.0945, .9055]
+    assert wilson_interval(1, 2) == pytest.approx((0.09453, 0.90547), abs=1e-5)
+    for bad in [(1, 0), (-1, 5), (6, 5)]:
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
+
+
+def test_summarize_and_formatting():
+    scores = [{"solved": True, "correct": True}] * 56 + [{"solved": False, "correct": True}] * 44
+    m = summarize(scores)
+    assert m["solved"]["mean"] == 0.56 and m["solved"]["n"] == 100 and m["solved"]["successes"] == 56
+    assert (round(m["solved"]["lo"], 3), round(m["solved"]["hi"], 3)) == (0.462, 0.653)
+    assert m["correct"]["mean"] == 1.0 and m["correct"]["hi"] == 1.0
+    flat = flat_metrics(m)
+    assert set(flat) == {"eval/solved", "eval/solved_lo", "eval/solved_hi", "eval/correct", "eval/correct_lo",
+                         "eval/correct_hi"}
+    after = summarize([{"solved": True, "correct": True}] * 90 + [{"solved": False, "correct": True}] * 10)
+    lines = format_change(m, after)
+    assert lines[0] == "solved: 56.0% [46.2, 65.3] -> 90.0% [82.6, 94.5] (+34.0 points, CIs do not overlap)"
+    assert lines[1].endswith("(+0.0 points, CIs overlap)")
+    with pytest.raises(ValueError):
+        summarize([{"x": 2.0}])
+
+
+def test_resolve_model_dir(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert resolve_model_dir(str(model)) == str(model)
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name in ("ckpt-000001", "ckpt-000002"):
+        (ckpts / name / "model").mkdir(parents=True)
+        (ckpts / name / "model" / "config.json").write_text("{}")
+    assert resolve_model_dir(str(ckpts / "ckpt-000001")) == str(ckpts / "ckpt-000001" / "model")
+    (ckpts / "latest").write_text("ckpt-000001\n")
+    assert resolve_model_dir(str(ckpts)) == str(ckpts / "ckpt-000001" / "model")
+    with pytest.raises(FileNotFoundError, match="neither a model folder"):
+        resolve_model_dir(str(tmp_path / "nothing"))
+
+
+def test_requests_are_seeded_per_sample_and_rendered_with_the_chat_template(tiny_model):
+    from transformers import AutoTokenizer
+
+    from clawray.envs import make_env
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ev = Evaluator(make_env("sums"), tok, n=3, num_prompts=2, temperature=0.5, seed=4, max_tokens=5)
+    reqs = ev.requests()
+    assert [r.seed for r in reqs] == [4 * 1_000_003 + k for k in range(6)]
+    text = tok.apply_chat_template(make_env("sums").opening(ev.tasks[1]), add_generation_prompt=True, tokenize=False)
+    assert reqs[3].prompt_ids == tok.encode(text, add_special_tokens=False)
+    assert all(r.temperature == 0.5 and r.max_tokens == 5 for r in reqs)
+    # replies are scored on the parsed text: a stop token is not part of it
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    assert ev.reply_message(tok.encode("44", add_special_tokens=False) + [eos])["content"] == "44"
+    result = ev.run(lambda rs: [{"response_ids": tok.encode(str(ev.tasks[0].answer), add_special_tokens=False)
+                                 + [eos], "policy_version": 3}] * len(rs))
+    assert result["samples"] == 6 and result["policy_versions"] == [3]
+    assert result["metrics"]["solved"]["successes"] == 3  # the right number for prompt 0's 3 samples only
+    from clawray.envs.base import Environment
+
+    class Empty(Environment):
+        def all_tasks(self):
+            return []
+
+    with pytest.raises(ValueError, match="has no eval prompts"):
+        Evaluator(Empty(), tok)
+
+
+def test_cli_eval_on_the_tiny_model_with_hf(tiny_model, tmp_path):
+    from clawray.cli import main
+
+    out = tmp_path / "eval.json"
+    rc = main(["eval", tiny_model, "--env", "sums", "--backend", "hf", "--num-prompts", "3", "--n", "2",
+               "--max-tokens", "4", "--temperature", "1.0", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 3 and result["samples"] == 6 and result["split"] == "eval"
+    assert set(result["metrics"]) == {"solved", "correct", "number_only"}
+    for m in result["metrics"].values():
+        assert m["n"] == 6 and 0 <= m["lo"] <= m["mean"] <= m["hi"] <= 1
+    from clawray.envs import make_env
+
+    held = {t.question for t in make_env("sums").prompts("eval")}
+    assert all(r["question"] in held for r in result["replies"])
+    assert main(["eval", str(tmp_path / "missing"), "--env", "sums", "--backend", "hf"]) == 1
+    assert os.path.exists(out)
