@@ -1,0 +1,185 @@
+"""The endpoint and the engine under clients that hang up and engines that fail: a disconnect (plain
+or streamed) stops the generation in the engine and records nothing; a failing request fails alone,
+with a clean error, and the engine goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import ray
+
+from clawray.engines.base import GenerateOutput, GenerateRequest
+from clawray.ray_env import free_port
+
+LONG = 1900  # tokens a hung-up client asked for
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model, tmp_path_factory):
+    """A PolicyServer on the tiny model's hf RolloutEngine (1 thread), with its own tracker."""
+    from ray import serve
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.rollout import RolloutEngineActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.serve.app import PolicyServer
+
+    tmp = tmp_path_factory.mktemp("serve_engine")
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
+    judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
+    queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
+    tracker = SessionTrackerActor.options(num_cpus=0).remote([judge], queue, records_dir=str(tmp / "records"),
+                                                              idle_timeout_s=600.0, truncated="mask")
+    ray.get(engine.ready.remote())
+    cfg = {"model_name": "tiny", "default_max_tokens": 100, "default_temperature": 1.0, "max_model_len": 2048,
+           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
+           "retry_after_s": 2, "max_n": 4}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+              name="engine", route_prefix="/e")
+    yield {"base": f"http://127.0.0.1:{port}/e", "engine": engine, "tracker": tracker}
+    serve.shutdown()
+    ray.kill(engine)
+
+
+def _body(text: str, max_tokens: int, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+async def _hang_up(base: str, i: int, stream: bool) -> None:
+    """Send a long greedy request and disconnect after 1 s."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as client:
+        try:
+            if stream:
+                async with client.stream("POST", f"{base}/v1/chat/completions", headers={"X-Session-Id": f"gone-{i}"},
+                                         json=_body(f"count to a million, {i}", LONG, stream=True)) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+            else:
+                await client.post(f"{base}/v1/chat/completions", headers={"X-Session-Id": f"gone-{i}"},
+                                  json=_body(f"count to a million, {i}", LONG))
+        except httpx.TimeoutException:
+            return
+    raise AssertionError("the long request finished within 1 s; it cannot test a hang-up")
+
+
+async def _wait_for(pred, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await pred()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_clients_that_hang_up_free_the_engine(server, stream):
+    engine, base = server["engine"], server["base"]
+    before = ray.get(engine.stats.remote())
+    turns_before = ray.get(server["tracker"].stats.remote()).get("turns", 0)
+
+    async def scenario():
+        await asyncio.gather(*(_hang_up(base, i, stream) for i in range(3)))
+        engine_stats = lambda: engine.stats.remote()  # noqa: E731
+
+        async def all_cancelled():
+            st = await engine_stats()
+            return st if st["cancelled"] - before["cancelled"] == 3 else None
+
+        stopped = await _wait_for(all_cancelled)
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(f"{base}/v1/chat/completions", json=_body("hi", 1))
+        return stopped, time.perf_counter() - t0, r
+
+    stopped, latency, r = asyncio.run(scenario())
+    assert stopped is not None, f"the engine did not stop the 3 abandoned generations: {ray.get(engine.stats.remote())}"
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert latency < 2.0  # before the fix: 3 x 1900 tokens queued ahead of it (7.98 s measured)
+    after = ray.get(engine.stats.remote())
+    assert after["requests"] - before["requests"] == 1  # only the 1-token request finished
+    assert after["tokens"] - before["tokens"] < 3 * LONG // 2  # the abandoned ones stopped early
+    health = httpx.get(f"{base}/health", timeout=30).json()
+    assert health["counts"]["cancelled"] >= 3 and health["engines"][0]["cancelled"] >= 3
+    # only the 1-token reply was recorded as a turn; the hung-up sessions have none
+    assert ray.get(server["tracker"].stats.remote()).get("turns", 0) - turns_before == 1
+
+
+# ------------------------------------------------------------------------------ engine failures
+class _FlakyBackend:
+    """Fails any batch holding a prompt that starts with 666; echoes the prompt's last id otherwise."""
+
+    def generate(self, requests, on_tokens=None, cancelled=None):
+        if any(r.prompt_ids[0] == 666 for r in requests):
+            raise RuntimeError("CPU Generator does not use offset (at /secret/path.py line 1)")
+        outs = []
+        for i, r in enumerate(requests):
+            if on_tokens:
+                on_tokens(i, [r.prompt_ids[-1]])
+            outs.append(GenerateOutput([r.prompt_ids[-1]], [-0.5], "length"))
+        return outs
+
+
+def test_a_failing_request_fails_alone_and_the_engine_goes_on(monkeypatch):
+    import clawray.engines as engines
+    from clawray.actors.rollout import EngineError, RolloutEngine
+
+    monkeypatch.setattr(engines, "make_backend", lambda *a, **k: _FlakyBackend())
+
+    async def scenario():
+        engine = RolloutEngine("fake", "nowhere", max_batch_size=8)
+        await engine.ready()
+        await engine.pause()  # queue all three so they share one batch
+        calls = [asyncio.ensure_future(engine.generate(GenerateRequest(p, max_tokens=1)))
+                 for p in ([1, 11], [666, 12], [2, 13])]
+        await asyncio.sleep(0.1)
+        await engine.resume()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        later = await engine.generate(GenerateRequest([3, 14], max_tokens=1))
+        return results, later, await engine.stats()
+
+    (ok1, bad, ok2), later, stats = asyncio.run(scenario())
+    assert ok1["response_ids"] == [11] and ok2["response_ids"] == [13] and later["response_ids"] == [14]
+    assert isinstance(bad, EngineError) and str(bad) == "the engine failed on this request (RuntimeError)"
+    assert stats["errors"] == 1 and stats["requests"] == 3
+
+
+def test_queued_cancelled_requests_never_start(monkeypatch):
+    import threading
+
+    import clawray.engines as engines
+    from clawray.actors.rollout import RolloutEngine
+
+    seen = []
+
+    class Recorder(_FlakyBackend):
+        def generate(self, requests, on_tokens=None, cancelled=None):
+            seen.extend(r.prompt_ids[0] for r in requests)
+            return super().generate(requests, on_tokens, cancelled)
+
+    monkeypatch.setattr(engines, "make_backend", lambda *a, **k: Recorder())
+
+    async def scenario():
+        engine = RolloutEngine("fake", "nowhere")
+        await engine.ready()
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(engine._call(gate.wait))  # holds the engine thread
+        calls = [asyncio.ensure_future(engine.generate(GenerateRequest([p, 9], max_tokens=1))) for p in (1, 2, 3)]
+        await asyncio.sleep(0.05)  # all three queued behind the blocker
+        calls[1].cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await blocker
+        return results, await engine.stats()
+
+    results, stats = asyncio.run(scenario())
+    assert isinstance(results[1], asyncio.CancelledError) and results[0]["response_ids"] == [9]
+    assert seen == [1, 3]
+    assert stats["cancelled"] == 1 and stats["requests"] == 2
