@@ -231,30 +231,37 @@ def vllm_servers(ray_cluster, tmp_path_factory):
             records_dir=str(tmp_path_factory.mktemp(name)), idle_timeout_s=600.0, truncated="mask")
         serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
                   name=f"vllm-{name}", route_prefix=f"/{name}")
-    yield {name: f"http://127.0.0.1:{port}/{name}" for name in engines}
+    yield {name: (f"http://127.0.0.1:{port}/{name}", engine) for name, engine in engines.items()}
     serve.shutdown()
     for engine in engines.values():
         ray.kill(engine)
 
 
 def _long(i: int) -> str:
-    return f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 62  # ~560 tokens
+    return f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 94  # ~860 tokens
 
 
-async def _post_all(base: str, bodies: list[dict]) -> list[httpx.Response]:
+async def _post_all(base: str, bodies: list[dict], engine=None) -> list[httpx.Response]:
+    """POST all bodies at once; with ``engine``, hold it paused for 2 s so they all land in one batch."""
     async with httpx.AsyncClient(timeout=120) as client:
-        return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=b) for b in bodies))
+        if engine is not None:
+            await engine.pause.remote()
+        posts = asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=b) for b in bodies))
+        if engine is not None:
+            await asyncio.sleep(2.0)
+            await engine.resume.remote()
+        return await posts
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_seeded_long_prompts_at_once_are_served(vllm_servers):
     """Before: HTTP 500 'CPU Generator does not use offset' (traceback in the body), then every
-    request timed out. 10 seeded ~560-token prompts at once exceed a step's token budget."""
-    base = vllm_servers["default"]
-    bodies = [{"messages": [{"role": "user", "content": _long(i)}], "seed": i, "max_tokens": 4} for i in range(10)]
-    replies = asyncio.run(_post_all(base, bodies))
-    assert [r.status_code for r in replies] == [200] * 10, replies[0].text
+    request timed out. 16 seeded ~860-token prompts at once exceed a step's token budget (4096)."""
+    base, engine = vllm_servers["default"]
+    bodies = [{"messages": [{"role": "user", "content": _long(i)}], "seed": i, "max_tokens": 4} for i in range(16)]
+    replies = asyncio.run(_post_all(base, bodies, engine))
+    assert [r.status_code for r in replies] == [200] * 16, [r.text[:300] for r in replies if r.status_code != 200]
     again = asyncio.run(_post_all(base, bodies[:1]))[0]
     assert again.json()["choices"][0]["message"] == replies[0].json()["choices"][0]["message"]  # seeds reproduce
 
@@ -262,10 +269,10 @@ def test_vllm_seeded_long_prompts_at_once_are_served(vllm_servers):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_engine_error_fails_one_request_cleanly_and_the_engine_goes_on(vllm_servers):
-    base = vllm_servers["chunked"]
+    base, engine = vllm_servers["chunked"]
     seeded = {"messages": [{"role": "user", "content": _long(0)}], "seed": 3, "max_tokens": 4}
     plain = [{"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4} for i in range(3)]
-    replies = asyncio.run(_post_all(base, [seeded, *plain]))  # the failing one shares a batch with others
+    replies = asyncio.run(_post_all(base, [seeded, *plain], engine))  # the failing one shares a batch
     bad = replies[0]
     assert bad.status_code == 500
     assert bad.json() == {"error": {"message": "the policy engine failed on this request", "type": "server_error",
