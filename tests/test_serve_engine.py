@@ -18,7 +18,18 @@ LONG = 1900  # tokens a hung-up client asked for
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model, tmp_path_factory):
+def serve_root(ray_cluster):
+    """Ray Serve on a free port for this module's apps (Serve keeps the port it first started on)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(serve_root, tiny_model, tmp_path_factory):
     """A PolicyServer on the tiny model's hf RolloutEngine (1 thread), with its own tracker."""
     from ray import serve
 
@@ -38,12 +49,10 @@ def server(ray_cluster, tiny_model, tmp_path_factory):
     cfg = {"model_name": "tiny", "default_max_tokens": 100, "default_temperature": 1.0, "max_model_len": 2048,
            "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
            "retry_after_s": 2, "max_n": 4}
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
               name="engine", route_prefix="/e")
-    yield {"base": f"http://127.0.0.1:{port}/e", "engine": engine, "tracker": tracker}
-    serve.shutdown()
+    yield {"base": f"{serve_root}/e", "engine": engine, "tracker": tracker}
+    serve.delete("engine")
     ray.kill(engine)
 
 
@@ -190,7 +199,7 @@ def test_queued_cancelled_requests_never_start(monkeypatch):
 
 # ------------------------------------------------------------------------------ vLLM through the endpoint
 @pytest.fixture(scope="module")
-def vllm_servers(ray_cluster, tmp_path_factory):
+def vllm_servers(serve_root, tmp_path_factory):
     """Two PolicyServers on vLLM-CPU engines of a tiny Qwen2 (float32): ``default`` (clawray's engine
     settings) and ``chunked`` (chunked prefill forced on with a 256-token step budget, so a seeded
     long prompt fails inside vLLM: the failure kind of a real engine error)."""
@@ -223,17 +232,15 @@ def vllm_servers(ray_cluster, tmp_path_factory):
     cfg = {"model_name": "tiny", "default_max_tokens": 8, "default_temperature": 1.0, "max_model_len": 1024,
            "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
            "retry_after_s": 2, "max_n": 4}
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     for name, engine in engines.items():
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
             [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2),
             records_dir=str(tmp_path_factory.mktemp(name)), idle_timeout_s=600.0, truncated="mask")
         serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
                   name=f"vllm-{name}", route_prefix=f"/{name}")
-    yield {name: (f"http://127.0.0.1:{port}/{name}", engine) for name, engine in engines.items()}
-    serve.shutdown()
-    for engine in engines.values():
+    yield {name: (f"{serve_root}/{name}", engine) for name, engine in engines.items()}
+    for name, engine in engines.items():
+        serve.delete(f"vllm-{name}")
         ray.kill(engine)
 
 

@@ -206,10 +206,11 @@ class PolicyServer:
             self.counts["engine_timeouts"] += 1
             return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
                                   "server_error", headers={"Retry-After": str(self.cfg["retry_after_s"])})
-        except asyncio.CancelledError:  # the client hung up: the engine calls were cancelled with it
+        except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
+            # the client hung up: Serve cancels this handler and (recursively) its engine calls
             self.counts["cancelled"] += 1
             logger.info("chat completion cancelled: the client disconnected")
-            raise
+            raise asyncio.CancelledError() from None
         except EngineError as e:  # the engine failed on this request alone; it goes on serving
             self.counts["engine_errors"] += 1
             logger.warning("chat completion failed in the engine: %s", e)
@@ -475,9 +476,12 @@ class PolicyServer:
             yield "data: [DONE]\n\n"
             completed = True
             self.counts["streams"] += 1
-        except (asyncio.CancelledError, GeneratorExit):  # the client hung up: nothing recorded, engine stops
+        except (asyncio.CancelledError, GeneratorExit, ray.exceptions.TaskCancelledError) as e:
+            # the client hung up: nothing is recorded, the engine streams are stopped (finally)
             self.counts["cancelled"] += 1
             logger.info("stream cancelled: the client disconnected")
+            if isinstance(e, ray.exceptions.TaskCancelledError):
+                raise asyncio.CancelledError() from None
             raise
         except Exception as e:  # headers are sent: report in-band (no internals), never a broken connection
             engine_failed = isinstance(e, EngineError)
