@@ -470,7 +470,9 @@ class Driver:
     def _generation_metrics(self) -> dict[str, float]:
         """``rollout/tokens``: tokens the rollout engines generated since the last step (all engines);
         ``rollout/tokens_per_s``: per engine, those tokens / its generation seconds, summed over the
-        engines (throughput while generating, not wall time). ``{}`` when an engine does not answer
+        engines (throughput while generating, not wall time); ``serve/cancelled`` and
+        ``rollout/engine_errors``: generations stopped because their client left, and requests the
+        engines failed on, since the start (all engines). ``{}`` when an engine does not answer
         within 10 s."""
         try:
             stats = ray.get([e.stats.remote() for e in self.engines], timeout=10)
@@ -483,7 +485,9 @@ class Driver:
             self._gen_seen[st["name"]] = (st["tokens"], st["gen_seconds"])
             tokens += d_tokens
             rate += d_tokens / d_s if d_s > 0 else 0.0
-        return {"rollout/tokens": float(tokens), "rollout/tokens_per_s": rate}
+        return {"rollout/tokens": float(tokens), "rollout/tokens_per_s": rate,
+                "serve/cancelled": float(sum(st.get("cancelled", 0) for st in stats)),
+                "rollout/engine_errors": float(sum(st.get("errors", 0) for st in stats))}
 
     def engine_versions(self) -> dict[str, int | None]:
         """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine

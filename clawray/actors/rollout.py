@@ -4,11 +4,23 @@ The backend is owned by a single engine thread that executes jobs in FIFO order:
 generation requests, teacher scoring and weight loads. Because a weight load is a job in the same
 FIFO, every response is produced entirely by one set of weights and is stamped with that version.
 ``pause()`` stops admitting new generation jobs (they wait, they do not fail) until ``resume()``.
+
+Cancellation: when the caller of :meth:`RolloutEngine.generate` / :meth:`generate_stream` goes away
+(Ray cancels the actor coroutine: ``ray.cancel`` on its ref, see :func:`await_cancellable`), the job
+is marked cancelled: a queued job is dropped before it starts, a running one stops at its next token
+(the backend aborts it), frees its batch slot, and is counted in ``stats()["cancelled"]``, never in
+``requests`` (finished generations).
+
+Failure isolation: an exception inside the backend fails only the request that caused it. When a
+batch fails, each of its requests is retried alone; a request that fails alone gets an
+:class:`EngineError` (a short message without internals; the traceback goes to the log) and is
+counted in ``stats()["errors"]``. The engine thread keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -20,17 +32,42 @@ import ray
 from clawray.engines.base import GenerateRequest, WeightSpec
 
 
+logger = logging.getLogger("clawray.rollout")
+
+
 class EnginePausedError(RuntimeError):
     """The engine stayed paused (loading new weights) longer than the caller was willing to wait."""
 
 
+class EngineError(RuntimeError):
+    """The backend raised while generating this request (the engine itself keeps serving). The
+    message names the exception type only, never a traceback, path or actor id."""
+
+
+async def await_cancellable(ref: Any) -> Any:
+    """Await a Ray actor-method ``ObjectRef``; if the awaiting task is cancelled (a client hung up,
+    a timeout fired), cancel the remote call too, so the actor stops the work (``ray.cancel`` raises
+    ``asyncio.CancelledError`` inside an async actor's coroutine).
+
+    Raises:
+        asyncio.CancelledError: the awaiting task was cancelled (after the remote cancel was sent).
+    """
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        ray.cancel(ref)
+        raise
+
+
 class _Job:
-    __slots__ = ("kind", "payload", "future", "loop", "stream")
+    __slots__ = ("kind", "payload", "future", "loop", "stream", "cancelled", "streamed")
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop,
                  stream: Callable[[list[int]], None] | None = None):
         self.kind, self.payload, self.loop, self.stream = kind, payload, loop, stream
         self.future: asyncio.Future = loop.create_future()
+        self.cancelled = False  # set from the event loop when the caller went away; read by the engine thread
+        self.streamed = False  # some tokens already went to the stream (a retry would repeat them)
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -68,7 +105,8 @@ class RolloutEngine:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._backend = None
-        self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0, "last_sync_error": None}
+        self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0, "last_sync_error": None,
+                       "cancelled": 0, "errors": 0}
         self._thread = threading.Thread(
             target=self._run, args=(backend, model_path, torch_threads, backend_kwargs or {}), daemon=True,
             name=f"{name}-engine")
@@ -108,28 +146,73 @@ class RolloutEngine:
                         held = nxt
                         break
                     batch.append(nxt)
-                self._run_generate(batch)
+                self._run_generate(self._drop_cancelled(batch))
             else:
                 try:
                     job.resolve(job.payload())
                 except BaseException as e:
                     job.resolve(error=e)
 
+    def _drop_cancelled(self, batch: list[_Job]) -> list[_Job]:
+        """Queued jobs whose caller went away never start."""
+        for job in batch:
+            if job.cancelled:
+                self._cancelled(job, 0)
+        return [j for j in batch if not j.cancelled]
+
+    def _cancelled(self, job: _Job, tokens: int) -> None:
+        self._stats["cancelled"] += 1
+        logger.info("%s: generation cancelled by its caller after %d tokens", self.name, tokens)
+        job.loop.call_soon_threadsafe(job.future.cancel)  # no-op when the caller's await already cancelled it
+
     def _run_generate(self, batch: list[_Job]) -> None:
+        """Run one batch; if the backend raises, retry each request alone (see the module doc)."""
+        if not batch:
+            return
+        try:
+            self._generate(batch)
+        except BaseException as e:  # any failure: the engine thread must go on serving
+            if len(batch) == 1:
+                self._failed(batch[0], e)
+                return
+            logger.warning("%s: a batch of %d failed (%s: %s); retrying its requests one by one", self.name,
+                           len(batch), type(e).__name__, e)
+            for job in batch:
+                if job.cancelled:
+                    self._cancelled(job, 0)
+                    continue
+                if job.streamed:  # its client already has tokens of the failed attempt
+                    self._failed(job, e)
+                    continue
+                try:
+                    self._generate([job])
+                except BaseException as e1:
+                    self._failed(job, e1)
+
+    def _failed(self, job: _Job, error: BaseException) -> None:
+        self._stats["errors"] += 1
+        logger.error("%s: generation failed", self.name, exc_info=error)
+        job.resolve(error=EngineError(f"the engine failed on this request ({type(error).__name__})"))
+
+    def _generate(self, batch: list[_Job]) -> None:
         t0 = time.perf_counter()
         version = self.version
-        streams = [j.stream for j in batch]
-        on_tokens = (lambda i, ids: streams[i] and streams[i](ids)) if any(streams) else None
-        try:
-            outputs = self._backend.generate([j.payload for j in batch], on_tokens)
-        except BaseException as e:
-            for j in batch:
-                j.resolve(error=e)
-            return
+
+        def on_tokens(i: int, ids: list[int]) -> None:
+            if batch[i].stream is not None:
+                batch[i].streamed = True
+                batch[i].stream(ids)
+
+        outputs = self._backend.generate([j.payload for j in batch],
+                                         on_tokens if any(j.stream for j in batch) else None,
+                                         lambda i: batch[i].cancelled)
         self._stats["gen_seconds"] += time.perf_counter() - t0
         for job, out in zip(batch, outputs):
-            self._stats["requests"] += 1
             self._stats["tokens"] += len(out.response_ids)
+            if out.finish_reason == "abort":
+                self._cancelled(job, len(out.response_ids))
+                continue
+            self._stats["requests"] += 1
             job.resolve({**asdict(out), "policy_version": version, "engine": self.name})
 
     async def _enqueue(self, job: _Job) -> None:
@@ -179,9 +262,18 @@ class RolloutEngine:
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s``.
+            EngineError: the backend failed on this request.
+            asyncio.CancelledError: the call was cancelled (``ray.cancel``); the generation is
+                dropped from the queue or stopped at its next token.
         """
         await self._admit(wait_s)
-        return await self._submit("generate", request)
+        job = _Job("generate", request, asyncio.get_running_loop())
+        await self._enqueue(job)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
 
     async def generate_stream(self, request: GenerateRequest, wait_s: float | None = None):
         """Sample one response, streaming its tokens (a Ray streaming generator).
@@ -193,24 +285,34 @@ class RolloutEngine:
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s`` (before anything is yielded).
+            EngineError: the backend failed on this request.
+            asyncio.CancelledError: the stream was cancelled (``ray.cancel``) or closed early; the
+                generation is dropped from the queue or stopped at its next token.
         """
         await self._admit(wait_s)
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         job = _Job("generate", request, loop, stream=lambda ids: loop.call_soon_threadsafe(tokens.put_nowait, ids))
         await self._enqueue(job)
-        yield {"admitted": True}
-        while not (job.future.done() and tokens.empty()):
-            getter = asyncio.ensure_future(tokens.get())
-            done, _ = await asyncio.wait({getter, job.future}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                continue
-            ids = getter.result()
-            while not tokens.empty():
-                ids = ids + tokens.get_nowait()
-            yield {"token_ids": ids}
-        yield {**job.future.result(), "done": True}
+        try:
+            yield {"admitted": True}
+            while not (job.future.done() and tokens.empty()):
+                getter = asyncio.ensure_future(tokens.get())
+                try:
+                    done, _ = await asyncio.wait({getter, job.future}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter not in done:
+                    continue
+                ids = getter.result()
+                while not tokens.empty():
+                    ids = ids + tokens.get_nowait()
+                yield {"token_ids": ids}
+            yield {**job.future.result(), "done": True}
+        finally:  # cancelled, closed early or failed: stop the generation if it still runs
+            if not job.future.done():
+                job.cancelled = True
 
     async def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
@@ -242,8 +344,10 @@ class RolloutEngine:
         return self.version
 
     async def stats(self) -> dict:
-        """Counters: requests, generated tokens, generation seconds, weight loads, version, and the
-        last sync's error (None after a successful load)."""
+        """Counters: ``requests`` (finished generations), ``tokens`` (generated, cancelled ones
+        included), ``gen_seconds``, ``loads`` (weight loads), ``cancelled`` (generations stopped or
+        dropped because their caller went away), ``errors`` (requests the backend failed on), the
+        version, and the last sync's error (None after a successful load)."""
         return {**self._stats, "version": self.version, "name": self.name}
 
     async def init_weight_receiver(self, rank: int, world_size: int, host: str, port: int,

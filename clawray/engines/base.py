@@ -4,6 +4,16 @@ Log-prob convention (used by rollout, teacher scoring and the learner alike): th
 ``y_t`` is ``log_softmax(logits_t / T)[y_t]`` where ``T`` is the sampling temperature of the request
 (``T = 1`` when the request is greedy, ``temperature == 0``). No top-p/top-k renormalisation is
 applied, so the learner can recompute exactly the same quantity from logits.
+
+Sampling convention (every backend, vLLM's semantics): a request is sampled with its own parameters
+only -- ``temperature``, ``top_p``, ``seed``, ``max_tokens``, ``stop_token_ids`` (plus the model's eos
+ids) -- never with defaults inherited from a library or the model folder's ``generation_config.json``
+(no top-k, min-p or repetition penalties). The next token is drawn from ``softmax(logits / T)``
+restricted to the top-p nucleus (the smallest set of most probable tokens whose mass reaches
+``top_p``, renormalised); ``T = 0`` is greedy (argmax). See :func:`sample_next_token`.
+
+Cancellation: :meth:`Backend.generate` takes ``cancelled(i)``; a request it reports cancelled stops at
+the next token (or is removed before it starts) and comes back with ``finish_reason == "abort"``.
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ class GenerateOutput:
         response_ids: sampled token ids, length R (includes the stop token when one ended the reply).
         logprobs: log-prob of each sampled token under the sampling distribution (see module doc),
             length R, natural log units.
-        finish_reason: ``"stop"`` (a stop/eos token was sampled) or ``"length"`` (max_tokens hit).
+        finish_reason: ``"stop"`` (a stop/eos token was sampled), ``"length"`` (max_tokens hit) or
+            ``"abort"`` (cancelled by the caller part-way; never a complete reply).
     """
 
     response_ids: list[int]
@@ -53,6 +64,40 @@ class GenerateOutput:
 
 #: ``on_tokens(request_index, new_token_ids)``: streaming callback of :meth:`Backend.generate`.
 TokenCallback = Callable[[int, list[int]], None]
+
+#: ``cancelled(request_index) -> bool``: polled by :meth:`Backend.generate` between tokens.
+CancelCheck = Callable[[int], bool]
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float,
+                      generator: torch.Generator | None) -> tuple[int, float]:
+    """Draw one token the way vLLM does (temperature, then top-p nucleus) and return its log-prob
+    under the module's convention (full softmax at ``T``, no nucleus renormalisation).
+
+    Args:
+        logits: ``[V]`` raw next-token logits (any float dtype; computed in float32).
+        temperature: ``T``; ``0`` means greedy (argmax, log-prob at ``T = 1``).
+        top_p: nucleus mass in (0, 1]: a token is kept when the mass of the tokens more probable
+            than it is ``< top_p`` (so the most probable token is always kept; Holtzman et al. 2020,
+            "The Curious Case of Neural Text Degeneration", sec. 3.1).
+        generator: the RNG of the draw (``torch.multinomial``); unused when greedy.
+
+    Returns:
+        ``(token_id, logprob)``: ``logprob = log_softmax(logits / T)[token_id]`` (natural log).
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        tok = int(logits.argmax())
+        return tok, float(torch.log_softmax(logits, dim=-1)[tok])
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        outside = (sorted_p.cumsum(0) - sorted_p) >= top_p  # mass before the token already reaches top_p
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    tok = int(torch.multinomial(probs, 1, generator=generator))
+    return tok, float(logp[tok])
 
 
 @dataclass(frozen=True)
@@ -70,11 +115,15 @@ class Backend(Protocol):
     Implementations: :class:`clawray.engines.hf.HFBackend`, :class:`clawray.engines.vllm.VLLMBackend`.
     """
 
-    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None) -> list[GenerateOutput]:
-        """Sample a response for every request (batched where the engine can).
+    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None,
+                 cancelled: CancelCheck | None = None) -> list[GenerateOutput]:
+        """Sample a response for every request (batched where the engine can), with the module's
+        sampling convention.
 
         ``on_tokens(i, ids)``, when given, is called from the engine thread as request ``i``'s new
         token ids are sampled (streaming); the returned outputs are the same either way.
+        ``cancelled(i)``, when given, is polled between tokens: a cancelled request stops there, is
+        removed from the engine and returns ``finish_reason == "abort"`` with what it had so far.
         """
 
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

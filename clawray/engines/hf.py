@@ -1,31 +1,22 @@
-"""The ``hf`` backend: transformers ``generate`` on CPU or GPU; the fast test path."""
+"""The ``hf`` backend: a transformers causal LM with its own sampling loop; the fast test path.
+
+The loop (one forward per token with the KV cache, then :func:`clawray.engines.base.sample_next_token`)
+replaces ``model.generate`` on purpose: ``generate`` merges in library defaults (``top_k=50``) and the
+model folder's ``generation_config.json`` (``top_k``, ``temperature``, ``repetition_penalty``, ...), so
+it would sample from another distribution than the one whose log-probs are recorded. Here a request is
+sampled with its own parameters only; the folder's generation config contributes its eos ids (as in
+vLLM) and nothing else. The loop also polls the caller's cancel check before every token.
+"""
 
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
-from transformers import GenerationConfig
 
 from clawray.algos.losses import sequence_logprobs
-from clawray.engines.base import GenerateOutput, GenerateRequest, TokenCallback, WeightSpec
-
-
-class _TokenStreamer:
-    """transformers streamer protocol (``put``/``end``): forwards each sampled token to ``on_tokens``.
-    ``generate`` first puts the prompt, which is skipped."""
-
-    def __init__(self, index: int, on_tokens: TokenCallback):
-        self.index, self.on_tokens, self.prompt_seen = index, on_tokens, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.on_tokens(self.index, value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        pass
+from clawray.engines.base import (CancelCheck, GenerateOutput, GenerateRequest, TokenCallback, WeightSpec,
+                                  sample_next_token)
 
 
 class HFBackend:
@@ -37,7 +28,8 @@ class HFBackend:
         model_path: a local HF folder.
         dtype: torch dtype name of the weights in memory (``"float32"`` default).
         device: ``"cpu"`` or ``"cuda"``.
-        seed: seeds the engine's RNG once; requests without a seed continue its stream.
+        seed: seeds the engine's own RNG once; requests without a seed continue its stream, a
+            request with a seed gets a fresh generator seeded with it (same seed, same reply).
         **_: other engine options (ignored here, accepted so configs can switch backends).
     """
 
@@ -48,8 +40,7 @@ class HFBackend:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         self.eos_ids = self._eos_ids(self.model.generation_config)
-        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos_ids[0]
-        torch.manual_seed(seed)
+        self.rng = torch.Generator(self.device).manual_seed(seed)
 
     @staticmethod
     def _eos_ids(gen_config) -> list[int]:
@@ -59,36 +50,36 @@ class HFBackend:
         return [eos] if isinstance(eos, int) else list(eos)
 
     @torch.inference_mode()
-    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None) -> list[GenerateOutput]:
+    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None,
+                 cancelled: CancelCheck | None = None) -> list[GenerateOutput]:
         """Sample each request in turn; see :meth:`clawray.engines.base.Backend.generate`."""
-        return [self._generate_one(r, _TokenStreamer(i, on_tokens) if on_tokens else None)
-                for i, r in enumerate(requests)]
+        return [self._generate_one(i, r, on_tokens, cancelled) for i, r in enumerate(requests)]
 
-    def _generate_one(self, req: GenerateRequest, streamer: _TokenStreamer | None = None) -> GenerateOutput:
-        stop = list(dict.fromkeys(list(req.stop_token_ids) + self.eos_ids))
-        greedy = req.temperature <= 0
-        if req.seed is not None:  # unseeded requests continue the engine's RNG stream
-            torch.manual_seed(req.seed)
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        gen_config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else req.temperature,
-            top_p=None if greedy else req.top_p,
-            top_k=None,
-            max_new_tokens=req.max_tokens,
-            eos_token_id=stop or None,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
-                                  streamer=streamer)
-        response = out.sequences[0, ids.shape[1]:]
-        logits = torch.stack(out.logits, dim=1)[0, : response.shape[0]]  # [R, V] raw logits
-        logprobs = sequence_logprobs(logits, response, req.temperature)
-        response_ids = response.tolist()
-        finish = "stop" if response_ids and response_ids[-1] in stop else "length"
-        return GenerateOutput(response_ids=response_ids, logprobs=logprobs.tolist(), finish_reason=finish)
+    def _generate_one(self, index: int, req: GenerateRequest, on_tokens: TokenCallback | None,
+                      cancelled: CancelCheck | None) -> GenerateOutput:
+        stop = set(req.stop_token_ids) | set(self.eos_ids)
+        gen = self.rng if req.seed is None else torch.Generator(self.device).manual_seed(req.seed)
+        inputs = torch.tensor([req.prompt_ids], device=self.device)
+        past = None
+        response: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        while len(response) < req.max_tokens:
+            if cancelled is not None and cancelled(index):
+                finish = "abort"
+                break
+            out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok, lp = sample_next_token(out.logits[0, -1], req.temperature, req.top_p, gen)
+            response.append(tok)
+            logprobs.append(lp)
+            if on_tokens is not None:
+                on_tokens(index, [tok])
+            if tok in stop:
+                finish = "stop"
+                break
+            inputs = torch.tensor([[tok]], device=self.device)
+        return GenerateOutput(response_ids=response, logprobs=logprobs, finish_reason=finish)
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

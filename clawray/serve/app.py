@@ -38,10 +38,11 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clawray.actors.rollout import EnginePausedError
+from clawray.actors.rollout import EngineError, EnginePausedError, await_cancellable
 from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
 from clawray.engines.base import GenerateRequest
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
@@ -72,6 +73,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _next(stream: Any) -> dict:
     """The next item of a Ray streaming generator (``StopAsyncIteration`` at its end)."""
     return await (await stream.__anext__())
+
+
+def _cancel_streams(streams: list) -> None:
+    """Cancel engine streams (``ray.cancel``; a finished one is left alone): their generation stops."""
+    for stream in streams:
+        try:
+            ray.cancel(stream)
+        except Exception:  # already finished or its actor is gone: nothing left to stop
+            pass
 
 
 class _SessionLocks:
@@ -158,7 +168,8 @@ class PolicyServer:
         stats, paused = await asyncio.gather(asyncio.gather(*(e.stats.remote() for e in self.engines)),
                                              asyncio.gather(*(e.is_paused.remote() for e in self.engines)))
         engines = [{"name": st["name"], "policy_version": st["version"], "state": "syncing" if p else "serving",
-                    "requests": st["requests"]} for st, p in zip(stats, paused)]
+                    "requests": st["requests"], "cancelled": st.get("cancelled", 0), "errors": st.get("errors", 0)}
+                   for st, p in zip(stats, paused)]
         tracker = await self.tracker.stats.remote()
         return {"status": "ok", "policy_versions": [e["policy_version"] for e in engines], "engines": engines,
                 "open_sessions": tracker.get("open_sessions", 0), "counts": dict(self.counts)}
@@ -203,10 +214,20 @@ class PolicyServer:
             self.counts["engine_timeouts"] += 1
             return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
                                   "server_error", headers={"Retry-After": str(self.cfg["retry_after_s"])})
-        except Exception as e:  # a server-side fault: logged, reported in OpenAI form, replica stays up
-            logger.exception("chat completion failed")
-            return error_response(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error",
+        except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
+            # the client hung up: Serve cancels this handler and (recursively) its engine calls
+            self.counts["cancelled"] += 1
+            logger.info("chat completion cancelled: the client disconnected")
+            raise asyncio.CancelledError() from None
+        except EngineError as e:  # the engine failed on this request alone; it goes on serving
+            self.counts["engine_errors"] += 1
+            logger.warning("chat completion failed in the engine: %s", e)
+            return error_response(500, "the policy engine failed on this request", None, "engine_error",
                                   "server_error")
+        except Exception:  # a server-side fault: logged, reported in OpenAI form without internals
+            self.counts["internal_errors"] += 1
+            logger.exception("chat completion failed")
+            return error_response(500, "internal server error", None, "internal_error", "server_error")
         finally:
             locked = call.locked if call is not None else locked
             if locked and not streaming:
@@ -360,8 +381,9 @@ class PolicyServer:
         engine = self._engine(call)
         wait_s = self.cfg["sync_wait_timeout_s"]
         # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
-        # no gathered exception is left unretrieved
-        outs = await asyncio.wait_for(asyncio.gather(*(engine.generate.remote(g, wait_s)
+        # no gathered exception is left unretrieved; a client that hangs up (or the timeout) cancels
+        # the engine calls (await_cancellable), which stops their generation
+        outs = await asyncio.wait_for(asyncio.gather(*(await_cancellable(engine.generate.remote(g, wait_s))
                                                        for g in self._generate_requests(call)),
                                                      return_exceptions=True),
                                       timeout=self.cfg["generate_timeout_s"])
@@ -399,7 +421,11 @@ class PolicyServer:
         engine, wait_s = self._engine(call), self.cfg["sync_wait_timeout_s"]
         streams = [engine.generate_stream.remote(g, wait_s) for g in self._generate_requests(call)]
         # each stream's first item is {"admitted": True}
-        await asyncio.wait_for(asyncio.gather(*(_next(s) for s in streams)), timeout=self.cfg["generate_timeout_s"])
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_next(s) for s in streams)), timeout=self.cfg["generate_timeout_s"])
+        except BaseException:  # refused, timed out or the client hung up: stop every stream in the engine
+            _cancel_streams(streams)
+            raise
         return StreamingResponse(self._sse(call, streams), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -472,11 +498,23 @@ class PolicyServer:
             yield "data: [DONE]\n\n"
             completed = True
             self.counts["streams"] += 1
-        except Exception as e:  # headers are sent: report in-band, never a broken connection
-            logger.exception("stream failed")
-            self.counts["stream_errors"] += 1
-            err = {"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
-                             "param": None, "code": "internal_error"}}
+        except (asyncio.CancelledError, GeneratorExit, ray.exceptions.TaskCancelledError) as e:
+            # the client hung up: nothing is recorded, the engine streams are stopped (finally)
+            self.counts["cancelled"] += 1
+            logger.info("stream cancelled: the client disconnected")
+            if isinstance(e, ray.exceptions.TaskCancelledError):
+                raise asyncio.CancelledError() from None
+            raise
+        except Exception as e:  # headers are sent: report in-band (no internals), never a broken connection
+            engine_failed = isinstance(e, EngineError)
+            self.counts["engine_errors" if engine_failed else "stream_errors"] += 1
+            if engine_failed:
+                logger.warning("stream failed in the engine: %s", e)
+            else:
+                logger.exception("stream failed")
+            err = {"error": {"message": "the policy engine failed on this request" if engine_failed else
+                             "internal server error", "type": "server_error", "param": None,
+                             "code": "engine_error" if engine_failed else "internal_error"}}
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -484,6 +522,7 @@ class PolicyServer:
                 p.cancel()
             if not completed:
                 self.counts["streams_not_completed"] += 1
+                _cancel_streams(streams)
             if call.locked:
                 self.locks.release(call.locked)
 

