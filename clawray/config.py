@@ -34,6 +34,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from clawray.algos.algorithm import algorithm_class
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid (unknown key, wrong type, bad value)."""
@@ -542,7 +544,7 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
     """Top-k distillation on a vLLM teacher engine needs ``opd.topk`` <= vLLM's ``max_logprobs``
     (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
     opd = cfg.opd
-    if cfg.trainer.algo == "rl" or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
+    if not algorithm_class(cfg.trainer.algo).needs_teacher or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
         return
     backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
     if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
@@ -555,7 +557,7 @@ def _check_endpoint_teacher(cfg: DictConfig) -> None:
     """An endpoint teacher scores turns sampled at T = 1 (or greedy) only (vLLM's prompt log-probs
     use raw logits); the run's own sampling temperatures must be such, or every turn fails at run
     time as a teacher error."""
-    if cfg.trainer.algo == "rl" or not cfg.opd.teacher.startswith(("http://", "https://")):
+    if not algorithm_class(cfg.trainer.algo).needs_teacher or not cfg.opd.teacher.startswith(("http://", "https://")):
         return
     temps = {"serve.default_temperature": cfg.serve.default_temperature}
     if cfg.env.enabled:

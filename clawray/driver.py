@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from clawray.algos.advantages import group_advantages
+from clawray.algos.algorithm import algorithm_class
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
 from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
 from clawray.config import checkpoint_dir, model_path
@@ -182,13 +183,14 @@ class Driver:
         # OPD / Combine: a frozen teacher (the initial policy) on its own engine; it shares the judge's
         # engine when that one is the same frozen model on the same backend
         teacher_engine, self.teachers = None, []
-        if cfg.trainer.algo in ("opd", "combine") and cfg.opd.teacher.startswith(("http://", "https://")):
+        algorithm = algorithm_class(cfg.trainer.algo)  # what the algorithm needs: a teacher or not
+        if algorithm.needs_teacher and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
             teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint,
                                                                     cfg.opd.hint_placement)
             self.teachers = [teacher]
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
-        elif cfg.trainer.algo in ("opd", "combine"):
+        elif algorithm.needs_teacher:
             teacher_path = path
             if cfg.opd.teacher == "live":
                 teacher_engine = self.engines[0]
@@ -212,8 +214,9 @@ class Driver:
                  "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
-        learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
-                       else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
+        w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
+        learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": w_rl, "w_opd": w_opd,
+                       "opd_adv_clip": cfg.opd.adv_clip}
         self.learners = LearnerGroup(path, learner_cfg, free_port())
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         ready = ray.get([e.ready.remote() for e in self.engines + aux])
