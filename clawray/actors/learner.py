@@ -41,9 +41,8 @@ import numpy as np
 import ray
 import torch
 
-from clawray.algos.advantages import opd_advantages
-from clawray.algos.losses import (aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy,
-                                  topk_reverse_kl)
+from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, batch_loss_metrics, sample_loss,
+                                  sequence_logprobs)
 from clawray.algos.schedule import lr_factor
 from clawray.types import Sample
 
@@ -196,6 +195,12 @@ class LearnerWorker:
                     int(cfg.get("total_steps", 0)), float(cfg.get("min_lr_ratio", 0.0)))
         lr_factor(0, *schedule)  # raises on a bad schedule here rather than at the first step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, *schedule))
+        self.loss_settings = LossSettings(
+            eps=cfg["eps"], eps_high=cfg["eps_high"], dual_clip=cfg.get("dual_clip") or None,
+            tis_cap=cfg.get("tis_cap") or None, proximal=cfg.get("ratio_anchor", "rollout") == "proximal",
+            agg_mode=cfg.get("agg_mode", "token-mean"), kl_coef=cfg.get("kl_coef", 0.0),
+            kl_estimator=cfg.get("kl_estimator", "k3"), w_rl=cfg.get("w_rl", 1.0), w_opd=cfg.get("w_opd", 1.0),
+            opd_adv_clip=cfg.get("opd_adv_clip") or None)
         self.version = 0
         self._transport = None
         self.skipped_steps = 0
@@ -289,87 +294,50 @@ class LearnerWorker:
 
     def _micro_batch_loss(self, samples: list[Sample], advs: list[float], norm_tokens: float, norm_seqs: float,
                           entropy_coef: float, first_mini_batch: bool, proximal: list[torch.Tensor] | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Sum of the samples' losses (each already normalised by the global mini-batch size).
-
-        Per sample: token advantages ``A_t = w_rl * a * loss_mask_t`` (``a`` = ``advs[i]``)
-        ``+ w_opd * clip(teacher_t - rollout_t)`` when it has teacher log-probs (OPD / Combine,
-        OpenClaw-RL §4-5); loss = PPO clip (anchor: rollout log-probs, or the proximal policy with
-        TIS weights, ``ratio_anchor``) + ``kl_coef`` * KL to the reference - ``entropy_coef`` *
-        entropy, each aggregated by ``agg_mode``; top-k distillation samples replace the PPO term by
-        the reverse KL over the teacher's top-k.
+                          ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Sum of the samples' losses (:func:`clawray.algos.losses.sample_loss`, each already
+        normalised by the global mini-batch size) and each sample's metrics by name.
 
         ``proximal``: with the proximal anchor, each sample's proximal log-probs ``[R]``
         (:meth:`_proximal_logprobs`); None in the first mini-batch, where the current weights are the
         proximal ones and the forward's own detached log-probs serve.
-
-        Returns:
-            ``(loss, sums[16], ratio_max[1], entropies)``, see :meth:`train_step` for the sums.
         """
-        cfg = self.cfg
-        use_proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
         logits_all = self._forward(samples, self.model)
         ref_all = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_all = self._forward(samples, self.ref_model)
         total = torch.zeros((), device=self.device)
-        sums = torch.zeros(16, dtype=torch.float64)
-        ratio_max = torch.zeros(1, dtype=torch.float64)
-        entropies: list[torch.Tensor] = []
-        agg = dict(mode=cfg.get("agg_mode", "token-mean"), num_tokens=norm_tokens, num_seqs=norm_seqs)
+        metrics = []
         for b, s in enumerate(samples):
-            end = len(s.tokens)
-            targets = torch.tensor(s.tokens[s.prompt_len:], device=self.device)
-            logits = logits_all[b, s.prompt_len - 1 : end - 1]  # [R, V]
-            t = s.temperature if s.temperature > 0 else 1.0
-            logprobs = sequence_logprobs(logits, targets, t)
-            scaled = logits / t
-            entropy = token_entropy(scaled if entropy_coef > 0 else scaled.detach())
-            mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
-            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-            adv = mask * advs[b] * cfg.get("w_rl", 1.0)
-            if s.teacher_logprobs is not None:  # OPD term (OPD / Combine samples with an accepted hint)
-                teacher = torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
-                adv = adv + cfg.get("w_opd", 1.0) * opd_advantages(teacher, rollout, mask,
-                                                                   cfg.get("opd_adv_clip") or None)
-            anchor = rollout
-            if use_proximal:  # decoupled PPO: trust region around the pre-update weights
-                anchor = logprobs.detach() if proximal is None else proximal[b]
-            out = ppo_clip_loss(
-                logprobs, anchor, adv, mask, cfg["eps"], cfg["eps_high"],
-                normalizer=norm_tokens, dual_clip=cfg.get("dual_clip") or None,
-                behaviour_logprobs=rollout if use_proximal else None, tis_cap=cfg.get("tis_cap") or None,
-                agg_mode=agg["mode"], num_seqs=norm_seqs)
-            loss = out.loss
-            if s.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
-                kl_t = topk_reverse_kl(scaled, torch.tensor(s.teacher_topk_logprobs, device=self.device),
-                                       torch.tensor(s.teacher_topk_ids, device=self.device))
-                loss = aggregate(kl_t, mask, **agg)
-            kl_value = torch.zeros(())
-            if ref_all is not None:
-                ref_lp = sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)
-                kl_tok = kl_penalty(logprobs, ref_lp, cfg.get("kl_estimator", "k3"))
-                kl_value = aggregate(kl_tok, mask, **agg)
-                loss = loss + cfg["kl_coef"] * kl_value
-            if entropy_coef > 0:
-                loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
-            total = total + loss
-            with torch.no_grad():
-                m = mask.bool()
-                entropies.append(entropy.detach()[m].double())
-                # generated by exactly these weights (later mini-batches run on already-updated weights)
-                fresh = first_mini_batch and s.policy_version == self.version
-                log_r = (logprobs.detach() - rollout)[m].double()  # float64: tiny KLs do not cancel to 0
-                sums += torch.tensor([
-                    loss.item(), out.loss.item(), kl_value.item(), out.clipped[m].sum().item(),
-                    out.ratio[m].sum().item(), m.sum().item(), adv[m].sum().item(), adv[m].pow(2).sum().item(),
-                    ((adv != 0) & m).sum().item(), len(s.loss_mask), 0.0, 1.0, out.is_weight[m].sum().item(),
-                    (log_r.exp() - 1 - log_r).sum().item() if fresh else 0.0, m.sum().item() if fresh else 0.0,
-                    entropy.detach()[m].sum().item()], dtype=torch.float64)
-                if m.any():
-                    ratio_max = torch.maximum(ratio_max, out.ratio[m].max().double().reshape(1))
-        return total, sums, ratio_max, entropies
+            out = sample_loss(self._loss_inputs(s, logits_all, ref_all, b, advs[b], norm_tokens, norm_seqs,
+                                                entropy_coef, first_mini_batch, proximal), self.loss_settings)
+            total = total + out.loss
+            metrics.append(out.metrics)
+        return total, metrics
+
+    def _loss_inputs(self, s: Sample, logits_all: torch.Tensor, ref_all: torch.Tensor | None, b: int, adv: float,
+                     norm_tokens: float, norm_seqs: float, entropy_coef: float, first_mini_batch: bool,
+                     proximal: list[torch.Tensor] | None) -> SampleLossInputs:
+        """Sample ``s`` (row ``b`` of the micro-batch's logits ``[B, T, V]``) as loss inputs (tensors on
+        the learner's device)."""
+        dev, end = self.device, len(s.tokens)
+        targets = torch.tensor(s.tokens[s.prompt_len:], device=dev)
+        topk = s.teacher_topk_ids is not None
+        return SampleLossInputs(
+            logits=logits_all[b, s.prompt_len - 1 : end - 1], targets=targets,
+            loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32, device=dev),
+            rollout_logprobs=torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=dev), advantage=adv,
+            temperature=s.temperature, num_tokens=norm_tokens, num_seqs=norm_seqs, entropy_coef=entropy_coef,
+            teacher_logprobs=(None if s.teacher_logprobs is None
+                              else torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=dev)),
+            teacher_topk_logprobs=torch.tensor(s.teacher_topk_logprobs, device=dev) if topk else None,
+            teacher_topk_ids=torch.tensor(s.teacher_topk_ids, device=dev) if topk else None,
+            ref_logprobs=(None if ref_all is None else
+                          sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)),
+            proximal_logprobs=None if proximal is None else proximal[b],
+            # generated by exactly these weights (later mini-batches run on already-updated weights)
+            fresh=first_mini_batch and s.policy_version == self.version)
 
     def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
                    entropy_coef: float = 0.0) -> dict:
@@ -426,11 +394,7 @@ class LearnerWorker:
         proximal = None
         if cfg.get("ratio_anchor", "rollout") == "proximal" and num_mini > 1:
             proximal = self._proximal_logprobs(fetched, packs, passes)
-        # sums: loss, pg_loss, kl, clipped, ratio, tokens, adv, adv^2, effective, resp_tokens, nonfinite,
-        #       samples, is_weight, mismatch_kl_sum, mismatch_tokens, entropy
-        sums = torch.zeros(16, dtype=torch.float64)
-        ratio_max = torch.zeros(1, dtype=torch.float64)
-        entropies: list[torch.Tensor] = []
+        per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
         grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
         for j in range(num_mini):
             norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
@@ -440,12 +404,10 @@ class LearnerWorker:
                 if p < len(packs[j]):
                     group = packs[j][p]
                     anchors = [proximal[i] for i in group] if proximal is not None and j > 0 else None
-                    loss, part, rmax, ents = self._micro_batch_loss(
+                    loss, metrics = self._micro_batch_loss(
                         [fetched[i] for i in group], [adv_of[i] for i in group], norm_tokens, norm_seqs,
                         entropy_coef, j == 0, anchors)
-                    sums += part
-                    ratio_max = torch.maximum(ratio_max, rmax)
-                    entropies += ents
+                    per_sample += metrics
                 else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
                     loss = self._padding_pass()
                 if not torch.isfinite(loss):
@@ -456,7 +418,6 @@ class LearnerWorker:
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             dist.all_reduce(nonfinite)
-            sums[10] += nonfinite.item()
             if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
@@ -466,41 +427,39 @@ class LearnerWorker:
             self.scheduler.step()
             self.optimizer_steps += 1
             steps_taken += 1
-        dist.all_reduce(sums)
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-        gathered: list = [None] * n
-        dist.all_gather_object(gathered, torch.cat(entropies) if entropies else torch.zeros(0, dtype=torch.float64))
-        all_entropy = torch.cat(gathered)
         skipped = steps_taken == 0
         if skipped:
             self.skipped_steps += 1
         else:
             self.version = version
-        tokens = max(sums[5].item(), 1.0)
-        adv_mean = sums[6].item() / tokens
         return {
-            "loss": sums[0].item() / n / num_mini,
-            "pg_loss": sums[1].item() / n / num_mini,
-            "kl": sums[2].item() / n / num_mini,
+            **self._reduce_loss_metrics(per_sample, num_mini),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "lr": lr,
-            "num_tokens": sums[5].item(),
-            "num_samples": sums[11].item(),
             "micro_batches": float(passes.sum().item()),
             "optimizer_steps": float(steps_taken),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
-            "inv/entropy": sums[15].item() / tokens,
-            "inv/entropy_p10": float(torch.quantile(all_entropy, 0.1)) if all_entropy.numel() else math.nan,
-            "inv/entropy_min": float(all_entropy.min()) if all_entropy.numel() else math.nan,
-            "inv/adv_std": math.sqrt(max(sums[7].item() / tokens - adv_mean**2, 0.0)),
-            "inv/ratio_mean": sums[4].item() / tokens,
-            "inv/ratio_max": ratio_max.item(),
-            "inv/clip_frac": sums[3].item() / tokens,
-            "inv/is_weight_mean": sums[12].item() / tokens,
-            "inv/logprob_mismatch_kl": sums[13].item() / sums[14].item() if sums[14].item() else math.nan,
-            "inv/effective_token_rate": sums[8].item() / max(sums[9].item(), 1.0),
         }
+
+    def _reduce_loss_metrics(self, per_sample: list[dict[str, torch.Tensor]], num_mini: int) -> dict[str, float]:
+        """:func:`clawray.algos.losses.batch_loss_metrics` over every rank's samples. Collective: one
+        host copy of the summed metrics per step, a sum and a max all-reduce and an entropy all-gather."""
+        import torch.distributed as dist
+
+        sums = torch.zeros(len(SUM_METRICS), dtype=torch.float64)
+        ratio_max = torch.zeros(1, dtype=torch.float64)
+        mine = torch.zeros(0, dtype=torch.float64)
+        if per_sample:
+            sums = torch.stack([sum(m[k] for m in per_sample) for k in SUM_METRICS]).cpu()
+            ratio_max = torch.stack([m["ratio_max"] for m in per_sample]).max().reshape(1).cpu()
+            mine = torch.cat([m["token_entropy"] for m in per_sample]).cpu()
+        dist.all_reduce(sums)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return batch_loss_metrics(dict(zip(SUM_METRICS, sums.tolist())), ratio_max.item(), torch.cat(gathered),
+                                  self.world_size, num_mini)
 
     # ------------------------------------------------------------------ weight sync
     def init_weight_sender(self, world_size: int, host: str, port: int, plan: list, bucket_bytes: int,
