@@ -455,6 +455,25 @@ def _schema() -> DictConfig:
     return OmegaConf.structured(ClawrayConfig)
 
 
+def section(schema: type, values: Any) -> Any:
+    """A config section as its schema dataclass, the way every actor receives its config.
+
+    ``values`` may already be the dataclass (returned as is), an omegaconf node of the loaded config
+    (``cfg.learner``) or a plain mapping of some of its keys (tests, benchmarks): the keys are merged
+    onto the schema's defaults (declared once, on the fields) and converted with
+    ``OmegaConf.to_object``.
+
+    Raises:
+        ConfigError: a key the schema does not have, or a value of the wrong type.
+    """
+    if isinstance(values, schema):
+        return values
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{schema.__name__}: {e}") from None
+
+
 def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
     """Merge YAML ``files`` (in order) and ``key=value`` ``overrides`` onto the schema.
 

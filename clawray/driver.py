@@ -176,7 +176,7 @@ class Driver:
                 self._engine_kwargs(cfg.judge.engine_backend))
         self.judges = [
             JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus).remote(
-                OmegaConf.to_container(cfg.judge), judge_engine, path)
+                OmegaConf.to_object(cfg.judge), judge_engine, path)
             for _ in range(cfg.judge.num_workers)
         ]
         # OPD / Combine: a frozen teacher (the initial policy) on its own engine; it shares the judge's
@@ -214,9 +214,8 @@ class Driver:
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
         w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
-        learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": w_rl, "w_opd": w_opd,
-                       "opd_adv_clip": cfg.opd.adv_clip}
-        self.learners = LearnerGroup(path, learner_cfg, free_port())
+        self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
+                                     loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         ready = ray.get([e.ready.remote() for e in self.engines + aux])
 

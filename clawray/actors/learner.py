@@ -44,6 +44,7 @@ import torch
 from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, batch_loss_metrics, sample_loss,
                                   sequence_logprobs)
 from clawray.algos.schedule import lr_factor
+from clawray.config import LearnerConfig, section
 from clawray.types import Sample
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -140,28 +141,33 @@ class LearnerWorker:
         rank, world_size: position in the learner group.
         master_port: TCP port of the group's rendezvous on 127.0.0.1 (rank 0 hosts it).
         model_path: HF folder of the initial policy.
-        cfg: the ``learner`` section of the config, as a plain dict (``lora`` a nested dict).
+        cfg: the ``learner`` config section (:class:`clawray.config.LearnerConfig`; a mapping of some
+            of its keys is completed with the schema's defaults, :func:`clawray.config.section`).
+        loss_weights: the algorithm's advantage mix ``{"w_rl", "w_opd", "opd_adv_clip"}`` (defaults
+            1, 1, 0 = no clip; see :func:`clawray.algos.losses.sample_loss`).
     """
 
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: dict):
+    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: LearnerConfig | dict,
+                 loss_weights: dict | None = None):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
+        cfg = section(LearnerConfig, cfg)
         self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
-        torch.set_num_threads(max(1, int(cfg.get("torch_threads", 1))))
+        torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=cfg["dist_timeout_s"]))
+                                world_size=world_size, timeout=timedelta(seconds=cfg.dist_timeout_s))
         torch.manual_seed(0)  # same seed on every rank: LoRA's A matrices start identical everywhere
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
-        if cfg.get("activation_checkpointing"):
+        if cfg.activation_checkpointing:
             checkpoint_layers(self._hf_model(model).model.layers)
-        lora = dict(cfg.get("lora") or {})
-        self.lora_rank = int(lora.get("rank", 0))
+        lora = cfg.lora
+        self.lora_rank = lora.rank
         self._lora_scalings: dict[str, float] = {}
         self._lora_fan_in_fan_out: set[str] = set()
         if self.lora_rank > 0:
@@ -169,8 +175,8 @@ class LearnerWorker:
             from peft.tuners.lora import LoraLayer
 
             model = get_peft_model(model, LoraConfig(
-                r=self.lora_rank, lora_alpha=float(lora.get("alpha", 16.0)), lora_dropout=float(lora.get("dropout", 0.0)),
-                target_modules=list(lora.get("target_modules") or []), bias="none"))
+                r=self.lora_rank, lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+                target_modules=list(lora.target_modules), bias="none"))
             for name, module in model.named_modules():
                 if isinstance(module, LoraLayer) and "default" in module.scaling:
                     self._lora_scalings[name] = float(module.scaling["default"])
@@ -185,22 +191,21 @@ class LearnerWorker:
         fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
         self.ref_model = None
-        if cfg.get("kl_coef", 0.0) > 0:  # a frozen full copy of the initial policy, only when KL is on
+        if cfg.kl_coef > 0:  # a frozen full copy of the initial policy, only when KL is on
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg["lr"], betas=tuple(cfg["betas"]),
-                                           weight_decay=cfg["weight_decay"])
-        schedule = (cfg.get("lr_schedule", "constant"), int(cfg.get("warmup_steps", 0)),
-                    int(cfg.get("total_steps", 0)), float(cfg.get("min_lr_ratio", 0.0)))
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        schedule = (cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
         lr_factor(0, *schedule)  # raises on a bad schedule here rather than at the first step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, *schedule))
+        weights = {"w_rl": 1.0, "w_opd": 1.0, "opd_adv_clip": 0.0, **(loss_weights or {})}
         self.loss_settings = LossSettings(
-            eps=cfg["eps"], eps_high=cfg["eps_high"], dual_clip=cfg.get("dual_clip") or None,
-            tis_cap=cfg.get("tis_cap") or None, proximal=cfg.get("ratio_anchor", "rollout") == "proximal",
-            agg_mode=cfg.get("agg_mode", "token-mean"), kl_coef=cfg.get("kl_coef", 0.0),
-            kl_estimator=cfg.get("kl_estimator", "k3"), w_rl=cfg.get("w_rl", 1.0), w_opd=cfg.get("w_opd", 1.0),
-            opd_adv_clip=cfg.get("opd_adv_clip") or None)
+            eps=cfg.eps, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip or None, tis_cap=cfg.tis_cap or None,
+            proximal=cfg.ratio_anchor == "proximal", agg_mode=cfg.agg_mode, kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator, w_rl=weights["w_rl"], w_opd=weights["w_opd"],
+            opd_adv_clip=weights["opd_adv_clip"] or None)
         self.version = 0
         self._transport = None
         self.skipped_steps = 0
@@ -374,13 +379,13 @@ class LearnerWorker:
         t0 = time.perf_counter()
         cfg, n = self.cfg, self.world_size
         total = len(sample_refs)
-        num_mini = max(1, min(int(cfg.get("steps_per_batch", 1)), total))
+        num_mini = max(1, min(cfg.steps_per_batch, total))
         bounds = [round(j * total / num_mini) for j in range(num_mini + 1)]
         mine = [list(range(bounds[j] + self.rank, bounds[j + 1], n)) for j in range(num_mini)]
         flat = [i for idx in mine for i in idx]
         fetched = dict(zip(flat, ray.get([sample_refs[i] for i in flat]) if flat else []))
         adv_of = {i: float(advantages[i]) if advantages is not None else float(fetched[i].reward or 0.0) for i in flat}
-        budget = int(cfg.get("max_tokens_per_micro_batch", 0))
+        budget = cfg.max_tokens_per_micro_batch
         packs = [[[idx[k] for k in group] for group in pack_micro_batches([len(fetched[i].tokens) for i in idx], budget)]
                  for idx in mine]
         # global counts per mini-batch: tokens and samples (sum), micro-batches (max over ranks)
@@ -392,7 +397,7 @@ class LearnerWorker:
 
         self.model.eval()  # never train mode: dropout would make the log-probs stochastic
         proximal = None
-        if cfg.get("ratio_anchor", "rollout") == "proximal" and num_mini > 1:
+        if self.loss_settings.proximal and num_mini > 1:
             proximal = self._proximal_logprobs(fetched, packs, passes)
         per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
         grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
@@ -414,7 +419,7 @@ class LearnerWorker:
                     nonfinite += 1
                     loss = torch.nan_to_num(loss) * 0.0
                 loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg["grad_clip"])
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             dist.all_reduce(nonfinite)
@@ -618,7 +623,8 @@ class LearnerGroup:
 
     Args:
         model_path: initial policy folder.
-        cfg: the ``learner`` config section (plain dict).
+        cfg: the ``learner`` config section (:class:`clawray.config.LearnerConfig`, or a mapping of some
+            of its keys).
         master_port: rendezvous port for the FSDP group.
         placement_timeout_s: how long to wait for the cluster to grant the bundles.
 
@@ -629,13 +635,15 @@ class LearnerGroup:
             placement group removed before raising: nothing stays reserved.
     """
 
-    def __init__(self, model_path: str, cfg: dict, master_port: int, placement_timeout_s: float = 120.0):
+    def __init__(self, model_path: str, cfg: LearnerConfig | dict, master_port: int, placement_timeout_s: float = 120.0,
+                 loss_weights: dict | None = None):
         from ray.util.placement_group import placement_group
 
-        n = int(cfg["num_workers"])
-        bundle = {"CPU": float(cfg["num_cpus"])}
-        if cfg.get("num_gpus", 0.0):
-            bundle["GPU"] = float(cfg["num_gpus"])
+        cfg = section(LearnerConfig, cfg)
+        n = cfg.num_workers
+        bundle = {"CPU": float(cfg.num_cpus)}
+        if cfg.num_gpus:
+            bundle["GPU"] = float(cfg.num_gpus)
         self.workers: list = []
         self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
@@ -645,12 +653,13 @@ class LearnerGroup:
                 raise RuntimeError(f"the learner placement group ({n} x {bundle}) was not granted within "
                                    f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
                                    ) from None
-            self._start_workers(n, model_path, cfg, master_port)
+            self._start_workers(n, model_path, cfg, master_port, loss_weights)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_workers(self, n: int, model_path: str, cfg: dict, master_port: int) -> None:
+    def _start_workers(self, n: int, model_path: str, cfg: LearnerConfig, master_port: int,
+                       loss_weights: dict | None) -> None:
         """Create the N workers in the placement group and wait until each has sharded its model;
         the first failure raises at once (the other ranks may be blocked in a collective with it)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -658,8 +667,8 @@ class LearnerGroup:
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
             self.workers.append(LearnerWorkerActor.options(
-                num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None, scheduling_strategy=strategy,
-            ).remote(i, n, master_port, model_path, cfg))
+                num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, name=None, scheduling_strategy=strategy,
+            ).remote(i, n, master_port, model_path, cfg, loss_weights))
         rank_of = {w.ready.remote(): i for i, w in enumerate(self.workers)}
         pending = list(rank_of)
         while pending:
