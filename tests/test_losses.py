@@ -185,8 +185,8 @@ from clawray.algos.invariants import (DegenerateBatchGuard, EntropyController, e
 def test_invariant_metrics_hand_computed():
     assert masked_quantile(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0]), 0.5) == 2.0
     assert math.isnan(masked_quantile(torch.tensor([1.0]), torch.tensor([0]), 0.1))
-    r, l = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0 + math.log(2)])
-    assert logprob_mismatch_kl(r, l, torch.tensor([1, 1])) == pytest.approx((0 + (2 - 1 - math.log(2))) / 2)
+    r, lp = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0 + math.log(2)])
+    assert logprob_mismatch_kl(r, lp, torch.tensor([1, 1])) == pytest.approx((0 + (2 - 1 - math.log(2))) / 2)
     assert logprob_mismatch_kl(r, r, torch.tensor([1, 1])) == 0.0
     adv = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert effective_token_rate(adv, torch.tensor([[1, 1, 1], [1, 1, 0]]), response_tokens=5) == pytest.approx(0.4)
