@@ -208,10 +208,10 @@ def main() -> int:
 
     for case in cases:
         def offending(out, prompt):
-            return case.offending([tok.decode([t]) for t in out.response_ids], prompt)
+            return case.offending([tok.decode([t]) for t in out.response_ids], prompt)  # noqa: B023 - used in this iteration
 
         def corrected(out, prompt):  # a reply a user would correct: it holds offending tokens and is wrong
-            return any(offending(out, prompt)) and case.wrong(prompt, tok.decode(out.response_ids))
+            return any(offending(out, prompt)) and case.wrong(prompt, tok.decode(out.response_ids))  # noqa: B023
 
         tallies = {p: Tally() for p in placements}
         follow = {k: [0, 0] for k in ["plain", *placements]}

@@ -34,6 +34,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from clawray.algos.algorithm import algorithm_class
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid (unknown key, wrong type, bad value)."""
@@ -453,6 +455,25 @@ def _schema() -> DictConfig:
     return OmegaConf.structured(ClawrayConfig)
 
 
+def section(schema: type, values: Any) -> Any:
+    """A config section as its schema dataclass, the way every actor receives its config.
+
+    ``values`` may already be the dataclass (returned as is), an omegaconf node of the loaded config
+    (``cfg.learner``) or a plain mapping of some of its keys (tests, benchmarks): the keys are merged
+    onto the schema's defaults (declared once, on the fields) and converted with
+    ``OmegaConf.to_object``.
+
+    Raises:
+        ConfigError: a key the schema does not have, or a value of the wrong type.
+    """
+    if isinstance(values, schema):
+        return values
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{schema.__name__}: {e}") from None
+
+
 def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
     """Merge YAML ``files`` (in order) and ``key=value`` ``overrides`` onto the schema.
 
@@ -542,7 +563,7 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
     """Top-k distillation on a vLLM teacher engine needs ``opd.topk`` <= vLLM's ``max_logprobs``
     (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
     opd = cfg.opd
-    if cfg.trainer.algo == "rl" or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
+    if not algorithm_class(cfg.trainer.algo).needs_teacher or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
         return
     backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
     if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
@@ -555,7 +576,7 @@ def _check_endpoint_teacher(cfg: DictConfig) -> None:
     """An endpoint teacher scores turns sampled at T = 1 (or greedy) only (vLLM's prompt log-probs
     use raw logits); the run's own sampling temperatures must be such, or every turn fails at run
     time as a teacher error."""
-    if cfg.trainer.algo == "rl" or not cfg.opd.teacher.startswith(("http://", "https://")):
+    if not algorithm_class(cfg.trainer.algo).needs_teacher or not cfg.opd.teacher.startswith(("http://", "https://")):
         return
     temps = {"serve.default_temperature": cfg.serve.default_temperature}
     if cfg.env.enabled:

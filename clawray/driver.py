@@ -26,11 +26,11 @@ from collections import deque
 from typing import Any
 
 import ray
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from clawray.algos.advantages import group_advantages
-from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
+from clawray.algos.advantages import BatchAdvantages, batch_advantages
+from clawray.algos.algorithm import algorithm_class
+from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
 from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
 from clawray.config import checkpoint_dir, model_path
 from clawray.weight_sync import WeightSyncController
@@ -176,19 +176,20 @@ class Driver:
                 self._engine_kwargs(cfg.judge.engine_backend))
         self.judges = [
             JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus).remote(
-                OmegaConf.to_container(cfg.judge), judge_engine, path)
+                OmegaConf.to_object(cfg.judge), judge_engine, path)
             for _ in range(cfg.judge.num_workers)
         ]
         # OPD / Combine: a frozen teacher (the initial policy) on its own engine; it shares the judge's
         # engine when that one is the same frozen model on the same backend
         teacher_engine, self.teachers = None, []
-        if cfg.trainer.algo in ("opd", "combine") and cfg.opd.teacher.startswith(("http://", "https://")):
+        algorithm = algorithm_class(cfg.trainer.algo)  # what the algorithm needs: a teacher or not
+        if algorithm.needs_teacher and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
             teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint,
                                                                     cfg.opd.hint_placement)
             self.teachers = [teacher]
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
-        elif cfg.trainer.algo in ("opd", "combine"):
+        elif algorithm.needs_teacher:
             teacher_path = path
             if cfg.opd.teacher == "live":
                 teacher_engine = self.engines[0]
@@ -212,9 +213,9 @@ class Driver:
                  "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
-        learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
-                       else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
-        self.learners = LearnerGroup(path, learner_cfg, free_port())
+        w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
+        self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
+                                     loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         ready = ray.get([e.ready.remote() for e in self.engines + aux])
 
@@ -326,6 +327,11 @@ class Driver:
     def step(self) -> dict[str, Any]:
         """Wait for one batch, apply the signal guards, train, sync; returns the step's metrics.
 
+        The phases, each a named call: take a batch (:meth:`_take_batch`) -> advantages
+        (:func:`~clawray.algos.advantages.batch_advantages`) -> train (:meth:`_train`) -> sync
+        (:meth:`_sync`) -> advance the policy version -> checkpoint (:meth:`_periodic_checkpoint`) ->
+        log (:meth:`_step_metrics`, :meth:`_log_step`).
+
         A batch is not trained when the degenerate-batch guard says skip (``skipped: degenerate``)
         or when the learners met a non-finite loss or gradient (``skipped: nonfinite``); then no
         weights are synced and the policy version stays.
@@ -333,9 +339,39 @@ class Driver:
         Raises:
             TimeoutError: no full batch arrived within ``trainer.batch_timeout_s``.
         """
-        cfg = self.cfg
         t0 = time.perf_counter()
         next_version = self.version + 1
+        batch, refs, samples = self._take_batch(next_version)
+        t_wait = time.perf_counter() - t0
+        adv = batch_advantages([s.reward for s in samples], self.guard, self.cfg.trainer.advantage,
+                               [tuple(s.tokens[: s.prompt_len]) for s in samples])
+        skipped = "" if adv.train and refs else "degenerate"
+        train, skipped = self._train(refs, samples, adv.advantages, next_version, skipped)
+        t_train = time.perf_counter() - t0 - t_wait
+        sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
+        if not skipped:
+            self.version = next_version  # the learner's weights moved on even when the sync failed
+            self.entropy.update(train["inv/entropy"])
+        else:
+            self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
+        self.steps_done += 1
+        ckpt_s = self._periodic_checkpoint()
+        timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
+        metrics, dropped = self._step_metrics(batch, samples, adv, skipped, train, timing, t0)
+        if sync_error:
+            metrics["sync_error"] = sync_error
+        self._log_step(metrics, dropped, adv, train, skipped, sync_s, sync_error, t_wait, t_train)
+        return metrics
+
+    def _take_batch(self, next_version: int) -> tuple[dict, list, list]:
+        """The next batch from the queue (``trainer.batch_size`` .. ``max_batch_size`` samples), without
+        its all-masked samples (they only cost compute; counted): ``(batch, refs, samples)``. The batch
+        is in flight (requeued by a checkpoint) until :meth:`_train` has decided on it.
+
+        Raises:
+            TimeoutError: no full batch arrived within ``trainer.batch_timeout_s``.
+        """
+        cfg = self.cfg
         timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
         batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, timeout,
                                                     cfg.trainer.max_batch_size))
@@ -345,30 +381,18 @@ class Driver:
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
         samples = ray.get(batch["refs"])
         self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"]}
-        t_wait = time.perf_counter() - t0
-
-        # effective samples: an all-masked sample only costs compute
         keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0]
         self.all_masked_dropped += len(samples) - len(keep)
         refs = [batch["refs"][i] for i in keep]
         samples = [samples[i] for i in keep]
         self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
-        rewards = [float(s.reward or 0.0) for s in samples]
-        # the signal guards look at samples that carry a reward (pure OPD samples carry none)
-        rewarded = [i for i, s in enumerate(samples) if s.reward is not None]
-        signal = signal_stats([rewards[i] for i in rewarded])
-        advantages = list(rewards)
-        train_ok = True
-        if rewarded:
-            guarded, train_ok = self.guard.apply([rewards[i] for i in rewarded])
-            for i, a in zip(rewarded, guarded):
-                advantages[i] = a
-        if cfg.trainer.advantage == "grpo":  # samples with identical prompt tokens form a group
-            groups: dict[tuple, int] = {}
-            ids = torch.tensor([groups.setdefault(tuple(s.tokens[: s.prompt_len]), len(groups)) for s in samples])
-            advantages = group_advantages(torch.tensor(rewards), ids).tolist()
-        skipped = "" if train_ok and refs else "degenerate"
+        return batch, refs, samples
 
+    def _train(self, refs: list, samples: list, advantages: list[float], next_version: int,
+               skipped: str) -> tuple[dict[str, Any], str]:
+        """Train the batch on every learner unless ``skipped``; returns ``(train metrics, skipped)``
+        (``"nonfinite"`` when the learners skipped every optimizer step). The batch is no longer in
+        flight afterwards (trained, or decided against)."""
         train: dict[str, Any] = {}
         if not skipped:
             train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
@@ -378,16 +402,21 @@ class Driver:
                 self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
                 self.samples_trained += len(samples)
         self._in_flight = None  # trained, or decided against (degenerate / non-finite)
-        t_train = time.perf_counter() - t0 - t_wait
+        return train, skipped
 
+    def _sync(self, next_version: int, skipped: str) -> tuple[float, str | None, dict[str, float]]:
+        """Broadcast the weights after a trained step (or a skipped one while an engine is behind);
+        returns ``(seconds, error or None, sync metrics)``.
+
+        Sync time = pause -> resume; it includes the engines finishing the generations already running
+        (every response comes from one weight version), then gather, broadcast and load. A failed sync
+        never stops training: the engines are resumed on their old version, and the next sync (even on
+        a skipped step) rebuilds the group and sends the newest weights.
+        """
         sync_s, sync_error = 0.0, None
         sync_metrics = {"timing/weight_sync_s": 0.0, "sync/bytes": 0.0, "sync/gbytes_per_s": 0.0,
                         "sync/gather_s": 0.0, "sync/send_s": 0.0, "sync/load_s_max": 0.0}
         if not skipped or self.weight_sync.behind:
-            # sync time = pause -> resume; it includes the engines finishing the generations already
-            # running (every response comes from one weight version), then gather, broadcast and load.
-            # A failed sync never stops training: the engines are resumed on their old version, and
-            # the next sync (even on a skipped step) rebuilds the group and sends the newest weights.
             result = self.weight_sync.sync(next_version if not skipped else self.version)
             sync_s = result["seconds"]
             sync_metrics.update(WeightSyncController.metrics(result, self.weight_sync.failures))
@@ -395,20 +424,23 @@ class Driver:
                 sync_error = result["error"]
                 print(f"[clawray] {sync_error}; engines resumed at versions {result['versions']}; the sync group "
                       "is rebuilt and the newest weights re-sent at the next sync", flush=True)
-        if not skipped:
-            self.version = next_version  # the learner's weights moved on even when the sync failed
-            self.entropy.update(train["inv/entropy"])
-        else:
-            self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
         if not any(k.startswith("engine_version/") for k in sync_metrics):
             sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v)
                                  for n, v in self.engine_versions().items()})
-        self.steps_done += 1
-        ckpt_s = 0.0
-        if cfg.checkpoint.every_steps > 0 and self.steps_done % cfg.checkpoint.every_steps == 0:
-            self.save_checkpoint()
-            ckpt_s = self.last_checkpoint["seconds"]
+        return sync_s, sync_error, sync_metrics
 
+    def _periodic_checkpoint(self) -> float:
+        """Save a checkpoint every ``checkpoint.every_steps`` steps; returns its seconds (0 if none)."""
+        every = self.cfg.checkpoint.every_steps
+        if every > 0 and self.steps_done % every == 0:
+            self.save_checkpoint()
+            return self.last_checkpoint["seconds"]
+        return 0.0
+
+    def _step_metrics(self, batch: dict, samples: list, adv: BatchAdvantages, skipped: str, train: dict,
+                      timing: dict[str, float], t0: float) -> tuple[dict[str, Any], dict[str, int]]:
+        """The step's metrics row (see README) and the cumulative drop counts by reason; ``timing/step_s``
+        is measured from ``t0`` (``time.perf_counter()`` at the step's start)."""
         qstats = ray.get(self.queue.stats.remote())
         tstats = ray.get(self.tracker.stats.remote())
         judge_metrics = self._judge_metrics(tstats)
@@ -417,15 +449,16 @@ class Driver:
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
         decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
+        rewarded = adv.rewarded
         metrics = {
             "policy_version": self.version,
             "samples": len(samples),
             # pure OPD samples carry no reward: no value (null), not a 0
-            "reward_mean": sum(rewards[i] for i in rewarded) / len(rewarded) if rewarded else math.nan,
+            "reward_mean": sum(float(samples[i].reward) for i in rewarded) / len(rewarded) if rewarded else math.nan,
             "skipped": skipped or "no",
             **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
-            "inv/nonzero_reward_frac": signal["nonzero_reward_frac"],
-            "inv/reward_std": signal["reward_std"],
+            "inv/nonzero_reward_frac": adv.signal["nonzero_reward_frac"],
+            "inv/reward_std": adv.signal["reward_std"],
             "inv/degenerate_batches": self.guard.degenerate_batches,
             "inv/baseline": self.guard.baseline,
             "inv/entropy_coef": self.entropy.coef,
@@ -444,28 +477,28 @@ class Driver:
             "samples_taken": qstats["taken"],
             "samples_trained": self.samples_trained,
             "samples_dropped": sum(dropped.values()),
-            "timing/wait_batch_s": t_wait,
-            "timing/train_s": t_train,
-            **sync_metrics,
-            "timing/checkpoint_s": ckpt_s,
+            **timing,
             "timing/step_s": time.perf_counter() - t0,
         }
-        if sync_error:
-            metrics["sync_error"] = sync_error
+        return metrics, dropped
+
+    def _log_step(self, metrics: dict[str, Any], dropped: dict[str, int], adv: BatchAdvantages, train: dict,
+                  skipped: str, sync_s: float, sync_error: str | None, t_wait: float, t_train: float) -> None:
+        """Append the row to the history, log it (wandb, ``metrics.jsonl``) and print the step's line."""
+        cfg = self.cfg
         self.history.append(metrics)
         self.tracking.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done)
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
-        reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
-        print(f"[clawray] step {self.steps_done}{total} | samples {len(samples)} | "
+        reward = f"{metrics['reward_mean']:+.2f}" if adv.rewarded else " n/a"  # pure OPD samples carry no reward
+        print(f"[clawray] step {self.steps_done}{total} | samples {metrics['samples']} | "
               f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
               f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
               f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
-        return metrics
 
     def _generation_metrics(self) -> dict[str, float]:
         """``rollout/tokens``: tokens the rollout engines generated since the last step (all engines);

@@ -241,7 +241,7 @@ class WeightTransport(abc.ABC):
     def close(self) -> None:
         """Release the group or mailbox; the transport cannot be used afterwards."""
 
-    def done(self, ok: bool = True) -> None:
+    def done(self, ok: bool = True) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Receiver: the tensors of the last :meth:`receive` are loaded (``ok``) or given up on; the
         transport may reuse their memory from now on. A no-op except for :class:`IpcTransport`, whose
         tensors are the sender's buffers (it acks the sender here).
@@ -753,7 +753,7 @@ class IpcTransport(WeightTransport):
         self._held, self._pending = flats, seq
         return (item for bucket, flat in zip(self.buckets, flats) for item in self._views(bucket, flat))
 
-    def done(self, ok: bool = True) -> None:
+    def done(self, ok: bool = True) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Ack the last received sync (see :meth:`WeightTransport.done`) and unmap its buffers."""
         if self._pending is None:
             return

@@ -3,6 +3,7 @@ import typing
 
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 from clawray.config import Bounds, ConfigError, load_config, redacted, schema_fields
 
@@ -59,7 +60,7 @@ def test_missing_file():
 
 def test_config_is_read_only():
     cfg = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(ReadonlyConfigError):
         cfg.trainer.num_steps = 3
 
 

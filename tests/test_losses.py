@@ -185,8 +185,8 @@ from clawray.algos.invariants import (DegenerateBatchGuard, EntropyController, e
 def test_invariant_metrics_hand_computed():
     assert masked_quantile(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0]), 0.5) == 2.0
     assert math.isnan(masked_quantile(torch.tensor([1.0]), torch.tensor([0]), 0.1))
-    r, l = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0 + math.log(2)])
-    assert logprob_mismatch_kl(r, l, torch.tensor([1, 1])) == pytest.approx((0 + (2 - 1 - math.log(2))) / 2)
+    r, lp = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0 + math.log(2)])
+    assert logprob_mismatch_kl(r, lp, torch.tensor([1, 1])) == pytest.approx((0 + (2 - 1 - math.log(2))) / 2)
     assert logprob_mismatch_kl(r, r, torch.tensor([1, 1])) == 0.0
     adv = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert effective_token_rate(adv, torch.tensor([[1, 1, 1], [1, 1, 0]]), response_tokens=5) == pytest.approx(0.4)
@@ -215,3 +215,75 @@ def test_entropy_controller_rises_below_floor_and_falls_back():
     assert c.update(0.6) == pytest.approx(0.05)  # capped
     assert c.update(1.5) == pytest.approx(0.0)   # entropy back above the floor: the bonus decays
     assert EntropyController(coef=0.01).update(0.0) == 0.01  # floor 0: fixed coefficient
+
+
+# ---------------------------------------------------------------- one sample's loss (the learner's code)
+def _uniform_inputs(**kw):
+    from clawray.algos.losses import SampleLossInputs
+
+    # uniform logits over V = 4: every log-prob is -log 4, every entropy log 4
+    lp = -math.log(4)
+    base = dict(logits=torch.zeros(3, 4, requires_grad=True), targets=torch.tensor([0, 1, 2]),
+                loss_mask=torch.tensor([1.0, 1.0, 0.0]), rollout_logprobs=torch.full((3,), lp), advantage=2.0,
+                fresh=True)
+    return SampleLossInputs(**{**base, **kw})
+
+
+def test_sample_loss_hand_computed_and_metrics_by_name():
+    from clawray.algos.losses import SUM_METRICS, LossSettings, sample_loss
+
+    lp = -math.log(4)
+    out = sample_loss(_uniform_inputs(), LossSettings())
+    # ratio 1 on both masked tokens, A = 2: token loss -2, token mean -2
+    assert out.loss.item() == pytest.approx(-2.0)
+    m = {k: v.item() for k, v in out.metrics.items() if k != "token_entropy"}
+    assert set(out.metrics) == {*SUM_METRICS, "ratio_max", "token_entropy"}
+    assert m == pytest.approx({"loss": -2.0, "pg_loss": -2.0, "kl": 0.0, "clipped": 0.0, "ratio_sum": 2.0,
+                               "tokens": 2.0, "adv_sum": 4.0, "adv_sq_sum": 8.0, "effective_tokens": 2.0,
+                               "response_tokens": 3.0, "samples": 1.0, "is_weight_sum": 2.0,
+                               "mismatch_kl_sum": 0.0, "mismatch_tokens": 2.0,
+                               "entropy_sum": 2 * math.log(4), "ratio_max": 1.0})
+    assert out.metrics["token_entropy"].tolist() == pytest.approx([math.log(4)] * 2)
+    assert all(v.dtype == torch.float64 and not v.requires_grad for v in out.metrics.values())
+    # OPD term: teacher - rollout = +0.5 on every token, w_rl 0.5, w_opd 2: A = 0.5 * 2 + 2 * 0.5 = 2 per token
+    teacher = torch.full((3,), lp + 0.5)
+    out = sample_loss(_uniform_inputs(teacher_logprobs=teacher, fresh=False), LossSettings(w_rl=0.5, w_opd=2.0))
+    assert out.metrics["adv_sum"].item() == pytest.approx(4.0) and out.metrics["mismatch_tokens"].item() == 0.0
+    # KL to a reference 1 nat above: k1 = -1 per token, coefficient 0.1 -> loss -2 - 0.1
+    out = sample_loss(_uniform_inputs(ref_logprobs=torch.full((3,), lp + 1.0)),
+                      LossSettings(kl_coef=0.1, kl_estimator="k1"))
+    assert (out.loss.item(), out.metrics["kl"].item()) == pytest.approx((-2.1, -1.0))
+    # entropy bonus: - 0.5 * log 4
+    out = sample_loss(_uniform_inputs(entropy_coef=0.5), LossSettings())
+    assert out.loss.item() == pytest.approx(-2.0 - 0.5 * math.log(4))
+
+
+def test_batch_loss_metrics_by_name():
+    from clawray.algos.losses import SUM_METRICS, batch_loss_metrics
+
+    sums = dict.fromkeys(SUM_METRICS, 0.0)
+    sums.update(loss=-8.0, tokens=4.0, adv_sum=4.0, adv_sq_sum=8.0, ratio_sum=4.0, clipped=1.0, samples=2.0,
+                effective_tokens=2.0, response_tokens=8.0, entropy_sum=2.0)
+    m = batch_loss_metrics(sums, 1.5, torch.tensor([0.1, 0.2, 0.3, 1.4], dtype=torch.float64), world_size=2,
+                           num_mini_batches=2)
+    assert m["loss"] == -2.0 and m["inv/adv_std"] == 1.0 and m["inv/clip_frac"] == 0.25
+    assert m["inv/effective_token_rate"] == 0.25 and m["inv/entropy"] == 0.5 and m["inv/entropy_min"] == 0.1
+    assert m["inv/entropy_p10"] == pytest.approx(0.13) and math.isnan(m["inv/logprob_mismatch_kl"])
+
+
+def test_batch_advantages_guard_and_grpo_groups():
+    from clawray.algos.advantages import batch_advantages
+
+    # one-signed rewarded samples (+1, +1) and a pure OPD sample (None): baseline 0 -> 0.5 * 1 after
+    out = batch_advantages([1.0, None, 1.0], DegenerateBatchGuard("baseline", momentum=0.5))
+    assert out.advantages == [1.0, 0.0, 1.0] and out.train and out.rewarded == [0, 2]
+    assert out.signal["one_signed"] == 1.0
+    assert batch_advantages([1.0, 1.0], DegenerateBatchGuard("skip")).train is False
+    # GRPO: groups {a: [1, -1]}, {b: [1]}: +-1 in a, 0 for the group of one (the guard still counts)
+    guard = DegenerateBatchGuard("none")
+    out = batch_advantages([1.0, -1.0, 1.0], guard, "grpo", ["a", "a", "b"])
+    assert out.advantages == [1.0, -1.0, 0.0] and guard.degenerate_batches == 0
+    with pytest.raises(ValueError, match="group key"):
+        batch_advantages([1.0], guard, "grpo")
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        batch_advantages([1.0], guard, "gae")

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from clawray.chat import SpecialTokenStripper, end_of_turn_ids
+from clawray.config import JudgeConfig, section
 from clawray.types import Turn
 
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -264,17 +265,18 @@ class JudgeWorker:
     """Scores turns with one of the backends above.
 
     Args:
-        cfg: the ``judge`` config section (plain dict).
+        cfg: the ``judge`` config section (:class:`clawray.config.JudgeConfig`; a mapping of some of its
+            keys is completed with the schema's defaults, :func:`clawray.config.section`).
         engine: RolloutEngine actor handle (backend ``engine``).
         tokenizer_path: the judge engine's tokenizer folder (backend ``engine``).
     """
 
-    def __init__(self, cfg: dict, engine: Any = None, tokenizer_path: str | None = None):
-        self.cfg = cfg
-        self.backend = cfg["backend"]
+    def __init__(self, cfg: JudgeConfig | dict, engine: Any = None, tokenizer_path: str | None = None):
+        self.cfg = cfg = section(JudgeConfig, cfg)
+        self.backend = cfg.backend
         self.engine = engine
         self.stats: Counter[str] = Counter()
-        self.semaphore = asyncio.Semaphore(int(cfg.get("concurrency", 8)))
+        self.semaphore = asyncio.Semaphore(cfg.concurrency)
         if self.backend == "engine":
             from transformers import AutoTokenizer
 
@@ -286,10 +288,10 @@ class JudgeWorker:
         elif self.backend == "openai":
             from openai import AsyncOpenAI
 
-            if not cfg["base_url"] or not cfg["model"]:
+            if not cfg.base_url or not cfg.model:
                 raise ValueError("judge backend 'openai' needs judge.base_url and judge.model")
             # no retries inside the client: judge.retries is the one retry policy
-            self.client = AsyncOpenAI(base_url=cfg["base_url"], api_key=cfg["api_key"], timeout=cfg["timeout_s"],
+            self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout_s,
                                       max_retries=0)
 
     async def judge(self, turn: Turn, next_state: list[dict[str, Any]]) -> JudgeResult:
@@ -298,9 +300,9 @@ class JudgeWorker:
         if self.backend == "feedback":
             votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
         else:
-            messages = build_prm_messages(turn, next_state, self.cfg.get("context_messages", 4))
+            messages = build_prm_messages(turn, next_state, self.cfg.context_messages)
             raw = await asyncio.gather(*(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}")
-                                         for i in range(self.cfg["m"])))
+                                         for i in range(self.cfg.m)))
             votes = [parse_score(r) for r in raw]
         score, counts = majority_vote(votes)
         self.stats["turns"] += 1
@@ -321,9 +323,9 @@ class JudgeWorker:
             votes = [feedback_hint(next_state)]
             raw = [json.dumps(next_state)[:500]]
         else:
-            messages = build_hint_messages(turn, next_state, self.cfg.get("context_messages", 4))
+            messages = build_hint_messages(turn, next_state, self.cfg.context_messages)
             raw = await asyncio.gather(*(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}")
-                                         for i in range(self.cfg["m"])))
+                                         for i in range(self.cfg.m)))
             votes = [parse_hint(r) for r in raw]
         result = accept_hint(votes, accept, min_chars)
         result.raw = list(raw)
@@ -339,13 +341,13 @@ class JudgeWorker:
         ``timeout_s`` and retried ``retries`` times; a vote that still fails returns a marker text
         (an invalid vote, counted), never an exception. An answer is kept by its last
         ``MAX_ANSWER_CHARS`` characters (the final verdict is at the end)."""
-        attempts = 1 + int(self.cfg.get("retries", 1))
+        attempts = 1 + int(self.cfg.retries)
         text = ""
         for attempt in range(attempts):
             async with self.semaphore:
                 try:
                     answer = await asyncio.wait_for(self._ask_once(messages, f"{seed_key}/{attempt}"),
-                                                    timeout=self.cfg["timeout_s"])
+                                                    timeout=self.cfg.timeout_s)
                     return answer[-MAX_ANSWER_CHARS:]
                 except Exception as e:
                     self.stats["failed_calls"] += 1
@@ -363,12 +365,12 @@ class JudgeWorker:
 
             # a timed-out vote cancels its generation in the engine too
             out = await await_cancellable(self.engine.generate.remote(GenerateRequest(
-                prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg["max_tokens"],
-                temperature=self.cfg["temperature"], stop_token_ids=self.end_ids, seed=zlib.crc32(seed_key.encode()))))
+                prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg.max_tokens,
+                temperature=self.cfg.temperature, stop_token_ids=self.end_ids, seed=zlib.crc32(seed_key.encode()))))
             return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         resp = await self.client.chat.completions.create(
-            model=self.cfg["model"], messages=messages, temperature=self.cfg["temperature"],
-            max_tokens=self.cfg["max_tokens"])
+            model=self.cfg.model, messages=messages, temperature=self.cfg.temperature,
+            max_tokens=self.cfg.max_tokens)
         content = resp.choices[0].message.content
         if isinstance(content, list):  # content parts, as some OpenAI-compatible servers answer
             content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))

@@ -41,10 +41,10 @@ import numpy as np
 import ray
 import torch
 
-from clawray.algos.advantages import opd_advantages
-from clawray.algos.losses import (aggregate, kl_penalty, ppo_clip_loss, sequence_logprobs, token_entropy,
-                                  topk_reverse_kl)
+from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, batch_loss_metrics, sample_loss,
+                                  sequence_logprobs)
 from clawray.algos.schedule import lr_factor
+from clawray.config import LearnerConfig, section
 from clawray.types import Sample
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -141,28 +141,33 @@ class LearnerWorker:
         rank, world_size: position in the learner group.
         master_port: TCP port of the group's rendezvous on 127.0.0.1 (rank 0 hosts it).
         model_path: HF folder of the initial policy.
-        cfg: the ``learner`` section of the config, as a plain dict (``lora`` a nested dict).
+        cfg: the ``learner`` config section (:class:`clawray.config.LearnerConfig`; a mapping of some
+            of its keys is completed with the schema's defaults, :func:`clawray.config.section`).
+        loss_weights: the algorithm's advantage mix ``{"w_rl", "w_opd", "opd_adv_clip"}`` (defaults
+            1, 1, 0 = no clip; see :func:`clawray.algos.losses.sample_loss`).
     """
 
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: dict):
+    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: LearnerConfig | dict,
+                 loss_weights: dict | None = None):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
+        cfg = section(LearnerConfig, cfg)
         self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
-        torch.set_num_threads(max(1, int(cfg.get("torch_threads", 1))))
+        torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=cfg["dist_timeout_s"]))
+                                world_size=world_size, timeout=timedelta(seconds=cfg.dist_timeout_s))
         torch.manual_seed(0)  # same seed on every rank: LoRA's A matrices start identical everywhere
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
-        if cfg.get("activation_checkpointing"):
+        if cfg.activation_checkpointing:
             checkpoint_layers(self._hf_model(model).model.layers)
-        lora = dict(cfg.get("lora") or {})
-        self.lora_rank = int(lora.get("rank", 0))
+        lora = cfg.lora
+        self.lora_rank = lora.rank
         self._lora_scalings: dict[str, float] = {}
         self._lora_fan_in_fan_out: set[str] = set()
         if self.lora_rank > 0:
@@ -170,8 +175,8 @@ class LearnerWorker:
             from peft.tuners.lora import LoraLayer
 
             model = get_peft_model(model, LoraConfig(
-                r=self.lora_rank, lora_alpha=float(lora.get("alpha", 16.0)), lora_dropout=float(lora.get("dropout", 0.0)),
-                target_modules=list(lora.get("target_modules") or []), bias="none"))
+                r=self.lora_rank, lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+                target_modules=list(lora.target_modules), bias="none"))
             for name, module in model.named_modules():
                 if isinstance(module, LoraLayer) and "default" in module.scaling:
                     self._lora_scalings[name] = float(module.scaling["default"])
@@ -186,16 +191,21 @@ class LearnerWorker:
         fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
         self.ref_model = None
-        if cfg.get("kl_coef", 0.0) > 0:  # a frozen full copy of the initial policy, only when KL is on
+        if cfg.kl_coef > 0:  # a frozen full copy of the initial policy, only when KL is on
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg["lr"], betas=tuple(cfg["betas"]),
-                                           weight_decay=cfg["weight_decay"])
-        schedule = (cfg.get("lr_schedule", "constant"), int(cfg.get("warmup_steps", 0)),
-                    int(cfg.get("total_steps", 0)), float(cfg.get("min_lr_ratio", 0.0)))
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        schedule = (cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
         lr_factor(0, *schedule)  # raises on a bad schedule here rather than at the first step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, *schedule))
+        weights = {"w_rl": 1.0, "w_opd": 1.0, "opd_adv_clip": 0.0, **(loss_weights or {})}
+        self.loss_settings = LossSettings(
+            eps=cfg.eps, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip or None, tis_cap=cfg.tis_cap or None,
+            proximal=cfg.ratio_anchor == "proximal", agg_mode=cfg.agg_mode, kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator, w_rl=weights["w_rl"], w_opd=weights["w_opd"],
+            opd_adv_clip=weights["opd_adv_clip"] or None)
         self.version = 0
         self._transport = None
         self.skipped_steps = 0
@@ -289,87 +299,50 @@ class LearnerWorker:
 
     def _micro_batch_loss(self, samples: list[Sample], advs: list[float], norm_tokens: float, norm_seqs: float,
                           entropy_coef: float, first_mini_batch: bool, proximal: list[torch.Tensor] | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Sum of the samples' losses (each already normalised by the global mini-batch size).
-
-        Per sample: token advantages ``A_t = w_rl * a * loss_mask_t`` (``a`` = ``advs[i]``)
-        ``+ w_opd * clip(teacher_t - rollout_t)`` when it has teacher log-probs (OPD / Combine,
-        OpenClaw-RL §4-5); loss = PPO clip (anchor: rollout log-probs, or the proximal policy with
-        TIS weights, ``ratio_anchor``) + ``kl_coef`` * KL to the reference - ``entropy_coef`` *
-        entropy, each aggregated by ``agg_mode``; top-k distillation samples replace the PPO term by
-        the reverse KL over the teacher's top-k.
+                          ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Sum of the samples' losses (:func:`clawray.algos.losses.sample_loss`, each already
+        normalised by the global mini-batch size) and each sample's metrics by name.
 
         ``proximal``: with the proximal anchor, each sample's proximal log-probs ``[R]``
         (:meth:`_proximal_logprobs`); None in the first mini-batch, where the current weights are the
         proximal ones and the forward's own detached log-probs serve.
-
-        Returns:
-            ``(loss, sums[16], ratio_max[1], entropies)``, see :meth:`train_step` for the sums.
         """
-        cfg = self.cfg
-        use_proximal = cfg.get("ratio_anchor", "rollout") == "proximal"
         logits_all = self._forward(samples, self.model)
         ref_all = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_all = self._forward(samples, self.ref_model)
         total = torch.zeros((), device=self.device)
-        sums = torch.zeros(16, dtype=torch.float64)
-        ratio_max = torch.zeros(1, dtype=torch.float64)
-        entropies: list[torch.Tensor] = []
-        agg = dict(mode=cfg.get("agg_mode", "token-mean"), num_tokens=norm_tokens, num_seqs=norm_seqs)
+        metrics = []
         for b, s in enumerate(samples):
-            end = len(s.tokens)
-            targets = torch.tensor(s.tokens[s.prompt_len:], device=self.device)
-            logits = logits_all[b, s.prompt_len - 1 : end - 1]  # [R, V]
-            t = s.temperature if s.temperature > 0 else 1.0
-            logprobs = sequence_logprobs(logits, targets, t)
-            scaled = logits / t
-            entropy = token_entropy(scaled if entropy_coef > 0 else scaled.detach())
-            mask = torch.tensor(s.loss_mask, dtype=torch.float32, device=self.device)
-            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-            adv = mask * advs[b] * cfg.get("w_rl", 1.0)
-            if s.teacher_logprobs is not None:  # OPD term (OPD / Combine samples with an accepted hint)
-                teacher = torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=self.device)
-                adv = adv + cfg.get("w_opd", 1.0) * opd_advantages(teacher, rollout, mask,
-                                                                   cfg.get("opd_adv_clip") or None)
-            anchor = rollout
-            if use_proximal:  # decoupled PPO: trust region around the pre-update weights
-                anchor = logprobs.detach() if proximal is None else proximal[b]
-            out = ppo_clip_loss(
-                logprobs, anchor, adv, mask, cfg["eps"], cfg["eps_high"],
-                normalizer=norm_tokens, dual_clip=cfg.get("dual_clip") or None,
-                behaviour_logprobs=rollout if use_proximal else None, tis_cap=cfg.get("tis_cap") or None,
-                agg_mode=agg["mode"], num_seqs=norm_seqs)
-            loss = out.loss
-            if s.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
-                kl_t = topk_reverse_kl(scaled, torch.tensor(s.teacher_topk_logprobs, device=self.device),
-                                       torch.tensor(s.teacher_topk_ids, device=self.device))
-                loss = aggregate(kl_t, mask, **agg)
-            kl_value = torch.zeros(())
-            if ref_all is not None:
-                ref_lp = sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)
-                kl_tok = kl_penalty(logprobs, ref_lp, cfg.get("kl_estimator", "k3"))
-                kl_value = aggregate(kl_tok, mask, **agg)
-                loss = loss + cfg["kl_coef"] * kl_value
-            if entropy_coef > 0:
-                loss = loss - entropy_coef * aggregate(entropy, mask, **agg)
-            total = total + loss
-            with torch.no_grad():
-                m = mask.bool()
-                entropies.append(entropy.detach()[m].double())
-                # generated by exactly these weights (later mini-batches run on already-updated weights)
-                fresh = first_mini_batch and s.policy_version == self.version
-                log_r = (logprobs.detach() - rollout)[m].double()  # float64: tiny KLs do not cancel to 0
-                sums += torch.tensor([
-                    loss.item(), out.loss.item(), kl_value.item(), out.clipped[m].sum().item(),
-                    out.ratio[m].sum().item(), m.sum().item(), adv[m].sum().item(), adv[m].pow(2).sum().item(),
-                    ((adv != 0) & m).sum().item(), len(s.loss_mask), 0.0, 1.0, out.is_weight[m].sum().item(),
-                    (log_r.exp() - 1 - log_r).sum().item() if fresh else 0.0, m.sum().item() if fresh else 0.0,
-                    entropy.detach()[m].sum().item()], dtype=torch.float64)
-                if m.any():
-                    ratio_max = torch.maximum(ratio_max, out.ratio[m].max().double().reshape(1))
-        return total, sums, ratio_max, entropies
+            out = sample_loss(self._loss_inputs(s, logits_all, ref_all, b, advs[b], norm_tokens, norm_seqs,
+                                                entropy_coef, first_mini_batch, proximal), self.loss_settings)
+            total = total + out.loss
+            metrics.append(out.metrics)
+        return total, metrics
+
+    def _loss_inputs(self, s: Sample, logits_all: torch.Tensor, ref_all: torch.Tensor | None, b: int, adv: float,
+                     norm_tokens: float, norm_seqs: float, entropy_coef: float, first_mini_batch: bool,
+                     proximal: list[torch.Tensor] | None) -> SampleLossInputs:
+        """Sample ``s`` (row ``b`` of the micro-batch's logits ``[B, T, V]``) as loss inputs (tensors on
+        the learner's device)."""
+        dev, end = self.device, len(s.tokens)
+        targets = torch.tensor(s.tokens[s.prompt_len:], device=dev)
+        topk = s.teacher_topk_ids is not None
+        return SampleLossInputs(
+            logits=logits_all[b, s.prompt_len - 1 : end - 1], targets=targets,
+            loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32, device=dev),
+            rollout_logprobs=torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=dev), advantage=adv,
+            temperature=s.temperature, num_tokens=norm_tokens, num_seqs=norm_seqs, entropy_coef=entropy_coef,
+            teacher_logprobs=(None if s.teacher_logprobs is None
+                              else torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=dev)),
+            teacher_topk_logprobs=torch.tensor(s.teacher_topk_logprobs, device=dev) if topk else None,
+            teacher_topk_ids=torch.tensor(s.teacher_topk_ids, device=dev) if topk else None,
+            ref_logprobs=(None if ref_all is None else
+                          sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)),
+            proximal_logprobs=None if proximal is None else proximal[b],
+            # generated by exactly these weights (later mini-batches run on already-updated weights)
+            fresh=first_mini_batch and s.policy_version == self.version)
 
     def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
                    entropy_coef: float = 0.0) -> dict:
@@ -406,13 +379,13 @@ class LearnerWorker:
         t0 = time.perf_counter()
         cfg, n = self.cfg, self.world_size
         total = len(sample_refs)
-        num_mini = max(1, min(int(cfg.get("steps_per_batch", 1)), total))
+        num_mini = max(1, min(cfg.steps_per_batch, total))
         bounds = [round(j * total / num_mini) for j in range(num_mini + 1)]
         mine = [list(range(bounds[j] + self.rank, bounds[j + 1], n)) for j in range(num_mini)]
         flat = [i for idx in mine for i in idx]
         fetched = dict(zip(flat, ray.get([sample_refs[i] for i in flat]) if flat else []))
         adv_of = {i: float(advantages[i]) if advantages is not None else float(fetched[i].reward or 0.0) for i in flat}
-        budget = int(cfg.get("max_tokens_per_micro_batch", 0))
+        budget = cfg.max_tokens_per_micro_batch
         packs = [[[idx[k] for k in group] for group in pack_micro_batches([len(fetched[i].tokens) for i in idx], budget)]
                  for idx in mine]
         # global counts per mini-batch: tokens and samples (sum), micro-batches (max over ranks)
@@ -424,13 +397,9 @@ class LearnerWorker:
 
         self.model.eval()  # never train mode: dropout would make the log-probs stochastic
         proximal = None
-        if cfg.get("ratio_anchor", "rollout") == "proximal" and num_mini > 1:
+        if self.loss_settings.proximal and num_mini > 1:
             proximal = self._proximal_logprobs(fetched, packs, passes)
-        # sums: loss, pg_loss, kl, clipped, ratio, tokens, adv, adv^2, effective, resp_tokens, nonfinite,
-        #       samples, is_weight, mismatch_kl_sum, mismatch_tokens, entropy
-        sums = torch.zeros(16, dtype=torch.float64)
-        ratio_max = torch.zeros(1, dtype=torch.float64)
-        entropies: list[torch.Tensor] = []
+        per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
         grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
         for j in range(num_mini):
             norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
@@ -440,23 +409,20 @@ class LearnerWorker:
                 if p < len(packs[j]):
                     group = packs[j][p]
                     anchors = [proximal[i] for i in group] if proximal is not None and j > 0 else None
-                    loss, part, rmax, ents = self._micro_batch_loss(
+                    loss, metrics = self._micro_batch_loss(
                         [fetched[i] for i in group], [adv_of[i] for i in group], norm_tokens, norm_seqs,
                         entropy_coef, j == 0, anchors)
-                    sums += part
-                    ratio_max = torch.maximum(ratio_max, rmax)
-                    entropies += ents
+                    per_sample += metrics
                 else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
                     loss = self._padding_pass()
                 if not torch.isfinite(loss):
                     nonfinite += 1
                     loss = torch.nan_to_num(loss) * 0.0
                 loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg["grad_clip"])
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             dist.all_reduce(nonfinite)
-            sums[10] += nonfinite.item()
             if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
@@ -466,41 +432,39 @@ class LearnerWorker:
             self.scheduler.step()
             self.optimizer_steps += 1
             steps_taken += 1
-        dist.all_reduce(sums)
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-        gathered: list = [None] * n
-        dist.all_gather_object(gathered, torch.cat(entropies) if entropies else torch.zeros(0, dtype=torch.float64))
-        all_entropy = torch.cat(gathered)
         skipped = steps_taken == 0
         if skipped:
             self.skipped_steps += 1
         else:
             self.version = version
-        tokens = max(sums[5].item(), 1.0)
-        adv_mean = sums[6].item() / tokens
         return {
-            "loss": sums[0].item() / n / num_mini,
-            "pg_loss": sums[1].item() / n / num_mini,
-            "kl": sums[2].item() / n / num_mini,
+            **self._reduce_loss_metrics(per_sample, num_mini),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "lr": lr,
-            "num_tokens": sums[5].item(),
-            "num_samples": sums[11].item(),
             "micro_batches": float(passes.sum().item()),
             "optimizer_steps": float(steps_taken),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
-            "inv/entropy": sums[15].item() / tokens,
-            "inv/entropy_p10": float(torch.quantile(all_entropy, 0.1)) if all_entropy.numel() else math.nan,
-            "inv/entropy_min": float(all_entropy.min()) if all_entropy.numel() else math.nan,
-            "inv/adv_std": math.sqrt(max(sums[7].item() / tokens - adv_mean**2, 0.0)),
-            "inv/ratio_mean": sums[4].item() / tokens,
-            "inv/ratio_max": ratio_max.item(),
-            "inv/clip_frac": sums[3].item() / tokens,
-            "inv/is_weight_mean": sums[12].item() / tokens,
-            "inv/logprob_mismatch_kl": sums[13].item() / sums[14].item() if sums[14].item() else math.nan,
-            "inv/effective_token_rate": sums[8].item() / max(sums[9].item(), 1.0),
         }
+
+    def _reduce_loss_metrics(self, per_sample: list[dict[str, torch.Tensor]], num_mini: int) -> dict[str, float]:
+        """:func:`clawray.algos.losses.batch_loss_metrics` over every rank's samples. Collective: one
+        host copy of the summed metrics per step, a sum and a max all-reduce and an entropy all-gather."""
+        import torch.distributed as dist
+
+        sums = torch.zeros(len(SUM_METRICS), dtype=torch.float64)
+        ratio_max = torch.zeros(1, dtype=torch.float64)
+        mine = torch.zeros(0, dtype=torch.float64)
+        if per_sample:
+            sums = torch.stack([sum(m[k] for m in per_sample) for k in SUM_METRICS]).cpu()
+            ratio_max = torch.stack([m["ratio_max"] for m in per_sample]).max().reshape(1).cpu()
+            mine = torch.cat([m["token_entropy"] for m in per_sample]).cpu()
+        dist.all_reduce(sums)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return batch_loss_metrics(dict(zip(SUM_METRICS, sums.tolist())), ratio_max.item(), torch.cat(gathered),
+                                  self.world_size, num_mini)
 
     # ------------------------------------------------------------------ weight sync
     def init_weight_sender(self, world_size: int, host: str, port: int, plan: list, bucket_bytes: int,
@@ -659,7 +623,8 @@ class LearnerGroup:
 
     Args:
         model_path: initial policy folder.
-        cfg: the ``learner`` config section (plain dict).
+        cfg: the ``learner`` config section (:class:`clawray.config.LearnerConfig`, or a mapping of some
+            of its keys).
         master_port: rendezvous port for the FSDP group.
         placement_timeout_s: how long to wait for the cluster to grant the bundles.
 
@@ -670,13 +635,15 @@ class LearnerGroup:
             placement group removed before raising: nothing stays reserved.
     """
 
-    def __init__(self, model_path: str, cfg: dict, master_port: int, placement_timeout_s: float = 120.0):
+    def __init__(self, model_path: str, cfg: LearnerConfig | dict, master_port: int, placement_timeout_s: float = 120.0,
+                 loss_weights: dict | None = None):
         from ray.util.placement_group import placement_group
 
-        n = int(cfg["num_workers"])
-        bundle = {"CPU": float(cfg["num_cpus"])}
-        if cfg.get("num_gpus", 0.0):
-            bundle["GPU"] = float(cfg["num_gpus"])
+        cfg = section(LearnerConfig, cfg)
+        n = cfg.num_workers
+        bundle = {"CPU": float(cfg.num_cpus)}
+        if cfg.num_gpus:
+            bundle["GPU"] = float(cfg.num_gpus)
         self.workers: list = []
         self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
@@ -686,12 +653,13 @@ class LearnerGroup:
                 raise RuntimeError(f"the learner placement group ({n} x {bundle}) was not granted within "
                                    f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
                                    ) from None
-            self._start_workers(n, model_path, cfg, master_port)
+            self._start_workers(n, model_path, cfg, master_port, loss_weights)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_workers(self, n: int, model_path: str, cfg: dict, master_port: int) -> None:
+    def _start_workers(self, n: int, model_path: str, cfg: LearnerConfig, master_port: int,
+                       loss_weights: dict | None) -> None:
         """Create the N workers in the placement group and wait until each has sharded its model;
         the first failure raises at once (the other ranks may be blocked in a collective with it)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -699,8 +667,8 @@ class LearnerGroup:
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
             self.workers.append(LearnerWorkerActor.options(
-                num_cpus=cfg["num_cpus"], num_gpus=cfg.get("num_gpus", 0.0), name=None, scheduling_strategy=strategy,
-            ).remote(i, n, master_port, model_path, cfg))
+                num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, name=None, scheduling_strategy=strategy,
+            ).remote(i, n, master_port, model_path, cfg, loss_weights))
         rank_of = {w.ready.remote(): i for i, w in enumerate(self.workers)}
         pending = list(rank_of)
         while pending:

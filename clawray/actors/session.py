@@ -21,6 +21,10 @@ Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
   * a request with ``n`` choices records n turns with the same prompt; the next request continues
     one of them (the one whose reply its history holds), the others are ``dropped/unchosen``.
 
+What a judged turn becomes (a sample, a held 0-score turn, a drop reason) is decided by the run's
+:class:`~clawray.algos.algorithm.Algorithm` (Binary RL above, OPD, Combine); the tracker keeps the
+sessions, the pairing, the at-least-one rule, the records and the emission into the queue.
+
 The tracker also answers the server's :meth:`SessionTracker.lookup`: which open session a history
 continues (for clients that send no session id) and which pending turn it extends (for splicing).
 Pairing a turn with its next state keys on the messages alone; splicing also needs the same render
@@ -41,6 +45,7 @@ from typing import Any
 
 import ray
 
+from clawray.algos.algorithm import Scorers, make_algorithm
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
 from clawray.records import JsonlRecords
@@ -80,9 +85,8 @@ class SessionTracker:
                  idle_timeout_s: float = 0.0, truncated: str = "keep", records_max_bytes: int = 64 << 20,
                  records_keep: int = 5):
         self.judges, self.queue = judges, queue
-        self.algo, self.teachers = algo, teachers or []
-        self.opd = {"accept": "any", "min_hint_chars": 10, "topk": 0, "teacher_timeout_s": 300.0, **(opd or {})}
-        if algo in ("opd", "combine") and not self.teachers:
+        self.algorithm, self.teachers = make_algorithm(algo, opd), teachers or []
+        if self.algorithm.needs_teacher and not self.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
         self.sessions: dict[str, _Session] = {}
@@ -215,7 +219,7 @@ class SessionTracker:
             best = max(range(len(s.held)), key=lambda i: abs(s.held[i][1]))  # first of equals
             turn, mean_vote = s.held.pop(best)
             self.counts["at_least_one_promoted"] += 1
-            await self._emit(s, turn, mean_vote)
+            await self._emit(s, self.algorithm.promote(turn, mean_vote))
         self.counts["dropped/zero_score"] += len(s.held)
         s.held.clear()
 
@@ -252,94 +256,29 @@ class SessionTracker:
         s.tasks.append(self._track(asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))))
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
-        if self.algo in ("opd", "combine"):
-            return await self._distill_and_emit(turn, next_state, judge)
-        try:
-            result = await judge.judge.remote(turn, next_state)
-        except Exception as e:  # a dead judge loses the turn, not the tracker
-            self.counts["dropped/judge_error"] += 1
-            self._record(turn, next_state, None, f"judge error: {e!r}")
-            return
-        self.counts["judged"] += 1
-        self.counts[f"score/{result.score}"] += 1
-        valid = [v for v in result.votes if v is not None]
-        if not valid:
-            self._record(turn, next_state, result, "unscored")
-            self.counts["dropped/unscored"] += 1
-            return
-        if result.score == 0:  # held for the at-least-one rule until the session closes
-            self._record(turn, next_state, result, "held")
-            s.held.append((turn, sum(valid) / len(valid)))
-            return
-        self._record(turn, next_state, result, None)
-        await self._emit(s, turn, float(result.score))
+        """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.score`), then
+        count, record, and emit or hold it."""
+        verdict = await self.algorithm.score(turn, next_state, self._scorers(judge), self.counts)
+        if verdict.drop is not None:
+            self.counts[f"dropped/{verdict.drop}"] += 1
+        self._record(turn, next_state, verdict.result, verdict.record_note, **verdict.extra)
+        if verdict.held is not None:  # held for the at-least-one rule until the session closes
+            s.held.append((turn, verdict.held))
+        elif verdict.sample is not None:
+            await self._emit(s, verdict.sample)
 
-    async def _distill_and_emit(self, turn: Turn, next_state: list[dict], judge: Any) -> None:
-        """OPD / Combine dispatch (OpenClaw-RL §4-5, with the hint and eval votes run concurrently).
+    def _scorers(self, judge: Any) -> Scorers:
+        """The judge actor's calls and the teachers' (round-robin, picked when the teacher is asked)."""
+        return Scorers(judge=getattr(getattr(judge, "judge", None), "remote", None),
+                       hint=getattr(getattr(judge, "hint", None), "remote", None),
+                       teacher_logprobs=lambda turn, hint: self._teacher().teacher_logprobs.remote(turn, hint),
+                       teacher_topk=lambda turn, hint, k: self._teacher().teacher_topk.remote(turn, hint, k))
 
-        | hint accepted | score ±1 | sample                                     |
-        |---------------|----------|--------------------------------------------|
-        | yes           | yes      | teacher log-probs and the reward            |
-        | yes           | no       | teacher log-probs, reward 0                 |
-        | no            | yes      | reward only; no OPD term (no teacher)       |
-        | no            | no       | none (``dropped/no_signal``)                |
+    def _teacher(self) -> Any:
+        return self.teachers[self._rr % len(self.teachers)]
 
-        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. When the teacher fails
-        or gives no answer within ``opd.teacher_timeout_s`` (counted ``teacher_errors``), a Combine
-        turn with a score keeps its reward term alone; any other turn is dropped
-        (``dropped/teacher_error``).
-        """
-        combine = self.algo == "combine"
-        try:
-            calls = [judge.hint.remote(turn, next_state, self.opd["accept"], self.opd["min_hint_chars"])]
-            if combine:
-                calls.append(judge.judge.remote(turn, next_state))
-            results = await asyncio.gather(*calls)
-        except Exception as e:  # a dead judge loses the turn, not the tracker
-            self.counts["dropped/judge_error"] += 1
-            self._record(turn, next_state, None, f"judge error: {e!r}")
-            return
-        hint = results[0].hint
-        score = results[1].score if combine else 0
-        self.counts["judged"] += 1
-        self.counts["hints_accepted"] += int(hint is not None)
-        case = ("hint" if hint else "nohint") + ("+score" if score else "")
-        self.counts[f"dispatch/{case}"] += 1
-        if hint is None and (not combine or score == 0):
-            reason = "no_signal" if combine else "no_hint"
-            self.counts[f"dropped/{reason}"] += 1
-            self._record(turn, next_state, results[-1], reason, hint=None)
-            return
-        teacher, topk, failure = None, None, {}
-        if hint is not None:
-            worker = self.teachers[self._rr % len(self.teachers)]
-            call = (worker.teacher_topk.remote(turn, hint, self.opd["topk"]) if self.opd["topk"] > 0
-                    else worker.teacher_logprobs.remote(turn, hint))
-            try:
-                try:
-                    answer = await asyncio.wait_for(call, self.opd["teacher_timeout_s"])
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"the teacher gave no answer in {self.opd['teacher_timeout_s']:g} s") from None
-                topk, teacher = (answer, None) if self.opd["topk"] > 0 else (None, answer)
-            except Exception as e:  # never zeros in place of teacher log-probs
-                self.counts["teacher_errors"] += 1
-                if not (combine and score):  # nothing left to train on: the turn is dropped
-                    self.counts["dropped/teacher_error"] += 1
-                    self._record(turn, next_state, results[-1], f"teacher error: {e!r}", hint=hint)
-                    return
-                failure = {"teacher_error": repr(e)}  # Combine with a score: the reward term alone
-        self._record(turn, next_state, results[-1], None, hint=hint, **failure)
-        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.algo,
-                                  hint=None if failure else hint)
-        sample.teacher_logprobs = teacher
-        if topk is not None:
-            sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
-        await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
-        self.counts["samples"] += 1
-
-    async def _emit(self, s: _Session, turn: Turn, reward: float) -> None:
+    async def _emit(self, s: _Session, sample: Sample) -> None:
         s.effective = True
-        sample = Sample.from_turn(turn, reward=reward, kind="rl")
         await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
         self.counts["samples"] += 1
 

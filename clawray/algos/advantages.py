@@ -6,6 +6,9 @@ per sample) and ``[B, T]`` (one value per response token, right-padded, with a 0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Hashable
+
 import torch
 
 
@@ -106,3 +109,61 @@ def combine_advantages(rewards: torch.Tensor, teacher_logprobs: torch.Tensor, ro
     rl = binary_advantages(rewards, loss_mask)
     opd = opd_advantages(teacher_logprobs, rollout_logprobs, loss_mask, clip) * has_teacher.float()[:, None]
     return w_rl * rl + w_opd * opd
+
+
+@dataclass
+class BatchAdvantages:
+    """One batch's scalar advantages (see :func:`batch_advantages`).
+
+    Attributes:
+        advantages: ``[B]`` one scalar per sample, in batch order.
+        train: False when the degenerate-batch guard says skip the batch.
+        rewarded: indexes of the samples that carry a reward (pure OPD samples carry none).
+        signal: :func:`~clawray.algos.invariants.signal_stats` of the rewarded samples.
+    """
+
+    advantages: list[float]
+    train: bool
+    rewarded: list[int]
+    signal: dict[str, float]
+
+
+def batch_advantages(rewards: list[float | None], guard, estimator: str = "binary",
+                     group_keys: list[Hashable] | None = None) -> BatchAdvantages:
+    """Scalar advantages of one batch: the degenerate-batch guard, then the estimator.
+
+    The guard (:class:`~clawray.algos.invariants.DegenerateBatchGuard`, its state updated) looks at
+    the samples that carry a reward; a sample without one (pure OPD) keeps advantage 0 (its OPD term
+    comes from the teacher, in the loss). ``estimator="binary"``: the guarded reward
+    (:func:`binary_advantages` broadcasts it over the tokens in the loss); ``"grpo"``: samples with
+    equal ``group_keys`` (the prompt tokens) form a group, :func:`group_advantages` of the raw rewards
+    (the guard still counts and may skip the batch).
+
+    Args:
+        rewards: ``[B]`` each sample's reward, None for a sample without one.
+        guard: the run's degenerate-batch guard.
+        estimator: ``"binary"`` or ``"grpo"``.
+        group_keys: ``[B]`` hashable group of each sample; required for ``"grpo"``.
+
+    Raises:
+        ValueError: an unknown estimator, or ``"grpo"`` without ``group_keys`` of length B.
+    """
+    from clawray.algos.invariants import signal_stats
+
+    if estimator not in ("binary", "grpo"):
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected binary or grpo")
+    values = [float(r or 0.0) for r in rewards]
+    rewarded = [i for i, r in enumerate(rewards) if r is not None]
+    signal = signal_stats([values[i] for i in rewarded])
+    advantages, train = list(values), True
+    if rewarded:
+        guarded, train = guard.apply([values[i] for i in rewarded])
+        for i, a in zip(rewarded, guarded):
+            advantages[i] = a
+    if estimator == "grpo":
+        if group_keys is None or len(group_keys) != len(rewards):
+            raise ValueError("grpo advantages need one group key per sample")
+        groups: dict[Hashable, int] = {}
+        ids = torch.tensor([groups.setdefault(k, len(groups)) for k in group_keys])
+        advantages = group_advantages(torch.tensor(values), ids).tolist()
+    return BatchAdvantages(advantages, train, rewarded, signal)

@@ -25,6 +25,16 @@ def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> float
     return float(torch.quantile(v, q)) if v.numel() else math.nan
 
 
+def mismatch_kl_sum(rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum over masked tokens of ``r - 1 - log r`` with ``r = exp(learner - rollout)`` (k3 terms of
+    ``KL(rollout || learner)``), a 0-dim float64 tensor on the inputs' device (no host sync): the
+    numerator of :func:`logprob_mismatch_kl`, summed by the learner over samples and ranks."""
+    m = loss_mask.bool()
+    log_r = (learner_logprobs.double() - rollout_logprobs.double())[m]  # float64: tiny KLs must not cancel
+    return (torch.exp(log_r) - 1.0 - log_r).sum()
+
+
 def logprob_mismatch_kl(rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tensor,
                         loss_mask: torch.Tensor) -> float:
     """``KL(rollout || learner)`` on the sampled tokens, k3 estimator, mean over masked tokens.
@@ -36,8 +46,13 @@ def logprob_mismatch_kl(rollout_logprobs: torch.Tensor, learner_logprobs: torch.
     m = loss_mask.bool()
     if not m.any():
         return 0.0
-    log_r = (learner_logprobs.double() - rollout_logprobs.double())[m]  # float64: tiny KLs must not cancel
-    return float((torch.exp(log_r) - 1.0 - log_r).mean())
+    return float(mismatch_kl_sum(rollout_logprobs, learner_logprobs, loss_mask) / m.sum())
+
+
+def effective_tokens(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """How many tokens carry gradient (mask 1 and advantage != 0), a 0-dim tensor (no host sync):
+    the numerator of :func:`effective_token_rate`."""
+    return ((advantages != 0) & loss_mask.bool()).sum()
 
 
 def effective_token_rate(advantages: torch.Tensor, loss_mask: torch.Tensor, response_tokens: int) -> float:
@@ -47,7 +62,7 @@ def effective_token_rate(advantages: torch.Tensor, loss_mask: torch.Tensor, resp
     """
     if response_tokens <= 0:
         return 0.0
-    return float(((advantages != 0) & loss_mask.bool()).sum()) / response_tokens
+    return float(effective_tokens(advantages, loss_mask)) / response_tokens
 
 
 def signal_stats(rewards: list[float]) -> dict[str, float]:

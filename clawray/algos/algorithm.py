@@ -1,0 +1,268 @@
+"""The algorithms: what turns one judged turn into a training sample (Binary RL, OPD, Combine).
+
+An :class:`Algorithm` takes a main-line turn and its next state (the messages that followed it)
+and returns a :class:`Verdict`: a :class:`~clawray.types.Sample` to train on, a 0-score turn to hold
+for the at-least-one rule, or a drop reason. The judge and the teacher reach it as async callables
+(:class:`Scorers`), so this module imports no Ray and is tested with plain fakes; the
+:class:`~clawray.actors.session.SessionTracker` keeps the sessions, the pairing with next states,
+the at-least-one rule, the records and the emission into the queue.
+
+What each algorithm needs from the run is declared on its class (``needs_teacher``, ``judge_calls``,
+:meth:`Algorithm.loss_weights`), so the driver builds teachers only for the algorithms that use them.
+A new variant is one subclass registered with :func:`register` (see ``docs/architecture.md``).
+
+Invariants:
+  * every turn gets exactly one verdict: a sample, held, or one ``drop`` reason (counted by the
+    tracker as ``dropped/<reason>``);
+  * never zeros in place of teacher log-probs: a failed or silent teacher drops the turn, or (Combine
+    with a score) keeps the reward term alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, ClassVar
+
+from clawray.types import Sample, Turn
+
+JudgeFn = Callable[[Turn, list], Awaitable[Any]]
+"""``judge(turn, next_state) -> JudgeResult`` (``score`` in {1, -1, 0}, ``votes``, ``raw``)."""
+HintFn = Callable[[Turn, list, str, int], Awaitable[Any]]
+"""``hint(turn, next_state, accept, min_hint_chars) -> HintResult`` (``hint``: str or None)."""
+TeacherFn = Callable[[Turn, str], Awaitable[list]]
+"""``teacher_logprobs(turn, hint) -> [R]`` teacher log-probs of the turn's response ids."""
+TeacherTopkFn = Callable[[Turn, str, int], Awaitable[tuple]]
+"""``teacher_topk(turn, hint, k) -> ([R, k] log-probs, [R, k] ids)``."""
+
+
+@dataclass
+class Scorers:
+    """The judge and teacher calls an algorithm may make for one turn (async callables; the tracker
+    binds them to its JudgeWorker / TeacherWorker actors, tests to plain fakes)."""
+
+    judge: JudgeFn | None = None
+    hint: HintFn | None = None
+    teacher_logprobs: TeacherFn | None = None
+    teacher_topk: TeacherTopkFn | None = None
+
+
+@dataclass
+class Verdict:
+    """What an algorithm made of one turn.
+
+    Attributes:
+        sample: the sample to emit, or None.
+        held: the mean of the valid votes of a 0-scored turn held for the at-least-one rule, or None.
+        drop: the reason the turn is not trained (counted as ``dropped/<drop>``), or None.
+        result: the judge's result, for the judgment record (None when the judge failed).
+        note: the record's ``dropped`` text when it differs from ``drop`` (``"held"``, the error).
+        extra: more fields of the judgment record (``hint``, ``teacher_error``).
+    """
+
+    sample: Sample | None = None
+    held: float | None = None
+    drop: str | None = None
+    result: Any = None
+    note: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def record_note(self) -> str | None:
+        """The judgment record's ``dropped`` field."""
+        return self.note if self.note is not None else self.drop
+
+
+class Algorithm:
+    """Base class: turns a turn and its next state into a :class:`Verdict`.
+
+    Class attributes:
+        name: the ``trainer.algo`` value and each sample's ``kind``.
+        needs_teacher: the run must build at least one teacher (``opd.teacher``).
+        judge_calls: which judge calls it makes (``"judge"``: PRM score votes; ``"hint"``: hint votes).
+    """
+
+    name: ClassVar[str] = ""
+    needs_teacher: ClassVar[bool] = False
+    judge_calls: ClassVar[tuple[str, ...]] = ("judge",)
+
+    async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
+        """The verdict for ``turn``; adds its counters (``judged``, ``score/*``, ...) to ``counts``.
+
+        Never raises for a failing judge or teacher: that is a drop reason.
+        """
+        raise NotImplementedError
+
+    def promote(self, turn: Turn, mean_vote: float) -> Sample:
+        """The sample of a held turn promoted by the at-least-one rule (reward = its mean vote)."""
+        return Sample.from_turn(turn, reward=mean_vote, kind="rl")
+
+    @classmethod
+    def loss_weights(cls, w_rl: float, w_opd: float) -> tuple[float, float]:
+        """``(w_rl, w_opd)`` of the learner's advantage mix ``w_rl * a + w_opd * (teacher - rollout)``
+        given the configured ``opd.w_rl`` / ``opd.w_opd``."""
+        return 1.0, w_opd
+
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make ``cls`` available as ``trainer.algo = cls.name``."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def make_algorithm(name: str, opd: dict | None = None) -> Algorithm:
+    """The algorithm registered as ``name`` (``trainer.algo``), built with its options.
+
+    Args:
+        name: ``"rl"``, ``"opd"``, ``"combine"`` or another registered name.
+        opd: the distillation options (``accept``, ``min_hint_chars``, ``topk``, ``teacher_timeout_s``);
+            ignored by algorithms without a teacher.
+
+    Raises:
+        ValueError: no algorithm has that name.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; expected one of {sorted(REGISTRY)}")
+    cls = REGISTRY[name]
+    return cls(**(opd or {})) if cls.needs_teacher else cls()
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The registered class (what a run must build for it), without building it.
+
+    Raises:
+        ValueError: no algorithm has that name.
+    """
+    if name not in REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; expected one of {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+@register
+class BinaryRL(Algorithm):
+    """Binary RL (OpenClaw-RL, arXiv 2603.10165 §3, with clawray's fixes).
+
+    score +1/-1 -> a sample with that reward; score 0 -> held for the at-least-one rule with the mean
+    of its valid votes; every vote invalid -> ``unscored``; a failing judge -> ``judge_error``.
+    """
+
+    name = "rl"
+
+    async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
+        try:
+            result = await scorers.judge(turn, next_state)
+        except Exception as e:  # a dead judge loses the turn, not the tracker
+            return Verdict(drop="judge_error", note=f"judge error: {e!r}")
+        counts["judged"] += 1
+        counts[f"score/{result.score}"] += 1
+        valid = [v for v in result.votes if v is not None]
+        if not valid:
+            return Verdict(drop="unscored", result=result)
+        if result.score == 0:  # held for the at-least-one rule until the session closes
+            return Verdict(held=sum(valid) / len(valid), result=result, note="held")
+        return Verdict(sample=Sample.from_turn(turn, reward=float(result.score), kind="rl"), result=result)
+
+
+@register
+class OPD(Algorithm):
+    """On-policy distillation from hindsight hints (OpenClaw-RL §4).
+
+    The hint judge extracts a hint from the next state; the teacher scores the turn's own response
+    ids under the hinted prompt (log-probs, or its top-k when ``topk > 0``). No accepted hint ->
+    ``no_hint``; a teacher that fails or gives no answer within ``teacher_timeout_s`` (counted
+    ``teacher_errors``) -> ``teacher_error``. The samples carry no reward.
+
+    Args:
+        accept: ``"any"`` or ``"majority"`` of the hint votes (``opd.accept``).
+        min_hint_chars: shorter hints are not accepted.
+        topk: > 0: top-k distillation with this k; 0: token log-probs.
+        teacher_timeout_s: seconds to wait for the teacher.
+    """
+
+    name = "opd"
+    needs_teacher = True
+    judge_calls = ("hint",)
+    with_reward: ClassVar[bool] = False
+
+    def __init__(self, accept: str = "any", min_hint_chars: int = 10, topk: int = 0, teacher_timeout_s: float = 300.0):
+        self.accept, self.min_hint_chars = accept, min_hint_chars
+        self.topk, self.teacher_timeout_s = topk, teacher_timeout_s
+
+    async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
+        """Dispatch (OpenClaw-RL §4-5, with the hint and eval votes run concurrently):
+
+        | hint accepted | score ±1 | sample                                     |
+        |---------------|----------|--------------------------------------------|
+        | yes           | yes      | teacher log-probs and the reward            |
+        | yes           | no       | teacher log-probs, reward 0                 |
+        | no            | yes      | reward only; no OPD term (no teacher)       |
+        | no            | no       | none (``dropped/no_signal``)                |
+
+        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. When the teacher fails
+        or gives no answer, a Combine turn with a score keeps its reward term alone; any other turn is
+        dropped (``dropped/teacher_error``).
+        """
+        combine = self.with_reward
+        try:
+            calls = [scorers.hint(turn, next_state, self.accept, self.min_hint_chars)]
+            if combine:
+                calls.append(scorers.judge(turn, next_state))
+            results = await asyncio.gather(*calls)
+        except Exception as e:  # a dead judge loses the turn, not the tracker
+            return Verdict(drop="judge_error", note=f"judge error: {e!r}")
+        hint = results[0].hint
+        score = results[1].score if combine else 0
+        counts["judged"] += 1
+        counts["hints_accepted"] += int(hint is not None)
+        case = ("hint" if hint else "nohint") + ("+score" if score else "")
+        counts[f"dispatch/{case}"] += 1
+        if hint is None and (not combine or score == 0):
+            return Verdict(drop="no_signal" if combine else "no_hint", result=results[-1], extra={"hint": None})
+        teacher, topk, failure = None, None, {}
+        if hint is not None:
+            try:
+                answer = await self._ask_teacher(turn, hint, scorers)
+                topk, teacher = (answer, None) if self.topk > 0 else (None, answer)
+            except Exception as e:  # never zeros in place of teacher log-probs
+                counts["teacher_errors"] += 1
+                if not (combine and score):  # nothing left to train on: the turn is dropped
+                    return Verdict(drop="teacher_error", note=f"teacher error: {e!r}", result=results[-1],
+                                   extra={"hint": hint})
+                failure = {"teacher_error": repr(e)}  # Combine with a score: the reward term alone
+        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.name,
+                                  hint=None if failure else hint)
+        sample.teacher_logprobs = teacher
+        if topk is not None:
+            sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
+        return Verdict(sample=sample, result=results[-1], extra={"hint": hint, **failure})
+
+    async def _ask_teacher(self, turn: Turn, hint: str, scorers: Scorers) -> Any:
+        """The teacher's answer within ``teacher_timeout_s``.
+
+        Raises:
+            TimeoutError: no answer in time; whatever the teacher raised.
+        """
+        call = (scorers.teacher_topk(turn, hint, self.topk) if self.topk > 0
+                else scorers.teacher_logprobs(turn, hint))
+        try:
+            return await asyncio.wait_for(call, self.teacher_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the teacher gave no answer in {self.teacher_timeout_s:g} s") from None
+
+
+@register
+class Combine(OPD):
+    """Binary RL + OPD in one update (OpenClaw-RL §5): hint and PRM votes run concurrently; the
+    advantage is ``w_rl * r + w_opd * (teacher - rollout)`` (no OPD term without an accepted hint)."""
+
+    name = "combine"
+    judge_calls = ("hint", "judge")
+    with_reward = True
+
+    @classmethod
+    def loss_weights(cls, w_rl: float, w_opd: float) -> tuple[float, float]:
+        return w_rl, w_opd

@@ -1,0 +1,82 @@
+"""The algorithms with plain fakes for the judge and the teacher (no Ray): each turn's verdict."""
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from clawray.actors.judge import HintResult, JudgeResult
+from clawray.algos.algorithm import REGISTRY, Algorithm, Scorers, algorithm_class, make_algorithm
+from clawray.types import Turn
+
+
+def _turn():
+    return Turn(session_id="s", turn_index=3, messages=[{"role": "user", "content": "q"}],
+                response_message={"role": "assistant", "content": "r"}, prompt_ids=[1, 2], response_ids=[7, 8, 9],
+                rollout_logprobs=[-0.5, -0.25, -1.0], policy_version=2, finish_reason="stop")
+
+
+def _scorers(score=1, votes=(1,), hint="Say just the number.", teacher=(-0.1, -0.2, -0.3), fail=None):
+    async def judge(turn, next_state):
+        if fail == "judge":
+            raise RuntimeError("judge died")
+        return JudgeResult(score, list(votes))
+
+    async def hint_fn(turn, next_state, accept, min_chars):
+        return HintResult(hint, [])
+
+    async def teacher_logprobs(turn, h):
+        if fail == "teacher":
+            raise RuntimeError("teacher died")
+        return list(teacher)
+
+    async def teacher_topk(turn, h, k):
+        return [[-0.1] * k] * 3, [[5] * k] * 3
+
+    return Scorers(judge=judge, hint=hint_fn, teacher_logprobs=teacher_logprobs, teacher_topk=teacher_topk)
+
+
+def _score(algo, **kw):
+    counts = Counter()
+    verdict = asyncio.run(algo.score(_turn(), [{"role": "user", "content": "ok"}], _scorers(**kw), counts))
+    return verdict, counts
+
+
+def test_binary_rl_verdicts():
+    rl = make_algorithm("rl")
+    v, counts = _score(rl, score=-1, votes=(-1, -1, 1))
+    assert (v.sample.reward, v.sample.kind, v.sample.turn_index, v.drop, v.held) == (-1.0, "rl", 3, None, None)
+    assert counts == {"judged": 1, "score/-1": 1}
+    v, _ = _score(rl, score=0, votes=(0, 0, 1))
+    assert v.sample is None and v.held == pytest.approx(1 / 3) and v.record_note == "held"
+    v, counts = _score(rl, score=0, votes=(None, None))
+    assert (v.sample, v.held, v.drop) == (None, None, "unscored") and counts["judged"] == 1
+    v, counts = _score(rl, fail="judge")
+    assert v.drop == "judge_error" and v.record_note == "judge error: RuntimeError('judge died')" and not counts
+    assert rl.promote(_turn(), 0.5).reward == 0.5
+
+
+def test_opd_and_combine_verdicts():
+    opd, combine = make_algorithm("opd", {"topk": 0}), make_algorithm("combine")
+    v, counts = _score(opd)
+    assert (v.sample.kind, v.sample.reward, v.sample.teacher_logprobs) == ("opd", None, [-0.1, -0.2, -0.3])
+    assert counts == {"judged": 1, "hints_accepted": 1, "dispatch/hint": 1}
+    v, _ = _score(opd, hint=None)
+    assert v.drop == "no_hint" and v.extra == {"hint": None}
+    v, counts = _score(combine, score=-1, fail="teacher")  # the reward term alone, no teacher term
+    assert (v.sample.reward, v.sample.teacher_logprobs, v.sample.info["hint"]) == (-1.0, None, None)
+    assert counts["teacher_errors"] == 1 and v.extra["teacher_error"] == "RuntimeError('teacher died')"
+    v, _ = _score(combine, score=0, hint=None)
+    assert v.drop == "no_signal"
+    v, _ = _score(make_algorithm("opd", {"topk": 2}))
+    assert v.sample.teacher_topk_ids == [[5, 5]] * 3 and v.sample.teacher_logprobs is None
+
+
+def test_registry_declares_what_a_run_needs():
+    assert sorted(REGISTRY) == ["combine", "opd", "rl"]
+    assert [algorithm_class(n).needs_teacher for n in ("rl", "opd", "combine")] == [False, True, True]
+    assert make_algorithm("rl").loss_weights(0.3, 2.0) == (1.0, 2.0)
+    assert make_algorithm("combine").loss_weights(0.3, 2.0) == (0.3, 2.0)
+    with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
+        make_algorithm("ppo")
+    assert issubclass(REGISTRY["combine"], Algorithm)
