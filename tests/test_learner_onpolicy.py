@@ -86,7 +86,7 @@ def _random_lora_b(worker, seed: int) -> None:
 
 def _set(group: LearnerGroup, **options) -> None:
     """Change learner options read at each ``train_step`` (anchor, steps per batch) on every rank."""
-    ray.get([w.__ray_call__.remote(lambda self, kw: self.cfg.update(kw), options) for w in group.workers])
+    ray.get([w.__ray_call__.remote(lambda self, kw: [setattr(self.cfg, k, v) for k, v in kw.items()], options) for w in group.workers])
 
 
 @pytest.mark.parametrize("workers", [1, 2])
