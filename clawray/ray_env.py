@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import socket
 
+from clawray.serve.guard import PROXY_CALLBACK_ENV
+
 # Ray otherwise binds to the machine's first non-loopback address even when asked for 127.0.0.1
 # (notes/env-feasibility.md, "Pitfalls"); clawray serves and trains on loopback by default.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# The Serve proxy runs clawray's HeaderGuard (clawray/serve/guard.py) before it decodes any header.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", **PROXY_CALLBACK_ENV}
 
 
 def apply_loopback_env() -> None:
