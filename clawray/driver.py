@@ -226,7 +226,9 @@ class Driver:
                      "generate_timeout_s": cfg.serve.generate_timeout_s,
                      "max_body_bytes": int(cfg.serve.max_body_mb * 2**20), "api_key": cfg.serve.api_key,
                      "sync_wait_timeout_s": cfg.serve.sync_wait_timeout_s, "retry_after_s": cfg.serve.retry_after_s,
-                     "max_n": cfg.serve.max_n}
+                     "max_n": cfg.serve.max_n, "body_timeout_s": cfg.serve.body_timeout_s,
+                     "allowed_origins": list(cfg.serve.allowed_origins), "host": cfg.serve.host,
+                     "session_binding": cfg.serve.session_binding}
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
