@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from clawray.algos.advantages import group_advantages
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController, signal_stats
 from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
+from clawray.private import open_private, private_dir, private_tree
 from clawray.config import checkpoint_dir, model_path
 from clawray.weight_sync import WeightSyncController
 
@@ -148,7 +149,7 @@ class Driver:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        os.makedirs(self.run_dir, exist_ok=True)
+        private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
         path = ensure_model(cfg)
         self.model_path = path
         self._owns_ray = not ray.is_initialized()
@@ -462,6 +463,7 @@ class Driver:
                  "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
+        private_tree(tmp)  # the learners' files too, whatever their umask
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
@@ -545,7 +547,7 @@ class Driver:
             "judges": ray.get([j.get_stats.remote() for j in self.judges]),
             "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else getattr(self, "sim_stats", {}),
         }
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+        with open_private(os.path.join(self.run_dir, "summary.json")) as f:
             json.dump(out, f, indent=2)
         return out
 
