@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
     p_report.add_argument("run_dir")
     ns = parser.parse_args(argv)
+    if ns.command == "run":  # before Ray starts: its processes inherit it (clawray/private.py)
+        from clawray.private import private_umask
+
+        private_umask()
 
     if ns.command == "report":
         from clawray.report import write_report
