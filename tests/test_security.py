@@ -160,3 +160,53 @@ def test_session_binding_strict_and_a_failed_first_request_binds_nothing(secured
     assert _session(root, "strict", "bind-s").status_code == 403
     assert _session(root, "strict", "bind-s", token).status_code == 200
     assert _session(root, "strict", "other-s").status_code == 200  # another session, its own token
+
+
+def _cluster_listeners(gcs_address: str) -> set[tuple[str, str, int]]:
+    """(process name, bound ip, port) of every listening TCP socket of this test's Ray cluster (the
+    processes naming its GCS address, their descendants: raylet, workers, agents) and of this process."""
+    import os
+
+    import psutil
+
+    port = gcs_address.rsplit(":", 1)[1]
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        args = p.info["cmdline"] or []
+        if any(gcs_address in a or a == f"--gcs_server_port={port}" for a in args):
+            roots.append(p)
+    procs = {psutil.Process(os.getpid())} | set(roots)
+    for r in roots:
+        try:
+            procs.update(r.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    found = set()
+    for p in procs:
+        try:
+            found.update((p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp") if c.status == "LISTEN")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_every_listening_socket_is_on_loopback(ray_cluster, tiny_model):
+    """With a 2-rank FSDP learner group (gloo, its TCPStore) and a weight-sync group to an hf engine
+    (its own TCPStore and gloo pairs) up, every listening socket of the cluster is on loopback."""
+    from clawray.actors.learner import LearnerGroup
+    from clawray.actors.rollout import RolloutEngineActor
+    from test_learner_sync import LEARNER, _sync_group
+
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1, 8, {})
+    learners = LearnerGroup(tiny_model, LEARNER, free_port())
+    try:
+        plan = ray.get(engine.weight_specs.remote())
+        _sync_group(learners, [engine], plan)
+        found = _cluster_listeners(ray_cluster["address"])
+        names = {name for name, _, _ in found}
+        assert {"gcs_server", "raylet"} <= names and any("LearnerWorker" in n for n in names)
+        exposed = sorted(f for f in found if f[1] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"))
+        assert exposed == []
+    finally:
+        learners.shutdown()
+        ray.kill(engine)
