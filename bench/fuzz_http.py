@@ -198,6 +198,9 @@ def start_server(body_timeout_s: float) -> int:
 
 
 def main() -> int:
+    from clawray.ray_env import apply_loopback_env
+
+    apply_loopback_env()  # before Ray is imported by the server set-up
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=0, help="send at most this many cases (0: all)")
     ap.add_argument("--concurrency", type=int, default=16)
