@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 
+from clawray.private import open_private, private_dir
+
 _NAME = re.compile(r"^ckpt-(\d{6})$")
 
 
@@ -30,7 +32,7 @@ def new_checkpoint_dirs(root: str) -> tuple[str, str]:
 
     Left-over temporary folders of earlier crashed writes are removed first.
     """
-    os.makedirs(root, exist_ok=True)
+    private_dir(root)
     for name in os.listdir(root):
         if name.startswith(".tmp-ckpt-"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -38,7 +40,7 @@ def new_checkpoint_dirs(root: str) -> tuple[str, str]:
     seq = int(_NAME.match(os.path.basename(existing[-1])).group(1)) + 1 if existing else 1
     final = os.path.join(root, f"ckpt-{seq:06d}")
     tmp = os.path.join(root, f".tmp-ckpt-{seq:06d}-{os.getpid()}")
-    os.makedirs(tmp)
+    os.makedirs(tmp, mode=0o700)
     return tmp, final
 
 
@@ -48,7 +50,7 @@ def commit_checkpoint(tmp: str, final: str, keep_last: int = 0) -> str:
     root = os.path.dirname(final)
     os.rename(tmp, final)
     pointer = os.path.join(root, "latest")
-    with open(pointer + ".tmp", "w") as f:
+    with open_private(pointer + ".tmp") as f:
         f.write(os.path.basename(final) + "\n")
         f.flush()
         os.fsync(f.fileno())

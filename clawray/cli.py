@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p_report.add_argument("run_dir")
     _add_eval_parser(sub)
     ns = parser.parse_args(argv)
+    if ns.command == "run":  # before Ray starts: its processes inherit it (clawray/private.py)
+        from clawray.private import private_umask
+
+        private_umask()
 
     if ns.command == "eval":
         return _eval(ns)

@@ -172,6 +172,16 @@ class ServeConfig:
     sync_wait_timeout_s: float = num(30.0, ge=0.0, note="0 = no wait: 503 at once during a sync")
     retry_after_s: int = num(2, ge=0)  # the Retry-After header of that 503, in seconds
     max_n: int = num(8, ge=1)  # most choices per request (n); each is recorded as its own turn
+    # the whole request body must arrive within this many seconds of the headers (else 408); no session
+    # lock is taken before it has
+    body_timeout_s: float = num(30.0, gt=0.0)
+    # browser origins (e.g. "http://localhost:3000") allowed to call the API; a request with any other
+    # Origin header gets 403 (a web page cannot push turns into training); "*" allows every origin
+    allowed_origins: list[str] = field(default_factory=list)
+    # a session id belongs to its first client: the server returns X-Session-Token on the session's first
+    # request; "echo": once a request carried it, every later one must (403 otherwise); "strict": every
+    # later request must carry it; "off": no tokens (README, "Reliability and security")
+    session_binding: str = choice("echo", "strict", "off")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from clawray.algos.advantages import BatchAdvantages, batch_advantages
 from clawray.algos.algorithm import algorithm_class
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
 from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
+from clawray.private import open_private, private_dir, private_tree
 from clawray.config import checkpoint_dir, model_path
 from clawray.weight_sync import WeightSyncController
 
@@ -153,7 +154,7 @@ class Driver:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        os.makedirs(self.run_dir, exist_ok=True)
+        private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
         path = ensure_model(cfg)
         self.model_path = path
         self._owns_ray = not ray.is_initialized()
@@ -232,7 +233,9 @@ class Driver:
                      "generate_timeout_s": cfg.serve.generate_timeout_s,
                      "max_body_bytes": int(cfg.serve.max_body_mb * 2**20), "api_key": cfg.serve.api_key,
                      "sync_wait_timeout_s": cfg.serve.sync_wait_timeout_s, "retry_after_s": cfg.serve.retry_after_s,
-                     "max_n": cfg.serve.max_n}
+                     "max_n": cfg.serve.max_n, "body_timeout_s": cfg.serve.body_timeout_s,
+                     "allowed_origins": list(cfg.serve.allowed_origins), "host": cfg.serve.host,
+                     "session_binding": cfg.serve.session_binding}
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
                                             cfg.serve.port, cfg.serve.num_cpus)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
@@ -566,6 +569,7 @@ class Driver:
                  "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
+        private_tree(tmp)  # the learners' files too, whatever their umask
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
@@ -658,7 +662,7 @@ class Driver:
             "samples_trained": self.samples_trained,
             "eval": [{k: v for k, v in r.items() if k != "replies"} for r in self.eval_results],
         }
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+        with open_private(os.path.join(self.run_dir, "summary.json")) as f:
             json.dump(out, f, indent=2)
         return out
 

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from clawray.config import redacted
+from clawray.private import open_private, private_dir, private_tree, private_umask
 
 
 class Tracker:
@@ -38,21 +39,27 @@ class Tracker:
 
     def __init__(self, run_dir: str, mode: str = "offline", project: str = "clawray", name: str = "",
                  config: dict | None = None, resume_step: int | None = None, run_id: str | None = None):
-        os.makedirs(run_dir, exist_ok=True)
+        private_dir(run_dir)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         kept = []
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-        with open(self.path, "w") as f:
+        with open_private(self.path) as f:
             f.writelines(kept)
         self.run, self._run_id = None, None
+        self.wandb_dir = os.path.join(run_dir, "wandb")
         if mode != "disabled":
             import wandb
 
             resume = {"id": run_id, "resume": "allow"} if run_id else {}
-            self.run = wandb.init(project=project, name=name or None, dir=run_dir, mode=mode,
-                                  config=redacted(config or {}), reinit="finish_previous", **resume)
+            private_dir(os.path.join(run_dir, "wandb"))
+            old_umask = private_umask()  # the wandb service this starts writes 0600 files
+            try:
+                self.run = wandb.init(project=project, name=name or None, dir=run_dir, mode=mode,
+                                      config=redacted(config or {}), reinit="finish_previous", **resume)
+            finally:
+                os.umask(old_umask)
             self._run_id = self.run.id
 
     @property
@@ -65,7 +72,7 @@ class Tracker:
         """Append ``metrics`` (scalars) for ``step`` to wandb and ``metrics.jsonl`` (a non-finite
         value, i.e. a metric undefined at this step, is written as ``null``: strict JSON)."""
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        with open(self.path, "a") as f:
+        with open_private(self.path, "a") as f:
             f.write(json.dumps({"step": step, **row}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
@@ -75,3 +82,4 @@ class Tracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+            private_tree(self.wandb_dir)

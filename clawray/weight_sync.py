@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from clawray.engines.base import WeightSpec
+from clawray.ray_env import tcp_store, use_loopback_gloo
 
 TRANSPORTS = ("collective", "object_store", "ipc")
 _MAGIC = 0x5C1A_0001  # first header word: a sender speaking another header layout fails loudly
@@ -338,7 +339,9 @@ class CollectiveTransport(WeightTransport):
         self._pack_bufs: list[torch.Tensor] = []  # sender: ring of max_inflight reusable pack buffers
         self._recv_bufs: list[torch.Tensor] = []  # receiver: one reusable flat buffer per bucket
         timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        if host in ("127.0.0.1", "localhost"):
+            use_loopback_gloo()  # the gloo pairs listen on loopback too
+        self._store = tcp_store(host, port, world_size, rank == 0, timeout)  # listens on `host` only
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
         elif backend == "nccl":  # pragma: no cover - GPU only

@@ -58,3 +58,52 @@ def test_disabled_tracker_has_no_run_id(tmp_path):
     t.log({"x": 1.0}, step=1)
     assert t.run_id is None
     t.finish()
+
+
+def _modes(root) -> dict[str, int]:
+    """Permission bits of ``root`` and everything under it, by relative path."""
+    import stat
+
+    out = {".": stat.S_IMODE(os.stat(root).st_mode)}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            if not os.path.islink(p):
+                out[os.path.relpath(p, root)] = stat.S_IMODE(os.stat(p).st_mode)
+    return out
+
+
+def test_run_folder_metrics_and_wandb_files_are_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    old = os.umask(0o022)  # a permissive umask: the modes must not depend on it
+    try:
+        run_dir = str(tmp_path / "run")
+        tracker = Tracker(run_dir, "offline", "clawray-test", config={"a": 1})
+        tracker.log({"loss": 1.0}, step=1)
+        tracker.finish()
+    finally:
+        os.umask(old)
+    modes = _modes(run_dir)
+    assert modes["."] == 0o700 and modes["metrics.jsonl"] == 0o600 and modes["wandb"] == 0o700
+    assert len(modes) > 5  # wandb wrote its run files
+    dirs = {p for p in modes if os.path.isdir(os.path.join(run_dir, p))}
+    assert {p: m for p, m in modes.items() if m != (0o700 if p in dirs else 0o600)} == {}
+
+
+def test_checkpoints_are_private_whatever_the_writers_umask(tmp_path):
+    from clawray.checkpoint import commit_checkpoint, new_checkpoint_dirs
+    from clawray.private import private_tree
+
+    old = os.umask(0o022)
+    try:
+        tmp, final = new_checkpoint_dirs(str(tmp_path / "ckpts"))
+        os.makedirs(os.path.join(tmp, "model"))
+        with open(os.path.join(tmp, "model", "weights.bin"), "w") as f:  # as a learner with umask 022 writes
+            f.write("w")
+        private_tree(tmp)  # Driver.save_checkpoint does this before the commit
+        commit_checkpoint(tmp, final)
+    finally:
+        os.umask(old)
+    modes = _modes(str(tmp_path / "ckpts"))
+    assert modes == {".": 0o700, "ckpt-000001": 0o700, "ckpt-000001/model": 0o700,
+                     "ckpt-000001/model/weights.bin": 0o600, "latest": 0o600}

@@ -45,6 +45,7 @@ from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, b
                                   sequence_logprobs)
 from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
+from clawray.ray_env import tcp_store, use_loopback_gloo
 from clawray.types import Sample
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -159,8 +160,10 @@ class LearnerWorker:
         torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=cfg.dist_timeout_s))
+        timeout = timedelta(seconds=cfg.dist_timeout_s)
+        use_loopback_gloo()  # the rendezvous and the gloo pairs listen on 127.0.0.1 only
+        dist.init_process_group(backend, store=tcp_store("127.0.0.1", master_port, world_size, rank == 0, timeout),
+                                rank=rank, world_size=world_size, timeout=timeout)
         torch.manual_seed(0)  # same seed on every rank: LoRA's A matrices start identical everywhere
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False

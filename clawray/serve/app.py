@@ -22,6 +22,15 @@ marks a turn that is served but never trained (default ``main``); ``X-Session-Do
 
 Every client error is an HTTP 4xx with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request.
+
+Hostile clients (README, "Reliability and security"): header bytes and sizes are refused in Serve's proxy
+(:mod:`clawray.serve.guard`). Here, in this order: a browser ``Origin`` outside ``allowed_origins`` or,
+when bound to loopback, a ``Host`` that is not a loopback name or the bound host (DNS rebinding) gets
+403; a missing or wrong API key 401; a body that is not ``application/json`` 415; a body not complete
+within ``body_timeout_s`` 408, so a slow client holds no session lock: the lock of a session is taken
+only after its body has arrived. Session binding (``session_binding``): a session's first request gets a
+fresh ``X-Session-Token``; a later request with another token, or (``strict``, or ``echo`` once the token
+came back) without one, gets 403.
 """
 
 from __future__ import annotations
@@ -30,10 +39,11 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 import zlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
@@ -53,6 +63,11 @@ from clawray.types import Turn
 app = FastAPI(title="clawray policy server", docs_url=None, redoc_url=None, openapi_url=None)
 logger = logging.getLogger("ray.serve")
 MAX_CHARS_PER_TOKEN = 128  # no tokenizer token is longer: a prompt with more characters cannot fit
+# the HTTP status of each RequestError code that is not a plain 400
+ERROR_STATUS = {"body_too_large": 413, "body_timeout": 408, "unsupported_media_type": 415, "forbidden_origin": 403,
+                "forbidden_host": 403, "session_token": 403}
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+MAX_BOUND_SESSIONS = 100_000  # session tokens kept; the oldest binding is forgotten beyond this
 
 
 
@@ -124,6 +139,7 @@ class _Call:
         self.spliced = False
         self.in_reasoning = False
         self.end_ids: list[int] = []  # the ids that end this request's replies (end_of_turn_ids)
+        self.new_token: str | None = None  # the session's token, on its first request only
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -137,7 +153,8 @@ class PolicyServer:
         tracker: SessionTracker actor handle (session state, turn records).
         cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
             "generate_timeout_s", "max_body_bytes", "api_key", "sync_wait_timeout_s",
-            "retry_after_s", "max_n"}`` (an empty key disables auth).
+            "retry_after_s", "max_n", "body_timeout_s", "allowed_origins", "host", "session_binding"}``
+            (an empty key disables auth).
     """
 
     def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict):
@@ -145,16 +162,23 @@ class PolicyServer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engines, self.tracker = engines, tracker
-        self.cfg = {"sync_wait_timeout_s": 30.0, "retry_after_s": 2, "max_n": 8, **cfg}
+        self.cfg = {"sync_wait_timeout_s": 30.0, "retry_after_s": 2, "max_n": 8, "body_timeout_s": 30.0,
+                    "allowed_origins": [], "host": "127.0.0.1", "session_binding": "echo", **cfg}
         self.stop_text = self.tokenizer.eos_token  # the end tag the chat template renders after a reply
         self.end_ids = end_of_turn_ids(model_path, self.tokenizer)
         self.locks = _SessionLocks()
+        self.bindings: OrderedDict[str, list] = OrderedDict()  # session id -> [token, token came back]
         self.counts: Counter[str] = Counter()
         self._warned_no_session = False
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Any:
-        """``GET /v1/models``: the one served policy (401 without the API key, as OpenAI)."""
+        """``GET /v1/models``: the one served policy (401 without the API key, as OpenAI; 403 for a
+        foreign browser origin or Host)."""
+        try:
+            self._check_origin(request)
+        except RequestError as e:
+            return error_response(403, str(e), None, e.code, "permission_error")
         if not self._authorized(request):
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
                                   "invalid_api_key", "authentication_error")
@@ -176,36 +200,50 @@ class PolicyServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        """``POST /v1/chat/completions``, plain or streamed (SSE). 401 without the configured API key,
-        400/413 for client errors, 503 (with ``Retry-After``) while a weight sync outlasts
+        """``POST /v1/chat/completions``, plain or streamed (SSE). 403 for a foreign browser origin, Host
+        or session token, 401 without the configured API key, 415 for a body that is not JSON, 408 for a
+        body that outlasts ``body_timeout_s``, 400/413 for client errors, 503 (with ``Retry-After``) while a weight sync outlasts
         ``sync_wait_timeout_s`` or when the engine does not answer within ``generate_timeout_s``,
         500 only for a server-side fault. Ray Serve's proxy echoes the client's ``X-Request-Id``."""
         self.counts["requests"] += 1
+        try:
+            self._check_origin(request)
+        except RequestError as e:
+            self.counts["forbidden"] += 1
+            return error_response(403, str(e), None, e.code, "permission_error")
         if not self._authorized(request):
             self.counts["unauthorized"] += 1
             return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
                                   "invalid_api_key", "authentication_error")
         locked: str | None = None  # the session whose lock this request holds
         call: _Call | None = None
-        streaming = False
+        streaming = answered = False
+        token: str | None = None
         try:
-            header_sid = request.headers.get("x-session-id")
-            if header_sid:  # arrival order: queue behind the session's earlier requests right away
-                await self.locks.acquire(header_sid)
-                locked = header_sid
-            raw = await self._read_body(request)
+            self._check_content_type(request)
+            raw = await self._read_body(request)  # the whole body, under a deadline, before any lock
             req = parse_chat_request(decode_body(raw), request.headers, self.cfg["default_max_tokens"],
                                      self.cfg["default_temperature"], self.cfg["max_n"])
+            token = self._bind_session(req.session_id, request.headers.get("x-session-token"))
+            if req.session_id:  # then a session's requests queue in the order their bodies arrived
+                await self.locks.acquire(req.session_id)
+                locked = req.session_id
             call = _Call(req, locked)
+            call.new_token = token
             await self._prepare(call)
             if req.stream:
                 response = await self._stream(call)
-                streaming = True  # the stream releases the lock when it ends
+                streaming = answered = True  # the stream releases the lock when it ends
                 return response
-            return await self._complete(call)
+            response = await self._complete(call)
+            answered = True
+            return response
         except RequestError as e:
             self.counts["rejected"] += 1
-            return error_response(413 if e.code == "body_too_large" else 400, str(e), e.param, e.code)
+            status = ERROR_STATUS.get(e.code, 400)
+            return error_response(status, str(e), e.param, e.code,
+                                  "permission_error" if status == 403 else "invalid_request_error",
+                                  headers={"Connection": "close"} if status == 408 else None)
         except EnginePausedError:
             self.counts["sync_wait_timeouts"] += 1
             return error_response(503, "the policy is being updated; retry shortly", None, "engine_syncing",
@@ -232,6 +270,8 @@ class PolicyServer:
             locked = call.locked if call is not None else locked
             if locked and not streaming:
                 self.locks.release(locked)
+            if token and not answered:  # the client never got the token: the session stays unbound
+                self.bindings.pop(req.session_id, None)
 
     # ------------------------------------------------------------------ request plumbing
     def _authorized(self, request: Request) -> bool:
@@ -242,7 +282,82 @@ class PolicyServer:
         token = given[7:] if given.lower().startswith("bearer ") else ""
         return hmac.compare_digest(token.encode(), key.encode())  # constant time
 
+    def _check_origin(self, request: Request) -> None:
+        """Refuse what a web page in the user's browser could send: an ``Origin`` header not in
+        ``allowed_origins`` (browsers send it on every cross-origin and every POST request; other
+        clients do not), and, when the server is bound to loopback, a ``Host`` that is neither a
+        loopback name nor the bound host (a DNS-rebinding page reaches 127.0.0.1 under its own name).
+
+        Raises:
+            RequestError: code ``forbidden_origin`` or ``forbidden_host`` (HTTP 403).
+        """
+        origin = request.headers.get("origin")
+        allowed = self.cfg["allowed_origins"]
+        if origin is not None and "*" not in allowed and origin.rstrip("/") not in [o.rstrip("/") for o in allowed]:
+            raise RequestError(f"browser origin {origin[:200]!r} is not allowed (serve.allowed_origins)", None,
+                               "forbidden_origin")
+        bound = self.cfg["host"]
+        if bound in LOOPBACK_HOSTS:
+            host = request.headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # drop the port
+            if name.lower() not in LOOPBACK_HOSTS | {bound}:
+                raise RequestError(f"Host {host[:200]!r} is not a loopback name (the server is bound to {bound})",
+                                   None, "forbidden_host")
+
+    @staticmethod
+    def _check_content_type(request: Request) -> None:
+        """Raises RequestError ``unsupported_media_type`` (HTTP 415) unless the body is declared
+        ``application/json`` (parameters such as ``charset=utf-8`` allowed)."""
+        declared = request.headers.get("content-type", "")
+        if declared.split(";", 1)[0].strip().lower() != "application/json":
+            raise RequestError(f"Content-Type must be application/json, not {declared[:100]!r}", None,
+                               "unsupported_media_type")
+
+    def _bind_session(self, session_id: str | None, given: str | None) -> str | None:
+        """Session binding: the first request of an explicit session id gets a fresh token (returned,
+        to be sent back as ``X-Session-Token``); a later request must carry it when ``session_binding``
+        is ``strict``, or under ``echo`` once the token has come back once. A wrong token is always
+        refused. At most :data:`MAX_BOUND_SESSIONS` bindings are kept (oldest forgotten first).
+
+        Returns: the new token for a session's first request, else None.
+
+        Raises:
+            RequestError: code ``session_token`` (HTTP 403).
+        """
+        mode = self.cfg["session_binding"]
+        if mode == "off" or not session_id:
+            return None
+        entry = self.bindings.get(session_id)
+        if entry is None:
+            token = secrets.token_urlsafe(24)
+            self.bindings[session_id] = [token, False]
+            if len(self.bindings) > MAX_BOUND_SESSIONS:
+                self.bindings.popitem(last=False)
+            return token
+        if given is not None:
+            if not hmac.compare_digest(given.encode(), entry[0].encode()):
+                raise RequestError("X-Session-Token does not match this session's token", None, "session_token")
+            entry[1] = True
+            return None
+        if mode == "strict" or entry[1]:
+            raise RequestError("this session is bound to another client: send its X-Session-Token", None,
+                               "session_token")
+        return None
+
     async def _read_body(self, request: Request) -> bytes:
+        """The whole request body within ``body_timeout_s`` seconds.
+
+        Raises:
+            RequestError: ``body_too_large`` (413) over ``max_body_bytes``; ``body_timeout`` (408) late.
+        """
+        try:
+            return await asyncio.wait_for(self._read_body_unbounded(request), timeout=self.cfg["body_timeout_s"])
+        except asyncio.TimeoutError:
+            self.counts["body_timeouts"] += 1
+            raise RequestError(f"the request body did not arrive within {self.cfg['body_timeout_s']} s", None,
+                               "body_timeout") from None
+
+    async def _read_body_unbounded(self, request: Request) -> bytes:
         limit = self.cfg["max_body_bytes"]
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -333,6 +448,10 @@ class PolicyServer:
         text = self._render(req.messages, req.tools, True)
         return self.tokenizer.encode(text, add_special_tokens=False), False
 
+    @staticmethod
+    def _token_header(call: _Call) -> dict:
+        return {"X-Session-Token": call.new_token} if call.new_token else {}
+
     def _engine(self, call: _Call) -> Any:
         key = call.session_id or uuid.uuid4().hex
         return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
@@ -412,7 +531,7 @@ class PolicyServer:
         }
         if call.req.n > 1:
             payload["turn_indexes"] = indexes
-        return JSONResponse(payload, headers={"X-Policy-Version": str(version)})
+        return JSONResponse(payload, headers={"X-Policy-Version": str(version), **self._token_header(call)})
 
     # ------------------------------------------------------------------ streamed answers
     async def _stream(self, call: _Call) -> StreamingResponse:
@@ -427,7 +546,7 @@ class PolicyServer:
             _cancel_streams(streams)
             raise
         return StreamingResponse(self._sse(call, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **self._token_header(call)})
 
     async def _sse(self, call: _Call, streams: list) -> AsyncIterator[str]:
         """The event stream: per choice a role delta, reasoning/content/tool-call deltas as its tokens

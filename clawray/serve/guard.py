@@ -1,0 +1,85 @@
+"""HeaderGuard: an ASGI layer inside Ray Serve's HTTP proxy that refuses hostile header blocks with a 4xx
+before the proxy itself reads them.
+
+Why in the proxy: Ray Serve's proxy decodes, as UTF-8 and before any deployment code runs, the values of
+``X-Session-Id`` (also spelt ``x_session_id``), ``X-Request-Id``, ``serve_multiplexed_model_id`` (also
+``serve-multiplexed-model-id``), ``X-Request-Timeout-Seconds`` and ``X-Request-Disconnect-Disabled``
+(``ray/serve/_private/proxy.py``, ``http_util.py``; Ray 2.60); one non-UTF-8 byte there is an HTTP 500.
+Its uvicorn server (h11) also accepts a 1 MiB header value and thousands of headers. Serve runs the
+Starlette middlewares returned by the callable named in ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``
+around its proxy app; :data:`PROXY_CALLBACK_ENV` names :func:`proxy_middlewares`, and
+:func:`clawray.ray_env.init_ray` (and the test cluster) set it before Ray starts, so the proxy process
+inherits it. A cluster started by hand needs it in the environment of ``ray start`` on every node.
+
+Invariants (per HTTP request, checked on the raw header bytes, before anything else reads them):
+  * at most :data:`MAX_HEADERS` header lines, else 431;
+  * each header line (name + value) at most :data:`MAX_HEADER_BYTES` bytes and all of them together at
+    most :data:`MAX_HEADERS_TOTAL_BYTES`, else 431;
+  * every header value is valid UTF-8 (RFC 9110 allows only visible ASCII; UTF-8 is the lenient
+    superset the proxy can read), else 400.
+The answer has the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}`` and closes
+the connection. Body deadlines, content types and origins depend on the run's config and are checked in
+the deployment (:mod:`clawray.serve.app`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+PROXY_CALLBACK_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "clawray.serve.guard.proxy_middlewares"}
+MAX_HEADERS = 100  # header lines per request
+MAX_HEADER_BYTES = 16 * 1024  # bytes of one header line (name + value)
+MAX_HEADERS_TOTAL_BYTES = 64 * 1024  # bytes of all header lines together
+
+
+def header_problem(headers: list[tuple[bytes, bytes]]) -> tuple[int, str, str] | None:
+    """``(status, message, code)`` for a header block that breaks the limits above, else None.
+
+    Args:
+        headers: the ASGI ``scope["headers"]``: (lower-cased name, value) byte pairs.
+    """
+    if len(headers) > MAX_HEADERS:
+        return 431, f"{len(headers)} header lines; the limit is {MAX_HEADERS}", "headers_too_large"
+    total = 0
+    for name, value in headers:
+        size = len(name) + len(value)
+        total += size
+        if size > MAX_HEADER_BYTES:
+            return (431, f"header {name[:64].decode('latin-1')!r} is {size} bytes; the limit is {MAX_HEADER_BYTES}",
+                    "headers_too_large")
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return 400, f"header {name[:64].decode('latin-1')!r} is not valid UTF-8", "invalid_header"
+    if total > MAX_HEADERS_TOTAL_BYTES:
+        return 431, f"headers are {total} bytes; the limit is {MAX_HEADERS_TOTAL_BYTES}", "headers_too_large"
+    return None
+
+
+class HeaderGuard:
+    """Pure ASGI middleware: answers a request whose headers break :func:`header_problem` with its 4xx and
+    never calls the wrapped app for it; passes everything else (and non-HTTP scopes) through untouched."""
+
+    def __init__(self, app: Callable):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        problem = header_problem(scope.get("headers") or []) if scope.get("type") == "http" else None
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        status, message, code = problem
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": code}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def proxy_middlewares() -> list[Any]:
+    """The callback Serve's proxy calls (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): ``[HeaderGuard]``."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(HeaderGuard)]
