@@ -129,7 +129,7 @@ def corpus(rng: random.Random) -> list[tuple[str, bytes, float]]:
     add("declared_too_large", request(body(), length=1 << 40))
     add("declared_shorter", request(body(), length=5))
     add("declared_longer", request(body(), length=len(body()) + 100))  # waits for bytes that never come: 408
-    for i in range(8):  # slow clients, one session: each must get 408, none may block the others
+    for _ in range(8):  # slow clients, one session: each must get 408, none may block the others
         add("slow_body", request(body(), headers=[b"X-Session-Id: fuzz-slow"]), trickle=0.4)
     for _ in range(300):  # random byte mutations of a valid request
         raw = bytearray(request(body(), headers=[b"X-Session-Id: fuzz-mut"]))
