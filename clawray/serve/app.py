@@ -55,11 +55,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawray.actors.rollout import EngineError, EnginePausedError, await_cancellable
 from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
 from clawray.engines.base import GenerateRequest
+from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply, ReplyParser, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.types import Turn
 
+keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
 app = FastAPI(title="clawray policy server", docs_url=None, redoc_url=None, openapi_url=None)
 logger = logging.getLogger("ray.serve")
 MAX_CHARS_PER_TOKEN = 128  # no tokenizer token is longer: a prompt with more characters cannot fit

@@ -83,3 +83,38 @@ def proxy_middlewares() -> list[Any]:
     from starlette.middleware import Middleware
 
     return [Middleware(HeaderGuard)]
+
+
+def keep_replica_grpc_on_loopback() -> bool:
+    """Bind a Serve replica's inter-deployment gRPC server to 127.0.0.1 when its node is loopback-only.
+
+    Ray Serve 2.60 starts that server on ``[::]:0`` in every replica (``ray/serve/_private/replica.py``,
+    ``_on_initialized``; no setting changes the address), so a local run would listen on every
+    interface. When this replica's node address is 127.0.0.1 (a local run: nothing off this host can
+    reach the node anyway), the name ``add_port_to_grpc_server`` in Serve's replica module is wrapped so
+    ``[::]:port`` becomes ``127.0.0.1:port``; on a cluster node nothing changes (other nodes' proxies may
+    need the port; use Ray's TLS there). Called when :mod:`clawray.serve.app` is imported, which happens
+    in the replica process before the replica initialises.
+
+    Returns:
+        True when the wrapper is installed (or already was).
+    """
+    try:
+        import ray
+        from ray.serve._private import replica
+    except ImportError:  # not inside Ray Serve
+        return False
+    if not ray.is_initialized() or ray.util.get_node_ip_address() != "127.0.0.1":
+        return False
+    original = replica.add_port_to_grpc_server
+    if getattr(original, "_clawray_loopback", False):
+        return True
+
+    def on_loopback(server: Any, address: str) -> int:
+        if address.startswith(("[::]:", "0.0.0.0:")):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return original(server, address)
+
+    on_loopback._clawray_loopback = True
+    replica.add_port_to_grpc_server = on_loopback
+    return True
