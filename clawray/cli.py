@@ -24,6 +24,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("model", help="a model folder, a checkpoint (ckpt-NNNNNN/) or a run's checkpoints folder (latest)")
     p.add_argument("--env", required=True, choices=ENVIRONMENTS)
     p.add_argument("--level", type=int, default=1, choices=(1, 2, 3), help="arith difficulty (default 1)")
+    p.add_argument("--data-path", default="", help="student/teacher: the GSM8K-style JSON/JSONL file")
     p.add_argument("--split", default="eval", choices=("eval", "train"))
     p.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts of the split (default 0 = all)")
@@ -52,10 +53,10 @@ def _eval(ns) -> int:
         print(f"clawray: {e}", file=sys.stderr)
         return 1
     try:
-        evaluator = Evaluator(make_env(ns.env, ns.level), AutoTokenizer.from_pretrained(path), n=ns.n,
+        evaluator = Evaluator(make_env(ns.env, ns.level, ns.data_path), AutoTokenizer.from_pretrained(path), n=ns.n,
                               num_prompts=ns.num_prompts, temperature=ns.temperature, seed=ns.seed,
                               max_tokens=ns.max_tokens, split=ns.split)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"clawray: {e}", file=sys.stderr)
         return 2
     kwargs = {"dtype": ns.dtype or ("bfloat16" if ns.backend == "vllm" else "float32"), "seed": ns.seed}

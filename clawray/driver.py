@@ -310,11 +310,11 @@ class Driver:
         if getattr(self, "_eval", None) is None:
             from transformers import AutoTokenizer
 
-            from clawray.envs import make_env
+            from clawray.envs import env_from_config
             from clawray.evaluation import Evaluator
 
             ev, env = self.cfg.eval, self.cfg.env
-            self._eval = Evaluator(make_env(env.name, env.level), AutoTokenizer.from_pretrained(self.model_path),
+            self._eval = Evaluator(env_from_config(env), AutoTokenizer.from_pretrained(self.model_path),
                                    n=ev.n, num_prompts=ev.num_prompts, temperature=ev.temperature, seed=ev.seed,
                                    max_tokens=env.max_tokens, split="eval")
         return self._eval
