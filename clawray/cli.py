@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a training job")
     p_run.add_argument("args", nargs="+", help="config YAML files, then key=value overrides")
+    p_run.add_argument("--verbose", "-v", action="store_true",
+                       help="show vLLM/Ray/wandb output on the terminal (default: only clawray's lines; the rest "
+                            "goes to RUN_DIR/job.log)")
     p_model = sub.add_parser("model", help="build a local model folder")
     p_model.add_argument("kind", choices=["tiny", "smollm2"])
     p_model.add_argument("dir")
@@ -128,8 +132,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM (kill, a job stop) unwinds like Ctrl-C, so the driver shuts Serve and Ray down cleanly
     signal.signal(signal.SIGTERM, _interrupt)
+    from clawray.console import capture
+
+    log_path = os.path.join(cfg.run_dir, "job.log")
+    if not ns.verbose:
+        print(f"[clawray] engine/Ray/wandb output goes to {log_path} (--verbose shows it here)", flush=True)
     try:
-        run(cfg)
+        with capture(log_path, verbose=ns.verbose):
+            run(cfg)
     except KeyboardInterrupt:
         print("clawray: interrupted; shut down cleanly", file=sys.stderr)
         return 130
