@@ -277,6 +277,9 @@ class CheckpointConfig:
     dir: str = ""  # "" = {run_dir}/checkpoints
     keep_last: int = num(2, ge=0, note="0 keeps all")  # older checkpoints are deleted
     save_at_exit: bool = True  # also save when the run ends, is interrupted or fails
+    # false: write the HF model folder only (no optimizer/weights training state, about 1/4 of the
+    # size): for demos; such a checkpoint serves and evaluates but cannot be resumed
+    save_optimizer: bool = True
 
 
 @dataclass
