@@ -658,7 +658,7 @@ class Driver:
     def shutdown(self) -> None:
         """Stop traffic, the server and every actor; stop Ray if this driver started it. Idempotent
         (a failed :meth:`setup` has already called it)."""
-        from ray import serve
+        from clawray.serve.shutdown import shutdown_serve
 
         if self._shut_down:
             return
@@ -674,7 +674,7 @@ class Driver:
         if not ray_up:
             return
         try:
-            serve.shutdown()
+            shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line
         except Exception:
             pass
         for actor in getattr(self, "engines", []) + getattr(self, "judges", []) + [
