@@ -66,7 +66,7 @@ def _eval(ns) -> int:
     print(f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
           f"T={ns.temperature}, backend {ns.backend}", flush=True)
     backend = make_backend(ns.backend, path, **kwargs)
-    result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate)}
+    result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate, chunk=64)}
     out = ns.out or f"eval-{ns.env}-{ns.split}.json"
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

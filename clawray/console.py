@@ -147,3 +147,19 @@ def _isatty(stream: Any) -> bool:
         return bool(stream.isatty())
     except Exception:  # noqa: BLE001
         return False
+
+
+def wait_with_progress(refs: list, desc: str, unit: str = "it") -> list:
+    """``ray.get(refs)`` with a progress bar counting finished refs (:func:`progress`).
+
+    Raises:
+        whatever ``ray.get`` raises for a failed ref.
+    """
+    import ray
+
+    with progress(total=len(refs), desc=desc, unit=unit) as bar:
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            bar.update(len(done))
+    return ray.get(refs)

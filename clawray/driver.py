@@ -216,7 +216,11 @@ class Driver:
                        else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
         self.learners = LearnerGroup(path, learner_cfg, free_port())
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
-        ready = ray.get([e.ready.remote() for e in self.engines + aux])
+        from clawray.console import wait_with_progress
+
+        print(f"[clawray] starting {len(self.engines) + len(aux)} engine(s) ({ro.backend}) and "
+              f"{cfg.learner.num_workers} learner(s)", flush=True)
+        ready = wait_with_progress([e.ready.remote() for e in self.engines + aux], "engines ready", "engine")
 
         plan = ray.get(self.engines[0].weight_specs.remote())
         self.weight_sync = WeightSyncController(
@@ -320,7 +324,9 @@ class Driver:
         return self._eval
 
     def _engine0_generate(self, requests: list) -> list[dict]:
-        return ray.get([self.engines[0].generate.remote(r) for r in requests])
+        from clawray.console import wait_with_progress
+
+        return wait_with_progress([self.engines[0].generate.remote(r) for r in requests], "eval", "sample")
 
     # ------------------------------------------------------------------ loop
     def step(self) -> dict[str, Any]:
