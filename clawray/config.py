@@ -370,9 +370,10 @@ class EnvConfig:
 
     enabled: bool = True
     # the environment (task set, preference, the user's check): "arith" (word problems at `level`,
-    # "one short sentence, no markdown"), "sums" (x + y, "the number only"), or the seed's GSM8K
+    # "one short sentence, no markdown"), "sums" (x + y, "the number only"), "brief" (one-digit sums,
+    # "the number only" checked as right and at most 8 words: the CPU demo), or the seed's GSM8K
     # users "student" / "teacher" (read `data_path`); see clawray.envs
-    name: str = choice("arith", "sums", "student", "teacher")
+    name: str = choice("arith", "sums", "brief", "student", "teacher")
     concurrency: int = num(4, ge=1)  # sessions in flight
     level: int = num(3, ge=1, le=3)  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
     # student/teacher: a local GSM8K-style JSON list or JSONL of {"question", "ground_truth_answer"}
