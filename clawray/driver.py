@@ -709,8 +709,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               flush=True)
     finally:
         driver.close()
-    for line in eval_change_lines(driver.eval_results) + closing_lines(cfg, getattr(driver, "last_checkpoint", None)):
-        print(f"[clawray] {line}", flush=True)
+        if driver._ready:  # also after Ctrl-C / SIGTERM: where the (at-exit) checkpoint is
+            for line in eval_change_lines(driver.eval_results) + closing_lines(cfg, getattr(driver, "last_checkpoint",
+                                                                                            None)):
+                print(f"[clawray] {line}", flush=True)
     return summary
 
 
