@@ -6,6 +6,8 @@ it. A crash mid-write leaves a temporary folder that is ignored (and removed by 
 never a broken ``latest``. Contents (see ``Driver.save_checkpoint`` and
 ``LearnerWorker.save_checkpoint``): ``model/`` (HF folder), ``train_state/`` (sharded optimizer and
 weights), ``learner.pkl``, ``rng/``, ``queue.pkl`` (queued, untrained samples) and ``driver.json``.
+With ``checkpoint.save_optimizer=false`` there is no ``train_state/`` (``driver.json`` has
+``"resumable": false``): the model folder serves and evaluates, a resume refuses it.
 """
 
 from __future__ import annotations

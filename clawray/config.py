@@ -289,6 +289,9 @@ class CheckpointConfig:
     dir: str = ""  # "" = {run_dir}/checkpoints
     keep_last: int = num(2, ge=0, note="0 keeps all")  # older checkpoints are deleted
     save_at_exit: bool = True  # also save when the run ends, is interrupted or fails
+    # false: write the HF model folder only (no optimizer/weights training state, about 1/4 of the
+    # size): for demos; such a checkpoint serves and evaluates but cannot be resumed
+    save_optimizer: bool = True
 
 
 @dataclass
@@ -379,10 +382,14 @@ class EnvConfig:
 
     enabled: bool = True
     # the environment (task set, preference, the user's check): "arith" (word problems at `level`,
-    # "one short sentence, no markdown") or "sums" (x + y, "the number only"); see clawray.envs
-    name: str = choice("arith", "sums")
+    # "one short sentence, no markdown"), "sums" (x + y, "the number only"), "brief" (one-digit sums,
+    # "the number only" checked as right and at most 8 words: the CPU demo), or the seed's GSM8K
+    # users "student" / "teacher" (read `data_path`); see clawray.envs
+    name: str = choice("arith", "sums", "brief", "student", "teacher")
     concurrency: int = num(4, ge=1)  # sessions in flight
     level: int = num(3, ge=1, le=3)  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
+    # student/teacher: a local GSM8K-style JSON list or JSONL of {"question", "ground_truth_answer"}
+    data_path: str = ""
     max_turns: int = num(3, ge=1)  # assistant turns per session, the last one closes the session
     max_tokens: int = num(128, **_MAX_TOKENS)
     temperature: float = num(0.7, **_TEMPERATURE)
@@ -554,6 +561,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
     _check_endpoint_teacher(cfg)
+    _check_env_data(cfg)
     if cfg.trainer.max_batch_size and cfg.trainer.max_batch_size < cfg.trainer.batch_size:
         raise ConfigError(f"trainer.max_batch_size must be 0 (= batch_size) or >= trainer.batch_size, got "
                           f"{cfg.trainer.max_batch_size} < {cfg.trainer.batch_size}")
@@ -580,6 +588,18 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
         where = "rollout.backend" if opd.teacher == "live" else "opd.teacher_backend"
         raise ConfigError(f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
                           f"returns ({where}=vllm, opd.loss=topk)")
+
+
+def _check_env_data(cfg: DictConfig) -> None:
+    """The ``student``/``teacher`` environments read ``env.data_path`` (when the simulated user or the
+    evaluation is on): a missing file is refused at load, saying how to point at a copy."""
+    if cfg.env.name not in ("student", "teacher") or not (cfg.env.enabled or cfg.eval.enabled):
+        return
+    path = os.path.expanduser(os.path.expandvars(cfg.env.data_path or ""))
+    if not path or not os.path.isfile(path):
+        raise ConfigError(f"env.name={cfg.env.name} reads a GSM8K-style file, but env.data_path={cfg.env.data_path!r} "
+                          "is not a file: set env.data_path=/path/to/gsm8k_test.json (a JSON list or JSONL of "
+                          "{\"question\", \"ground_truth_answer\"}; the tests use ../shared/data/gsm8k_test.json)")
 
 
 def _check_endpoint_teacher(cfg: DictConfig) -> None:

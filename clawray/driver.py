@@ -218,7 +218,11 @@ class Driver:
         self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
                                      loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
-        ready = ray.get([e.ready.remote() for e in self.engines + aux])
+        from clawray.console import wait_with_progress
+
+        print(f"[clawray] starting {len(self.engines) + len(aux)} engine(s) ({ro.backend}) and "
+              f"{cfg.learner.num_workers} learner(s)", flush=True)
+        ready = wait_with_progress([e.ready.remote() for e in self.engines + aux], "engines ready", "engine")
 
         plan = ray.get(self.engines[0].weight_specs.remote())
         self.weight_sync = WeightSyncController(
@@ -314,17 +318,19 @@ class Driver:
         if getattr(self, "_eval", None) is None:
             from transformers import AutoTokenizer
 
-            from clawray.envs import make_env
+            from clawray.envs import env_from_config
             from clawray.evaluation import Evaluator
 
             ev, env = self.cfg.eval, self.cfg.env
-            self._eval = Evaluator(make_env(env.name, env.level), AutoTokenizer.from_pretrained(self.model_path),
+            self._eval = Evaluator(env_from_config(env), AutoTokenizer.from_pretrained(self.model_path),
                                    n=ev.n, num_prompts=ev.num_prompts, temperature=ev.temperature, seed=ev.seed,
                                    max_tokens=env.max_tokens, split="eval")
         return self._eval
 
     def _engine0_generate(self, requests: list) -> list[dict]:
-        return ray.get([self.engines[0].generate.remote(r) for r in requests])
+        from clawray.console import wait_with_progress
+
+        return wait_with_progress([self.engines[0].generate.remote(r) for r in requests], "eval", "sample")
 
     # ------------------------------------------------------------------ loop
     def step(self) -> dict[str, Any]:
@@ -545,7 +551,8 @@ class Driver:
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
-        results = ray.get([w.save_checkpoint.remote(tmp) for w in self.learners.workers])
+        save_optimizer = self.cfg.checkpoint.save_optimizer
+        results = ray.get([w.save_checkpoint.remote(tmp, save_optimizer) for w in self.learners.workers])
         learner_version = results[0]["version"]
         queue_state = ray.get(self.queue.snapshot.remote())
         marker = self._checkpoint_marker(queue_state)
@@ -566,6 +573,7 @@ class Driver:
                  "samples_trained": samples_trained,
                  "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
                  "learner_world_size": len(self.learners.workers), "time": time.time(),
+                 "resumable": save_optimizer,
                  "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
@@ -576,7 +584,9 @@ class Driver:
         self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version,
                                 "marker": marker}
         print(f"[clawray] checkpoint {final}: policy v{learner_version}, {len(queue_state['samples'])} queued "
-              f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s", flush=True)
+              f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s"
+              f"{'' if save_optimizer else ' (model only: checkpoint.save_optimizer=false, not resumable)'}",
+              flush=True)
         return final
 
     def _checkpoint_marker(self, queue_state: dict) -> tuple:
@@ -594,6 +604,11 @@ class Driver:
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
+        with open(os.path.join(path, "driver.json")) as f:
+            if json.load(f).get("resumable") is False:
+                raise FileNotFoundError(f"resume=true but {path} was saved with checkpoint.save_optimizer=false "
+                                        "(model only): serve or evaluate its model/, or train on with "
+                                        f"model.path={os.path.join(path, 'model')}")
         with open(os.path.join(path, "driver.json")) as f:
             state = json.load(f)
         ray.get([w.load_checkpoint.remote(path) for w in self.learners.workers])
@@ -674,8 +689,11 @@ class Driver:
         if self.cfg.checkpoint.save_at_exit and self._ready:
             try:
                 last = getattr(self, "last_checkpoint", None)
-                if last is None or last["marker"] != self._checkpoint_marker(ray.get(self.queue.stats.remote())):
-                    self.save_checkpoint()  # else the last periodic checkpoint already holds this state
+                if exit_checkpoint_needed(last, self._checkpoint_marker(ray.get(self.queue.stats.remote()))):
+                    self.save_checkpoint()
+                else:  # the last periodic checkpoint already holds this policy: no second copy of it
+                    print(f"[clawray] checkpoint at exit: policy v{last['version']} is already saved in "
+                          f"{last['path']}", flush=True)
             except Exception as e:  # a dead learner cannot save; the last periodic checkpoint stands
                 print(f"[clawray] checkpoint at exit failed: {type(e).__name__}: {e}", flush=True)
         self.shutdown()
@@ -683,7 +701,7 @@ class Driver:
     def shutdown(self) -> None:
         """Stop traffic, the server and every actor; stop Ray if this driver started it. Idempotent
         (a failed :meth:`setup` has already called it)."""
-        from ray import serve
+        from clawray.serve.shutdown import shutdown_serve
 
         if self._shut_down:
             return
@@ -699,7 +717,7 @@ class Driver:
         if not ray_up:
             return
         try:
-            serve.shutdown()
+            shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line
         except Exception:
             pass
         for actor in getattr(self, "engines", []) + getattr(self, "judges", []) + [
@@ -728,9 +746,36 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               flush=True)
     finally:
         driver.close()
-    for line in eval_change_lines(driver.eval_results):
-        print(f"[clawray] {line}", flush=True)
+        if driver._ready:  # also after Ctrl-C / SIGTERM: where the (at-exit) checkpoint is
+            for line in eval_change_lines(driver.eval_results) + closing_lines(cfg, getattr(driver, "last_checkpoint",
+                                                                                            None)):
+                print(f"[clawray] {line}", flush=True)
     return summary
+
+
+def exit_checkpoint_needed(last: dict[str, Any] | None, marker: tuple) -> bool:
+    """Whether the at-exit checkpoint must be written: no checkpoint yet, or the policy changed since
+    the last one (``marker``: :meth:`Driver._checkpoint_marker`; its first three fields are the
+    policy version, the steps done and whether no trained batch is in flight). Queue traffic alone
+    after the last checkpoint does not rewrite the same policy (hundreds of MB to GB each)."""
+    return last is None or tuple(last["marker"][:3]) != tuple(marker[:3])
+
+
+def closing_lines(cfg: DictConfig, last_checkpoint: dict[str, Any] | None) -> list[str]:
+    """Where the trained model is and the commands that use it (serve, evaluate, report)."""
+    run_dir = cfg.run_dir
+    lines = []
+    if last_checkpoint is not None:
+        model = os.path.join(last_checkpoint["path"], "model")
+        slim = "" if not cfg.checkpoint.save_optimizer else "; checkpoint.save_optimizer=false keeps only the model"
+        lines += [f"trained model (policy v{last_checkpoint['version']}): {model} "
+                  f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
+                  f"serve it:    clawray run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}"]
+        if cfg.env.enabled or cfg.eval.enabled:
+            data = f" --data-path {cfg.env.data_path}" if cfg.env.name in ("student", "teacher") else ""
+            lines.append(f"evaluate it: clawray eval {model} --env {cfg.env.name} --level {cfg.env.level}{data}")
+    lines.append(f"report:      clawray report {run_dir}   (plots in {os.path.join(run_dir, 'report')}/)")
+    return lines
 
 
 def eval_change_lines(results: list[dict[str, Any]]) -> list[str]:

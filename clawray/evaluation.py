@@ -144,9 +144,11 @@ class Evaluator:
         body = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
         return parse_reply_text(self.tokenizer.decode(body, skip_special_tokens=False)).message()
 
-    def run(self, generate: Callable[[list[GenerateRequest]], list[Any]]) -> dict[str, Any]:
+    def run(self, generate: Callable[[list[GenerateRequest]], list[Any]], chunk: int = 0) -> dict[str, Any]:
         """Generate with ``generate(requests) -> outputs`` (each a ``GenerateOutput`` or a dict with
-        ``response_ids``, optionally ``policy_version``) and score every first reply.
+        ``response_ids``, optionally ``policy_version``) and score every first reply. ``chunk`` > 0
+        calls ``generate`` on that many requests at a time and shows a progress bar on the terminal
+        (:func:`clawray.console.progress`); 0 makes one call.
 
         Returns:
             ``{"env", "split", "prompts", "n", "samples", "temperature", "seed", "max_tokens",
@@ -155,7 +157,16 @@ class Evaluator:
         """
         t0 = time.perf_counter()
         reqs = self.requests()
-        outs = generate(reqs)
+        if chunk > 0:
+            from clawray.console import progress
+
+            outs = []
+            with progress(total=len(reqs), desc="eval", unit="sample") as bar:
+                for i in range(0, len(reqs), chunk):
+                    outs.extend(generate(reqs[i:i + chunk]))
+                    bar.update(len(reqs[i:i + chunk]))
+        else:
+            outs = generate(reqs)
         versions, replies, scores = set(), [], []
         for k, out in enumerate(outs):
             get = out.get if isinstance(out, dict) else lambda key, d=None, o=out: getattr(o, key, d)

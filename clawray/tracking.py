@@ -23,7 +23,7 @@ class Tracker:
     """Logs one dict of scalars per policy update.
 
     Args:
-        run_dir: the run folder (``metrics.jsonl`` and the offline wandb run go there).
+        run_dir: the run folder (``metrics.jsonl``, ``config.json`` and the offline wandb run go there).
         mode: wandb mode: ``"offline"`` (default; ``wandb sync`` uploads later), ``"online"`` or
             ``"disabled"`` (jsonl only).
         project, name: wandb project and run name.
@@ -47,6 +47,9 @@ class Tracker:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         with open_private(self.path) as f:
             f.writelines(kept)
+        # the resolved config (secrets hidden) beside the metrics: `clawray report` draws the guards' bounds from it
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(redacted(config or {}), f, indent=2)
         self.run, self._run_id = None, None
         self.wandb_dir = os.path.join(run_dir, "wandb")
         if mode != "disabled":

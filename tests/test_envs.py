@@ -47,7 +47,7 @@ def test_levels():
         make_problems(1, level=4)
 
 
-ENV_CASES = [("arith", 1), ("arith", 2), ("arith", 3), ("sums", 1)]
+ENV_CASES = [("arith", 1), ("arith", 2), ("arith", 3), ("sums", 1), ("brief", 1)]
 
 
 @pytest.mark.parametrize("name, level", ENV_CASES)
@@ -127,7 +127,7 @@ def test_arith_env_wraps_the_old_check():
 
 
 def test_unknown_environment():
-    assert ENVIRONMENTS == ("arith", "sums")
+    assert ENVIRONMENTS == ("arith", "sums", "brief", "student", "teacher")
     with pytest.raises(ValueError, match="unknown environment"):
         make_env("chess")
     with pytest.raises(ValueError, match="unknown problem level"):

@@ -96,5 +96,5 @@ def test_report_writes_one_png_per_invariant(driver):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     table = open(paths[-1]).read()
     steps = [json.loads(line) for line in open(os.path.join(driver.run_dir, "metrics.jsonl"))]
-    assert f"{len(steps)} steps." in table and "`inv/logprob_mismatch_kl`" in table
+    assert f"{len(steps)} steps, 0 evaluations." in table and "`inv/logprob_mismatch_kl`" in table
     assert not math.isnan(steps[0]["inv/entropy"])

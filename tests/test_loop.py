@@ -19,7 +19,7 @@ def driver(ray_cluster, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = tiny_run_config(tiny_model, run_dir, overrides=[
         "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=16",
-        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=offline",
+        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=offline", "env.name=arith",  # cpu.yaml: brief
         # evaluation before, after step 1 and at the end, on 2 held-out prompts x 2 samples
         "eval.enabled=true", "eval.num_prompts=2", "eval.n=2", "eval.every_steps=1"])
     d = Driver(cfg)

@@ -528,7 +528,7 @@ class LearnerWorker:
                     shutil.copy2(src, os.path.join(path, name))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str) -> dict:
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> dict:
         """Write this learner's part of a checkpoint into the existing folder ``path``. Collective.
 
         Layout: ``model/`` (HF folder, :meth:`save`), ``train_state/`` (sharded
@@ -536,7 +536,8 @@ class LearnerWorker:
         the AdamW state, one file per rank: no rank gathers the optimizer state, and a different
         number of ranks can load it), ``learner.pkl`` (rank 0: scheduler state, policy version,
         optimizer and skipped step counts) and ``rng/rank{r}.pkl`` (torch, python, numpy and CUDA
-        RNG states of each rank).
+        RNG states of each rank). ``save_optimizer=False`` writes ``model/`` and ``learner.pkl``
+        only (a model-only checkpoint, not resumable: :meth:`load_checkpoint` raises on it).
 
         Returns:
             ``{"version", "seconds"}`` on every rank.
@@ -547,8 +548,9 @@ class LearnerWorker:
 
         t0 = time.perf_counter()
         self.save(os.path.join(path, "model"))
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "train_state"))
+        if save_optimizer:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "train_state"))
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}

@@ -3,16 +3,21 @@ simulated users that drive the policy endpoint like a real agent client would.""
 
 from __future__ import annotations
 
+from typing import Any
+
 from clawray.envs.base import SPLITS, Environment, Problem, split_of
 
-ENVIRONMENTS = ("arith", "sums")
+ENVIRONMENTS = ("arith", "sums", "brief", "student", "teacher")
 
 
-def make_env(name: str, level: int = 3) -> Environment:
-    """The environment called ``name`` (``level``: the ``arith`` difficulty, ignored by ``sums``).
+def make_env(name: str, level: int = 3, data_path: str = "") -> Environment:
+    """The environment called ``name`` (``level``: the ``arith`` difficulty; ``data_path``: the
+    GSM8K-style file of ``student`` and ``teacher``; each ignored by the others).
 
     Raises:
-        ValueError: an unknown name or level.
+        ValueError: an unknown name or level, or a malformed data file.
+        FileNotFoundError: ``student``/``teacher`` without a readable ``data_path`` (the message says
+            how to set ``env.data_path``).
     """
     if name == "arith":
         from clawray.envs.arith import ArithEnv
@@ -22,7 +27,21 @@ def make_env(name: str, level: int = 3) -> Environment:
         from clawray.envs.sums import SumsEnv
 
         return SumsEnv()
+    if name == "brief":
+        from clawray.envs.brief import BriefEnv
+
+        return BriefEnv()
+    if name in ("student", "teacher"):
+        from clawray.envs.gsm8k import StudentEnv, TeacherEnv
+
+        return (StudentEnv if name == "student" else TeacherEnv)(data_path)
     raise ValueError(f"unknown environment {name!r}; expected one of {list(ENVIRONMENTS)}")
 
 
-__all__ = ["ENVIRONMENTS", "SPLITS", "Environment", "Problem", "make_env", "split_of"]
+__all__ = ["ENVIRONMENTS", "env_from_config", "SPLITS", "Environment", "Problem", "make_env", "split_of"]
+
+
+def env_from_config(env_cfg: Any) -> Environment:
+    """:func:`make_env` from the ``env`` config section (an omegaconf node or a plain dict)."""
+    get = env_cfg.get
+    return make_env(get("name", "arith"), get("level", 3), get("data_path", "") or "")

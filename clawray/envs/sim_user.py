@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from clawray.envs import make_env
+from clawray.envs import env_from_config
 from clawray.envs.arith import calculator
 from clawray.envs.base import Problem
 
@@ -31,7 +31,7 @@ class SimUserPool:
 
     Args:
         base_url: the policy endpoint (``http://127.0.0.1:PORT/v1``).
-        cfg: the ``env`` config section (plain dict): ``name`` and ``level`` pick the environment.
+        cfg: the ``env`` config section (plain dict): ``name``, ``level`` and ``data_path`` pick the environment.
         model: the served model name.
     """
 
@@ -40,7 +40,7 @@ class SimUserPool:
 
         self.client = OpenAI(base_url=base_url, api_key="EMPTY", timeout=cfg["request_timeout_s"], max_retries=0)
         self.cfg, self.model = cfg, model
-        self.env = make_env(cfg.get("name", "arith"), cfg.get("level", 3))
+        self.env = env_from_config(cfg)
         self.rng = random.Random(cfg["seed"])
         self.lock = threading.Lock()
         self.stats: Counter[str] = Counter()

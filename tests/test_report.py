@@ -1,0 +1,71 @@
+"""clawray report on a hand-written metrics.jsonl: per-step increments of running totals, evaluation
+rows that share step numbers with training rows, the guards' bounds, integer step ticks."""
+
+import json
+import math
+
+from clawray.report import bounds, per_step, split_rows, summarize, write_report
+
+TRAIN = [
+    {"step": 1, "samples": 4, "reward_mean": 0.5, "samples_dropped": 4, "inv/dropped_samples/stale": 0,
+     "inv/staleness_max": 1, "inv/ratio_max": 1.1, "inv/entropy": 2.0, "inv/degenerate_batches": 0},
+    {"step": 2, "samples": 6, "reward_mean": None, "samples_dropped": 10, "inv/dropped_samples/stale": 3,
+     "inv/staleness_max": 2, "inv/ratio_max": 1.3, "inv/entropy": 1.5, "inv/degenerate_batches": 1},
+    {"step": 3, "samples": 5, "reward_mean": 1.0, "samples_dropped": 11, "inv/dropped_samples/stale": 3,
+     "inv/staleness_max": 1, "inv/ratio_max": 1.0, "inv/entropy": 1.2, "inv/degenerate_batches": 1},
+]
+EVALS = [
+    {"step": 0, "policy_version": 0, "eval/solved": 0.25, "eval/solved_lo": 0.2, "eval/solved_hi": 0.3,
+     "eval/seconds": 9.0},
+    {"step": 3, "policy_version": 3, "eval/solved": 0.75, "eval/solved_lo": 0.7, "eval/solved_hi": 0.8,
+     "eval/seconds": 8.0},
+]
+
+
+def test_split_and_per_step_values():
+    rows = [EVALS[0], *TRAIN, EVALS[1]]
+    train, evals = split_rows(rows)
+    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [0, 3]
+    assert per_step(train, "samples_dropped") == [4.0, 6.0, 1.0]  # deltas of 4, 10, 11
+    assert per_step(train, "inv/dropped_samples/stale") == [0.0, 3.0, 0.0]
+    assert per_step(train, "inv/degenerate_batches") == [0.0, 1.0, 0.0]
+    r = per_step(train, "reward_mean")
+    assert r[0] == 0.5 and math.isnan(r[1]) and r[2] == 1.0  # null stays a gap, not a 0
+    table = {key: vals for _, key, _, *vals in summarize(rows)}
+    assert table["samples_dropped (per step)"] == [4.0, 1.0, 11 / 3, 6.0, 1.0]  # first, min, mean, max, last
+    assert table["eval/solved"] == [0.25, 0.25, 0.5, 0.75, 0.75]
+    assert "eval/solved_lo" not in table and "eval/seconds" not in table
+
+
+def test_bounds_from_config():
+    b = bounds({"queue": {"max_staleness": 2}, "learner": {"eps": 0.2, "eps_high": 0.28, "entropy_floor": 0.5}})
+    assert b["inv/staleness_max"] == [(2.0, "cap 2")]
+    assert [v for v, _ in b["inv/ratio_max"]] == [1.28, 0.8]
+    assert b["inv/entropy"] == [(0.5, "floor")]
+    assert "inv/entropy" not in bounds({"learner": {"eps": 0.2, "eps_high": 0.28, "entropy_floor": 0.0}})
+
+
+def test_write_report_eval_first_and_integer_ticks(tmp_path, monkeypatch):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for row in [EVALS[0], *TRAIN, EVALS[1]]:
+            f.write(json.dumps(row) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"queue": {"max_staleness": 2},
+                                                      "learner": {"eps": 0.2, "eps_high": 0.28}}))
+    import matplotlib.figure
+
+    ticks, lines = [], []
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, *a, **k):
+        for ax in fig.axes:
+            ticks.extend(t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1])
+            lines.extend(l.get_ydata()[0] for l in ax.get_lines() if l.get_linestyle() == "--")
+        return save(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    paths = write_report(str(tmp_path))
+    names = [p.rsplit("/", 1)[1] for p in paths]
+    assert names[:2] == ["eval.png", "reward.png"] and names[-1] == "summary.md"
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert 2.0 in lines and 1.28 in lines and 0.8 in lines  # staleness cap, clip range drawn
+    assert "3 steps, 2 evaluations." in open(paths[-1]).read()
