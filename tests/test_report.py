@@ -59,7 +59,7 @@ def test_write_report_eval_first_and_integer_ticks(tmp_path, monkeypatch):
     def spy(fig, path, *a, **k):
         for ax in fig.axes:
             ticks.extend(t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1])
-            lines.extend(l.get_ydata()[0] for l in ax.get_lines() if l.get_linestyle() == "--")
+            lines.extend(ln.get_ydata()[0] for ln in ax.get_lines() if ln.get_linestyle() == "--")
         return save(fig, path, *a, **k)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
