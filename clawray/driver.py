@@ -9,9 +9,11 @@ Serving never stops except for the weight broadcast; requests that arrive during
 The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
 ``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
 policy version; the run ends by printing each measure before -> after with its 95% CI.
-Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state, the queued untrained
-samples and the driver's counters; ``resume=true`` continues from the latest one with the same
-policy-version numbering.
+Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state and the driver's
+counters; the samples and the session state live in the durable journal (:mod:`clawray.journal`):
+each step journals the samples it consumed, and ``resume=true`` continues from the latest checkpoint
+with the same policy-version numbering and queues every acknowledged sample its weights did not
+train again, exactly once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import time
 from collections import deque
 from typing import Any
@@ -159,8 +160,10 @@ class Driver:
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
 
+        journals = self._prepare_journals()  # [journal hook]
         self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness,
-                                                                     cfg.learner.max_tokens_per_micro_batch)
+                                                                     cfg.learner.max_tokens_per_micro_batch,
+                                                                     journal=journals["samples"])
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
@@ -211,7 +214,8 @@ class Driver:
                  "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0,
                  "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
-            records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
+            records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files,
+            journal=journals["sessions"])
         learner_cfg = {**OmegaConf.to_container(cfg.learner), "w_rl": cfg.opd.w_rl if cfg.trainer.algo == "combine"
                        else 1.0, "w_opd": cfg.opd.w_opd, "opd_adv_clip": cfg.opd.adv_clip}
         self.learners = LearnerGroup(path, learner_cfg, free_port())
@@ -242,6 +246,23 @@ class Driver:
         self._ready = True
         print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
+
+    def _prepare_journals(self) -> dict[str, dict]:
+        """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh
+        run starts them empty; a resume voids the samples consumed after the checkpoint it resumes.
+        Returns the queue's and the tracker's ``journal`` arguments."""
+        from clawray.journal import prepare_journals
+
+        resume_step = None
+        if self.cfg.resume:
+            path = latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
+            with open(os.path.join(path, "driver.json")) as f:
+                resume_step = json.load(f)["steps_done"]
+        paths = prepare_journals(self.run_dir, resume_step)
+        opts = {"fsync": self.cfg.queue.journal_fsync, "compact_bytes": int(self.cfg.queue.journal_compact_mb * 2**20)}
+        return {kind: {"path": p, **opts} for kind, p in paths.items()}
 
     def _engine_kwargs(self, backend: str) -> dict:
         ro = self.cfg.rollout
@@ -344,7 +365,8 @@ class Driver:
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
         samples = ray.get(batch["refs"])
-        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"]}
+        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"],
+                           "seqs": batch["seqs"]}
         t_wait = time.perf_counter() - t0
 
         # effective samples: an all-masked sample only costs compute
@@ -377,7 +399,9 @@ class Driver:
             else:
                 self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
                 self.samples_trained += len(samples)
-        self._in_flight = None  # trained, or decided against (degenerate / non-finite)
+                self._in_flight["counted"] = True
+        # [journal hook] the batch is consumed by this step (a resume from an older checkpoint replays it)
+        ray.get(self.queue.consumed.remote(batch["seqs"], self.steps_done + 1, not skipped))
         t_train = time.perf_counter() - t0 - t_wait
 
         sync_s, sync_error = 0.0, None
@@ -404,6 +428,7 @@ class Driver:
             sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v)
                                  for n, v in self.engine_versions().items()})
         self.steps_done += 1
+        self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = 0.0
         if cfg.checkpoint.every_steps > 0 and self.steps_done % cfg.checkpoint.every_steps == 0:
             self.save_checkpoint()
@@ -500,56 +525,58 @@ class Driver:
         """Write a checkpoint atomically (see :mod:`clawray.checkpoint`) and return its folder.
 
         Contents: the learners' part (HF ``model/``, sharded weights + AdamW state, scheduler,
-        version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
-        plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
-        and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
-        state, drop, skip and trained-sample counters, the wandb run id that a resume continues). Samples
-        still being judged in the session tracker are not part of it. A periodic checkpoint's seconds are
-        the step's ``timing/checkpoint_s``.
+        version, RNG states per rank) and ``driver.json`` (version, steps, guard and entropy-controller
+        state, drop, skip and trained-sample counters, the wandb run id that a resume continues). The
+        queued samples and the session state are in the journal (:mod:`clawray.journal`); a batch taken
+        but interrupted before its step ended counts as that step when the learners trained it (it is
+        journaled as consumed), else it stays unconsumed and a resume queues it again. After the commit
+        the journal may forget the samples consumed by the covered steps. A periodic checkpoint's
+        seconds are the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
         results = ray.get([w.save_checkpoint.remote(tmp) for w in self.learners.workers])
         learner_version = results[0]["version"]
-        queue_state = ray.get(self.queue.snapshot.remote())
+        queue_state = ray.get(self.queue.stats.remote())
         marker = self._checkpoint_marker(queue_state)
         steps_done, samples_trained = self.steps_done, self.samples_trained
+        queued = queue_state["size"]
         if self._in_flight is not None:
-            if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
+            if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the step ended
                 steps_done += 1
-                samples_trained += len(self._in_flight["samples"])
-                self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
-            else:  # not trained: back to the head of the queue
-                queue_state["samples"] = self._in_flight["samples"] + queue_state["samples"]
-                queue_state["versions"] = self._in_flight["versions"] + queue_state["versions"]
-                queue_state["taken"] -= len(self._in_flight["samples"])
-        with open(os.path.join(tmp, "queue.pkl"), "wb") as f:
-            pickle.dump(queue_state, f)
+                if not self._in_flight.get("counted"):
+                    samples_trained += len(self._in_flight["samples"])
+                    self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
+                ray.get(self.queue.consumed.remote(self._in_flight["seqs"], steps_done, True))  # [journal hook]
+            else:  # not trained: unconsumed in the journal, so a resume queues it again
+                queued += len(self._in_flight["samples"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
                  "samples_trained": samples_trained,
-                 "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
+                 "skipped_steps": self.skipped_steps, "queued_samples": queued,
                  "learner_world_size": len(self.learners.workers), "time": time.time(),
                  "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
+        ray.get(self.queue.forget.remote(steps_done))  # [journal hook]
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
         self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version,
                                 "marker": marker}
-        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {len(queue_state['samples'])} queued "
+        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {queued} queued "
               f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s", flush=True)
         return final
 
     def _checkpoint_marker(self, queue_state: dict) -> tuple:
         """What a checkpoint would capture: the same marker twice means nothing changed in between."""
-        return (self.version, self.steps_done, self._in_flight is None, queue_state["put"], queue_state["taken"],
-                sorted(queue_state["dropped"].items()))
+        # the queue is not part of a checkpoint (the journal holds it): new samples need none
+        return (self.version, self.steps_done, self._in_flight is None)
 
     def _restore_checkpoint(self) -> None:
-        """Load the latest checkpoint into the learners, the queue and the driver, then sync the
-        engines to its weights at its version (``resume=true``).
+        """Load the latest checkpoint into the learners and the driver, then sync the engines to its
+        weights at its version (``resume=true``). The queue and the session tracker have already
+        replayed the journal (see :meth:`_prepare_journals`).
 
         Raises:
             FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
@@ -560,9 +587,7 @@ class Driver:
         with open(os.path.join(path, "driver.json")) as f:
             state = json.load(f)
         ray.get([w.load_checkpoint.remote(path) for w in self.learners.workers])
-        with open(os.path.join(path, "queue.pkl"), "rb") as f:
-            queue_state = pickle.load(f)
-        ray.get(self.queue.restore.remote(queue_state))
+        queue_state = ray.get(self.queue.stats.remote())  # the journal's samples are queued again already
         self.version, self.steps_done = state["version"], state["steps_done"]
         for key, value in state["guard"].items():
             setattr(self.guard, key, value)
@@ -576,7 +601,7 @@ class Driver:
         if not result["ok"]:
             raise RuntimeError(f"resume: syncing the checkpoint's weights to the engines failed: {result['error']}")
         print(f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "
-              f"{len(queue_state['samples'])} queued sample(s)", flush=True)
+              f"{queue_state['size']} queued sample(s) from the journal", flush=True)
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """:func:`judge_metrics` over this run's judge and teacher workers."""
