@@ -623,12 +623,17 @@ class Driver:
                 last = self.cfg.trainer.num_steps >= 0 and self.steps_done >= self.cfg.trainer.num_steps
                 if every > 0 and self.steps_done % every == 0 and not last:
                     self.evaluate("step")
-        except BaseException:  # interrupted (a serving run ends this way): still leave a summary
+        except BaseException as e:  # interrupted (a serving run ends this way): still leave a summary
+            from clawray.recovery import actor_lost
+
             self.stop_traffic()
+            self._lost = actor_lost(self, e)  # [recovery hook] a dead actor: one line naming it
             try:
                 self.summary(time.perf_counter() - t0)
             except Exception:
                 pass
+            if self._lost is not None:
+                raise self._lost from None
             raise
         self.stop_traffic()  # the summary describes the final state: no traffic after it
         self.evaluate("after")
@@ -659,7 +664,11 @@ class Driver:
         complete setup, so a failed start or resume never replaces ``latest``; a failure to write it
         is reported, not raised), then :meth:`shutdown`."""
         self.stop_traffic()
-        if self.cfg.checkpoint.save_at_exit and self._ready:
+        lost = getattr(self, "_lost", None)
+        if lost is not None and lost.kind == "learner":  # [recovery hook] the group cannot save
+            print(f"[clawray] {lost.role} died: no checkpoint at exit; the last checkpoint and the journal "
+                  "stand (resume=true replays every untrained sample)", flush=True)
+        elif self.cfg.checkpoint.save_at_exit and self._ready:
             try:
                 last = getattr(self, "last_checkpoint", None)
                 if last is None or last["marker"] != self._checkpoint_marker(ray.get(self.queue.stats.remote())):
