@@ -149,6 +149,7 @@ class Driver:
         from clawray.actors.session import SessionTrackerActor
         from clawray.actors.teacher import TeacherWorkerActor, check_same_tokenizer
         from clawray.ray_env import free_port, init_ray
+        from clawray.recovery import RESTART, RESTART_RETRY
         from clawray.serve.app import start_policy_server
         from clawray.tracking import Tracker
 
@@ -161,7 +162,7 @@ class Driver:
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
 
         journals = self._prepare_journals()  # [journal hook]
-        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness,
+        self.queue = TrajectoryQueueActor.options(num_cpus=0, **RESTART_RETRY).remote(cfg.queue.max_staleness,
                                                                      cfg.learner.max_tokens_per_micro_batch,
                                                                      journal=journals["samples"])
         ro = cfg.rollout
@@ -174,11 +175,11 @@ class Driver:
         # every actor is stored on self as soon as it exists, so that shutdown() finds it after a failure
         self.judge_engine = self.teacher_engine = judge_engine = None
         if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
-            self.judge_engine = judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+            self.judge_engine = judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
                 cfg.judge.engine_backend, path, "judge-engine", ro.torch_threads, ro.max_batch_size,
                 self._engine_kwargs(cfg.judge.engine_backend))
         self.judges = [
-            JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus).remote(
+            JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus, **RESTART_RETRY).remote(
                 OmegaConf.to_container(cfg.judge), judge_engine, path)
             for _ in range(cfg.judge.num_workers)
         ]
@@ -187,7 +188,7 @@ class Driver:
         teacher_engine, self.teachers = None, []
         if cfg.trainer.algo in ("opd", "combine") and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
-            teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint,
+            teacher = TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(None, path, cfg.opd.hint_template, endpoint,
                                                                     cfg.opd.hint_placement)
             self.teachers = [teacher]
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
@@ -201,13 +202,13 @@ class Driver:
             elif judge_engine is not None and cfg.judge.engine_backend == cfg.opd.teacher_backend:
                 teacher_engine = judge_engine
             if teacher_engine is None:
-                teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+                teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
                     cfg.opd.teacher_backend, teacher_path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
                     self._engine_kwargs(cfg.opd.teacher_backend))
             self.teacher_engine = teacher_engine
-            self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(
+            self.teachers = [TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
                 teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement)]
-        self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
+        self.tracker = SessionTrackerActor.options(num_cpus=0, **RESTART).remote(
             self.judges, self.queue, algo=cfg.trainer.algo, teachers=self.teachers,
             idle_timeout_s=cfg.session.idle_timeout_s, truncated=cfg.session.truncated,
             opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
@@ -358,8 +359,9 @@ class Driver:
         t0 = time.perf_counter()
         next_version = self.version + 1
         timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
-        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, timeout,
-                                                    cfg.trainer.max_batch_size))
+        from clawray.recovery import wait_batch  # [recovery hook] a dead actor ends the wait with one line
+
+        batch = wait_batch(self, cfg.trainer.batch_size, next_version, timeout, cfg.trainer.max_batch_size)
         if batch is None:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "

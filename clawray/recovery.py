@@ -84,3 +84,76 @@ def _first_dead(roles: dict[str, tuple[str, str]]) -> str | None:
     except Exception:  # noqa: BLE001 - the state API is optional (no dashboard): name nothing
         return None
     return next((role for aid, (role, _) in roles.items() if aid in dead), None)
+
+
+# Ray fault-tolerance options per actor kind (see the README's reliability section):
+# judges, teachers, the frozen judge/teacher engines and the queue are restarted by Ray and their
+# calls retried (their calls are idempotent: a frozen model scores the same; the queue's puts are
+# deduplicated by its journal and a restarted queue replays the journal); the session tracker is
+# restarted (it rebuilds its sessions from its journal) but a call in flight is not retried (a
+# retried record_turns would number a turn twice): the request gets a 503. Rollout engines and
+# learners are not restarted in place: their weights would be stale (see ``check_actors``).
+RESTART_RETRY = {"max_restarts": -1, "max_task_retries": -1}
+RESTART = {"max_restarts": -1, "max_task_retries": 0}
+
+
+def check_actors(driver: Any, timeout_s: float = 10.0) -> None:
+    """Ping every actor of the run; raise :class:`ActorLost` for one that is dead for good.
+
+    An actor that Ray is restarting (``ActorUnavailableError``) or that is merely slow is not an
+    error. Called by the driver while it waits for a batch, so a dead rollout engine (no more
+    samples) ends the run with one line instead of a silent stall.
+    """
+    roles = actor_roles(driver)
+    handles = {a._actor_id.hex(): a for a in _all_actors(driver)}
+    refs = {handles[aid].__ray_ready__.remote(): aid for aid in roles if aid in handles}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            continue
+        except ray.exceptions.RayActorError:
+            role, kind = roles[refs[ref]]
+            raise ActorLost(role, kind, "killed or crashed") from None
+
+
+def _all_actors(driver: Any) -> list:
+    learners = getattr(driver, "learners", None)
+    out = list(getattr(driver, "engines", [])) + list(getattr(learners, "workers", []) if learners else [])
+    out += list(getattr(driver, "judges", [])) + list(getattr(driver, "teachers", []))
+    out += [getattr(driver, k, None) for k in ("judge_engine", "teacher_engine", "tracker", "queue")]
+    return [a for a in out if a is not None]
+
+
+def wait_batch(driver: Any, batch_size: int, next_version: int, timeout_s: float | None, max_batch_size: int,
+               poll_s: float = 5.0) -> dict | None:
+    """:meth:`TrajectoryQueue.get_batch`, in slices of ``poll_s`` seconds with :func:`check_actors`
+    between them. Returns the batch, or None after ``timeout_s`` (None = no limit).
+
+    Raises:
+        ActorLost: an actor died for good while waiting.
+    """
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return None
+        window = poll_s if remaining is None else min(poll_s, remaining)
+        batch = ray.get(driver.queue.get_batch.remote(batch_size, next_version, window, max_batch_size))
+        if batch is not None:
+            return batch
+        check_actors(driver)
+
+
+async def probe(ref: Any, timeout_s: float = 5.0) -> Any:
+    """Await an actor call for ``/health``: its value, or None when the actor is dead, restarting or
+    silent for ``timeout_s`` seconds (no error and no actor id escapes)."""
+    import asyncio
+
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except (asyncio.TimeoutError, ray.exceptions.RayError):
+        return None

@@ -69,7 +69,7 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     common = ["queue.max_staleness=20", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "wandb.mode=disabled",
               "trainer.batch_timeout_s=300", "env.max_turns=3", "env.max_tokens=16"]
     cfg1 = tiny_run_config(tiny_model, run_dir, overrides=common + [
-        "trainer.batch_size=4", "trainer.max_batch_size=4", "trainer.num_steps=-1", "env.enabled=true",
+        "trainer.batch_size=4", "trainer.max_batch_size=64", "trainer.num_steps=-1", "env.enabled=true",
         "env.concurrency=2", "ray.num_cpus=2"])
     from omegaconf import OmegaConf
 

@@ -169,6 +169,11 @@ class TrajectoryQueue:
         from a checkpoint older than ``step`` replays them. No-op without a journal."""
         if self.journal is not None:
             self.journal.consume(seqs, step, trained)
+            # a batch taken from an earlier incarnation of this actor (Ray restarted it) was queued
+            # again from the journal: it is consumed now, so it leaves the queue
+            gone = set(seqs)
+            async with self._cond:
+                self._items = deque(item for item in self._items if item[2] not in gone)
 
     async def forget(self, step: int) -> None:
         """[journal hook] A committed checkpoint covers driver steps <= ``step``: the journal may drop
