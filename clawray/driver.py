@@ -626,10 +626,11 @@ class Driver:
                 if every > 0 and self.steps_done % every == 0 and not last:
                     self.evaluate("step")
         except BaseException as e:  # interrupted (a serving run ends this way): still leave a summary
-            from clawray.recovery import actor_lost
+            from clawray.recovery import ActorLost, actor_lost
 
             self.stop_traffic()
-            self._lost = actor_lost(self, e)  # [recovery hook] a dead actor: one line naming it
+            # [recovery hook] a dead actor: one line naming it
+            self._lost = e if isinstance(e, ActorLost) else actor_lost(self, e)
             try:
                 self.summary(time.perf_counter() - t0)
             except Exception:
