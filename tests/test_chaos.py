@@ -205,3 +205,65 @@ def _catch(fn):
     except BaseException as e:  # noqa: BLE001 - the test inspects it
         return e
     return None
+
+
+def test_kill_judge_recovers_then_kill_engine_reports_503_and_stops(ray_cluster, tiny_model, tmp_path):
+    """A killed judge is restarted by Ray and its call retried: the turn is judged and queued, /health
+    stays 200. A killed rollout engine (not restartable: its weights would be stale) makes /health
+    and requests answer 503 with Retry-After and no actor id, pid or namespace in the body, and the
+    driver's batch wait ends the run with one line naming rollout-0."""
+    from clawray.driver import Driver
+    from clawray.recovery import ActorLost
+
+    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
+        "env.enabled=false", "wandb.mode=disabled", "trainer.num_steps=1", "trainer.batch_timeout_s=120",
+        "serve.retry_after_s=3"]))
+    d.setup()
+    url = d.base_url + "/chat/completions"
+    root = d.base_url.removesuffix("/v1")
+
+    def chat(messages, sid="J"):
+        return httpx.post(url, json={"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages},
+                          headers={"X-Session-Id": sid}, timeout=120)
+
+    errors = []
+    try:
+        h = [{"role": "user", "content": "What is 2 + 2?"}]
+        r1 = chat(h)
+        assert r1.status_code == 200, r1.text
+        pid = ray.get(d.judges[0].__ray_call__.remote(lambda self: os.getpid()))
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        h2 = h + [r1.json()["choices"][0]["message"], {"role": "user", "content": "Correct, thanks!"}]
+        assert chat(h2).status_code == 200
+        ray.get(d.tracker.drain.remote(120))
+        judge_s = time.monotonic() - t_kill
+        stats = ray.get(d.tracker.stats.remote())
+        assert stats.get("samples") == 1 and not stats.get("dropped/judge_error"), stats
+        assert httpx.get(root + "/health", timeout=30).status_code == 200
+
+        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
+        runner.start()
+        pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1)
+        health = httpx.get(root + "/health", timeout=30)
+        assert health.status_code == 503 and health.headers["retry-after"] == "3"
+        body = health.json()
+        assert body["status"] == "degraded" and body["engines"][0]["state"] == "down" and body["tracker"] == "ok"
+        r = chat([{"role": "user", "content": "hi"}], sid="K")
+        assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+        assert r.json()["error"]["code"] == "service_unavailable"
+        engine_id = d.engines[0]._actor_id.hex()
+        for text in (r.text, health.text):
+            assert engine_id not in text and str(pid) not in text and "namespace" not in text.lower()
+        runner.join(120)
+        stop_s = time.monotonic() - t_kill
+        assert not runner.is_alive()
+    finally:
+        d.close()
+    err = errors[0]
+    assert isinstance(err, ActorLost) and err.role == "rollout-0", repr(err)
+    print(f"\nkill -9 judge: recovered, turn judged {judge_s:.1f}s after the kill; kill -9 engine: /health 503, "
+          f"requests 503 + Retry-After, run stopped {stop_s:.1f}s after the kill: {err}")
