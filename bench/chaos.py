@@ -117,7 +117,10 @@ def one(kind: str, model: str, root: str) -> dict:
         result["outcome"], result["detail"] = outcome or ("stalled", "no step and no stop in 300 s")
         result["seconds"] = round(time.monotonic() - t_kill, 1)
         if runner.is_alive():  # end the run after the step in progress
-            d.cfg.trainer.num_steps = d.steps_done + 1
+            from omegaconf import read_write
+
+            with read_write(d.cfg):
+                d.cfg.trainer.num_steps = d.steps_done + 1
             runner.join(300)
     finally:
         d.close()

@@ -350,10 +350,6 @@ class SessionState:
                 if rec.get("held") is not None:
                     s.held.append((rec["turn"], rec["held"]))
             self._maybe_forget(sid)
-        elif op == "resolved":  # the pending turns were settled without a judgement (branch, unchosen...)
-            s = self.sessions.get(sid)
-            if s is not None:
-                s.pending = []
         elif op == "close":
             s = self.sessions.get(sid)
             if s is not None:

@@ -114,8 +114,29 @@ def check_actors(driver: Any, timeout_s: float = 10.0) -> None:
         except ray.exceptions.ActorUnavailableError:
             continue
         except ray.exceptions.RayActorError:
-            role, kind = roles[refs[ref]]
-            raise ActorLost(role, kind, "killed or crashed") from None
+            # a call in flight when a restartable actor died fails too (no task retries): ask again
+            if not _alive_after_restart(handles[refs[ref]], timeout_s):
+                role, kind = roles[refs[ref]]
+                raise ActorLost(role, kind, "killed or crashed") from None
+
+
+def _alive_after_restart(actor: Any, timeout_s: float) -> bool:
+    """True when ``actor`` answers a new call within ``timeout_s`` (Ray restarted it), False when
+    Ray reports it dead for good; a restart still under way after ``timeout_s`` counts as alive."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+            return True
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(0.5)
+        except ray.exceptions.GetTimeoutError:
+            return True
+        except ray.exceptions.RayActorError:
+            return False
+    return True
 
 
 def _all_actors(driver: Any) -> list:
