@@ -620,8 +620,10 @@ class Driver:
         self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
         self.start_traffic()
         try:
+            from clawray.recovery import step_or_recover
+
             while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
-                self.step()
+                step_or_recover(self)  # [recovery hook] self.step(), surviving a restarted actor
                 last = self.cfg.trainer.num_steps >= 0 and self.steps_done >= self.cfg.trainer.num_steps
                 if every > 0 and self.steps_done % every == 0 and not last:
                     self.evaluate("step")

@@ -178,3 +178,25 @@ async def probe(ref: Any, timeout_s: float = 5.0) -> Any:
         return await asyncio.wait_for(ref, timeout_s)
     except (asyncio.TimeoutError, ray.exceptions.RayError):
         return None
+
+
+RESTARTABLE_KINDS = ("judge", "teacher", "queue", "tracker")
+
+
+def step_or_recover(driver: Any) -> None:
+    """Run ``driver.step()``; when a restartable actor (see :data:`RESTARTABLE_KINDS`) died during
+    it and Ray has restarted it, print one line and return (the loop goes on: the driver's only
+    non-retried calls, to the session tracker, come after the step's training and journal marks).
+
+    Raises:
+        ActorLost: an actor died for good, or one that is not restartable died.
+    """
+    try:
+        driver.step()
+    except ray.exceptions.RayActorError as e:
+        lost = actor_lost(driver, e)
+        handles = {a._actor_id.hex(): a for a in _all_actors(driver)}
+        actor = handles.get(getattr(e, "actor_id", None) or "")
+        if lost is None or lost.kind not in RESTARTABLE_KINDS or actor is None or not _alive_after_restart(actor, 30.0):
+            raise
+        print(f"[clawray] the {lost.role} actor died and was restarted; training goes on", flush=True)
