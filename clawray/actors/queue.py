@@ -105,6 +105,8 @@ class TrajectoryQueue:
                 if self.journal.is_duplicate(sample):
                     return len(self._items)
                 seq = self.journal.ack(sample, policy_version)
+                # the queue owns its copy: a sample put by a tracker that dies later stays readable
+                sample_ref = [ray.put(sample)]
             self._items.append((sample_ref[0], int(policy_version), seq))
             self.num_put += 1
             self._cond.notify_all()
