@@ -155,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except (TimeoutError, FileNotFoundError) as e:
         print(f"clawray: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # an actor died (clawray.recovery.ActorLost): one line, no traceback
+        from clawray.recovery import ActorLost
+
+        if not isinstance(e, ActorLost):
+            raise
+        print(f"clawray: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -266,6 +266,10 @@ class QueueConfig:
     # staleness = version the update will produce - version that generated the sample;
     # 1 = strictly on-policy, 2 = one step off-policy (the async default).
     max_staleness: int = num(2, ge=1)
+    # the sample and session journals (clawray.journal): fsync every acknowledged record (False:
+    # flushed only, which survives a killed process but not a crashed machine)
+    journal_fsync: bool = True
+    journal_compact_mb: float = num(64.0, ge=0.0, note="0 = never compact")  # compact past this size
 
 
 @dataclass

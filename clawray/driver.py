@@ -9,9 +9,11 @@ Serving never stops except for the weight broadcast; requests that arrive during
 The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
 ``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
 policy version; the run ends by printing each measure before -> after with its 95% CI.
-Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state, the queued untrained
-samples and the driver's counters; ``resume=true`` continues from the latest one with the same
-policy-version numbering.
+Checkpoints (``checkpoint.every_steps`` and at exit) hold the learner state and the driver's
+counters; the samples and the session state live in the durable journal (:mod:`clawray.journal`):
+each step journals the samples it consumed, and ``resume=true`` continues from the latest checkpoint
+with the same policy-version numbering and queues every acknowledged sample its weights did not
+train again, exactly once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import time
 from collections import deque
 from typing import Any
@@ -149,6 +150,7 @@ class Driver:
         from clawray.actors.session import SessionTrackerActor
         from clawray.actors.teacher import TeacherWorkerActor, check_same_tokenizer
         from clawray.ray_env import free_port, init_ray
+        from clawray.recovery import RESTART, RESTART_RETRY
         from clawray.serve.app import start_policy_server
         from clawray.tracking import Tracker
 
@@ -160,8 +162,10 @@ class Driver:
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
 
-        self.queue = TrajectoryQueueActor.options(num_cpus=0).remote(cfg.queue.max_staleness,
-                                                                     cfg.learner.max_tokens_per_micro_batch)
+        journals = self._prepare_journals()  # [journal hook]
+        self.queue = TrajectoryQueueActor.options(num_cpus=0, **RESTART_RETRY).remote(cfg.queue.max_staleness,
+                                                                     cfg.learner.max_tokens_per_micro_batch,
+                                                                     journal=journals["samples"])
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
@@ -172,11 +176,11 @@ class Driver:
         # every actor is stored on self as soon as it exists, so that shutdown() finds it after a failure
         self.judge_engine = self.teacher_engine = judge_engine = None
         if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
-            self.judge_engine = judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+            self.judge_engine = judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
                 cfg.judge.engine_backend, path, "judge-engine", ro.torch_threads, ro.max_batch_size,
                 self._engine_kwargs(cfg.judge.engine_backend))
         self.judges = [
-            JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus).remote(
+            JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus, **RESTART_RETRY).remote(
                 OmegaConf.to_object(cfg.judge), judge_engine, path)
             for _ in range(cfg.judge.num_workers)
         ]
@@ -186,7 +190,7 @@ class Driver:
         algorithm = algorithm_class(cfg.trainer.algo)  # what the algorithm needs: a teacher or not
         if algorithm.needs_teacher and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
-            teacher = TeacherWorkerActor.options(num_cpus=0).remote(None, path, cfg.opd.hint_template, endpoint,
+            teacher = TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(None, path, cfg.opd.hint_template, endpoint,
                                                                     cfg.opd.hint_placement)
             self.teachers = [teacher]
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
@@ -200,20 +204,21 @@ class Driver:
             elif judge_engine is not None and cfg.judge.engine_backend == cfg.opd.teacher_backend:
                 teacher_engine = judge_engine
             if teacher_engine is None:
-                teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus).remote(
+                teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
                     cfg.opd.teacher_backend, teacher_path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
                     self._engine_kwargs(cfg.opd.teacher_backend))
             self.teacher_engine = teacher_engine
-            self.teachers = [TeacherWorkerActor.options(num_cpus=0).remote(
+            self.teachers = [TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
                 teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement)]
-        self.tracker = SessionTrackerActor.options(num_cpus=0).remote(
+        self.tracker = SessionTrackerActor.options(num_cpus=0, **RESTART).remote(
             self.judges, self.queue, algo=cfg.trainer.algo, teachers=self.teachers,
             idle_timeout_s=cfg.session.idle_timeout_s, truncated=cfg.session.truncated,
             opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
                  "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0,
                  "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
-            records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files)
+            records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files,
+            journal=journals["sessions"])
         w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
         self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
                                      loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
@@ -250,6 +255,23 @@ class Driver:
         self._ready = True
         print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
+
+    def _prepare_journals(self) -> dict[str, dict]:
+        """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh
+        run starts them empty; a resume voids the samples consumed after the checkpoint it resumes.
+        Returns the queue's and the tracker's ``journal`` arguments."""
+        from clawray.journal import prepare_journals
+
+        resume_step = None
+        if self.cfg.resume:
+            path = latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
+            with open(os.path.join(path, "driver.json")) as f:
+                resume_step = json.load(f)["steps_done"]
+        paths = prepare_journals(self.run_dir, resume_step)
+        opts = {"fsync": self.cfg.queue.journal_fsync, "compact_bytes": int(self.cfg.queue.journal_compact_mb * 2**20)}
+        return {kind: {"path": p, **opts} for kind, p in paths.items()}
 
     def _engine_kwargs(self, backend: str) -> dict:
         ro = self.cfg.rollout
@@ -364,6 +386,7 @@ class Driver:
         else:
             self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
         self.steps_done += 1
+        self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = self._periodic_checkpoint()
         timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
         metrics, dropped = self._step_metrics(batch, samples, adv, skipped, train, timing, t0)
@@ -382,14 +405,16 @@ class Driver:
         """
         cfg = self.cfg
         timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
-        batch = ray.get(self.queue.get_batch.remote(cfg.trainer.batch_size, next_version, timeout,
-                                                    cfg.trainer.max_batch_size))
+        from clawray.recovery import wait_batch  # [recovery hook] a dead actor ends the wait with one line
+
+        batch = wait_batch(self, cfg.trainer.batch_size, next_version, timeout, cfg.trainer.max_batch_size)
         if batch is None:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
         samples = ray.get(batch["refs"])
-        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"]}
+        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"],
+                           "seqs": batch["seqs"]}
         keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0]
         self.all_masked_dropped += len(samples) - len(keep)
         refs = [batch["refs"][i] for i in keep]
@@ -400,8 +425,8 @@ class Driver:
     def _train(self, refs: list, samples: list, advantages: list[float], next_version: int,
                skipped: str) -> tuple[dict[str, Any], str]:
         """Train the batch on every learner unless ``skipped``; returns ``(train metrics, skipped)``
-        (``"nonfinite"`` when the learners skipped every optimizer step). The batch is no longer in
-        flight afterwards (trained, or decided against)."""
+        (``"nonfinite"`` when the learners skipped every optimizer step). The journal marks the batch
+        consumed by this step; it stays in flight until :meth:`step` completes the step."""
         train: dict[str, Any] = {}
         if not skipped:
             train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
@@ -410,7 +435,10 @@ class Driver:
             else:
                 self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
                 self.samples_trained += len(samples)
-        self._in_flight = None  # trained, or decided against (degenerate / non-finite)
+                self._in_flight["counted"] = True
+        # [journal hook] the batch is consumed by this step (a resume from an older checkpoint replays it);
+        # it stays in flight until the step is complete (see step)
+        ray.get(self.queue.consumed.remote(self._in_flight["seqs"], self.steps_done + 1, not skipped))
         return train, skipped
 
     def _sync(self, next_version: int, skipped: str) -> tuple[float, str | None, dict[str, float]]:
@@ -542,36 +570,36 @@ class Driver:
         """Write a checkpoint atomically (see :mod:`clawray.checkpoint`) and return its folder.
 
         Contents: the learners' part (HF ``model/``, sharded weights + AdamW state, scheduler,
-        version, RNG states per rank), ``queue.pkl`` (the queued samples as :class:`Sample` objects,
-        plus a batch taken from the queue but not trained, e.g. when a stop interrupted the step,
-        and the queue's counters) and ``driver.json`` (version, steps, guard and entropy-controller
-        state, drop, skip and trained-sample counters, the wandb run id that a resume continues). Samples
-        still being judged in the session tracker are not part of it. A periodic checkpoint's seconds are
-        the step's ``timing/checkpoint_s``.
+        version, RNG states per rank) and ``driver.json`` (version, steps, guard and entropy-controller
+        state, drop, skip and trained-sample counters, the wandb run id that a resume continues). The
+        queued samples and the session state are in the journal (:mod:`clawray.journal`); a batch taken
+        but interrupted before its step ended counts as that step when the learners trained it (it is
+        journaled as consumed), else it stays unconsumed and a resume queues it again. After the commit
+        the journal may forget the samples consumed by the covered steps. A periodic checkpoint's
+        seconds are the step's ``timing/checkpoint_s``.
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
         save_optimizer = self.cfg.checkpoint.save_optimizer
         results = ray.get([w.save_checkpoint.remote(tmp, save_optimizer) for w in self.learners.workers])
         learner_version = results[0]["version"]
-        queue_state = ray.get(self.queue.snapshot.remote())
+        queue_state = ray.get(self.queue.stats.remote())
         marker = self._checkpoint_marker(queue_state)
         steps_done, samples_trained = self.steps_done, self.samples_trained
+        queued = queue_state["size"]
         if self._in_flight is not None:
-            if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the sync
+            if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the step ended
                 steps_done += 1
-                samples_trained += len(self._in_flight["samples"])
-                self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
-            else:  # not trained: back to the head of the queue
-                queue_state["samples"] = self._in_flight["samples"] + queue_state["samples"]
-                queue_state["versions"] = self._in_flight["versions"] + queue_state["versions"]
-                queue_state["taken"] -= len(self._in_flight["samples"])
-        with open(os.path.join(tmp, "queue.pkl"), "wb") as f:
-            pickle.dump(queue_state, f)
+                if not self._in_flight.get("counted"):
+                    samples_trained += len(self._in_flight["samples"])
+                    self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
+                ray.get(self.queue.consumed.remote(self._in_flight["seqs"], steps_done, True))  # [journal hook]
+            else:  # not trained: unconsumed in the journal, so a resume queues it again
+                queued += len(self._in_flight["samples"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
                  "samples_trained": samples_trained,
-                 "skipped_steps": self.skipped_steps, "queued_samples": len(queue_state["samples"]),
+                 "skipped_steps": self.skipped_steps, "queued_samples": queued,
                  "learner_world_size": len(self.learners.workers), "time": time.time(),
                  "resumable": save_optimizer,
                  "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
@@ -579,11 +607,12 @@ class Driver:
             json.dump(state, f, indent=2)
         private_tree(tmp)  # the learners' files too, whatever their umask
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
+        ray.get(self.queue.forget.remote(steps_done))  # [journal hook]
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
         self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version,
                                 "marker": marker}
-        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {len(queue_state['samples'])} queued "
+        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {queued} queued "
               f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s"
               f"{'' if save_optimizer else ' (model only: checkpoint.save_optimizer=false, not resumable)'}",
               flush=True)
@@ -591,12 +620,13 @@ class Driver:
 
     def _checkpoint_marker(self, queue_state: dict) -> tuple:
         """What a checkpoint would capture: the same marker twice means nothing changed in between."""
-        return (self.version, self.steps_done, self._in_flight is None, queue_state["put"], queue_state["taken"],
-                sorted(queue_state["dropped"].items()))
+        # the queue is not part of a checkpoint (the journal holds it): new samples need none
+        return (self.version, self.steps_done, self._in_flight is None)
 
     def _restore_checkpoint(self) -> None:
-        """Load the latest checkpoint into the learners, the queue and the driver, then sync the
-        engines to its weights at its version (``resume=true``).
+        """Load the latest checkpoint into the learners and the driver, then sync the engines to its
+        weights at its version (``resume=true``). The queue and the session tracker have already
+        replayed the journal (see :meth:`_prepare_journals`).
 
         Raises:
             FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
@@ -612,9 +642,7 @@ class Driver:
         with open(os.path.join(path, "driver.json")) as f:
             state = json.load(f)
         ray.get([w.load_checkpoint.remote(path) for w in self.learners.workers])
-        with open(os.path.join(path, "queue.pkl"), "rb") as f:
-            queue_state = pickle.load(f)
-        ray.get(self.queue.restore.remote(queue_state))
+        queue_state = ray.get(self.queue.stats.remote())  # the journal's samples are queued again already
         self.version, self.steps_done = state["version"], state["steps_done"]
         for key, value in state["guard"].items():
             setattr(self.guard, key, value)
@@ -628,7 +656,7 @@ class Driver:
         if not result["ok"]:
             raise RuntimeError(f"resume: syncing the checkpoint's weights to the engines failed: {result['error']}")
         print(f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "
-              f"{len(queue_state['samples'])} queued sample(s)", flush=True)
+              f"{queue_state['size']} queued sample(s) from the journal", flush=True)
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """:func:`judge_metrics` over this run's judge and teacher workers."""
@@ -645,17 +673,25 @@ class Driver:
         self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
         self.start_traffic()
         try:
+            from clawray.recovery import step_or_recover
+
             while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
-                self.step()
+                step_or_recover(self)  # [recovery hook] self.step(), surviving a restarted actor
                 last = self.cfg.trainer.num_steps >= 0 and self.steps_done >= self.cfg.trainer.num_steps
                 if every > 0 and self.steps_done % every == 0 and not last:
                     self.evaluate("step")
-        except BaseException:  # interrupted (a serving run ends this way): still leave a summary
+        except BaseException as e:  # interrupted (a serving run ends this way): still leave a summary
+            from clawray.recovery import ActorLost, actor_lost
+
             self.stop_traffic()
+            # [recovery hook] a dead actor: one line naming it
+            self._lost = e if isinstance(e, ActorLost) else actor_lost(self, e)
             try:
                 self.summary(time.perf_counter() - t0)
             except Exception:
                 pass
+            if self._lost is not None:
+                raise self._lost from None
             raise
         self.stop_traffic()  # the summary describes the final state: no traffic after it
         self.evaluate("after")
@@ -686,7 +722,11 @@ class Driver:
         complete setup, so a failed start or resume never replaces ``latest``; a failure to write it
         is reported, not raised), then :meth:`shutdown`."""
         self.stop_traffic()
-        if self.cfg.checkpoint.save_at_exit and self._ready:
+        lost = getattr(self, "_lost", None)
+        if lost is not None and lost.kind == "learner":  # [recovery hook] the group cannot save
+            print(f"[clawray] {lost.role} died: no checkpoint at exit; the last checkpoint and the journal "
+                  "stand (resume=true replays every untrained sample)", flush=True)
+        elif self.cfg.checkpoint.save_at_exit and self._ready:
             try:
                 last = getattr(self, "last_checkpoint", None)
                 if exit_checkpoint_needed(last, self._checkpoint_marker(ray.get(self.queue.stats.remote()))):

@@ -1,6 +1,6 @@
-"""Checkpoints: atomic commit and pruning, queue admission and snapshot, and a real stop + resume
-of the Driver that keeps the policy-version numbering and the wandb run, and trains every queued
-sample exactly once."""
+"""Checkpoints: atomic commit and pruning, queue admission, the queue's journal replay, and a real
+stop + resume of the Driver that keeps the policy-version numbering and the wandb run, and trains
+every queued sample exactly once (the queue lives in the journal, not in the checkpoint)."""
 
 import asyncio
 import json
@@ -92,8 +92,9 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     assert state["wandb_run_id"] == wandb_id and wandb_id  # the resume continues this wandb run
     assert state["samples_trained"] == 4  # the effective-sample-rate numerator survives a resume
     for part in ("model/config.json", "model/model.safetensors", "model/tokenizer.json", "train_state/.metadata",
-                 "learner.pkl", "rng/rank0.pkl", "rng/rank1.pkl", "queue.pkl"):
+                 "learner.pkl", "rng/rank0.pkl", "rng/rank1.pkl"):
         assert os.path.exists(os.path.join(ckpt, part)), part
+    assert not os.path.exists(os.path.join(ckpt, "queue.pkl"))  # the journal holds the queue
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "model"), dtype=torch.float32).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     assert set(exported) == set(initial)
@@ -139,18 +140,21 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         for s in late:
             ray.get(d2.queue.put.remote([ray.put(s)], s.policy_version))
         batch = ray.get(d2.queue.get_batch.remote(2, 4, 10))
-        d2._in_flight = {"next_version": 4, "samples": ray.get(batch["refs"]), "versions": batch["versions"]}
+        d2._in_flight = {"next_version": 4, "samples": ray.get(batch["refs"]), "versions": batch["versions"],
+                         "seqs": batch["seqs"]}
     finally:
         d2.close()
     last = latest_checkpoint(root)
     assert last.endswith("ckpt-000004") and [os.path.basename(p) for p in list_checkpoints(root)] == [
         "ckpt-000003", "ckpt-000004"]
-    import pickle
+    from clawray.journal import SampleState, read_records
 
-    queued = pickle.load(open(os.path.join(last, "queue.pkl"), "rb"))
-    assert [s.session_id for s in queued["samples"]] == ["s6", "s7"] and queued["versions"] == [3, 3]
-    assert (queued["put"], queued["taken"]) == (8, 6)
-    assert json.load(open(os.path.join(last, "driver.json")))["version"] == 3
+    # the taken, untrained batch is not consumed in the journal: a resume queues it again
+    queued = SampleState.from_records(read_records(str(run_dir / "journal" / "samples.jsonl")), void_after_step=3)
+    assert [(s["session_id"], v) for s, v in queued.live.values()] == [("s6", 3), ("s7", 3)]
+    assert (queued.put, queued.taken) == (8, 6)
+    state = json.load(open(os.path.join(last, "driver.json")))
+    assert (state["version"], state["steps_done"], state["queued_samples"]) == (3, 3, 2)
     second = list(d2.trained_samples)
     assert sorted(second) == [("s4", 1), ("s5", 1)]
     ids_out = first + second
@@ -158,23 +162,27 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     print(f"\nstep seconds {step_s}; checkpoint {periodic['bytes'] / 2**20:.2f} MiB in {periodic['seconds']:.2f}s")
 
 
-def test_queue_snapshot_restore_round_trip(ray_cluster):
-    """Snapshot returns the Sample objects themselves; restore puts them back in order, ahead of new
-    ones, with the counters; a sample over a smaller budget is dropped as too_long."""
+def test_queue_journal_replay_round_trip(ray_cluster, tmp_path):
+    """A queue with a journal acknowledges each put durably; a new queue on the same journal queues
+    the unconsumed samples again in order with their versions and counters, ahead of new ones; a
+    sample over a smaller budget is dropped as too_long; a re-sent (session_id, turn_index) is refused."""
+    from clawray.journal import prepare_journals
+
+    journal = {"path": prepare_journals(str(tmp_path), None)["samples"]}
+
     async def scenario():
-        q = TrajectoryQueue(max_staleness=5)
+        q = TrajectoryQueue(max_staleness=5, journal=journal)
         for i in range(3):
             await q.put([ray.put(_sample(i, n_resp=2 + 4 * i))], i)  # 5, 9, 13 tokens
-        await q.get_batch(1, next_version=1, timeout_s=1)
-        snap = await q.snapshot()
-        q2 = TrajectoryQueue(max_staleness=5, max_tokens=10)
+        assert await q.put([ray.put(_sample(0))], 0) == 3  # duplicate key: not acknowledged twice
+        batch = await q.get_batch(1, next_version=1, timeout_s=1)
+        await q.consumed(batch["seqs"], 1)
+        q.journal.file.close()
+        q2 = TrajectoryQueue(max_staleness=5, max_tokens=10, journal=journal)
         await q2.put([ray.put(_sample(7))], 3)
-        size = await q2.restore(snap)
         batch = await q2.get_batch(2, next_version=3, timeout_s=1)
-        return snap, size, [s.session_id for s in await asyncio.gather(*batch["refs"])], await q2.stats()
+        return batch, [s.session_id for s in await asyncio.gather(*batch["refs"])], await q2.stats()
 
-    snap, size, order, stats = asyncio.run(scenario())
-    assert [s.session_id for s in snap["samples"]] == ["s1", "s2"] and snap["versions"] == [1, 2]
-    assert (snap["put"], snap["taken"], snap["dropped"]) == (3, 1, {})
-    assert size == 2 and order == ["s1", "s7"]  # s2 (13 tokens) exceeds the new 10-token budget
-    assert stats == {"size": 0, "put": 4, "taken": 3, "dropped": {"too_long": 1}}
+    batch, order, stats = asyncio.run(scenario())
+    assert order == ["s1", "s7"] and batch["versions"] == [1, 3]  # s2 (13 tokens) exceeds the new budget
+    assert stats == {"size": 0, "put": 4, "taken": 3, "dropped": {"too_long": 1}, "replayed": 1}

@@ -37,7 +37,8 @@ def test_batch_is_fifo_and_waits_for_enough_samples():
         return batch, await q.stats()
 
     batch, stats = run(scenario())
-    assert batch == {"refs": ["s0", "s1", "s2", "s3"], "versions": [0, 0, 0, 0], "staleness": [1, 1, 1, 1]}
+    assert batch == {"refs": ["s0", "s1", "s2", "s3"], "versions": [0, 0, 0, 0], "staleness": [1, 1, 1, 1],
+                     "seqs": [0, 0, 0, 0]}  # no journal: no sequence numbers
     assert stats == {"size": 0, "put": 4, "taken": 4, "dropped": {}}
 
 
@@ -63,11 +64,11 @@ def test_batch_takes_every_fresh_sample_up_to_the_cap_oldest_version_first():
             await q.put([name], version)
         # update producing v3: a and d (staleness 3) are stale; b, f (staleness 2) come before c, e (1)
         first = await q.get_batch(2, next_version=3, timeout_s=0.1, max_batch_size=3)
-        assert first == {"refs": ["b", "f", "c"], "versions": [1, 1, 2], "staleness": [2, 2, 1]}
+        assert first == {"refs": ["b", "f", "c"], "versions": [1, 1, 2], "staleness": [2, 2, 1], "seqs": [0, 0, 0]}
         await q.put(["g"], 3)
         # update producing v4: e (v2, staleness 2) is still fresh and goes first; g follows
         second = await q.get_batch(1, next_version=4, timeout_s=0.1, max_batch_size=8)
-        assert second == {"refs": ["e", "g"], "versions": [2, 3], "staleness": [2, 1]}
+        assert second == {"refs": ["e", "g"], "versions": [2, 3], "staleness": [2, 1], "seqs": [0, 0]}
         return await q.stats()
 
     assert run(scenario()) == {"size": 0, "put": 7, "taken": 5, "dropped": {"stale": 2}}

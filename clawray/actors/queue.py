@@ -19,9 +19,13 @@ driver logs ``inv/effective_sample_rate`` = samples trained / (samples taken + s
 ``stale``): the share of the queue's decided samples that reached an optimizer step.
 
 A sample longer than the learner's micro-batch budget (``max_tokens``) is rejected at ``put``
-(reason ``too_long``): it would not fit in one forward pass. For checkpoints, :meth:`TrajectoryQueue.snapshot`
-returns the queued :class:`~clawray.types.Sample` objects themselves (refs do not outlive the run)
-and :meth:`TrajectoryQueue.restore` puts them back.
+(reason ``too_long``): it would not fit in one forward pass.
+
+Durability (``journal``, see :mod:`clawray.journal`): with a journal path, ``put`` returns (the sample
+is acknowledged, counted in ``put`` and queued) only after the sample is appended to
+``journal/samples.jsonl`` and flushed; :meth:`TrajectoryQueue.consumed` marks what a training step
+took, stale drops are journaled, and a new queue (a resume, or Ray restarting this actor) queues
+every live journaled sample again with its policy version. Checkpoints do not carry the queue.
 """
 
 from __future__ import annotations
@@ -41,16 +45,36 @@ class TrajectoryQueue:
         max_tokens: the longest admitted sample in tokens (prompt + response); 0 = no limit.
     """
 
-    def __init__(self, max_staleness: int, max_tokens: int = 0):
+    def __init__(self, max_staleness: int, max_tokens: int = 0, journal: dict | None = None):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         self.max_staleness = max_staleness
         self.max_tokens = int(max_tokens)
-        self._items: deque[tuple[ray.ObjectRef, int]] = deque()
+        self._items: deque[tuple[ray.ObjectRef, int, int]] = deque()  # (ref, policy version, journal seq)
         self._cond = asyncio.Condition()
         self.num_put = 0
         self.num_taken = 0
         self.dropped: Counter[str] = Counter()
+        self.journal = None  # [journal hook] clawray.journal.SampleJournal; replays its live samples
+        if journal:
+            self._open_journal(**journal)
+
+    def _open_journal(self, path: str, fsync: bool = True, compact_bytes: int = 64 << 20) -> None:
+        """[journal hook] Load ``path`` and queue its live samples again (oldest first, each with its
+        policy version); one longer than this queue's ``max_tokens`` is dropped as ``too_long``."""
+        from clawray.journal import SampleJournal
+
+        self.journal = SampleJournal(path, fsync, compact_bytes)
+        st = self.journal.state
+        self.num_put, self.num_taken, self.dropped = st.put, st.taken, Counter(st.dropped)
+        self.replayed = 0
+        for seq, sample, version in self.journal.replay():
+            if 0 < self.max_tokens < len(sample.tokens):  # a smaller budget than the journaled run's
+                self.dropped["too_long"] += 1
+                self.journal.drop("too_long", [seq])
+                continue
+            self._items.append((ray.put(sample), version, seq))
+            self.replayed += 1
 
     async def put(self, sample_ref: list[ray.ObjectRef], policy_version: int, num_tokens: int | None = None) -> int:
         """Enqueue one sample; ``sample_ref`` is ``[ref]`` (wrapped so Ray does not fetch it).
@@ -60,16 +84,30 @@ class TrajectoryQueue:
                 a ``max_tokens`` limit is set.
 
         Returns:
-            the queue length after the put (unchanged when the sample is rejected as ``too_long``).
+            the queue length after the put (unchanged when the sample is rejected as ``too_long``,
+            or is a duplicate of an acknowledged ``(session_id, turn_index)`` with a journal).
+
+        Raises:
+            OSError: the journal could not be written (the sample is not acknowledged).
         """
+        sample = await sample_ref[0] if self.journal is not None else None
         if self.max_tokens > 0:
             if num_tokens is None:
-                num_tokens = len((await sample_ref[0]).tokens)
+                num_tokens = len((sample or await sample_ref[0]).tokens)
             if num_tokens > self.max_tokens:
                 self.dropped["too_long"] += 1
+                if self.journal is not None:  # [journal hook]
+                    self.journal.drop("too_long", n=1)
                 return len(self._items)
         async with self._cond:
-            self._items.append((sample_ref[0], int(policy_version)))
+            seq = 0
+            if self.journal is not None:  # [journal hook] acknowledged only once durable
+                if self.journal.is_duplicate(sample):
+                    return len(self._items)
+                seq = self.journal.ack(sample, policy_version)
+                # the queue owns its copy: a sample put by a tracker that dies later stays readable
+                sample_ref = [ray.put(sample)]
+            self._items.append((sample_ref[0], int(policy_version), seq))
             self.num_put += 1
             self._cond.notify_all()
             return len(self._items)
@@ -78,6 +116,8 @@ class TrajectoryQueue:
         kept = deque(item for item in self._items if next_version - item[1] <= self.max_staleness)
         if len(kept) < len(self._items):
             self.dropped["stale"] += len(self._items) - len(kept)
+            if self.journal is not None:  # [journal hook] a stale drop is final
+                self.journal.drop("stale", [item[2] for item in self._items if next_version - item[1] > self.max_staleness])
             self._items = kept
 
     async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None,
@@ -87,8 +127,8 @@ class TrajectoryQueue:
         version first, FIFO within a version.
 
         Returns:
-            ``{"refs": [ref, ...], "versions": [int, ...], "staleness": [int, ...]}`` in the order
-            taken, or ``None`` when ``timeout_s`` passes first (nothing is removed then).
+            ``{"refs": [ref, ...], "versions": [int, ...], "staleness": [int, ...], "seqs": [int, ...]}``
+            in the order taken (``seqs``: journal sequence numbers for :meth:`consumed`, 0 without a journal), or ``None`` when ``timeout_s`` passes first (nothing is removed then).
 
         Raises:
             ValueError: ``max_batch_size`` is neither 0 nor >= ``batch_size``.
@@ -115,50 +155,41 @@ class TrajectoryQueue:
             self._items = deque(item for i, item in enumerate(self._items) if i not in chosen)
             self.num_taken += len(batch)
             return {
-                "refs": [r for r, _ in batch],
-                "versions": [v for _, v in batch],
-                "staleness": [next_version - v for _, v in batch],
+                "refs": [r for r, _, _ in batch],
+                "versions": [v for _, v, _ in batch],
+                "staleness": [next_version - v for _, v, _ in batch],
+                "seqs": [q for _, _, q in batch],
             }
 
     async def count_drop(self, reason: str, n: int = 1) -> None:
         """Count samples dropped upstream (before they were enqueued) under ``reason``."""
         self.dropped[reason] += n
 
-    async def snapshot(self) -> dict:
-        """The queue's state for a checkpoint: ``{"samples": [Sample], "versions": [int], "put",
-        "taken", "dropped"}``, the samples in FIFO order (fetched from the object store)."""
-        async with self._cond:
-            items = list(self._items)
-            state = {"put": self.num_put, "taken": self.num_taken, "dropped": dict(self.dropped)}
-        samples = list(await asyncio.gather(*[ref for ref, _ in items])) if items else []
-        return {"samples": samples, "versions": [v for _, v in items], **state}
+    async def consumed(self, seqs: list[int], step: int, trained: bool = True) -> None:
+        """[journal hook] Journal that driver step ``step`` took the samples ``seqs`` (from
+        :meth:`get_batch`): trained, or decided against (degenerate, non-finite, all-masked). A resume
+        from a checkpoint older than ``step`` replays them. No-op without a journal."""
+        if self.journal is not None:
+            self.journal.consume(seqs, step, trained)
+            # a batch taken from an earlier incarnation of this actor (Ray restarted it) was queued
+            # again from the journal: it is consumed now, so it leaves the queue
+            gone = set(seqs)
+            async with self._cond:
+                self._items = deque(item for item in self._items if item[2] not in gone)
 
-    async def restore(self, state: dict) -> int:
-        """Put a :meth:`snapshot`'s samples back ahead of anything queued, and its counters.
-        Samples longer than this queue's ``max_tokens`` (a smaller budget than the saved run's) are
-        dropped as ``too_long``.
-
-        Returns:
-            the queue length.
-        """
-        async with self._cond:
-            self.dropped.update(state["dropped"])
-            restored = []
-            for sample, version in zip(state["samples"], state["versions"]):
-                if 0 < self.max_tokens < len(sample.tokens):
-                    self.dropped["too_long"] += 1
-                else:
-                    restored.append((ray.put(sample), int(version)))
-            self._items = deque(restored + list(self._items))
-            self.num_put += state["put"]
-            self.num_taken += state["taken"]
-            self._cond.notify_all()
-            return len(self._items)
+    async def forget(self, step: int) -> None:
+        """[journal hook] A committed checkpoint covers driver steps <= ``step``: the journal may drop
+        their consumed samples (it compacts itself when large). No-op without a journal."""
+        if self.journal is not None:
+            self.journal.forget(step)
 
     async def stats(self) -> dict:
-        """``{"size", "put", "taken", "dropped": {reason: count}}``."""
-        return {"size": len(self._items), "put": self.num_put, "taken": self.num_taken,
-                "dropped": dict(self.dropped)}
+        """``{"size", "put", "taken", "dropped": {reason: count}}`` (plus ``replayed``: samples queued
+        again from the journal when this queue started)."""
+        out = {"size": len(self._items), "put": self.num_put, "taken": self.num_taken, "dropped": dict(self.dropped)}
+        if self.journal is not None:
+            out["replayed"] = self.replayed
+        return out
 
 
 # The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.

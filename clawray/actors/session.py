@@ -32,6 +32,12 @@ key (tools): a request that changes its tools still gives the previous turn its 
 prompt is rendered afresh.
 Every served main-line turn is appended to ``records/turns.jsonl`` and every judged one to
 ``records/judgments.jsonl`` (see :class:`clawray.records.JsonlRecords`).
+
+Durability (``journal``, see :mod:`clawray.journal`): with a journal path, the session state (turn
+indexes, pending turns, judgements started and finished, held turns, closes) is appended to
+``journal/sessions.jsonl`` before the call that changed it returns; a new tracker (a resume, or Ray
+restarting this actor) rebuilds its sessions from it and restarts the unfinished judgements (their
+samples are deduplicated by the queue's journal).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class _Session:
     held: list = field(default_factory=list)  # (turn, mean vote) of 0-scored turns, for at-least-one
     tasks: list = field(default_factory=list)  # this session's judge tasks
     last_seen: float = field(default_factory=time.monotonic)
+    sid: str = ""  # the session id (for the journal)
 
 
 class SessionTracker:
@@ -78,12 +85,13 @@ class SessionTracker:
         algo: ``"rl"``, ``"opd"`` or ``"combine"``; teachers and ``opd`` serve the last two.
         idle_timeout_s: close sessions idle this long (seconds); 0 = never.
         truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
+        journal: ``{"path", "fsync", "compact_bytes"}`` of the session journal, or None (not durable).
     """
 
     def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
                  algo: str = "rl", teachers: list | None = None, opd: dict | None = None,
                  idle_timeout_s: float = 0.0, truncated: str = "keep", records_max_bytes: int = 64 << 20,
-                 records_keep: int = 5):
+                 records_keep: int = 5, journal: dict | None = None):
         self.judges, self.queue = judges, queue
         self.algorithm, self.teachers = make_algorithm(algo, opd), teachers or []
         if self.algorithm.needs_teacher and not self.teachers:
@@ -104,6 +112,23 @@ class SessionTracker:
             self.served_records = JsonlRecords(os.path.join(records_dir, "turns.jsonl"), records_max_bytes, records_keep)
             self.judged_records = JsonlRecords(os.path.join(records_dir, "judgments.jsonl"), records_max_bytes,
                                                records_keep)
+        self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
+        if journal:
+            from clawray.journal import SessionJournal, restore_tracker
+
+            self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
+            self._replay = restore_tracker(self, _Session)
+
+    def _journal(self, op: str, **fields: Any) -> None:
+        """[journal hook] Append one session-state change (no-op without a journal)."""
+        if self.journal is not None:
+            self.journal.log(op, **fields)
+
+    def _start_replay(self) -> None:
+        """[journal hook] Restart the judgements a previous tracker left unfinished (once, lazily: the
+        actor's event loop runs only inside its methods)."""
+        while self._replay:
+            self._replay.pop(0)()
 
     async def lookup(self, session_id: str | None, keys: dict[int, str], render_key: str | None = None) -> dict:
         """Which session and pending turn a new request continues.
@@ -124,6 +149,7 @@ class SessionTracker:
             id), or None when it extends none (first turn, branch) or when the render key differs
             (then ``context_changed`` is True).
         """
+        self._start_replay()
         if session_id is None:
             session_id = next((self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index), None)
         s = self.sessions.get(session_id) if session_id is not None else None
@@ -158,10 +184,11 @@ class SessionTracker:
         """
         if self.idle_timeout_s > 0 and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_idle())
+        self._start_replay()
         sid = turns[0].session_id
         s = self.sessions.get(sid)
         if s is None:  # a new session, or a closed id used again: its turn indexes continue
-            s = self.sessions[sid] = _Session(turns=self.closed_turns.pop(sid, 0))
+            s = self.sessions[sid] = _Session(turns=self.closed_turns.pop(sid, 0), sid=sid)
         s.last_seen = time.monotonic()
         if s.pending:
             self._resolve(s, turns[0].messages)
@@ -178,6 +205,10 @@ class SessionTracker:
             self.index[key] = sid
             if self.served_records is not None:
                 self.served_records.append(turn.record())
+        if self.journal is not None:  # [journal hook] the indexes are durable before they are answered
+            from clawray.journal import turn_to_dict
+
+            self._journal("turns", sid=sid, turns=[turn_to_dict(t) for t in turns])
         if done:
             await self.close_session(sid)
         return [t.turn_index for t in turns]
@@ -194,6 +225,7 @@ class SessionTracker:
         self.counts["sessions_closed"] += 1
         self.counts["dropped/no_next_state"] += len(s.pending)
         self._unindex(s)
+        self._journal("close", sid=session_id)  # [journal hook]
         self._track(asyncio.ensure_future(self._finalize(s)))
 
     async def close_idle(self, now: float | None = None) -> int:
@@ -222,6 +254,7 @@ class SessionTracker:
             await self._emit(s, self.algorithm.promote(turn, mean_vote))
         self.counts["dropped/zero_score"] += len(s.held)
         s.held.clear()
+        self._journal("finalized", sid=s.sid)  # [journal hook]
 
     def _track(self, task: asyncio.Task) -> asyncio.Task:
         self.tasks.add(task)
@@ -251,9 +284,28 @@ class SessionTracker:
             self.counts["dropped/truncated"] += 1
             self._record(prev, next_state, None, "truncated")
             return
+        self._launch_judge(s, prev, next_state)
+
+    def _launch_judge(self, s: _Session, turn: Turn, next_state: list[dict]) -> None:
         judge = self.judges[self._rr % len(self.judges)]
         self._rr += 1
-        s.tasks.append(self._track(asyncio.ensure_future(self._judge_and_emit(s, prev, next_state, judge))))
+        if self.journal is not None:  # [journal hook] the judgement is durable before it starts
+            from clawray.journal import turn_to_dict
+
+            self._journal("judge", sid=turn.session_id, turn=turn_to_dict(turn), next_state=next_state)
+            coro = self._journaled_judge(s, turn, next_state, judge)
+        else:
+            coro = self._judge_and_emit(s, turn, next_state, judge)
+        s.tasks.append(self._track(asyncio.ensure_future(coro)))
+
+    async def _journaled_judge(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
+        """[journal hook] Judge, then journal the outcome (held for at-least-one, or done)."""
+        from clawray.journal import turn_to_dict
+
+        await self._judge_and_emit(s, turn, next_state, judge)
+        held = s.held[-1][1] if s.held and s.held[-1][0] is turn else None
+        self._journal("judged", sid=turn.session_id, turn_index=turn.turn_index, effective=s.effective,
+                      held=held, turn=turn_to_dict(turn) if held is not None else None)
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
         """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.score`), then
@@ -298,12 +350,14 @@ class SessionTracker:
 
     async def drain(self, timeout_s: float = 60.0) -> int:
         """Wait until in-flight judge tasks finish; returns how many were still running at the timeout."""
+        self._start_replay()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout_s)
         return len(self.tasks)
 
     async def stats(self) -> dict:
         """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
+        self._start_replay()
         return {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks)}
 
 

@@ -188,17 +188,31 @@ class PolicyServer:
                                             "owned_by": "clawray"}]}
 
     @app.get("/health")
-    async def health(self) -> dict:
-        """``GET /health``: each engine's name, policy version and state, open sessions, counters.
-        Open without the API key (load balancers probe it); it shows no conversation content."""
-        stats, paused = await asyncio.gather(asyncio.gather(*(e.stats.remote() for e in self.engines)),
-                                             asyncio.gather(*(e.is_paused.remote() for e in self.engines)))
-        engines = [{"name": st["name"], "policy_version": st["version"], "state": "syncing" if p else "serving",
-                    "requests": st["requests"], "cancelled": st.get("cancelled", 0), "errors": st.get("errors", 0)}
-                   for st, p in zip(stats, paused)]
-        tracker = await self.tracker.stats.remote()
-        return {"status": "ok", "policy_versions": [e["policy_version"] for e in engines], "engines": engines,
-                "open_sessions": tracker.get("open_sessions", 0), "counts": dict(self.counts)}
+    async def health(self) -> Any:
+        """``GET /health``: each engine's name, policy version and state, the session tracker's state,
+        open sessions, counters. Open without the API key (load balancers probe it); it shows no
+        conversation content. 200 with ``"status": "ok"``; 503 with ``"status": "degraded"`` (and
+        ``Retry-After``) while an engine or the tracker is down or restarting (state ``"down"``)."""
+        from clawray.recovery import probe  # [recovery hook] a dead actor is a state, never a 500
+
+        stats = await asyncio.gather(*(probe(e.stats.remote()) for e in self.engines))
+        paused = await asyncio.gather(*(probe(e.is_paused.remote()) for e in self.engines))
+        engines = []
+        for i, (st, p) in enumerate(zip(stats, paused)):
+            if st is None or p is None:
+                engines.append({"name": f"rollout-{i}", "policy_version": None, "state": "down"})
+            else:
+                engines.append({"name": st["name"], "policy_version": st["version"],
+                                "state": "syncing" if p else "serving", "requests": st["requests"],
+                                "cancelled": st.get("cancelled", 0), "errors": st.get("errors", 0)})
+        tracker = await probe(self.tracker.stats.remote())
+        degraded = tracker is None or any(e["state"] == "down" for e in engines)
+        body = {"status": "degraded" if degraded else "ok", "policy_versions": [e["policy_version"] for e in engines],
+                "engines": engines, "tracker": "down" if tracker is None else "ok",
+                "open_sessions": (tracker or {}).get("open_sessions", 0), "counts": dict(self.counts)}
+        if degraded:
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.cfg["retry_after_s"])})
+        return body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -259,6 +273,16 @@ class PolicyServer:
             self.counts["cancelled"] += 1
             logger.info("chat completion cancelled: the client disconnected")
             raise asyncio.CancelledError() from None
+        except ray.exceptions.RayActorError as e:  # [recovery hook] an engine or the tracker is down: 503, no ids
+            self.counts["actor_unavailable"] += 1
+            index = getattr(call, "engine_index", None)
+            if index is not None and getattr(e, "actor_id", None) == self.engines[index]._actor_id.hex():
+                self._down = {**getattr(self, "_down", {}),  # skip that engine for a while
+                              call.engine_index: time.monotonic() + 10 * self.cfg["retry_after_s"]}
+            logger.warning("chat completion refused: a serving actor is down or restarting")
+            return error_response(503, "the service is recovering from a failure; retry shortly", None,
+                                  "service_unavailable", "server_error",
+                                  headers={"Retry-After": str(self.cfg["retry_after_s"])})
         except EngineError as e:  # the engine failed on this request alone; it goes on serving
             self.counts["engine_errors"] += 1
             logger.warning("chat completion failed in the engine: %s", e)
@@ -456,7 +480,13 @@ class PolicyServer:
 
     def _engine(self, call: _Call) -> Any:
         key = call.session_id or uuid.uuid4().hex
-        return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
+        first = zlib.crc32(key.encode()) % len(self.engines)
+        # [recovery hook] route around an engine that failed recently (its session moves to the next one)
+        now, down = time.monotonic(), getattr(self, "_down", {})
+        index = next((i % len(self.engines) for i in range(first, first + len(self.engines))
+                      if down.get(i % len(self.engines), 0.0) <= now), first)
+        call.engine_index = index
+        return self.engines[index]
 
     def _generate_requests(self, call: _Call) -> list[GenerateRequest]:
         req = call.req

@@ -1,0 +1,180 @@
+"""Kill matrix: kill -9 one actor of each kind during a run, then resume; nothing acknowledged is lost.
+
+For each kind (``engine``, ``judge``, ``teacher``, ``learner``, ``queue``, ``tracker``) on the tiny
+model with the hf engine and simulated users: start a run, wait for its first step, SIGKILL the
+actor's process, then measure
+
+* outcome: ``recovered`` (Ray restarted it; another step completed and ``/health`` is 200 again) or
+  ``stopped`` (the run ended with one line naming the actor: :class:`clawray.recovery.ActorLost`);
+  ``/health`` while degraded (503 expected) is printed;
+* seconds from the kill to that outcome;
+* after stopping the run and resuming it (``resume=true``, no new traffic, steps until the queue is
+  empty): samples acknowledged (journal ``ack`` lines of both runs) vs trained (steps covered by the
+  checkpoint + steps after the resume), lost (acknowledged, never trained) and trained twice; both
+  must be 0.
+
+Usage: ``python bench/chaos.py [--kinds engine,judge,...] [--model DIR] [--out DIR]`` (about 3-4
+minutes per kind on 2 CPU cores). The last lines are the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx  # noqa: E402
+import ray  # noqa: E402
+
+from clawray.config import load_config  # noqa: E402
+from clawray.journal import read_records  # noqa: E402
+from clawray.ray_env import free_port  # noqa: E402
+
+KINDS = ["judge", "teacher", "queue", "tracker", "engine", "learner"]
+
+
+def config(model: str, run_dir: str, kind: str, overrides: list[str]):
+    algo = ["trainer.algo=opd", "opd.teacher=frozen"] if kind == "teacher" else []
+    return load_config(["conf/rl.yaml", "conf/cpu.yaml"], [
+        f"model.path={model}", "model.build=none", "rollout.backend=hf", "rollout.num_cpus=0.25",
+        "rollout.torch_threads=1", "judge.backend=feedback", f"run_dir={run_dir}", f"serve.port={free_port()}",
+        "eval.enabled=false", "wandb.mode=disabled", "queue.max_staleness=50", "checkpoint.every_steps=1",
+        "env.max_tokens=16", "env.concurrency=2", "trainer.batch_timeout_s=600", *algo, *overrides])
+
+
+def target(d, kind: str):
+    return {"engine": lambda: d.engines[0], "judge": lambda: d.judges[0], "queue": lambda: d.queue,
+            "tracker": lambda: d.tracker, "learner": lambda: d.learners.workers[1],
+            "teacher": lambda: d.teachers[0]}[kind]()
+
+
+def health(d) -> tuple[int, dict]:
+    try:
+        r = httpx.get(d.base_url.removesuffix("/v1") + "/health", timeout=15)
+        return r.status_code, r.json()
+    except Exception as e:  # noqa: BLE001 - reported
+        return -1, {"error": type(e).__name__}
+
+
+def acked(run_dir: str) -> set:
+    path = os.path.join(run_dir, "journal", "samples.jsonl")
+    return {(r["sample"]["session_id"], r["sample"]["turn_index"]) for r in read_records(path) if r["op"] == "ack"}
+
+
+def trained_until(run_dir: str, step: int) -> list:
+    recs = read_records(os.path.join(run_dir, "journal", "samples.jsonl"))
+    by_seq = {r["seq"]: (r["sample"]["session_id"], r["sample"]["turn_index"]) for r in recs if r["op"] == "ack"}
+    return [by_seq[q] for r in recs if r["op"] == "consume" and r["trained"] and r["step"] <= step for q in r["seqs"]]
+
+
+def one(kind: str, model: str, root: str) -> dict:
+    from clawray.checkpoint import latest_checkpoint
+    from clawray.driver import Driver
+    from clawray.recovery import ActorLost
+
+    run_dir = os.path.join(root, kind)
+    d = Driver(config(model, run_dir, kind, ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1"]))
+    d.setup()
+    result: dict = {"kind": kind}
+    errors: list = []
+
+    def loop():
+        try:
+            d.run()
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            errors.append(e)
+
+    runner = threading.Thread(target=loop, daemon=True)
+    try:
+        runner.start()
+        while d.steps_done < 1 and runner.is_alive():
+            time.sleep(0.2)
+        actor = target(d, kind)
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+        steps_at_kill = d.steps_done
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        result["health_after_kill"] = health(d)[0]
+        outcome = None
+        while time.monotonic() - t_kill < 300:
+            if not runner.is_alive():
+                err = errors[0] if errors else None
+                outcome = ("stopped", str(err)) if isinstance(err, ActorLost) else ("failed", repr(err))
+                break
+            if d.steps_done > steps_at_kill and health(d)[0] == 200:
+                outcome = ("recovered", "")
+                break
+            time.sleep(0.5)
+        result["outcome"], result["detail"] = outcome or ("stalled", "no step and no stop in 300 s")
+        result["seconds"] = round(time.monotonic() - t_kill, 1)
+        if runner.is_alive():  # end the run after the step in progress
+            from omegaconf import read_write
+
+            with read_write(d.cfg):
+                d.cfg.trainer.num_steps = d.steps_done + 1
+            runner.join(300)
+    finally:
+        d.close()
+    steps = json.load(open(os.path.join(latest_checkpoint(os.path.join(run_dir, "checkpoints")), "driver.json")))["steps_done"]
+    before_acked, before_trained = acked(run_dir), trained_until(run_dir, steps)
+
+    d2 = Driver(config(model, run_dir, kind, ["resume=true", "env.enabled=false", "trainer.batch_size=1",
+                                             "trainer.max_batch_size=64", "trainer.batch_timeout_s=30"]))
+    d2.setup()
+    try:
+        ray.get(d2.tracker.drain.remote(120))
+        while ray.get(d2.queue.stats.remote())["size"] > 0:
+            d2.step()
+        after = list(d2.trained_samples)
+        stale = ray.get(d2.queue.stats.remote())["dropped"].get("stale", 0)
+    finally:
+        d2.close()
+    all_acked = before_acked | acked(run_dir)
+    trained = Counter(before_trained + after)
+    result.update(acknowledged=len(all_acked), trained=len(set(trained)), lost=len(all_acked - set(trained)),
+                  trained_twice=sum(1 for n in trained.values() if n > 1), stale_dropped=stale)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--model", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = args.out or tempfile.mkdtemp(prefix="clawray-chaos-")
+    model = args.model
+    if not model:
+        from clawray.models import build_tiny_model
+
+        model = build_tiny_model(os.path.join(root, "tiny"))
+    from clawray.ray_env import init_ray
+
+    init_ray("", 2)
+    rows = []
+    for kind in args.kinds.split(","):
+        try:
+            rows.append(one(kind, model, root))
+        except Exception as e:  # noqa: BLE001 - one kind's failure is a row, not the end of the matrix
+            rows.append({"kind": kind, "outcome": "error", "detail": repr(e)[:200]})
+        print(f"[chaos] {json.dumps(rows[-1])}", flush=True)
+    print("\nkind     outcome    seconds  /health  acked  trained  lost  twice  detail")
+    for r in rows:
+        print(f"{r['kind']:<8} {r.get('outcome', ''):<10} {r.get('seconds', ''):>7}  {r.get('health_after_kill', ''):>7}  "
+              f"{r.get('acknowledged', ''):>5}  {r.get('trained', ''):>7}  {r.get('lost', ''):>4}  "
+              f"{r.get('trained_twice', ''):>5}  {r.get('detail', '')[:90]}")
+    return 0 if all(r.get("lost", 1) == 0 and r.get("trained_twice", 1) == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

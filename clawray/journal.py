@@ -1,0 +1,457 @@
+"""Durable journals: nothing acknowledged is lost, whatever process dies.
+
+Two append-only JSON-lines files live in ``{run_dir}/journal/``:
+
+* ``samples.jsonl`` (written by the TrajectoryQueue actor, :class:`SampleJournal`): a sample is
+  *acknowledged* (counted in ``put`` and queued) only once its ``ack`` line (the whole
+  :class:`~clawray.types.Sample` and its policy version) is written, flushed and fsync'ed. A training
+  step marks the samples it consumed (``consume``: their sequence numbers and the driver step, trained
+  or decided against); a stale drop is final (``drop``). A resume from the checkpoint taken after
+  driver step S voids every ``consume`` mark of a step > S (those weights died with the run), so every
+  acknowledged sample that the checkpoint's weights did not train is queued again, exactly once, with
+  its original policy version; the queue's staleness rule applies to it as to any sample (drops
+  counted).
+* ``sessions.jsonl`` (written by the SessionTracker actor, :class:`SessionJournal`): recorded turns
+  (the pending turns of each session, with their turn indexes), judgements started (turn + next
+  state) and finished, 0-scored turns held for the at-least-one rule, closes. A restarted tracker
+  rebuilds its open sessions from it (a continuing session keeps its numbering and its pending turn is
+  still judged) and restarts every judgement that had not finished.
+
+Invariants and policies:
+
+* fsync policy: ``fsync=True`` (the default, ``queue.journal_fsync``) fsyncs after every appended line
+  before the caller is answered, so an acknowledged record survives a power loss; ``False`` only
+  flushes to the OS (it survives a killed process, not a crashed machine). Cost: one fsync per sample
+  and per turn (about 1-5 ms on a local disk).
+* A line torn by a crash mid-write can only be the last one; it was never acknowledged and is ignored.
+* A sample is acknowledged at most once per ``(session_id, turn_index)`` (a re-judged turn after a
+  restart is not queued twice); samples without a session id are not deduplicated.
+* Compaction rewrites a journal as the records that still matter (atomically: temporary file, fsync,
+  rename), at a resume and when the file grows past ``compact_bytes`` after a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from clawray.types import Sample, Turn
+
+SAMPLES_FILE = "samples.jsonl"
+SESSIONS_FILE = "sessions.jsonl"
+
+
+def journal_dir(run_dir: str) -> str:
+    """``{run_dir}/journal``, the folder of the journals."""
+    return os.path.join(run_dir, "journal")
+
+
+def prepare_journals(run_dir: str, resume_step: int | None) -> dict[str, str]:
+    """Get the journals ready before the actors that write them start.
+
+    Args:
+        run_dir: the run folder.
+        resume_step: the ``steps_done`` of the checkpoint being resumed, or None for a fresh run (its
+            journals are removed: a fresh run in the same folder starts empty, like ``metrics.jsonl``).
+
+    Returns:
+        ``{"samples": path, "sessions": path}``.
+    """
+    folder = journal_dir(run_dir)
+    if resume_step is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    paths = {"samples": os.path.join(folder, SAMPLES_FILE), "sessions": os.path.join(folder, SESSIONS_FILE)}
+    if resume_step is not None and os.path.exists(paths["samples"]):
+        state = SampleState.from_records(read_records(paths["samples"]), void_after_step=resume_step)
+        write_atomic(paths["samples"], state.records())
+    return paths
+
+
+def read_records(path: str) -> list[dict]:
+    """Every complete JSON line of ``path`` (``[]`` when it does not exist); a torn last line is skipped.
+
+    Raises:
+        ValueError: a line other than the last one is not valid JSON (the file is corrupt).
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # the last line (a file ends with "\n", so the split's last part is b"")
+                break
+            raise ValueError(f"journal {path}: line {i + 1} is corrupt") from None
+    return out
+
+
+def write_atomic(path: str, records: Iterable[dict]) -> None:
+    """Replace ``path`` with ``records`` (one JSON line each): a temporary file, fsync, rename, fsync
+    of the folder. A crash leaves the old file or the new one, never a mix."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class AppendFile:
+    """One append-only JSON-lines file; :meth:`append` returns once the line is durable.
+
+    Args:
+        path: the file (created 0600 when missing).
+        fsync: fsync after each append (else flush only; see the module docstring).
+    """
+
+    def __init__(self, path: str, fsync: bool = True):
+        self.path, self.fsync = path, fsync
+        self._open()
+
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._f = os.fdopen(fd, "a")
+
+    def append(self, rec: dict) -> None:
+        """Write ``rec`` as one line, flush it, and fsync it when ``fsync`` is on.
+
+        Raises:
+            OSError: the disk refused the write (the record is then NOT acknowledged).
+        """
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+
+    def size(self) -> int:
+        """The file's size in bytes."""
+        return os.path.getsize(self.path)
+
+    def rewrite(self, records: Iterable[dict]) -> None:
+        """Replace the file's content by ``records`` atomically (:func:`write_atomic`)."""
+        self._f.close()
+        write_atomic(self.path, records)
+        self._open()
+
+    def close(self) -> None:
+        """Close the file (appends after this raise)."""
+        self._f.close()
+
+
+# ---------------------------------------------------------------------------------------------- samples
+@dataclasses.dataclass
+class SampleState:
+    """What ``samples.jsonl`` says: the live (acknowledged, not consumed, not dropped) samples and
+    the queue's counters.
+
+    Attributes:
+        live: ``{seq: (sample dict, policy version)}`` in acknowledgement order.
+        consumed: ``{seq: (sample dict, version, step, trained)}`` of samples consumed by a step
+            that a later resume may still void (kept until a checkpoint covers the step).
+        put: samples acknowledged since the run started; taken: samples consumed by steps;
+        dropped: ``{reason: count}`` (``stale``, ``too_long``).
+        next_seq: the next sequence number; keys: ``(session_id, turn_index)`` already acknowledged.
+    """
+
+    live: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    consumed: dict = dataclasses.field(default_factory=dict)
+    put: int = 0
+    taken: int = 0
+    dropped: dict = dataclasses.field(default_factory=dict)
+    next_seq: int = 1
+    keys: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def from_records(cls, records: Iterable[dict], void_after_step: int | None = None) -> "SampleState":
+        """Replay the records; ``consume`` marks of a step > ``void_after_step`` are voided (their
+        samples are live again and not counted as taken)."""
+        state = cls()
+        for rec in records:
+            state.apply(rec)
+        if void_after_step is not None:
+            for seq in sorted(s for s, c in state.consumed.items() if c[2] > void_after_step):
+                sample, version, _, _ = state.consumed.pop(seq)
+                state.live[seq] = (sample, version)
+                state.taken -= 1
+            state.live = OrderedDict(sorted(state.live.items()))
+        return state
+
+    def apply(self, rec: dict) -> None:
+        """Apply one record (the same code path for a live append and a replay)."""
+        op = rec["op"]
+        if op == "base":
+            self.put, self.taken, self.dropped = rec["put"], rec["taken"], dict(rec["dropped"])
+            self.next_seq = rec["next_seq"]
+            self.keys = {tuple(k) for k in rec["keys"]}
+        elif op == "ack":
+            self.live[rec["seq"]] = (rec["sample"], rec["version"])
+            self.put += 1
+            self.next_seq = max(self.next_seq, rec["seq"] + 1)
+            if rec["sample"].get("session_id"):
+                self.keys.add((rec["sample"]["session_id"], rec["sample"]["turn_index"]))
+        elif op == "consume":
+            for seq in rec["seqs"]:
+                if seq in self.live:
+                    sample, version = self.live.pop(seq)
+                    self.consumed[seq] = (sample, version, rec["step"], rec["trained"])
+                    self.taken += 1
+        elif op == "drop":
+            reason = rec["reason"]
+            seqs = rec.get("seqs", [])
+            for seq in seqs:
+                self.live.pop(seq, None)
+            self.dropped[reason] = self.dropped.get(reason, 0) + (len(seqs) or rec.get("n", 0))
+        elif op == "forget":  # a checkpoint covers these steps: their samples can never come back
+            for seq in [s for s, c in self.consumed.items() if c[2] <= rec["step"]]:
+                del self.consumed[seq]
+        else:
+            raise ValueError(f"unknown sample-journal record {op!r}")
+
+    def records(self) -> list[dict]:
+        """The compacted journal: a ``base`` line, then the live and still-voidable samples."""
+        out = [{"op": "base", "put": self.put - len(self.live) - len(self.consumed),
+                "taken": self.taken - len(self.consumed), "dropped": self.dropped, "next_seq": self.next_seq,
+                "keys": sorted(self.keys)}]
+        # acks re-count themselves in put; consume marks re-count in taken
+        rows = sorted([(seq, s, v, None) for seq, (s, v) in self.live.items()]
+                      + [(seq, s, v, (st, tr)) for seq, (s, v, st, tr) in self.consumed.items()], key=lambda r: r[0])
+        for seq, sample, version, mark in rows:
+            out.append({"op": "ack", "seq": seq, "version": version, "sample": sample})
+            if mark is not None:
+                out.append({"op": "consume", "seqs": [seq], "step": mark[0], "trained": mark[1]})
+        return out
+
+
+class SampleJournal:
+    """The TrajectoryQueue's journal (one writer: the queue actor).
+
+    Args:
+        path: ``{run_dir}/journal/samples.jsonl`` (:func:`prepare_journals` already voided what a
+            resume must replay).
+        fsync: see the module docstring.
+        compact_bytes: :meth:`forget` compacts the file once it is larger than this (0 = never).
+    """
+
+    def __init__(self, path: str, fsync: bool = True, compact_bytes: int = 64 << 20):
+        self.state = SampleState.from_records(read_records(path))
+        self.file = AppendFile(path, fsync)
+        self.compact_bytes = compact_bytes
+
+    def replay(self) -> list[tuple[int, Sample, int]]:
+        """The live samples to queue again: ``[(seq, Sample, policy version)]``, oldest first."""
+        return [(seq, Sample(**s), v) for seq, (s, v) in self.state.live.items()]
+
+    def is_duplicate(self, sample: Sample) -> bool:
+        """True when a sample of the same ``(session_id, turn_index)`` was already acknowledged."""
+        return bool(sample.session_id) and (sample.session_id, sample.turn_index) in self.state.keys
+
+    def ack(self, sample: Sample, policy_version: int) -> int:
+        """Append the sample durably; returns its sequence number (the sample is acknowledged)."""
+        rec = {"op": "ack", "seq": self.state.next_seq, "version": int(policy_version),
+               "sample": dataclasses.asdict(sample)}
+        self.file.append(rec)
+        self.state.apply(rec)
+        return rec["seq"]
+
+    def consume(self, seqs: list[int], step: int, trained: bool) -> None:
+        """Mark the samples that driver step ``step`` took (trained, or decided against)."""
+        self._log({"op": "consume", "seqs": list(seqs), "step": int(step), "trained": bool(trained)})
+
+    def drop(self, reason: str, seqs: list[int] | None = None, n: int = 0) -> None:
+        """Count a final drop: queued samples ``seqs``, or ``n`` samples refused at admission."""
+        self._log({"op": "drop", "reason": reason, "seqs": list(seqs or []), "n": n})
+
+    def forget(self, step: int) -> None:
+        """A checkpoint covers driver steps <= ``step``: their consumed samples may go (compacts the
+        file when it is over ``compact_bytes``)."""
+        self._log({"op": "forget", "step": int(step)})
+        if self.compact_bytes and self.file.size() > self.compact_bytes:
+            self.file.rewrite(self.state.records())
+
+    def _log(self, rec: dict) -> None:
+        self.file.append(rec)
+        self.state.apply(rec)
+
+
+# --------------------------------------------------------------------------------------------- sessions
+def turn_to_dict(turn: Turn) -> dict:
+    """A :class:`Turn` as a JSON-able dict (every field)."""
+    return dict(turn.__dict__)
+
+
+@dataclasses.dataclass
+class SessionRecord:
+    """One session as ``sessions.jsonl`` knows it.
+
+    Attributes:
+        turns: the last turn index given; pending: the pending turns (dicts); effective: a turn was
+        emitted as a sample; held: ``[(turn dict, mean vote)]`` 0-scored turns; closed: closed
+        (awaiting its at-least-one finalisation while ``held`` or judgements remain).
+    """
+
+    turns: int = 0
+    pending: list = dataclasses.field(default_factory=list)
+    effective: bool = False
+    held: list = dataclasses.field(default_factory=list)
+    closed: bool = False
+
+
+class SessionState:
+    """Replay of ``sessions.jsonl``: sessions by id, judgements not finished, closed turn counts."""
+
+    def __init__(self, max_closed: int = 100_000):
+        self.sessions: dict[str, SessionRecord] = {}
+        self.jobs: OrderedDict = OrderedDict()  # (sid, turn_index) -> (turn dict, next_state)
+        self.closed_turns: OrderedDict = OrderedDict()  # sid -> last turn index of a finished session
+        self.max_closed = max_closed
+
+    def apply(self, rec: dict) -> None:
+        """Apply one record (the same code path for a live append and a replay)."""
+        op, sid = rec["op"], rec.get("sid")
+        if op == "session":  # compacted form
+            self.sessions[sid] = SessionRecord(rec["turns"], rec["pending"], rec["effective"],
+                                               [tuple(h) for h in rec["held"]], rec["closed"])
+        elif op == "closed_turns":
+            self.closed_turns = OrderedDict(rec["items"])
+        elif op == "turns":
+            s = self.sessions.get(sid)
+            if s is None or s.closed:
+                s = self.sessions[sid] = SessionRecord(turns=self.closed_turns.pop(sid, 0))
+            s.pending = rec["turns"]
+            s.turns = max(t["turn_index"] for t in rec["turns"])
+        elif op == "judge":
+            s = self.sessions.get(sid)
+            if s is not None:
+                s.pending = []
+            self.jobs[(sid, rec["turn"]["turn_index"])] = (rec["turn"], rec["next_state"])
+        elif op == "judged":
+            self.jobs.pop((sid, rec["turn_index"]), None)
+            s = self.sessions.get(sid)
+            if s is not None:
+                if rec.get("effective"):
+                    s.effective = True
+                if rec.get("held") is not None:
+                    s.held.append((rec["turn"], rec["held"]))
+            self._maybe_forget(sid)
+        elif op == "close":
+            s = self.sessions.get(sid)
+            if s is not None:
+                s.closed, s.pending = True, []
+                self.closed_turns[sid] = s.turns
+                while len(self.closed_turns) > self.max_closed:
+                    self.closed_turns.popitem(last=False)
+                self._maybe_forget(sid)
+        elif op == "finalized":
+            s = self.sessions.get(sid)
+            if s is not None and s.closed:
+                del self.sessions[sid]
+        else:
+            raise ValueError(f"unknown session-journal record {op!r}")
+
+    def _maybe_forget(self, sid: str) -> None:
+        s = self.sessions.get(sid)
+        if s is not None and s.closed and not s.held and not any(k[0] == sid for k in self.jobs):
+            del self.sessions[sid]
+
+    def records(self) -> list[dict]:
+        """The compacted journal (one line per session and per unfinished judgement)."""
+        out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items())}]
+        out += [{"op": "session", "sid": sid, "turns": s.turns, "pending": s.pending, "effective": s.effective,
+                 "held": [list(h) for h in s.held], "closed": s.closed} for sid, s in self.sessions.items()]
+        out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
+        return out
+
+
+class SessionJournal:
+    """The SessionTracker's journal (one writer: the tracker actor). Loading compacts the file.
+
+    Args:
+        path: ``{run_dir}/journal/sessions.jsonl``.
+        fsync: see the module docstring.
+        compact_bytes: compact when the file grows past this many bytes (checked on close; 0 = never).
+    """
+
+    def __init__(self, path: str, fsync: bool = True, compact_bytes: int = 64 << 20,
+                 max_closed: int = 100_000):
+        self.state = SessionState(max_closed)
+        for rec in read_records(path):
+            self.state.apply(rec)
+        write_atomic(path, self.state.records())
+        self.file = AppendFile(path, fsync)
+        self.compact_bytes = compact_bytes
+
+    def log(self, op: str, **fields: Any) -> None:
+        """Append one record durably (turn objects are converted to dicts by the caller)."""
+        rec = {"op": op, **fields}
+        self.file.append(rec)
+        self.state.apply(rec)
+        if op == "close" and self.compact_bytes and self.file.size() > self.compact_bytes:
+            self.file.rewrite(self.state.records())
+
+
+def restore_tracker(tracker: Any, session_cls: type) -> list:
+    """Rebuild a SessionTracker's sessions from its journal's state.
+
+    Args:
+        tracker: the :class:`~clawray.actors.session.SessionTracker` (its ``journal`` is loaded).
+        session_cls: its per-session record class.
+
+    Returns:
+        callables that restart the unfinished judgements and the at-least-one finalisation of closed
+        sessions; the tracker calls them once its event loop runs.
+    """
+    import asyncio
+
+    from clawray.chat import conversation_key
+
+    state = tracker.journal.state
+    tracker.closed_turns.update(state.closed_turns)
+    by_sid: dict[str, Any] = {}
+    for sid, rec in state.sessions.items():
+        pending = [Turn(**t) for t in rec.pending]
+        s = session_cls(turns=rec.turns, pending=pending, effective=rec.effective,
+                        held=[(Turn(**t), m) for t, m in rec.held], sid=sid)
+        s.keys = [conversation_key([*t.messages, t.response_message]) for t in pending]
+        by_sid[sid] = s
+        if not rec.closed:
+            tracker.sessions[sid] = s
+            for key in s.keys:
+                tracker.index[key] = sid
+    actions = []
+    for (sid, _), (turn, next_state) in state.jobs.items():
+        s = by_sid.get(sid)
+        if s is None:  # its session was forgotten (closed, nothing held): judge it on a stand-in
+            s = by_sid[sid] = session_cls(turns=turn["turn_index"], sid=sid)
+        actions.append(lambda s=s, t=Turn(**turn), ns=next_state: _relaunch(tracker, s, t, ns))
+    for sid, rec in state.sessions.items():
+        if rec.closed:
+            s = by_sid[sid]
+            actions.append(lambda s=s: tracker._track(asyncio.ensure_future(tracker._finalize(s))))
+    tracker.counts["journal/replayed_judgements"] += len(state.jobs)
+    tracker.counts["journal/restored_sessions"] += sum(not r.closed for r in state.sessions.values())
+    return actions
+
+
+def _relaunch(tracker: Any, s: Any, turn: Turn, next_state: list) -> None:
+    import asyncio
+
+    judge = tracker.judges[tracker._rr % len(tracker.judges)]
+    tracker._rr += 1
+    s.tasks.append(tracker._track(asyncio.ensure_future(tracker._journaled_judge(s, turn, next_state, judge))))
