@@ -48,7 +48,7 @@ class Tracker:
         with open_private(self.path) as f:
             f.writelines(kept)
         # the resolved config (secrets hidden) beside the metrics: `clawray report` draws the guards' bounds from it
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
+        with open_private(os.path.join(run_dir, "config.json")) as f:
             json.dump(redacted(config or {}), f, indent=2)
         self.run, self._run_id = None, None
         self.wandb_dir = os.path.join(run_dir, "wandb")
