@@ -528,12 +528,54 @@ class LearnerWorker:
                     shutil.copy2(src, os.path.join(path, name))
 
     # ------------------------------------------------------------------ checkpoints
+    def _train_state_weights(self, model_sd: dict) -> dict:
+        """The weights a resumable checkpoint keeps in ``train_state/`` beside the optimizer.
+
+        Full fine-tuning: none, since ``model/`` already holds every weight in float32 (the training
+        dtype), so storing them again would double the checkpoint (SmolLM2-135M: 0.54 GB).
+        LoRA: the adapters only (``model/`` holds the *merged* weights, which cannot be split back;
+        the frozen base weights are reloaded from the initial model folder at start-up).
+        """
+        if self.lora_rank == 0:
+            return {}
+        return {k: v for k, v in model_sd.items() if ".lora_" in k}
+
+    def _load_hf_weights(self, folder: str, keys: list[str]) -> None:
+        """Load the float32 weights of an HF folder written by :meth:`save` into the sharded model
+        (every rank reads the files; full fine-tuning only). ``keys``: the model's state-dict names
+        (``get_state_dict``). A tied output embedding, stored once, is filled from the input embedding.
+
+        Raises:
+            FileNotFoundError: ``folder`` has no ``*.safetensors`` file.
+            RuntimeError: a weight of the model is missing from the folder.
+        """
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"checkpoint model folder {folder} has no .safetensors file")
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(load_file(os.path.join(folder, name)))
+        hf = self._hf_model(self.model)
+        out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
+        if out_emb is not None and out_emb.weight is in_emb.weight:
+            out_name = next(n for n, m in hf.named_modules() if m is out_emb)
+            in_name = next(n for n, m in hf.named_modules() if m is in_emb)
+            state.setdefault(f"{out_name}.weight", state.get(f"{in_name}.weight"))
+        missing = [k for k in keys if state.get(k) is None]
+        if missing:
+            raise RuntimeError(f"checkpoint model folder {folder} lacks {len(missing)} weight(s), e.g. {missing[0]}")
+        set_model_state_dict(self.model, {k: state[k].float() for k in keys},
+                             options=StateDictOptions(full_state_dict=True))
+
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> dict:
         """Write this learner's part of a checkpoint into the existing folder ``path``. Collective.
 
         Layout: ``model/`` (HF folder, :meth:`save`), ``train_state/`` (sharded
-        ``torch.distributed.checkpoint``: the model's training parameters, adapters included, and
-        the AdamW state, one file per rank: no rank gathers the optimizer state, and a different
+        ``torch.distributed.checkpoint``: the AdamW state, plus the LoRA adapters with LoRA: the
+        weights themselves are read back from ``model/``, see :meth:`_train_state_weights`; one file per rank: no rank gathers the optimizer state, and a different
         number of ranks can load it), ``learner.pkl`` (rank 0: scheduler state, policy version,
         optimizer and skipped step counts) and ``rng/rank{r}.pkl`` (torch, python, numpy and CUDA
         RNG states of each rank). ``save_optimizer=False`` writes ``model/`` and ``learner.pkl``
@@ -550,6 +592,7 @@ class LearnerWorker:
         self.save(os.path.join(path, "model"))
         if save_optimizer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd = self._train_state_weights(model_sd)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "train_state"))
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
@@ -560,7 +603,8 @@ class LearnerWorker:
             with open(os.path.join(path, "learner.pkl"), "wb") as f:
                 pickle.dump({"scheduler": self.scheduler.state_dict(), "version": self.version,
                              "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-                             "world_size": self.world_size, "lora_rank": self.lora_rank}, f)
+                             "world_size": self.world_size, "lora_rank": self.lora_rank,
+                             "weights": "model" if self.lora_rank == 0 else "adapters"}, f)
         dist.barrier()
         return {"version": self.version, "seconds": time.perf_counter() - t0}
 
@@ -577,7 +621,7 @@ class LearnerWorker:
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         for name in ("train_state", "learner.pkl"):
             if not os.path.exists(os.path.join(path, name)):
@@ -587,9 +631,14 @@ class LearnerWorker:
         if meta["lora_rank"] != self.lora_rank:
             raise ValueError(f"checkpoint {path} has LoRA rank {meta['lora_rank']}, the learner {self.lora_rank}")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        weights = meta.get("weights", "all")  # where the weights are: model/, adapters or (older) all in train_state
+        stored = {"model": {}, "adapters": self._train_state_weights(model_sd)}.get(weights, model_sd)
+        state = {"model": stored, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(path, "train_state"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if weights == "model":
+            self._load_hf_weights(os.path.join(path, "model"), list(model_sd))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=weights == "all"))
         self.scheduler.load_state_dict(meta["scheduler"])
         self.version, self.optimizer_steps, self.skipped_steps = (meta["version"], meta["optimizer_steps"],
                                                                   meta["skipped_steps"])
