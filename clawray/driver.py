@@ -96,6 +96,36 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
     return out
 
 
+def sample_groups(samples: list, group_by: str) -> list:
+    """The group key of each sample under ``trainer.group_by`` (:func:`clawray.algos.rejection.group_keys`)."""
+    from clawray.algos.rejection import group_keys
+
+    return group_keys(group_by, [s.tokens[: s.prompt_len] for s in samples],
+                      [s.info.get("opening", s.session_id) for s in samples], [s.turn_index for s in samples])
+
+
+def credit_metrics(samples: list, tracker_stats: dict) -> dict[str, float]:
+    """Long-horizon credit and shaping figures of one step (see :mod:`clawray.algos.credit`).
+
+    - ``credit/turns_waiting``: judged turns waiting in the tracker for their session's end (now);
+    - ``credit/mean_session_turns``: main-line requests per closed session (since the start);
+    - ``reward/outcome_mean``: mean session outcome over the batch's samples that carry one (NaN when
+      none does);
+    - ``reward/shaping/<term>``: mean signed shaping contribution over the batch's samples that carry
+      a reward (0 for a sample the term left alone; absent when no sample has shaping terms).
+    """
+    out: dict[str, float] = {"credit/turns_waiting": float(tracker_stats.get("credit/turns_waiting", 0))}
+    if "credit/mean_session_turns" in tracker_stats:
+        out["credit/mean_session_turns"] = float(tracker_stats["credit/mean_session_turns"])
+    outcomes = [s.info["outcome"] for s in samples if "outcome" in s.info]
+    out["reward/outcome_mean"] = sum(outcomes) / len(outcomes) if outcomes else math.nan
+    rewarded = [s for s in samples if s.reward is not None]
+    names = sorted({n for s in rewarded for n in s.info.get("shaping", {})})
+    for name in names:
+        out[f"reward/shaping/{name}"] = sum(s.info.get("shaping", {}).get(name, 0.0) for s in rewarded) / len(rewarded)
+    return out
+
+
 class Driver:
     """Owns the actors of one run.
 
@@ -113,6 +143,7 @@ class Driver:
         self.entropy = EntropyController(cfg.learner.entropy_coef, cfg.learner.entropy_floor,
                                          cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
         self.all_masked_dropped = 0
+        self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
         self.eval_results: list[dict[str, Any]] = []  # {"step", "policy_version", "metrics", ...} per evaluation
         self.skipped_steps: dict[str, int] = {}
@@ -218,7 +249,10 @@ class Driver:
                  "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files,
-            journal=journals["sessions"])
+            journal=journals["sessions"],
+            credit={"mode": cfg.trainer.credit, "gamma": cfg.trainer.gamma,
+                    "outcome_turn_weight": cfg.trainer.outcome_turn_weight, "max_staleness": cfg.queue.max_staleness},
+            shaping=OmegaConf.to_container(cfg.trainer.shaping))
         w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
         self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
                                      loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
@@ -375,7 +409,7 @@ class Driver:
         batch, refs, samples = self._take_batch(next_version)
         t_wait = time.perf_counter() - t0
         adv = batch_advantages([s.reward for s in samples], self.guard, self.cfg.trainer.advantage,
-                               [tuple(s.tokens[: s.prompt_len]) for s in samples])
+                               sample_groups(samples, self.cfg.trainer.group_by))
         skipped = "" if adv.train and refs else "degenerate"
         train, skipped = self._train(refs, samples, adv.advantages, next_version, skipped)
         t_train = time.perf_counter() - t0 - t_wait
@@ -415,12 +449,41 @@ class Driver:
         samples = ray.get(batch["refs"])
         self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"],
                            "seqs": batch["seqs"]}
-        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0]
-        self.all_masked_dropped += len(samples) - len(keep)
+        rejected: set[int] = set()
+        if cfg.trainer.dynamic_sampling:
+            batch, samples, rejected = self._fill_dynamic(batch, samples, next_version)
+            self._in_flight.update(samples=samples, versions=batch["versions"], seqs=batch["seqs"])
+        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0 and i not in rejected]
+        self.all_masked_dropped += sum(1 for i, s in enumerate(samples) if sum(s.loss_mask) == 0 and i not in rejected)
         refs = [batch["refs"][i] for i in keep]
         samples = [samples[i] for i in keep]
         self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
         return batch, refs, samples
+
+    def _fill_dynamic(self, batch: dict, samples: list, next_version: int) -> tuple[dict, list, set[int]]:
+        """DAPO dynamic sampling (:mod:`clawray.algos.rejection`): while fewer than
+        ``trainer.batch_size`` samples lie in groups with reward variance, take more from the queue
+        (at least one sample at a time, up to ``max_batch_size`` each), for at most
+        ``trainer.dynamic_sampling_wait_s`` seconds; returns ``(merged batch, its samples, indexes of
+        the rejected zero-variance samples)``, counted as ``dropped/zero_variance``. Every taken sample
+        stays in the batch's journal marks (consumed by this step, rejected or trained)."""
+        from clawray.algos.rejection import zero_variance
+        from clawray.recovery import wait_batch
+
+        tr = self.cfg.trainer
+        deadline = time.monotonic() + tr.dynamic_sampling_wait_s
+        while True:
+            rejected = set(zero_variance(sample_groups(samples, tr.group_by), [s.reward for s in samples]))
+            remaining = deadline - time.monotonic()
+            if len(samples) - len(rejected) >= tr.batch_size or remaining <= 0:
+                break
+            more = wait_batch(self, 1, next_version, remaining, tr.max_batch_size)
+            if more is None:
+                continue
+            batch = {k: batch[k] + more[k] for k in ("refs", "versions", "staleness", "seqs")}
+            samples = samples + ray.get(more["refs"])
+        self.zero_variance_dropped += len(rejected)
+        return batch, samples, rejected
 
     def _train(self, refs: list, samples: list, advantages: list[float], next_version: int,
                skipped: str) -> tuple[dict[str, Any], str]:
@@ -485,6 +548,8 @@ class Driver:
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
+        if self.cfg.trainer.dynamic_sampling:
+            dropped["dropped/zero_variance"] = self.zero_variance_dropped
         decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
         rewarded = adv.rewarded
         metrics = {
@@ -508,6 +573,7 @@ class Driver:
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
             **gen_metrics,
+            **credit_metrics(samples, tstats),
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
             "samples_in": qstats["put"],
@@ -598,6 +664,7 @@ class Driver:
                 queued += len(self._in_flight["samples"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
+                 "zero_variance_dropped": self.zero_variance_dropped,
                  "samples_trained": samples_trained,
                  "skipped_steps": self.skipped_steps, "queued_samples": queued,
                  "learner_world_size": len(self.learners.workers), "time": time.time(),
@@ -649,6 +716,7 @@ class Driver:
         for key, value in state["entropy"].items():
             setattr(self.entropy, key, value)
         self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
+        self.zero_variance_dropped = state.get("zero_variance_dropped", 0)
         self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
         self.samples_trained = state.get("samples_trained", 0)
         # the engines serve the checkpoint's weights, stamped with its version

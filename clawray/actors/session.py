@@ -64,6 +64,7 @@ import ray
 
 from clawray.algos.algorithm import Scorers, make_algorithm
 from clawray.algos.credit import CREDIT_MODES, must_flush, segment_credit
+from clawray.algos.rejection import opening
 from clawray.algos.shaping import check_terms, shaping_terms
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
@@ -87,6 +88,7 @@ class _Session:
     waiting: list = field(default_factory=list)  # credit != turn: judged samples awaiting their return
     outcome: float | None = None  # the session's explicit outcome (X-Session-Outcome), last one given
     requests: int = 0  # main-line requests recorded in this session (n choices count once)
+    opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
 
 
 class SessionTracker:
@@ -224,6 +226,8 @@ class SessionTracker:
             s = self.sessions[sid] = _Session(turns=self.closed_turns.pop(sid, 0), sid=sid)
         s.last_seen = time.monotonic()
         s.requests += 1
+        if not s.opening:
+            s.opening = conversation_key(opening(turns[0].messages))
         if outcome is not None:
             self._set_outcome(s, outcome)
         if s.pending:
@@ -460,6 +464,8 @@ class SessionTracker:
 
     async def _emit(self, s: _Session, sample: Sample) -> None:
         s.effective = True
+        if s.opening:  # its group under trainer.group_by=session_prefix
+            sample.info.setdefault("opening", s.opening)
         await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
         self.counts["samples"] += 1
 
