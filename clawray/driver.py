@@ -142,6 +142,10 @@ class Driver:
         self.guard = DegenerateBatchGuard(cfg.trainer.degenerate_batches, cfg.trainer.baseline_momentum)
         self.entropy = EntropyController(cfg.learner.entropy_coef, cfg.learner.entropy_floor,
                                          cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
+        # learner.behaviour_floor: the same controller, fed inv/behaviour_entropy; its coefficient
+        # adds to the entropy bonus (the sum capped at entropy_coef_max)
+        self.behaviour = EntropyController(0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr,
+                                           cfg.learner.entropy_coef_max)
         self.all_masked_dropped = 0
         self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
@@ -420,10 +424,12 @@ class Driver:
         else:
             self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
         self.steps_done += 1
+        behaviour = self._monitor_behaviour()
         self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = self._periodic_checkpoint()
         timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
         metrics, dropped = self._step_metrics(batch, samples, adv, skipped, train, timing, t0)
+        metrics.update(behaviour)
         if sync_error:
             metrics["sync_error"] = sync_error
         self._log_step(metrics, dropped, adv, train, skipped, sync_s, sync_error, t_wait, t_train)
@@ -460,6 +466,48 @@ class Driver:
         self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
         return batch, refs, samples
 
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient of the next update: the entropy controller's plus the
+        behaviour controller's (``learner.behaviour_floor``), at most ``learner.entropy_coef_max``
+        when the behaviour floor is on."""
+        if self.behaviour.floor <= 0:
+            return self.entropy.coef
+        return min(self.entropy.coef + self.behaviour.coef, self.cfg.learner.entropy_coef_max)
+
+    def _monitor_behaviour(self) -> dict[str, float]:
+        """Every ``monitor.every_steps`` steps: the behaviour-diversity probe on engine 0 (the current
+        policy, :mod:`clawray.monitor`); feeds the behaviour controller. Returns the ``inv/behaviour_*``
+        and ``inv/self_similarity`` figures, ``inv/behaviour_coef`` and ``timing/monitor_s`` ({} when
+        it is not this step's turn; a failing probe is printed and the run goes on)."""
+        every = self.cfg.monitor.every_steps
+        if every <= 0 or self.steps_done % every:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            stats = self._probe().run(lambda reqs: ray.get([self.engines[0].generate.remote(r) for r in reqs]))
+        except Exception as e:  # a probe never ends a training run
+            print(f"[clawray] behaviour probe failed: {type(e).__name__}: {e}", flush=True)
+            return {}
+        self.behaviour.update(stats["inv/behaviour_entropy"])
+        return {**stats, "inv/behaviour_coef": self.behaviour.coef, "timing/monitor_s": time.perf_counter() - t0}
+
+    def _probe(self):
+        if getattr(self, "_probe_obj", None) is None:
+            from transformers import AutoTokenizer
+
+            from clawray.envs import env_from_config
+            from clawray.monitor import BehaviourProbe, load_probe_file
+
+            mon = self.cfg.monitor
+            env = env_from_config(self.cfg.env)
+            if mon.probe_file:
+                prompts, tools = load_probe_file(mon.probe_file), None
+            else:
+                prompts, tools = [env.opening(t) for t in env.prompts("train", mon.seed)[: mon.num_prompts]], env.tools
+            self._probe_obj = BehaviourProbe(AutoTokenizer.from_pretrained(self.model_path), prompts, tools or None,
+                                             mon.k, mon.max_tokens, mon.seed, mon.ngram)
+        return self._probe_obj
+
     def _fill_dynamic(self, batch: dict, samples: list, next_version: int) -> tuple[dict, list, set[int]]:
         """DAPO dynamic sampling (:mod:`clawray.algos.rejection`): while fewer than
         ``trainer.batch_size`` samples lie in groups with reward variance, take more from the queue
@@ -492,7 +540,7 @@ class Driver:
         consumed by this step; it stays in flight until :meth:`step` completes the step."""
         train: dict[str, Any] = {}
         if not skipped:
-            train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
+            train = self.learners.train_step(refs, next_version, advantages, self.entropy_coef())
             if train["skipped"]:
                 skipped = "nonfinite"
             else:
@@ -563,7 +611,7 @@ class Driver:
             "inv/reward_std": adv.signal["reward_std"],
             "inv/degenerate_batches": self.guard.degenerate_batches,
             "inv/baseline": self.guard.baseline,
-            "inv/entropy_coef": self.entropy.coef,
+            "inv/entropy_coef": self.entropy_coef(),
             "inv/staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
             "inv/staleness_max": max(batch["staleness"]),
             # samples trained / samples whose fate the queue decided (taken by the learner or dropped
@@ -663,7 +711,8 @@ class Driver:
             else:  # not trained: unconsumed in the journal, so a resume queues it again
                 queued += len(self._in_flight["samples"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
-                 "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
+                 "entropy": dataclasses.asdict(self.entropy), "behaviour": dataclasses.asdict(self.behaviour),
+                 "all_masked_dropped": self.all_masked_dropped,
                  "zero_variance_dropped": self.zero_variance_dropped,
                  "samples_trained": samples_trained,
                  "skipped_steps": self.skipped_steps, "queued_samples": queued,
@@ -715,6 +764,8 @@ class Driver:
             setattr(self.guard, key, value)
         for key, value in state["entropy"].items():
             setattr(self.entropy, key, value)
+        for key, value in state.get("behaviour", {}).items():  # absent in checkpoints of older versions
+            setattr(self.behaviour, key, value)
         self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
         self.zero_variance_dropped = state.get("zero_variance_dropped", 0)
         self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
