@@ -220,3 +220,9 @@ def test_redacted_hides_secrets_for_logging():
     assert "sk-" not in repr(out) and "pw" not in repr(out)
     assert redacted(load_config())["serve"]["api_key"] == ""  # empty stays visible: auth is off
     assert cfg.serve.api_key == "sk-serve"  # the config itself is unchanged
+
+
+def test_credit_preset_uses_discounted_returns_on_multi_turn_sessions():
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/credit.yaml"])
+    assert (cfg.trainer.credit, cfg.trainer.gamma, cfg.env.max_turns, cfg.queue.max_staleness) == ("discounted", 0.9, 4, 3)
+    assert cfg.trainer.shaping.truncated == 0.2
