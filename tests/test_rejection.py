@@ -1,7 +1,5 @@
 """Groups and DAPO dynamic sampling (clawray.algos.rejection, Driver._fill_dynamic), GRPO over them."""
 
-import types
-
 import pytest
 import torch
 
