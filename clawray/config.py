@@ -329,6 +329,10 @@ class LearnerConfig:
     entropy_floor: float = num(0.0, ge=0.0, note="0 = fixed coefficient")
     entropy_coef_lr: float = num(0.01, ge=0.0)
     entropy_coef_max: float = num(0.1, ge=0.0)
+    # nats of inv/behaviour_entropy (the monitor's); > 0: the same controller as entropy_floor (rate
+    # entropy_coef_lr, capped with it at entropy_coef_max) adds to the entropy-bonus coefficient while
+    # behaviour entropy is below it
+    behaviour_floor: float = num(0.0, ge=0.0, note="0 = off")
     dist_timeout_s: float = num(120.0, gt=0.0)
     # packing: a rank packs its samples into padded micro-batches of at most this many tokens
     # (rows x longest prompt+response), accumulating gradients; a longer sample is rejected at the
@@ -358,6 +362,31 @@ class SyncConfig:
 
 
 @dataclass
+class ShapingConfig:
+    """Dense reward shaping (clawray.algos.shaping): the penalty weight of each term; a judged turn's
+    reward becomes ``r - sum(weight * term)``, each term in [0, 1]; 0 = the term is off."""
+
+    tool_parse_error: float = num(0.0, ge=0.0, le=10.0)  # a <tool_call> block that is not valid JSON
+    truncated: float = num(0.0, ge=0.0, le=10.0)  # a reply cut by max_tokens
+    repeated_tool_call: float = num(0.0, ge=0.0, le=10.0)  # the same tool call (name, arguments) again
+
+
+@dataclass
+class MonitorConfig:
+    """Behaviour-level diversity monitor (clawray.algos.behaviour): every ``every_steps`` steps, K
+    replies at temperature 1 for each of P fixed probe prompts from the current policy (engine 0)."""
+
+    every_steps: int = num(0, ge=0, le=10**6, note="0 = off")
+    num_prompts: int = num(8, ge=1, le=10**4)  # P: probe prompts (the env's train split, fixed seed)
+    k: int = num(4, ge=2, le=256)  # K: replies per probe prompt
+    max_tokens: int = num(64, **_MAX_TOKENS)
+    ngram: int = num(2, ge=1, le=8)  # n of the word n-grams of inv/self_similarity
+    seed: int = num(0, **_SEED)
+    # a JSONL file of probe prompts ({"messages": [...]} per line); "" = the environment's train prompts
+    probe_file: str = ""
+
+
+@dataclass
 class TrainerConfig:
     """The driver loop."""
 
@@ -378,6 +407,23 @@ class TrainerConfig:
     advantage: str = choice("binary", "grpo")
     # EMA momentum of the running reward baseline; 1 would pin the baseline at 0 forever
     baseline_momentum: float = num(0.9, ge=0.0, lt=1.0)
+    # long-horizon credit (clawray.algos.credit): "turn" = each judged turn trains on its own score;
+    # "discounted" = G_t = sum_k gamma^k r_{t+k} over the session's judged turns; "outcome" = the
+    # session's outcome (X-Session-Outcome, else the last judged turn's score) spread with
+    # gamma^(T-t), plus outcome_turn_weight * r_t. Not "turn": judged turns wait for the session's end
+    # (or for the staleness budget, see the module docstring)
+    credit: str = choice("turn", "discounted", "outcome")
+    gamma: float = num(0.9, ge=0.0, le=1.0)  # discount per judged turn
+    outcome_turn_weight: float = num(0.0, ge=0.0, le=100.0, note="0 = the outcome alone")
+    # samples of one group for trainer.advantage=grpo and dynamic sampling: "prompt" (same prompt
+    # tokens), "session_prefix" (same session opening and turn index), "none" (the batch is one group)
+    group_by: str = choice("prompt", "session_prefix", "none")
+    # DAPO dynamic sampling (arXiv 2503.14476 §3.2): groups whose rewards are all equal are rejected
+    # (dropped/zero_variance) and the batch keeps filling from the queue, for at most
+    # dynamic_sampling_wait_s seconds (then the step trains what it has, or skips when nothing is left)
+    dynamic_sampling: bool = False
+    dynamic_sampling_wait_s: float = num(60.0, ge=0.0, note="0 = one take from the queue, no refill")
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
 
 
 @dataclass
@@ -395,6 +441,9 @@ class EnvConfig:
     # student/teacher: a local GSM8K-style JSON list or JSONL of {"question", "ground_truth_answer"}
     data_path: str = ""
     max_turns: int = num(3, ge=1)  # assistant turns per session, the last one closes the session
+    # resample mode: each drawn problem is asked in this many sessions (same opening prompt), so
+    # trainer.advantage=grpo has real groups; 1 = one session per problem
+    resample_n: int = num(1, ge=1, le=64)
     max_tokens: int = num(128, **_MAX_TOKENS)
     temperature: float = num(0.7, **_TEMPERATURE)
     seed: int = num(0, **_SEED)
@@ -454,6 +503,7 @@ class ClawrayConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 

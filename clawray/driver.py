@@ -96,6 +96,36 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
     return out
 
 
+def sample_groups(samples: list, group_by: str) -> list:
+    """The group key of each sample under ``trainer.group_by`` (:func:`clawray.algos.rejection.group_keys`)."""
+    from clawray.algos.rejection import group_keys
+
+    return group_keys(group_by, [s.tokens[: s.prompt_len] for s in samples],
+                      [s.info.get("opening", s.session_id) for s in samples], [s.turn_index for s in samples])
+
+
+def credit_metrics(samples: list, tracker_stats: dict) -> dict[str, float]:
+    """Long-horizon credit and shaping figures of one step (see :mod:`clawray.algos.credit`).
+
+    - ``credit/turns_waiting``: judged turns waiting in the tracker for their session's end (now);
+    - ``credit/mean_session_turns``: main-line requests per closed session (since the start);
+    - ``reward/outcome_mean``: mean session outcome over the batch's samples that carry one (NaN when
+      none does);
+    - ``reward/shaping/<term>``: mean signed shaping contribution over the batch's samples that carry
+      a reward (0 for a sample the term left alone; absent when no sample has shaping terms).
+    """
+    out: dict[str, float] = {"credit/turns_waiting": float(tracker_stats.get("credit/turns_waiting", 0))}
+    if "credit/mean_session_turns" in tracker_stats:
+        out["credit/mean_session_turns"] = float(tracker_stats["credit/mean_session_turns"])
+    outcomes = [s.info["outcome"] for s in samples if "outcome" in s.info]
+    out["reward/outcome_mean"] = sum(outcomes) / len(outcomes) if outcomes else math.nan
+    rewarded = [s for s in samples if s.reward is not None]
+    names = sorted({n for s in rewarded for n in s.info.get("shaping", {})})
+    for name in names:
+        out[f"reward/shaping/{name}"] = sum(s.info.get("shaping", {}).get(name, 0.0) for s in rewarded) / len(rewarded)
+    return out
+
+
 class Driver:
     """Owns the actors of one run.
 
@@ -112,7 +142,12 @@ class Driver:
         self.guard = DegenerateBatchGuard(cfg.trainer.degenerate_batches, cfg.trainer.baseline_momentum)
         self.entropy = EntropyController(cfg.learner.entropy_coef, cfg.learner.entropy_floor,
                                          cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
+        # learner.behaviour_floor: the same controller, fed inv/behaviour_entropy; its coefficient
+        # adds to the entropy bonus (the sum capped at entropy_coef_max)
+        self.behaviour = EntropyController(0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr,
+                                           cfg.learner.entropy_coef_max)
         self.all_masked_dropped = 0
+        self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
         self.eval_results: list[dict[str, Any]] = []  # {"step", "policy_version", "metrics", ...} per evaluation
         self.skipped_steps: dict[str, int] = {}
@@ -218,7 +253,10 @@ class Driver:
                  "teacher_timeout_s": cfg.opd.teacher_timeout_s},
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files,
-            journal=journals["sessions"])
+            journal=journals["sessions"],
+            credit={"mode": cfg.trainer.credit, "gamma": cfg.trainer.gamma,
+                    "outcome_turn_weight": cfg.trainer.outcome_turn_weight, "max_staleness": cfg.queue.max_staleness},
+            shaping=OmegaConf.to_container(cfg.trainer.shaping))
         w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
         self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
                                      loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
@@ -375,7 +413,7 @@ class Driver:
         batch, refs, samples = self._take_batch(next_version)
         t_wait = time.perf_counter() - t0
         adv = batch_advantages([s.reward for s in samples], self.guard, self.cfg.trainer.advantage,
-                               [tuple(s.tokens[: s.prompt_len]) for s in samples])
+                               sample_groups(samples, self.cfg.trainer.group_by))
         skipped = "" if adv.train and refs else "degenerate"
         train, skipped = self._train(refs, samples, adv.advantages, next_version, skipped)
         t_train = time.perf_counter() - t0 - t_wait
@@ -386,10 +424,12 @@ class Driver:
         else:
             self.skipped_steps[skipped] = self.skipped_steps.get(skipped, 0) + 1
         self.steps_done += 1
+        behaviour = self._monitor_behaviour()
         self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = self._periodic_checkpoint()
         timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
         metrics, dropped = self._step_metrics(batch, samples, adv, skipped, train, timing, t0)
+        metrics.update(behaviour)
         if sync_error:
             metrics["sync_error"] = sync_error
         self._log_step(metrics, dropped, adv, train, skipped, sync_s, sync_error, t_wait, t_train)
@@ -415,12 +455,83 @@ class Driver:
         samples = ray.get(batch["refs"])
         self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"],
                            "seqs": batch["seqs"]}
-        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0]
-        self.all_masked_dropped += len(samples) - len(keep)
+        rejected: set[int] = set()
+        if cfg.trainer.dynamic_sampling:
+            batch, samples, rejected = self._fill_dynamic(batch, samples, next_version)
+            self._in_flight.update(samples=samples, versions=batch["versions"], seqs=batch["seqs"])
+        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0 and i not in rejected]
+        self.all_masked_dropped += sum(1 for i, s in enumerate(samples) if sum(s.loss_mask) == 0 and i not in rejected)
         refs = [batch["refs"][i] for i in keep]
         samples = [samples[i] for i in keep]
         self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
         return batch, refs, samples
+
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient of the next update: the entropy controller's plus the
+        behaviour controller's (``learner.behaviour_floor``), at most ``learner.entropy_coef_max``
+        when the behaviour floor is on."""
+        if self.behaviour.floor <= 0:
+            return self.entropy.coef
+        return min(self.entropy.coef + self.behaviour.coef, self.cfg.learner.entropy_coef_max)
+
+    def _monitor_behaviour(self) -> dict[str, float]:
+        """Every ``monitor.every_steps`` steps: the behaviour-diversity probe on engine 0 (the current
+        policy, :mod:`clawray.monitor`); feeds the behaviour controller. Returns the ``inv/behaviour_*``
+        and ``inv/self_similarity`` figures, ``inv/behaviour_coef`` and ``timing/monitor_s`` ({} when
+        it is not this step's turn; a failing probe is printed and the run goes on)."""
+        every = self.cfg.monitor.every_steps
+        if every <= 0 or self.steps_done % every:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            stats = self._probe().run(lambda reqs: ray.get([self.engines[0].generate.remote(r) for r in reqs]))
+        except Exception as e:  # a probe never ends a training run
+            print(f"[clawray] behaviour probe failed: {type(e).__name__}: {e}", flush=True)
+            return {}
+        self.behaviour.update(stats["inv/behaviour_entropy"])
+        return {**stats, "inv/behaviour_coef": self.behaviour.coef, "timing/monitor_s": time.perf_counter() - t0}
+
+    def _probe(self):
+        if getattr(self, "_probe_obj", None) is None:
+            from transformers import AutoTokenizer
+
+            from clawray.envs import env_from_config
+            from clawray.monitor import BehaviourProbe, load_probe_file
+
+            mon = self.cfg.monitor
+            env = env_from_config(self.cfg.env)
+            if mon.probe_file:
+                prompts, tools = load_probe_file(mon.probe_file), None
+            else:
+                prompts, tools = [env.opening(t) for t in env.prompts("train", mon.seed)[: mon.num_prompts]], env.tools
+            self._probe_obj = BehaviourProbe(AutoTokenizer.from_pretrained(self.model_path), prompts, tools or None,
+                                             mon.k, mon.max_tokens, mon.seed, mon.ngram)
+        return self._probe_obj
+
+    def _fill_dynamic(self, batch: dict, samples: list, next_version: int) -> tuple[dict, list, set[int]]:
+        """DAPO dynamic sampling (:mod:`clawray.algos.rejection`): while fewer than
+        ``trainer.batch_size`` samples lie in groups with reward variance, take more from the queue
+        (at least one sample at a time, up to ``max_batch_size`` each), for at most
+        ``trainer.dynamic_sampling_wait_s`` seconds; returns ``(merged batch, its samples, indexes of
+        the rejected zero-variance samples)``, counted as ``dropped/zero_variance``. Every taken sample
+        stays in the batch's journal marks (consumed by this step, rejected or trained)."""
+        from clawray.algos.rejection import zero_variance
+        from clawray.recovery import wait_batch
+
+        tr = self.cfg.trainer
+        deadline = time.monotonic() + tr.dynamic_sampling_wait_s
+        while True:
+            rejected = set(zero_variance(sample_groups(samples, tr.group_by), [s.reward for s in samples]))
+            remaining = deadline - time.monotonic()
+            if len(samples) - len(rejected) >= tr.batch_size or remaining <= 0:
+                break
+            more = wait_batch(self, 1, next_version, remaining, tr.max_batch_size)
+            if more is None:
+                continue
+            batch = {k: batch[k] + more[k] for k in ("refs", "versions", "staleness", "seqs")}
+            samples = samples + ray.get(more["refs"])
+        self.zero_variance_dropped += len(rejected)
+        return batch, samples, rejected
 
     def _train(self, refs: list, samples: list, advantages: list[float], next_version: int,
                skipped: str) -> tuple[dict[str, Any], str]:
@@ -429,7 +540,7 @@ class Driver:
         consumed by this step; it stays in flight until :meth:`step` completes the step."""
         train: dict[str, Any] = {}
         if not skipped:
-            train = self.learners.train_step(refs, next_version, advantages, self.entropy.coef)
+            train = self.learners.train_step(refs, next_version, advantages, self.entropy_coef())
             if train["skipped"]:
                 skipped = "nonfinite"
             else:
@@ -485,6 +596,8 @@ class Driver:
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
+        if self.cfg.trainer.dynamic_sampling:
+            dropped["dropped/zero_variance"] = self.zero_variance_dropped
         decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
         rewarded = adv.rewarded
         metrics = {
@@ -498,7 +611,7 @@ class Driver:
             "inv/reward_std": adv.signal["reward_std"],
             "inv/degenerate_batches": self.guard.degenerate_batches,
             "inv/baseline": self.guard.baseline,
-            "inv/entropy_coef": self.entropy.coef,
+            "inv/entropy_coef": self.entropy_coef(),
             "inv/staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
             "inv/staleness_max": max(batch["staleness"]),
             # samples trained / samples whose fate the queue decided (taken by the learner or dropped
@@ -508,6 +621,7 @@ class Driver:
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
             **gen_metrics,
+            **credit_metrics(samples, tstats),
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
             "samples_in": qstats["put"],
@@ -597,7 +711,9 @@ class Driver:
             else:  # not trained: unconsumed in the journal, so a resume queues it again
                 queued += len(self._in_flight["samples"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
-                 "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
+                 "entropy": dataclasses.asdict(self.entropy), "behaviour": dataclasses.asdict(self.behaviour),
+                 "all_masked_dropped": self.all_masked_dropped,
+                 "zero_variance_dropped": self.zero_variance_dropped,
                  "samples_trained": samples_trained,
                  "skipped_steps": self.skipped_steps, "queued_samples": queued,
                  "learner_world_size": len(self.learners.workers), "time": time.time(),
@@ -648,7 +764,10 @@ class Driver:
             setattr(self.guard, key, value)
         for key, value in state["entropy"].items():
             setattr(self.entropy, key, value)
+        for key, value in state.get("behaviour", {}).items():  # absent in checkpoints of older versions
+            setattr(self.behaviour, key, value)
         self.all_masked_dropped, self.skipped_steps = state["all_masked_dropped"], state["skipped_steps"]
+        self.zero_variance_dropped = state.get("zero_variance_dropped", 0)
         self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
         self.samples_trained = state.get("samples_trained", 0)
         # the engines serve the checkpoint's weights, stamped with its version

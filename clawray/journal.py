@@ -13,7 +13,10 @@ Two append-only JSON-lines files live in ``{run_dir}/journal/``:
   counted).
 * ``sessions.jsonl`` (written by the SessionTracker actor, :class:`SessionJournal`): recorded turns
   (the pending turns of each session, with their turn indexes), judgements started (turn + next
-  state) and finished, 0-scored turns held for the at-least-one rule, closes. A restarted tracker
+  state) and finished, 0-scored turns held for the at-least-one rule, judged turns waiting for their
+  return (``trainer.credit`` discounted/outcome: the shaped sample, with the ``judged`` record), the
+  session's explicit outcome (``outcome``), the emission of waiting turns (``released``), closes. A
+  restarted tracker
   rebuilds its open sessions from it (a continuing session keeps its numbering and its pending turn is
   still judged) and restarts every judgement that had not finished.
 
@@ -302,8 +305,10 @@ class SessionRecord:
 
     Attributes:
         turns: the last turn index given; pending: the pending turns (dicts); effective: a turn was
-        emitted as a sample; held: ``[(turn dict, mean vote)]`` 0-scored turns; closed: closed
-        (awaiting its at-least-one finalisation while ``held`` or judgements remain).
+        emitted as a sample; held: ``[(turn or sample dict, mean vote)]`` 0-scored turns (a sample
+        dict: a zero-return turn released by the credit rule); closed: closed (awaiting its
+        at-least-one finalisation while ``held``, ``waiting`` or judgements remain); waiting: sample
+        dicts awaiting their return; outcome: the session's explicit outcome or None.
     """
 
     turns: int = 0
@@ -311,6 +316,8 @@ class SessionRecord:
     effective: bool = False
     held: list = dataclasses.field(default_factory=list)
     closed: bool = False
+    waiting: list = dataclasses.field(default_factory=list)
+    outcome: float | None = None
 
 
 class SessionState:
@@ -327,7 +334,8 @@ class SessionState:
         op, sid = rec["op"], rec.get("sid")
         if op == "session":  # compacted form
             self.sessions[sid] = SessionRecord(rec["turns"], rec["pending"], rec["effective"],
-                                               [tuple(h) for h in rec["held"]], rec["closed"])
+                                               [tuple(h) for h in rec["held"]], rec["closed"],
+                                               rec.get("waiting", []), rec.get("outcome"))
         elif op == "closed_turns":
             self.closed_turns = OrderedDict(rec["items"])
         elif op == "turns":
@@ -349,7 +357,20 @@ class SessionState:
                     s.effective = True
                 if rec.get("held") is not None:
                     s.held.append((rec["turn"], rec["held"]))
+                if rec.get("waiting") is not None:
+                    s.waiting.append(rec["waiting"])
             self._maybe_forget(sid)
+        elif op == "outcome":
+            s = self.sessions.get(sid)
+            if s is not None:
+                s.outcome = rec["value"]
+        elif op == "released":
+            s = self.sessions.get(sid)
+            if s is not None:
+                gone = set(rec["turn_indexes"])
+                s.waiting = [w for w in s.waiting if w["turn_index"] not in gone]
+                s.held.extend(tuple(h) for h in rec.get("held", []))
+                self._maybe_forget(sid)
         elif op == "close":
             s = self.sessions.get(sid)
             if s is not None:
@@ -367,14 +388,15 @@ class SessionState:
 
     def _maybe_forget(self, sid: str) -> None:
         s = self.sessions.get(sid)
-        if s is not None and s.closed and not s.held and not any(k[0] == sid for k in self.jobs):
+        if s is not None and s.closed and not s.held and not s.waiting and not any(k[0] == sid for k in self.jobs):
             del self.sessions[sid]
 
     def records(self) -> list[dict]:
         """The compacted journal (one line per session and per unfinished judgement)."""
         out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items())}]
         out += [{"op": "session", "sid": sid, "turns": s.turns, "pending": s.pending, "effective": s.effective,
-                 "held": [list(h) for h in s.held], "closed": s.closed} for sid, s in self.sessions.items()]
+                 "held": [list(h) for h in s.held], "closed": s.closed, "waiting": s.waiting, "outcome": s.outcome}
+                for sid, s in self.sessions.items()]
         out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
         return out
 
@@ -427,7 +449,9 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
     for sid, rec in state.sessions.items():
         pending = [Turn(**t) for t in rec.pending]
         s = session_cls(turns=rec.turns, pending=pending, effective=rec.effective,
-                        held=[(Turn(**t), m) for t, m in rec.held], sid=sid)
+                        held=[(Sample(**t) if "tokens" in t else Turn(**t), m) for t, m in rec.held], sid=sid,
+                        waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome)
+        tracker.n_waiting += len(s.waiting)
         s.keys = [conversation_key([*t.messages, t.response_message]) for t in pending]
         by_sid[sid] = s
         if not rec.closed:

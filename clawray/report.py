@@ -13,6 +13,22 @@ count) is plotted per step (the difference to the previous training row; the fir
 its own count); each invariant panel draws its guard's bound as a dashed line (the staleness cap
 ``queue.max_staleness``, the PPO clip range ``[1 - learner.eps, 1 + learner.eps_high]`` on the
 ratio, ``learner.entropy_floor``); step axes have integer ticks.
+
+The invariant matrix (the seed's overview matrix, measured): :func:`matrix` makes one row per run
+(its mode, ``trainer.algo``, from its ``config.json``) and one column per invariant, each cell the
+run's own figures and a verdict, ✓ (holds) or ● (at risk), against :data:`THRESHOLDS`:
+
+| invariant | figures (over the run's training rows) | ✓ when |
+|---|---|---|
+| entropy | ``inv/entropy`` first -> last | last >= 0.5 x first, and >= ``learner.entropy_floor`` |
+| signal | mean ``inv/nonzero_reward_frac``, mean ``inv/adv_std`` | adv std >= 0.05 and (a mode with rewards) non-zero fraction >= 0.5 |
+| on-policy gap | max ``inv/logprob_mismatch_kl``, mean ``inv/clip_frac`` | KL <= 0.01 and clip fraction <= 0.2 |
+| effective samples | mean ``inv/effective_token_rate`` | >= 0.5 |
+| behaviour | ``inv/behaviour_entropy`` first -> last (when the monitor ran) | last >= 0.5 x first, and >= ``learner.behaviour_floor`` |
+
+A cell without its metrics is ``–``. ``clawray report RUN_DIR [RUN_DIR ...]`` writes the matrix of
+all the given runs into the first one's ``report/summary.md`` and ``report/index.html`` (with every
+run's plots).
 """
 
 from __future__ import annotations
@@ -157,6 +173,144 @@ def _plot_eval(plt, evals: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+THRESHOLDS = {"entropy_ratio_min": 0.5, "adv_std_min": 0.05, "nonzero_reward_frac_min": 0.5,
+              "mismatch_kl_max": 0.01, "clip_frac_max": 0.2, "effective_token_rate_min": 0.5,
+              "behaviour_ratio_min": 0.5}
+"""The matrix's verdict thresholds (see the module docstring)."""
+
+MATRIX_COLUMNS = ("entropy", "signal", "on_policy_gap", "effective_samples", "behaviour")
+
+
+def _finite(rows: list[dict], key: str) -> list[float]:
+    return [v for v in per_step(rows, key) if math.isfinite(v)]
+
+
+def _trend(values: list[float], floor: float) -> tuple[str, bool] | None:
+    if not values:
+        return None
+    first, last = values[0], values[-1]
+    ok = last >= THRESHOLDS["entropy_ratio_min"] * first and last >= floor
+    return f"{first:.3g} → {last:.3g}", ok
+
+
+def matrix_row(rows: list[dict], config: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """One run's matrix row: ``{column: (figures, verdict)}``, verdict ``"✓"``, ``"●"`` or ``"–"``
+    (no data), columns :data:`MATRIX_COLUMNS` (see the module docstring for the rules)."""
+    train, _ = split_rows(rows)
+    lrn = config.get("learner", {}) or {}
+    algo = (config.get("trainer", {}) or {}).get("algo", "rl")
+    T = THRESHOLDS
+    out: dict[str, tuple[str, str]] = {}
+
+    def cell(name: str, result: tuple[str, bool] | None) -> None:
+        out[name] = ("", "–") if result is None else (result[0], "✓" if result[1] else "●")
+
+    cell("entropy", _trend(_finite(train, "inv/entropy"), float(lrn.get("entropy_floor") or 0.0)))
+    nz, adv = _finite(train, "inv/nonzero_reward_frac"), _finite(train, "inv/adv_std")
+    if adv:
+        mean_nz = sum(nz) / len(nz) if nz else math.nan
+        mean_adv = sum(adv) / len(adv)
+        ok = mean_adv >= T["adv_std_min"] and (algo == "opd" or mean_nz >= T["nonzero_reward_frac_min"])
+        cell("signal", (f"non-zero {mean_nz:.2f}, adv std {mean_adv:.3g}", ok))
+    else:
+        cell("signal", None)
+    kl, clip = _finite(train, "inv/logprob_mismatch_kl"), _finite(train, "inv/clip_frac")
+    if kl or clip:
+        max_kl = max(kl) if kl else 0.0
+        mean_clip = sum(clip) / len(clip) if clip else 0.0
+        cell("on_policy_gap", (f"KL max {max_kl:.2g}, clip {mean_clip:.3f}",
+                               max_kl <= T["mismatch_kl_max"] and mean_clip <= T["clip_frac_max"]))
+    else:
+        cell("on_policy_gap", None)
+    eff = _finite(train, "inv/effective_token_rate")
+    cell("effective_samples", (f"token rate {sum(eff) / len(eff):.2f}", sum(eff) / len(eff) >= T["effective_token_rate_min"])
+         if eff else None)
+    beh = _finite(train, "inv/behaviour_entropy")
+    trend = _trend(beh, float(lrn.get("behaviour_floor") or 0.0))
+    if trend is not None:
+        ok = beh[-1] >= T["behaviour_ratio_min"] * beh[0] and beh[-1] >= float(lrn.get("behaviour_floor") or 0.0)
+        trend = (trend[0], ok)
+    cell("behaviour", trend)
+    return out
+
+
+def matrix(run_dirs: list[str]) -> list[tuple[str, str, dict[str, tuple[str, str]]]]:
+    """``[(mode, run folder, matrix_row)]`` for each run folder (its mode from ``config.json``'s
+    ``trainer.algo``; ``?`` without a config)."""
+    out = []
+    for run_dir in run_dirs:
+        config = _config(run_dir)
+        mode = (config.get("trainer", {}) or {}).get("algo", "?")
+        out.append((mode, run_dir, matrix_row(load_metrics(run_dir), config)))
+    return out
+
+
+def matrix_markdown(table: list[tuple[str, str, dict[str, tuple[str, str]]]]) -> list[str]:
+    """The matrix as markdown lines: ``| mode | run | entropy | ... |``, each cell ``verdict figures``."""
+    lines = ["| mode | run | " + " | ".join(MATRIX_COLUMNS) + " |", "|---|---|" + "---|" * len(MATRIX_COLUMNS)]
+    for mode, run_dir, row in table:
+        cells = [f"{row[c][1]} {row[c][0]}".strip() for c in MATRIX_COLUMNS]
+        lines.append(f"| {mode} | {os.path.basename(os.path.normpath(run_dir))} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _config(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_html(out_dir: str, table: list, images: dict[str, list[str]]) -> str:
+    """``out_dir/index.html``: the matrix, then each run's plots (``images``: run folder -> PNG paths).
+
+    Returns the written path."""
+    import html
+
+    head = ["mode", "run", *MATRIX_COLUMNS]
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>clawray report</title>",
+             "<style>body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:4px 8px}"
+             "table{border-collapse:collapse}.ok{color:#060}.risk{color:#a00}</style></head><body>",
+             "<h1>clawray report</h1><h2>Invariant matrix</h2><table><tr>"
+             + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    for mode, run_dir, row in table:
+        cells = [f"<td>{html.escape(mode)}</td>", f"<td>{html.escape(run_dir)}</td>"]
+        for c in MATRIX_COLUMNS:
+            figures, verdict = row[c]
+            css = "ok" if verdict == "✓" else "risk" if verdict == "●" else ""
+            cells.append(f"<td class='{css}'>{verdict} {html.escape(figures)}</td>")
+        parts.append("<tr>" + "".join(cells) + "</tr>")
+    parts.append("</table><p>✓ holds, ● at risk, – no data; thresholds: "
+                 + html.escape(", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items())) + "</p>")
+    for run_dir, paths in images.items():
+        parts.append(f"<h2>{html.escape(run_dir)}</h2>")
+        for p in paths:
+            rel = os.path.relpath(p, out_dir)
+            parts.append(f"<div><img src='{html.escape(rel)}' alt='{html.escape(os.path.basename(p))}'></div>")
+    parts.append("</body></html>")
+    path = os.path.join(out_dir, "index.html")
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    return path
+
+
+def write_reports(run_dirs: list[str]) -> list[str]:
+    """:func:`write_report` for each run folder, then the matrix of all of them appended to the
+    first one's ``report/summary.md`` and its ``report/index.html``; returns the written paths."""
+    written, images = [], {}
+    for run_dir in run_dirs:
+        paths = write_report(run_dir)
+        written += paths
+        images[run_dir] = [p for p in paths if p.endswith(".png")]
+    table = matrix(run_dirs)
+    out_dir = os.path.join(run_dirs[0], "report")
+    with open(os.path.join(out_dir, "summary.md"), "a") as f:
+        f.write("\n## Invariant matrix\n\n" + "\n".join(matrix_markdown(table)) + "\n")
+    written.append(write_html(out_dir, table, images))
+    return written
 
 
 def write_report(run_dir: str) -> list[str]:

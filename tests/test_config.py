@@ -179,7 +179,7 @@ def test_documented_zero_meanings_load():
 def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
-    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 21  # 18 + rollout.dtype + env.name + serve.session_binding
+    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 23  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice
@@ -220,3 +220,9 @@ def test_redacted_hides_secrets_for_logging():
     assert "sk-" not in repr(out) and "pw" not in repr(out)
     assert redacted(load_config())["serve"]["api_key"] == ""  # empty stays visible: auth is off
     assert cfg.serve.api_key == "sk-serve"  # the config itself is unchanged
+
+
+def test_credit_preset_uses_discounted_returns_on_multi_turn_sessions():
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/credit.yaml"])
+    assert (cfg.trainer.credit, cfg.trainer.gamma, cfg.env.max_turns, cfg.queue.max_staleness) == ("discounted", 0.9, 4, 3)
+    assert cfg.trainer.shaping.truncated == 0.2

@@ -12,6 +12,12 @@ def parse(body, headers=None):
     return parse_chat_request(body, headers or {}, default_max_tokens=64, default_temperature=1.0, max_n=8)
 
 
+def test_session_outcome_from_header_or_body_header_wins():
+    assert parse({"messages": MSG}).outcome is None
+    assert parse({"messages": MSG, "session_outcome": -1}).outcome == -1.0
+    assert parse({"messages": MSG, "session_outcome": 0.5}, {"x-session-outcome": " 1 "}).outcome == 1.0
+
+
 def test_tiny_temperature_is_greedy_and_session_header_is_utf8():
     assert parse({"messages": MSG, "temperature": 1e-45}).temperature == 0.0
     assert parse({"messages": MSG, "temperature": 1e-5}).temperature == 1e-5
@@ -74,6 +80,11 @@ def test_tool_choice_none_drops_tools():
     ({"messages": MSG, "user": {"id": 1}}, {}, "user", "invalid_request"),
     ({"messages": MSG}, {"x-session-done": "maybe"}, "session_done", "invalid_request"),
     ({"messages": MSG, "session_done": {}}, {}, "session_done", "invalid_request"),
+    ({"messages": MSG}, {"x-session-outcome": "solved"}, "session_outcome", "invalid_request"),
+    ({"messages": MSG}, {"x-session-outcome": "inf"}, "session_outcome", "invalid_request"),
+    ({"messages": MSG, "session_outcome": True}, {}, "session_outcome", "invalid_request"),
+    ({"messages": MSG, "session_outcome": 1e7}, {}, "session_outcome", "invalid_request"),
+    ({"messages": MSG, "session_outcome": "nan"}, {}, "session_outcome", "invalid_request"),
     ({"messages": MSG}, {"x-turn-type": "garbage"}, "turn_type", "invalid_request"),
     ({"messages": MSG, "temperature": float("nan")}, {}, "temperature", "invalid_request"),
     ({"messages": MSG, "temperature": True}, {}, "temperature", "invalid_request"),

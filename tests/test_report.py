@@ -69,3 +69,49 @@ def test_write_report_eval_first_and_integer_ticks(tmp_path, monkeypatch):
     assert ticks and all(float(t).is_integer() for t in ticks)
     assert 2.0 in lines and 1.28 in lines and 0.8 in lines  # staleness cap, clip range drawn
     assert "3 steps, 2 evaluations." in open(paths[-1]).read()
+
+
+def _run(tmp_path, name, algo, rows, learner=None):
+    d = tmp_path / name
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (d / "config.json").write_text(json.dumps({"trainer": {"algo": algo}, "learner": learner or {}}))
+    return str(d)
+
+
+def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
+    from clawray.report import matrix, matrix_markdown, write_reports
+
+    rl = _run(tmp_path, "rl", "rl", [
+        {"step": 1, "inv/entropy": 2.0, "inv/nonzero_reward_frac": 1.0, "inv/adv_std": 0.9,
+         "inv/logprob_mismatch_kl": 0.001, "inv/clip_frac": 0.0, "inv/effective_token_rate": 1.0},
+        {"step": 2, "inv/entropy": 1.2, "inv/nonzero_reward_frac": 0.5, "inv/adv_std": 0.7,
+         "inv/logprob_mismatch_kl": 0.002, "inv/clip_frac": 0.1, "inv/effective_token_rate": 0.8}])
+    opd = _run(tmp_path, "opd", "opd", [
+        {"step": 1, "inv/entropy": 2.0, "inv/nonzero_reward_frac": 0.0, "inv/adv_std": 0.3,
+         "inv/logprob_mismatch_kl": 0.05, "inv/clip_frac": 0.3, "inv/effective_token_rate": 0.4,
+         "inv/behaviour_entropy": 1.0},
+        {"step": 2, "inv/entropy": 0.9, "inv/nonzero_reward_frac": 0.0, "inv/adv_std": 0.3,
+         "inv/logprob_mismatch_kl": None, "inv/clip_frac": 0.1, "inv/effective_token_rate": 0.4,
+         "inv/behaviour_entropy": 0.4}], learner={"entropy_floor": 1.0})
+    table = matrix([rl, opd])
+    (m1, _, r1), (m2, _, r2) = table
+    assert (m1, m2) == ("rl", "opd")
+    # rl: entropy 2.0 -> 1.2 (>= 1.0), non-zero 0.75, adv std 0.8, KL max 0.002, clip 0.05, rate 0.9
+    assert {c: v for c, (_, v) in r1.items()} == {"entropy": "✓", "signal": "✓", "on_policy_gap": "✓",
+                                                 "effective_samples": "✓", "behaviour": "–"}
+    assert r1["signal"][0] == "non-zero 0.75, adv std 0.8" and r1["on_policy_gap"][0] == "KL max 0.002, clip 0.050"
+    # opd: 0.9 is under the floor 1.0; no rewards is fine for OPD; KL 0.05 > 0.01 and clip 0.2 mean;
+    # rate 0.4 < 0.5; behaviour entropy 1.0 -> 0.4 < 0.5 x 1.0
+    assert {c: v for c, (_, v) in r2.items()} == {"entropy": "●", "signal": "✓", "on_policy_gap": "●",
+                                                 "effective_samples": "●", "behaviour": "●"}
+    lines = matrix_markdown(table)
+    assert lines[0] == "| mode | run | entropy | signal | on_policy_gap | effective_samples | behaviour |"
+    assert lines[2].startswith("| rl | rl | ✓ 2 → 1.2 |")
+    written = write_reports([rl, opd])
+    html = open(tmp_path / "rl" / "report" / "index.html").read()
+    assert "<td class='risk'>● 2 → 0.9</td>" in html and "../../opd/report/entropy.png" in html
+    assert "## Invariant matrix" in open(tmp_path / "rl" / "report" / "summary.md").read()
+    assert str(tmp_path / "rl" / "report" / "index.html") in written

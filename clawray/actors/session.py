@@ -38,6 +38,17 @@ indexes, pending turns, judgements started and finished, held turns, closes) is 
 ``journal/sessions.jsonl`` before the call that changed it returns; a new tracker (a resume, or Ray
 restarting this actor) rebuilds its sessions from it and restarts the unfinished judgements (their
 samples are deduplicated by the queue's journal).
+
+Long-horizon credit (``credit``, see :mod:`clawray.algos.credit`): with ``mode`` ``discounted`` or
+``outcome`` a judged turn that carries a reward does not go to the queue at once: it *waits* in its
+session (``credit/turns_waiting``) until the session closes (``X-Session-Done`` or the idle timeout),
+then every waiting turn gets its return and is emitted; a return of exactly 0 makes a turn neutral
+(the at-least-one rule may still promote it with its mean vote; a sample with a teacher term is
+emitted anyway). The staleness budget flushes a session's waiting turns early
+(:func:`~clawray.algos.credit.must_flush`, ``credit/forced_flushes``): the tracker learns the
+engines' version from the turns it records. Waiting turns, the session's outcome and the flushes are
+journaled (``judged`` with ``waiting``, ``outcome``, ``released``), so they survive a restart. Dense
+shaping terms (:mod:`clawray.algos.shaping`) are added to a judged turn's reward before it waits.
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ from typing import Any
 import ray
 
 from clawray.algos.algorithm import Scorers, make_algorithm
+from clawray.algos.credit import CREDIT_MODES, must_flush, segment_credit
+from clawray.algos.rejection import opening
+from clawray.algos.shaping import check_terms, shaping_terms
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
 from clawray.records import JsonlRecords
@@ -71,6 +85,10 @@ class _Session:
     tasks: list = field(default_factory=list)  # this session's judge tasks
     last_seen: float = field(default_factory=time.monotonic)
     sid: str = ""  # the session id (for the journal)
+    waiting: list = field(default_factory=list)  # credit != turn: judged samples awaiting their return
+    outcome: float | None = None  # the session's explicit outcome (X-Session-Outcome), last one given
+    requests: int = 0  # main-line requests recorded in this session (n choices count once)
+    opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
 
 
 class SessionTracker:
@@ -86,13 +104,28 @@ class SessionTracker:
         idle_timeout_s: close sessions idle this long (seconds); 0 = never.
         truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
         journal: ``{"path", "fsync", "compact_bytes"}`` of the session journal, or None (not durable).
+        credit: ``{"mode", "gamma", "outcome_turn_weight", "max_staleness"}`` (``trainer.credit``,
+            ``trainer.gamma``, ``trainer.outcome_turn_weight``, ``queue.max_staleness``); None = ``turn``.
+        shaping: ``{term: weight}`` of the dense shaping terms (``trainer.shaping``; weight 0 = off).
+
+    Raises:
+        ValueError: an unknown credit mode or shaping term, or an algorithm without its teachers.
     """
 
     def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
                  algo: str = "rl", teachers: list | None = None, opd: dict | None = None,
                  idle_timeout_s: float = 0.0, truncated: str = "keep", records_max_bytes: int = 64 << 20,
-                 records_keep: int = 5, journal: dict | None = None):
+                 records_keep: int = 5, journal: dict | None = None, credit: dict | None = None,
+                 shaping: dict | None = None):
         self.judges, self.queue = judges, queue
+        credit = {"mode": "turn", "gamma": 1.0, "outcome_turn_weight": 0.0, "max_staleness": 2, **(credit or {})}
+        if credit["mode"] not in CREDIT_MODES:
+            raise ValueError(f"unknown credit mode {credit['mode']!r}; expected one of {list(CREDIT_MODES)}")
+        self.credit = credit
+        self.shaping = {k: float(w) for k, w in (shaping or {}).items() if w}
+        check_terms(self.shaping)
+        self.served_version = -1  # the newest policy version seen on a recorded turn (the engines')
+        self.n_waiting = 0
         self.algorithm, self.teachers = make_algorithm(algo, opd), teachers or []
         if self.algorithm.needs_teacher and not self.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
@@ -164,11 +197,11 @@ class SessionTracker:
                 break
         return {"session_id": session_id, "prev": prev, "context_changed": changed}
 
-    async def record_turn(self, turn: Turn, done: bool = False) -> int:
+    async def record_turn(self, turn: Turn, done: bool = False, outcome: float | None = None) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""
-        return (await self.record_turns([turn], done))[0]
+        return (await self.record_turns([turn], done, outcome))[0]
 
-    async def record_turns(self, turns: list[Turn], done: bool = False) -> list[int]:
+    async def record_turns(self, turns: list[Turn], done: bool = False, outcome: float | None = None) -> list[int]:
         """Record the served main-line turns of one request (its n choices, same session and prompt).
 
         The session's previous turns are resolved with this request's history: the one it continues
@@ -178,6 +211,8 @@ class SessionTracker:
         Args:
             turns: the new turns (their ``turn_index`` is assigned here, unique in the session).
             done: the client closed the session with this request.
+            outcome: the session's outcome score from this request (``X-Session-Outcome``), or None;
+                the last one given counts (``trainer.credit`` ``outcome``/``discounted``).
 
         Returns:
             the turns' indexes.
@@ -190,6 +225,11 @@ class SessionTracker:
         if s is None:  # a new session, or a closed id used again: its turn indexes continue
             s = self.sessions[sid] = _Session(turns=self.closed_turns.pop(sid, 0), sid=sid)
         s.last_seen = time.monotonic()
+        s.requests += 1
+        if not s.opening:
+            s.opening = conversation_key(opening(turns[0].messages))
+        if outcome is not None:
+            self._set_outcome(s, outcome)
         if s.pending:
             self._resolve(s, turns[0].messages)
         s.pending, s.keys = [], []
@@ -211,14 +251,34 @@ class SessionTracker:
             self._journal("turns", sid=sid, turns=[turn_to_dict(t) for t in turns])
         if done:
             await self.close_session(sid)
+        version = max(t.policy_version for t in turns)
+        if version > self.served_version:  # the engines moved on: waiting turns may have to go now
+            self.served_version = version
+            for other in list(self.sessions.values()):
+                await self._maybe_flush(other)
         return [t.turn_index for t in turns]
 
-    async def close_session(self, session_id: str) -> None:
+    def _set_outcome(self, s: _Session, outcome: float) -> None:
+        """Store the session's explicit outcome (journaled)."""
+        s.outcome = float(outcome)
+        self._journal("outcome", sid=s.sid, value=s.outcome)  # [journal hook]
+
+    async def close_session(self, session_id: str, outcome: float | None = None) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
-        judge tasks finish, the at-least-one rule runs (in the background: the caller does not wait)."""
+        judge tasks finish, the waiting turns get their returns (``trainer.credit``) and the
+        at-least-one rule runs (in the background: the caller does not wait).
+
+        Args:
+            outcome: the session's outcome score, when the closing request carried one.
+        """
+        s = self.sessions.get(session_id)
+        if s is not None and outcome is not None:
+            self._set_outcome(s, outcome)
         s = self.sessions.pop(session_id, None)
         if s is None:
             return
+        self.counts["credit/sessions"] += 1
+        self.counts["credit/session_turns"] += s.requests
         self.closed_turns[session_id] = s.turns
         if len(self.closed_turns) > MAX_CLOSED_REMEMBERED:
             self.closed_turns.popitem(last=False)
@@ -245,13 +305,22 @@ class SessionTracker:
     async def _finalize(self, s: _Session) -> None:
         if s.tasks:
             await asyncio.gather(*s.tasks, return_exceptions=True)
+        released = bool(s.waiting)
+        if released:
+            await self._release(s, closed=True)
         if not s.held:
+            if released:
+                self._journal("finalized", sid=s.sid)  # [journal hook]
             return
         if self.at_least_one and not s.effective:
             best = max(range(len(s.held)), key=lambda i: abs(s.held[i][1]))  # first of equals
-            turn, mean_vote = s.held.pop(best)
+            item, mean_vote = s.held.pop(best)
             self.counts["at_least_one_promoted"] += 1
-            await self._emit(s, self.algorithm.promote(turn, mean_vote))
+            if isinstance(item, Sample):  # a zero-return turn (credit != turn): its mean vote is its reward
+                item.reward = mean_vote
+                await self._emit(s, item)
+            else:
+                await self._emit(s, self.algorithm.promote(item, mean_vote))
         self.counts["dropped/zero_score"] += len(s.held)
         s.held.clear()
         self._journal("finalized", sid=s.sid)  # [journal hook]
@@ -293,31 +362,95 @@ class SessionTracker:
             from clawray.journal import turn_to_dict
 
             self._journal("judge", sid=turn.session_id, turn=turn_to_dict(turn), next_state=next_state)
-            coro = self._journaled_judge(s, turn, next_state, judge)
-        else:
-            coro = self._judge_and_emit(s, turn, next_state, judge)
-        s.tasks.append(self._track(asyncio.ensure_future(coro)))
+        s.tasks.append(self._track(asyncio.ensure_future(self._journaled_judge(s, turn, next_state, judge))))
 
     async def _journaled_judge(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
-        """[journal hook] Judge, then journal the outcome (held for at-least-one, or done)."""
-        from clawray.journal import turn_to_dict
-
+        """Judge, then journal the outcome (held for at-least-one, waiting for its return, or done;
+        [journal hook], a no-op without a journal), then flush the session's waiting turns when the
+        staleness budget says so."""
         await self._judge_and_emit(s, turn, next_state, judge)
-        held = s.held[-1][1] if s.held and s.held[-1][0] is turn else None
-        self._journal("judged", sid=turn.session_id, turn_index=turn.turn_index, effective=s.effective,
-                      held=held, turn=turn_to_dict(turn) if held is not None else None)
+        if self.journal is not None:
+            from dataclasses import asdict
+
+            from clawray.journal import turn_to_dict
+
+            held = s.held[-1][1] if s.held and s.held[-1][0] is turn else None
+            waiting = next((w for w in s.waiting if w.turn_index == turn.turn_index), None)
+            self._journal("judged", sid=turn.session_id, turn_index=turn.turn_index, effective=s.effective,
+                          held=held, turn=turn_to_dict(turn) if held is not None else None,
+                          waiting=asdict(waiting) if waiting is not None else None)
+        await self._maybe_flush(s)
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
         """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.score`), then
-        count, record, and emit or hold it."""
+        count, record, shape its reward, and emit, hold or keep it waiting for its return."""
         verdict = await self.algorithm.score(turn, next_state, self._scorers(judge), self.counts)
         if verdict.drop is not None:
             self.counts[f"dropped/{verdict.drop}"] += 1
         self._record(turn, next_state, verdict.result, verdict.record_note, **verdict.extra)
-        if verdict.held is not None:  # held for the at-least-one rule until the session closes
-            s.held.append((turn, verdict.held))
-        elif verdict.sample is not None:
-            await self._emit(s, verdict.sample)
+        sample, held = self._shape(turn, verdict.sample, verdict.held)
+        if self.credit["mode"] != "turn" and sample is not None and sample.reward is not None:
+            sample.info["held_vote"] = held  # a zero return falls back to the at-least-one rule
+            s.waiting.append(sample)
+            self.n_waiting += 1
+        elif held is not None:  # held for the at-least-one rule until the session closes
+            s.held.append((turn, held))
+        elif sample is not None:
+            await self._emit(s, sample)
+
+    def _shape(self, turn: Turn, sample: Sample | None, held: float | None) -> tuple[Sample | None, float | None]:
+        """Add the shaping terms to a judged turn's reward: ``(sample, held mean vote)``. A held
+        (0-scored) turn becomes a sample with the terms' sum as its reward when that sum is not 0, or
+        (credit != turn) always, to wait for its return with reward 0."""
+        rewarded = sample is not None and sample.reward is not None
+        if not rewarded and held is None:
+            return sample, held
+        terms = shaping_terms(turn, self.shaping) if self.shaping else {}
+        total = sum(terms.values())
+        if not rewarded:
+            if total == 0.0 and self.credit["mode"] == "turn":
+                return None, held
+            sample = self.algorithm.promote(turn, 0.0)
+        sample.reward = float(sample.reward) + total
+        if terms:
+            sample.info["shaping"] = terms
+        return sample, (held if self.credit["mode"] != "turn" else None)
+
+    async def _maybe_flush(self, s: _Session) -> None:
+        """Emit a session's waiting turns before its end when the staleness budget forces it."""
+        if s.waiting and must_flush(min(w.policy_version for w in s.waiting), self.served_version,
+                                    self.credit["max_staleness"]):
+            self.counts["credit/forced_flushes"] += 1
+            await self._release(s, closed=False)
+
+    async def _release(self, s: _Session, closed: bool) -> None:
+        """Give the waiting turns their returns (:func:`~clawray.algos.credit.segment_credit`) and emit
+        them; a zero return makes a held turn neutral again (back to the at-least-one rule), any other
+        turn without a teacher term is dropped (``dropped/zero_return``)."""
+        entries = sorted(s.waiting, key=lambda w: w.turn_index)
+        s.waiting = []
+        self.n_waiting -= len(entries)
+        c = self.credit
+        outcome = s.outcome if closed else None
+        rewards = [float(w.reward) for w in entries]
+        credit = segment_credit(c["mode"], rewards, c["gamma"], outcome, c["outcome_turn_weight"], closed)
+        if closed and c["mode"] == "outcome":
+            self.counts["credit/outcome_sum"] += rewards[-1] if outcome is None else outcome
+            self.counts["credit/outcome_sessions"] += 1
+        held_back = []
+        for sample, g in zip(entries, credit):
+            sample.info["turn_reward"], sample.reward = sample.reward, g
+            if closed and c["mode"] == "outcome":
+                sample.info["outcome"] = rewards[-1] if outcome is None else outcome
+            held = sample.info.pop("held_vote", None)
+            if g != 0.0 or sample.teacher_logprobs is not None or sample.teacher_topk_ids is not None:
+                await self._emit(s, sample)
+            elif held is not None:
+                s.held.append((sample, held))
+                held_back.append([dict(sample.__dict__), held])
+            else:
+                self.counts["dropped/zero_return"] += 1
+        self._journal("released", sid=s.sid, turn_indexes=[w.turn_index for w in entries], held=held_back)
 
     def _scorers(self, judge: Any) -> Scorers:
         """The judge actor's calls and the teachers' (round-robin, picked when the teacher is asked)."""
@@ -331,6 +464,8 @@ class SessionTracker:
 
     async def _emit(self, s: _Session, sample: Sample) -> None:
         s.effective = True
+        if s.opening:  # its group under trainer.group_by=session_prefix
+            sample.info.setdefault("opening", s.opening)
         await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
         self.counts["samples"] += 1
 
@@ -358,7 +493,13 @@ class SessionTracker:
     async def stats(self) -> dict:
         """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
         self._start_replay()
-        return {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks)}
+        out = {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks),
+               "credit/turns_waiting": self.n_waiting}
+        if self.counts["credit/sessions"]:
+            out["credit/mean_session_turns"] = self.counts["credit/session_turns"] / self.counts["credit/sessions"]
+        if self.counts["credit/outcome_sessions"]:
+            out["credit/outcome_mean"] = self.counts["credit/outcome_sum"] / self.counts["credit/outcome_sessions"]
+        return out
 
 
 SessionTrackerActor = ray.remote(SessionTracker)

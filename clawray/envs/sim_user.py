@@ -5,8 +5,12 @@ The user asks a task of the environment ``env.name`` (:mod:`clawray.envs`; ``ari
 preference. After each reply it gives the environment's feedback in plain words ("Correct,
 thanks!", "That's wrong, try again", "please no markdown", ...), which is the next state the judge
 reads. When the environment offers tools (``arith``: a calculator), tool calls are executed and
-their result is sent back as a ``tool`` message. A session ends (``X-Session-Done: true``) when the
-task is solved or after ``max_turns`` replies.
+their result is sent back as a ``tool`` message. A session ends (``X-Session-Done: true``, with
+``X-Session-Outcome`` 1 when solved, else -1) when the task is solved or after ``max_turns`` replies.
+Resample mode (``env.resample_n`` = n > 1): each drawn problem is asked in n sessions in a row, with
+the same opening messages (so the same prompt tokens), giving ``trainer.advantage: grpo`` real groups
+of first turns (``trainer.group_by: prompt``) or of turn k of sessions with one opening
+(``session_prefix``).
 """
 
 from __future__ import annotations
@@ -74,20 +78,27 @@ class SimUserPool:
         while not self._stop.is_set():
             with self.lock:
                 problem = self.env.sample(self.rng, "train")
-            try:
-                self.run_session(problem)
-            except Exception as e:  # keep the traffic going; the error is counted
-                self._count("errors")
-                self._count(f"error/{type(e).__name__}")
-                time.sleep(1.0)
+            for _ in range(self.cfg.get("resample_n", 1)):  # resample mode: the same opening n times
+                if self._stop.is_set():
+                    break
+                try:
+                    self.run_session(problem)
+                except Exception as e:  # keep the traffic going; the error is counted
+                    self._count("errors")
+                    self._count(f"error/{type(e).__name__}")
+                    time.sleep(1.0)
 
-    def _ask(self, session: str, messages: list[dict], done: bool = False, max_tokens: int | None = None) -> Any:
+    def _ask(self, session: str, messages: list[dict], done: bool = False, max_tokens: int | None = None,
+             outcome: float | None = None) -> Any:
         self._count("requests")
         tools = {"tools": self.env.tools} if self.env.tools else {}
+        headers = {"X-Session-Id": session, "X-Session-Done": "true" if done else "false"}
+        if outcome is not None:  # the session's score for long-horizon credit (trainer.credit)
+            headers["X-Session-Outcome"] = f"{outcome:g}"
         return self.client.chat.completions.create(
             model=self.model, messages=messages, **tools,
             max_tokens=max_tokens or self.cfg["max_tokens"], temperature=self.cfg["temperature"],
-            extra_headers={"X-Session-Id": session, "X-Session-Done": "true" if done else "false"})
+            extra_headers=headers)
 
     def run_session(self, problem: Problem) -> bool:
         """One session; returns whether the problem was solved."""
@@ -117,10 +128,11 @@ class SimUserPool:
             if last:
                 # the closing message carries the feedback on the last reply; its own reply is not
                 # trained (no next state), so it only needs a short acknowledgement
-                self._ask(session, messages, done=True, max_tokens=16)
+                self._ask(session, messages, done=True, max_tokens=16, outcome=1.0 if solved else -1.0)
                 self._count("solved" if solved else "unsolved")
                 return solved
-        self._ask(session, messages + [{"role": "user", "content": "Let's stop here."}], done=True, max_tokens=16)
+        self._ask(session, messages + [{"role": "user", "content": "Let's stop here."}], done=True, max_tokens=16,
+                  outcome=-1.0)
         self._count("unsolved")
         return False
 

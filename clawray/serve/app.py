@@ -18,7 +18,8 @@ Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header, body ``sessi
 ``user`` field; without any, the session is inferred from the message prefix (see
 :meth:`clawray.actors.session.SessionTracker.lookup`). ``X-Turn-Type: side`` (or body ``turn_type``)
 marks a turn that is served but never trained (default ``main``); ``X-Session-Done: true`` (or body
-``session_done``) closes the session. A session's requests run one at a time, in arrival order.
+``session_done``) closes the session; ``X-Session-Outcome: <number>`` (or body ``session_outcome``) gives
+its outcome score for long-horizon credit (``trainer.credit``). A session's requests run one at a time, in arrival order.
 
 Every client error is an HTTP 4xx with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request.
@@ -520,12 +521,12 @@ class PolicyServer:
         if req.turn_type == "side":
             self.counts["side_turns"] += len(turns)
             if req.done and call.session_id:
-                await self.tracker.close_session.remote(call.session_id)
+                await self.tracker.close_session.remote(call.session_id, req.outcome)
             return [None] * len(turns)
         if call.session_id is None:
             return [None] * len(turns)
         self.counts["main_turns"] += len(turns)
-        return await self.tracker.record_turns.remote(turns, req.done)
+        return await self.tracker.record_turns.remote(turns, req.done, req.outcome)
 
     # ------------------------------------------------------------------ plain answers
     async def _complete(self, call: _Call) -> JSONResponse:

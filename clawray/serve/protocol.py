@@ -36,8 +36,9 @@ BODY_KEYS = frozenset({
     # vLLM extensions
     "stop_token_ids", "top_k", "min_p", "repetition_penalty",
     # clawray's session protocol
-    "session_id", "turn_type", "session_done",
+    "session_id", "turn_type", "session_done", "session_outcome",
 })
+MAX_OUTCOME = 1e6  # |session outcome| bound: a score, not an arbitrary float
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy decoding (vLLM's sampling epsilon)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -56,6 +57,8 @@ class ChatRequest:
         session_id: the session, or None when the client sent none.
         turn_type: ``"main"`` or ``"side"``.
         done: the client closes the session with this request.
+        outcome: the session's outcome score (``X-Session-Outcome`` / ``session_outcome``; long-horizon
+            credit, :mod:`clawray.algos.credit`), or None.
         n: choices to sample (each recorded as its own turn).
         stream: answer as server-sent events; ``include_usage`` adds the usage chunk.
         stop_token_ids: the request's own end-of-turn ids (vLLM's extension), added to the model's
@@ -73,6 +76,7 @@ class ChatRequest:
     turn_type: str
     done: bool
     n: int = 1
+    outcome: float | None = None
     stream: bool = False
     include_usage: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
@@ -250,8 +254,9 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
                        default_temperature: float, max_n: int = 1) -> ChatRequest:
     """Validate a decoded body and the session headers.
 
-    Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``, or
-    the body keys ``session_id``, ``turn_type``, ``session_done``; the header wins. Without either,
+    Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``,
+    ``X-Session-Outcome`` (a finite number, ``|x| <= 1e6``), or the body keys ``session_id``,
+    ``turn_type``, ``session_done``, ``session_outcome``; the header wins. Without either,
     the OpenAI ``user`` field is the session id. ``max_completion_tokens`` wins over ``max_tokens``
     (OpenAI's current field over its deprecated alias, as in vLLM); both are validated.
 
@@ -290,6 +295,29 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
         raise RequestError(f"turn type {turn_type!r} is not 'main' or 'side'", "turn_type")
     done_raw = headers.get("x-session-done")
     done = _flag(done_raw if done_raw is not None else body.get("session_done", False), "session_done")
+    outcome = _outcome(headers.get("x-session-outcome"), body.get("session_outcome"))
     return ChatRequest(messages=messages, tools=tools, model=model, max_tokens=max_tokens, temperature=temperature,
                        top_p=top_p, seed=seed, session_id=session_id, turn_type=turn_type.lower(), done=done,
-                       n=n, stream=stream, include_usage=include_usage, stop_token_ids=stop_token_ids)
+                       n=n, stream=stream, include_usage=include_usage, stop_token_ids=stop_token_ids,
+                       outcome=outcome)
+
+
+def _outcome(header: str | None, body_value: Any) -> float | None:
+    """The session outcome from the header (text) or the body (a JSON number), or None.
+
+    Raises:
+        RequestError: not a finite number within ``MAX_OUTCOME`` (a bool is not a number).
+    """
+    raw = header if header is not None else body_value
+    if raw is None:
+        return None
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+            raise ValueError
+        value = float(raw)
+    except ValueError:
+        raise RequestError(f"session_outcome must be a number, got {raw!r}", "session_outcome") from None
+    if not math.isfinite(value) or abs(value) > MAX_OUTCOME:
+        raise RequestError(f"session_outcome must be finite and within +-{MAX_OUTCOME:g}, got {raw!r}",
+                           "session_outcome")
+    return value

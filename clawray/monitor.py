@@ -1,0 +1,84 @@
+"""The behaviour-diversity monitor's probe (``monitor.*``): K replies at temperature 1 for P fixed
+probe prompts from the current policy, measured by :func:`clawray.algos.behaviour.behaviour_stats`.
+
+The probe prompts are fixed for the whole run: the first P prompts of the environment's *train*
+split in the order of ``monitor.seed`` (the prompts the simulated user draws from), or the
+``{"messages": [...]}`` lines of ``monitor.probe_file``. Sample ``j`` of prompt ``i`` has seed
+``seed * 1_000_003 + i * K + j`` at every probe, so two probes differ only by the policy. The
+driver generates through rollout engine 0 after the step's weight sync (the current policy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+from clawray.algos.behaviour import behaviour_stats
+from clawray.engines.base import GenerateRequest
+
+
+def load_probe_file(path: str) -> list[list[dict[str, Any]]]:
+    """The probe prompts of a JSONL file, one ``{"messages": [...]}`` per line.
+
+    Raises:
+        FileNotFoundError: no such file; ValueError: a line without a ``messages`` list, or no line.
+    """
+    path = os.path.expanduser(path)
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+                raise ValueError(f"{path}:{i}: expected {{\"messages\": [...]}}")
+            out.append(row["messages"])
+    if not out:
+        raise ValueError(f"{path} holds no probe prompt")
+    return out
+
+
+class BehaviourProbe:
+    """Builds the probe's requests and measures the replies.
+
+    Args:
+        tokenizer: the policy's HF tokenizer (chat template, end-of-turn id).
+        prompts: ``[P]`` chat message lists; tools: the tool definitions rendered with them, or None.
+        k: replies per prompt (>= 2); max_tokens: per reply; seed: see the module docstring;
+        ngram: n of the self-similarity n-grams.
+    """
+
+    def __init__(self, tokenizer: Any, prompts: list[list[dict]], tools: list | None = None, k: int = 4,
+                 max_tokens: int = 64, seed: int = 0, ngram: int = 2):
+        if k < 2 or not prompts:
+            raise ValueError(f"the probe needs k >= 2 and at least one prompt, got k={k}, {len(prompts)} prompts")
+        self.tokenizer, self.prompts, self.tools = tokenizer, prompts, tools
+        self.k, self.max_tokens, self.seed, self.ngram = k, max_tokens, seed, ngram
+        self.stop_ids = [tokenizer.convert_tokens_to_ids(tokenizer.eos_token)]
+
+    def requests(self) -> list[GenerateRequest]:
+        """``P * K`` requests at temperature 1, prompt-major."""
+        out = []
+        for i, messages in enumerate(self.prompts):
+            text = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
+                                                      tokenize=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            out += [GenerateRequest(prompt_ids=ids, max_tokens=self.max_tokens, temperature=1.0,
+                                    stop_token_ids=self.stop_ids, seed=(self.seed * 1_000_003 + i * self.k + j) % 2**31)
+                    for j in range(self.k)]
+        return out
+
+    def run(self, generate: Callable[[list[GenerateRequest]], list[Any]]) -> dict[str, float]:
+        """Generate (``generate(requests) -> outputs`` with ``response_ids``) and measure:
+        :func:`~clawray.algos.behaviour.behaviour_stats` of the ``[P][K]`` replies."""
+        from clawray.serve.reply import parse_reply_text
+
+        outs = generate(self.requests())
+        messages = []
+        for out in outs:
+            ids = list(out["response_ids"] if isinstance(out, dict) else out.response_ids)
+            body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+            messages.append(parse_reply_text(self.tokenizer.decode(body, skip_special_tokens=False)).message())
+        replies = [messages[i * self.k:(i + 1) * self.k] for i in range(len(self.prompts))]
+        return behaviour_stats(replies, self.ngram)

@@ -1,0 +1,238 @@
+"""Long-horizon credit (clawray.algos.credit), dense shaping (clawray.algos.shaping) and their place in
+the SessionTracker: hand-computed returns, a session closed by the idle timeout, the staleness
+budget's early flush, the outcome header, and waiting turns surviving a tracker restart."""
+
+import asyncio
+import time
+
+import pytest
+
+from clawray.actors import session as session_mod
+from clawray.actors.session import SessionTracker
+from clawray.algos.credit import assign_credit, discounted_returns, must_flush, outcome_credit, segment_credit
+from clawray.algos.shaping import repeated_tool_call, shaping_terms
+from clawray.types import Turn
+from test_session import FakeJudge, FakeQueue, turn
+
+
+@pytest.fixture(autouse=True)
+def no_object_store(monkeypatch):
+    monkeypatch.setattr(session_mod.ray, "put", lambda x: x)
+
+
+# ------------------------------------------------------------------------------------------ pure credit
+def test_discounted_returns_hand_computed():
+    assert discounted_returns([0, 0, 1], 0.9) == pytest.approx([0.81, 0.9, 1.0])
+    # G_3 = -1; G_2 = 0.5 + 0.5 * -1 = 0; G_1 = 1 + 0.5 * 0 = 1
+    assert discounted_returns([1, 0.5, -1], 0.5) == pytest.approx([1.0, 0.0, -1.0])
+    assert discounted_returns([1, 1], 0.0) == [1.0, 1.0]  # gamma 0 = the turn's own reward
+    assert discounted_returns([], 0.9) == []
+    with pytest.raises(ValueError, match="gamma"):
+        discounted_returns([1], 1.5)
+    with pytest.raises(ValueError, match="not finite"):
+        discounted_returns([float("nan")], 0.9)
+
+
+def test_outcome_spread_and_mix():
+    assert outcome_credit(3, 1.0, 0.9) == pytest.approx([0.81, 0.9, 1.0])
+    # explicit O = -1 added to the turns' own rewards [1, 0, 0] with weight 1
+    assert assign_credit("outcome", [1, 0, 0], 0.9, -1.0, 1.0) == pytest.approx([1 - 0.81, -0.9, -1.0])
+    # no explicit outcome: the last judged turn's own score is the session's score (weight 0: the spread alone)
+    assert assign_credit("outcome", [-1, 0, 1], 0.5) == pytest.approx([0.25, 0.5, 1.0])
+    # discounted with an explicit outcome: a terminal reward on the last turn
+    assert assign_credit("discounted", [0, 0, 0], 0.9, 1.0) == pytest.approx([0.81, 0.9, 1.0])
+    assert assign_credit("turn", [0, -1], 0.9, 5.0) == [0.0, -1.0]
+    with pytest.raises(ValueError, match="credit mode"):
+        assign_credit("montecarlo", [1], 0.9)
+
+
+def test_a_flushed_segment_is_truncated_and_has_no_outcome():
+    assert segment_credit("discounted", [0, 1], 0.9, 5.0, 0.0, closed=False) == pytest.approx([0.9, 1.0])
+    assert segment_credit("outcome", [1, -1], 0.9, 5.0, 0.5, closed=False) == pytest.approx([0.5, -0.5])
+    assert segment_credit("outcome", [1, -1], 0.9, 2.0, 0.5, closed=True) == pytest.approx([0.5 + 1.8, -0.5 + 2.0])
+
+
+def test_must_flush_at_the_last_update_that_may_train_the_turn():
+    # max_staleness 2: a v0 turn is trainable by the update producing v2 at the latest; the engines
+    # serving v1 means the next update produces v2 -> flush now, not while they serve v0
+    assert not must_flush(0, 0, 2) and must_flush(0, 1, 2)
+    assert must_flush(0, 0, 1)  # strictly on-policy: nothing may wait
+    assert not must_flush(3, 5, 4) and must_flush(3, 6, 4)
+    with pytest.raises(ValueError):
+        must_flush(0, 0, 0)
+
+
+# ------------------------------------------------------------------------------------------ pure shaping
+def _tool_turn(history_calls, reply_calls, **flags):
+    def msg(calls):
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                               for i, (n, a) in enumerate(calls)]}
+    history = [{"role": "user", "content": "q"}] + [msg([c]) for c in history_calls]
+    return Turn("s", 1, history, msg(reply_calls), [1], [2], [-0.1], 0, "tool_calls", **flags)
+
+
+def test_shaping_terms_hand_computed():
+    same = _tool_turn([("calc", '{"a": 1, "b": 2}')], [("calc", '{"b":2,"a":1}')])  # key order and spaces ignored
+    other = _tool_turn([("calc", '{"a": 1}')], [("calc", '{"a": 2}')])
+    assert repeated_tool_call(same) == 1.0 and repeated_tool_call(other) == 0.0
+    cut = _tool_turn([], [("calc", "{")], truncated=True, tool_parse_error=True)
+    weights = {"tool_parse_error": 0.5, "truncated": 0.25, "repeated_tool_call": 1.0}
+    assert shaping_terms(cut, weights) == {"tool_parse_error": -0.5, "truncated": -0.25, "repeated_tool_call": 0.0}
+    with pytest.raises(ValueError, match="unknown shaping term"):
+        shaping_terms(cut, {"verbosity": 1.0})
+
+
+# ------------------------------------------------------------------------------------------ the tracker
+def session(sid, feedbacks, version=0):
+    h = [{"role": "user", "content": "q"}]
+    turns = [turn(sid, h, "r1", version)]
+    for k, fb in enumerate(feedbacks, start=1):
+        h = h + [{"role": "assistant", "content": f"r{k}"}, {"role": "user", "content": fb}]
+        turns.append(turn(sid, h, f"r{k + 1}", version))
+    return turns
+
+
+def credit(mode, gamma=0.9, max_staleness=4, w=0.0):
+    return {"mode": mode, "gamma": gamma, "outcome_turn_weight": w, "max_staleness": max_staleness}
+
+
+def test_discounted_turns_wait_for_the_close_then_train_on_their_returns():
+    judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit=credit("discounted"))
+
+    async def scenario():
+        *turns, last = session("s", ["meh", "meh", "good"])
+        for t in turns:
+            await tracker.record_turn(t)
+        await tracker.drain()
+        waiting = await tracker.stats()
+        await tracker.record_turn(last, done=True)
+        await tracker.drain()
+        await tracker.drain()
+        return waiting, await tracker.stats()
+
+    waiting, stats = asyncio.run(scenario())
+    assert waiting["credit/turns_waiting"] == 2 and waiting.get("samples", 0) == 0
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(0.81)), (2, pytest.approx(0.9)),
+                                                                  (3, 1.0)]
+    assert [s.info["turn_reward"] for s, _ in queue.items] == [0.0, 0.0, 1.0]
+    assert stats["credit/turns_waiting"] == 0 and stats["credit/mean_session_turns"] == 4
+    assert "dropped/zero_score" not in stats and "at_least_one_promoted" not in stats
+
+
+def test_a_session_closed_by_the_idle_timeout_releases_its_returns():
+    judge, queue = FakeJudge({"good": 1, "bad": -1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, idle_timeout_s=10.0, credit=credit("discounted", gamma=0.5))
+
+    async def scenario():
+        for t in session("idle", ["bad", "good"]):  # 3 turns; the third has no next state
+            await tracker.record_turn(t)
+        await tracker.drain()
+        before = len(queue.items)
+        closed = await tracker.close_idle(now=time.monotonic() + 11)
+        await tracker.drain()
+        return before, closed, await tracker.stats()
+
+    before, closed, stats = asyncio.run(scenario())
+    assert before == 0 and closed == 1
+    # rewards [-1, +1], gamma 0.5: G_1 = -1 + 0.5 = -0.5, G_2 = 1
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, -0.5), (2, 1.0)]
+    assert stats["sessions_idle_closed"] == 1 and stats["dropped/no_next_state"] == 1
+
+
+def test_the_staleness_budget_flushes_waiting_turns_before_the_session_ends():
+    judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit=credit("discounted", max_staleness=2))
+
+    async def scenario():
+        t1, t2, t3 = session("long", ["meh", "good"], version=0)
+        await tracker.record_turn(t1)
+        await tracker.record_turn(t2)  # t1 judged "meh": waits (reward 0)
+        await tracker.drain()
+        assert (await tracker.stats())["credit/turns_waiting"] == 1
+        # another session's turn shows the engines now serve v1: t1 (v0) must go with the next update
+        await tracker.record_turn(turn("other", [{"role": "user", "content": "x"}], "y", version=1))
+        flushed = [(s.turn_index, s.reward) for s, _ in queue.items]
+        t3.policy_version = 1
+        await tracker.record_turn(t3, done=True)  # t2 judged "good" at v0: flushed at once (v1 served)
+        await tracker.drain()
+        await tracker.drain()
+        return flushed, await tracker.stats()
+
+    flushed, stats = asyncio.run(scenario())
+    # the first segment [t1] ends before the +1 arrived: its truncated return is 0 -> neutral, held
+    # for the at-least-one rule, which a later trained turn makes unnecessary
+    assert flushed == []
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(2, 1.0)]
+    assert stats["credit/forced_flushes"] == 2 and stats["dropped/zero_score"] == 1
+    assert stats["credit/turns_waiting"] == 0
+
+
+def test_outcome_header_spreads_over_the_session():
+    judge, queue = FakeJudge({"meh": 0, "good": 1, "bad": -1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit=credit("outcome", gamma=0.9, w=1.0))
+
+    async def scenario():
+        *turns, last = session("o", ["good", "meh", "bad"])
+        for t in turns:
+            await tracker.record_turn(t)
+        await tracker.record_turn(last, done=True, outcome=1.0)
+        await tracker.drain()
+        await tracker.drain()
+        return await tracker.stats()
+
+    stats = asyncio.run(scenario())
+    # R_t = 1 * r_t + 0.9^(3 - t) * 1 with r = [1, 0, -1]: [1.81, 0.9, 0.0]; the 0 return of turn 3 (a
+    # scored turn) is dropped as zero_return
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(1.81)), (2, pytest.approx(0.9))]
+    assert [s.info["outcome"] for s, _ in queue.items] == [1.0, 1.0]
+    assert stats["dropped/zero_return"] == 1 and stats["credit/outcome_mean"] == 1.0
+
+
+def test_shaping_penalises_a_truncated_reply_in_turn_mode():
+    judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, shaping={"truncated": 0.5, "tool_parse_error": 0.0})
+
+    async def scenario():
+        t1, t2, t3 = session("sh", ["good", "meh"])
+        t1.truncated = t2.truncated = True
+        for t in (t1, t2, t3):
+            await tracker.record_turn(t)
+        await tracker.drain()
+        return await tracker.stats()
+
+    asyncio.run(scenario())
+    # t1: +1 - 0.5; t2: a 0 score plus the penalty trains on -0.5 (no longer neutral)
+    assert [(s.turn_index, s.reward, s.info["shaping"]) for s, _ in queue.items] == [
+        (1, 0.5, {"truncated": -0.5}), (2, -0.5, {"truncated": -0.5})]
+
+
+def test_waiting_turns_survive_a_tracker_restart(tmp_path):
+    from clawray.journal import prepare_journals
+
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    judge = FakeJudge({"meh": 0, "good": 1})
+    t1, t2, t3, t4 = session("j", ["meh", "good", "good"])
+
+    async def first():
+        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path}, credit=credit("discounted"))
+        for t in (t1, t2, t3):
+            await tracker.record_turn(t)
+        await tracker.drain()
+        return (await tracker.stats())["credit/turns_waiting"]
+
+    async def second(queue):
+        tracker = SessionTracker([judge], queue, journal={"path": path}, credit=credit("discounted"))
+        restored = (await tracker.stats())["credit/turns_waiting"]
+        await tracker.record_turn(t4, done=True)
+        await tracker.drain()
+        await tracker.drain()
+        return restored
+
+    assert asyncio.run(first()) == 2  # the process dies with t1, t2 waiting
+    queue = FakeQueue()
+    assert asyncio.run(second(queue)) == 2
+    # rewards [0, 1, 1], gamma 0.9: [0.9 + 0.81, 1.9, 1]
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(1.71)), (2, pytest.approx(1.9)),
+                                                                  (3, 1.0)]
