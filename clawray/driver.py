@@ -310,6 +310,7 @@ class Driver:
         with open(os.path.join(path, "driver.json")) as f:
             return json.load(f)["steps_done"]
 
+    def _prepare_journals(self) -> dict[str, dict]:
         """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh
         run starts them empty; a resume voids the samples consumed after the checkpoint it resumes.
         Returns the queue's and the tracker's ``journal`` arguments."""

@@ -150,8 +150,6 @@ class _Call:
         self.new_token: str | None = None  # the session's token, on its first request only
 
 
-@serve.deployment(max_ongoing_requests=256)
-@serve.ingress(app)
 class _NoEngineUp(RuntimeError):
     """Every rollout engine is down, restarting or awaiting its re-sync."""
 
@@ -160,6 +158,8 @@ class _NoEngineUp(RuntimeError):
 _ENGINE_DOWN = (ray.exceptions.RayActorError, EngineRestartedError)
 
 
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(app)
 class PolicyServer:
     """The endpoint.
 
