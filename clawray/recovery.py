@@ -113,6 +113,19 @@ RESTART_RETRY = {"max_restarts": -1, "max_task_retries": -1}
 RESTART = {"max_restarts": -1, "max_task_retries": 0}
 
 
+def was_restarted() -> bool:
+    """Whether the calling code runs in a Ray actor that Ray restarted (``max_restarts``); False
+    outside an actor."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # Ray 2.60 deprecates an attribute the property reads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in an actor
+        return False
+
+
 def engine_options(max_restarts: int) -> dict:
     """Ray options of a rollout engine: restarted up to ``max_restarts`` times (-1: no limit); a
     call in flight when it died is not retried (the server fails it over to another engine)."""

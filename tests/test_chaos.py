@@ -4,8 +4,13 @@
   killed while fewer samples than one batch are queued; ``resume=true`` trains every acknowledged
   sample exactly once (audit by ``(session_id, turn_index)``), a session left open continues with the
   next turn index and its pending turn is judged and trained, and no record key repeats.
-* A learner worker is killed: the run stops with one line naming it (no exit checkpoint: the group
-  cannot save), and the resume trains every acknowledged sample exactly once.
+* A learner worker is killed inside ``train_step``: with ``learner.max_restarts=0`` the run stops with
+  one line naming it (no exit checkpoint: the group cannot save) and the resume trains every
+  acknowledged sample exactly once; with ``learner.max_restarts=1`` the driver rebuilds the group from
+  the last checkpoint and goes on, every sample trained once.
+* A judge is killed (restarted, its call retried); a rollout engine is killed (restarted, re-synced to
+  the current policy before it serves, its sessions routed to another engine meanwhile; 503 +
+  Retry-After only while no engine is up).
 """
 
 import json
@@ -148,14 +153,41 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
           f"{len(acked - set(trained))}; continued session {continued}; Ray processes outliving the driver: {survivors}")
 
 
-def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray_cluster, tiny_model, tmp_path):
-    from clawray.driver import Driver
-    from clawray.recovery import ActorLost
+def _learner_sample(i):
     from clawray.types import Sample
 
-    def sample(i):
-        return Sample(tokens=[5, 6, 7, 100 + i, 101], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-6.9, -6.9],
-                      reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}", turn_index=1)
+    return Sample(tokens=[5, 6, 7, 100 + i, 101], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-6.9, -6.9],
+                  reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}", turn_index=1)
+
+
+def _kill_inside_train_step(d, step, rank=1):
+    """Make driver step ``step`` SIGKILL learner ``rank`` while its ``train_step`` runs: the remote
+    calls are submitted, then the rank is killed 0.3 s later; returns a dict that says whether the
+    step was still running at the kill (``inside``) and when (``t``)."""
+    workers, orig, seen = d.learners.workers, d.learners.train_step, {"inside": None, "t": None}
+    pid = ray.get(workers[rank].__ray_call__.remote(lambda self: os.getpid()))
+
+    def train_step(refs, version, advantages=None, entropy_coef=0.0):
+        if d.steps_done + 1 != step:
+            return orig(refs, version, advantages, entropy_coef)
+        calls = [w.train_step.remote(refs, version, advantages, entropy_coef) for w in workers]
+        time.sleep(0.3)
+        seen["inside"] = not ray.wait(calls, num_returns=len(calls), timeout=0)[0]  # no rank finished yet
+        seen["t"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        return ray.get(calls)[0]
+
+    d.learners.train_step = train_step
+    return seen
+
+
+def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_each_sample_once(
+        ray_cluster, tiny_model, tmp_path):
+    """learner.max_restarts=0: rank 1 is SIGKILLed inside step 2's train_step; the run stops with one
+    line naming it (no exit checkpoint: the group cannot save); the resume from step 1's checkpoint
+    trains step 2's batch (in flight, never consumed) exactly once."""
+    from clawray.driver import Driver
+    from clawray.recovery import ActorLost
 
     run_dir = tmp_path / "run"
     common = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
@@ -164,22 +196,17 @@ def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray
     d.setup()
     errors = []
     try:
-        for i in range(3):
-            ray.get(d.queue.put.remote([ray.put(sample(i))], 0))
+        seen = _kill_inside_train_step(d, step=2)
+        for i in range(4):
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], 0))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
-        while not d.history and runner.is_alive():
-            time.sleep(0.1)
-        # step 1 trained L0, L1 and checkpointed; L2 waits (below one batch); kill rank 1, then L3 arrives
-        pid = ray.get(d.learners.workers[1].__ray_call__.remote(lambda self: os.getpid()))
-        t_kill = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        ray.get(d.queue.put.remote([ray.put(sample(3))], 0))
-        runner.join(120)
-        stop_s = time.monotonic() - t_kill
+        runner.join(300)
+        stop_s = time.monotonic() - seen["t"]
         assert not runner.is_alive()
     finally:
         d.close()
+    assert seen["inside"] is True, seen
     err = errors[0]
     assert isinstance(err, ActorLost) and err.role == "learner rank 1" and err.kind == "learner", repr(err)
     assert "\n" not in str(err) and "ActorID" not in str(err)
@@ -196,7 +223,42 @@ def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray
     finally:
         d2.close()
     assert sorted(first + second) == [(f"L{i}", 1) for i in range(4)]
-    print(f"\nkill -9 learner rank 1: run stopped {stop_s:.1f}s after the kill: {err}; trained after resume {second}")
+    print(f"\nkill -9 learner rank 1 inside train_step: run stopped {stop_s:.1f}s after the kill: {err}; "
+          f"trained after resume {second}")
+
+
+def test_learner_killed_inside_train_step_is_rebuilt_from_the_checkpoint(ray_cluster, tiny_model, tmp_path):
+    """learner.max_restarts=1: rank 1 is SIGKILLed inside step 2's train_step; the driver rebuilds the
+    group from step 1's checkpoint (policy v1), the queue re-queues the batch in flight, and the run
+    goes on to step 3 in the same process: every sample trained exactly once, /health 200 with the
+    new ranks."""
+    from clawray.driver import Driver
+
+    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
+        "env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
+        "trainer.batch_timeout_s=120", "trainer.max_batch_size=2", "trainer.num_steps=3", "learner.max_restarts=1"]))
+    d.setup()
+    errors = []
+    try:
+        old = [w._actor_id.hex() for w in d.learners.workers]
+        seen = _kill_inside_train_step(d, step=2)
+        for i in range(6):
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], 0))
+        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
+        runner.start()
+        runner.join(400)
+        assert not runner.is_alive()
+        health = httpx.get(d.base_url.removesuffix("/v1") + "/health", timeout=30)
+        new = [w._actor_id.hex() for w in d.learners.workers]
+        versions = d.engine_versions()
+    finally:
+        d.close()
+    assert seen["inside"] is True, seen
+    assert errors == [None], errors
+    assert d.learner_restarts == 1 and not set(old) & set(new)
+    assert (d.steps_done, d.version) == (3, 3) and versions == {"rollout-0": 3}
+    assert sorted(d.trained_samples) == [(f"L{i}", 1) for i in range(6)]  # L2, L3 once, after the rebuild
+    assert health.status_code == 200 and [w["state"] for w in health.json()["learners"]] == ["ok", "ok"], health.text
 
 
 def _catch(fn):

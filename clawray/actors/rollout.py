@@ -105,7 +105,9 @@ class RolloutEngine:
                  max_batch_size: int = 16, backend_kwargs: dict | None = None, resync_on_restart: bool = False):
         self.name = name
         # [recovery hook] a restarted policy engine holds the initial weights: no generation before a sync
-        self._awaiting_sync = resync_on_restart and ray.get_runtime_context().was_current_actor_reconstructed
+        from clawray.recovery import was_restarted
+
+        self._awaiting_sync = resync_on_restart and was_restarted()
         self.version = 0
         self.max_batch_size = max_batch_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()

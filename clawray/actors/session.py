@@ -118,7 +118,9 @@ class SessionTracker:
 
             self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
             self._replay = restore_tracker(self, _Session)
-            if _restarted():  # [recovery hook] Ray restarted this actor (its counters continue from the journal)
+            from clawray.recovery import was_restarted
+
+            if was_restarted():  # [recovery hook] Ray restarted this actor (its counters continue from the journal)
                 self.counts["restarts"] += 1
 
     def _journal(self, op: str, **fields: Any) -> None:
@@ -361,14 +363,6 @@ class SessionTracker:
         """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
         self._start_replay()
         return {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks)}
-
-
-def _restarted() -> bool:
-    """Whether this is a Ray actor that Ray restarted (False outside an actor)."""
-    try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # noqa: BLE001 - not in an actor
-        return False
 
 
 SessionTrackerActor = ray.remote(SessionTracker)
