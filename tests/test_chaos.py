@@ -156,14 +156,16 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
 def _learner_sample(i):
     from clawray.types import Sample
 
-    return Sample(tokens=[5, 6, 7, 100 + i, 101], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-6.9, -6.9],
-                  reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}", turn_index=1)
+    n = 96  # response tokens: a step long enough to be killed in
+    return Sample(tokens=[5, 6, 7, *[100 + (i + k) % 50 for k in range(n)]], prompt_len=3, loss_mask=[1] * n,
+                  rollout_logprobs=[-6.9] * n, reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}",
+                  turn_index=1)
 
 
 def _kill_inside_train_step(d, step, rank=1):
     """Make driver step ``step`` SIGKILL learner ``rank`` while its ``train_step`` runs: the remote
-    calls are submitted, then the rank is killed 0.3 s later; returns a dict that says whether the
-    step was still running at the kill (``inside``) and when (``t``)."""
+    calls are submitted, then the rank is killed 50 ms later; returns a dict that says whether the
+    step was still running at the kill, no rank done (``inside``), and when (``t``)."""
     workers, orig, seen = d.learners.workers, d.learners.train_step, {"inside": None, "t": None}
     pid = ray.get(workers[rank].__ray_call__.remote(lambda self: os.getpid()))
 
@@ -171,7 +173,7 @@ def _kill_inside_train_step(d, step, rank=1):
         if d.steps_done + 1 != step:
             return orig(refs, version, advantages, entropy_coef)
         calls = [w.train_step.remote(refs, version, advantages, entropy_coef) for w in workers]
-        time.sleep(0.3)
+        time.sleep(0.05)
         seen["inside"] = not ray.wait(calls, num_returns=len(calls), timeout=0)[0]  # no rank finished yet
         seen["t"] = time.monotonic()
         os.kill(pid, signal.SIGKILL)
