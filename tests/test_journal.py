@@ -125,3 +125,37 @@ def test_session_continues_across_a_tracker_restart(tmp_path, no_object_store):
     # s's pending turn 2 judged with "bad" (-1); t's unfinished judgement of turn 1 re-run ("good": +1)
     assert got == [("s", 2, -1.0), ("t", 1, 1.0)]
     assert stats["journal/replayed_judgements"] == 1 and stats["journal/restored_sessions"] == 2
+
+
+def test_tracker_counters_continue_across_a_restart_and_a_compaction(tmp_path, no_object_store):
+    """Tracker 1 records 3 turns of s (turns 1, 2 judged into samples) and closes it (turn 3 has no
+    next state); it dies. Tracker 2 from the journal reports the same counters, not zero, and goes
+    on counting from them; a compacted journal (a third load) keeps them too."""
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    h = [{"role": "user", "content": "q"}]
+    h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "good"}]
+    h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "good"}]
+    judge, queue = FakeJudge({"good": 1}), FakeQueue()
+
+    async def first():
+        tracker = SessionTracker([judge], queue, journal={"path": path})
+        await tracker.record_turn(turn("s", h, "r1"))
+        await tracker.record_turn(turn("s", h2, "r2"))
+        await tracker.record_turn(turn("s", h3, "r3"), done=True)
+        await tracker.drain()
+        return await tracker.stats()
+
+    before = asyncio.run(first())
+    assert (before["turns"], before["samples"], before["sessions_closed"], before["dropped/no_next_state"]) == (3, 2, 1, 1)
+
+    async def second(new_turn):
+        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path})
+        if new_turn:
+            await tracker.record_turn(turn("u", h, "r1"))
+        return await tracker.stats()
+
+    after = asyncio.run(second(True))
+    for key in ("samples", "sessions_closed", "dropped/no_next_state"):
+        assert after[key] == before[key], key
+    assert after["turns"] == 4  # 3 before the restart + 1 after
+    assert asyncio.run(second(False))["turns"] == 4  # loading compacted the journal: the counters stay

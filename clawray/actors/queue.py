@@ -36,6 +36,8 @@ from collections import Counter, deque
 
 import ray
 
+from clawray.types import Sample
+
 
 class TrajectoryQueue:
     """Sample refs with a staleness cap; batches take every fresh sample, oldest version first.
@@ -176,6 +178,28 @@ class TrajectoryQueue:
             gone = set(seqs)
             async with self._cond:
                 self._items = deque(item for item in self._items if item[2] not in gone)
+
+    async def rewind(self, step: int) -> int:
+        """[recovery hook] The learner group was rebuilt from the checkpoint of driver step ``step``:
+        queue again every journaled sample that checkpoint did not train, each exactly once: those
+        consumed by later steps, and a batch taken by :meth:`get_batch` but never marked
+        :meth:`consumed` (the step in flight when a learner died). The queue then holds exactly the
+        journal's live samples, oldest first; ``taken`` is re-based on the journal. Returns the
+        queue length.
+
+        Raises:
+            RuntimeError: the queue has no journal (nothing to re-queue from).
+        """
+        if self.journal is None:
+            raise RuntimeError("the queue has no journal: samples taken since the checkpoint cannot be re-queued")
+        async with self._cond:
+            self.journal.rewind(step)
+            queued = {seq: (ref, version) for ref, version, seq in self._items}
+            self._items = deque((queued[seq][0] if seq in queued else ray.put(Sample(**sample)), version, seq)
+                                for seq, (sample, version) in self.journal.state.live.items())
+            self.num_taken = self.journal.state.taken
+            self._cond.notify_all()
+            return len(self._items)
 
     async def forget(self, step: int) -> None:
         """[journal hook] A committed checkpoint covers driver steps <= ``step``: the journal may drop

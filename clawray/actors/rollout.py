@@ -39,6 +39,12 @@ class EnginePausedError(RuntimeError):
     """The engine stayed paused (loading new weights) longer than the caller was willing to wait."""
 
 
+class EngineRestartedError(RuntimeError):
+    """Ray restarted this engine (``max_restarts``) and it still serves its initial weights: it refuses
+    generation until the driver re-syncs the current policy (:meth:`RolloutEngine.receive_weights`).
+    The message names the engine only (no actor id, pid or namespace)."""
+
+
 class EngineError(RuntimeError):
     """The backend raised while generating this request (the engine itself keeps serving). The
     message names the exception type only, never a traceback, path or actor id."""
@@ -91,11 +97,17 @@ class RolloutEngine:
         torch_threads: intra-op threads for the engine thread (Ray sets 1 by default).
         max_batch_size: most generation requests run together in one engine step.
         backend_kwargs: passed to the backend constructor (dtype, max_model_len, ...).
+        resync_on_restart: a policy engine: when Ray restarts the actor, generation raises
+            :class:`EngineRestartedError` until the first weight load (frozen judge/teacher engines: False).
     """
 
     def __init__(self, backend: str, model_path: str, name: str = "rollout-0", torch_threads: int = 2,
-                 max_batch_size: int = 16, backend_kwargs: dict | None = None):
+                 max_batch_size: int = 16, backend_kwargs: dict | None = None, resync_on_restart: bool = False):
         self.name = name
+        # [recovery hook] a restarted policy engine holds the initial weights: no generation before a sync
+        from clawray.recovery import was_restarted
+
+        self._awaiting_sync = resync_on_restart and was_restarted()
         self.version = 0
         self.max_batch_size = max_batch_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -232,7 +244,10 @@ class RolloutEngine:
 
         Raises:
             EnginePausedError: still paused after ``wait_s`` seconds.
+            EngineRestartedError: restarted and not re-synced yet (at once, no wait).
         """
+        if self._awaiting_sync:
+            raise EngineRestartedError(f"{self.name} was restarted and awaits the current policy's weights")
         if self._resumed.is_set():
             return
         try:
@@ -347,8 +362,9 @@ class RolloutEngine:
         """Counters: ``requests`` (finished generations), ``tokens`` (generated, cancelled ones
         included), ``gen_seconds``, ``loads`` (weight loads), ``cancelled`` (generations stopped or
         dropped because their caller went away), ``errors`` (requests the backend failed on), the
-        version, and the last sync's error (None after a successful load)."""
-        return {**self._stats, "version": self.version, "name": self.name}
+        version, the last sync's error (None after a successful load) and ``awaiting_sync`` (restarted,
+        not re-synced yet: it refuses generation)."""
+        return {**self._stats, "version": self.version, "name": self.name, "awaiting_sync": self._awaiting_sync}
 
     async def init_weight_receiver(self, rank: int, world_size: int, host: str, port: int,
                                    plan: list[WeightSpec], bucket_bytes: int, timeout_s: float,
@@ -420,6 +436,7 @@ class RolloutEngine:
                 self._stats["last_sync_error"] = str(e)
                 raise WeightSyncError(f"{self.name}: {e}") from None
             self.version = version
+            self._awaiting_sync = False
             self._stats["loads"] += 1
             self._stats["last_sync_error"] = None
             return {"engine": self.name, "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,

@@ -151,11 +151,15 @@ class SessionTracker:
 
             self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
             self._replay = restore_tracker(self, _Session)
+            from clawray.recovery import was_restarted
+
+            if was_restarted():  # [recovery hook] Ray restarted this actor (its counters continue from the journal)
+                self.counts["restarts"] += 1
 
     def _journal(self, op: str, **fields: Any) -> None:
         """[journal hook] Append one session-state change (no-op without a journal)."""
-        if self.journal is not None:
-            self.journal.log(op, **fields)
+        if self.journal is not None:  # with the counters as they are now: a restart re-bases them on it
+            self.journal.log(op, **fields, counts=dict(self.counts))
 
     def _start_replay(self) -> None:
         """[journal hook] Restart the judgements a previous tracker left unfinished (once, lazily: the
@@ -292,9 +296,9 @@ class SessionTracker:
         """Close every session idle for longer than ``idle_timeout_s``; returns how many."""
         now = time.monotonic() if now is None else now
         idle = [sid for sid, s in self.sessions.items() if now - s.last_seen > self.idle_timeout_s]
+        self.counts["sessions_idle_closed"] += len(idle)  # before the closes journal the counters
         for sid in idle:
             await self.close_session(sid)
-        self.counts["sessions_idle_closed"] += len(idle)
         return len(idle)
 
     async def _sweep_idle(self) -> None:

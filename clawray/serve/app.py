@@ -32,6 +32,12 @@ within ``body_timeout_s`` 408, so a slow client holds no session lock: the lock 
 only after its body has arrived. Session binding (``session_binding``): a session's first request gets a
 fresh ``X-Session-Token``; a later request with another token, or (``strict``, or ``echo`` once the token
 came back) without one, gets 403.
+
+Engine failures (:mod:`clawray.recovery`): a session maps to engine ``crc32(session) % N``; an engine
+that is dead, restarting or restarted but not yet re-synced (:class:`~clawray.actors.rollout.EngineRestartedError`)
+is marked down and the request goes to the next live engine; a watcher clears the mark once the
+engine serves again. Only when no engine is up does a request get 503 with ``Retry-After``; error
+bodies never carry actor ids, pids or Ray namespaces.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clawray.actors.rollout import EngineError, EnginePausedError, await_cancellable
+from clawray.actors.rollout import EngineError, EnginePausedError, EngineRestartedError, await_cancellable
 from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
 from clawray.engines.base import GenerateRequest
 from clawray.serve.guard import keep_replica_grpc_on_loopback
@@ -145,6 +151,14 @@ class _Call:
         self.new_token: str | None = None  # the session's token, on its first request only
 
 
+class _NoEngineUp(RuntimeError):
+    """Every rollout engine is down, restarting or awaiting its re-sync."""
+
+
+# an engine call failing with one of these means the engine (not the request) is unavailable
+_ENGINE_DOWN = (ray.exceptions.RayActorError, EngineRestartedError)
+
+
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(app)
 class PolicyServer:
@@ -158,9 +172,12 @@ class PolicyServer:
             "generate_timeout_s", "max_body_bytes", "api_key", "sync_wait_timeout_s",
             "retry_after_s", "max_n", "body_timeout_s", "allowed_origins", "host", "session_binding"}``
             (an empty key disables auth).
+        actors: ``{"judges": [...], "teachers": [...], "learners": [...], "queue": handle}`` whose
+            state ``/health`` reports (read from Ray's actor table, never by calling them);
+            :meth:`set_actors` replaces an entry (a rebuilt learner group).
     """
 
-    def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict):
+    def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict, actors: dict | None = None):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -173,6 +190,12 @@ class PolicyServer:
         self.bindings: OrderedDict[str, list] = OrderedDict()  # session id -> [token, token came back]
         self.counts: Counter[str] = Counter()
         self._warned_no_session = False
+        self.actors: dict = dict(actors or {})
+        self._down: dict[int, asyncio.Task] = {}  # engine index -> watcher that clears the mark
+
+    def set_actors(self, kind: str, handles: Any) -> None:
+        """Replace the handles ``/health`` reports for ``kind`` (``"learners"`` after a rebuild)."""
+        self.actors[kind] = handles
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Any:
@@ -190,11 +213,16 @@ class PolicyServer:
 
     @app.get("/health")
     async def health(self) -> Any:
-        """``GET /health``: each engine's name, policy version and state, the session tracker's state,
-        open sessions, counters. Open without the API key (load balancers probe it); it shows no
-        conversation content. 200 with ``"status": "ok"``; 503 with ``"status": "degraded"`` (and
-        ``Retry-After``) while an engine or the tracker is down or restarting (state ``"down"``)."""
-        from clawray.recovery import probe  # [recovery hook] a dead actor is a state, never a 500
+        """``GET /health``: each actor kind's state, open sessions, counters. Open without the API key
+        (load balancers probe it); it shows no conversation content, actor ids or pids.
+
+        ``engines``: per engine its name, policy version and state (``serving``, ``syncing``: loading
+        new weights, ``awaiting_sync``: restarted, waiting for the current policy, ``down``: dead or
+        restarting); ``judges``, ``teachers``, ``learners``: per actor ``{"name", "state"}``;
+        ``queue``, ``tracker``: a state. Actor states (:func:`clawray.recovery.actor_state`): ``ok``,
+        ``restarting``, ``starting``, ``dead``. 200 with ``"status": "ok"``; 503 with ``"status":
+        "degraded"`` (and ``Retry-After``) while any of them is not serving/ok."""
+        from clawray.recovery import actor_state, probe  # [recovery hook] a dead actor is a state, never a 500
 
         stats = await asyncio.gather(*(probe(e.stats.remote()) for e in self.engines))
         paused = await asyncio.gather(*(probe(e.is_paused.remote()) for e in self.engines))
@@ -203,14 +231,23 @@ class PolicyServer:
             if st is None or p is None:
                 engines.append({"name": f"rollout-{i}", "policy_version": None, "state": "down"})
             else:
-                engines.append({"name": st["name"], "policy_version": st["version"],
-                                "state": "syncing" if p else "serving", "requests": st["requests"],
-                                "cancelled": st.get("cancelled", 0), "errors": st.get("errors", 0)})
+                state = "awaiting_sync" if st.get("awaiting_sync") else "syncing" if p else "serving"
+                engines.append({"name": st["name"], "policy_version": st["version"], "state": state,
+                                "requests": st["requests"], "cancelled": st.get("cancelled", 0),
+                                "errors": st.get("errors", 0)})
         tracker = await probe(self.tracker.stats.remote())
-        degraded = tracker is None or any(e["state"] == "down" for e in engines)
+        kinds = {}
+        for kind, prefix in (("judges", "judge"), ("teachers", "teacher"), ("learners", "learner rank")):
+            kinds[kind] = [{"name": f"{prefix}-{i}" if kind != "learners" else f"{prefix} {i}", "state": actor_state(a)}
+                           for i, a in enumerate(self.actors.get(kind) or [])]
+        queue = actor_state(self.actors["queue"]) if self.actors.get("queue") is not None else None
+        degraded = (tracker is None or queue not in (None, "ok") or any(e["state"] in ("down", "awaiting_sync") for e in engines)
+                    or any(a["state"] != "ok" for v in kinds.values() for a in v))
         body = {"status": "degraded" if degraded else "ok", "policy_versions": [e["policy_version"] for e in engines],
-                "engines": engines, "tracker": "down" if tracker is None else "ok",
+                "engines": engines, "tracker": "down" if tracker is None else "ok", **kinds,
                 "open_sessions": (tracker or {}).get("open_sessions", 0), "counts": dict(self.counts)}
+        if queue is not None:
+            body["queue"] = queue
         if degraded:
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.cfg["retry_after_s"])})
         return body
@@ -274,13 +311,9 @@ class PolicyServer:
             self.counts["cancelled"] += 1
             logger.info("chat completion cancelled: the client disconnected")
             raise asyncio.CancelledError() from None
-        except ray.exceptions.RayActorError as e:  # [recovery hook] an engine or the tracker is down: 503, no ids
+        except (_NoEngineUp, ray.exceptions.RayActorError):  # [recovery hook] no engine up, or the tracker down
             self.counts["actor_unavailable"] += 1
-            index = getattr(call, "engine_index", None)
-            if index is not None and getattr(e, "actor_id", None) == self.engines[index]._actor_id.hex():
-                self._down = {**getattr(self, "_down", {}),  # skip that engine for a while
-                              call.engine_index: time.monotonic() + 10 * self.cfg["retry_after_s"]}
-            logger.warning("chat completion refused: a serving actor is down or restarting")
+            logger.warning("chat completion refused: no engine is up, or the session tracker is restarting")
             return error_response(503, "the service is recovering from a failure; retry shortly", None,
                                   "service_unavailable", "server_error",
                                   headers={"Retry-After": str(self.cfg["retry_after_s"])})
@@ -480,14 +513,57 @@ class PolicyServer:
         return {"X-Session-Token": call.new_token} if call.new_token else {}
 
     def _engine(self, call: _Call) -> Any:
+        """The session's engine, ``crc32(session id) % N``, or the next one that is not marked down
+        (see :meth:`_mark_down`); a request without a session picks a random start.
+
+        Raises:
+            _NoEngineUp: every engine is marked down.
+        """
         key = call.session_id or uuid.uuid4().hex
-        first = zlib.crc32(key.encode()) % len(self.engines)
-        # [recovery hook] route around an engine that failed recently (its session moves to the next one)
-        now, down = time.monotonic(), getattr(self, "_down", {})
-        index = next((i % len(self.engines) for i in range(first, first + len(self.engines))
-                      if down.get(i % len(self.engines), 0.0) <= now), first)
+        n = len(self.engines)
+        first = zlib.crc32(key.encode()) % n
+        # [recovery hook] route around an engine that is down (its session moves to the next one)
+        index = next((i % n for i in range(first, first + n) if i % n not in self._down), None)
+        if index is None:
+            raise _NoEngineUp("no rollout engine is up")
         call.engine_index = index
         return self.engines[index]
+
+    def _mark_down(self, index: int) -> None:
+        """[recovery hook] Skip engine ``index`` until it serves again: a watcher polls its stats
+        every ``retry_after_s`` / 2 seconds and clears the mark once it answers without
+        ``awaiting_sync`` (Ray restarted it and the driver re-synced the current policy)."""
+        if index not in self._down:
+            logger.warning("rollout-%d is down or awaiting its re-sync: routing its sessions to the next engine", index)
+            self._down[index] = asyncio.ensure_future(self._watch(index))
+
+    async def _watch(self, index: int) -> None:
+        from clawray.recovery import probe
+
+        try:
+            while True:
+                await asyncio.sleep(max(0.2, self.cfg["retry_after_s"] / 2))
+                st = await probe(self.engines[index].stats.remote(), 5.0)
+                if st is not None and not st.get("awaiting_sync"):
+                    return
+        finally:
+            self._down.pop(index, None)
+
+    async def _on_engine(self, call: _Call, attempt: Any) -> Any:
+        """Run ``attempt(engine)`` on the session's engine; when that engine is down (dead,
+        restarting or awaiting its re-sync) mark it and try the next live one.
+
+        Raises:
+            _NoEngineUp: no engine is up (the caller answers 503 with ``Retry-After``).
+        """
+        for _ in range(len(self.engines)):
+            engine = self._engine(call)
+            try:
+                return await attempt(engine)
+            except _ENGINE_DOWN:
+                self.counts["engine_failovers"] += 1
+                self._mark_down(call.engine_index)
+        raise _NoEngineUp("no rollout engine is up")
 
     def _generate_requests(self, call: _Call) -> list[GenerateRequest]:
         req = call.req
@@ -529,8 +605,7 @@ class PolicyServer:
         return await self.tracker.record_turns.remote(turns, req.done, req.outcome)
 
     # ------------------------------------------------------------------ plain answers
-    async def _complete(self, call: _Call) -> JSONResponse:
-        engine = self._engine(call)
+    async def _generate_all(self, call: _Call, engine: Any) -> list[dict]:
         wait_s = self.cfg["sync_wait_timeout_s"]
         # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
         # no gathered exception is left unretrieved; a client that hangs up (or the timeout) cancels
@@ -542,6 +617,10 @@ class PolicyServer:
         for out in outs:
             if isinstance(out, BaseException):
                 raise out
+        return outs
+
+    async def _complete(self, call: _Call) -> JSONResponse:
+        outs = await self._on_engine(call, lambda engine: self._generate_all(call, engine))
         texts = [self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False)
                  for o in outs]
         parsed = [parse_reply_text(text, call.in_reasoning, tools=bool(call.req.tools)) for text in texts]
@@ -569,8 +648,14 @@ class PolicyServer:
     # ------------------------------------------------------------------ streamed answers
     async def _stream(self, call: _Call) -> StreamingResponse:
         """Start the engine streams (one per choice) and answer with SSE once the engine admitted
-        them all (so a sync timeout is still a 503, not a broken stream)."""
-        engine, wait_s = self._engine(call), self.cfg["sync_wait_timeout_s"]
+        them all (so a sync timeout is still a 503, not a broken stream; an engine that is down before
+        admitting is replaced by the next live one, see :meth:`_on_engine`)."""
+        streams = await self._on_engine(call, lambda engine: self._admitted_streams(call, engine))
+        return StreamingResponse(self._sse(call, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **self._token_header(call)})
+
+    async def _admitted_streams(self, call: _Call, engine: Any) -> list:
+        wait_s = self.cfg["sync_wait_timeout_s"]
         streams = [engine.generate_stream.remote(g, wait_s) for g in self._generate_requests(call)]
         # each stream's first item is {"admitted": True}
         try:
@@ -578,8 +663,7 @@ class PolicyServer:
         except BaseException:  # refused, timed out or the client hung up: stop every stream in the engine
             _cancel_streams(streams)
             raise
-        return StreamingResponse(self._sse(call, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **self._token_header(call)})
+        return streams
 
     async def _sse(self, call: _Call, streams: list) -> AsyncIterator[str]:
         """The event stream: per choice a role delta, reasoning/content/tool-call deltas as its tokens
@@ -680,8 +764,9 @@ class PolicyServer:
 
 
 def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict, host: str, port: int,
-                        num_cpus: float) -> str:
-    """Start Serve on ``host:port`` and deploy the PolicyServer; returns the base URL (``.../v1``).
+                        num_cpus: float, actors: dict | None = None) -> str:
+    """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`);
+    returns the base URL (``.../v1``).
 
     Raises:
         RuntimeError: nothing answers on ``host:port`` 30 s after the deployment (e.g. Serve was
@@ -693,7 +778,7 @@ def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict,
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus},
                                   logging_config={"enable_access_log": False})
-    serve.run(server.bind(model_path, engines, tracker, cfg), name="clawray", route_prefix="/", blocking=False)
+    serve.run(server.bind(model_path, engines, tracker, cfg, actors), name="clawray", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 30.0
     while True:
         try:
