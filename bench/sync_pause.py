@@ -7,8 +7,8 @@ transport, gloo), one every ``--interval`` seconds; the sender is a small actor 
 weights (shifted by 1e-3 per version), standing in for the learner group, so only the engine side
 of a sync is measured. Each mode gets its own fresh engine.
 
-Added latency of a request = its latency - the latency the same number of tokens takes without a
-sync (a least-squares line latency = a + b * tokens fitted on the requests that overlapped no sync).
+Added latency of a request = its latency - its token count x the median seconds per token of the
+requests that overlapped no sync (same run; the machine's load drifts between runs).
 Reported over the requests whose [start, end] overlaps a sync's [call, return]: p50 and p99, with
 the sync's own numbers: pause (``sync/pause_s``), transfer + load (the engine's receive + load
 seconds, the part no mode can avoid) and the generations interrupted. The last line is the ratio
@@ -110,20 +110,16 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     def overlaps(s: float, e: float) -> bool:
         return any(s < pe and e > ps for ps, pe, _ in syncs)
 
-    clean = [(e - s, n) for s, e, n in requests if not overlaps(s, e)]
-    lat = torch.tensor([x for x, _ in clean], dtype=torch.float64)
-    toks = torch.tensor([n for _, n in clean], dtype=torch.float64)
-    a_mat = torch.stack([torch.ones_like(toks), toks], dim=1)
-    a, b = torch.linalg.lstsq(a_mat, lat[:, None]).solution[:, 0].tolist()
-    added = [(e - s) - (a + b * n) for s, e, n in requests if overlaps(s, e)]
+    clean = [(e - s) / max(n, 1) for s, e, n in requests if not overlaps(s, e)]
+    per_token = statistics.median(clean) if clean else float("nan")
+    added = [(e - s) - per_token * n for s, e, n in requests if overlaps(s, e)]
     results = [r for _, _, r in syncs]
     return {
-        "requests": len(requests), "overlapping": len(added),
+        "requests": len(requests), "overlapping": len(added), "clean": len(clean), "s_per_token": per_token,
         "p50": _percentile(added, 0.5), "p99": _percentile(added, 0.99),
         "pause_s": statistics.mean(r["pause_s"] for r in results),
         "transfer_load_s": statistics.mean(r["receive_s"]["rollout-0"] + r["load_s"]["rollout-0"] for r in results),
         "interrupted": sum(r["interrupted"] for r in results),
-        "fit": (a, b),
     }
 
 
@@ -132,9 +128,9 @@ def main() -> None:
     ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
     ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--clients", type=int, default=3, help="closed-loop clients")
-    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--syncs", type=int, default=6)
-    ap.add_argument("--interval", type=float, default=2.0, help="seconds between syncs")
+    ap.add_argument("--interval", type=float, default=6.0, help="seconds between syncs")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of traffic before the first sync")
     ap.add_argument("--modes", default="drain,interrupt")
     args = ap.parse_args()
@@ -154,12 +150,13 @@ def main() -> None:
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
     print(f"model={model} backend={args.backend} clients={args.clients} max_tokens={args.max_tokens} "
           f"syncs={args.syncs} interval={args.interval}s")
-    print(f"{'mode':>9} {'requests':>8} {'overlap':>7} {'added_p50_s':>11} {'added_p99_s':>11} {'pause_s':>8} "
-          f"{'xfer+load_s':>11} {'interrupted':>11}")
+    print(f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
+          f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11}")
     rows = {}
     for mode in args.modes.split(","):
         r = rows[mode] = asyncio.run(_run_mode(mode, args, model, prompts, stop))
-        print(f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['p50']:>11.3f} {r['p99']:>11.3f} "
+        print(f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
+              f"{r['p99']:>11.3f} "
               f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11}", flush=True)
     for mode, r in rows.items():
         print(f"{mode}: p99 added latency / (transfer + load) = {r['p99'] / r['transfer_load_s']:.2f}")

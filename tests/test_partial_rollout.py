@@ -156,3 +156,14 @@ def test_continue_request_resubmits_the_prompt_plus_the_tokens_so_far():
     assert req.prompt_ids == PROMPT  # the original request is left as it was
     with pytest.raises(ValueError, match="nothing left to continue"):
         continue_request(req, list(range(10)))
+
+
+def test_an_unknown_sync_mode_is_refused():
+    from clawray.config import load_config
+    from clawray.weight_sync import WeightSyncController
+
+    with pytest.raises(ValueError, match="unknown sync mode 'pause'"):
+        WeightSyncController([], [], [], [], mode="pause")
+    assert load_config(["conf/rl.yaml"], []).sync.mode == "interrupt"
+    with pytest.raises(ValueError, match="sync.mode"):
+        load_config(["conf/rl.yaml"], ["sync.mode=pause"])
