@@ -1,7 +1,9 @@
 """The latency a weight sync adds to the requests it overlaps, ``sync.mode`` drain vs interrupt.
 
-One RolloutEngine actor serves steady traffic: ``--clients`` closed-loop clients, each sending one
-request after the other (fixed seeds, ``--max-tokens``, T = 1). Meanwhile the driver runs
+One RolloutEngine actor serves steady traffic: requests arrive at random (Poisson, mean gap
+``--gap`` seconds, fixed seeds, ``--max-tokens``, T = 1), each awaited on its own, so a request
+that arrives during a drain waits for it (an open loop: the hf engine serves a batch's requests one
+after the other, so keep the engine below saturation, or queueing swamps the sync's effect). Meanwhile the driver runs
 ``--syncs`` weight syncs through :class:`clawray.weight_sync.WeightSyncController` (collective
 transport, gloo), one every ``--interval`` seconds; the sender is a small actor holding the model's
 weights (shifted by 1e-3 per version), standing in for the learner group, so only the engine side
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -81,17 +84,22 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     requests: list[tuple[float, float, int]] = []  # (start, end, tokens)
     stop_at = [float("inf")]
 
-    async def client(c: int) -> None:
-        r = 0
-        while time.perf_counter() < stop_at[0]:
-            req = GenerateRequest(prompt_ids=prompts[(c * 7 + r) % len(prompts)], max_tokens=args.max_tokens,
-                                  temperature=1.0, stop_token_ids=stop, seed=1000 * c + r)
-            t0 = time.perf_counter()
-            out = await engine.generate.remote(req)
-            requests.append((t0, time.perf_counter(), len(out["response_ids"])))
-            r += 1
+    async def one(k: int) -> None:
+        req = GenerateRequest(prompt_ids=prompts[k % len(prompts)], max_tokens=args.max_tokens, temperature=1.0,
+                              stop_token_ids=stop, seed=k)
+        t0 = time.perf_counter()
+        out = await engine.generate.remote(req)
+        requests.append((t0, time.perf_counter(), len(out["response_ids"])))
 
-    clients = [asyncio.ensure_future(client(c)) for c in range(args.clients)]
+    async def arrivals() -> None:  # open loop: Poisson arrivals, fixed seed
+        rng, tasks, k = random.Random(0), [], 0
+        while time.perf_counter() < stop_at[0]:
+            tasks.append(asyncio.ensure_future(one(k)))
+            k += 1
+            await asyncio.sleep(rng.expovariate(1.0 / args.gap))
+        await asyncio.gather(*tasks)
+
+    clients = [asyncio.ensure_future(arrivals())]
     syncs: list[tuple[float, float, dict]] = []
     await asyncio.sleep(args.warmup)
     for v in range(1, args.syncs + 1):
@@ -127,7 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
     ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
-    ap.add_argument("--clients", type=int, default=3, help="closed-loop clients")
+    ap.add_argument("--gap", type=float, default=1.5, help="mean seconds between request arrivals (Poisson)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--syncs", type=int, default=6)
     ap.add_argument("--interval", type=float, default=6.0, help="seconds between syncs")
@@ -148,7 +156,7 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for q in questions]
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
-    print(f"model={model} backend={args.backend} clients={args.clients} max_tokens={args.max_tokens} "
+    print(f"model={model} backend={args.backend} gap={args.gap}s max_tokens={args.max_tokens} "
           f"syncs={args.syncs} interval={args.interval}s")
     print(f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
           f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11}")
