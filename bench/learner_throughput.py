@@ -8,7 +8,8 @@ batch (padding not counted). Each measurement runs ``--steps`` steps after one w
 the median step's tokens/s:
 
 * ``plain``: one process, ``--threads`` torch threads, the HF model in fp32, one padded forward of
-  the whole batch, the token-mean policy-gradient loss ``-A * logprob`` over the response tokens,
+  the whole batch, the token-mean policy-gradient loss ``-A * logprob`` over the response tokens
+  (log-softmax on the response positions only, as clawray's loss does),
   backward, grad-norm clip 1.0, ``torch.optim.AdamW`` step. This machine's reference for the same
   arithmetic without Ray, FSDP2 or clawray's loss bookkeeping.
 * ``clawray 1 rank`` / ``clawray 2 ranks``: :class:`clawray.actors.learner.LearnerGroup`
@@ -60,19 +61,22 @@ def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: flo
     longest = max(len(s.tokens) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     attn = torch.zeros(len(samples), longest, dtype=torch.long)
-    resp = torch.zeros(len(samples), longest - 1)  # response positions of the shifted targets
-    adv = torch.tensor([s.reward for s in samples])[:, None]
+    rows, cols, adv = [], [], []  # the response positions (row b, column t predicts token t + 1)
     for b, s in enumerate(samples):
         ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
         attn[b, : len(s.tokens)] = 1
-        resp[b, s.prompt_len - 1 : len(s.tokens) - 1] = 1
+        rows += [b] * s.response_len
+        cols += list(range(s.prompt_len - 1, len(s.tokens) - 1))
+        adv += [s.reward] * s.response_len
+    rows, cols, adv = torch.tensor(rows), torch.tensor(cols), torch.tensor(adv)
+    targets = ids[rows, cols + 1]
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(adv * logp * resp).sum() / resp.sum()
+        logits = model(input_ids=ids, attention_mask=attn).logits[rows, cols].float()  # [N, V], response only
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+        loss = -(adv * logp).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
