@@ -65,7 +65,8 @@ class _Sender:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+    """The ``q`` quantile (nearest rank) of ``values``; nan when there are none."""
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop: list[int]) -> dict:
