@@ -365,6 +365,10 @@ class SyncConfig:
     bucket_mb: int = num(64, ge=1)  # flat bucket size, MiB
     # deadline of one sync and of each collective in it; a failed sync rebuilds the group
     timeout_s: float = num(120.0, gt=0.0)
+    # "interrupt": at a sync the engines stop their running generations at the current token, load
+    # the new weights and continue them (partial rollouts: a reply's tokens may come from two policy
+    # versions, each token records its own); "drain": they first finish them (one version per reply)
+    mode: str = choice("interrupt", "drain")
 
 
 @dataclass

@@ -271,7 +271,8 @@ class Driver:
         plan = ray.get(self.engines[0].weight_specs.remote())
         self.weight_sync = WeightSyncController(
             self.learners.workers, self.engines, [f"rollout-{i}" for i in range(len(self.engines))], plan,
-            transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s)
+            transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s,
+            mode=cfg.sync.mode)
         self.weight_sync.connect(check_plan=True)
         if cfg.resume:
             self._restore_checkpoint()
@@ -619,14 +620,17 @@ class Driver:
         """Broadcast the weights after a trained step (or a skipped one while an engine is behind);
         returns ``(seconds, error or None, sync metrics)``.
 
-        Sync time = pause -> resume; it includes the engines finishing the generations already running
-        (every response comes from one weight version), then gather, broadcast and load. A failed sync
+        Sync time = the whole sync (a group rebuild included); ``sync/pause_s`` = pause -> resume of
+        the engines: gather, broadcast and load, plus, with ``sync.mode: drain``, the engines
+        finishing the generations already running (``interrupt`` stops them at their current token
+        and continues them after the load instead). A failed sync
         never stops training: the engines are resumed on their old version, and the next sync (even on
         a skipped step) rebuilds the group and sends the newest weights.
         """
         sync_s, sync_error = 0.0, None
         sync_metrics = {"timing/weight_sync_s": 0.0, "sync/bytes": 0.0, "sync/gbytes_per_s": 0.0,
-                        "sync/gather_s": 0.0, "sync/send_s": 0.0, "sync/load_s_max": 0.0}
+                        "sync/gather_s": 0.0, "sync/send_s": 0.0, "sync/load_s_max": 0.0, "sync/pause_s": 0.0,
+                        "sync/interrupted_requests": 0.0}
         from clawray.recovery import restarted_engines
 
         restarted = restarted_engines(self)  # [recovery hook] they rejoin a rebuilt group
@@ -710,8 +714,11 @@ class Driver:
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
         reward = f"{metrics['reward_mean']:+.2f}" if adv.rewarded else " n/a"  # pure OPD samples carry no reward
+        n_int = int(metrics.get("sync/interrupted_requests", 0))
+        interrupted = f" ({n_int} interrupted)" if n_int else ""
         print(f"[clawray] step {self.steps_done}{total} | samples {metrics['samples']} | "
-              f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} | "
+              f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "
+              f"pause {metrics['sync/pause_s']:.2f}s{interrupted} | "
               f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
               f"staleness {metrics['inv/staleness_mean']:.1f} | "
               f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "

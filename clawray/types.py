@@ -18,7 +18,8 @@ class Turn:
         prompt_ids: rendered prompt token ids, length P.
         response_ids: sampled token ids, length R (ends with the stop token when finish_reason is stop).
         rollout_logprobs: per-token log-probs of ``response_ids`` under the sampling distribution, length R.
-        policy_version: the engine's policy version when it generated the response.
+        policy_version: the policy version that sampled the response's OLDEST token (the only one
+            unless a weight sync interrupted the generation; see ``token_versions``).
         finish_reason: ``"stop"``, ``"length"`` or ``"tool_calls"``.
         temperature: sampling temperature of the request (the learner scales logits by it; 0 -> 1).
         tools: the request's tool definitions (for judges and teachers), or None.
@@ -26,6 +27,9 @@ class Turn:
         tool_parse_error: the reply held a ``<tool_call>`` block that was not valid JSON.
         spliced: ``prompt_ids`` continue the previous turn's exact prompt + response ids (see
             :mod:`clawray.serve.splice`) instead of a fresh render of the history.
+        token_versions: length R, the policy version that sampled each response token (a partial
+            rollout: a sync interrupted the generation and it went on with the new weights), or None
+            when every token is from ``policy_version``.
     """
 
     session_id: str
@@ -42,6 +46,7 @@ class Turn:
     truncated: bool = False
     tool_parse_error: bool = False
     spliced: bool = False
+    token_versions: list[int] | None = None
 
     def record(self) -> dict[str, Any]:
         """The turn as one JSON-able row of ``records/turns.jsonl`` (everything but the tools)."""
@@ -58,7 +63,8 @@ class Sample:
         loss_mask: length R, 1 on response tokens that carry gradient.
         rollout_logprobs: length R, behaviour-policy log-probs of the response tokens.
         reward: scalar reward (Binary RL: +1, -1 or 0), or None when the sample has no RL term.
-        policy_version: version of the policy that generated the response.
+        policy_version: the policy version that sampled the OLDEST response token; staleness (the
+            consuming version minus this) is therefore never understated for a partial rollout.
         temperature: sampling temperature (logits are divided by it when recomputing log-probs).
         kind: ``"rl"`` | ``"opd"`` | ``"combine"``.
         teacher_logprobs: length R teacher log-probs (OPD), or None.
@@ -66,6 +72,11 @@ class Sample:
             distillation), or None.
         session_id, turn_index: where the sample came from (for records and debugging).
         info: free-form metadata (judge votes, reasons), never used by the loss.
+        token_versions: length R, the policy version that sampled each response token (see
+            :class:`Turn`), or None when all are ``policy_version``.
+
+    Raises:
+        ValueError: a length differs from R, or ``policy_version`` is not the oldest of ``token_versions``.
     """
 
     tokens: list[int]
@@ -82,6 +93,7 @@ class Sample:
     session_id: str = ""
     turn_index: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         n_resp = len(self.tokens) - self.prompt_len
@@ -93,6 +105,12 @@ class Sample:
                 raise ValueError(f"{name} has length {len(getattr(self, name))}, expected R={n_resp}")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n_resp:
             raise ValueError(f"teacher_logprobs has length {len(self.teacher_logprobs)}, expected R={n_resp}")
+        if self.token_versions is not None:
+            if len(self.token_versions) != n_resp:
+                raise ValueError(f"token_versions has length {len(self.token_versions)}, expected R={n_resp}")
+            if min(self.token_versions) != self.policy_version:
+                raise ValueError(f"policy_version {self.policy_version} is not the oldest token version "
+                                 f"{min(self.token_versions)}")
         for name in ("teacher_topk_logprobs", "teacher_topk_ids"):
             value = getattr(self, name)
             if value is not None and len(value) != n_resp:
@@ -118,4 +136,5 @@ class Sample:
             session_id=turn.session_id,
             turn_index=turn.turn_index,
             info=dict(info),
+            token_versions=None if turn.token_versions is None else list(turn.token_versions),
         )

@@ -876,13 +876,22 @@ class WeightSyncController:
             rebuild waits up to twice that.
         backend: collective backend, ``"gloo"`` or ``"nccl"``.
         host: rendezvous host of the collective group.
+        mode: ``"interrupt"`` (the engines stop their running generations at the current token and
+            continue them after the load: partial rollouts) or ``"drain"`` (they finish them first);
+            see :mod:`clawray.actors.rollout`.
+
+    Raises:
+        ValueError: an unknown ``transport`` or ``mode``.
     """
 
     def __init__(self, senders: list, engines: list, names: list[str], plan: list[WeightSpec], *,
                  transport: str = "collective", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
-                 backend: str = "gloo", host: str = "127.0.0.1"):
+                 backend: str = "gloo", host: str = "127.0.0.1", mode: str = "interrupt"):
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown sync transport {transport!r}; expected one of {list(TRANSPORTS)}")
+        if mode not in ("interrupt", "drain"):  # [sync.mode]
+            raise ValueError(f"unknown sync mode {mode!r}; expected 'interrupt' or 'drain'")
+        self.mode = mode
         self.senders, self.engines, self.names = list(senders), list(engines), list(names)
         self.plan = list(plan)
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
@@ -958,12 +967,15 @@ class WeightSyncController:
             once), ``gather_s``, ``send_s``, ``receive_s`` and ``load_s`` (``{engine: seconds}``),
             ``failed`` (names of the members that failed, engines first), ``error`` (one line naming
             them and the cause, or None), ``rebuild_s`` (seconds spent rebuilding the group first, 0
-            when it was in step) and ``versions`` (``{engine: policy version or None}`` afterwards).
+            when it was in step), ``versions`` (``{engine: policy version or None}`` afterwards),
+            ``pause_s`` (seconds from pausing the engines until they all resumed: what a request
+            arriving meanwhile waits at most; a drain included) and ``interrupted`` (generations the
+            pause stopped part-way and the engines continued on the new weights; 0 in drain mode).
         """
         t0 = time.perf_counter()
         out: dict[str, Any] = {"ok": False, "version": version, "seconds": 0.0, "bytes": 0.0, "gather_s": 0.0,
                                "send_s": 0.0, "receive_s": {}, "load_s": {}, "failed": [], "error": None,
-                               "rebuild_s": 0.0}
+                               "rebuild_s": 0.0, "pause_s": 0.0, "interrupted": 0}
         errors: dict[str, str] = {}
         if not self.connected:
             try:
@@ -972,13 +984,15 @@ class WeightSyncController:
             except WeightSyncError as e:
                 return self._finish(out, t0, getattr(e, "errors", None) or {"sync group": str(e)}, str(e))
         t_sync = time.perf_counter()
-        _, pause_errors = _collect({n: e.pause.remote() for n, e in zip(self.names, self.engines)}, 30.0)
+        interrupt = self.mode == "interrupt"  # [sync.mode]
+        _, pause_errors = _collect({n: e.pause.remote(interrupt) for n, e in zip(self.names, self.engines)}, 30.0)
         try:
             named = {n: s.sync_weights.remote(version) for n, s in zip(self._member_names(), self.senders)}
             named.update({n: e.receive_weights.remote(version) for n, e in zip(self.names, self.engines)})
             results, errors = _collect(named, self.timeout_s)
         finally:
             _, resume_errors = _collect({n: e.resume.remote() for n, e in zip(self.names, self.engines)}, 30.0)
+            out["pause_s"] = time.perf_counter() - t_sync  # [sync.mode]
         for n, err in list(pause_errors.items()) + list(resume_errors.items()):
             errors.setdefault(n, err)
         sent = results.get("learner-0", {})
@@ -988,6 +1002,7 @@ class WeightSyncController:
             if n in results:
                 out["receive_s"][n] = results[n]["receive_s"]
                 out["load_s"][n] = results[n]["load_s"]
+                out["interrupted"] += int(results[n].get("interrupted", 0))  # [sync.mode]
         out["seconds"] = time.perf_counter() - t_sync
         error = self._describe(f"weight sync to v{version}", errors) if errors else None
         return self._finish(out, t0, errors, error)
@@ -1027,8 +1042,9 @@ class WeightSyncController:
         """Step metrics of one :meth:`sync` result: ``timing/weight_sync_s``, ``sync/bytes``,
         ``sync/gbytes_per_s`` (payload bytes / 1e9 / the sender's send seconds), ``sync/gather_s``,
         ``sync/send_s``, ``sync/rebuild_s``, ``sync/ok`` (1/0), ``sync/failures`` (cumulative),
-        ``sync/load_s_max``, ``sync/load_s/<engine>``, ``sync/receive_s/<engine>`` and
-        ``engine_version/<engine>`` (-1 when the engine did not answer)."""
+        ``sync/load_s_max``, ``sync/load_s/<engine>``, ``sync/receive_s/<engine>``,
+        ``engine_version/<engine>`` (-1 when the engine did not answer), ``sync/pause_s`` and
+        ``sync/interrupted_requests`` (see :meth:`sync`)."""
         m = {
             "timing/weight_sync_s": result["seconds"],
             "sync/bytes": result["bytes"],
@@ -1039,6 +1055,8 @@ class WeightSyncController:
             "sync/ok": 1.0 if result["ok"] else 0.0,
             "sync/failures": float(failures),
             "sync/load_s_max": max(result["load_s"].values(), default=0.0),
+            "sync/pause_s": result.get("pause_s", 0.0),  # [sync.mode]
+            "sync/interrupted_requests": float(result.get("interrupted", 0)),
         }
         m.update({f"sync/load_s/{n}": s for n, s in result["load_s"].items()})
         m.update({f"sync/receive_s/{n}": s for n, s in result["receive_s"].items()})

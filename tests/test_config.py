@@ -179,7 +179,7 @@ def test_documented_zero_meanings_load():
 def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
-    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 23  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by
+    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 24  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice

@@ -225,3 +225,28 @@ def test_a_failing_step_leaves_no_request_in_the_engine(env, monkeypatch):
     assert not engine.has_unfinished_requests()
     monkeypatch.undo()
     assert len(_greedy(backend, [5, 6, 7, 8]).response_ids) >= 1
+
+
+def test_an_interrupted_request_keeps_exact_logprobs_and_continues_by_resubmission(env):
+    """What a sync's interrupt relies on: an aborted top-p request's tokens carry the full-softmax
+    log-probs at T (re-scored, not vLLM's nucleus-renormalised ones), and re-submitting prompt +
+    those tokens (``continue_request``) continues the reply: greedy, the two parts are the
+    uninterrupted reply."""
+    from clawray.actors.rollout import continue_request
+
+    backend, hf, _ = env
+    prompt, polls = [5, 6, 7, 8], []
+    req = GenerateRequest(prompt, max_tokens=40, temperature=0.8, top_p=0.5, seed=7)
+    part = backend.generate([req], cancelled=lambda i: polls.append(i) or len(polls) >= 4)[0]
+    assert part.finish_reason == "abort" and 1 <= len(part.response_ids) < 40
+    torch.testing.assert_close(torch.tensor(part.logprobs), _hf_logprobs(hf, prompt, part.response_ids, 0.8),
+                               atol=ATOL, rtol=0)
+    whole = _greedy(backend, prompt, n=12)
+    cut = backend.generate([GenerateRequest(prompt, max_tokens=12, temperature=0.0)],
+                           cancelled=lambda i: polls.append(i) or len(polls) >= 8)[0]
+    rest = backend.generate([continue_request(GenerateRequest(prompt, max_tokens=12, temperature=0.0),
+                                              cut.response_ids)])[0]
+    assert 1 <= len(cut.response_ids) < len(whole.response_ids)
+    assert cut.response_ids + rest.response_ids == whole.response_ids
+    torch.testing.assert_close(torch.tensor(cut.logprobs + rest.logprobs), torch.tensor(whole.logprobs),
+                               atol=ATOL, rtol=0)

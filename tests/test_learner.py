@@ -152,6 +152,8 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     packed, single = results["packed"], results["one-per-pass"]
     # passes per rank: one packed micro-batch; or 3 samples on rank 0 and 2 + 1 padding pass on rank 1
     assert packed[0]["micro_batches"] == 1 and single[0]["micro_batches"] == 3
+    # lengths 7, 7, 11, 9, 8: rank 0 pads [7, 11, 8] to 3 x 11, rank 1 [7, 9] to 2 x 9: 9 of 51 slots
+    assert packed[0]["perf/padding_frac"] == pytest.approx(9 / 51) and single[0]["perf/padding_frac"] == 0.0
     for m, grads, weights in (packed, single):
         assert m["loss"] == pytest.approx(hand, abs=1e-6) and m["num_tokens"] == 18 and m["lr"] == 1e-3
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)

@@ -106,6 +106,7 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
         decided = m["samples_taken"] + m.get("inv/dropped_samples/stale", 0)
         assert m["inv/effective_sample_rate"] == m["samples_trained"] / decided
         assert 1 <= m["inv/staleness_max"] <= 2 and m["timing/weight_sync_s"] > 0 and m["sync/bytes"] > 0
+        assert 0 < m["sync/pause_s"] <= m["timing/weight_sync_s"] and m["sync/interrupted_requests"] >= 0
         for key in ("inv/entropy", "inv/entropy_p10", "inv/clip_frac", "inv/ratio_max", "inv/adv_std",
                     "inv/effective_token_rate", "inv/nonzero_reward_frac", "inv/degenerate_batches"):
             assert key in m

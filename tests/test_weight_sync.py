@@ -469,6 +469,7 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
         assert set(k for k in m if k.startswith("sync/load_s/")) == {"sync/load_s/rollout-0", "sync/load_s/rollout-1"}
         assert m["engine_version/rollout-0"] == 2 and m["engine_version/rollout-1"] == 2
         assert m["timing/weight_sync_s"] == r2["seconds"] > 0
+        assert 0 < m["sync/pause_s"] <= r2["seconds"] and m["sync/interrupted_requests"] == 0.0  # nothing ran
 
         # 3) rollout-1's engine thread is busy past the deadline: the sync returns in bounded time,
         #    names rollout-1 as timed out, and leaves no engine paused

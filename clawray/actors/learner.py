@@ -370,7 +370,9 @@ class LearnerWorker:
             metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl`` (means over mini-batches),
             ``grad_norm`` (mean over mini-batches, before clipping), ``lr`` (of the last optimizer
             step), ``num_tokens``, ``num_samples``, ``micro_batches`` (forward/backward passes per
-            rank, padding included), ``optimizer_steps``, ``skipped`` (1 when no optimizer step was
+            rank, padding included), ``perf/padding_frac`` (padding tokens / padded ``[B, T]`` slots of
+            every micro-batch on every rank; padding passes not counted), ``optimizer_steps``,
+            ``skipped`` (1 when no optimizer step was
             taken: a non-finite loss or gradient skips its mini-batch) and the invariants
             ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
             ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``, ``inv/is_weight_mean``,
@@ -391,8 +393,11 @@ class LearnerWorker:
         budget = cfg.max_tokens_per_micro_batch
         packs = [[[idx[k] for k in group] for group in pack_micro_batches([len(fetched[i].tokens) for i in idx], budget)]
                  for idx in mine]
-        # global counts per mini-batch: tokens and samples (sum), micro-batches (max over ranks)
-        counts = torch.tensor([[float(sum(sum(fetched[i].loss_mask) for i in idx)), float(len(idx))] for idx in mine],
+        # global counts per mini-batch (sums): loss tokens, samples, and the micro-batches' padded
+        # [B, T] slots and real tokens (perf/padding_frac); micro-batches: max over ranks
+        counts = torch.tensor([[float(sum(sum(fetched[i].loss_mask) for i in idx)), float(len(idx)),
+                                float(sum(len(g) * len(fetched[g[0]].tokens) for g in packs[j])),
+                                float(sum(len(fetched[i].tokens) for i in idx))] for j, idx in enumerate(mine)],
                               dtype=torch.float64)
         dist.all_reduce(counts)
         passes = torch.tensor([len(p) for p in packs], dtype=torch.int64)
@@ -407,7 +412,7 @@ class LearnerWorker:
         for j in range(num_mini):
             norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
             self.optimizer.zero_grad(set_to_none=True)
-            nonfinite = torch.zeros(1, dtype=torch.float64)
+            nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-batch
             for p in range(int(passes[j])):
                 if p < len(packs[j]):
                     group = packs[j][p]
@@ -418,13 +423,14 @@ class LearnerWorker:
                     per_sample += metrics
                 else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
                     loss = self._padding_pass()
-                if not torch.isfinite(loss):
-                    nonfinite += 1
-                    loss = torch.nan_to_num(loss) * 0.0
-                loss.backward()
+                bad = ~torch.isfinite(loss)
+                nonfinite += bad
+                # a non-finite loss backpropagates as zero (the mini-batch is skipped below anyway)
+                torch.where(bad, torch.nan_to_num(loss) * 0.0, loss).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
+            nonfinite = nonfinite.reshape(1).cpu()  # one host copy per mini-batch (gloo reduces on the CPU)
             dist.all_reduce(nonfinite)
             if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
                 self.optimizer.zero_grad(set_to_none=True)
@@ -445,6 +451,8 @@ class LearnerWorker:
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "lr": lr,
             "micro_batches": float(passes.sum().item()),
+            # share of the micro-batches' padded [B, T] token slots that are padding (all ranks)
+            "perf/padding_frac": 1.0 - float(counts[:, 3].sum()) / max(float(counts[:, 2].sum()), 1.0),
             "optimizer_steps": float(steps_taken),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,

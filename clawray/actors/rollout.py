@@ -1,9 +1,22 @@
 """RolloutEngine: one inference engine (``hf`` or ``vllm``) as an async Ray actor.
 
 The backend is owned by a single engine thread that executes jobs in FIFO order: batches of
-generation requests, teacher scoring and weight loads. Because a weight load is a job in the same
-FIFO, every response is produced entirely by one set of weights and is stamped with that version.
-``pause()`` stops admitting new generation jobs (they wait, they do not fail) until ``resume()``.
+generation requests, teacher scoring and weight loads. ``pause()`` stops admitting new generation
+jobs (they wait, they do not fail) until ``resume()``.
+
+Weight syncs, two modes (``sync.mode``):
+
+* ``drain`` (``pause(interrupt=False)``): a weight load is a job in the same FIFO, so the
+  generations already running (and queued) finish on the old weights first; every response comes
+  from one version.
+* ``interrupt`` (``pause(interrupt=True)``, partial rollouts): the running and queued generations
+  stop at their current token (the backend's cancel check, polled between tokens), are *parked*
+  with what they sampled so far, the load runs at once, and ``resume()`` continues each parked
+  request from where it stopped: the same request with prompt + tokens so far as its prompt and
+  the remaining ``max_tokens`` (:func:`continue_request`). The caller sees one reply (a stream just
+  pauses); the reply's ``logprobs`` stay those of the weights that sampled each token, and
+  ``token_versions`` (length R) names that policy version per token. ``policy_version`` is the
+  OLDEST token's version, so staleness (consuming version - policy_version) is never understated.
 
 Cancellation: when the caller of :meth:`RolloutEngine.generate` / :meth:`generate_stream` goes away
 (Ray cancels the actor coroutine: ``ray.cancel`` on its ref, see :func:`await_cancellable`), the job
@@ -20,11 +33,11 @@ counted in ``stats()["errors"]``. The engine thread keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from dataclasses import asdict
 from typing import Any, Callable
 
 import ray
@@ -65,8 +78,29 @@ async def await_cancellable(ref: Any) -> Any:
         raise
 
 
+def continue_request(request: GenerateRequest, done_ids: list[int]) -> GenerateRequest:
+    """The request that continues ``request`` after its first ``len(done_ids)`` response tokens (a
+    partial rollout resumed after a weight sync): prompt ``prompt_ids + done_ids``, ``max_tokens``
+    reduced by ``len(done_ids)``, the same temperature, top-p and stop ids. A seeded request gets a
+    seed derived from its seed and ``len(done_ids)`` (deterministic, and not the stream that sampled
+    the first tokens). ``request`` itself when ``done_ids`` is empty.
+
+    Raises:
+        ValueError: ``done_ids`` already has ``max_tokens`` tokens (nothing is left to sample).
+    """
+    if not done_ids:
+        return request
+    left = request.max_tokens - len(done_ids)
+    if left < 1:
+        raise ValueError(f"nothing left to continue: {len(done_ids)} of max_tokens={request.max_tokens} done")
+    seed = None if request.seed is None else (request.seed * 1_000_003 + len(done_ids)) % (1 << 62)
+    return dataclasses.replace(request, prompt_ids=list(request.prompt_ids) + list(done_ids), max_tokens=left,
+                               seed=seed)
+
+
 class _Job:
-    __slots__ = ("kind", "payload", "future", "loop", "stream", "cancelled", "streamed")
+    __slots__ = ("kind", "payload", "future", "loop", "stream", "cancelled", "streamed", "ids", "logprobs",
+                 "versions")
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop,
                  stream: Callable[[list[int]], None] | None = None):
@@ -74,6 +108,10 @@ class _Job:
         self.future: asyncio.Future = loop.create_future()
         self.cancelled = False  # set from the event loop when the caller went away; read by the engine thread
         self.streamed = False  # some tokens already went to the stream (a retry would repeat them)
+        # a generation's response so far (several engine runs when a sync interrupted it)
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []  # the policy version that sampled each token of ids
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -118,7 +156,9 @@ class RolloutEngine:
         self._init_error: BaseException | None = None
         self._backend = None
         self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0, "last_sync_error": None,
-                       "cancelled": 0, "errors": 0}
+                       "cancelled": 0, "errors": 0, "interrupted": 0}
+        self._interrupt = False  # set by pause(interrupt=True): running generations stop at their next token
+        self._parked: list[_Job] = []  # generations a sync interrupted (engine thread only), resumed by resume()
         self._thread = threading.Thread(
             target=self._run, args=(backend, model_path, torch_threads, backend_kwargs or {}), daemon=True,
             name=f"{name}-engine")
@@ -141,29 +181,40 @@ class RolloutEngine:
             return
         held: _Job | None = None  # a non-generate job met while batching, run next
         while True:
-            job, held = (held, None) if held is not None else (self._jobs.get(), None)
-            if job is None:
-                return
-            if job.kind == "generate":
-                batch = [job]
-                while len(batch) < self.max_batch_size:
-                    try:
-                        nxt = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is None:  # shutdown: finish this batch first
-                        self._jobs.put(None)
-                        break
-                    if nxt.kind != "generate":
-                        held = nxt
-                        break
-                    batch.append(nxt)
-                self._run_generate(self._drop_cancelled(batch))
+            if self._parked and not self._interrupt:  # resumed after a sync: continue the parked ones first
+                batch, self._parked = self._parked, []
             else:
+                job, held = (held, None) if held is not None else (self._jobs.get(), None)
+                if job is None:
+                    self._fail_parked()
+                    return
+                if job.kind == "wake":  # resume(): only wakes the loop up for the parked generations
+                    continue
+                if job.kind != "generate":
+                    try:
+                        job.resolve(job.payload())
+                    except BaseException as e:
+                        job.resolve(error=e)
+                    continue
+                batch = [job]
+            while held is None and len(batch) < self.max_batch_size:
                 try:
-                    job.resolve(job.payload())
-                except BaseException as e:
-                    job.resolve(error=e)
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:  # shutdown: finish this batch first
+                    self._jobs.put(None)
+                    break
+                if nxt.kind != "generate":
+                    held = None if nxt.kind == "wake" else nxt
+                    break
+                batch.append(nxt)
+            self._run_generate(self._drop_cancelled(batch))
+
+    def _fail_parked(self) -> None:
+        for job in self._parked:
+            job.resolve(error=EngineError("the engine shut down while this request waited for a weight sync"))
+        self._parked = []
 
     def _drop_cancelled(self, batch: list[_Job]) -> list[_Job]:
         """Queued jobs whose caller went away never start."""
@@ -207,6 +258,8 @@ class RolloutEngine:
         job.resolve(error=EngineError(f"the engine failed on this request ({type(error).__name__})"))
 
     def _generate(self, batch: list[_Job]) -> None:
+        """Run the batch on the current weights; each job's response so far is extended by what this
+        run sampled. A job stopped by a sync's interrupt (not by its caller) is parked for resume()."""
         t0 = time.perf_counter()
         version = self.version
 
@@ -215,17 +268,31 @@ class RolloutEngine:
                 batch[i].streamed = True
                 batch[i].stream(ids)
 
-        outputs = self._backend.generate([j.payload for j in batch],
+        outputs = self._backend.generate([continue_request(j.payload, j.ids) for j in batch],
                                          on_tokens if any(j.stream for j in batch) else None,
-                                         lambda i: batch[i].cancelled)
+                                         lambda i: batch[i].cancelled or self._interrupt)
         self._stats["gen_seconds"] += time.perf_counter() - t0
         for job, out in zip(batch, outputs):
             self._stats["tokens"] += len(out.response_ids)
+            job.ids += out.response_ids
+            job.logprobs += out.logprobs
+            job.versions += [version] * len(out.response_ids)
             if out.finish_reason == "abort":
-                self._cancelled(job, len(out.response_ids))
+                if job.cancelled:
+                    self._cancelled(job, len(job.ids))
+                elif len(job.ids) >= job.payload.max_tokens:  # stopped exactly at its last token
+                    self._resolve(job, "length")
+                else:  # interrupted by a weight sync: continued after the load
+                    self._stats["interrupted"] += 1
+                    self._parked.append(job)
                 continue
-            self._stats["requests"] += 1
-            job.resolve({**asdict(out), "policy_version": version, "engine": self.name})
+            self._resolve(job, out.finish_reason)
+
+    def _resolve(self, job: _Job, finish_reason: str) -> None:
+        self._stats["requests"] += 1
+        job.resolve({"response_ids": job.ids, "logprobs": job.logprobs, "finish_reason": finish_reason,
+                     "policy_version": min(job.versions, default=self.version), "token_versions": job.versions,
+                     "engine": self.name})
 
     async def _enqueue(self, job: _Job) -> None:
         if not self._ready.is_set():
@@ -273,7 +340,10 @@ class RolloutEngine:
 
         Returns:
             dict with ``response_ids`` (list[int], R), ``logprobs`` (list[float], R),
-            ``finish_reason`` (``"stop"``/``"length"``), ``policy_version`` (int) and ``engine`` (str).
+            ``finish_reason`` (``"stop"``/``"length"``), ``token_versions`` (list[int], R: the policy
+            version that sampled each token; more than one only when a sync interrupted the
+            generation), ``policy_version`` (int, the oldest of ``token_versions``; the engine's
+            version when R = 0) and ``engine`` (str).
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s``.
@@ -346,13 +416,22 @@ class RolloutEngine:
         """Whether generation is paused (a weight sync is in progress)."""
         return not self._resumed.is_set()
 
-    async def pause(self) -> None:
-        """Stop admitting generation requests; they wait until :meth:`resume`."""
+    async def pause(self, interrupt: bool = False) -> None:
+        """Stop admitting generation requests; they wait until :meth:`resume`.
+
+        Args:
+            interrupt: also stop the running and queued generations at their next token (partial
+                rollouts, ``sync.mode: interrupt``); :meth:`resume` continues them. False (``drain``):
+                they run to the end, and a weight load queued now waits for them.
+        """
         self._resumed.clear()
+        self._interrupt = interrupt
 
     async def resume(self) -> None:
-        """Admit generation requests again."""
+        """Admit generation requests again and continue the generations a pause interrupted."""
+        self._interrupt = False
         self._resumed.set()
+        self._jobs.put(_Job("wake", None, asyncio.get_running_loop()))
 
     async def get_version(self) -> int:
         """The current policy version."""
@@ -361,7 +440,8 @@ class RolloutEngine:
     async def stats(self) -> dict:
         """Counters: ``requests`` (finished generations), ``tokens`` (generated, cancelled ones
         included), ``gen_seconds``, ``loads`` (weight loads), ``cancelled`` (generations stopped or
-        dropped because their caller went away), ``errors`` (requests the backend failed on), the
+        dropped because their caller went away), ``errors`` (requests the backend failed on),
+        ``interrupted`` (generation runs a sync interrupted and that were continued after it), the
         version, the last sync's error (None after a successful load) and ``awaiting_sync`` (restarted,
         not re-synced yet: it refuses generation)."""
         return {**self._stats, "version": self.version, "name": self.name, "awaiting_sync": self._awaiting_sync}
@@ -394,12 +474,14 @@ class RolloutEngine:
     async def receive_weights(self, version: int) -> dict:
         """Receive one sync and load it; the engine's version becomes ``version``.
 
-        Runs as an engine-thread job, so generation jobs queued before it finish on the old weights.
+        Runs as an engine-thread job, so generation jobs queued before it finish on the old weights
+        (after ``pause(interrupt=True)`` they stop at their next token instead and wait, parked).
         The whole sync is received (and its header checked) before the backend loads anything; the
         transport's ``done`` follows the load (the ipc transport acks the sender there).
 
         Returns:
-            ``{"engine", "receive_s", "load_s", "version"}`` (seconds).
+            ``{"engine", "receive_s", "load_s", "version", "interrupted"}`` (seconds; ``interrupted``:
+            generations parked by the pause, continued on the new weights at resume).
 
         Raises:
             WeightSyncError: ``"<name>: ..."``: no transport, the header's version or metadata does
@@ -440,7 +522,7 @@ class RolloutEngine:
             self._stats["loads"] += 1
             self._stats["last_sync_error"] = None
             return {"engine": self.name, "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                    "version": version}
+                    "version": version, "interrupted": len(self._parked)}
 
         return await self._call(_load)
 

@@ -54,7 +54,8 @@ class GenerateOutput:
         logprobs: log-prob of each sampled token under the sampling distribution (see module doc),
             length R, natural log units.
         finish_reason: ``"stop"`` (a stop/eos token was sampled), ``"length"`` (max_tokens hit) or
-            ``"abort"`` (cancelled by the caller part-way; never a complete reply).
+            ``"abort"`` (cancelled part-way, by the caller or by a weight sync's interrupt; never a
+            complete reply, but its tokens and log-probs so far are exact).
     """
 
     response_ids: list[int]

@@ -115,7 +115,8 @@ class VLLMBackend:
         Each output's ``logprobs`` follow the module convention (length R = len(response_ids)).
         ``on_tokens`` gets each step's new tokens as they come. ``cancelled(i)`` is polled after
         every step; a cancelled request is aborted in the engine and returns ``finish_reason
-        "abort"``. ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
+        "abort"`` with the tokens (and log-probs, same convention) it had so far: the engine
+        continues an interrupted request by re-submitting prompt + those tokens. ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
         Raises:
             ValueError: vLLM rejected a request, e.g. a prompt longer than ``max_model_len``.
             RuntimeError: a request finished for another reason than stop/length/abort.
@@ -132,9 +133,10 @@ class VLLMBackend:
                   for r in requests]
         prompts = [list(r.prompt_ids) for r in requests]
         results = self._run_stepped(prompts, params, on_tokens, cancelled)
-        # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T.
+        # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T
+        # (aborted ones too: a sync's interrupt keeps their tokens, which must carry these weights' log-probs)
         nucleus = [i for i, r in enumerate(requests)
-                   if r.top_p < 1.0 and r.temperature > 0 and results[i].finish_reason != "abort"]
+                   if r.top_p < 1.0 and r.temperature > 0 and results[i].response_ids]
         for temp in sorted({requests[i].temperature for i in nucleus}):
             idx = [i for i in nucleus if requests[i].temperature == temp]
             pairs = [(list(requests[i].prompt_ids), results[i].response_ids) for i in idx]

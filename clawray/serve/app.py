@@ -99,6 +99,13 @@ async def _next(stream: Any) -> dict:
     return await (await stream.__anext__())
 
 
+def _mixed_versions(out: dict) -> list[int] | None:
+    """An engine reply's per-token policy versions when more than one version sampled it (a partial
+    rollout), else None (every token is from ``out["policy_version"]``)."""
+    versions = out.get("token_versions") or []
+    return list(versions) if len(set(versions)) > 1 else None
+
+
 def _cancel_streams(streams: list) -> None:
     """Cancel engine streams (``ray.cancel``; a finished one is left alone): their generation stops."""
     for stream in streams:
@@ -589,7 +596,8 @@ class PolicyServer:
                     prompt_ids=call.prompt_ids, response_ids=out["response_ids"], rollout_logprobs=out["logprobs"],
                     policy_version=out["policy_version"], finish_reason=finish,
                     temperature=req.temperature, tools=req.tools, truncated=not ended,
-                    tool_parse_error=parsed.tool_parse_error, spliced=call.spliced)
+                    tool_parse_error=parsed.tool_parse_error, spliced=call.spliced,
+                    token_versions=_mixed_versions(out))
 
     async def _record(self, call: _Call, turns: list[Turn]) -> list[int | None]:
         """Record main-line turns with the tracker; returns their indexes (None when not recorded)."""

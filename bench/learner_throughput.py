@@ -1,0 +1,143 @@
+"""Learner throughput: tokens/s of clawray's ``train_step`` (FSDP2, 1 and 2 ranks) against a plain
+single-process PyTorch loop (forward + backward + AdamW) over the same samples.
+
+Samples: ``--batch`` random-token samples with the demo's sequence lengths (prompt 40-120 tokens:
+SmolLM2's chat template with its default system prompt, one or two turns of the ``brief`` task;
+response 4-48 tokens: ``env.max_tokens: 48``), fixed seed. Tokens = prompt + response tokens of the
+batch (padding not counted). Each measurement runs ``--steps`` steps after one warm-up and reports
+the median step's tokens/s:
+
+* ``plain``: one process, ``--threads`` torch threads, the HF model in fp32, one padded forward of
+  the whole batch, the token-mean policy-gradient loss ``-A * logprob`` over the response tokens
+  (log-softmax on the response positions only, as clawray's loss does),
+  backward, grad-norm clip 1.0, ``torch.optim.AdamW`` step. This machine's reference for the same
+  arithmetic without Ray, FSDP2 or clawray's loss bookkeeping.
+* ``clawray 1 rank`` / ``clawray 2 ranks``: :class:`clawray.actors.learner.LearnerGroup`
+  ``train_step`` wall time seen by the driver (each rank ``--threads`` torch threads; 2 ranks share
+  the machine's cores, so on 2 cores their scaling is bounded by the cores, not by clawray), with
+  the step's ``perf/padding_frac``.
+
+The last line is the ratio clawray 1 rank / plain (target >= 0.9) and the 2-rank scaling.
+
+    nice -n 19 env PYTHONPATH=. python bench/learner_throughput.py                      # tiny model
+    nice -n 19 env PYTHONPATH=. python bench/learner_throughput.py --model ~/.cache/clawray/models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def make_samples(n: int, vocab: int, seed: int = 0):
+    """``n`` samples of random tokens with the demo's lengths (prompt 40-120, response 4-48 tokens)."""
+    from clawray.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n):
+        p = int(torch.randint(40, 121, (1,), generator=g))
+        r = int(torch.randint(4, 49, (1,), generator=g))
+        tokens = torch.randint(10, vocab, (p + r,), generator=g).tolist()
+        out.append(Sample(tokens=tokens, prompt_len=p, loss_mask=[1] * r, rollout_logprobs=[-7.0] * r,
+                          reward=1.0 if k % 2 else -1.0, policy_version=0))
+    return out
+
+
+def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: float) -> list[float]:
+    """Seconds per step of the plain single-process loop (see the module doc); one warm-up step first."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    longest = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    attn = torch.zeros(len(samples), longest, dtype=torch.long)
+    rows, cols, adv = [], [], []  # the response positions (row b, column t predicts token t + 1)
+    for b, s in enumerate(samples):
+        ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
+        attn[b, : len(s.tokens)] = 1
+        rows += [b] * s.response_len
+        cols += list(range(s.prompt_len - 1, len(s.tokens) - 1))
+        adv += [s.reward] * s.response_len
+    rows, cols, adv = torch.tensor(rows), torch.tensor(cols), torch.tensor(adv)
+    targets = ids[rows, cols + 1]
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=attn).logits[rows, cols].float()  # [N, V], response only
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+        loss = -(adv * logp).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def clawray_steps(model_path: str, refs: list, steps: int, ranks: int, threads: int, lr: float) -> tuple[list, dict]:
+    """Seconds per ``LearnerGroup.train_step`` (driver wall time) and the last step's metrics."""
+    from clawray.actors.learner import LearnerGroup
+    from clawray.ray_env import free_port
+
+    cfg = {"num_workers": ranks, "num_cpus": 0.25, "torch_threads": threads, "lr": lr}
+    group = LearnerGroup(model_path, cfg, free_port())
+    try:
+        times, metrics = [], {}
+        for v in range(steps + 1):
+            t0 = time.perf_counter()
+            metrics = group.train_step(refs, v + 1)
+            times.append(time.perf_counter() - t0)
+        return times[1:], metrics
+    finally:
+        group.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
+    ap.add_argument("--batch", type=int, default=8, help="samples per step")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (conf/cpu.yaml: 1)")
+    ap.add_argument("--ranks", default="1,2")
+    args = ap.parse_args()
+
+    import ray
+    from transformers import AutoConfig
+
+    from clawray.models import build_tiny_model
+    from clawray.ray_env import init_ray
+
+    model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
+    samples = make_samples(args.batch, AutoConfig.from_pretrained(model).vocab_size)
+    tokens = sum(len(s.tokens) for s in samples)
+    print(f"model={model} batch={args.batch} tokens/step={tokens} steps={args.steps} threads={args.threads}")
+    lr = 1e-5
+    plain = tokens / statistics.median(plain_loop(model, samples, args.steps, args.threads, lr))
+    print(f"{'plain':>16}: {plain:9.1f} tokens/s", flush=True)
+    init_ray("", 2)
+    refs = [ray.put(s) for s in samples]
+    rates = {}
+    for n in [int(x) for x in args.ranks.split(",")]:
+        times, m = clawray_steps(model, refs, args.steps, n, args.threads, lr)
+        rates[n] = tokens / statistics.median(times)
+        print(f"{f'clawray {n} rank(s)':>16}: {rates[n]:9.1f} tokens/s  perf/padding_frac {m['perf/padding_frac']:.3f}  "
+              f"micro_batches {m['micro_batches']:.0f}", flush=True)
+    ray.shutdown()
+    line = f"clawray 1 rank / plain = {rates[1] / plain:.2f}" if 1 in rates else ""
+    if 1 in rates and 2 in rates:
+        line += f"; 2 ranks / 1 rank = {rates[2] / rates[1]:.2f}"
+    print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

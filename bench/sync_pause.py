@@ -1,0 +1,176 @@
+"""The latency a weight sync adds to the requests it overlaps, ``sync.mode`` drain vs interrupt.
+
+One RolloutEngine actor serves steady traffic: requests arrive at random (Poisson, mean gap
+``--gap`` seconds, fixed seeds, ``--max-tokens``, T = 1), each awaited on its own, so a request
+that arrives during a drain waits for it (an open loop: the hf engine serves a batch's requests one
+after the other, so keep the engine below saturation, or queueing swamps the sync's effect). Meanwhile the driver runs
+``--syncs`` weight syncs through :class:`clawray.weight_sync.WeightSyncController` (collective
+transport, gloo), one every ``--interval`` seconds; the sender is a small actor holding the model's
+weights (shifted by 1e-3 per version), standing in for the learner group, so only the engine side
+of a sync is measured. Each mode gets its own fresh engine.
+
+Added latency of a request = its latency - its token count x the median seconds per token of the
+requests that overlapped no sync (same run; the machine's load drifts between runs).
+Reported over the requests whose [start, end] overlaps a sync's [call, return]: p50 and p99, with
+the sync's own numbers: pause (``sync/pause_s``), transfer + load (the engine's receive + load
+seconds, the part no mode can avoid) and the generations interrupted. The last line is the ratio
+p99 added latency (interrupt) / mean (transfer + load); target <= 1.5.
+
+    nice -n 19 env PYTHONPATH=. python bench/sync_pause.py                  # tiny model, hf engine
+    nice -n 19 env PYTHONPATH=. python bench/sync_pause.py --model ~/.cache/clawray/models/smollm2-135m-instruct \\
+        --backend vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+
+
+class _Sender:
+    """Rank 0 of a stand-in learner group: the model's weights, shifted by 1e-3 per version."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.transport = None
+
+    def ready(self) -> int:
+        return 0
+
+    def init_weight_sender(self, world_size, host, port, plan, bucket_bytes, timeout_s, backend, transport, mailbox,
+                           check) -> None:
+        from clawray.weight_sync import make_transport
+
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = make_transport(transport, 0, world_size, plan, bucket_bytes, timeout_s, host=host, port=port,
+                                        backend=backend, mailbox=mailbox)
+
+    def sync_weights(self, version: int) -> dict:
+        state = {k: v + 1e-3 * version if v.is_floating_point() else v for k, v in self.base.items()}
+        stats = self.transport.send(state, version)
+        return {"bytes": stats["bytes"], "gather_s": 0.0, "send_s": stats["seconds"]}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``; nan when there are none."""
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop: list[int]) -> dict:
+    from clawray.actors.rollout import RolloutEngineActor
+    from clawray.engines.base import GenerateRequest
+    from clawray.weight_sync import WeightSyncController
+
+    kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.5} if args.backend == "vllm" else {}
+    engine = RolloutEngineActor.options(num_cpus=0.5).remote(args.backend, model, "rollout-0", 2, 16, kwargs)
+    sender = ray.remote(_Sender).options(num_cpus=0.1).remote(model)
+    await engine.ready.remote()
+    plan = await engine.weight_specs.remote()
+    ctl = WeightSyncController([sender], [engine], ["rollout-0"], plan, timeout_s=120.0, mode=mode)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, ctl.connect)
+    requests: list[tuple[float, float, int]] = []  # (start, end, tokens)
+    stop_at = [float("inf")]
+
+    async def one(k: int) -> None:
+        req = GenerateRequest(prompt_ids=prompts[k % len(prompts)], max_tokens=args.max_tokens, temperature=1.0,
+                              stop_token_ids=stop, seed=k)
+        t0 = time.perf_counter()
+        out = await engine.generate.remote(req)
+        requests.append((t0, time.perf_counter(), len(out["response_ids"])))
+
+    async def arrivals() -> None:  # open loop: Poisson arrivals, fixed seed
+        rng, tasks, k = random.Random(0), [], 0
+        while time.perf_counter() < stop_at[0]:
+            tasks.append(asyncio.ensure_future(one(k)))
+            k += 1
+            await asyncio.sleep(rng.expovariate(1.0 / args.gap))
+        await asyncio.gather(*tasks)
+
+    clients = [asyncio.ensure_future(arrivals())]
+    syncs: list[tuple[float, float, dict]] = []
+    await asyncio.sleep(args.warmup)
+    for v in range(1, args.syncs + 1):
+        t0 = time.perf_counter()
+        result = await loop.run_in_executor(None, ctl.sync, v)
+        syncs.append((t0, time.perf_counter(), result))
+        if not result["ok"]:
+            raise RuntimeError(result["error"])
+        await asyncio.sleep(args.interval)
+    stop_at[0] = time.perf_counter()
+    await asyncio.gather(*clients)
+    await loop.run_in_executor(None, ctl.close)
+    ray.kill(engine)
+    ray.kill(sender)
+
+    def overlaps(s: float, e: float) -> bool:
+        return any(s < pe and e > ps for ps, pe, _ in syncs)
+
+    clean = [(e - s) / max(n, 1) for s, e, n in requests if not overlaps(s, e)]
+    per_token = statistics.median(clean) if clean else float("nan")
+    added = [(e - s) - per_token * n for s, e, n in requests if overlaps(s, e)]
+    results = [r for _, _, r in syncs]
+    return {
+        "requests": len(requests), "overlapping": len(added), "clean": len(clean), "s_per_token": per_token,
+        "p50": _percentile(added, 0.5), "p99": _percentile(added, 0.99),
+        "pause_s": statistics.mean(r["pause_s"] for r in results),
+        "transfer_load_s": statistics.mean(r["receive_s"]["rollout-0"] + r["load_s"]["rollout-0"] for r in results),
+        "interrupted": sum(r["interrupted"] for r in results),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--gap", type=float, default=1.5, help="mean seconds between request arrivals (Poisson)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--syncs", type=int, default=6)
+    ap.add_argument("--interval", type=float, default=6.0, help="seconds between syncs")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of traffic before the first sync")
+    ap.add_argument("--modes", default="drain,interrupt")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from clawray.envs.arith import make_problems
+    from clawray.models import build_tiny_model
+    from clawray.ray_env import init_ray
+
+    model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
+    init_ray("", 2)
+    tok = AutoTokenizer.from_pretrained(model)
+    questions = [p.question for p in make_problems(32, level=1, seed=0)]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for q in questions]
+    stop = [tok.convert_tokens_to_ids(tok.eos_token)]
+    print(f"model={model} backend={args.backend} gap={args.gap}s max_tokens={args.max_tokens} "
+          f"syncs={args.syncs} interval={args.interval}s")
+    print(f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
+          f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11}")
+    rows = {}
+    for mode in args.modes.split(","):
+        r = rows[mode] = asyncio.run(_run_mode(mode, args, model, prompts, stop))
+        print(f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
+              f"{r['p99']:>11.3f} "
+              f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11}", flush=True)
+    for mode, r in rows.items():
+        print(f"{mode}: p99 added latency / (transfer + load) = {r['p99'] / r['transfer_load_s']:.2f}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Partial rollouts (``sync.mode: interrupt``): a weight sync stops the running generations at their
+current token, loads the new weights and continues the same requests; each token keeps the
+log-prob and the policy version of the weights that sampled it, and staleness counts from the
+oldest token. The engine runs in this process (hf backend, tiny model); the "transport" hands the
+engine a perturbed copy of its own weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from clawray.actors.rollout import RolloutEngine, continue_request
+from clawray.engines.base import GenerateRequest
+from clawray.types import Sample, Turn
+
+PROMPT = [5, 6, 7, 8]
+
+
+class _LocalTransport:
+    """Stands in for a weight-sync transport: ``receive`` yields the given state dict."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def receive(self, expected_version: int):
+        return list(self.state.items())
+
+    def done(self, ok: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = RolloutEngine("hf", tiny_model, "rollout-0", torch_threads=1)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(eng.ready())
+    yield eng, loop
+    eng._jobs.put(None)
+    loop.close()
+
+
+def _score(engine: RolloutEngine, state: dict, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Log-probs of ``response`` after ``prompt`` under ``state`` (one forward pass, T = 1)."""
+    backend = engine._backend
+    backend.model.load_state_dict(state)
+    return torch.tensor(backend.score(prompt, response, 1.0))
+
+
+def test_a_sync_interrupts_a_long_generation_which_continues_on_the_new_weights(engine):
+    eng, loop = engine
+    v0 = {k: v.clone() for k, v in eng._backend.model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    v1 = {k: v + 0.1 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone()
+          for k, v in v0.items()}
+    eng._transport = _LocalTransport(v1)
+    # no stop ids and no eos in the tiny model's reach: both requests run to max_tokens
+    eng._backend.eos_ids = []
+    streamed: list[int] = []
+
+    async def consume(stream) -> dict:
+        async for item in stream:
+            streamed.extend(item.get("token_ids", []))
+            if item.get("done"):
+                await stream.aclose()
+                return item
+        raise AssertionError("the stream ended without its final item")
+
+    async def scenario():
+        stream = eng.generate_stream(GenerateRequest(PROMPT, max_tokens=60, temperature=1.0, seed=3))
+        assert await stream.__anext__() == {"admitted": True}
+        reader = asyncio.ensure_future(consume(stream))
+        queued = asyncio.ensure_future(eng.generate(GenerateRequest([9, 10, 11], max_tokens=8, temperature=1.0)))
+        while len(streamed) < 5:
+            await asyncio.sleep(0.005)
+        await eng.pause(interrupt=True)
+        loaded = await eng.receive_weights(1)
+        await asyncio.sleep(0.3)  # paused and interrupted: the reader gets every v0 token, no new one is sampled
+        at_sync = len(streamed)
+        await eng.resume()
+        return await reader, loaded, at_sync, await queued
+
+    final, loaded, at_sync, queued = loop.run_until_complete(scenario())
+    # one uninterrupted reply: the stream's ids are the reply's ids, max_tokens long
+    assert final["response_ids"] == streamed and len(streamed) == 60 and final["finish_reason"] == "length"
+    versions = final["token_versions"]
+    k = versions.index(1)
+    # the versions switch exactly once, at the sync: every token streamed before the load is v0
+    assert versions == [0] * k + [1] * (60 - k) and k == at_sync and 5 <= k < 60
+    assert final["policy_version"] == 0  # the oldest token's version
+    assert loaded["interrupted"] == 2 and loaded["version"] == 1  # the stream and the queued request
+    # each token's stored log-prob is its own version's scoring of it
+    ids, lps = final["response_ids"], torch.tensor(final["logprobs"])
+    torch.testing.assert_close(lps[:k], _score(eng, v0, PROMPT, ids[:k]), atol=1e-5, rtol=0)
+    v1_scores = _score(eng, v1, PROMPT + ids[:k], ids[k:])
+    torch.testing.assert_close(lps[k:], v1_scores, atol=1e-5, rtol=0)
+    # and not the other version's (so the check above can tell them apart)
+    assert (lps[k:] - _score(eng, v0, PROMPT + ids[:k], ids[k:])).abs().max() > 1e-2
+    # the request queued behind it did not start before the load: all of it is v1
+    assert queued["token_versions"] == [1] * 8 and queued["policy_version"] == 1
+    torch.testing.assert_close(torch.tensor(queued["logprobs"]), _score(eng, v1, [9, 10, 11], queued["response_ids"]),
+                               atol=1e-5, rtol=0)
+    stats = loop.run_until_complete(eng.stats())
+    assert stats["interrupted"] == 2 and stats["requests"] == 2 and stats["cancelled"] == 0
+    eng._backend.model.load_state_dict(v1)  # the engine serves v1 (the scoring above swapped weights)
+
+
+def _turn(versions: list[int]) -> Turn:
+    return Turn(session_id="s", turn_index=1, messages=[], response_message={}, prompt_ids=PROMPT,
+                response_ids=[20 + i for i in range(len(versions))], rollout_logprobs=[-1.0] * len(versions),
+                policy_version=min(versions), finish_reason="stop", token_versions=versions)
+
+
+def test_staleness_of_a_partial_rollout_counts_from_its_oldest_token():
+    """Tokens sampled by v0 and v1: trained into v2 its staleness is 2 (not 1), so a cap of 1 drops it."""
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.serve.app import _mixed_versions
+
+    out = {"response_ids": [20, 21, 22, 23], "token_versions": [0, 0, 1, 1], "policy_version": 0}
+    assert _mixed_versions(out) == [0, 0, 1, 1]
+    assert _mixed_versions({**out, "token_versions": [1, 1, 1, 1], "policy_version": 1}) is None
+    sample = Sample.from_turn(_turn([0, 0, 1, 1]), reward=1.0)
+    assert sample.policy_version == 0 and sample.token_versions == [0, 0, 1, 1]
+
+    async def scenario(cap: int):
+        q = TrajectoryQueue(max_staleness=cap)
+        await q.put(["partial"], sample.policy_version)
+        return await q.get_batch(1, next_version=2, timeout_s=0.05), await q.stats()
+
+    batch, _ = asyncio.run(scenario(2))
+    assert batch["staleness"] == [2]
+    batch, stats = asyncio.run(scenario(1))
+    assert batch is None and stats["dropped"] == {"stale": 1}
+
+
+def test_a_sample_whose_version_is_not_its_oldest_token_is_refused():
+    with pytest.raises(ValueError, match="policy_version 1 is not the oldest token version 0"):
+        Sample(tokens=PROMPT + [20, 21], prompt_len=4, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0], reward=1.0,
+               policy_version=1, token_versions=[0, 1])
+    with pytest.raises(ValueError, match="token_versions has length 1, expected R=2"):
+        Sample(tokens=PROMPT + [20, 21], prompt_len=4, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0], reward=1.0,
+               policy_version=0, token_versions=[0])
+
+
+def test_continue_request_resubmits_the_prompt_plus_the_tokens_so_far():
+    req = GenerateRequest(PROMPT, max_tokens=10, temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5)
+    assert continue_request(req, []) is req
+    nxt = continue_request(req, [20, 21, 22])
+    assert (nxt.prompt_ids, nxt.max_tokens, nxt.temperature, nxt.top_p, nxt.stop_token_ids) == (
+        PROMPT + [20, 21, 22], 7, 0.7, 0.9, [2])
+    assert nxt.seed == continue_request(req, [20, 21, 22]).seed != 5  # deterministic, a fresh stream
+    assert req.prompt_ids == PROMPT  # the original request is left as it was
+    with pytest.raises(ValueError, match="nothing left to continue"):
+        continue_request(req, list(range(10)))
+
+
+def test_an_unknown_sync_mode_is_refused():
+    from clawray.config import load_config
+    from clawray.weight_sync import WeightSyncController
+
+    with pytest.raises(ValueError, match="unknown sync mode 'pause'"):
+        WeightSyncController([], [], [], [], mode="pause")
+    assert load_config(["conf/rl.yaml"], []).sync.mode == "interrupt"
+    with pytest.raises(ValueError, match="sync.mode"):
+        load_config(["conf/rl.yaml"], ["sync.mode=pause"])
