@@ -372,12 +372,12 @@ class Driver:
         """
         t0 = time.perf_counter()
         next_version = self.version + 1
-        batch, refs, samples = self._take_batch(next_version)
+        batch, refs, metas = self._take_batch(next_version)
         t_wait = time.perf_counter() - t0
-        adv = batch_advantages([s.reward for s in samples], self.guard, self.cfg.trainer.advantage,
-                               [tuple(s.tokens[: s.prompt_len]) for s in samples])
+        adv = batch_advantages([m.reward for m in metas], self.guard, self.cfg.trainer.advantage,
+                               [m.prompt_key for m in metas])
         skipped = "" if adv.train and refs else "degenerate"
-        train, skipped = self._train(refs, samples, adv.advantages, next_version, skipped)
+        train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
         t_train = time.perf_counter() - t0 - t_wait
         sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
         if not skipped:
@@ -389,7 +389,7 @@ class Driver:
         self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = self._periodic_checkpoint()
         timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
-        metrics, dropped = self._step_metrics(batch, samples, adv, skipped, train, timing, t0)
+        metrics, dropped = self._step_metrics(batch, metas, adv, skipped, train, timing, t0)
         if sync_error:
             metrics["sync_error"] = sync_error
         self._log_step(metrics, dropped, adv, train, skipped, sync_s, sync_error, t_wait, t_train)
@@ -397,8 +397,10 @@ class Driver:
 
     def _take_batch(self, next_version: int) -> tuple[dict, list, list]:
         """The next batch from the queue (``trainer.batch_size`` .. ``max_batch_size`` samples), without
-        its all-masked samples (they only cost compute; counted): ``(batch, refs, samples)``. The batch
-        is in flight (requeued by a checkpoint) until :meth:`_train` has decided on it.
+        its all-masked samples (they only cost compute; counted): ``(batch, refs, metas)``, the kept
+        samples' object refs and :class:`~clawray.types.SampleMeta`. The driver never fetches a sample
+        (only the learners do). The batch is in flight (requeued by a checkpoint) until :meth:`_train`
+        has decided on it.
 
         Raises:
             TimeoutError: no full batch arrived within ``trainer.batch_timeout_s``.
@@ -412,17 +414,14 @@ class Driver:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
-        samples = ray.get(batch["refs"])
-        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"],
-                           "seqs": batch["seqs"]}
-        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0]
-        self.all_masked_dropped += len(samples) - len(keep)
+        keep = [i for i, m in enumerate(batch["meta"]) if m.trainable_tokens > 0]
+        self.all_masked_dropped += len(batch["meta"]) - len(keep)
         refs = [batch["refs"][i] for i in keep]
-        samples = [samples[i] for i in keep]
-        self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
-        return batch, refs, samples
+        metas = [batch["meta"][i] for i in keep]
+        self._in_flight = {"next_version": next_version, "metas": metas, "seqs": batch["seqs"]}
+        return batch, refs, metas
 
-    def _train(self, refs: list, samples: list, advantages: list[float], next_version: int,
+    def _train(self, refs: list, metas: list, advantages: list[float], next_version: int,
                skipped: str) -> tuple[dict[str, Any], str]:
         """Train the batch on every learner unless ``skipped``; returns ``(train metrics, skipped)``
         (``"nonfinite"`` when the learners skipped every optimizer step). The journal marks the batch
@@ -433,8 +432,8 @@ class Driver:
             if train["skipped"]:
                 skipped = "nonfinite"
             else:
-                self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
-                self.samples_trained += len(samples)
+                self.trained_samples.extend((m.session_id, m.turn_index) for m in metas)
+                self.samples_trained += len(metas)
                 self._in_flight["counted"] = True
         # [journal hook] the batch is consumed by this step (a resume from an older checkpoint replays it);
         # it stays in flight until the step is complete (see step)
@@ -474,7 +473,7 @@ class Driver:
             return self.last_checkpoint["seconds"]
         return 0.0
 
-    def _step_metrics(self, batch: dict, samples: list, adv: BatchAdvantages, skipped: str, train: dict,
+    def _step_metrics(self, batch: dict, metas: list, adv: BatchAdvantages, skipped: str, train: dict,
                       timing: dict[str, float], t0: float) -> tuple[dict[str, Any], dict[str, int]]:
         """The step's metrics row (see README) and the cumulative drop counts by reason; ``timing/step_s``
         is measured from ``t0`` (``time.perf_counter()`` at the step's start)."""
@@ -489,9 +488,9 @@ class Driver:
         rewarded = adv.rewarded
         metrics = {
             "policy_version": self.version,
-            "samples": len(samples),
+            "samples": len(metas),
             # pure OPD samples carry no reward: no value (null), not a 0
-            "reward_mean": sum(float(samples[i].reward) for i in rewarded) / len(rewarded) if rewarded else math.nan,
+            "reward_mean": sum(float(metas[i].reward) for i in rewarded) / len(rewarded) if rewarded else math.nan,
             "skipped": skipped or "no",
             **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
             "inv/nonzero_reward_frac": adv.signal["nonzero_reward_frac"],
@@ -591,11 +590,11 @@ class Driver:
             if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the step ended
                 steps_done += 1
                 if not self._in_flight.get("counted"):
-                    samples_trained += len(self._in_flight["samples"])
-                    self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
+                    samples_trained += len(self._in_flight["metas"])
+                    self.trained_samples.extend((m.session_id, m.turn_index) for m in self._in_flight["metas"])
                 ray.get(self.queue.consumed.remote(self._in_flight["seqs"], steps_done, True))  # [journal hook]
             else:  # not trained: unconsumed in the journal, so a resume queues it again
-                queued += len(self._in_flight["samples"])
+                queued += len(self._in_flight["metas"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "all_masked_dropped": self.all_masked_dropped,
                  "samples_trained": samples_trained,

@@ -23,6 +23,7 @@ import pytest
 import ray
 
 from clawray.journal import SampleState, read_records
+from clawray.types import SampleMeta
 from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
@@ -165,7 +166,7 @@ def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray
     errors = []
     try:
         for i in range(3):
-            ray.get(d.queue.put.remote([ray.put(sample(i))], 0))
+            ray.get(d.queue.put.remote([ray.put(sample(i))], SampleMeta.of(sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         while not d.history and runner.is_alive():
@@ -174,7 +175,7 @@ def test_kill_learner_stops_with_one_line_and_resume_trains_each_sample_once(ray
         pid = ray.get(d.learners.workers[1].__ray_call__.remote(lambda self: os.getpid()))
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        ray.get(d.queue.put.remote([ray.put(sample(3))], 0))
+        ray.get(d.queue.put.remote([ray.put(sample(3))], SampleMeta.of(sample(3))))
         runner.join(120)
         stop_s = time.monotonic() - t_kill
         assert not runner.is_alive()

@@ -55,7 +55,7 @@ from clawray.algos.algorithm import Scorers, make_algorithm
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
 from clawray.records import JsonlRecords
-from clawray.types import Sample, Turn
+from clawray.types import Sample, SampleMeta, Turn
 
 
 MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
@@ -331,7 +331,7 @@ class SessionTracker:
 
     async def _emit(self, s: _Session, sample: Sample) -> None:
         s.effective = True
-        await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
+        await self.queue.put.remote([ray.put(sample)], SampleMeta.of(sample))
         self.counts["samples"] += 1
 
     def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
