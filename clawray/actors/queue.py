@@ -34,8 +34,8 @@ every live journaled sample again with its policy version. Checkpoints do not ca
 from __future__ import annotations
 
 import asyncio
-import time
 import dataclasses
+import time
 from collections import Counter, deque
 
 import ray
