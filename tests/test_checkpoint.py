@@ -39,8 +39,10 @@ def test_commit_is_atomic_and_prunes(tmp_path):
 def test_queue_rejects_too_long_samples_with_a_counted_reason():
     async def scenario():
         q = TrajectoryQueue(max_staleness=2, max_tokens=10)
-        assert await q.put(["fits"], 0, num_tokens=10) == 1
-        assert await q.put(["too-long"], 0, num_tokens=11) == 1  # rejected at admission
+        def meta(n):
+            return SampleMeta(policy_version=0, reward=1.0, num_tokens=n, trainable_tokens=1, prompt_key="p")
+        assert await q.put(["fits"], meta(10)) == 1
+        assert await q.put(["too-long"], meta(11)) == 1  # rejected at admission, from the metadata
         return await q.stats()
 
     assert asyncio.run(scenario()) == {"size": 1, "put": 1, "taken": 0, "dropped": {"too_long": 1}}
