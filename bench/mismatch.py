@@ -24,6 +24,7 @@ from clawray.actors.rollout import RolloutEngineActor
 from clawray.engines.base import GenerateRequest
 from clawray.ray_env import free_port, init_ray
 from clawray.types import Sample
+from clawray.weight_sync import TransportSpec
 
 LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=0.0, weight_decay=0.0, betas=[0.9, 0.98],
                grad_clip=1.0, eps=0.2, eps_high=0.28, dist_timeout_s=120)
@@ -38,9 +39,8 @@ def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, ma
         ray.get(engine.ready.remote())
         plan = ray.get(engine.weight_specs.remote())
         port = free_port()
-        ray.get(learners.init_weight_sender(world_size=2, host="127.0.0.1", port=port, plan=plan,
-                                            bucket_bytes=64 << 20, timeout_s=120)
-                + [engine.init_weight_receiver.remote(1, 2, "127.0.0.1", port, plan, 64 << 20, 120)])
+        spec = TransportSpec("collective", 2, plan, bucket_bytes=64 << 20, timeout_s=120, port=port)
+        ray.get(learners.init_weight_sender(spec) + [engine.init_weight_receiver.remote(1, spec)])
         prompt = list(range(10, 30))
         rows = []
         for step in range(steps):

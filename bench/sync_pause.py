@@ -49,14 +49,12 @@ class _Sender:
     def ready(self) -> int:
         return 0
 
-    def init_weight_sender(self, world_size, host, port, plan, bucket_bytes, timeout_s, backend, transport, mailbox,
-                           check) -> None:
+    def init_weight_sender(self, spec, check=True) -> None:
         from clawray.weight_sync import make_transport
 
         if self.transport is not None:
             self.transport.close()
-        self.transport = make_transport(transport, 0, world_size, plan, bucket_bytes, timeout_s, host=host, port=port,
-                                        backend=backend, mailbox=mailbox)
+        self.transport = make_transport(spec, 0)
 
     def sync_weights(self, version: int) -> dict:
         state = {k: v + 1e-3 * version if v.is_floating_point() else v for k, v in self.base.items()}

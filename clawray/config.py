@@ -34,7 +34,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from clawray.algos.algorithm import algorithm_class
+from clawray.algos.algorithm import REGISTRY, algorithm_class
 
 
 class ConfigError(ValueError):
@@ -400,7 +400,9 @@ class MonitorConfig:
 class TrainerConfig:
     """The driver loop."""
 
-    algo: str = choice("rl", "opd", "combine")  # Binary RL, on-policy distillation, both
+    # the registered algorithms (clawray/algos/algorithm.py): rl = Binary RL, opd = on-policy distillation,
+    # combine = both, ...; a new variant registered there is a valid value here
+    algo: str = choice(*REGISTRY)
     batch_size: int = num(4, ge=1)  # the least samples per policy update (the driver waits for them)
     # the most samples per policy update: every fresh queued sample up to this many is taken, oldest
     # version first, so few go stale when the learner is the bottleneck (see clawray.actors.queue)

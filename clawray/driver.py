@@ -96,15 +96,16 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
     return out
 
 
-def sample_groups(samples: list, group_by: str) -> list:
-    """The group key of each sample under ``trainer.group_by`` (:func:`clawray.algos.rejection.group_keys`)."""
+def sample_groups(metas: list, group_by: str) -> list:
+    """The group key of each sample (:class:`~clawray.types.SampleMeta`) under ``trainer.group_by``
+    (:func:`clawray.algos.rejection.group_keys`)."""
     from clawray.algos.rejection import group_keys
 
-    return group_keys(group_by, [s.tokens[: s.prompt_len] for s in samples],
-                      [s.info.get("opening", s.session_id) for s in samples], [s.turn_index for s in samples])
+    return group_keys(group_by, [m.prompt_key for m in metas], [m.opening_key for m in metas],
+                      [m.turn_index for m in metas])
 
 
-def credit_metrics(samples: list, tracker_stats: dict) -> dict[str, float]:
+def credit_metrics(metas: list, tracker_stats: dict) -> dict[str, float]:
     """Long-horizon credit and shaping figures of one step (see :mod:`clawray.algos.credit`).
 
     - ``credit/turns_waiting``: judged turns waiting in the tracker for their session's end (now);
@@ -117,12 +118,12 @@ def credit_metrics(samples: list, tracker_stats: dict) -> dict[str, float]:
     out: dict[str, float] = {"credit/turns_waiting": float(tracker_stats.get("credit/turns_waiting", 0))}
     if "credit/mean_session_turns" in tracker_stats:
         out["credit/mean_session_turns"] = float(tracker_stats["credit/mean_session_turns"])
-    outcomes = [s.info["outcome"] for s in samples if "outcome" in s.info]
+    outcomes = [m.outcome for m in metas if m.outcome is not None]
     out["reward/outcome_mean"] = sum(outcomes) / len(outcomes) if outcomes else math.nan
-    rewarded = [s for s in samples if s.reward is not None]
-    names = sorted({n for s in rewarded for n in s.info.get("shaping", {})})
+    rewarded = [m for m in metas if m.reward is not None]
+    names = sorted({n for m in rewarded for n in m.shaping})
     for name in names:
-        out[f"reward/shaping/{name}"] = sum(s.info.get("shaping", {}).get(name, 0.0) for s in rewarded) / len(rewarded)
+        out[f"reward/shaping/{name}"] = sum(dict(m.shaping).get(name, 0.0) for m in rewarded) / len(rewarded)
     return out
 
 
@@ -465,12 +466,12 @@ class Driver:
         """
         t0 = time.perf_counter()
         next_version = self.version + 1
-        batch, refs, samples = self._take_batch(next_version)
+        batch, refs, metas = self._take_batch(next_version)
         t_wait = time.perf_counter() - t0
-        adv = batch_advantages([s.reward for s in samples], self.guard, self.cfg.trainer.advantage,
-                               sample_groups(samples, self.cfg.trainer.group_by))
+        adv = batch_advantages([m.reward for m in metas], self.guard, self.cfg.trainer.advantage,
+                               sample_groups(metas, self.cfg.trainer.group_by))
         skipped = "" if adv.train and refs else "degenerate"
-        train, skipped = self._train(refs, samples, adv.advantages, next_version, skipped)
+        train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
         t_train = time.perf_counter() - t0 - t_wait
         sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
         if not skipped:
@@ -483,7 +484,7 @@ class Driver:
         self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = self._periodic_checkpoint()
         timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
-        metrics, dropped = self._step_metrics(batch, samples, adv, skipped, train, timing, t0)
+        metrics, dropped = self._step_metrics(batch, metas, adv, skipped, train, timing, t0)
         metrics.update(behaviour)
         if sync_error:
             metrics["sync_error"] = sync_error
@@ -492,8 +493,10 @@ class Driver:
 
     def _take_batch(self, next_version: int) -> tuple[dict, list, list]:
         """The next batch from the queue (``trainer.batch_size`` .. ``max_batch_size`` samples), without
-        its all-masked samples (they only cost compute; counted): ``(batch, refs, samples)``. The batch
-        is in flight (requeued by a checkpoint) until :meth:`_train` has decided on it.
+        its all-masked samples (they only cost compute; counted): ``(batch, refs, metas)``, the kept
+        samples' object refs and :class:`~clawray.types.SampleMeta`. The driver never fetches a sample
+        (only the learners do). The batch is in flight (requeued by a checkpoint) until :meth:`_train`
+        has decided on it.
 
         Raises:
             TimeoutError: no full batch arrived within ``trainer.batch_timeout_s``.
@@ -507,19 +510,18 @@ class Driver:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "
                                f"sessions: {ray.get(self.tracker.stats.remote())})")
-        samples = ray.get(batch["refs"])
-        self._in_flight = {"next_version": next_version, "samples": samples, "versions": batch["versions"],
-                           "seqs": batch["seqs"]}
+        self._in_flight = {"next_version": next_version, "metas": batch["meta"], "seqs": batch["seqs"]}
         rejected: set[int] = set()
         if cfg.trainer.dynamic_sampling:
-            batch, samples, rejected = self._fill_dynamic(batch, samples, next_version)
-            self._in_flight.update(samples=samples, versions=batch["versions"], seqs=batch["seqs"])
-        keep = [i for i, s in enumerate(samples) if sum(s.loss_mask) > 0 and i not in rejected]
-        self.all_masked_dropped += sum(1 for i, s in enumerate(samples) if sum(s.loss_mask) == 0 and i not in rejected)
+            batch, rejected = self._fill_dynamic(batch, next_version)
+            self._in_flight.update(metas=batch["meta"], seqs=batch["seqs"])
+        keep = [i for i, m in enumerate(batch["meta"]) if m.trainable_tokens > 0 and i not in rejected]
+        self.all_masked_dropped += sum(1 for i, m in enumerate(batch["meta"]) if m.trainable_tokens == 0
+                                       and i not in rejected)
         refs = [batch["refs"][i] for i in keep]
-        samples = [samples[i] for i in keep]
-        self._in_flight.update(samples=samples, versions=[batch["versions"][i] for i in keep])
-        return batch, refs, samples
+        metas = [batch["meta"][i] for i in keep]
+        self._in_flight = {"next_version": next_version, "metas": metas, "seqs": batch["seqs"]}
+        return batch, refs, metas
 
     def entropy_coef(self) -> float:
         """The entropy-bonus coefficient of the next update: the entropy controller's plus the
@@ -563,12 +565,12 @@ class Driver:
                                              mon.k, mon.max_tokens, mon.seed, mon.ngram)
         return self._probe_obj
 
-    def _fill_dynamic(self, batch: dict, samples: list, next_version: int) -> tuple[dict, list, set[int]]:
+    def _fill_dynamic(self, batch: dict, next_version: int) -> tuple[dict, set[int]]:
         """DAPO dynamic sampling (:mod:`clawray.algos.rejection`): while fewer than
         ``trainer.batch_size`` samples lie in groups with reward variance, take more from the queue
         (at least one sample at a time, up to ``max_batch_size`` each), for at most
-        ``trainer.dynamic_sampling_wait_s`` seconds; returns ``(merged batch, its samples, indexes of
-        the rejected zero-variance samples)``, counted as ``dropped/zero_variance``. Every taken sample
+        ``trainer.dynamic_sampling_wait_s`` seconds; returns ``(merged batch, indexes of the rejected
+        zero-variance samples)``, decided on the samples' metadata, counted as ``dropped/zero_variance``. Every taken sample
         stays in the batch's journal marks (consumed by this step, rejected or trained)."""
         from clawray.algos.rejection import zero_variance
         from clawray.recovery import wait_batch
@@ -576,19 +578,19 @@ class Driver:
         tr = self.cfg.trainer
         deadline = time.monotonic() + tr.dynamic_sampling_wait_s
         while True:
-            rejected = set(zero_variance(sample_groups(samples, tr.group_by), [s.reward for s in samples]))
+            metas = batch["meta"]
+            rejected = set(zero_variance(sample_groups(metas, tr.group_by), [m.reward for m in metas]))
             remaining = deadline - time.monotonic()
-            if len(samples) - len(rejected) >= tr.batch_size or remaining <= 0:
+            if len(metas) - len(rejected) >= tr.batch_size or remaining <= 0:
                 break
             more = wait_batch(self, 1, next_version, remaining, tr.max_batch_size)
             if more is None:
                 continue
-            batch = {k: batch[k] + more[k] for k in ("refs", "versions", "staleness", "seqs")}
-            samples = samples + ray.get(more["refs"])
+            batch = {k: batch[k] + more[k] for k in ("refs", "meta", "versions", "staleness", "seqs")}
         self.zero_variance_dropped += len(rejected)
-        return batch, samples, rejected
+        return batch, rejected
 
-    def _train(self, refs: list, samples: list, advantages: list[float], next_version: int,
+    def _train(self, refs: list, metas: list, advantages: list[float], next_version: int,
                skipped: str) -> tuple[dict[str, Any], str]:
         """Train the batch on every learner unless ``skipped``; returns ``(train metrics, skipped)``
         (``"nonfinite"`` when the learners skipped every optimizer step). The journal marks the batch
@@ -607,9 +609,9 @@ class Driver:
             if train["skipped"]:
                 skipped = "nonfinite"
             else:
-                self.trained_samples.extend((s.session_id, s.turn_index) for s in samples)
-                self._trained_since_ckpt += len(samples)
-                self.samples_trained += len(samples)
+                self.trained_samples.extend((m.session_id, m.turn_index) for m in metas)
+                self._trained_since_ckpt += len(metas)
+                self.samples_trained += len(metas)
                 self._in_flight["counted"] = True
         # [journal hook] the batch is consumed by this step (a resume from an older checkpoint replays it);
         # it stays in flight until the step is complete (see step)
@@ -656,7 +658,7 @@ class Driver:
             return self.last_checkpoint["seconds"]
         return 0.0
 
-    def _step_metrics(self, batch: dict, samples: list, adv: BatchAdvantages, skipped: str, train: dict,
+    def _step_metrics(self, batch: dict, metas: list, adv: BatchAdvantages, skipped: str, train: dict,
                       timing: dict[str, float], t0: float) -> tuple[dict[str, Any], dict[str, int]]:
         """The step's metrics row (see README) and the cumulative drop counts by reason; ``timing/step_s``
         is measured from ``t0`` (``time.perf_counter()`` at the step's start)."""
@@ -673,9 +675,9 @@ class Driver:
         rewarded = adv.rewarded
         metrics = {
             "policy_version": self.version,
-            "samples": len(samples),
+            "samples": len(metas),
             # pure OPD samples carry no reward: no value (null), not a 0
-            "reward_mean": sum(float(samples[i].reward) for i in rewarded) / len(rewarded) if rewarded else math.nan,
+            "reward_mean": sum(float(metas[i].reward) for i in rewarded) / len(rewarded) if rewarded else math.nan,
             "skipped": skipped or "no",
             **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
             "inv/nonzero_reward_frac": adv.signal["nonzero_reward_frac"],
@@ -692,7 +694,7 @@ class Driver:
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
             **gen_metrics,
-            **credit_metrics(samples, tstats),
+            **credit_metrics(metas, tstats),
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
             "samples_in": qstats["put"],
@@ -779,11 +781,11 @@ class Driver:
             if learner_version >= self._in_flight["next_version"]:  # trained, interrupted before the step ended
                 steps_done += 1
                 if not self._in_flight.get("counted"):
-                    samples_trained += len(self._in_flight["samples"])
-                    self.trained_samples.extend((s.session_id, s.turn_index) for s in self._in_flight["samples"])
+                    samples_trained += len(self._in_flight["metas"])
+                    self.trained_samples.extend((m.session_id, m.turn_index) for m in self._in_flight["metas"])
                 ray.get(self.queue.consumed.remote(self._in_flight["seqs"], steps_done, True))  # [journal hook]
             else:  # not trained: unconsumed in the journal, so a resume queues it again
-                queued += len(self._in_flight["samples"])
+                queued += len(self._in_flight["metas"])
         state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
                  "entropy": dataclasses.asdict(self.entropy), "behaviour": dataclasses.asdict(self.behaviour),
                  "all_masked_dropped": self.all_masked_dropped,

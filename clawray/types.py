@@ -1,7 +1,10 @@
-"""The records that flow through clawray: a served :class:`Turn` and a training :class:`Sample`."""
+"""The records that flow through clawray: a served :class:`Turn`, a training :class:`Sample`, and the
+:class:`SampleMeta` the queue carries beside each sample's object ref (what the driver reads; only the
+learners fetch the payload)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,3 +141,49 @@ class Sample:
             info=dict(info),
             token_versions=None if turn.token_versions is None else list(turn.token_versions),
         )
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """The few scalars of a :class:`Sample` that the driver needs to take a batch, compute its
+    advantages and log the step; the queue keeps them beside the sample's object ref, so the driver
+    never fetches a payload (token lists, logprobs, teacher top-k arrays): only the learners do.
+
+    Attributes:
+        policy_version: version of the policy that generated the response.
+        reward: the sample's scalar reward, or None (pure OPD).
+        num_tokens: prompt + response length P + R, in tokens.
+        trainable_tokens: response tokens that carry gradient (``sum(loss_mask)``); 0 = all-masked.
+        prompt_key: a digest of the prompt token ids (blake2b, 128 bits, hex): equal prompts, equal
+            keys; the GRPO group of the sample.
+        kind: ``"rl"`` | ``"opd"`` | ``"combine"``.
+        session_id, turn_index: where the sample came from ("trained once" audits).
+        opening_key: the session's opening (``info["opening"]``, else the session id): its group
+            under ``trainer.group_by=session_prefix``.
+        outcome: the session outcome the sample's return includes (``info["outcome"]``), or None.
+        shaping: ``((term, signed contribution), ...)`` of the dense shaping terms (``info["shaping"]``).
+    """
+
+    policy_version: int
+    reward: float | None
+    num_tokens: int
+    trainable_tokens: int
+    prompt_key: str
+    kind: str = "rl"
+    session_id: str = ""
+    turn_index: int = 0
+    opening_key: str = ""
+    outcome: float | None = None
+    shaping: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def of(cls, sample: Sample) -> "SampleMeta":
+        """The metadata of ``sample`` (computed where the sample is built, before it is queued)."""
+        prompt = ",".join(map(str, sample.tokens[: sample.prompt_len])).encode()
+        return cls(policy_version=int(sample.policy_version), reward=sample.reward, num_tokens=len(sample.tokens),
+                   trainable_tokens=int(sum(sample.loss_mask)),
+                   prompt_key=hashlib.blake2b(prompt, digest_size=16).hexdigest(), kind=sample.kind,
+                   session_id=sample.session_id, turn_index=sample.turn_index,
+                   opening_key=str(sample.info.get("opening", sample.session_id)),
+                   outcome=sample.info.get("outcome"),
+                   shaping=tuple(sorted((str(k), float(v)) for k, v in sample.info.get("shaping", {}).items())))

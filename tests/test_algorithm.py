@@ -56,6 +56,19 @@ def test_binary_rl_verdicts():
     assert rl.promote(_turn(), 0.5).reward == 0.5
 
 
+def test_unanimous_rl_trains_only_undisputed_scores():
+    algo = make_algorithm("rl_unanimous")
+    cases = {(1, (1, 1, 1)): (1.0, None), (-1, (-1, -1, -1)): (-1.0, None), (1, (1, None, 1)): (1.0, None),
+             (1, (1, 1, -1)): (None, 1 / 3), (-1, (-1, -1, 0)): (None, -2 / 3), (0, (0, 0, 1)): (None, 1 / 3)}
+    for (score, votes), (reward, held) in cases.items():
+        v, counts = _score(algo, score=score, votes=votes)
+        assert (v.sample.reward if v.sample else None, v.held) == (reward, pytest.approx(held)), votes
+        assert counts == {"judged": 1, f"score/{score}": 1}  # the judge's own majority is what is counted
+    assert v.record_note == "held" and algorithm_class("rl_unanimous").needs_teacher is False
+    v, _ = _score(algo, score=0, votes=(None, None))
+    assert v.drop == "unscored"
+
+
 def test_opd_and_combine_verdicts():
     opd, combine = make_algorithm("opd", {"topk": 0}), make_algorithm("combine")
     v, counts = _score(opd)
@@ -73,7 +86,7 @@ def test_opd_and_combine_verdicts():
 
 
 def test_registry_declares_what_a_run_needs():
-    assert sorted(REGISTRY) == ["combine", "opd", "rl"]
+    assert sorted(REGISTRY) == ["combine", "opd", "rl", "rl_unanimous"]
     assert [algorithm_class(n).needs_teacher for n in ("rl", "opd", "combine")] == [False, True, True]
     assert make_algorithm("rl").loss_weights(0.3, 2.0) == (1.0, 2.0)
     assert make_algorithm("combine").loss_weights(0.3, 2.0) == (0.3, 2.0)

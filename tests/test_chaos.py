@@ -28,6 +28,7 @@ import pytest
 import ray
 
 from clawray.journal import SampleState, read_records
+from clawray.types import SampleMeta
 from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
@@ -200,7 +201,7 @@ def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_
     try:
         seen = _kill_inside_train_step(d, step=2)
         for i in range(4):
-            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], 0))
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         runner.join(300)
@@ -245,7 +246,7 @@ def test_learner_killed_inside_train_step_is_rebuilt_from_the_checkpoint(ray_clu
         old = [w._actor_id.hex() for w in d.learners.workers]
         seen = _kill_inside_train_step(d, step=2)
         for i in range(6):
-            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], 0))
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         runner.join(400)
@@ -322,7 +323,7 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         assert [w["state"] for w in health.json()["learners"]] == ["ok", "ok"] and health.json()["queue"] == "ok"
 
         for i in range(2):  # step 1 trains these (with J's sample the queue holds 3: it takes 2)
-            ray.get(d.queue.put.remote([ray.put(sample(i))], 0))
+            ray.get(d.queue.put.remote([ray.put(sample(i))], SampleMeta.of(sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         while d.steps_done < 1 and runner.is_alive():
@@ -356,7 +357,7 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         assert st["loads"] == 1 and not st["awaiting_sync"]  # the restarted engine loaded v1 once, then served
         r = chat([{"role": "user", "content": "hi again"}], sid)
         assert r.status_code == 200 and r.json()["policy_version"] == 1, r.text
-        ray.get(d.queue.put.remote([ray.put(sample(2))], 0))  # step 2 (J's sample + this one)
+        ray.get(d.queue.put.remote([ray.put(sample(2))], SampleMeta.of(sample(2))))  # step 2 (J's sample + this one)
         runner.join(240)
         assert not runner.is_alive()
     finally:

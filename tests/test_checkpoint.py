@@ -12,7 +12,7 @@ import torch
 
 from clawray.actors.queue import TrajectoryQueue
 from clawray.checkpoint import commit_checkpoint, latest_checkpoint, list_checkpoints, new_checkpoint_dirs
-from clawray.types import Sample
+from clawray.types import Sample, SampleMeta
 from conftest import tiny_run_config
 
 
@@ -39,8 +39,10 @@ def test_commit_is_atomic_and_prunes(tmp_path):
 def test_queue_rejects_too_long_samples_with_a_counted_reason():
     async def scenario():
         q = TrajectoryQueue(max_staleness=2, max_tokens=10)
-        assert await q.put(["fits"], 0, num_tokens=10) == 1
-        assert await q.put(["too-long"], 0, num_tokens=11) == 1  # rejected at admission
+        def meta(n):
+            return SampleMeta(policy_version=0, reward=1.0, num_tokens=n, trainable_tokens=1, prompt_key="p")
+        assert await q.put(["fits"], meta(10)) == 1
+        assert await q.put(["too-long"], meta(11)) == 1  # rejected at admission, from the metadata
         return await q.stats()
 
     assert asyncio.run(scenario()) == {"size": 1, "put": 1, "taken": 0, "dropped": {"too_long": 1}}
@@ -67,11 +69,11 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     try:
         put = [_sample(i) for i in range(6)]
         for s in put[:3]:
-            ray.get(d.queue.put.remote([ray.put(s)], s.policy_version))
+            ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
         long_sample = _sample(99, n_resp=30)  # 33 tokens > the 32-token micro-batch budget
-        assert ray.get(d.queue.put.remote([ray.put(long_sample)], 0)) == 3  # fetched, measured, rejected
+        assert ray.get(d.queue.put.remote([ray.put(long_sample)])) == 3  # no metadata: fetched, measured, rejected
         for s in put[3:]:
-            ray.get(d.queue.put.remote([ray.put(s)], s.policy_version))
+            ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
         summary = d.run()
         assert summary["policy_version"] == 2 and summary["queue"]["dropped"] == {"too_long": 1}
         assert d.history[-1]["inv/dropped_samples/too_long"] == 1
@@ -138,10 +140,9 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         # a stop in the middle of a step: the batch taken from the queue but not trained goes back
         late = [_sample(i, version=3) for i in (6, 7)]
         for s in late:
-            ray.get(d2.queue.put.remote([ray.put(s)], s.policy_version))
+            ray.get(d2.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
         batch = ray.get(d2.queue.get_batch.remote(2, 4, 10))
-        d2._in_flight = {"next_version": 4, "samples": ray.get(batch["refs"]), "versions": batch["versions"],
-                         "seqs": batch["seqs"]}
+        d2._in_flight = {"next_version": 4, "metas": batch["meta"], "seqs": batch["seqs"]}
     finally:
         d2.close()
     last = latest_checkpoint(root)
@@ -173,13 +174,14 @@ def test_queue_journal_replay_round_trip(ray_cluster, tmp_path):
     async def scenario():
         q = TrajectoryQueue(max_staleness=5, journal=journal)
         for i in range(3):
-            await q.put([ray.put(_sample(i, n_resp=2 + 4 * i))], i)  # 5, 9, 13 tokens
-        assert await q.put([ray.put(_sample(0))], 0) == 3  # duplicate key: not acknowledged twice
+            s = _sample(i, n_resp=2 + 4 * i, version=i)  # 5, 9, 13 tokens
+            await q.put([ray.put(s)], SampleMeta.of(s))
+        assert await q.put([ray.put(_sample(0))]) == 3  # duplicate key: not acknowledged twice
         batch = await q.get_batch(1, next_version=1, timeout_s=1)
         await q.consumed(batch["seqs"], 1)
         q.journal.file.close()
         q2 = TrajectoryQueue(max_staleness=5, max_tokens=10, journal=journal)
-        await q2.put([ray.put(_sample(7))], 3)
+        await q2.put([ray.put(_sample(7, version=3))])
         batch = await q2.get_batch(2, next_version=3, timeout_s=1)
         return batch, [s.session_id for s in await asyncio.gather(*batch["refs"])], await q2.stats()
 

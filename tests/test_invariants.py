@@ -14,7 +14,7 @@ import ray
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
 from clawray.driver import Driver
 from clawray.engines.base import GenerateRequest
-from clawray.types import Sample
+from clawray.types import Sample, SampleMeta
 from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def feed(d, rewards, seed=0):
         s = Sample(tokens=prompt + out["response_ids"], prompt_len=len(prompt),
                    loss_mask=[1] * len(out["response_ids"]), rollout_logprobs=out["logprobs"], reward=r,
                    policy_version=out["policy_version"])
-        ray.get(d.queue.put.remote([ray.put(s)], s.policy_version))
+        ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
 
 
 def test_lr0_mismatch_stays_flat_and_tiny(driver):

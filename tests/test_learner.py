@@ -13,6 +13,7 @@ from clawray.algos.schedule import lr_factor
 from clawray.config import ConfigError, load_config
 from clawray.ray_env import free_port
 from clawray.types import Sample
+from clawray.weight_sync import TransportSpec
 
 LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=1e-3, weight_decay=0.0, betas=[0.9, 0.98],
                grad_clip=1.0, eps=0.2, eps_high=0.28, dist_timeout_s=60)
@@ -240,9 +241,9 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
         ray.get(engine.ready.remote())
         plan = ray.get(engine.weight_specs.remote())
         port = free_port()
-        ray.get(group.init_weight_sender(world_size=2, host="127.0.0.1", port=port, plan=plan, bucket_bytes=1 << 20,
-                                         timeout_s=60)  # checks the merged names against the engine's plan
-                + [engine.init_weight_receiver.remote(1, 2, "127.0.0.1", port, plan, 1 << 20, 60)])
+        spec = TransportSpec("collective", 2, plan, bucket_bytes=1 << 20, timeout_s=60, port=port)
+        ray.get(group.init_weight_sender(spec)  # checks the merged names against the engine's plan
+                + [engine.init_weight_receiver.remote(1, spec)])
         raw0 = ray.get([w.state_dict.remote(merged=False) for w in group.workers])[0]
         lora_keys = [k for k in raw0 if ".lora_" in k]
         assert len(lora_keys) == 2 * 3 * 2  # A and B x 3 modules x 2 layers

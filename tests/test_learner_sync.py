@@ -11,6 +11,7 @@ from clawray.actors.rollout import RolloutEngineActor
 from clawray.engines.base import GenerateRequest
 from clawray.ray_env import free_port
 from clawray.types import Sample
+from clawray.weight_sync import TransportSpec
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +21,9 @@ LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=1e-2, weight_de
 
 def _sync_group(learners, engines, plan):
     port, world = free_port(), 1 + len(engines)
-    ray.get(learners.init_weight_sender(world_size=world, host="127.0.0.1", port=port, plan=plan,
-                                        bucket_bytes=1 << 20, timeout_s=60)
-            + [e.init_weight_receiver.remote(i + 1, world, "127.0.0.1", port, plan, 1 << 20, 60)
-               for i, e in enumerate(engines)])
+    spec = TransportSpec("collective", world, plan, bucket_bytes=1 << 20, timeout_s=60, port=port)
+    ray.get(learners.init_weight_sender(spec) + [e.init_weight_receiver.remote(i + 1, spec)
+                                                 for i, e in enumerate(engines)])
 
 
 def _reference_logprobs(model_dir, prompt, response):

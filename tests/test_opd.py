@@ -8,7 +8,7 @@ from clawray.actors import session as session_mod
 from clawray.actors.judge import HintResult, JudgeResult, JudgeWorker, accept_hint, feedback_hint, parse_hint
 from clawray.actors.session import SessionTracker
 from clawray.actors.teacher import TeacherWorker, hinted_messages
-from clawray.types import Turn
+from clawray.types import SampleMeta, Turn
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -170,7 +170,8 @@ class FakeTeacher:
 
 class FakeQueue:
     def __init__(self):
-        async def put(refs, version, num_tokens=None):
+        async def put(refs, meta):
+            assert meta == SampleMeta.of(refs[0])  # the metadata the driver reads matches the payload
             self.items.append(refs[0])
         self.items = []
         self.put = _Remote(put)

@@ -8,7 +8,7 @@ from clawray.algos.advantages import batch_advantages
 from clawray.algos.invariants import DegenerateBatchGuard
 from clawray.algos.rejection import group_keys, opening, zero_variance
 from clawray.config import load_config
-from clawray.types import Sample
+from clawray.types import Sample, SampleMeta
 
 
 def test_zero_variance_groups_hand_computed():
@@ -41,6 +41,15 @@ def _sample(prompt, reward):
                   policy_version=0, session_id=f"s{prompt}", turn_index=1)
 
 
+def _meta(prompt, reward):
+    return SampleMeta.of(_sample(prompt, reward))
+
+
+def _batch(metas):
+    return {"refs": [f"ref{i}" for i in range(len(metas))], "meta": metas, "versions": [0] * len(metas),
+            "staleness": [1] * len(metas), "seqs": list(range(len(metas)))}
+
+
 def _driver(monkeypatch, takes, **trainer):
     cfg = load_config([], ["trainer.dynamic_sampling=true", "trainer.batch_size=4"]
                       + [f"trainer.{k}={v}" for k, v in trainer.items()])
@@ -52,30 +61,29 @@ def _driver(monkeypatch, takes, **trainer):
         calls.append(batch_size)
         if not takes:
             return None
-        samples = takes.pop(0)
-        return {"refs": samples, "versions": [0] * len(samples), "staleness": [1] * len(samples),
-                "seqs": list(range(len(samples)))}
+        return _batch(takes.pop(0))
+
+    def no_fetch(refs):
+        raise AssertionError(f"the driver fetched {refs}")  # dynamic sampling decides on metadata only
 
     monkeypatch.setattr("clawray.recovery.wait_batch", wait_batch)
-    monkeypatch.setattr(driver_mod.ray, "get", lambda refs: list(refs))
+    monkeypatch.setattr(driver_mod.ray, "get", no_fetch)
     return d, calls
 
 
 def test_dynamic_sampling_refills_until_enough_samples_have_variance(monkeypatch):
-    first = [_sample(1, 1.0), _sample(1, 1.0), _sample(2, 1.0), _sample(2, -1.0)]
-    d, calls = _driver(monkeypatch, [[_sample(3, 0.5), _sample(3, -0.5)]], dynamic_sampling_wait_s=30)
-    batch = {"refs": first, "versions": [0] * 4, "staleness": [1] * 4, "seqs": [0, 1, 2, 3]}
-    batch, samples, rejected = d._fill_dynamic(batch, first, 1)
-    assert rejected == {0, 1} and len(samples) == 6 and calls == [1]  # one refill was enough
+    first = [_meta(1, 1.0), _meta(1, 1.0), _meta(2, 1.0), _meta(2, -1.0)]
+    d, calls = _driver(monkeypatch, [[_meta(3, 0.5), _meta(3, -0.5)]], dynamic_sampling_wait_s=30)
+    batch, rejected = d._fill_dynamic(_batch(first), 1)
+    assert rejected == {0, 1} and len(batch["meta"]) == len(batch["refs"]) == 6 and calls == [1]  # one refill
     assert batch["seqs"] == [0, 1, 2, 3, 0, 1] and d.zero_variance_dropped == 2
 
 
 def test_dynamic_sampling_stops_at_the_wait_limit(monkeypatch):
-    first = [_sample(1, 1.0), _sample(2, -1.0), _sample(3, 1.0), _sample(3, -1.0)]
+    first = [_meta(1, 1.0), _meta(2, -1.0), _meta(3, 1.0), _meta(3, -1.0)]
     d, calls = _driver(monkeypatch, [], dynamic_sampling_wait_s=0)
-    batch = {"refs": first, "versions": [0] * 4, "staleness": [1] * 4, "seqs": [0, 1, 2, 3]}
-    _, samples, rejected = d._fill_dynamic(batch, first, 1)
-    assert rejected == {0, 1} and len(samples) == 4 and calls == []  # no wait: trains the 2 it has
+    batch, rejected = d._fill_dynamic(_batch(first), 1)
+    assert rejected == {0, 1} and len(batch["meta"]) == 4 and calls == []  # no wait: trains the 2 it has
     assert d.zero_variance_dropped == 2
 
 
@@ -83,6 +91,8 @@ def test_credit_metrics_of_a_batch():
     a, b, c = _sample(1, 0.5), _sample(2, -1.0), _sample(3, None)
     a.info.update(outcome=1.0, shaping={"truncated": -0.5})
     b.info.update(outcome=-1.0)
+    a, b, c = SampleMeta.of(a), SampleMeta.of(b), SampleMeta.of(c)
+    assert (a.outcome, a.shaping, c.outcome, c.shaping) == (1.0, (("truncated", -0.5),), None, ())
     m = driver_mod.credit_metrics([a, b, c], {"credit/turns_waiting": 3, "credit/mean_session_turns": 2.5})
     assert m == {"credit/turns_waiting": 3.0, "credit/mean_session_turns": 2.5, "reward/outcome_mean": 0.0,
                  "reward/shaping/truncated": -0.25}

@@ -5,7 +5,7 @@ import pytest
 from clawray.actors import session as session_mod
 from clawray.actors.judge import JudgeResult
 from clawray.actors.session import SessionTracker
-from clawray.types import Turn
+from clawray.types import SampleMeta, Turn
 
 
 class _Remote:
@@ -34,8 +34,9 @@ class FakeJudge:
 
 class FakeQueue:
     def __init__(self):
-        async def put(refs, version, num_tokens=None):
-            self.items.append((refs[0], version))
+        async def put(refs, meta):
+            assert meta == SampleMeta.of(refs[0])  # the metadata the driver reads matches the payload
+            self.items.append((refs[0], meta.policy_version))
         self.items = []
         self.put = _Remote(put)
 

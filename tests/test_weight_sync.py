@@ -9,8 +9,8 @@ import torch
 
 from clawray.engines.base import WeightSpec
 from clawray.ray_env import free_port
-from clawray.weight_sync import (CollectiveTransport, ObjectStoreTransport, WeightSyncError, check_plan,
-                                 plan_buckets, plan_digest)
+from clawray.weight_sync import (CollectiveTransport, ObjectStoreTransport, TransportSpec, WeightSyncError,
+                                 check_plan, plan_buckets, plan_digest)
 
 
 def specs():
@@ -174,7 +174,8 @@ def test_engine_rejects_a_mismatched_sync_without_touching_its_weights(tiny_mode
 
         th = threading.Thread(target=sender, daemon=True)
         th.start()
-        loop.run_until_complete(engine.init_weight_receiver(1, 2, "127.0.0.1", port, engine_plan, 1 << 20, 20))
+        spec = TransportSpec("collective", 2, engine_plan, bucket_bytes=1 << 20, timeout_s=20, port=port)
+        loop.run_until_complete(engine.init_weight_receiver(1, spec))
         with pytest.raises(WeightSyncError) as info:
             loop.run_until_complete(engine.receive_weights(1))
         th.join(timeout=30)
@@ -243,8 +244,8 @@ def test_object_store_transport_roundtrips_bit_exactly_and_checks_metadata(ray_c
 
     plan = specs() + [WeightSpec("e", (300,), "torch.bfloat16")]  # e: a bucket of its own (no-copy path)
     mailbox = WeightMailboxActor.options(num_cpus=0).remote()
-    sender = make_transport("object_store", 0, 3, plan, 100, 10, mailbox=mailbox)
-    r1 = make_transport("object_store", 1, 3, plan, 100, 10, mailbox=mailbox)
+    spec = TransportSpec("object_store", 3, plan, bucket_bytes=100, timeout_s=10, mailbox=mailbox)
+    sender, r1 = make_transport(spec, 0), make_transport(spec, 1)
     wrong = [WeightSpec("c", (2, 2), "torch.float16") if s.name == "c" else s for s in plan]
     r2 = ObjectStoreTransport(2, wrong, 100, 10, mailbox)
     assert isinstance(sender, ObjectStoreTransport)
@@ -394,14 +395,12 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
         def state(self, version):
             return {k: v + 0.01 * version for k, v in self.base.items()}
 
-        def init_weight_sender(self, world_size, host, port, plan, bucket_bytes, timeout_s, backend, transport,
-                               mailbox, check):
+        def init_weight_sender(self, spec, check):
             from clawray.weight_sync import make_transport
 
             if self.transport is not None:
                 self.transport.close()
-            self.transport = make_transport(transport, 0, world_size, plan, bucket_bytes, timeout_s, host=host,
-                                            port=port, backend=backend, mailbox=mailbox)
+            self.transport = make_transport(spec, 0)
 
         def sync_weights(self, version):
             stats = self.transport.send(self.state(version), version)

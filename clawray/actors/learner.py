@@ -36,6 +36,7 @@ import random
 import shutil
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
@@ -47,6 +48,10 @@ from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
 from clawray.ray_env import tcp_store, use_loopback_gloo
 from clawray.types import Sample
+
+if TYPE_CHECKING:
+    from clawray.weight_sync import TransportSpec
+
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -478,14 +483,12 @@ class LearnerWorker:
                                   self.world_size, num_mini)
 
     # ------------------------------------------------------------------ weight sync
-    def init_weight_sender(self, world_size: int, host: str, port: int, plan: list, bucket_bytes: int,
-                           timeout_s: float, backend: str = "gloo", transport: str = "collective", mailbox=None,
-                           check: bool = True) -> None:
-        """Rank 0 (re)joins the weight-sync transport as the sender; other ranks no-op.
+    def init_weight_sender(self, spec: TransportSpec, check: bool = True) -> None:
+        """Rank 0 (re)joins the weight-sync transport ``spec`` describes as the sender; other ranks no-op.
 
         With ``check`` (the first time) every rank gathers the state dict (collective over the learner
-        group) and rank 0 checks the plan against it; a rebuild after a failed sync passes
-        ``check=False``. ``transport``/``mailbox``: see :func:`clawray.weight_sync.make_transport`.
+        group) and rank 0 checks ``spec.plan`` against it; a rebuild after a failed sync passes
+        ``check=False``. See :func:`clawray.weight_sync.make_transport`.
 
         Raises:
             WeightSyncError: the engines' plan names a weight the learner lacks or a different shape.
@@ -496,12 +499,11 @@ class LearnerWorker:
         if self.rank != 0:
             return
         if state is not None:
-            check_plan(plan, state)
+            check_plan(spec.plan, state)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-        self._transport = make_transport(transport, 0, world_size, plan, bucket_bytes, timeout_s, host=host,
-                                         port=port, backend=backend, mailbox=mailbox)
+        self._transport = make_transport(spec, 0)
 
     def sync_weights(self, version: int) -> dict:
         """Gather the full weights (every rank) and broadcast them from rank 0 stamped ``version``.
@@ -757,9 +759,9 @@ class LearnerGroup:
         """Run one optimizer step on every rank (see :meth:`LearnerWorker.train_step`); returns rank 0's metrics."""
         return ray.get([w.train_step.remote(sample_refs, version, advantages, entropy_coef) for w in self.workers])[0]
 
-    def init_weight_sender(self, **kwargs) -> list:
+    def init_weight_sender(self, spec: TransportSpec, check: bool = True) -> list:
         """Refs of every rank's :meth:`LearnerWorker.init_weight_sender` (run with the receivers)."""
-        return [w.init_weight_sender.remote(**kwargs) for w in self.workers]
+        return [w.init_weight_sender.remote(spec, check) for w in self.workers]
 
     def sync_weights(self, version: int) -> list:
         """Refs of every rank's :meth:`LearnerWorker.sync_weights`; rank 0's result is first."""

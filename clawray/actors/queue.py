@@ -1,6 +1,9 @@
 """TrajectoryQueue: samples stream from the session tracker to the learner through the object store.
 
-Samples stay in the Ray object store; the queue holds only their ``ObjectRef`` and policy version.
+Samples stay in the Ray object store; the queue holds only their ``ObjectRef`` and, beside it, the
+sample's :class:`~clawray.types.SampleMeta` (policy version, reward, token counts, prompt key, origin).
+A batch hands both to the driver, which decides on the batch (all-masked samples, advantages, metrics)
+from the metadata alone and passes the refs on: only the learners fetch sample payloads.
 When the learner takes a batch for the update that will produce version ``v_next``, every queued
 sample with ``staleness = v_next - sample.policy_version > max_staleness`` is dropped and counted
 (reason ``stale``). With ``max_staleness = 1`` a sample generated at v3 is trained by the update
@@ -31,12 +34,13 @@ every live journaled sample again with its policy version. Checkpoints do not ca
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter, deque
 
 import ray
 
-from clawray.types import Sample
+from clawray.types import Sample, SampleMeta
 
 
 class TrajectoryQueue:
@@ -52,7 +56,7 @@ class TrajectoryQueue:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         self.max_staleness = max_staleness
         self.max_tokens = int(max_tokens)
-        self._items: deque[tuple[ray.ObjectRef, int, int]] = deque()  # (ref, policy version, journal seq)
+        self._items: deque[tuple[ray.ObjectRef, SampleMeta, int]] = deque()  # (ref, metadata, journal seq)
         self._cond = asyncio.Condition()
         self.num_put = 0
         self.num_taken = 0
@@ -75,15 +79,17 @@ class TrajectoryQueue:
                 self.dropped["too_long"] += 1
                 self.journal.drop("too_long", [seq])
                 continue
-            self._items.append((ray.put(sample), version, seq))
+            meta = dataclasses.replace(SampleMeta.of(sample), policy_version=int(version))
+            self._items.append((ray.put(sample), meta, seq))
             self.replayed += 1
 
-    async def put(self, sample_ref: list[ray.ObjectRef], policy_version: int, num_tokens: int | None = None) -> int:
+    async def put(self, sample_ref: list[ray.ObjectRef], meta: SampleMeta | None = None) -> int:
         """Enqueue one sample; ``sample_ref`` is ``[ref]`` (wrapped so Ray does not fetch it).
 
         Args:
-            num_tokens: the sample's prompt + response length; fetched from the sample when None and
-                a ``max_tokens`` limit is set.
+            meta: the sample's :meth:`SampleMeta.of` (its ``policy_version`` decides staleness, its
+                ``num_tokens`` the ``too_long`` check); the queue fetches the sample and computes it
+                when None. With a journal the queue fetches the sample anyway (it journals and owns a copy).
 
         Returns:
             the queue length after the put (unchanged when the sample is rejected as ``too_long``,
@@ -92,34 +98,34 @@ class TrajectoryQueue:
         Raises:
             OSError: the journal could not be written (the sample is not acknowledged).
         """
-        sample = await sample_ref[0] if self.journal is not None else None
-        if self.max_tokens > 0:
-            if num_tokens is None:
-                num_tokens = len((sample or await sample_ref[0]).tokens)
-            if num_tokens > self.max_tokens:
-                self.dropped["too_long"] += 1
-                if self.journal is not None:  # [journal hook]
-                    self.journal.drop("too_long", n=1)
-                return len(self._items)
+        sample = await sample_ref[0] if self.journal is not None or meta is None else None
+        if meta is None:
+            meta = SampleMeta.of(sample)
+        if 0 < self.max_tokens < meta.num_tokens:
+            self.dropped["too_long"] += 1
+            if self.journal is not None:  # [journal hook]
+                self.journal.drop("too_long", n=1)
+            return len(self._items)
         async with self._cond:
             seq = 0
             if self.journal is not None:  # [journal hook] acknowledged only once durable
                 if self.journal.is_duplicate(sample):
                     return len(self._items)
-                seq = self.journal.ack(sample, policy_version)
+                seq = self.journal.ack(sample, meta.policy_version)
                 # the queue owns its copy: a sample put by a tracker that dies later stays readable
                 sample_ref = [ray.put(sample)]
-            self._items.append((sample_ref[0], int(policy_version), seq))
+            self._items.append((sample_ref[0], meta, seq))
             self.num_put += 1
             self._cond.notify_all()
             return len(self._items)
 
     def _drop_stale(self, next_version: int) -> None:
-        kept = deque(item for item in self._items if next_version - item[1] <= self.max_staleness)
+        kept = deque(item for item in self._items if next_version - item[1].policy_version <= self.max_staleness)
         if len(kept) < len(self._items):
             self.dropped["stale"] += len(self._items) - len(kept)
             if self.journal is not None:  # [journal hook] a stale drop is final
-                self.journal.drop("stale", [item[2] for item in self._items if next_version - item[1] > self.max_staleness])
+                self.journal.drop("stale", [seq for _, meta, seq in self._items
+                                            if next_version - meta.policy_version > self.max_staleness])
             self._items = kept
 
     async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None,
@@ -129,8 +135,9 @@ class TrajectoryQueue:
         version first, FIFO within a version.
 
         Returns:
-            ``{"refs": [ref, ...], "versions": [int, ...], "staleness": [int, ...], "seqs": [int, ...]}``
-            in the order taken (``seqs``: journal sequence numbers for :meth:`consumed`, 0 without a journal), or ``None`` when ``timeout_s`` passes first (nothing is removed then).
+            ``{"refs": [ref, ...], "meta": [SampleMeta, ...], "versions": [int, ...], "staleness": [int, ...],
+            "seqs": [int, ...]}`` in the order taken (``seqs``: journal sequence numbers for :meth:`consumed`,
+            0 without a journal), or ``None`` when ``timeout_s`` passes first (nothing is removed then).
 
         Raises:
             ValueError: ``max_batch_size`` is neither 0 nor >= ``batch_size``.
@@ -151,15 +158,17 @@ class TrajectoryQueue:
                     await asyncio.wait_for(self._cond.wait(), timeout=remaining)
                 except asyncio.TimeoutError:
                     pass
-            order = sorted(range(len(self._items)), key=lambda i: self._items[i][1])  # stable: FIFO per version
+            # stable: FIFO per version
+            order = sorted(range(len(self._items)), key=lambda i: self._items[i][1].policy_version)
             chosen = set(order[:take_max])
             batch = [self._items[i] for i in order[:take_max]]
             self._items = deque(item for i, item in enumerate(self._items) if i not in chosen)
             self.num_taken += len(batch)
             return {
                 "refs": [r for r, _, _ in batch],
-                "versions": [v for _, v, _ in batch],
-                "staleness": [next_version - v for _, v, _ in batch],
+                "meta": [m for _, m, _ in batch],
+                "versions": [m.policy_version for _, m, _ in batch],
+                "staleness": [next_version - m.policy_version for _, m, _ in batch],
                 "seqs": [q for _, _, q in batch],
             }
 
@@ -194,9 +203,16 @@ class TrajectoryQueue:
             raise RuntimeError("the queue has no journal: samples taken since the checkpoint cannot be re-queued")
         async with self._cond:
             self.journal.rewind(step)
-            queued = {seq: (ref, version) for ref, version, seq in self._items}
-            self._items = deque((queued[seq][0] if seq in queued else ray.put(Sample(**sample)), version, seq)
-                                for seq, (sample, version) in self.journal.state.live.items())
+            queued = {seq: (ref, meta) for ref, meta, seq in self._items}
+            items = deque()
+            for seq, (sample, version) in self.journal.state.live.items():
+                if seq in queued:
+                    items.append((*queued[seq], seq))
+                    continue
+                sample = Sample(**sample)
+                items.append((ray.put(sample), dataclasses.replace(SampleMeta.of(sample), policy_version=int(version)),
+                              seq))
+            self._items = items
             self.num_taken = self.journal.state.taken
             self._cond.notify_all()
             return len(self._items)

@@ -38,11 +38,14 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 
 from clawray.engines.base import GenerateRequest, WeightSpec
+
+if TYPE_CHECKING:
+    from clawray.weight_sync import TransportSpec
 
 
 logger = logging.getLogger("clawray.rollout")
@@ -446,18 +449,16 @@ class RolloutEngine:
         not re-synced yet: it refuses generation)."""
         return {**self._stats, "version": self.version, "name": self.name, "awaiting_sync": self._awaiting_sync}
 
-    async def init_weight_receiver(self, rank: int, world_size: int, host: str, port: int,
-                                   plan: list[WeightSpec], bucket_bytes: int, timeout_s: float,
-                                   backend: str = "gloo", transport: str = "collective", mailbox=None) -> None:
-        """Join (or re-join, closing the previous one) the weight-sync transport as receiver ``rank``.
+    async def init_weight_receiver(self, rank: int, spec: TransportSpec) -> None:
+        """Join (or re-join, closing the previous one) the weight-sync transport ``spec`` describes as
+        receiver ``rank``.
 
-        ``transport`` is ``"collective"`` (blocks until every member joins the group at
-        ``host:port``; ``backend`` gloo or nccl), ``"object_store"`` or ``"ipc"`` (``mailbox``: a
-        ``WeightMailboxActor``; ipc: same host as the sender). See
-        :func:`clawray.weight_sync.make_transport`.
+        A ``"collective"`` spec blocks until every member joins the group at ``spec.host:spec.port``;
+        ``"object_store"`` and ``"ipc"`` post through ``spec.mailbox`` (ipc: same host as the sender).
+        See :func:`clawray.weight_sync.make_transport`.
 
         Raises:
-            RuntimeError: the rendezvous timed out after ``timeout_s`` seconds.
+            RuntimeError: the rendezvous timed out after ``spec.timeout_s`` seconds.
         """
         from clawray.weight_sync import make_transport
 
@@ -465,9 +466,7 @@ class RolloutEngine:
             if self._transport is not None:
                 self._transport.close()
                 self._transport = None
-            self._transport = make_transport(transport, rank, world_size, plan, bucket_bytes, timeout_s,
-                                             host=host, port=port, backend=backend, mailbox=mailbox,
-                                             name=self.name)
+            self._transport = make_transport(spec, rank, name=self.name)
 
         await self._call(_join)
 

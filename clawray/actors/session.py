@@ -69,7 +69,7 @@ from clawray.algos.shaping import check_terms, shaping_terms
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
 from clawray.records import JsonlRecords
-from clawray.types import Sample, Turn
+from clawray.types import Sample, SampleMeta, Turn
 
 
 MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
@@ -470,7 +470,7 @@ class SessionTracker:
         s.effective = True
         if s.opening:  # its group under trainer.group_by=session_prefix
             sample.info.setdefault("opening", s.opening)
-        await self.queue.put.remote([ray.put(sample)], sample.policy_version, len(sample.tokens))
+        await self.queue.put.remote([ray.put(sample)], SampleMeta.of(sample))
         self.counts["samples"] += 1
 
     def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:

@@ -162,9 +162,31 @@ class BinaryRL(Algorithm):
         valid = [v for v in result.votes if v is not None]
         if not valid:
             return Verdict(drop="unscored", result=result)
-        if result.score == 0:  # held for the at-least-one rule until the session closes
+        score = self.reward_score(result.score, valid)
+        if score == 0:  # held for the at-least-one rule until the session closes
             return Verdict(held=sum(valid) / len(valid), result=result, note="held")
-        return Verdict(sample=Sample.from_turn(turn, reward=float(result.score), kind="rl"), result=result)
+        return Verdict(sample=Sample.from_turn(turn, reward=float(score), kind="rl"), result=result)
+
+    def reward_score(self, score: int, valid: list[int]) -> int:
+        """The score a sample is trained with, from the judge's majority ``score`` and its ``valid``
+        votes; 0 holds the turn for the at-least-one rule. Binary RL: the majority itself."""
+        return score
+
+
+@register
+class UnanimousRL(BinaryRL):
+    """Binary RL on unanimous judgments only, for a noisy PRM judge (``judge.m`` >= 3 votes).
+
+    A +1/-1 majority that some valid vote disputes (votes ``1, 1, -1`` or ``1, 1, 0``) is not trained
+    at full strength: it is held like a 0 score, so the at-least-one rule may still promote it with
+    the mean of its votes (``1/3``, ``2/3``). Invalid votes do not count: ``1, None, 1`` trains +1.
+    Fewer labels, fewer wrong ones (precision over recall). The samples are Binary RL's (``kind="rl"``).
+    """
+
+    name = "rl_unanimous"
+
+    def reward_score(self, score: int, valid: list[int]) -> int:
+        return score if all(v == score for v in valid) else 0
 
 
 @register

@@ -34,13 +34,13 @@ def opening(messages: Sequence[dict]) -> list[dict]:
     return list(messages)
 
 
-def group_keys(mode: str, prompts: Sequence[Sequence[int]], openings: Sequence[Hashable],
+def group_keys(mode: str, prompts: Sequence[Sequence[int] | Hashable], openings: Sequence[Hashable],
                turn_indexes: Sequence[int]) -> list[Hashable]:
     """The group of each sample (see the module docstring).
 
     Args:
         mode: ``"prompt"``, ``"session_prefix"`` or ``"none"``.
-        prompts: ``[B]`` prompt token ids; openings: ``[B]`` a key of each session's opening;
+        prompts: ``[B]`` prompt token ids (or a hashable key of each prompt); openings: ``[B]`` a key of each session's opening;
         turn_indexes: ``[B]`` each sample's turn index in its session.
 
     Raises:
@@ -50,8 +50,8 @@ def group_keys(mode: str, prompts: Sequence[Sequence[int]], openings: Sequence[H
         raise ValueError(f"unknown group_by {mode!r}; expected one of {list(GROUP_BY)}")
     if not len(prompts) == len(openings) == len(turn_indexes):
         raise ValueError("prompts, openings and turn_indexes must have one entry per sample")
-    if mode == "prompt":
-        return [tuple(p) for p in prompts]
+    if mode == "prompt":  # token lists, or already-hashable keys (SampleMeta.prompt_key)
+        return [tuple(p) if isinstance(p, (list, tuple)) else p for p in prompts]
     if mode == "session_prefix":
         return [(o, t) for o, t in zip(openings, turn_indexes)]
     return [0] * len(prompts)

@@ -1,0 +1,251 @@
+"""The driver's side of weight sync: :class:`WeightSyncController`.
+
+It builds the group (one :class:`~clawray.weight_sync.transport.TransportSpec` per generation, a new
+rendezvous port or an emptied mailbox each time), pauses the engines, runs one sync under
+``timeout_s``, always resumes the engines, names the engines that failed and rebuilds the group before
+the next sync when one failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import ray
+
+from clawray.engines.base import WeightSpec
+from clawray.weight_sync.mailbox import WeightMailboxActor, _reason
+from clawray.weight_sync.plan import WeightSyncError
+from clawray.weight_sync.transport import TransportSpec
+
+
+def _collect(named: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """Wait up to ``timeout_s`` seconds for every ref; ``(results by name, one-line errors by name)``."""
+    refs = list(named.values())
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    ready_set = set(ready)
+    results, errors = {}, {}
+    for name, ref in named.items():
+        if ref not in ready_set:
+            errors[name] = f"timed out after {timeout_s:g}s"
+            continue
+        try:
+            results[name] = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - every member failure is reported by name
+            errors[name] = _reason(e)
+    return results, errors
+
+
+def _group_error(message: str, errors: dict[str, str]) -> WeightSyncError:
+    err = WeightSyncError(message)
+    err.errors = errors  # {member name: cause}
+    return err
+
+
+class WeightSyncController:
+    """The driver's side of weight sync: builds the transport on every member, runs each sync
+    under a deadline, never leaves an engine paused, names the members that failed and rebuilds
+    the group before the next sync after any failure.
+
+    Args:
+        senders: learner actor handles, rank 0 first. Each has ``ready()``,
+            ``init_weight_sender(spec, check)`` and ``sync_weights(version)`` returning ``{"bytes",
+            "gather_s", "send_s"}`` on rank 0 (every rank is called: the full state dict is gathered
+            collectively).
+        engines: RolloutEngine actor handles (receivers ``1..len(engines)``); each has
+            ``init_weight_receiver(rank, spec)``, ``receive_weights(version)``, ``pause``, ``resume``.
+        names: the engines' names (``"rollout-0"``, ...), used in errors and metric keys.
+        plan: the ordered weight specs (from an engine's ``weight_specs``).
+        transport: ``"collective"``, ``"object_store"`` or ``"ipc"`` (same host only).
+        bucket_bytes: maximum bytes per flat bucket.
+        timeout_s: deadline in seconds of one sync (and of every collective inside it); the group
+            rebuild waits up to twice that.
+        backend: collective backend, ``"gloo"`` or ``"nccl"``.
+        host: rendezvous host of the collective group.
+        mode: ``"interrupt"`` (the engines stop their running generations at the current token and
+            continue them after the load: partial rollouts) or ``"drain"`` (they finish them first);
+            see :mod:`clawray.actors.rollout`.
+
+    Raises:
+        ValueError: an unknown ``transport`` or ``mode``.
+    """
+
+    def __init__(self, senders: list, engines: list, names: list[str], plan: list[WeightSpec], *,
+                 transport: str = "collective", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
+                 backend: str = "gloo", host: str = "127.0.0.1", mode: str = "interrupt"):
+        if mode not in ("interrupt", "drain"):  # [sync.mode]
+            raise ValueError(f"unknown sync mode {mode!r}; expected 'interrupt' or 'drain'")
+        self.mode = mode
+        self.senders, self.engines, self.names = list(senders), list(engines), list(names)
+        # raises ValueError for an unknown transport; port and mailbox are set per group generation
+        self.spec = TransportSpec(kind=transport, world_size=1 + len(self.engines), plan=list(plan),
+                                  bucket_bytes=bucket_bytes, timeout_s=timeout_s, host=host, backend=backend)
+        self.timeout_s = timeout_s
+        self.connected = False  # the group is built and in step
+        self.behind = False  # the last sync failed: some engine may lag the learner's version
+        self.failures = 0  # failed syncs so far
+        self.rebuilds = 0  # group rebuilds after a failure
+        self.last_error: str | None = None
+        self._mailbox = None
+
+    def _member_names(self) -> list[str]:
+        return [f"learner-{i}" for i in range(len(self.senders))] + self.names
+
+    def connect(self, check_plan: bool = True) -> float:
+        """(Re)build the transport on the sender and every receiver (a new rendezvous port, or a new
+        mailbox), after waiting for each member to finish the jobs it still runs.
+
+        Args:
+            check_plan: the sender also checks the plan against the learner's state dict (gathers it).
+
+        Returns:
+            seconds taken.
+
+        Raises:
+            WeightSyncError: naming every member that was not ready or failed to join, with the cause.
+        """
+        from clawray.ray_env import free_port
+
+        t0 = time.perf_counter()
+        self.connected = False
+        members = list(zip(self._member_names(), self.senders + self.engines))
+        # a member still busy with a failed sync's job cannot join a new rendezvous: wait for it first
+        _, errors = _collect({n: m.ready.remote() for n, m in members}, self.timeout_s)
+        if errors:
+            raise _group_error(self._describe("rebuilding the sync group", errors, "not ready"), errors)
+        if self.spec.kind in ("object_store", "ipc"):  # one mailbox for the controller's lifetime, emptied here
+            if self._mailbox is None:
+                self._mailbox = WeightMailboxActor.options(num_cpus=0).remote()
+            _, errors = _collect({"mailbox": self._mailbox.reset.remote()}, 2 * self.timeout_s + 30)
+            if errors:
+                raise _group_error(self._describe("starting the weight mailbox", errors), errors)
+        spec = dataclasses.replace(self.spec, port=free_port(), mailbox=self._mailbox)
+        named = {n: s.init_weight_sender.remote(spec, check=check_plan)
+                 for n, s in zip(self._member_names(), self.senders)}
+        named.update({n: e.init_weight_receiver.remote(i + 1, spec)
+                      for i, (n, e) in enumerate(zip(self.names, self.engines))})
+        _, errors = _collect(named, 2 * self.timeout_s)
+        if errors:
+            raise _group_error(self._describe("building the sync group", errors), errors)
+        self.connected = True
+        return time.perf_counter() - t0
+
+    def _describe(self, what: str, errors: dict[str, str], prefix: str = "") -> str:
+        engines_first = [n for n in self.names if n in errors] + [n for n in errors if n not in self.names]
+        parts = [f"{n} ({prefix + ': ' if prefix else ''}{errors[n]})" for n in engines_first]
+        return f"{what} failed on {', '.join(parts)}"
+
+    def sync(self, version: int) -> dict[str, Any]:
+        """Pause the engines, send the learner's weights stamped ``version``, load them, resume.
+
+        Never raises for a member's failure and never leaves an engine paused: the result says what
+        happened, and the next call rebuilds the group first and sends its (newer) weights to every
+        engine, so lagging engines catch up.
+
+        Returns:
+            ``ok`` (bool), ``version``, ``seconds`` (pause -> resume, wall), ``bytes`` (payload sent
+            once), ``gather_s``, ``send_s``, ``receive_s`` and ``load_s`` (``{engine: seconds}``),
+            ``failed`` (names of the members that failed, engines first), ``error`` (one line naming
+            them and the cause, or None), ``rebuild_s`` (seconds spent rebuilding the group first, 0
+            when it was in step), ``versions`` (``{engine: policy version or None}`` afterwards),
+            ``pause_s`` (seconds from pausing the engines until they all resumed: what a request
+            arriving meanwhile waits at most; a drain included) and ``interrupted`` (generations the
+            pause stopped part-way and the engines continued on the new weights; 0 in drain mode).
+        """
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {"ok": False, "version": version, "seconds": 0.0, "bytes": 0.0, "gather_s": 0.0,
+                               "send_s": 0.0, "receive_s": {}, "load_s": {}, "failed": [], "error": None,
+                               "rebuild_s": 0.0, "pause_s": 0.0, "interrupted": 0}
+        errors: dict[str, str] = {}
+        if not self.connected:
+            try:
+                out["rebuild_s"] = self.connect(check_plan=False)
+                self.rebuilds += 1
+            except WeightSyncError as e:
+                return self._finish(out, t0, getattr(e, "errors", None) or {"sync group": str(e)}, str(e))
+        t_sync = time.perf_counter()
+        interrupt = self.mode == "interrupt"  # [sync.mode]
+        _, pause_errors = _collect({n: e.pause.remote(interrupt) for n, e in zip(self.names, self.engines)}, 30.0)
+        try:
+            named = {n: s.sync_weights.remote(version) for n, s in zip(self._member_names(), self.senders)}
+            named.update({n: e.receive_weights.remote(version) for n, e in zip(self.names, self.engines)})
+            results, errors = _collect(named, self.timeout_s)
+        finally:
+            _, resume_errors = _collect({n: e.resume.remote() for n, e in zip(self.names, self.engines)}, 30.0)
+            out["pause_s"] = time.perf_counter() - t_sync  # [sync.mode]
+        for n, err in list(pause_errors.items()) + list(resume_errors.items()):
+            errors.setdefault(n, err)
+        sent = results.get("learner-0", {})
+        out.update(bytes=float(sent.get("bytes", 0.0)), gather_s=float(sent.get("gather_s", 0.0)),
+                   send_s=float(sent.get("send_s", 0.0)))
+        for n in self.names:
+            if n in results:
+                out["receive_s"][n] = results[n]["receive_s"]
+                out["load_s"][n] = results[n]["load_s"]
+                out["interrupted"] += int(results[n].get("interrupted", 0))  # [sync.mode]
+        out["seconds"] = time.perf_counter() - t_sync
+        error = self._describe(f"weight sync to v{version}", errors) if errors else None
+        return self._finish(out, t0, errors, error)
+
+    def _finish(self, out: dict, t0: float, errors: dict[str, str], error: str | None) -> dict[str, Any]:
+        out["ok"] = not errors
+        out["failed"] = [n for n in self.names if n in errors] + [n for n in errors if n not in self.names]
+        out["error"] = error
+        if errors:
+            self.connected = False  # a failed collective leaves the group unusable: rebuild before the next sync
+            self.behind = True
+            self.failures += 1
+            self.last_error = error
+        else:
+            self.behind = False
+        out["versions"] = self.engine_versions()
+        if out["seconds"] == 0.0:
+            out["seconds"] = time.perf_counter() - t0
+        return out
+
+    def resync(self, version: int, senders: list | None = None) -> dict[str, Any]:
+        """Rebuild the group, then :meth:`sync` ``version`` to every engine: after Ray restarted an
+        engine (it lost its transport and holds its initial weights) or after the learner group was
+        rebuilt (``senders``: the new learner handles, rank 0 first). Returns :meth:`sync`'s result."""
+        if senders is not None:
+            self.senders = list(senders)
+        self.connected = False
+        return self.sync(version)
+
+    def engine_versions(self, timeout_s: float = 10.0) -> dict[str, int | None]:
+        """``{engine name: its policy version}``; None for an engine that did not answer in ``timeout_s``."""
+        results, _ = _collect({n: e.get_version.remote() for n, e in zip(self.names, self.engines)}, timeout_s)
+        return {n: results.get(n) for n in self.names}
+
+    @staticmethod
+    def metrics(result: dict[str, Any], failures: int = 0) -> dict[str, float]:
+        """Step metrics of one :meth:`sync` result: ``timing/weight_sync_s``, ``sync/bytes``,
+        ``sync/gbytes_per_s`` (payload bytes / 1e9 / the sender's send seconds), ``sync/gather_s``,
+        ``sync/send_s``, ``sync/rebuild_s``, ``sync/ok`` (1/0), ``sync/failures`` (cumulative),
+        ``sync/load_s_max``, ``sync/load_s/<engine>``, ``sync/receive_s/<engine>``,
+        ``engine_version/<engine>`` (-1 when the engine did not answer), ``sync/pause_s`` and
+        ``sync/interrupted_requests`` (see :meth:`sync`)."""
+        m = {
+            "timing/weight_sync_s": result["seconds"],
+            "sync/bytes": result["bytes"],
+            "sync/gbytes_per_s": result["bytes"] / 1e9 / result["send_s"] if result["send_s"] > 0 else 0.0,
+            "sync/gather_s": result["gather_s"],
+            "sync/send_s": result["send_s"],
+            "sync/rebuild_s": result["rebuild_s"],
+            "sync/ok": 1.0 if result["ok"] else 0.0,
+            "sync/failures": float(failures),
+            "sync/load_s_max": max(result["load_s"].values(), default=0.0),
+            "sync/pause_s": result.get("pause_s", 0.0),  # [sync.mode]
+            "sync/interrupted_requests": float(result.get("interrupted", 0)),
+        }
+        m.update({f"sync/load_s/{n}": s for n, s in result["load_s"].items()})
+        m.update({f"sync/receive_s/{n}": s for n, s in result["receive_s"].items()})
+        m.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in result.get("versions", {}).items()})
+        return m
+
+    def close(self) -> None:
+        """Drop the mailbox actor (the members' transports go with their actors)."""
+        if self._mailbox is not None:
+            ray.kill(self._mailbox)
+            self._mailbox = None

@@ -1,0 +1,36 @@
+"""Build one end of a transport from a :class:`~clawray.weight_sync.transport.TransportSpec`.
+
+The only module that knows every implementation, so the implementation files import the interface and
+never each other (no import loop).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clawray.weight_sync.collective import CollectiveTransport
+from clawray.weight_sync.ipc import IpcTransport
+from clawray.weight_sync.object_store import ObjectStoreTransport
+from clawray.weight_sync.transport import TransportSpec, WeightTransport
+
+
+def make_transport(spec: TransportSpec, rank: int, name: str = "") -> WeightTransport:
+    """Build end ``rank`` of the transport ``spec`` describes (rank 0 sends, the others receive).
+
+    ``name`` (the receiver's name, e.g. ``"rollout-1"``) is used by ipc in the sender's errors. The
+    ipc sender packs on this process's accelerator when it has one (CUDA, like the learner), else on
+    CPU. Blocks until every collective member joined.
+
+    Raises:
+        ValueError: an object_store or ipc spec without a mailbox.
+    """
+    if spec.kind == "collective":
+        return CollectiveTransport(rank, spec.world_size, spec.host, spec.port, spec.plan, spec.bucket_bytes,
+                                   spec.timeout_s, spec.backend)
+    if spec.mailbox is None:
+        raise ValueError(f"the {spec.kind} transport needs a WeightMailboxActor handle")
+    if spec.kind == "object_store":
+        return ObjectStoreTransport(rank, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return IpcTransport(rank, spec.world_size, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox,
+                        device=device, name=name)

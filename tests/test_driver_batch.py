@@ -1,0 +1,118 @@
+"""The driver's batch path reads sample metadata only: it never fetches a sample payload.
+
+``Driver.step`` runs on fakes (no Ray cluster): every ``ray.get`` is counted and one on a sample's
+ref fails the test, so the step has to take the batch, drop all-masked samples, compute the
+advantages (binary and GRPO groups by prompt) and log the metrics from the queue's
+:class:`~clawray.types.SampleMeta` alone, and hand the refs on to the learners untouched.
+"""
+
+import math
+
+import pytest
+import ray
+
+from clawray.config import load_config
+from clawray.driver import Driver
+from clawray.types import Sample, SampleMeta
+
+
+class PayloadRef:
+    """Stands for a sample's object ref; only a learner may resolve it."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"PayloadRef({self.name})"
+
+
+class Done:
+    """The value of a fake actor call (what ``.remote()`` returns)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Actor:
+    """A fake actor handle: ``handle.method.remote(*args)`` -> ``Done(fn(*args))``, calls recorded."""
+
+    def __init__(self, **methods):
+        self.calls = []
+        for name, fn in methods.items():
+            setattr(self, name, self._method(name, fn))
+
+    def _method(self, name, fn):
+        actor = self
+
+        class Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                actor.calls.append((name, args))
+                return Done(fn(*args, **kwargs))
+        return Method
+
+
+def counting_get(log):
+    def get(refs, timeout=None):
+        many = isinstance(refs, list)
+        out = []
+        for ref in refs if many else [refs]:
+            if isinstance(ref, PayloadRef):
+                raise AssertionError(f"the driver fetched the payload of {ref}")
+            assert isinstance(ref, Done), ref
+            log.append(ref)
+            out.append(ref.value)
+        return out if many else out[0]
+    return get
+
+
+def _sample(name, prompt, reward, trainable=True):
+    return Sample(tokens=prompt + [50, 51, 52], prompt_len=len(prompt), loss_mask=[int(trainable)] * 3,
+                  rollout_logprobs=[-1.0] * 3, reward=reward, policy_version=0, session_id=name, turn_index=1)
+
+
+@pytest.mark.parametrize("estimator, expected", [("binary", [1.0, -1.0, 1.0]), ("grpo", [1.0, -1.0, 0.0])])
+def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_path, estimator, expected):
+    # A, B (all-masked) and C share a prompt, D has its own
+    samples = [_sample("A", [1, 2, 3], 1.0), _sample("B", [1, 2, 3], -1.0, trainable=False),
+               _sample("C", [1, 2, 3], -1.0), _sample("D", [1, 2, 4], 1.0)]
+    batch = {"refs": [PayloadRef(s.session_id) for s in samples], "meta": [SampleMeta.of(s) for s in samples],
+             "versions": [0] * 4, "staleness": [1, 1, 1, 1], "seqs": [1, 2, 3, 4]}
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], [
+        "model.path=unused", f"run_dir={tmp_path}", "trainer.batch_size=2", "trainer.max_batch_size=4",
+        f"trainer.advantage={estimator}", "checkpoint.every_steps=0", "wandb.mode=disabled"])
+    d = Driver(cfg)
+    trained = []
+
+    def train_step(refs, version, advantages, entropy_coef):
+        trained.append((refs, version, advantages))
+        return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1}
+
+    d.queue = Actor(get_batch=lambda *a: batch, stats=lambda: {"size": 0, "put": 4, "taken": 4, "dropped": {}},
+                    consumed=lambda seqs, step, ok: None)
+    d.tracker = Actor(stats=lambda: {"open_sessions": 0})
+    d.engines, d.judges, d.teachers = [], [], []
+    d.learners = type("Learners", (), {"train_step": staticmethod(train_step)})()
+    d.weight_sync = type("Sync", (), {"behind": False, "failures": 0, "engine_versions": lambda self: {},
+                                      "sync": lambda self, v: _sync_result(v)})()
+    logged = []
+    d.tracking = type("Tracking", (), {"log": lambda self, m, step: logged.append(step)})()
+    gets = []
+    monkeypatch.setattr(ray, "get", counting_get(gets))
+
+    m = d.step()
+
+    refs, version, advantages = trained[0]
+    assert [r.name for r in refs] == ["A", "C", "D"] and version == 1  # the very refs, B dropped (all-masked)
+    assert advantages == pytest.approx(expected)
+    assert m["samples"] == 3 and m["reward_mean"] == pytest.approx(1 / 3) and m["skipped"] == "no"
+    assert m["inv/staleness_mean"] == 1.0 and m["inv/dropped_samples/all_masked"] == 1
+    assert m["inv/effective_sample_rate"] == pytest.approx(3 / 4) and not math.isnan(m["loss"])
+    assert list(d.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1 and logged == [1]
+    assert ("consumed", ([1, 2, 3, 4], 1, True)) in d.queue.calls  # the whole batch, B included
+    assert len(gets) >= 3  # the batch, the queue's and the tracker's stats went through the counted get
+
+
+def _sync_result(version):
+    return {"ok": True, "version": version, "seconds": 0.01, "bytes": 8.0, "gather_s": 0.0, "send_s": 0.01,
+            "receive_s": {}, "load_s": {}, "failed": [], "error": None, "rebuild_s": 0.0, "versions": {}}
