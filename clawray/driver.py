@@ -121,7 +121,7 @@ def credit_metrics(metas: list, tracker_stats: dict) -> dict[str, float]:
     outcomes = [m.outcome for m in metas if m.outcome is not None]
     out["reward/outcome_mean"] = sum(outcomes) / len(outcomes) if outcomes else math.nan
     rewarded = [m for m in metas if m.reward is not None]
-    names = sorted({n for m in rewarded for n in m.shaping})
+    names = sorted({n for m in rewarded for n, _ in m.shaping})
     for name in names:
         out[f"reward/shaping/{name}"] = sum(dict(m.shaping).get(name, 0.0) for m in rewarded) / len(rewarded)
     return out

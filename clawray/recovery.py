@@ -223,6 +223,8 @@ def restarted_engines(driver: Any, timeout_s: float = 10.0) -> list[str]:
     """Names of the rollout engines that Ray restarted and that await the current policy's weights
     (``stats()["awaiting_sync"]``); an engine that does not answer within ``timeout_s`` (still
     restarting) is not listed yet."""
+    if not driver.engines:
+        return []
     refs = {e.stats.remote(): name for e, name in zip(driver.engines, driver.weight_sync.names)}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     out = []
