@@ -13,7 +13,7 @@ import torch
 
 from clawray.actors.rollout import RolloutEngine, continue_request
 from clawray.engines.base import GenerateRequest
-from clawray.types import Sample, Turn
+from clawray.types import Sample, SampleMeta, Turn
 
 PROMPT = [5, 6, 7, 8]
 
@@ -128,7 +128,7 @@ def test_staleness_of_a_partial_rollout_counts_from_its_oldest_token():
 
     async def scenario(cap: int):
         q = TrajectoryQueue(max_staleness=cap)
-        await q.put(["partial"], sample.policy_version)
+        await q.put(["partial"], SampleMeta.of(sample))
         return await q.get_batch(1, next_version=2, timeout_s=0.05), await q.stats()
 
     batch, _ = asyncio.run(scenario(2))
