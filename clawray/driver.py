@@ -149,7 +149,7 @@ class Driver:
         from clawray.actors.rollout import RolloutEngineActor
         from clawray.actors.session import SessionTrackerActor
         from clawray.actors.teacher import TeacherWorkerActor, check_same_tokenizer
-        from clawray.ray_env import free_port, init_ray
+        from clawray.ray_env import init_ray
         from clawray.recovery import RESTART, RESTART_RETRY
         from clawray.serve.app import start_policy_server
         from clawray.tracking import Tracker
@@ -169,7 +169,8 @@ class Driver:
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
-            RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus).remote(
+            RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
+                                       resources=dict(ro.resources) or None).remote(
                 ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs)
             for i in range(ro.num_engines)
         ]
@@ -220,7 +221,7 @@ class Driver:
             records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files,
             journal=journals["sessions"])
         w_rl, w_opd = algorithm.loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
-        self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner), free_port(),
+        self.learners = LearnerGroup(path, OmegaConf.to_object(cfg.learner),  # rank 0 picks its port on its node
                                      loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         from clawray.console import wait_with_progress

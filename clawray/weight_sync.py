@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from clawray.engines.base import WeightSpec
-from clawray.ray_env import tcp_store, use_loopback_gloo
+from clawray.ray_env import tcp_store, use_node_gloo
 
 TRANSPORTS = ("collective", "object_store", "ipc")
 _MAGIC = 0x5C1A_0001  # first header word: a sender speaking another header layout fails loudly
@@ -339,8 +339,7 @@ class CollectiveTransport(WeightTransport):
         self._pack_bufs: list[torch.Tensor] = []  # sender: ring of max_inflight reusable pack buffers
         self._recv_bufs: list[torch.Tensor] = []  # receiver: one reusable flat buffer per bucket
         timeout = timedelta(seconds=timeout_s)
-        if host in ("127.0.0.1", "localhost"):
-            use_loopback_gloo()  # the gloo pairs listen on loopback too
+        use_node_gloo(host)  # gloo pairs on loopback for a loopback rendezvous, else on this node's interface
         self._store = tcp_store(host, port, world_size, rank == 0, timeout)  # listens on `host` only
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
@@ -792,19 +791,22 @@ def _check_state_or_abort(transport: Any, state: dict[str, torch.Tensor], versio
 
 
 def make_transport(transport: str, rank: int, world_size: int, plan: list[WeightSpec], bucket_bytes: int,
-                   timeout_s: float, *, host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
+                   timeout_s: float, *, host: str = "", port: int = 0, backend: str = "gloo",
                    mailbox=None, name: str = "") -> WeightTransport:
     """Build one end of a ``transport`` (``"collective"``, ``"object_store"`` or ``"ipc"``).
 
-    ``host``/``port``/``backend`` are used by the collective transport, ``mailbox`` (a
+    ``host``/``port``/``backend`` are used by the collective transport (the rendezvous rank 0 published:
+    its node's address and a port bound there), ``mailbox`` (a
     ``WeightMailboxActor``) by the object store and ipc, ``name`` (the receiver's name) by ipc. The
     ipc sender packs on this process's accelerator when it has one (CUDA, like the learner), else
     on CPU. Blocks until every collective member joined.
 
     Raises:
-        ValueError: unknown ``transport``.
+        ValueError: unknown ``transport``; a collective without ``host`` and ``port``.
     """
     if transport == "collective":
+        if not host or not port:
+            raise ValueError("the collective transport needs the rendezvous host and port that rank 0 published")
         return CollectiveTransport(rank, world_size, host, port, plan, bucket_bytes, timeout_s, backend)
     if transport == "object_store":
         if mailbox is None:
@@ -866,27 +868,35 @@ class WeightSyncController:
             ``init_weight_sender(world_size, host, port, plan, bucket_bytes, timeout_s, backend,
             transport, mailbox, check)`` and ``sync_weights(version)`` returning ``{"bytes",
             "gather_s", "send_s"}`` on rank 0 (every rank is called: the full state dict is gathered
-            collectively).
+            collectively); rank 0 also has ``sync_rendezvous(host)`` (binds the collective's rendezvous
+            on its node, returns ``(host, port)``).
         engines: RolloutEngine actor handles (receivers ``1..len(engines)``).
         names: the engines' names (``"rollout-0"``, ...), used in errors and metric keys.
         plan: the ordered weight specs (from an engine's ``weight_specs``).
-        transport: ``"collective"``, ``"object_store"`` or ``"ipc"`` (same host only).
+        transport: ``"collective"``, ``"object_store"``, ``"ipc"`` (same host only: refused at
+            :meth:`connect` when an engine runs on another host) or ``"auto"`` (``ipc`` when every
+            engine shares learner rank 0's host, else ``collective``; decided at each connect,
+            ``transport`` then holds the choice: :func:`clawray.placement.resolve_transport`).
         bucket_bytes: maximum bytes per flat bucket.
         timeout_s: deadline in seconds of one sync (and of every collective inside it); the group
             rebuild waits up to twice that.
         backend: collective backend, ``"gloo"`` or ``"nccl"``.
-        host: rendezvous host of the collective group.
+        host: address the collective group's rendezvous binds on learner rank 0's node; "" (default)
+            = that node's Ray address. Rank 0 binds it and picks the port there (``rendezvous``
+            holds the published ``(host, port)`` after :meth:`connect`).
     """
 
     def __init__(self, senders: list, engines: list, names: list[str], plan: list[WeightSpec], *,
                  transport: str = "collective", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
-                 backend: str = "gloo", host: str = "127.0.0.1"):
-        if transport not in TRANSPORTS:
+                 backend: str = "gloo", host: str = ""):
+        if transport not in (*TRANSPORTS, "auto"):
             raise ValueError(f"unknown sync transport {transport!r}; expected one of {list(TRANSPORTS)}")
         self.senders, self.engines, self.names = list(senders), list(engines), list(names)
         self.plan = list(plan)
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
         self.backend, self.host = backend, host
+        self.requested = transport  # [placement] "auto" is resolved into self.transport at each connect
+        self.rendezvous: tuple[str, int] | None = None
         self.connected = False  # the group is built and in step
         self.behind = False  # the last sync failed: some engine may lag the learner's version
         self.failures = 0  # failed syncs so far
@@ -910,8 +920,6 @@ class WeightSyncController:
         Raises:
             WeightSyncError: naming every member that was not ready or failed to join, with the cause.
         """
-        from clawray.ray_env import free_port
-
         t0 = time.perf_counter()
         self.connected = False
         members = list(zip(self._member_names(), self.senders + self.engines))
@@ -919,20 +927,22 @@ class WeightSyncController:
         _, errors = _collect({n: m.ready.remote() for n, m in members}, self.timeout_s)
         if errors:
             raise _group_error(self._describe("rebuilding the sync group", errors, "not ready"), errors)
+        self._place()  # [placement] transport for where the members run; rank 0 binds the rendezvous
         if self.transport in ("object_store", "ipc"):  # one mailbox for the controller's lifetime, emptied here
             if self._mailbox is None:
                 self._mailbox = WeightMailboxActor.options(num_cpus=0).remote()
             _, errors = _collect({"mailbox": self._mailbox.reset.remote()}, 2 * self.timeout_s + 30)
             if errors:
                 raise _group_error(self._describe("starting the weight mailbox", errors), errors)
-        world, port = 1 + len(self.engines), free_port()
+        world = 1 + len(self.engines)
+        host, port = self.rendezvous or ("", 0)
         named = {n: s.init_weight_sender.remote(
-                    world_size=world, host=self.host, port=port, plan=self.plan, bucket_bytes=self.bucket_bytes,
+                    world_size=world, host=host, port=port, plan=self.plan, bucket_bytes=self.bucket_bytes,
                     timeout_s=self.timeout_s, backend=self.backend, transport=self.transport,
                     mailbox=self._mailbox, check=check_plan)
                  for n, s in zip(self._member_names(), self.senders)}
         named.update({n: e.init_weight_receiver.remote(
-                          i + 1, world, self.host, port, self.plan, self.bucket_bytes, self.timeout_s, self.backend,
+                          i + 1, world, host, port, self.plan, self.bucket_bytes, self.timeout_s, self.backend,
                           self.transport, self._mailbox)
                       for i, (n, e) in enumerate(zip(self.names, self.engines))})
         _, errors = _collect(named, 2 * self.timeout_s)
@@ -940,6 +950,34 @@ class WeightSyncController:
             raise _group_error(self._describe("building the sync group", errors), errors)
         self.connected = True
         return time.perf_counter() - t0
+
+    def _place(self) -> None:
+        """[placement] Resolve ``auto`` (or refuse a forced ``ipc`` across hosts) from the members' node
+        addresses, then, for a collective, have learner rank 0 bind the rendezvous on its own node
+        and publish ``(host, port)`` (``self.rendezvous``).
+
+        Raises:
+            WeightSyncError: a forced ``ipc`` with an engine on another host, or rank 0 could not bind.
+        """
+        from clawray.placement import actor_node_ips, resolve_transport
+
+        self.rendezvous = None
+        if self.requested in ("auto", "ipc"):
+            try:
+                ips = actor_node_ips(dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])),
+                                     self.timeout_s)
+                sender_ip = ips.pop("learner-0")
+                self.transport = resolve_transport(self.requested, sender_ip, ips)
+            except ValueError as e:
+                raise _group_error(str(e), {"sync group": str(e)}) from None
+            except ray.exceptions.RayError as e:
+                raise _group_error(f"locating the sync group's members failed: {_reason(e)}",
+                                   {"sync group": _reason(e)}) from None
+        if self.transport == "collective":
+            results, errors = _collect({"learner-0": self.senders[0].sync_rendezvous.remote(self.host)}, self.timeout_s)
+            if errors:
+                raise _group_error(self._describe("binding the sync rendezvous", errors), errors)
+            self.rendezvous = tuple(results["learner-0"])
 
     def _describe(self, what: str, errors: dict[str, str], prefix: str = "") -> str:
         engines_first = [n for n in self.names if n in errors] + [n for n in errors if n not in self.names]
