@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -235,6 +235,7 @@ class Driver:
             self.learners.workers, self.engines, [f"rollout-{i}" for i in range(len(self.engines))], plan,
             transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s)
         self.weight_sync.connect(check_plan=True)
+        print(self._placement_line(), flush=True)
         if cfg.resume:
             self._restore_checkpoint()
 
@@ -256,6 +257,23 @@ class Driver:
         self._ready = True
         print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
               f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
+
+    def _placement_line(self) -> str:
+        """One line saying where the learners and engines run (Ray node addresses), the learner
+        group's and the sync group's rendezvous (bound on learner rank 0's node) and the transport."""
+        from clawray.placement import actor_node_ips
+
+        ips = actor_node_ips({**{f"learner-{i}": w for i, w in enumerate(self.learners.workers)},
+                              **{f"rollout-{i}": e for i, e in enumerate(self.engines)}})
+
+        def hosts(prefix: str) -> str:
+            return ", ".join(f"{ip} x{n}" for ip, n in Counter(v for k, v in ips.items() if k.startswith(prefix)).items())
+
+        host, port = self.learners.rendezvous
+        sync = self.weight_sync.transport + (f" at {self.weight_sync.rendezvous[0]}:{self.weight_sync.rendezvous[1]}"
+                                             if self.weight_sync.rendezvous else "")
+        return (f"[clawray] placement: learners on {hosts('learner-')} (rendezvous {host}:{port}), engines on "
+                f"{hosts('rollout-')}; weight sync {sync}")
 
     def _prepare_journals(self) -> dict[str, dict]:
         """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh

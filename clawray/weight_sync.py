@@ -959,15 +959,15 @@ class WeightSyncController:
         Raises:
             WeightSyncError: a forced ``ipc`` with an engine on another host, or rank 0 could not bind.
         """
-        from clawray.placement import actor_node_ips, resolve_transport
+        from clawray.placement import actor_locations, resolve_transport
 
         self.rendezvous = None
         if self.requested in ("auto", "ipc"):
             try:
-                ips = actor_node_ips(dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])),
-                                     self.timeout_s)
-                sender_ip = ips.pop("learner-0")
-                self.transport = resolve_transport(self.requested, sender_ip, ips)
+                where = actor_locations(dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])),
+                                        self.timeout_s)
+                sender = where.pop("learner-0")
+                self.transport = resolve_transport(self.requested, sender, where)
             except ValueError as e:
                 raise _group_error(str(e), {"sync group": str(e)}) from None
             except ray.exceptions.RayError as e:

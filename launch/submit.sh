@@ -10,8 +10,9 @@
 #   * the `ray` CLI is $CLAWRAY_RAY, else this checkout's .venv/bin/ray, else the one on PATH;
 #   * token auth (Ray 2.60): when RAY_AUTH_MODE is unset and a token is at hand (RAY_AUTH_TOKEN,
 #     RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), RAY_AUTH_MODE=token is exported, as `ray start` does;
-#   * on the cluster the entrypoint runs `python -m clawray.cli run ... ray.address=auto` with the first
-#     of $CLAWRAY_PYTHON (a path on the head node, passed on), python3, python that imports ray and torch;
+#   * on the cluster the entrypoint (launch/job_entry.sh) runs `python -m clawray.cli run ... ray.address=auto`
+#     with the first of $CLAWRAY_PYTHON (a path on the head node, passed on), python3, python that
+#     imports ray and torch;
 #   * the run folder defaults to ~/clawray-runs/job-<time> *on the head node* (run_dir=... overrides;
 #     a relative one lands in the job's temporary copy of the checkout).
 # Extra `ray job submit` flags go in RAY_JOB_FLAGS (e.g. RAY_JOB_FLAGS="--no-wait").
@@ -57,13 +58,6 @@ if [[ -n "${CLAWRAY_PYTHON:-}" ]]; then
   env_vars=", \"env_vars\": {\"CLAWRAY_PYTHON\": \"${py//\"/\\\"}\"}"
 fi
 runtime_env="{\"excludes\": [\".venv\", \"runs\", \".git\", \"**/__pycache__\", \"*.pyc\", \".ci\"]$env_vars}"
-# the entrypoint picks the cluster's Python (the one with ray and torch), then runs clawray from the working dir
-entry='for py in "${CLAWRAY_PYTHON:-}" python3 python; do
-  if [ -n "$py" ] && "$py" -c "import ray, torch" 2>/dev/null; then exec "$py" -m clawray.cli run "$@"; fi
-done
-echo "clawray job: no python with ray and torch on the head node (PATH=$PATH): start Ray with the venv on PATH or set CLAWRAY_PYTHON" >&2
-exit 127'
-
 # shellcheck disable=SC2086
 exec "$ray_bin" job submit --address "$RAY_ADDRESS" --working-dir "$root" --runtime-env-json "$runtime_env" \
-  ${RAY_JOB_FLAGS:-} -- sh -c "$entry" clawray-job "${args[@]}" ray.address=auto
+  ${RAY_JOB_FLAGS:-} -- sh launch/job_entry.sh "${args[@]}" ray.address=auto

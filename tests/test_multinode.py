@@ -81,7 +81,7 @@ def _actor_ip(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.util.get_node_ip_address()), timeout=60)
 
 
-def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, tiny_model, tmp_path):
+def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, tiny_model, tmp_path, capsys):
     """The whole loop with the learner group on node 2 and the engine on node 3: 2 updates. The
     learners' rendezvous and the weight-sync group's rendezvous are rank 0's own node address
     (127.0.0.2), not 127.0.0.1; ``sync.transport=auto`` chose the collective (engine on another host);
@@ -99,6 +99,9 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
         assert host == "127.0.0.2" and port > 0
         assert ray.get(d.learners.workers[1].__ray_call__.remote(lambda w: w.master_address)) == (host, port)
         assert d.weight_sync.transport == "collective" and d.weight_sync.rendezvous[0] == "127.0.0.2"
+        out = capsys.readouterr().out
+        assert (f"[clawray] placement: learners on 127.0.0.2 x2 (rendezvous 127.0.0.2:{port}), engines on 127.0.0.3 x1; "
+                f"weight sync collective at 127.0.0.2:{d.weight_sync.rendezvous[1]}") in out
         summary = d.run()
         assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]
         lines = [json.loads(line) for line in open(f"{d.run_dir}/metrics.jsonl")]

@@ -9,18 +9,31 @@ from clawray import ray_env
 from clawray.placement import resolve_transport
 
 
+CPU = ()  # no GPU ids
+
+
 def test_auto_is_ipc_on_one_host_and_collective_across_hosts():
-    assert resolve_transport("auto", "10.0.0.5", {"rollout-0": "10.0.0.5", "rollout-1": "10.0.0.5"}) == "ipc"
-    assert resolve_transport("auto", "10.0.0.5", {"rollout-0": "10.0.0.5", "rollout-1": "10.0.0.6"}) == "collective"
-    assert resolve_transport("auto", "10.0.0.5", {}) == "ipc"
+    a, b = ("10.0.0.5", CPU), ("10.0.0.6", CPU)
+    assert resolve_transport("auto", a, {"rollout-0": a, "rollout-1": a}) == "ipc"
+    assert resolve_transport("auto", a, {"rollout-0": a, "rollout-1": b}) == "collective"
+    assert resolve_transport("auto", a, {}) == "ipc"
     for forced in ("collective", "object_store"):
-        assert resolve_transport(forced, "10.0.0.5", {"rollout-0": "10.0.0.6"}) == forced
-    assert resolve_transport("ipc", "10.0.0.5", {"rollout-0": "10.0.0.5"}) == "ipc"
+        assert resolve_transport(forced, a, {"rollout-0": b}) == forced
+    assert resolve_transport("ipc", a, {"rollout-0": a}) == "ipc"
+
+
+def test_auto_on_gpu_is_ipc_only_for_engines_on_the_senders_gpu():
+    """CUDA IPC handles open only on a device the receiver sees (Ray shows each actor its own GPUs)."""
+    sender = ("10.0.0.5", ("0",))
+    assert resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",))}) == "ipc"  # conf/gpu.yaml: 0.5 + 0.5
+    assert resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",)),
+                                              "rollout-1": ("10.0.0.5", ("1",))}) == "collective"
 
 
 def test_forced_ipc_across_hosts_names_the_engines_away():
+    a = ("10.0.0.5", CPU)
     with pytest.raises(ValueError) as err:
-        resolve_transport("ipc", "10.0.0.5", {"rollout-0": "10.0.0.5", "rollout-1": "10.0.0.6", "rollout-2": "10.0.0.7"})
+        resolve_transport("ipc", a, {"rollout-0": a, "rollout-1": ("10.0.0.6", CPU), "rollout-2": ("10.0.0.7", CPU)})
     msg = str(err.value)
     assert "learner rank 0 runs on 10.0.0.5 and rollout-1 on 10.0.0.6, rollout-2 on 10.0.0.7" in msg
     assert "rollout-0" not in msg and "sync.transport=auto" in msg
