@@ -162,7 +162,7 @@ class RolloutConfig:
 class ServeConfig:
     """The OpenAI-compatible PolicyServer (Ray Serve)."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the local default (loopback); a reachable address plus serve.api_key exposes it
     port: int = num(8000, ge=1, le=65535)
     model_name: str = "clawray-policy"
     default_max_tokens: int = num(256, **_MAX_TOKENS)

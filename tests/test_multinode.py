@@ -24,8 +24,9 @@ from conftest import tiny_run_config
 pytestmark = pytest.mark.slow
 
 
-def _start_node(head: str, ip: str, resources: dict) -> subprocess.Popen:
-    """``ray start --address=head --node-ip-address=ip --block`` (1 CPU, ``resources``), own agent ports."""
+def _start_node(head: str, ip: str, resources: dict, log) -> subprocess.Popen:
+    """``ray start --address=head --node-ip-address=ip --block`` (1 CPU, ``resources``), own agent
+    ports, output to the file ``log``."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # a worker node: Ray refuses it at 0
     return subprocess.Popen(
@@ -33,7 +34,7 @@ def _start_node(head: str, ip: str, resources: dict) -> subprocess.Popen:
          f"--resources={json.dumps(resources)}", f"--dashboard-agent-listen-port={free_port()}",
          f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
          f"--metrics-export-port={free_port()}", "--disable-usage-stats", "--block"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _stop_node(proc: subprocess.Popen) -> None:
@@ -61,15 +62,17 @@ def _alive_node_ips() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def three_nodes(ray_cluster):
+def three_nodes(ray_cluster, tmp_path_factory):
     """The session head plus 127.0.0.2 (``learner_node: 2``) and 127.0.0.3 (``rollout_node: 1``)."""
-    nodes = [_start_node(ray_cluster["address"], "127.0.0.2", {"learner_node": 2}),
-             _start_node(ray_cluster["address"], "127.0.0.3", {"rollout_node": 1})]
+    log_path = tmp_path_factory.mktemp("nodes") / "ray_start.log"
+    with open(log_path, "w") as log:
+        nodes = [_start_node(ray_cluster["address"], "127.0.0.2", {"learner_node": 2}, log),
+                 _start_node(ray_cluster["address"], "127.0.0.3", {"rollout_node": 1}, log)]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a raylet start takes a minute on a loaded 2-core machine
         while not {"127.0.0.2", "127.0.0.3"} <= _alive_node_ips():
-            assert time.monotonic() < deadline, f"nodes did not join: alive {_alive_node_ips()}"
-            assert all(p.poll() is None for p in nodes), "a `ray start --address` exited"
+            assert time.monotonic() < deadline, f"nodes did not join: alive {_alive_node_ips()}\n{log_path.read_text()[-3000:]}"
+            assert all(p.poll() is None for p in nodes), f"a `ray start --address` exited:\n{log_path.read_text()[-3000:]}"
             time.sleep(1)
         yield
     finally:

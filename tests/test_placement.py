@@ -75,3 +75,21 @@ def test_a_new_reservation_closes_the_unused_one():
     for sock in ray_env._RESERVED.values():
         sock.close()
     ray_env._RESERVED.clear()
+
+
+def test_resources_keys_take_custom_ray_resources_only():
+    from clawray.config import ConfigError, load_config
+
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/cluster.yaml"])
+    assert dict(cfg.learner.resources) == {"learner_node": 1.0} and dict(cfg.rollout.resources) == {"rollout_node": 1.0}
+    assert cfg.sync.transport == "auto" and dict(load_config().learner.resources) == {}
+    assert dict(load_config([], ["rollout.resources={rollout_node: 0.25}"]).rollout.resources) == {"rollout_node": 0.25}
+    bad = {"learner.resources={GPU: 1}": "learner.resources.GPU: GPU is one of Ray's built-in resources",
+           "rollout.resources={CPU: 1}": "rollout.resources.CPU: CPU is one of Ray's built-in resources",
+           "rollout.resources={rollout_node: 0}": "rollout.resources.rollout_node=0.0 is out of range",
+           "learner.resources={learner_node: -1}": "learner.resources.learner_node=-1.0 is out of range",
+           "learner.resources={learner_node: 0.00001}": "learner.resources.learner_node=1e-05 is out of range"}
+    for override, message in bad.items():
+        with pytest.raises(ConfigError) as err:
+            load_config([], [override])
+        assert message in str(err.value), (override, str(err.value))

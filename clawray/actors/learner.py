@@ -45,7 +45,7 @@ from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, b
                                   sequence_logprobs)
 from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
-from clawray.ray_env import node_ip, reserve_rendezvous, tcp_store, use_node_gloo
+from clawray.ray_env import reserve_rendezvous, tcp_store, use_node_gloo
 from clawray.types import Sample
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -169,10 +169,6 @@ class LearnerWorker:
         assert self.master_address is not None, "only rank 0 hosts the rendezvous"
         return self.master_address
 
-    def node_ip(self) -> str:
-        """The Ray node address this rank runs on."""
-        return node_ip()
-
     def join(self, master_host: str, master_port: int) -> int:
         """Join the learner group at rank 0's published rendezvous ``master_host:master_port`` (gloo
         pairs on loopback when that address is loopback, else on this node's cluster interface; NCCL
@@ -252,7 +248,7 @@ class LearnerWorker:
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def ready(self) -> int:
-        """Rank, once the model is sharded."""
+        """Rank (after :meth:`join`, once the model is sharded, since actor calls run in order)."""
         return self.rank
 
     def _full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
