@@ -1,83 +1,49 @@
 """Three Ray nodes on one machine: learners on node 2, the policy engine on node 3, the rest on the head.
 
-Linux routes all of 127.0.0.0/8 to loopback, so nodes started with ``--node-ip-address=127.0.0.2`` and
-``127.0.0.3`` join the session's head (127.0.0.1) as separate nodes with their own addresses, the way
-``ray start --address`` adds machines to a real cluster. Custom resources (``learner_node``,
-``rollout_node``) that only those nodes offer place the actors (``learner.resources``,
-``rollout.resources``). The nodes are stopped at the end (only the processes this module started).
+Linux routes all of 127.0.0.0/8 to loopback, so a ``ray.cluster_utils.Cluster`` whose nodes have the
+node addresses 127.0.0.1 (head), 127.0.0.2 and 127.0.0.3 behaves as three hosts with their own
+addresses. Custom resources (``learner_node``, ``rollout_node``) that only nodes 2 and 3 offer place
+the actors (``learner.resources``, ``rollout.resources``). The module disconnects from the session's
+head for its own cluster and reconnects afterwards.
 """
 
 import json
-import os
-import subprocess
-import sys
-import time
 
-import psutil
 import pytest
 import ray
 
 from clawray.driver import Driver
-from clawray.ray_env import free_port
 from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
 
 
-def _start_node(head: str, ip: str, resources: dict, log) -> subprocess.Popen:
-    """``ray start --address=head --node-ip-address=ip --block`` (1 CPU, ``resources``), own agent
-    ports, output to the file ``log``."""
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # a worker node: Ray refuses it at 0
-    return subprocess.Popen(
-        [ray_bin, "start", f"--address={head}", f"--node-ip-address={ip}", "--num-cpus=1",
-         f"--resources={json.dumps(resources)}", f"--dashboard-agent-listen-port={free_port()}",
-         f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-         f"--metrics-export-port={free_port()}", "--disable-usage-stats", "--block"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _stop_node(proc: subprocess.Popen) -> None:
-    """Stop one node started by :func:`_start_node`: the ``ray start`` process and its descendants."""
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _alive_node_ips() -> set[str]:
-    return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-
-
 @pytest.fixture(scope="module")
-def three_nodes(ray_cluster, tmp_path_factory):
-    """The session head plus 127.0.0.2 (``learner_node: 2``) and 127.0.0.3 (``rollout_node: 1``)."""
-    log_path = tmp_path_factory.mktemp("nodes") / "ray_start.log"
-    with open(log_path, "w") as log:
-        nodes = [_start_node(ray_cluster["address"], "127.0.0.2", {"learner_node": 2}, log),
-                 _start_node(ray_cluster["address"], "127.0.0.3", {"rollout_node": 1}, log)]
+def three_nodes():
+    """A head on 127.0.0.1 (2 CPUs) plus 127.0.0.2 (1 CPU, ``learner_node: 2``) and 127.0.0.3 (1 CPU,
+    ``rollout_node: 1``), connected; yields the cluster."""
+    import ray._private.ray_constants as ray_constants
+    from ray.cluster_utils import Cluster
+
+    session = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    ray.shutdown()
+    # as ray_env.init_ray does: Ray read the variable at import, perhaps before conftest set it; with
+    # it on, Ray would replace the head's 127.0.0.1 by the machine's address
+    cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    cluster = Cluster()
     try:
-        deadline = time.monotonic() + 300  # a raylet start takes a minute on a loaded 2-core machine
-        while not {"127.0.0.2", "127.0.0.3"} <= _alive_node_ips():
-            assert time.monotonic() < deadline, f"nodes did not join: alive {_alive_node_ips()}\n{log_path.read_text()[-3000:]}"
-            assert all(p.poll() is None for p in nodes), f"a `ray start --address` exited:\n{log_path.read_text()[-3000:]}"
-            time.sleep(1)
-        yield
+        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False)
+        cluster.add_node(node_ip_address="127.0.0.2", num_cpus=1, resources={"learner_node": 2})
+        cluster.add_node(node_ip_address="127.0.0.3", num_cpus=1, resources={"rollout_node": 1})
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster
     finally:
-        for p in nodes:
-            _stop_node(p)
+        ray.shutdown()
+        cluster.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+        if session is not None:
+            ray.init(address=session, log_to_driver=False)
 
 
 def _actor_ip(actor) -> str:
