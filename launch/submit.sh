@@ -25,17 +25,6 @@ if [[ $# -lt 1 ]]; then
 fi
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 
-ray_bin="${CLAWRAY_RAY:-}"
-if [[ -z "$ray_bin" ]]; then
-  if [[ -x "$root/.venv/bin/ray" ]]; then ray_bin="$root/.venv/bin/ray"
-  elif command -v ray >/dev/null 2>&1; then ray_bin="ray"
-  else echo "ray not found: run launch/setup.sh (installs .venv/bin/ray) or set CLAWRAY_RAY=/path/to/ray" >&2; exit 2
-  fi
-fi
-if [[ -z "${RAY_AUTH_MODE:-}" ]] && [[ -n "${RAY_AUTH_TOKEN:-}" || -n "${RAY_AUTH_TOKEN_PATH:-}" || -f "$HOME/.ray/auth_token" ]]; then
-  export RAY_AUTH_MODE=token
-fi
-
 args=()
 has_run_dir=0
 for a in "$@"; do
@@ -51,6 +40,17 @@ for a in "$@"; do
 done
 # resolved by omegaconf on the head node ($HOME there), not by a shell
 [[ $has_run_dir == 1 ]] || args+=("run_dir=\${oc.env:HOME}/clawray-runs/job-$(date +%Y%m%d-%H%M%S)")
+
+ray_bin="${CLAWRAY_RAY:-}"
+if [[ -z "$ray_bin" ]]; then
+  if [[ -x "$root/.venv/bin/ray" ]]; then ray_bin="$root/.venv/bin/ray"
+  elif command -v ray >/dev/null 2>&1; then ray_bin="ray"
+  else echo "ray not found: run launch/setup.sh (installs .venv/bin/ray) or set CLAWRAY_RAY=/path/to/ray" >&2; exit 2
+  fi
+fi
+if [[ -z "${RAY_AUTH_MODE:-}" ]] && [[ -n "${RAY_AUTH_TOKEN:-}" || -n "${RAY_AUTH_TOKEN_PATH:-}" || -f "$HOME/.ray/auth_token" ]]; then
+  export RAY_AUTH_MODE=token
+fi
 
 env_vars=""
 if [[ -n "${CLAWRAY_PYTHON:-}" ]]; then
