@@ -49,6 +49,11 @@ class _Sender:
     def ready(self) -> int:
         return 0
 
+    def sync_rendezvous(self, host: str = "") -> tuple[str, int]:
+        from clawray.ray_env import reserve_rendezvous
+
+        return reserve_rendezvous(host, 0)
+
     def init_weight_sender(self, spec, check=True) -> None:
         from clawray.weight_sync import make_transport
 

@@ -145,6 +145,9 @@ class RolloutConfig:
     # CUDA_VISIBLE_DEVICES alone for actors that request none (ray-project/ray#54868), so they see
     # every GPU unaccounted; older Ray, or RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, hides all of them.
     num_gpus: float = _ray_resource(0.0)
+    # custom Ray resources each policy engine requests, e.g. {rollout_node: 1}: engines run only on the
+    # nodes started with them (`ray start --resources='{"rollout_node": 4}'`); {} = anywhere
+    resources: dict[str, float] = field(default_factory=dict)
     # vLLM on CUDA: share of the GPU's memory the engine may take
     gpu_memory_utilization: float = num(0.5, gt=0.0, le=1.0)
     torch_threads: int = num(2, ge=1)  # intra-op threads inside the engine
@@ -162,7 +165,7 @@ class RolloutConfig:
 class ServeConfig:
     """The OpenAI-compatible PolicyServer (Ray Serve)."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the local default (loopback); a reachable address plus serve.api_key exposes it
     port: int = num(8000, ge=1, le=65535)
     model_name: str = "clawray-policy"
     default_max_tokens: int = num(256, **_MAX_TOKENS)
@@ -311,6 +314,8 @@ class LearnerConfig:
     max_restarts: int = num(0, ge=0)
     num_cpus: float = _ray_resource(0.25)
     num_gpus: float = _ray_resource(0.0)  # Ray GPUs per learner worker; 0 on CPU (see rollout.num_gpus)
+    # custom Ray resources each learner rank requests, e.g. {learner_node: 1} (see rollout.resources)
+    resources: dict[str, float] = field(default_factory=dict)
     torch_threads: int = num(1, ge=1)
     lr: float = num(1e-5, ge=0.0, note="0 = the weights stay (on-policy checks)")
     weight_decay: float = num(0.0, ge=0.0)
@@ -360,8 +365,10 @@ class SyncConfig:
     """Learner -> rollout weight broadcast."""
 
     # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline) | "ipc" (same host only:
-    # CUDA IPC handles on GPU, shared-memory files on CPU; the one-GPU colocated path)
-    transport: str = choice("collective", "object_store", "ipc")
+    # CUDA IPC handles on GPU, shared-memory files on CPU; the one-GPU colocated path; refused when an
+    # engine runs on another host) | "auto" (ipc when every engine shares learner rank 0's host,
+    # else collective; decided again at each group rebuild)
+    transport: str = choice("collective", "object_store", "ipc", "auto")
     bucket_mb: int = num(64, ge=1)  # flat bucket size, MiB
     # deadline of one sync and of each collective in it; a failed sync rebuilds the group
     timeout_s: float = num(120.0, gt=0.0)
@@ -609,8 +616,25 @@ def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{key}={value!r} is out of range: must be {bounds.describe()}")
 
 
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _check_resources(cfg: DictConfig) -> None:
+    """``learner.resources`` / ``rollout.resources``: custom Ray resource names with amounts > 0 in
+    Ray's 1e-4 steps; CPUs and GPUs have their own keys (``num_cpus``, ``num_gpus``)."""
+    for key in ("learner.resources", "rollout.resources"):
+        for name, amount in OmegaConf.select(cfg, key).items():
+            if name in _BUILTIN_RESOURCES:
+                raise ConfigError(f"{key}.{name}: {name} is one of Ray's built-in resources, not a custom one "
+                                  f"(CPUs and GPUs are {key.split('.')[0]}.num_cpus and .num_gpus)")
+            ok = math.isfinite(amount) and amount > 0 and abs(amount * 1e4 - round(amount * 1e4)) < 1e-6
+            if not ok:
+                raise ConfigError(f"{key}.{name}={amount!r} is out of range: must be > 0 in steps of 0.0001")
+
+
 def _check_cross_fields(cfg: DictConfig) -> None:
     """Rules that relate several fields (each field alone is already in its range)."""
+    _check_resources(cfg)
     lrn = cfg.learner
     if lrn.lr_schedule == "cosine" and lrn.total_steps <= lrn.warmup_steps:
         raise ConfigError(f"learner.lr_schedule=cosine needs learner.total_steps > learner.warmup_steps, got "

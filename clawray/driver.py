@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -207,6 +207,7 @@ class Driver:
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
             RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
+                                       resources=dict(ro.resources) or None,
                                        **engine_options(ro.max_restarts)).remote(  # [recovery hook]
                 ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs,
                 resync_on_restart=True)
@@ -275,6 +276,7 @@ class Driver:
             transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s,
             mode=cfg.sync.mode)
         self.weight_sync.connect(check_plan=True)
+        print(self._placement_line(), flush=True)
         if cfg.resume:
             self._restore_checkpoint()
 
@@ -301,13 +303,12 @@ class Driver:
 
     def _learner_group(self):
         """A new :class:`~clawray.actors.learner.LearnerGroup` on the initial policy (its own
-        placement group and FSDP rendezvous port)."""
+        placement group; rank 0 picks the FSDP rendezvous port on its own node)."""
         from clawray.actors.learner import LearnerGroup
-        from clawray.ray_env import free_port
 
         cfg = self.cfg
         w_rl, w_opd = algorithm_class(cfg.trainer.algo).loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
-        return LearnerGroup(self.model_path, OmegaConf.to_object(cfg.learner), free_port(),
+        return LearnerGroup(self.model_path, OmegaConf.to_object(cfg.learner),
                             loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
 
     def rebuild_learners(self) -> None:
@@ -349,6 +350,23 @@ class Driver:
             raise FileNotFoundError(f"no checkpoint in {self.checkpoint_dir}")
         with open(os.path.join(path, "driver.json")) as f:
             return json.load(f)["steps_done"]
+
+    def _placement_line(self) -> str:
+        """One line saying where the learners and engines run (Ray node addresses), the learner
+        group's and the sync group's rendezvous (bound on learner rank 0's node) and the transport."""
+        from clawray.placement import actor_node_ips
+
+        ips = actor_node_ips({**{f"learner-{i}": w for i, w in enumerate(self.learners.workers)},
+                              **{f"rollout-{i}": e for i, e in enumerate(self.engines)}})
+
+        def hosts(prefix: str) -> str:
+            return ", ".join(f"{ip} x{n}" for ip, n in Counter(v for k, v in ips.items() if k.startswith(prefix)).items())
+
+        host, port = self.learners.rendezvous
+        sync = self.weight_sync.transport + (f" at {self.weight_sync.rendezvous[0]}:{self.weight_sync.rendezvous[1]}"
+                                             if self.weight_sync.rendezvous else "")
+        return (f"[clawray] placement: learners on {hosts('learner-')} (rendezvous {host}:{port}), engines on "
+                f"{hosts('rollout-')}; weight sync {sync}")
 
     def _prepare_journals(self) -> dict[str, dict]:
         """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh

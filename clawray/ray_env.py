@@ -1,13 +1,21 @@
 """Start or join Ray the way clawray needs it: loopback only, no token-auth surprises.
 
-Also the loopback binding of torch.distributed's own sockets (rendezvous TCPStore servers and gloo
-pairs), which torch otherwise opens on every interface (a TCPStore server listens on ``::``) or on the
-address the host name resolves to: :func:`tcp_store` and :func:`use_loopback_gloo`. Every group
-clawray builds (the learners' FSDP group, the weight-sync group) lives on one host, on 127.0.0.1.
+Also where torch.distributed's own sockets bind (rendezvous TCPStore servers and gloo pairs), which
+torch otherwise opens on every interface (a TCPStore server listens on ``::``) or on the address the
+host name resolves to: :func:`tcp_store`, :func:`reserve_rendezvous` and :func:`use_node_gloo`.
+
+Addresses come from where the actors run, never from the driver's host: rank 0 of each group clawray
+builds (the learners' FSDP group, the weight-sync group) binds its rendezvous on *its own node's* Ray
+address (:func:`node_ip`) and publishes ``(node_ip, port)`` to the other members. In a local run
+(:func:`init_ray` with no address, or a cluster started with ``--node-ip-address=127.0.0.1``) the node
+address is 127.0.0.1, so everything stays on loopback; on a cluster node it is the node's cluster
+address (the one Ray itself binds to), never every interface. The only 127.0.0.1 written here is that
+local default.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from typing import Any
@@ -59,11 +67,56 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
         signal.signal(signal.SIGTERM, on_term)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (default: this machine's loopback) that is free right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """The Ray node address of this process (``ray.util.get_node_ip_address()``): 127.0.0.1 in a
+    local run, the node's cluster address on a cluster node. Call it inside an actor to learn where
+    that actor runs."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) is a loopback address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_of(ip: str) -> str | None:
+    """Name of the network interface that holds ``ip`` or whose subnet contains it (``lo`` for
+    127.0.0.0/8 on Linux); None when no interface does (e.g. an address behind NAT)."""
+    import psutil
+
+    want = ipaddress.ip_address(ip.strip("[]"))
+    subnet_match = None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                addr = ipaddress.ip_address(a.address.split("%")[0])
+            except ValueError:
+                continue
+            if addr == want:
+                return name
+            if subnet_match is None and a.netmask and addr.version == want.version:
+                try:
+                    if want in ipaddress.ip_network(f"{addr}/{a.netmask}", strict=False):
+                        subnet_match = name
+                except ValueError:
+                    pass
+    return subnet_match
 
 
 def loopback_interface() -> str:
@@ -72,27 +125,80 @@ def loopback_interface() -> str:
     Raises:
         RuntimeError: no interface has 127.0.0.1.
     """
-    import psutil
+    name = interface_of("127.0.0.1")
+    if name is None:
+        raise RuntimeError("no network interface has the address 127.0.0.1")
+    return name
 
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addrs):
-            return name
-    raise RuntimeError("no network interface has the address 127.0.0.1")
+
+def use_node_gloo(rendezvous_host: str) -> None:
+    """Make gloo process groups created afterwards in this process open their pair sockets on the
+    loopback interface when the group's rendezvous is on loopback (a one-host group), else on the
+    interface that holds this node's Ray address (:func:`node_ip`), via ``GLOO_SOCKET_IFNAME`` (a
+    value already set, e.g. by the user, is kept). gloo listens on that interface's address."""
+    if is_loopback(rendezvous_host):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        return
+    name = interface_of(node_ip())
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
 
 
 def use_loopback_gloo() -> None:
-    """Make gloo process groups created afterwards in this process open their pair sockets on the
-    loopback interface (``GLOO_SOCKET_IFNAME``; a value the user set is kept)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    """:func:`use_node_gloo` for a loopback rendezvous: gloo pairs on the loopback interface."""
+    use_node_gloo("127.0.0.1")
+
+
+# rank 0's rendezvous sockets, bound and listening, waiting for the tcp_store() call that serves them
+_RESERVED: dict[tuple[str, int], socket.socket] = {}
+
+
+def _listen(host: str, port: int, backlog: int = 128) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def reserve_rendezvous(host: str = "", port: int = 0) -> tuple[str, int]:
+    """Rank 0 of a group: bind the group's rendezvous socket now, on this node, and keep it for the
+    next ``tcp_store(host, port, ..., is_master=True)`` in this process (no window in which another
+    process could take the port). An earlier reservation not yet used is closed.
+
+    Args:
+        host: the address to bind; "" = this node's Ray address (:func:`node_ip`).
+        port: the port; 0 = a free one chosen by the kernel.
+
+    Returns:
+        ``(host, port)`` to publish to the other members.
+
+    Raises:
+        OSError: the port is taken.
+    """
+    host = host or node_ip()
+    for sock in _RESERVED.values():
+        sock.close()
+    _RESERVED.clear()
+    sock = _listen(host, port)
+    port = sock.getsockname()[1]
+    _RESERVED[(host, port)] = sock
+    return host, port
 
 
 def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: Any) -> Any:
     """A ``torch.distributed.TCPStore`` whose server (``is_master``) listens on ``host`` only: the
-    socket is bound here and handed to torch (``master_listen_fd``), since torch's own server binds
-    every interface and its store unpickles nothing but trusts every client.
+    socket is bound here, or taken from :func:`reserve_rendezvous`, and handed to torch
+    (``master_listen_fd``), since torch's own server binds every interface and its store unpickles
+    nothing but trusts every client.
 
     Args:
-        host, port: the rendezvous address (``127.0.0.1`` in single-node runs).
+        host, port: the rendezvous address, published by rank 0 (its node's address; 127.0.0.1 in a
+            local run).
         world_size: number of members; timeout: a ``datetime.timedelta``.
 
     Raises:
@@ -102,13 +208,5 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: A
 
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(max(128, world_size))
-    except OSError:
-        sock.close()
-        raise
+    sock = _RESERVED.pop((host, port), None) or _listen(host, port, max(128, world_size))
     return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())

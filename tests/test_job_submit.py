@@ -40,3 +40,11 @@ def test_submit_script_usage_errors():
     assert r.returncode == 2 and "usage" in r.stderr
     r = subprocess.run(["bash", "launch/submit.sh", "conf/nope.yaml"], capture_output=True, text=True)
     assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_submit_script_refuses_a_config_outside_the_shipped_checkout(tmp_path):
+    """Only the checkout travels to the cluster (--working-dir): a config file elsewhere would not exist there."""
+    outside = tmp_path / "mine.yaml"
+    outside.write_text("trainer: {num_steps: 1}\n")
+    r = subprocess.run(["bash", "launch/submit.sh", "conf/rl.yaml", str(outside)], capture_output=True, text=True)
+    assert r.returncode == 2 and f"config file {outside} is outside the checkout" in r.stderr

@@ -392,6 +392,11 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
         def ready(self):
             return 0
 
+        def sync_rendezvous(self, host=""):
+            from clawray.ray_env import reserve_rendezvous
+
+            return reserve_rendezvous(host, 0)
+
         def state(self, version):
             return {k: v + 0.01 * version for k, v in self.base.items()}
 

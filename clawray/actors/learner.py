@@ -46,7 +46,7 @@ from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, b
                                   sequence_logprobs)
 from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
-from clawray.ray_env import tcp_store, use_loopback_gloo
+from clawray.ray_env import reserve_rendezvous, tcp_store, use_node_gloo
 from clawray.types import Sample
 
 if TYPE_CHECKING:
@@ -143,31 +143,59 @@ def checkpoint_layers(layers) -> None:
 class LearnerWorker:
     """One FSDP2 rank.
 
+    Two-phase start (addresses come from where the ranks run): the constructor only reserves, on
+    rank 0, the group's rendezvous socket on rank 0's own node (:func:`clawray.ray_env.reserve_rendezvous`:
+    the node's Ray address, 127.0.0.1 in a local run); :meth:`rendezvous_address` publishes it and
+    :meth:`join` (every rank, with that address) forms the process group and shards the model.
+
     Args:
         rank, world_size: position in the learner group.
-        master_port: TCP port of the group's rendezvous on 127.0.0.1 (rank 0 hosts it).
+        master_port: TCP port rank 0 binds its rendezvous to on its node; 0 = a free one.
         model_path: HF folder of the initial policy.
         cfg: the ``learner`` config section (:class:`clawray.config.LearnerConfig`; a mapping of some
             of its keys is completed with the schema's defaults, :func:`clawray.config.section`).
         loss_weights: the algorithm's advantage mix ``{"w_rl", "w_opd", "opd_adv_clip"}`` (defaults
             1, 1, 0 = no clip; see :func:`clawray.algos.losses.sample_loss`).
+
+    Raises:
+        OSError: (rank 0) ``master_port`` is taken on its node.
     """
 
     def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: LearnerConfig | dict,
                  loss_weights: dict | None = None):
+        cfg = section(LearnerConfig, cfg)
+        self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
+        self._loss_weights = loss_weights
+        self.master_address = reserve_rendezvous("", master_port) if rank == 0 else None
+        self.model = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: ``(node address, port)`` of the group's rendezvous, bound on this rank's node."""
+        assert self.master_address is not None, "only rank 0 hosts the rendezvous"
+        return self.master_address
+
+    def join(self, master_host: str, master_port: int) -> int:
+        """Join the learner group at rank 0's published rendezvous ``master_host:master_port`` (gloo
+        pairs on loopback when that address is loopback, else on this node's cluster interface; NCCL
+        on GPU), load the initial policy and shard it with FSDP2. Returns the rank.
+
+        Raises:
+            torch.distributed.DistStoreError: the rendezvous timed out (``dist_timeout_s``).
+        """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        cfg = section(LearnerConfig, cfg)
-        self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
+        cfg, rank, world_size, model_path, loss_weights = (self.cfg, self.rank, self.world_size, self.model_path,
+                                                           self._loss_weights)
         torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=cfg.dist_timeout_s)
-        use_loopback_gloo()  # the rendezvous and the gloo pairs listen on 127.0.0.1 only
-        dist.init_process_group(backend, store=tcp_store("127.0.0.1", master_port, world_size, rank == 0, timeout),
+        use_node_gloo(master_host)
+        self.master_address = (master_host, master_port)
+        dist.init_process_group(backend, store=tcp_store(master_host, master_port, world_size, rank == 0, timeout),
                                 rank=rank, world_size=world_size, timeout=timeout)
         torch.manual_seed(0)  # same seed on every rank: LoRA's A matrices start identical everywhere
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
@@ -225,7 +253,7 @@ class LearnerWorker:
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def ready(self) -> int:
-        """Rank, once the model is sharded."""
+        """Rank (after :meth:`join`, once the model is sharded, since actor calls run in order)."""
         return self.rank
 
     def _full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
@@ -483,6 +511,13 @@ class LearnerWorker:
                                   self.world_size, num_mini)
 
     # ------------------------------------------------------------------ weight sync
+    def sync_rendezvous(self, host: str = "") -> tuple[str, int]:
+        """Rank 0: bind the weight-sync group's rendezvous on this node now (``host`` "" = this node's
+        Ray address, :func:`clawray.ray_env.reserve_rendezvous`) and return ``(host, port)`` for the
+        driver to publish; the next :meth:`init_weight_sender` with that address serves it."""
+        assert self.rank == 0, "only rank 0 hosts the weight-sync rendezvous"
+        return reserve_rendezvous(host, 0)
+
     def init_weight_sender(self, spec: TransportSpec, check: bool = True) -> None:
         """Rank 0 (re)joins the weight-sync transport ``spec`` describes as the sender; other ranks no-op.
 
@@ -683,13 +718,16 @@ LearnerWorkerActor = ray.remote(LearnerWorker)
 
 class LearnerGroup:
     """Driver-side handle of the N LearnerWorker actors, gang-scheduled in one placement group
-    (one bundle per rank: ``num_cpus`` CPUs and, on GPU, ``num_gpus`` GPUs; strategy ``PACK``).
+    (one bundle per rank: ``num_cpus`` CPUs, on GPU ``num_gpus`` GPUs, plus the custom Ray resources
+    of ``learner.resources``, which place the ranks on the nodes that offer them; strategy ``PACK``:
+    one node when the ranks fit, else spread over several). Rank 0 binds the group's rendezvous on
+    its own node and publishes it (``rendezvous``: ``(node address, port)``).
 
     Args:
         model_path: initial policy folder.
         cfg: the ``learner`` config section (:class:`clawray.config.LearnerConfig`, or a mapping of some
             of its keys).
-        master_port: rendezvous port for the FSDP group.
+        master_port: port rank 0 binds the FSDP group's rendezvous to on its node; 0 = a free one.
         placement_timeout_s: how long to wait for the cluster to grant the bundles.
 
     Raises:
@@ -699,16 +737,17 @@ class LearnerGroup:
             placement group removed before raising: nothing stays reserved.
     """
 
-    def __init__(self, model_path: str, cfg: LearnerConfig | dict, master_port: int, placement_timeout_s: float = 120.0,
-                 loss_weights: dict | None = None):
+    def __init__(self, model_path: str, cfg: LearnerConfig | dict, master_port: int = 0,
+                 placement_timeout_s: float = 120.0, loss_weights: dict | None = None):
         from ray.util.placement_group import placement_group
 
         cfg = section(LearnerConfig, cfg)
         n = cfg.num_workers
-        bundle = {"CPU": float(cfg.num_cpus)}
+        bundle = {"CPU": float(cfg.num_cpus), **{k: float(v) for k, v in cfg.resources.items()}}
         if cfg.num_gpus:
             bundle["GPU"] = float(cfg.num_gpus)
         self.workers: list = []
+        self.rendezvous: tuple[str, int] | None = None
         self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
             try:
@@ -724,16 +763,22 @@ class LearnerGroup:
 
     def _start_workers(self, n: int, model_path: str, cfg: LearnerConfig, master_port: int,
                        loss_weights: dict | None) -> None:
-        """Create the N workers in the placement group and wait until each has sharded its model;
-        the first failure raises at once (the other ranks may be blocked in a collective with it)."""
+        """Create the N workers in the placement group, get rank 0's rendezvous address (bound on its
+        node) and wait until every rank has joined at it and sharded its model; the first failure
+        raises at once (the other ranks may be blocked in a collective with it)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
             self.workers.append(LearnerWorkerActor.options(
-                num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, name=None, scheduling_strategy=strategy,
+                num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, resources=dict(cfg.resources) or None, name=None,
+                scheduling_strategy=strategy,
             ).remote(i, n, master_port, model_path, cfg, loss_weights))
-        rank_of = {w.ready.remote(): i for i, w in enumerate(self.workers)}
+        try:
+            self.rendezvous = tuple(ray.get(self.workers[0].rendezvous_address.remote()))
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"learner rank 0 of {n} failed to start: {_cause(e)}") from e
+        rank_of = {w.join.remote(*self.rendezvous): i for i, w in enumerate(self.workers)}
         pending = list(rank_of)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from clawray.engines.base import WeightSpec
-from clawray.ray_env import tcp_store, use_loopback_gloo
+from clawray.ray_env import tcp_store, use_node_gloo
 from clawray.weight_sync.plan import WeightSyncError, check_plan
 from clawray.weight_sync.transport import _ABORT, _HEADER_LEN, _OK, SyncHeader, WeightTransport, _Abort
 
@@ -54,8 +54,7 @@ class CollectiveTransport(WeightTransport):
         self._pack_bufs: list[torch.Tensor] = []  # sender: ring of max_inflight reusable pack buffers
         self._recv_bufs: list[torch.Tensor] = []  # receiver: one reusable flat buffer per bucket
         timeout = timedelta(seconds=timeout_s)
-        if host in ("127.0.0.1", "localhost"):
-            use_loopback_gloo()  # the gloo pairs listen on loopback too
+        use_node_gloo(host)  # gloo pairs on loopback for a loopback rendezvous, else on this node's interface
         self._store = tcp_store(host, port, world_size, rank == 0, timeout)  # listens on `host` only
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)

@@ -52,17 +52,23 @@ class WeightSyncController:
         senders: learner actor handles, rank 0 first. Each has ``ready()``,
             ``init_weight_sender(spec, check)`` and ``sync_weights(version)`` returning ``{"bytes",
             "gather_s", "send_s"}`` on rank 0 (every rank is called: the full state dict is gathered
-            collectively).
+            collectively); rank 0 also has ``sync_rendezvous(host)`` (binds the collective's rendezvous
+            on its node, returns ``(host, port)``).
         engines: RolloutEngine actor handles (receivers ``1..len(engines)``); each has
             ``init_weight_receiver(rank, spec)``, ``receive_weights(version)``, ``pause``, ``resume``.
         names: the engines' names (``"rollout-0"``, ...), used in errors and metric keys.
         plan: the ordered weight specs (from an engine's ``weight_specs``).
-        transport: ``"collective"``, ``"object_store"`` or ``"ipc"`` (same host only).
+        transport: ``"collective"``, ``"object_store"``, ``"ipc"`` (same host only: refused at
+            :meth:`connect` when an engine runs on another host) or ``"auto"`` (``ipc`` when every
+            engine shares learner rank 0's host, else ``collective``; decided at each connect:
+            :func:`clawray.placement.resolve_transport`).
         bucket_bytes: maximum bytes per flat bucket.
         timeout_s: deadline in seconds of one sync (and of every collective inside it); the group
             rebuild waits up to twice that.
         backend: collective backend, ``"gloo"`` or ``"nccl"``.
-        host: rendezvous host of the collective group.
+        host: address the collective group's rendezvous binds on learner rank 0's node; "" (default)
+            = that node's Ray address. Rank 0 binds it and picks the port there (``rendezvous``
+            holds the published ``(host, port)`` after :meth:`connect`).
         mode: ``"interrupt"`` (the engines stop their running generations at the current token and
             continue them after the load: partial rollouts) or ``"drain"`` (they finish them first);
             see :mod:`clawray.actors.rollout`.
@@ -73,14 +79,18 @@ class WeightSyncController:
 
     def __init__(self, senders: list, engines: list, names: list[str], plan: list[WeightSpec], *,
                  transport: str = "collective", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
-                 backend: str = "gloo", host: str = "127.0.0.1", mode: str = "interrupt"):
+                 backend: str = "gloo", host: str = "", mode: str = "interrupt"):
         if mode not in ("interrupt", "drain"):  # [sync.mode]
             raise ValueError(f"unknown sync mode {mode!r}; expected 'interrupt' or 'drain'")
         self.mode = mode
         self.senders, self.engines, self.names = list(senders), list(engines), list(names)
-        # raises ValueError for an unknown transport; port and mailbox are set per group generation
-        self.spec = TransportSpec(kind=transport, world_size=1 + len(self.engines), plan=list(plan),
-                                  bucket_bytes=bucket_bytes, timeout_s=timeout_s, host=host, backend=backend)
+        self.requested = transport  # [placement] "auto" is resolved into spec.kind at each connect
+        self.host = host
+        self.rendezvous: tuple[str, int] | None = None  # the collective's published (host, port)
+        # raises ValueError for an unknown transport; host, port and mailbox are set per group generation
+        self.spec = TransportSpec(kind="collective" if transport == "auto" else transport,
+                                  world_size=1 + len(self.engines), plan=list(plan), bucket_bytes=bucket_bytes,
+                                  timeout_s=timeout_s, backend=backend)
         self.timeout_s = timeout_s
         self.connected = False  # the group is built and in step
         self.behind = False  # the last sync failed: some engine may lag the learner's version
@@ -88,6 +98,11 @@ class WeightSyncController:
         self.rebuilds = 0  # group rebuilds after a failure
         self.last_error: str | None = None
         self._mailbox = None
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: ``sync.transport``, or what ``auto`` resolved to at the last connect."""
+        return self.spec.kind
 
     def _member_names(self) -> list[str]:
         return [f"learner-{i}" for i in range(len(self.senders))] + self.names
@@ -105,8 +120,6 @@ class WeightSyncController:
         Raises:
             WeightSyncError: naming every member that was not ready or failed to join, with the cause.
         """
-        from clawray.ray_env import free_port
-
         t0 = time.perf_counter()
         self.connected = False
         members = list(zip(self._member_names(), self.senders + self.engines))
@@ -114,13 +127,15 @@ class WeightSyncController:
         _, errors = _collect({n: m.ready.remote() for n, m in members}, self.timeout_s)
         if errors:
             raise _group_error(self._describe("rebuilding the sync group", errors, "not ready"), errors)
+        self._place()  # [placement] transport for where the members run; rank 0 binds the rendezvous
         if self.spec.kind in ("object_store", "ipc"):  # one mailbox for the controller's lifetime, emptied here
             if self._mailbox is None:
                 self._mailbox = WeightMailboxActor.options(num_cpus=0).remote()
             _, errors = _collect({"mailbox": self._mailbox.reset.remote()}, 2 * self.timeout_s + 30)
             if errors:
                 raise _group_error(self._describe("starting the weight mailbox", errors), errors)
-        spec = dataclasses.replace(self.spec, port=free_port(), mailbox=self._mailbox)
+        host, port = self.rendezvous or ("", 0)
+        spec = dataclasses.replace(self.spec, host=host, port=port, mailbox=self._mailbox)
         named = {n: s.init_weight_sender.remote(spec, check=check_plan)
                  for n, s in zip(self._member_names(), self.senders)}
         named.update({n: e.init_weight_receiver.remote(i + 1, spec)
@@ -130,6 +145,34 @@ class WeightSyncController:
             raise _group_error(self._describe("building the sync group", errors), errors)
         self.connected = True
         return time.perf_counter() - t0
+
+    def _place(self) -> None:
+        """[placement] Resolve ``auto`` (or refuse a forced ``ipc`` across hosts) from the members' node
+        addresses, then, for a collective, have learner rank 0 bind the rendezvous on its own node
+        and publish ``(host, port)`` (``self.rendezvous``).
+
+        Raises:
+            WeightSyncError: a forced ``ipc`` with an engine on another host, or rank 0 could not bind.
+        """
+        from clawray.placement import actor_locations, resolve_transport
+
+        self.rendezvous = None
+        if self.requested in ("auto", "ipc"):
+            try:
+                where = actor_locations(dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])),
+                                        self.timeout_s)
+                sender = where.pop("learner-0")
+                self.spec = dataclasses.replace(self.spec, kind=resolve_transport(self.requested, sender, where))
+            except ValueError as e:
+                raise _group_error(str(e), {"sync group": str(e)}) from None
+            except ray.exceptions.RayError as e:
+                raise _group_error(f"locating the sync group's members failed: {_reason(e)}",
+                                   {"sync group": _reason(e)}) from None
+        if self.spec.kind == "collective":
+            results, errors = _collect({"learner-0": self.senders[0].sync_rendezvous.remote(self.host)}, self.timeout_s)
+            if errors:
+                raise _group_error(self._describe("binding the sync rendezvous", errors), errors)
+            self.rendezvous = tuple(results["learner-0"])
 
     def _describe(self, what: str, errors: dict[str, str], prefix: str = "") -> str:
         engines_first = [n for n in self.names if n in errors] + [n for n in errors if n not in self.names]

@@ -21,10 +21,15 @@ def make_transport(spec: TransportSpec, rank: int, name: str = "") -> WeightTran
     ipc sender packs on this process's accelerator when it has one (CUDA, like the learner), else on
     CPU. Blocks until every collective member joined.
 
+    A collective's ``spec.host``/``spec.port`` are the rendezvous rank 0 published: its node's
+    address and a port bound there (:meth:`WeightSyncController.connect`).
+
     Raises:
-        ValueError: an object_store or ipc spec without a mailbox.
+        ValueError: an object_store or ipc spec without a mailbox; a collective without host and port.
     """
     if spec.kind == "collective":
+        if not spec.host or not spec.port:
+            raise ValueError("the collective transport needs the rendezvous host and port that rank 0 published")
         return CollectiveTransport(rank, spec.world_size, spec.host, spec.port, spec.plan, spec.bucket_bytes,
                                    spec.timeout_s, spec.backend)
     if spec.mailbox is None:

@@ -41,8 +41,9 @@ class TransportSpec:
         plan: the ordered weight specs every sync carries; ``dtype`` is the dtype on the wire.
         bucket_bytes: maximum bytes per flat bucket.
         timeout_s: seconds any single wait of the transport may take before it raises.
-        host, port: collective only: the TCPStore rendezvous address (rank 0 hosts it); a rebuild
-            uses a new port.
+        host, port: collective only: the TCPStore rendezvous address rank 0 bound on its own node
+            and published (:meth:`WeightSyncController.connect` sets both; a rebuild uses a new port).
+            The 127.0.0.1 default is for one-process tests and benches on a single machine.
         backend: collective only: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
         mailbox: object_store and ipc only: the ``WeightMailboxActor`` handle the group posts to.
 

@@ -1,0 +1,95 @@
+"""Addresses and placement without a cluster: transport choice, rendezvous binding, gloo interface."""
+
+import socket
+from datetime import timedelta
+
+import pytest
+
+from clawray import ray_env
+from clawray.placement import resolve_transport
+
+
+CPU = ()  # no GPU ids
+
+
+def test_auto_is_ipc_on_one_host_and_collective_across_hosts():
+    a, b = ("10.0.0.5", CPU), ("10.0.0.6", CPU)
+    assert resolve_transport("auto", a, {"rollout-0": a, "rollout-1": a}) == "ipc"
+    assert resolve_transport("auto", a, {"rollout-0": a, "rollout-1": b}) == "collective"
+    assert resolve_transport("auto", a, {}) == "ipc"
+    for forced in ("collective", "object_store"):
+        assert resolve_transport(forced, a, {"rollout-0": b}) == forced
+    assert resolve_transport("ipc", a, {"rollout-0": a}) == "ipc"
+
+
+def test_auto_on_gpu_is_ipc_only_for_engines_on_the_senders_gpu():
+    """CUDA IPC handles open only on a device the receiver sees (Ray shows each actor its own GPUs)."""
+    sender = ("10.0.0.5", ("0",))
+    assert resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",))}) == "ipc"  # conf/gpu.yaml: 0.5 + 0.5
+    assert resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",)),
+                                              "rollout-1": ("10.0.0.5", ("1",))}) == "collective"
+
+
+def test_forced_ipc_across_hosts_names_the_engines_away():
+    a = ("10.0.0.5", CPU)
+    with pytest.raises(ValueError) as err:
+        resolve_transport("ipc", a, {"rollout-0": a, "rollout-1": ("10.0.0.6", CPU), "rollout-2": ("10.0.0.7", CPU)})
+    msg = str(err.value)
+    assert "learner rank 0 runs on 10.0.0.5 and rollout-1 on 10.0.0.6, rollout-2 on 10.0.0.7" in msg
+    assert "rollout-0" not in msg and "sync.transport=auto" in msg
+
+
+def test_loopback_and_interfaces():
+    assert ray_env.is_loopback("127.0.0.1") and ray_env.is_loopback("127.0.0.3") and ray_env.is_loopback("::1")
+    assert ray_env.is_loopback("localhost") and not ray_env.is_loopback("10.1.2.3")
+    assert not ray_env.is_loopback("node-7.cluster")  # a host name is not assumed local
+    lo = ray_env.loopback_interface()
+    assert ray_env.interface_of("127.0.0.1") == lo
+    assert ray_env.interface_of("127.0.0.3") == lo  # in lo's 127.0.0.0/8 subnet
+    assert ray_env.interface_of("203.0.113.9") is None  # TEST-NET-3: on no interface here
+
+
+def test_rank0_reserves_its_rendezvous_on_the_given_address_and_serves_it():
+    """reserve_rendezvous binds the socket at once (the port is taken: no race), on that address only,
+    and the next tcp_store(host, port, is_master) serves the store on that very socket."""
+    host, port = ray_env.reserve_rendezvous("127.0.0.2", 0)
+    assert host == "127.0.0.2" and port > 0
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.2", port))  # held since the reservation
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens on another loopback address
+    master = ray_env.tcp_store(host, port, 1, True, timedelta(seconds=10))
+    client = ray_env.tcp_store(host, port, 1, False, timedelta(seconds=10))
+    master.set("k", b"v")
+    assert client.get("k") == b"v"
+    assert (host, port) not in ray_env._RESERVED  # used once
+
+
+def test_a_new_reservation_closes_the_unused_one():
+    _, p1 = ray_env.reserve_rendezvous("127.0.0.1", 0)
+    _, p2 = ray_env.reserve_rendezvous("127.0.0.1", 0)
+    assert list(ray_env._RESERVED) == [("127.0.0.1", p2)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p1))  # released
+    ray_env.reserve_rendezvous("127.0.0.1", p1)  # and can be reserved again
+    for sock in ray_env._RESERVED.values():
+        sock.close()
+    ray_env._RESERVED.clear()
+
+
+def test_resources_keys_take_custom_ray_resources_only():
+    from clawray.config import ConfigError, load_config
+
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/cluster.yaml"])
+    assert dict(cfg.learner.resources) == {"learner_node": 1.0} and dict(cfg.rollout.resources) == {"rollout_node": 1.0}
+    assert cfg.sync.transport == "auto" and dict(load_config().learner.resources) == {}
+    assert dict(load_config([], ["rollout.resources={rollout_node: 0.25}"]).rollout.resources) == {"rollout_node": 0.25}
+    bad = {"learner.resources={GPU: 1}": "learner.resources.GPU: GPU is one of Ray's built-in resources",
+           "rollout.resources={CPU: 1}": "rollout.resources.CPU: CPU is one of Ray's built-in resources",
+           "rollout.resources={rollout_node: 0}": "rollout.resources.rollout_node=0.0 is out of range",
+           "learner.resources={learner_node: -1}": "learner.resources.learner_node=-1.0 is out of range",
+           "learner.resources={learner_node: 0.00001}": "learner.resources.learner_node=1e-05 is out of range"}
+    for override, message in bad.items():
+        with pytest.raises(ConfigError) as err:
+            load_config([], [override])
+        assert message in str(err.value), (override, str(err.value))
