@@ -10,7 +10,7 @@ such as ``0 = off`` or ``-1 = until interrupted``), :func:`choice` gives a strin
 values, and :func:`secret` marks a value that must never be logged. :func:`load_config` checks every
 field against them (the message names the key, the value and the range), then the few rules that
 relate several fields (:func:`_check_cross_fields`). Invariant: every ``int``/``float`` field of
-the schema (lists of them included) has bounds; ``tests/test_config.py`` builds its table of bad
+the schema (lists of them included) has bounds; ``tests/unit/test_config.py`` builds its table of bad
 values from the schema, so a new field without a range fails the suite.
 
 Example::

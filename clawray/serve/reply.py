@@ -2,7 +2,7 @@
 
 One code path serves streamed and non-streamed answers: a non-streamed reply is the same parser fed
 the whole text at once, so for a fixed sample the merged stream deltas equal the non-streamed message
-by construction (and ``tests/test_reply.py`` checks that every chunking gives the same result).
+by construction (and ``tests/unit/test_reply.py`` checks that every chunking gives the same result).
 
 Reply grammar (hermes / Qwen conventions)::
 

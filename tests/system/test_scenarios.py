@@ -15,7 +15,7 @@ from test_gsm8k_env import GSM8K
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.isfile(GSM8K), reason=f"{GSM8K} is absent")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cpu_overrides(tiny_model, run_dir):

@@ -16,7 +16,7 @@ from clawray.envs.gsm8k import load_items, pupil_answer
 def _find_gsm8k() -> str:
     """``../shared/data/gsm8k_test.json`` beside the clone (CI); a worktree nested one level deeper
     finds it in the first ancestor that has it."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     here = os.path.dirname(repo)
     while True:
         path = os.path.join(here, "shared", "data", "gsm8k_test.json")
