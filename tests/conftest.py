@@ -22,14 +22,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
     """A run config for the whole loop on the tiny model on 2 CPU cores: hf engine, feedback judge,
-    batches of 2, no evaluation (tests that want it turn it on), a free serve port; ``overrides``
-    (``key=value``) come last."""
+    batches of 2, no evaluation (tests that want it turn it on), a free serve port, conf/rl.yaml's
+    staleness cap (2; cpu.yaml raises it for SmolLM2's slower learners); ``overrides`` (``key=value``)
+    come last."""
     from clawray.config import load_config
 
     return load_config(["conf/rl.yaml", "conf/cpu.yaml", *presets], [
         f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
         "judge.backend=feedback", "trainer.batch_size=2", f"run_dir={run_dir}", f"serve.port={free_port()}",
-        "eval.enabled=false", *overrides])
+        "eval.enabled=false", "queue.max_staleness=2", *overrides])
 
 
 @pytest.fixture(scope="session")
