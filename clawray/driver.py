@@ -523,7 +523,8 @@ class Driver:
         timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
         from clawray.recovery import wait_batch  # [recovery hook] a dead actor ends the wait with one line
 
-        batch = wait_batch(self, cfg.trainer.batch_size, next_version, timeout, cfg.trainer.max_batch_size)
+        batch = wait_batch(self, cfg.trainer.batch_size, next_version, timeout, cfg.trainer.max_batch_size,
+                           desc=f"step {self.steps_done + 1}/{cfg.trainer.num_steps}: samples")
         if batch is None:
             raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
                                f"(queue: {ray.get(self.queue.stats.remote())}, "

@@ -197,26 +197,38 @@ def _all_actors(driver: Any) -> list:
 
 
 def wait_batch(driver: Any, batch_size: int, next_version: int, timeout_s: float | None, max_batch_size: int,
-               poll_s: float = 5.0) -> dict | None:
+               poll_s: float = 5.0, desc: str | None = None) -> dict | None:
     """:meth:`TrajectoryQueue.get_batch`, in slices of ``poll_s`` seconds with :func:`check_actors`
-    between them. Returns the batch, or None after ``timeout_s`` (None = no limit).
+    between them. Returns the batch, or None after ``timeout_s`` (None = no limit). ``desc``: a
+    terminal progress bar (:func:`clawray.console.progress`) of the queued samples out of
+    ``batch_size`` while the wait lasts more than one slice.
 
     Raises:
         ActorLost: an actor died for good while waiting.
     """
+    import contextlib
     import time
 
+    from clawray.console import progress
+
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            return None
-        window = poll_s if remaining is None else min(poll_s, remaining)
-        batch = ray.get(driver.queue.get_batch.remote(batch_size, next_version, window, max_batch_size))
-        if batch is not None:
-            return batch
-        check_actors(driver)
-        resync_restarted_engines(driver)
+    with contextlib.ExitStack() as stack:
+        bar = None
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            window = poll_s if remaining is None else min(poll_s, remaining)
+            batch = ray.get(driver.queue.get_batch.remote(batch_size, next_version, window, max_batch_size))
+            if batch is not None:
+                return batch
+            check_actors(driver)
+            resync_restarted_engines(driver)
+            if desc is not None:
+                if bar is None:
+                    bar = stack.enter_context(progress(total=batch_size, desc=desc, unit="sample"))
+                bar.n = min(batch_size, ray.get(driver.queue.stats.remote())["size"])
+                bar.refresh()
 
 
 def restarted_engines(driver: Any, timeout_s: float = 10.0) -> list[str]:
