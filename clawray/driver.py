@@ -161,6 +161,9 @@ class Driver:
         self._shut_down = False
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
         self._gen_seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
+        from clawray.recovery import RestartCounters
+
+        self.counters = RestartCounters()  # engine, judge and teacher counters survive their restarts
         self._wandb_run_id: str | None = None  # a resumed run continues the checkpoint's wandb run
         self.learner_restarts = 0  # learner-group rebuilds so far (learner.max_restarts, clawray.recovery)
         self._trained_since_ckpt = 0  # entries of trained_samples after the last checkpoint (a rebuild drops them)
@@ -753,10 +756,14 @@ class Driver:
         ``rollout/engine_errors``: generations stopped because their client left, and requests the
         engines failed on, since the start (all engines). ``{}`` when an engine does not answer
         within 10 s."""
+        from clawray.recovery import ENGINE_COUNTERS
+
         try:
             stats = ray.get([e.stats.remote() for e in self.engines], timeout=10)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
             return {}
+        # [recovery hook] a restarted engine counts from 0 again: totals across its restarts
+        stats = [self.counters.rebase(st["name"], st, ENGINE_COUNTERS) for st in stats]
         tokens, rate = 0, 0.0
         for st in stats:
             seen_tokens, seen_s = self._gen_seen.get(st["name"], (0, 0.0))
@@ -876,8 +883,11 @@ class Driver:
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """:func:`judge_metrics` over this run's judge and teacher workers."""
-        teachers = ray.get([t.get_stats.remote() for t in self.teachers]) if self.teachers else None
-        return judge_metrics(ray.get([j.get_stats.remote() for j in self.judges]), teachers, tracker_stats)
+        rebase = self.counters.rebase  # [recovery hook] totals across a judge's or teacher's restarts
+        teachers = ([rebase(f"teacher-{i}", st, st) for i, st in
+                     enumerate(ray.get([t.get_stats.remote() for t in self.teachers]))] if self.teachers else None)
+        judges = [rebase(f"judge-{i}", st, st) for i, st in enumerate(ray.get([j.get_stats.remote() for j in self.judges]))]
+        return judge_metrics(judges, teachers, tracker_stats)
 
     def run(self) -> dict[str, Any]:
         """``setup`` (if needed), start traffic, run ``trainer.num_steps`` updates (``-1``: until

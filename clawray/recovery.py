@@ -196,6 +196,37 @@ def _all_actors(driver: Any) -> list:
     return [a for a in out if a is not None]
 
 
+class RestartCounters:
+    """Cumulative counters of actors that Ray may restart: a restarted actor counts from 0 again, so
+    a counter that goes down is re-based on the value it had reached (the counts it had made before
+    the restart are kept, never subtracted). One instance per driver; ``rebase(name, stats, keys)``
+    returns ``stats`` with ``keys`` replaced by their totals across restarts.
+
+    Example: an engine reports tokens 100, 250, then (restarted) 30 -> 100, 250, 280. A restart is
+    seen only as a counter going down between two reads: counts a restarted actor made beyond its
+    old value before the next read are undercounted by what it had before (one step's worth at most).
+    """
+
+    def __init__(self):
+        self._last: dict[tuple[str, str], float] = {}
+        self._offset: dict[tuple[str, str], float] = {}
+
+    def rebase(self, name: str, stats: dict, keys) -> dict:
+        out = dict(stats)
+        for k in keys:
+            if k not in stats:
+                continue
+            key, value = (name, k), stats[k]
+            if value < self._last.get(key, 0):  # the actor restarted: its count began again at 0
+                self._offset[key] = self._offset.get(key, 0) + self._last[key]
+            self._last[key] = value
+            out[k] = self._offset.get(key, 0) + value
+        return out
+
+
+ENGINE_COUNTERS = ("tokens", "gen_seconds", "requests", "cancelled", "errors", "interrupted")
+
+
 def wait_batch(driver: Any, batch_size: int, next_version: int, timeout_s: float | None, max_batch_size: int,
                poll_s: float = 5.0, desc: str | None = None) -> dict | None:
     """:meth:`TrajectoryQueue.get_batch`, in slices of ``poll_s`` seconds with :func:`check_actors`
