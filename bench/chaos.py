@@ -187,7 +187,8 @@ def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
     from clawray.checkpoint import latest_checkpoint
     from clawray.driver import Driver
 
-    steps = json.load(open(os.path.join(latest_checkpoint(os.path.join(run_dir, "checkpoints")), "driver.json")))["steps_done"]
+    ckpt = latest_checkpoint(os.path.join(run_dir, "checkpoints"))  # None: died before its first checkpoint
+    steps = json.load(open(os.path.join(ckpt, "driver.json")))["steps_done"] if ckpt else 0
     before_acked, before_trained = acked(run_dir), trained_until(run_dir, steps)
 
     t_resume = time.monotonic()

@@ -377,13 +377,21 @@ class Driver:
         Returns the queue's and the tracker's ``journal`` arguments."""
         from clawray.journal import prepare_journals
 
+        from clawray.journal import SAMPLES_FILE, journal_dir
+
         resume_step = None
+        self._resume_from_start = False
         if self.cfg.resume:
             path = latest_checkpoint(self.checkpoint_dir)
-            if path is None:
-                raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
-            with open(os.path.join(path, "driver.json")) as f:
-                resume_step = json.load(f)["steps_done"]
+            if path is not None:
+                with open(os.path.join(path, "driver.json")) as f:
+                    resume_step = json.load(f)["steps_done"]
+            elif os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE)):
+                # died before its first checkpoint: the initial policy trains every journaled sample again
+                resume_step, self._resume_from_start = 0, True
+            else:
+                raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir} "
+                                        f"and no journal in {journal_dir(self.run_dir)}")
         paths = prepare_journals(self.run_dir, resume_step)
         opts = {"fsync": self.cfg.queue.journal_fsync, "compact_bytes": int(self.cfg.queue.journal_compact_mb * 2**20)}
         return {kind: {"path": p, **opts} for kind, p in paths.items()}
@@ -845,13 +853,18 @@ class Driver:
     def _restore_checkpoint(self, senders: list | None = None) -> None:
         """Load the latest checkpoint into the learners and the driver, then sync the engines to its
         weights at its version (``resume=true``). The queue and the session tracker have already
-        replayed the journal (see :meth:`_prepare_journals`). ``senders``: a rebuilt learner group's
+        replayed the journal (see :meth:`_prepare_journals`). A run that died before its first
+        checkpoint resumes from the initial policy at step 0 with its whole journal. ``senders``: a rebuilt learner group's
         workers (:meth:`rebuild_learners`): the sync group is rebuilt with them first.
 
         Raises:
             FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
         """
         path = latest_checkpoint(self.checkpoint_dir)
+        if path is None and senders is None and getattr(self, "_resume_from_start", False):
+            print("[clawray] resume: no checkpoint yet; the initial policy (v0) trains every journaled, "
+                  "acknowledged sample", flush=True)
+            return
         if path is None:
             raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
         with open(os.path.join(path, "driver.json")) as f:

@@ -230,6 +230,49 @@ def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_
           f"trained after resume {second}")
 
 
+def test_learner_killed_before_the_first_checkpoint_resumes_from_the_initial_policy(ray_cluster, tiny_model,
+                                                                                    tmp_path):
+    """learner.max_restarts=0, rank 1 SIGKILLed inside step 1's train_step: no checkpoint exists yet,
+    so resume=true starts from the initial policy (v0, step 0) and replays the whole journal: the 4
+    acknowledged samples are each trained exactly once (before this, such a resume was refused and the
+    journal could only be thrown away)."""
+    from clawray.driver import Driver
+    from clawray.recovery import ActorLost
+
+    run_dir = tmp_path / "run"
+    common = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
+              "trainer.batch_timeout_s=120", "trainer.max_batch_size=2"]
+    d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
+    d.setup()
+    errors = []
+    try:
+        seen = _kill_inside_train_step(d, step=1)
+        for i in range(4):
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
+        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
+        runner.start()
+        runner.join(300)
+        assert not runner.is_alive()
+    finally:
+        d.close()
+    assert seen["inside"] is True, seen
+    assert isinstance(errors[0], ActorLost) and errors[0].role == "learner rank 1", repr(errors[0])
+    from clawray.checkpoint import latest_checkpoint
+
+    assert not list(d.trained_samples) and latest_checkpoint(d.checkpoint_dir) is None
+
+    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["resume=true", "trainer.num_steps=2"]))
+    d2.setup()
+    try:
+        assert (d2.version, d2.steps_done) == (0, 0)
+        assert ray.get(d2.queue.stats.remote())["replayed"] == 4
+        d2.run()
+        trained = list(d2.trained_samples)
+    finally:
+        d2.close()
+    assert sorted(trained) == [(f"L{i}", 1) for i in range(4)]
+
+
 def test_learner_killed_inside_train_step_is_rebuilt_from_the_checkpoint(ray_cluster, tiny_model, tmp_path):
     """learner.max_restarts=1: rank 1 is SIGKILLed inside step 2's train_step; the driver rebuilds the
     group from step 1's checkpoint (policy v1), the queue re-queues the batch in flight, and the run
