@@ -42,6 +42,16 @@ from clawray.journal import read_records  # noqa: E402
 from clawray.ray_env import free_port  # noqa: E402
 
 KINDS = ["engine", "judge", "teacher", "queue", "tracker", "learner", "learner-rebuild", "driver"]
+# what each kind must end in: Ray restarts it (or the driver rebuilds the learners), or the run stops
+# with one line and resume=true continues
+EXPECTED = {"learner": "stopped", "driver": "stopped"}
+
+
+def passed(row: dict) -> bool:
+    """The kind ended as :data:`EXPECTED` (default ``recovered``), and nothing acknowledged was lost
+    or trained twice."""
+    return (row.get("outcome") == EXPECTED.get(row["kind"], "recovered") and row.get("lost") == 0
+            and row.get("trained_twice") == 0)
 
 
 def config(model: str, run_dir: str, kind: str, overrides: list[str]):
@@ -234,12 +244,12 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - one kind's failure is a row, not the end of the matrix
             rows.append({"kind": kind, "outcome": "error", "detail": repr(e)[:200]})
         print(f"[chaos] {json.dumps(rows[-1])}", flush=True)
-    print("\nkind             outcome    seconds  /health  acked  trained  lost  twice  detail")
+    print("\nkind             outcome    seconds  /health  acked  trained  lost  twice  ok  detail")
     for r in rows:
         print(f"{r['kind']:<16} {r.get('outcome', ''):<10} {r.get('seconds', ''):>7}  {r.get('health_after_kill', ''):>7}  "
               f"{r.get('acknowledged', ''):>5}  {r.get('trained', ''):>7}  {r.get('lost', ''):>4}  "
-              f"{r.get('trained_twice', ''):>5}  {r.get('detail', '')[:90]}")
-    return 0 if all(r.get("lost", 1) == 0 and r.get("trained_twice", 1) == 0 for r in rows) else 1
+              f"{r.get('trained_twice', ''):>5}  {'yes' if passed(r) else 'NO':>3}  {r.get('detail', '')[:90]}")
+    return 0 if all(passed(r) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -454,3 +454,29 @@ def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cl
         d.close()
     print(f"\nkill -9 the only engine: {codes.count(503)} requests got 503 + Retry-After, served again "
           f"{recover_s:.1f}s after the kill")
+
+
+def _chaos_bench():
+    """``bench/chaos.py`` as a module (its kill-and-audit code is the test's)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
+                        "chaos.py")
+    spec = importlib.util.spec_from_file_location("clawray_bench_chaos", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["teacher", "queue", "tracker"])
+def test_killed_teacher_queue_or_tracker_is_restarted_and_nothing_is_lost(ray_cluster, tiny_model, tmp_path, kind):
+    """The kill matrix's other restartable kinds (bench/chaos.py: SIGKILL after the first step, then
+    stop, resume and audit by (session_id, turn_index)): Ray restarts the actor, a later step completes
+    with /health 200, and every acknowledged sample is trained exactly once."""
+    chaos = _chaos_bench()
+    row = chaos.one(kind, tiny_model, str(tmp_path))
+    print(f"\nkill -9 {kind}: {row}")
+    assert row["outcome"] == "recovered", row
+    assert row["acknowledged"] > 0 and row["lost"] == 0 and row["trained_twice"] == 0, row
+    assert chaos.passed(row)
