@@ -184,6 +184,32 @@ def _kill_inside_train_step(d, step, rank=1):
     return seen
 
 
+_LEARNER_KILL = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
+                 "trainer.batch_timeout_s=120", "trainer.max_batch_size=2"]
+
+
+def _run_until_a_learner_dies(tiny_model, run_dir, step: int, num_steps: int):
+    """A driver (max_restarts=0, no traffic) with 4 queued learner samples whose rank 1 is SIGKILLed
+    inside step ``step``'s train_step; runs it to its stop. Returns ``(driver, seen, error)``
+    (``seen``: :func:`_kill_inside_train_step`'s record; the driver is closed)."""
+    from clawray.driver import Driver
+
+    d = Driver(tiny_run_config(tiny_model, run_dir, overrides=_LEARNER_KILL + [f"trainer.num_steps={num_steps}"]))
+    d.setup()
+    errors = []
+    try:
+        seen = _kill_inside_train_step(d, step=step)
+        for i in range(4):
+            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
+        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
+        runner.start()
+        runner.join(300)
+        assert not runner.is_alive()
+    finally:
+        d.close()
+    return d, seen, errors[0]
+
+
 def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_each_sample_once(
         ray_cluster, tiny_model, tmp_path):
     """learner.max_restarts=0: rank 1 is SIGKILLed inside step 2's train_step; the run stops with one
@@ -193,30 +219,15 @@ def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_
     from clawray.recovery import ActorLost
 
     run_dir = tmp_path / "run"
-    common = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
-              "trainer.batch_timeout_s=120", "trainer.max_batch_size=2"]
-    d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3"]))
-    d.setup()
-    errors = []
-    try:
-        seen = _kill_inside_train_step(d, step=2)
-        for i in range(4):
-            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
-        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
-        runner.start()
-        runner.join(300)
-        stop_s = time.monotonic() - seen["t"]
-        assert not runner.is_alive()
-    finally:
-        d.close()
+    d, seen, err = _run_until_a_learner_dies(tiny_model, run_dir, step=2, num_steps=3)
+    stop_s = time.monotonic() - seen["t"]
     assert seen["inside"] is True, seen
-    err = errors[0]
     assert isinstance(err, ActorLost) and err.role == "learner rank 1" and err.kind == "learner", repr(err)
     assert "\n" not in str(err) and "ActorID" not in str(err)
     first = list(d.trained_samples)
     assert sorted(first) == [("L0", 1), ("L1", 1)]
 
-    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["resume=true", "trainer.num_steps=2"]))
+    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=_LEARNER_KILL + ["resume=true", "trainer.num_steps=2"]))
     d2.setup()
     try:
         assert (d2.version, d2.steps_done) == (1, 1)
@@ -240,28 +251,14 @@ def test_learner_killed_before_the_first_checkpoint_resumes_from_the_initial_pol
     from clawray.recovery import ActorLost
 
     run_dir = tmp_path / "run"
-    common = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
-              "trainer.batch_timeout_s=120", "trainer.max_batch_size=2"]
-    d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
-    d.setup()
-    errors = []
-    try:
-        seen = _kill_inside_train_step(d, step=1)
-        for i in range(4):
-            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
-        runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
-        runner.start()
-        runner.join(300)
-        assert not runner.is_alive()
-    finally:
-        d.close()
+    d, seen, err = _run_until_a_learner_dies(tiny_model, run_dir, step=1, num_steps=2)
     assert seen["inside"] is True, seen
-    assert isinstance(errors[0], ActorLost) and errors[0].role == "learner rank 1", repr(errors[0])
+    assert isinstance(err, ActorLost) and err.role == "learner rank 1", repr(err)
     from clawray.checkpoint import latest_checkpoint
 
     assert not list(d.trained_samples) and latest_checkpoint(d.checkpoint_dir) is None
 
-    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["resume=true", "trainer.num_steps=2"]))
+    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=_LEARNER_KILL + ["resume=true", "trainer.num_steps=2"]))
     d2.setup()
     try:
         assert (d2.version, d2.steps_done) == (0, 0)

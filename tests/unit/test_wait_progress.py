@@ -30,18 +30,23 @@ class _Bar:
         self.shown.append(self.n)
 
 
-def test_wait_batch_shows_queued_samples_out_of_the_batch(monkeypatch):
-    queue, bars = _Queue(), []
+class _Remote:  # queue.get_batch.remote(...) -> the value itself; ray.get is the identity here
+    def __init__(self, fn):
+        self.remote = fn
 
-    class Remote:  # queue.get_batch.remote(...) -> the value itself; ray.get is the identity here
-        def __init__(self, fn):
-            self.remote = fn
 
-    driver = type("D", (), {"queue": type("Q", (), {"get_batch": Remote(queue.get_batch),
-                                                     "stats": Remote(queue.stats)})()})()
+def _driver(monkeypatch, queue):
+    """A driver whose queue is ``queue``, with ray.get and the actor checks stubbed out."""
     monkeypatch.setattr(recovery.ray, "get", lambda v: v)
     monkeypatch.setattr(recovery, "check_actors", lambda d: None)
     monkeypatch.setattr(recovery, "resync_restarted_engines", lambda d: [])
+    return type("D", (), {"queue": type("Q", (), {"get_batch": _Remote(queue.get_batch),
+                                                   "stats": _Remote(queue.stats)})()})()
+
+
+def test_wait_batch_shows_queued_samples_out_of_the_batch(monkeypatch):
+    queue, bars = _Queue(), []
+    driver = _driver(monkeypatch, queue)
     monkeypatch.setattr("clawray.console.progress", lambda total, desc, unit: bars.append(_Bar(total, desc, unit))
                         or bars[-1])
     batch = recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01, desc="step 1/20: samples")
@@ -53,16 +58,7 @@ def test_wait_batch_shows_queued_samples_out_of_the_batch(monkeypatch):
 def test_wait_batch_without_desc_shows_nothing(monkeypatch):
     queue = _Queue()
     queue.gets = [None, {"refs": []}]
-
-    class Remote:
-        def __init__(self, fn):
-            self.remote = fn
-
-    driver = type("D", (), {"queue": type("Q", (), {"get_batch": Remote(queue.get_batch),
-                                                     "stats": Remote(queue.stats)})()})()
-    monkeypatch.setattr(recovery.ray, "get", lambda v: v)
-    monkeypatch.setattr(recovery, "check_actors", lambda d: None)
-    monkeypatch.setattr(recovery, "resync_restarted_engines", lambda d: [])
+    driver = _driver(monkeypatch, queue)
     monkeypatch.setattr("clawray.console.progress", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a bar")))
     assert recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01) == {"refs": []}
     assert queue.sizes == [1, 3]  # no stats call either
