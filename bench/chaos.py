@@ -50,23 +50,49 @@ EXPECTED = {"learner": "stopped", "driver": "stopped"}
 def passed(row: dict) -> bool:
     """The kind ended as :data:`EXPECTED` (default ``recovered``), and nothing acknowledged was lost
     or trained twice."""
-    return (row.get("outcome") == EXPECTED.get(row["kind"], "recovered") and row.get("lost") == 0
-            and row.get("trained_twice") == 0)
+    return (
+        row.get("outcome") == EXPECTED.get(row["kind"], "recovered")
+        and row.get("lost") == 0
+        and row.get("trained_twice") == 0
+    )
 
 
 def config(model: str, run_dir: str, kind: str, overrides: list[str]):
     algo = ["trainer.algo=opd", "opd.teacher=frozen"] if kind == "teacher" else []
-    return load_config(["conf/rl.yaml", "conf/cpu.yaml"], [
-        f"model.path={model}", "model.build=none", "rollout.backend=hf", "rollout.num_cpus=0.25",
-        "rollout.torch_threads=1", "judge.backend=feedback", f"run_dir={run_dir}", f"serve.port={free_port()}",
-        "eval.enabled=false", "wandb.mode=disabled", "queue.max_staleness=50", "checkpoint.every_steps=1",
-        "env.max_tokens=16", "env.concurrency=2", "trainer.batch_timeout_s=600", *algo, *overrides])
+    return load_config(
+        ["conf/rl.yaml", "conf/cpu.yaml"],
+        [
+            f"model.path={model}",
+            "model.build=none",
+            "rollout.backend=hf",
+            "rollout.num_cpus=0.25",
+            "rollout.torch_threads=1",
+            "judge.backend=feedback",
+            f"run_dir={run_dir}",
+            f"serve.port={free_port()}",
+            "eval.enabled=false",
+            "wandb.mode=disabled",
+            "queue.max_staleness=50",
+            "checkpoint.every_steps=1",
+            "env.max_tokens=16",
+            "env.concurrency=2",
+            "trainer.batch_timeout_s=600",
+            *algo,
+            *overrides,
+        ],
+    )
 
 
 def target(d, kind: str):
-    return {"engine": lambda: d.engines[0], "judge": lambda: d.judges[0], "queue": lambda: d.queue,
-            "tracker": lambda: d.tracker, "learner": lambda: d.learners.workers[1],
-            "teacher": lambda: d.teachers[0], "learner-rebuild": lambda: d.learners.workers[1]}[kind]()
+    return {
+        "engine": lambda: d.engines[0],
+        "judge": lambda: d.judges[0],
+        "queue": lambda: d.queue,
+        "tracker": lambda: d.tracker,
+        "learner": lambda: d.learners.workers[1],
+        "teacher": lambda: d.teachers[0],
+        "learner-rebuild": lambda: d.learners.workers[1],
+    }[kind]()
 
 
 def health(d) -> tuple[int, dict]:
@@ -96,8 +122,14 @@ def one(kind: str, model: str, root: str) -> dict:
     if kind == "driver":
         return audit(kind, model, run_dir, kill_driver(model, run_dir))
     restarts = ["learner.max_restarts=1"] if kind == "learner-rebuild" else []
-    d = Driver(config(model, run_dir, kind, ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1",
-                                             *restarts]))
+    d = Driver(
+        config(
+            model,
+            run_dir,
+            kind,
+            ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1", *restarts],
+        )
+    )
     d.setup()
     result: dict = {"kind": kind}
     errors: list = []
@@ -153,16 +185,21 @@ def kill_driver(model: str, run_dir: str) -> dict:
 
     from clawray.journal import SampleState
 
-    cfg = config(model, run_dir, "driver", ["trainer.batch_size=4", "trainer.max_batch_size=64",
-                                            "trainer.num_steps=-1", "ray.num_cpus=2"])
+    cfg = config(
+        model,
+        run_dir,
+        "driver",
+        ["trainer.batch_size=4", "trainer.max_batch_size=64", "trainer.num_steps=-1", "ray.num_cpus=2"],
+    )
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "..", "driver.yaml")
     OmegaConf.save(cfg, path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
     log = open(os.path.join(run_dir, "..", "driver.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
     t0 = time.monotonic()
     result: dict = {"kind": "driver", "health_after_kill": "-"}
     try:
@@ -180,8 +217,11 @@ def kill_driver(model: str, run_dir: str) -> dict:
         psutil.wait_procs(children, timeout=30)
         proc.wait(30)
         log.close()
-    result.update(outcome="stopped", detail="killed with its local Ray; resume=true continues",
-                  seconds=round(time.monotonic() - t_kill, 1))
+    result.update(
+        outcome="stopped",
+        detail="killed with its local Ray; resume=true continues",
+        seconds=round(time.monotonic() - t_kill, 1),
+    )
     return result
 
 
@@ -202,8 +242,20 @@ def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
     before_acked, before_trained = acked(run_dir), trained_until(run_dir, steps)
 
     t_resume = time.monotonic()
-    d2 = Driver(config(model, run_dir, kind, ["resume=true", "env.enabled=false", "trainer.batch_size=1",
-                                             "trainer.max_batch_size=64", "trainer.batch_timeout_s=30"]))
+    d2 = Driver(
+        config(
+            model,
+            run_dir,
+            kind,
+            [
+                "resume=true",
+                "env.enabled=false",
+                "trainer.batch_size=1",
+                "trainer.max_batch_size=64",
+                "trainer.batch_timeout_s=30",
+            ],
+        )
+    )
     d2.setup()
     result["resume_s"] = round(time.monotonic() - t_resume, 1)
     try:
@@ -216,8 +268,13 @@ def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
         d2.close()
     all_acked = before_acked | acked(run_dir)
     trained = Counter(before_trained + after)
-    result.update(acknowledged=len(all_acked), trained=len(set(trained)), lost=len(all_acked - set(trained)),
-                  trained_twice=sum(1 for n in trained.values() if n > 1), stale_dropped=stale)
+    result.update(
+        acknowledged=len(all_acked),
+        trained=len(set(trained)),
+        lost=len(all_acked - set(trained)),
+        trained_twice=sum(1 for n in trained.values() if n > 1),
+        stale_dropped=stale,
+    )
     return result
 
 
@@ -246,9 +303,11 @@ def main() -> int:
         print(f"[chaos] {json.dumps(rows[-1])}", flush=True)
     print("\nkind             outcome    seconds  /health  acked  trained  lost  twice  ok  detail")
     for r in rows:
-        print(f"{r['kind']:<16} {r.get('outcome', ''):<10} {r.get('seconds', ''):>7}  {r.get('health_after_kill', ''):>7}  "
-              f"{r.get('acknowledged', ''):>5}  {r.get('trained', ''):>7}  {r.get('lost', ''):>4}  "
-              f"{r.get('trained_twice', ''):>5}  {'yes' if passed(r) else 'NO':>3}  {r.get('detail', '')[:90]}")
+        print(
+            f"{r['kind']:<16} {r.get('outcome', ''):<10} {r.get('seconds', ''):>7}  {r.get('health_after_kill', ''):>7}  "
+            f"{r.get('acknowledged', ''):>5}  {r.get('trained', ''):>7}  {r.get('lost', ''):>4}  "
+            f"{r.get('trained_twice', ''):>5}  {'yes' if passed(r) else 'NO':>3}  {r.get('detail', '')[:90]}"
+        )
     return 0 if all(passed(r) for r in rows) else 1
 
 

@@ -29,25 +29,106 @@ from concurrent.futures import ThreadPoolExecutor
 
 PATH = b"/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
-HOSTILE_VALUES = [None, True, False, 0, -1, 1, 2 ** 31, 2 ** 64, -2 ** 63, 1e308, -1e308, 0.5, 1e-320, "", "x",
-                  "a" * 100_000, "\u0000", "\ud7ff\ue000", "😀" * 1000, [], [1], [None], {}, {"a": 1}, [[[[]]]],
-                  {"role": "user"}, "<|im_end|>", "<tool_call>{}</tool_call>"]
-FIELDS = ["messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-          "stream_options", "tools", "tool_choice", "seed", "stop", "stop_token_ids", "session_id", "user",
-          "turn_type", "session_done", "response_format", "logprobs", "top_logprobs", "logit_bias",
-          "presence_penalty", "frequency_penalty", "parallel_tool_calls", "functions", "metadata", "unknown_field"]
+HOSTILE_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**64,
+    -(2**63),
+    1e308,
+    -1e308,
+    0.5,
+    1e-320,
+    "",
+    "x",
+    "a" * 100_000,
+    "\u0000",
+    "\ud7ff\ue000",
+    "😀" * 1000,
+    [],
+    [1],
+    [None],
+    {},
+    {"a": 1},
+    [[[[]]]],
+    {"role": "user"},
+    "<|im_end|>",
+    "<tool_call>{}</tool_call>",
+]
+FIELDS = [
+    "messages",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "session_id",
+    "user",
+    "turn_type",
+    "session_done",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "parallel_tool_calls",
+    "functions",
+    "metadata",
+    "unknown_field",
+]
 MESSAGE_FIELDS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"]
-HEADER_NAMES = [b"X-Session-Id", b"x_session_id", b"X-Request-Id", b"serve_multiplexed_model_id",
-                b"serve-multiplexed-model-id", b"X-Request-Timeout-Seconds", b"X-Request-Disconnect-Disabled",
-                b"traceparent", b"X-Turn-Type", b"X-Session-Done", b"X-Session-Token", b"Authorization",
-                b"Content-Type", b"Origin", b"Host", b"User-Agent", b"Accept", b"Accept-Encoding", b"Cookie",
-                b"X-Forwarded-For", b"Content-Length", b"Transfer-Encoding", b"Connection", b"Expect"]
+HEADER_NAMES = [
+    b"X-Session-Id",
+    b"x_session_id",
+    b"X-Request-Id",
+    b"serve_multiplexed_model_id",
+    b"serve-multiplexed-model-id",
+    b"X-Request-Timeout-Seconds",
+    b"X-Request-Disconnect-Disabled",
+    b"traceparent",
+    b"X-Turn-Type",
+    b"X-Session-Done",
+    b"X-Session-Token",
+    b"Authorization",
+    b"Content-Type",
+    b"Origin",
+    b"Host",
+    b"User-Agent",
+    b"Accept",
+    b"Accept-Encoding",
+    b"Cookie",
+    b"X-Forwarded-For",
+    b"Content-Length",
+    b"Transfer-Encoding",
+    b"Connection",
+    b"Expect",
+]
 BAD_BYTES = [b"\xff", b"\x80", b"\xc3\x28", b"\xed\xa0\x80", b"a\xfe\xfeb", b"\xf8\x88\x80\x80\x80"]
 
 
-def request(body: bytes = b"", *, method: bytes = b"POST", path: bytes = PATH, headers: list[bytes] = (),
-            content_type: bytes | None = b"application/json", host: bytes = b"127.0.0.1",
-            length: int | None = None) -> bytes:
+def request(
+    body: bytes = b"",
+    *,
+    method: bytes = b"POST",
+    path: bytes = PATH,
+    headers: list[bytes] = (),
+    content_type: bytes | None = b"application/json",
+    host: bytes = b"127.0.0.1",
+    length: int | None = None,
+) -> bytes:
     """One raw HTTP/1.1 request (``Connection: close``); ``length`` overrides Content-Length."""
     lines = [method + b" " + path + b" HTTP/1.1", b"Host: " + host, b"Connection: close"]
     if content_type is not None:
@@ -68,11 +149,29 @@ def corpus(rng: random.Random) -> list[tuple[str, bytes, float]]:
     def add(kind, raw, trickle=0.0):
         cases.append((kind, raw, trickle))
 
-    for raw in [b"", b"{", b"}", b"[]", b"null", b"1", b'"x"', b"{'messages': []}", b'{"messages": [}',
-                b"\xff\xfe{}", b"\xef\xbb\xbf" + body(), b'{"messages": NaN}', b'{"max_tokens": Infinity}',
-                b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 5000 + b"1" + b"}" * 5000, body() + b"garbage",
-                b'{"messages": [{"role": "user", "content": "\xff"}]}', b'{"messages": "\\ud800"}',
-                b'{"messages": [], "messages": 1}', b"\x00" * 100, b"a" * 10_000]:
+    for raw in [
+        b"",
+        b"{",
+        b"}",
+        b"[]",
+        b"null",
+        b"1",
+        b'"x"',
+        b"{'messages': []}",
+        b'{"messages": [}',
+        b"\xff\xfe{}",
+        b"\xef\xbb\xbf" + body(),
+        b'{"messages": NaN}',
+        b'{"max_tokens": Infinity}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 5000 + b"1" + b"}" * 5000,
+        body() + b"garbage",
+        b'{"messages": [{"role": "user", "content": "\xff"}]}',
+        b'{"messages": "\\ud800"}',
+        b'{"messages": [], "messages": 1}',
+        b"\x00" * 100,
+        b"a" * 10_000,
+    ]:
         add("malformed_json", request(raw))
     for field in FIELDS:
         for value in HOSTILE_VALUES:
@@ -80,15 +179,38 @@ def corpus(rng: random.Random) -> list[tuple[str, bytes, float]]:
             add("field_value_stream", request(body(**{"stream": True, field: value})))
     for field in MESSAGE_FIELDS:
         for value in HOSTILE_VALUES:
-            add("message_value", request(json.dumps({"messages": [{"role": "user", "content": "a", field: value}],
-                                                     "max_tokens": 2}).encode()))
-            add("message_history", request(json.dumps({"messages": [
-                {"role": "user", "content": "a"}, {"role": "assistant", "content": "b", field: value},
-                {"role": "user", "content": "c"}], "max_tokens": 2}).encode()))
-    for messages in [[], [{}], [{"role": "tool", "content": "x"}], [{"role": "assistant", "tool_calls": [{}]}],
-                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                     [{"role": "user", "content": [{"type": "text"}]}], [{"role": "system", "content": "s"}] * 500,
-                     [{"role": "user", "content": "x " * 200_000}], [{"role": "user", "content": "a"}] * 5000]:
+            add(
+                "message_value",
+                request(
+                    json.dumps({"messages": [{"role": "user", "content": "a", field: value}], "max_tokens": 2}).encode()
+                ),
+            )
+            add(
+                "message_history",
+                request(
+                    json.dumps(
+                        {
+                            "messages": [
+                                {"role": "user", "content": "a"},
+                                {"role": "assistant", "content": "b", field: value},
+                                {"role": "user", "content": "c"},
+                            ],
+                            "max_tokens": 2,
+                        }
+                    ).encode()
+                ),
+            )
+    for messages in [
+        [],
+        [{}],
+        [{"role": "tool", "content": "x"}],
+        [{"role": "assistant", "tool_calls": [{}]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"role": "system", "content": "s"}] * 500,
+        [{"role": "user", "content": "x " * 200_000}],
+        [{"role": "user", "content": "a"}] * 5000,
+    ]:
         add("messages", request(body(messages=messages)))
     for name in HEADER_NAMES:
         for bad in BAD_BYTES:
@@ -102,20 +224,53 @@ def corpus(rng: random.Random) -> list[tuple[str, bytes, float]]:
         add("session_id_size", request(body(), headers=[b"X-Session-Id: " + b"s" * size]))
     for count in [99, 101, 150, 500, 2000, 5000]:
         add("header_count", request(body(), headers=[b"X-H%d: v" % i for i in range(count)]))
-    for line in [b"NoColon", b" Leading: space", b"Space : before", b"X-A: a\rb", b"X-A:\x0bv", b": empty",
-                 b"Content-Length: -1", b"Content-Length: abc", b"Content-Length: 1, 2", b"Transfer-Encoding: chunked",
-                 b"Transfer-Encoding: gzip", b"Expect: 100-continue", b"Content-Length: 99999999999999999999"]:
+    for line in [
+        b"NoColon",
+        b" Leading: space",
+        b"Space : before",
+        b"X-A: a\rb",
+        b"X-A:\x0bv",
+        b": empty",
+        b"Content-Length: -1",
+        b"Content-Length: abc",
+        b"Content-Length: 1, 2",
+        b"Transfer-Encoding: chunked",
+        b"Transfer-Encoding: gzip",
+        b"Expect: 100-continue",
+        b"Content-Length: 99999999999999999999",
+    ]:
         add("header_syntax", request(body(), headers=[line]))
-    for ctype in [None, b"text/plain", b"text/plain; charset=utf-8", b"application/x-www-form-urlencoded",
-                  b"multipart/form-data; boundary=x", b"application/jsonx", b"application/json;", b"APPLICATION/JSON",
-                  b"application/json; charset=latin-1", b"*/*", b"", b"application/xml", b"json"]:
+    for ctype in [
+        None,
+        b"text/plain",
+        b"text/plain; charset=utf-8",
+        b"application/x-www-form-urlencoded",
+        b"multipart/form-data; boundary=x",
+        b"application/jsonx",
+        b"application/json;",
+        b"APPLICATION/JSON",
+        b"application/json; charset=latin-1",
+        b"*/*",
+        b"",
+        b"application/xml",
+        b"json",
+    ]:
         add("content_type", request(body(), content_type=ctype))
     for method in [b"GET", b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"HEAD", b"TRACE", b"CONNECT", b"FOO", b"post"]:
         for path in [PATH, b"/v1/models", b"/health", b"/", b"/v1/chat/completions/", b"/v1/completions"]:
             add("method_path", request(body(), method=method, path=path))
-    for path in [b"/../../etc/passwd", b"/v1/chat/completions?x=%ff%fe", b"/%ff", b"/v1/" + b"a" * 100_000,
-                 b"http://evil/v1/chat/completions", b"*", b"/v1/chat/completions#frag", b"//v1/chat/completions",
-                 b"/v1/chat/completions;x", b"/\xff\xfe"]:
+    for path in [
+        b"/../../etc/passwd",
+        b"/v1/chat/completions?x=%ff%fe",
+        b"/%ff",
+        b"/v1/" + b"a" * 100_000,
+        b"http://evil/v1/chat/completions",
+        b"*",
+        b"/v1/chat/completions#frag",
+        b"//v1/chat/completions",
+        b"/v1/chat/completions;x",
+        b"/\xff\xfe",
+    ]:
         add("path", request(body(), path=path))
     for origin in [b"http://evil.example", b"null", b"http://127.0.0.1.evil.example", b"file://", b"\xff"]:
         add("origin", request(body(), headers=[b"Origin: " + origin]))
@@ -149,7 +304,7 @@ def send(port: int, raw: bytes, trickle: float, hang_s: float) -> int | str:
                 if trickle:
                     s.sendall(raw[:head_end])
                     for i in range(head_end, len(raw)):
-                        s.sendall(raw[i:i + 1])
+                        s.sendall(raw[i : i + 1])
                         time.sleep(trickle)
                 else:
                     s.sendall(raw)
@@ -188,11 +343,22 @@ def start_server(body_timeout_s: float) -> int:
     ray.get(engine.ready.remote())
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     tracker = SessionTrackerActor.options(num_cpus=0).remote(
-        [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2), records_dir=tempfile.mkdtemp())
+        [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2), records_dir=tempfile.mkdtemp()
+    )
     port = free_port()
-    cfg = {"model_name": "m", "default_max_tokens": 4, "default_temperature": 1.0, "max_model_len": 128,
-           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "body_timeout_s": body_timeout_s,
-           "host": "127.0.0.1", "allowed_origins": [], "session_binding": "echo"}
+    cfg = {
+        "model_name": "m",
+        "default_max_tokens": 4,
+        "default_temperature": 1.0,
+        "max_model_len": 128,
+        "generate_timeout_s": 120,
+        "max_body_bytes": 1 << 20,
+        "api_key": "",
+        "body_timeout_s": body_timeout_s,
+        "host": "127.0.0.1",
+        "allowed_origins": [],
+        "session_binding": "echo",
+    }
     start_policy_server(model, [engine], tracker, cfg, "127.0.0.1", port, 0.1)
     return port
 
@@ -233,8 +399,11 @@ def main() -> int:
     for kind in sorted(by_kind):
         print(f"{kind:>20}: " + ", ".join(f"{s}x{n}" for s, n in sorted(by_kind[kind].items())))
     server_errors = sum(n for s, n in by_status.items() if s.isdigit() and int(s) >= 500)
-    print(f"cases: {len(results)} in {wall:.0f} s (skipped {by_status.get('skipped', 0)}); by status: "
-          + ", ".join(f"{s}x{n}" for s, n in sorted(by_status.items())) + f"; a valid request afterwards: {alive}")
+    print(
+        f"cases: {len(results)} in {wall:.0f} s (skipped {by_status.get('skipped', 0)}); by status: "
+        + ", ".join(f"{s}x{n}" for s, n in sorted(by_status.items()))
+        + f"; a valid request afterwards: {alive}"
+    )
     print(f">=500: {server_errors}")
     print(f"hangs: {by_status.get('hang', 0)}")
     return int(server_errors > 0 or by_status.get("hang", 0) > 0 or alive != 200)

@@ -45,8 +45,16 @@ def make_samples(n: int, vocab: int, seed: int = 0):
         p = int(torch.randint(40, 121, (1,), generator=g))
         r = int(torch.randint(4, 49, (1,), generator=g))
         tokens = torch.randint(10, vocab, (p + r,), generator=g).tolist()
-        out.append(Sample(tokens=tokens, prompt_len=p, loss_mask=[1] * r, rollout_logprobs=[-7.0] * r,
-                          reward=1.0 if k % 2 else -1.0, policy_version=0))
+        out.append(
+            Sample(
+                tokens=tokens,
+                prompt_len=p,
+                loss_mask=[1] * r,
+                rollout_logprobs=[-7.0] * r,
+                reward=1.0 if k % 2 else -1.0,
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -130,8 +138,11 @@ def main() -> None:
     for n in [int(x) for x in args.ranks.split(",")]:
         times, m = clawray_steps(model, refs, args.steps, n, args.threads, lr)
         rates[n] = tokens / statistics.median(times)
-        print(f"{f'clawray {n} rank(s)':>16}: {rates[n]:9.1f} tokens/s  perf/padding_frac {m['perf/padding_frac']:.3f}  "
-              f"micro_batches {m['micro_batches']:.0f}", flush=True)
+        print(
+            f"{f'clawray {n} rank(s)':>16}: {rates[n]:9.1f} tokens/s  perf/padding_frac {m['perf/padding_frac']:.3f}  "
+            f"micro_batches {m['micro_batches']:.0f}",
+            flush=True,
+        )
     ray.shutdown()
     line = f"clawray 1 rank / plain = {rates[1] / plain:.2f}" if 1 in rates else ""
     if 1 in rates and 2 in rates:

@@ -26,8 +26,18 @@ from clawray.ray_env import free_port, init_ray
 from clawray.types import Sample
 from clawray.weight_sync import TransportSpec
 
-LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=0.0, weight_decay=0.0, betas=[0.9, 0.98],
-               grad_clip=1.0, eps=0.2, eps_high=0.28, dist_timeout_s=120)
+LEARNER = dict(
+    num_workers=2,
+    num_cpus=0.25,
+    torch_threads=1,
+    lr=0.0,
+    weight_decay=0.0,
+    betas=[0.9, 0.98],
+    grad_clip=1.0,
+    eps=0.2,
+    eps_high=0.28,
+    dist_timeout_s=120,
+)
 
 
 def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, max_tokens: int = 32) -> list[dict]:
@@ -44,16 +54,37 @@ def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, ma
         prompt = list(range(10, 30))
         rows = []
         for step in range(steps):
-            outs = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=max_tokens, temperature=1.0,
-                                                                   seed=step * 100 + i)) for i in range(batch)])
-            refs = [ray.put(Sample(tokens=prompt + o["response_ids"], prompt_len=len(prompt),
-                                   loss_mask=[1] * len(o["response_ids"]), rollout_logprobs=o["logprobs"],
-                                   reward=1.0 if i % 2 else -1.0, policy_version=o["policy_version"]))
-                    for i, o in enumerate(outs)]
+            outs = ray.get(
+                [
+                    engine.generate.remote(
+                        GenerateRequest(prompt, max_tokens=max_tokens, temperature=1.0, seed=step * 100 + i)
+                    )
+                    for i in range(batch)
+                ]
+            )
+            refs = [
+                ray.put(
+                    Sample(
+                        tokens=prompt + o["response_ids"],
+                        prompt_len=len(prompt),
+                        loss_mask=[1] * len(o["response_ids"]),
+                        rollout_logprobs=o["logprobs"],
+                        reward=1.0 if i % 2 else -1.0,
+                        policy_version=o["policy_version"],
+                    )
+                )
+                for i, o in enumerate(outs)
+            ]
             m = learners.train_step(refs, step + 1)
             ray.get(learners.sync_weights(step + 1) + [engine.receive_weights.remote(step + 1)])
-            rows.append({"step": step + 1, "kl": m["inv/logprob_mismatch_kl"], "ratio_max": m["inv/ratio_max"],
-                         "tokens": m["num_tokens"]})
+            rows.append(
+                {
+                    "step": step + 1,
+                    "kl": m["inv/logprob_mismatch_kl"],
+                    "ratio_max": m["inv/ratio_max"],
+                    "tokens": m["num_tokens"],
+                }
+            )
         return rows
     finally:
         ray.kill(engine)
@@ -64,7 +95,9 @@ def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, ma
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
-    parser.add_argument("--tiny", action="store_true", help="build the tiny model and run hf fp32, vllm fp32, vllm bf16")
+    parser.add_argument(
+        "--tiny", action="store_true", help="build the tiny model and run hf fp32, vllm fp32, vllm bf16"
+    )
     parser.add_argument("--backend", default="vllm")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
@@ -85,8 +118,11 @@ def main() -> int:
         t0 = time.perf_counter()
         rows = run(model, backend, dtype)
         kls = [r["kl"] for r in rows]
-        print(f"| {backend} | {dtype} | {' '.join(f'{k:.2e}' for k in kls)} | {max(kls):.2e} | "
-              f"{max(r['ratio_max'] for r in rows):.4f} |  ({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(
+            f"| {backend} | {dtype} | {' '.join(f'{k:.2e}' for k in kls)} | {max(kls):.2e} | "
+            f"{max(r['ratio_max'] for r in rows):.4f} |  ({time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
     return 0
 
 

@@ -121,7 +121,7 @@ class Case:
     name: str
     prompts: list[str]
     offending: Callable[[list[str], str], list[bool]]  # (token pieces, prompt) -> per-token flag
-    correction: Callable[[str], str]                    # prompt -> the user's corrective next message
+    correction: Callable[[str], str]  # prompt -> the user's corrective next message
     wrong: Callable[[str, str], bool] = lambda prompt, text: True  # beyond holding offending tokens
 
 
@@ -130,11 +130,16 @@ def _answers(prompt: str) -> list[str]:
 
 
 CASES = {
-    "fact": Case("fact", [q + SHORT for q, _ in FACTS], offending=claim_tokens,
-                 correction=lambda p: f"No, that's wrong: the correct answer is {_answers(p)[0]}.",
-                 wrong=lambda p, text: not any(a.lower() in text.lower() for a in _answers(p))),
-    "markdown": Case("markdown", HOWTO, offending=lambda pieces, p: markdown_tokens(pieces),
-                     correction=lambda p: NO_MARKDOWN),
+    "fact": Case(
+        "fact",
+        [q + SHORT for q, _ in FACTS],
+        offending=claim_tokens,
+        correction=lambda p: f"No, that's wrong: the correct answer is {_answers(p)[0]}.",
+        wrong=lambda p, text: not any(a.lower() in text.lower() for a in _answers(p)),
+    ),
+    "markdown": Case(
+        "markdown", HOWTO, offending=lambda pieces, p: markdown_tokens(pieces), correction=lambda p: NO_MARKDOWN
+    ),
 }
 
 
@@ -149,8 +154,8 @@ class Tally:
     offending: list[float] = field(default_factory=list)
     other: list[float] = field(default_factory=list)
     decision: list[float] = field(default_factory=list)  # Δ at each turn's first offending token
-    neutral: list[float] = field(default_factory=list)   # the same token under the neutral hint
-    ordered: int = 0                                     # turns with mean Δ offending < mean Δ other
+    neutral: list[float] = field(default_factory=list)  # the same token under the neutral hint
+    ordered: int = 0  # turns with mean Δ offending < mean Δ other
 
     def add(self, delta: list[float], flags: list[bool], neutral_first: float) -> str:
         """Count one turn; returns its table cells."""
@@ -162,26 +167,34 @@ class Tally:
         self.neutral.append(neutral_first)
         self.ordered += _mean(off) < _mean(other)
         positive = sum(d > 0 for d in delta) / len(delta)
-        return (f"{len(delta)} | {len(off)} | {_mean(off):+.3f} | {_mean(other):+.3f} | {off[0]:+.3f} | "
-                f"{neutral_first:+.3f} | {positive:.2f}")
+        return (
+            f"{len(delta)} | {len(off)} | {_mean(off):+.3f} | {_mean(other):+.3f} | {off[0]:+.3f} | "
+            f"{neutral_first:+.3f} | {positive:.2f}"
+        )
 
     def summary(self) -> str:
         every = self.offending + self.other
         turns = len(self.decision)
-        return (f"{turns} turns, {len(every)} tokens, {len(self.offending)} offending; mean Δ offending "
-                f"{_mean(self.offending):+.3f}, other {_mean(self.other):+.3f}, all {_mean(every):+.3f}; mean Δ at "
-                f"the decision token {_mean(self.decision):+.3f} ({sum(d < 0 for d in self.decision)}/{turns} "
-                f"negative; neutral hint {_mean(self.neutral):+.3f}); fraction Δ>0 "
-                f"{sum(d > 0 for d in every) / max(len(every), 1):.2f}; turns with Δ offending < Δ other "
-                f"{self.ordered}/{turns}")
+        return (
+            f"{turns} turns, {len(every)} tokens, {len(self.offending)} offending; mean Δ offending "
+            f"{_mean(self.offending):+.3f}, other {_mean(self.other):+.3f}, all {_mean(every):+.3f}; mean Δ at "
+            f"the decision token {_mean(self.decision):+.3f} ({sum(d < 0 for d in self.decision)}/{turns} "
+            f"negative; neutral hint {_mean(self.neutral):+.3f}); fraction Δ>0 "
+            f"{sum(d > 0 for d in every) / max(len(every), 1):.2f}; turns with Δ offending < Δ other "
+            f"{self.ordered}/{turns}"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/smollm2-135m-instruct"))
     parser.add_argument("--case", default="both", choices=["fact", "markdown", "both"])
-    parser.add_argument("--placement", default="user", choices=["user", "system", "both"],
-                        help="where the teacher sees the hint (opd.hint_placement)")
+    parser.add_argument(
+        "--placement",
+        default="user",
+        choices=["user", "system", "both"],
+        help="where the teacher sees the hint (opd.hint_placement)",
+    )
     parser.add_argument("--engine", default="vllm", choices=["hf", "vllm"], help="vllm (fp32) is ~4x faster on CPU")
     parser.add_argument("--tries", type=int, default=8, help="replies sampled per prompt to find one to correct")
     parser.add_argument("--follow", action="store_true", help="also sample from the hinted teacher context")
@@ -192,9 +205,11 @@ def main() -> int:
     torch.set_num_threads(2)
     if args.engine == "vllm":
         from clawray.engines.vllm import VLLMBackend
+
         engine = VLLMBackend(args.model, dtype="float32", max_model_len=1024, seed=0)
     else:
         from clawray.engines.hf import HFBackend
+
         engine = HFBackend(args.model, seed=0)
     tok = __import__("transformers").AutoTokenizer.from_pretrained(args.model)
     teachers = {p: TeacherWorker(engine, args.model, placement=p) for p in placements}  # production prompts
@@ -203,10 +218,17 @@ def main() -> int:
     max_tokens = {"fact": 32, "markdown": 96}
 
     def sample(prompt_ids: list[int], i: int, case: Case):
-        return engine.generate([GenerateRequest(prompt_ids, max_tokens=max_tokens[case.name], temperature=1.0,
-                                                seed=100 * i + s, stop_token_ids=stop) for s in range(args.tries)])
+        return engine.generate(
+            [
+                GenerateRequest(
+                    prompt_ids, max_tokens=max_tokens[case.name], temperature=1.0, seed=100 * i + s, stop_token_ids=stop
+                )
+                for s in range(args.tries)
+            ]
+        )
 
     for case in cases:
+
         def offending(out, prompt):
             return case.offending([tok.decode([t]) for t in out.response_ids], prompt)  # noqa: B023 - used in this iteration
 
@@ -216,13 +238,16 @@ def main() -> int:
         tallies = {p: Tally() for p in placements}
         follow = {k: [0, 0] for k in ["plain", *placements]}
         print(f"\n## {case.name}\n")
-        print("| turn | placement | tokens | offending | Δ offending | Δ other | Δ decision token "
-              "| Δ decision, neutral hint | frac Δ>0 |")
+        print(
+            "| turn | placement | tokens | offending | Δ offending | Δ other | Δ decision token "
+            "| Δ decision, neutral hint | frac Δ>0 |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for i, prompt in enumerate(case.prompts):
             messages = [{"role": "user", "content": prompt}]
-            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)
+            ids = tok.encode(
+                tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+            )
             outs = sample(ids, i, case)
             follow["plain"][0] += sum(corrected(o, prompt) for o in outs)
             follow["plain"][1] += len(outs)
@@ -248,7 +273,9 @@ def main() -> int:
                 print(f"| {i} | {placement} | {tallies[placement].add(delta, flags, neutral_first)} |", flush=True)
                 if args.show:
                     pieces = [tok.decode([t]) for t in turn.response_ids]
-                    shown = "".join(f"[{p!r}{d:+.1f}]" if f else f"{p!r}{d:+.1f} " for p, f, d in zip(pieces, flags, delta))
+                    shown = "".join(
+                        f"[{p!r}{d:+.1f}]" if f else f"{p!r}{d:+.1f} " for p, f, d in zip(pieces, flags, delta)
+                    )
                     print(f"|  | {shown.replace('|', '¦')} | | | | | | | |")
         print()
         for placement, tally in tallies.items():

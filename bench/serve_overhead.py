@@ -34,8 +34,13 @@ async def _direct(engine, prompts: list[list[int]], sessions: int, rounds: int, 
     async def session(s: int) -> None:
         nonlocal tokens
         for r in range(rounds):
-            req = GenerateRequest(prompt_ids=prompts[(s * rounds + r) % len(prompts)], max_tokens=max_tokens,
-                                  temperature=1.0, stop_token_ids=stop, seed=1000 * s + r)
+            req = GenerateRequest(
+                prompt_ids=prompts[(s * rounds + r) % len(prompts)],
+                max_tokens=max_tokens,
+                temperature=1.0,
+                stop_token_ids=stop,
+                seed=1000 * s + r,
+            )
             t0 = time.perf_counter()
             out = await engine.generate.remote(req)
             latencies.append(time.perf_counter() - t0)
@@ -58,8 +63,13 @@ async def _endpoint(base_url: str, questions: list[str], sessions: int, rounds: 
             q = questions[(s * rounds + r) % len(questions)]
             t0 = time.perf_counter()
             out = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": q}], max_tokens=max_tokens, temperature=1.0,
-                seed=1000 * s + r, extra_headers={"X-Session-Id": f"{tag}-{s}-{r}"})
+                model="m",
+                messages=[{"role": "user", "content": q}],
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=1000 * s + r,
+                extra_headers={"X-Session-Id": f"{tag}-{s}-{r}"},
+            )
             latencies.append(time.perf_counter() - t0)
             tokens += out.usage.completion_tokens
 
@@ -94,16 +104,29 @@ def main() -> None:
     init_ray("", 2)
     tok = AutoTokenizer.from_pretrained(model)
     questions = [p.question for p in make_problems(64, level=1, seed=0)]
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=False), add_special_tokens=False) for q in questions]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
     kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.5} if args.backend == "vllm" else {}
     engine = RolloutEngineActor.options(num_cpus=0.5).remote(args.backend, model, "rollout-0", 2, 16, kwargs)
     ray.get(engine.ready.remote())
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     tracker = SessionTrackerActor.options(num_cpus=0).remote(
-        [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2), records_dir=tempfile.mkdtemp())
-    cfg = {"model_name": "m", "default_max_tokens": args.max_tokens, "default_temperature": 1.0,
-           "max_model_len": 1024, "generate_timeout_s": 600, "max_body_bytes": 1 << 20, "api_key": ""}
+        [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2), records_dir=tempfile.mkdtemp()
+    )
+    cfg = {
+        "model_name": "m",
+        "default_max_tokens": args.max_tokens,
+        "default_temperature": 1.0,
+        "max_model_len": 1024,
+        "generate_timeout_s": 600,
+        "max_body_bytes": 1 << 20,
+        "api_key": "",
+    }
     base_url = start_policy_server(model, [engine], tracker, cfg, "127.0.0.1", free_port(), 0.1)
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
 
@@ -122,8 +145,10 @@ def main() -> None:
             print(f"{c:>8} {path:>9} {len(lat):>8} {rows[path][0]:>8.3f} {rows[path][1]:>8.3f} {rows[path][2]:>9.1f}")
         (dm, dp, dt, dtok), (em, ep, et, etok) = rows["direct"], rows["endpoint"]
         same = "same tokens" if dtok == etok else f"token counts differ: {dtok} vs {etok}"
-        print(f"{c:>8} {'ratio':>9} {'':>8} {em / dm:>8.3f} {ep / dp:>8.3f} {dt / et:>9.3f}   "
-              f"latency overhead {100 * (em / dm - 1):+.1f}%, throughput overhead {100 * (dt / et - 1):+.1f}% ({same})")
+        print(
+            f"{c:>8} {'ratio':>9} {'':>8} {em / dm:>8.3f} {ep / dp:>8.3f} {dt / et:>9.3f}   "
+            f"latency overhead {100 * (em / dm - 1):+.1f}%, throughput overhead {100 * (dt / et - 1):+.1f}% ({same})"
+        )
     serve.shutdown()
     ray.shutdown()
 

@@ -89,8 +89,13 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     stop_at = [float("inf")]
 
     async def one(k: int) -> None:
-        req = GenerateRequest(prompt_ids=prompts[k % len(prompts)], max_tokens=args.max_tokens, temperature=1.0,
-                              stop_token_ids=stop, seed=k)
+        req = GenerateRequest(
+            prompt_ids=prompts[k % len(prompts)],
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            stop_token_ids=stop,
+            seed=k,
+        )
         t0 = time.perf_counter()
         out = await engine.generate.remote(req)
         requests.append((t0, time.perf_counter(), len(out["response_ids"])))
@@ -127,8 +132,12 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     added = [(e - s) - per_token * n for s, e, n in requests if overlaps(s, e)]
     results = [r for _, _, r in syncs]
     return {
-        "requests": len(requests), "overlapping": len(added), "clean": len(clean), "s_per_token": per_token,
-        "p50": _percentile(added, 0.5), "p99": _percentile(added, 0.99),
+        "requests": len(requests),
+        "overlapping": len(added),
+        "clean": len(clean),
+        "s_per_token": per_token,
+        "p50": _percentile(added, 0.5),
+        "p99": _percentile(added, 0.99),
         "pause_s": statistics.mean(r["pause_s"] for r in results),
         "transfer_load_s": statistics.mean(r["receive_s"]["rollout-0"] + r["load_s"]["rollout-0"] for r in results),
         "interrupted": sum(r["interrupted"] for r in results),
@@ -157,19 +166,31 @@ def main() -> None:
     init_ray("", 2)
     tok = AutoTokenizer.from_pretrained(model)
     questions = [p.question for p in make_problems(32, level=1, seed=0)]
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=False), add_special_tokens=False) for q in questions]
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
-    print(f"model={model} backend={args.backend} gap={args.gap}s max_tokens={args.max_tokens} "
-          f"syncs={args.syncs} interval={args.interval}s")
-    print(f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
-          f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11}")
+    print(
+        f"model={model} backend={args.backend} gap={args.gap}s max_tokens={args.max_tokens} "
+        f"syncs={args.syncs} interval={args.interval}s"
+    )
+    print(
+        f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
+        f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11}"
+    )
     rows = {}
     for mode in args.modes.split(","):
         r = rows[mode] = asyncio.run(_run_mode(mode, args, model, prompts, stop))
-        print(f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
-              f"{r['p99']:>11.3f} "
-              f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11}", flush=True)
+        print(
+            f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
+            f"{r['p99']:>11.3f} "
+            f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11}",
+            flush=True,
+        )
     for mode, r in rows.items():
         print(f"{mode}: p99 added latency / (transfer + load) = {r['p99'] / r['transfer_load_s']:.2f}")
     ray.shutdown()

@@ -45,12 +45,20 @@ def synthetic_shapes(target_bytes: int = 1 << 30) -> list[tuple[str, tuple[int, 
     added until the state reaches ``target_bytes``: embedding + N decoder layers + final norm."""
     h, inter, kv, vocab = 1536, 8960, 256, 151936
     shapes = [("model.embed_tokens.weight", (vocab, h))]
-    layer = [("input_layernorm.weight", (h,)), ("self_attn.q_proj.weight", (h, h)), ("self_attn.q_proj.bias", (h,)),
-             ("self_attn.k_proj.weight", (kv, h)), ("self_attn.k_proj.bias", (kv,)),
-             ("self_attn.v_proj.weight", (kv, h)), ("self_attn.v_proj.bias", (kv,)),
-             ("self_attn.o_proj.weight", (h, h)), ("post_attention_layernorm.weight", (h,)),
-             ("mlp.gate_proj.weight", (inter, h)), ("mlp.up_proj.weight", (inter, h)),
-             ("mlp.down_proj.weight", (h, inter))]
+    layer = [
+        ("input_layernorm.weight", (h,)),
+        ("self_attn.q_proj.weight", (h, h)),
+        ("self_attn.q_proj.bias", (h,)),
+        ("self_attn.k_proj.weight", (kv, h)),
+        ("self_attn.k_proj.bias", (kv,)),
+        ("self_attn.v_proj.weight", (kv, h)),
+        ("self_attn.v_proj.bias", (kv,)),
+        ("self_attn.o_proj.weight", (h, h)),
+        ("post_attention_layernorm.weight", (h,)),
+        ("mlp.gate_proj.weight", (inter, h)),
+        ("mlp.up_proj.weight", (inter, h)),
+        ("mlp.down_proj.weight", (h, inter)),
+    ]
     total, i = vocab * h * 2, 0
     while total < target_bytes:
         for name, shape in layer:
@@ -196,8 +204,14 @@ def main(argv=None) -> None:
     apply_loopback_env()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # a fresh local instance ("local"), never someone else's running cluster
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=3 << 30, log_to_driver=True)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=3 << 30,
+        log_to_driver=True,
+    )
     probe = PeerActor.options(num_cpus=0.1).remote(0, 1)
     print(f"[bench] clawray imported by the actors from {ray.get(probe.where.remote())}", flush=True)
     ray.kill(probe)
@@ -211,18 +225,25 @@ def main(argv=None) -> None:
         rows[which] = bench_state(which, tiny_dir, args.reps, args.bucket_mb)
         print(f"[bench] {which}: done in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    print(f"\n1 sender -> 2 receivers, gloo on loopback (CPU), buckets {args.bucket_mb} MiB, median of {args.reps}; "
-          "GB/s = payload bytes / 1e9 / seconds")
-    head = ("| state | tensors | MB | " + " | ".join(f"{m} s (GB/s)" for m in METHODS)
-            + " | clawray / flat | clawray vs per_tensor | clawray vs object_store | ipc vs clawray |")
+    print(
+        f"\n1 sender -> 2 receivers, gloo on loopback (CPU), buckets {args.bucket_mb} MiB, median of {args.reps}; "
+        "GB/s = payload bytes / 1e9 / seconds"
+    )
+    head = (
+        "| state | tensors | MB | "
+        + " | ".join(f"{m} s (GB/s)" for m in METHODS)
+        + " | clawray / flat | clawray vs per_tensor | clawray vs object_store | ipc vs clawray |"
+    )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for which, r in rows.items():
         gb = r["bytes"] / 1e9
         cells = " | ".join(f"{r[m]:.4f} ({gb / r[m]:.2f})" for m in METHODS)
-        print(f"| {which} | {r['tensors']} | {r['bytes'] / 1e6:.1f} | {cells} | {r['flat'] / r['clawray']:.2f}x "
-              f"| {r['per_tensor'] / r['clawray']:.2f}x | {r['object_store'] / r['clawray']:.2f}x "
-              f"| {r['clawray'] / r['ipc']:.2f}x |")
+        print(
+            f"| {which} | {r['tensors']} | {r['bytes'] / 1e6:.1f} | {cells} | {r['flat'] / r['clawray']:.2f}x "
+            f"| {r['per_tensor'] / r['clawray']:.2f}x | {r['object_store'] / r['clawray']:.2f}x "
+            f"| {r['clawray'] / r['ipc']:.2f}x |"
+        )
     ray.shutdown()
 
 

@@ -95,8 +95,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = msg.get("role")
         if role not in ROLES:
             raise RequestError(f"{where}.role {role!r} is not one of {list(ROLES)}", f"{where}.role")
-        norm: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                "content": _text(msg.get("content"), where)}
+        norm: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _text(msg.get("content"), where),
+        }
         if role == "assistant" and msg.get("tool_calls"):
             norm["tool_calls"] = _normalize_tool_calls(msg["tool_calls"], where)
         if role == "assistant":
@@ -130,21 +132,29 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             try:
                 args = loads_strict(args) if args.strip() else {}
             except (ValueError, RecursionError):
-                raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
-                                   f"{where}.tool_calls") from None
+                raise RequestError(
+                    f"{where}.tool_calls[{j}].function.arguments is not valid JSON", f"{where}.tool_calls"
+                ) from None
         if not isinstance(args, dict):
-            raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be a JSON object",
-                               f"{where}.tool_calls")
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+            raise RequestError(
+                f"{where}.tool_calls[{j}].function.arguments must be a JSON object", f"{where}.tool_calls"
+            )
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
 def _canonical(m: dict[str, Any]) -> bytes:
     """One message as it counts for conversation keys (see :func:`conversation_keys`)."""
     if m["role"] == "assistant":
-        calls = [(c["function"]["name"], c["function"]["arguments"] if isinstance(c["function"]["arguments"], dict)
-                  else json.loads(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+        calls = [
+            (
+                c["function"]["name"],
+                c["function"]["arguments"]
+                if isinstance(c["function"]["arguments"], dict)
+                else json.loads(c["function"]["arguments"]),
+            )
+            for c in m.get("tool_calls") or []
+        ]
         canon = ["assistant", (m.get("content") or "").strip(), calls]
     else:
         canon = [m["role"], m.get("content"), m.get("tool_call_id")]

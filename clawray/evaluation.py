@@ -90,8 +90,10 @@ def resolve_model_dir(path: str) -> str:
     latest = latest_checkpoint(path)
     if latest is not None and os.path.isfile(os.path.join(latest, "model", "config.json")):
         return os.path.join(latest, "model")
-    raise FileNotFoundError(f"{path} is neither a model folder (config.json), a checkpoint (model/config.json) "
-                            "nor a checkpoints folder with a committed ckpt-*")
+    raise FileNotFoundError(
+        f"{path} is neither a model folder (config.json), a checkpoint (model/config.json) "
+        "nor a checkpoints folder with a committed ckpt-*"
+    )
 
 
 class Evaluator:
@@ -111,8 +113,18 @@ class Evaluator:
         ValueError: ``n`` < 1, ``num_prompts`` < 0, or a split with no prompts.
     """
 
-    def __init__(self, env: Environment, tokenizer: Any, *, n: int = 4, num_prompts: int = 0,
-                 temperature: float = 0.7, seed: int = 0, max_tokens: int = 96, split: str = "eval"):
+    def __init__(
+        self,
+        env: Environment,
+        tokenizer: Any,
+        *,
+        n: int = 4,
+        num_prompts: int = 0,
+        temperature: float = 0.7,
+        seed: int = 0,
+        max_tokens: int = 96,
+        split: str = "eval",
+    ):
         if n < 1 or num_prompts < 0 or max_tokens < 1:
             raise ValueError(f"need n >= 1, num_prompts >= 0, max_tokens >= 1; got {n}, {num_prompts}, {max_tokens}")
         self.env, self.tokenizer = env, tokenizer
@@ -128,13 +140,20 @@ class Evaluator:
         ``seed * 1_000_003 + i * n + j`` (mod 2**31)."""
         out = []
         for i, task in enumerate(self.tasks):
-            text = self.tokenizer.apply_chat_template(self.env.opening(task), tools=self.env.tools,
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                self.env.opening(task), tools=self.env.tools, add_generation_prompt=True, tokenize=False
+            )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             for j in range(self.n):
-                out.append(GenerateRequest(prompt_ids=ids, max_tokens=self.max_tokens, temperature=self.temperature,
-                                           stop_token_ids=self.stop_ids,
-                                           seed=(self.seed * 1_000_003 + i * self.n + j) % 2**31))
+                out.append(
+                    GenerateRequest(
+                        prompt_ids=ids,
+                        max_tokens=self.max_tokens,
+                        temperature=self.temperature,
+                        stop_token_ids=self.stop_ids,
+                        seed=(self.seed * 1_000_003 + i * self.n + j) % 2**31,
+                    )
+                )
         return out
 
     def reply_message(self, response_ids: list[int]) -> dict[str, Any]:
@@ -163,8 +182,8 @@ class Evaluator:
             outs = []
             with progress(total=len(reqs), desc="eval", unit="sample") as bar:
                 for i in range(0, len(reqs), chunk):
-                    outs.extend(generate(reqs[i:i + chunk]))
-                    bar.update(len(reqs[i:i + chunk]))
+                    outs.extend(generate(reqs[i : i + chunk]))
+                    bar.update(len(reqs[i : i + chunk]))
         else:
             outs = generate(reqs)
         versions, replies, scores = set(), [], []
@@ -177,16 +196,27 @@ class Evaluator:
             s = self.env.score(task, [*self.env.opening(task), msg])
             scores.append(s)
             replies.append({"question": task.question, "reply": msg.get("content"), "scores": s})
-        return {"env": self.env.name, "split": self.split, "prompts": len(self.tasks), "n": self.n,
-                "samples": len(outs), "temperature": self.temperature, "seed": self.seed,
-                "max_tokens": self.max_tokens, "seconds": time.perf_counter() - t0,
-                "policy_versions": sorted(versions), "metrics": summarize(scores), "replies": replies}
+        return {
+            "env": self.env.name,
+            "split": self.split,
+            "prompts": len(self.tasks),
+            "n": self.n,
+            "samples": len(outs),
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "seconds": time.perf_counter() - t0,
+            "policy_versions": sorted(versions),
+            "metrics": summarize(scores),
+            "replies": replies,
+        }
 
 
 def format_metrics(metrics: dict[str, dict[str, float]]) -> str:
     """``solved 56.0% [46.2, 65.3] | correct ...``: each measure's mean and 95% CI in percent."""
-    return " | ".join(f"{k} {100 * m['mean']:.1f}% [{100 * m['lo']:.1f}, {100 * m['hi']:.1f}]"
-                      for k, m in metrics.items())
+    return " | ".join(
+        f"{k} {100 * m['mean']:.1f}% [{100 * m['lo']:.1f}, {100 * m['hi']:.1f}]" for k, m in metrics.items()
+    )
 
 
 def format_change(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> list[str]:
@@ -198,9 +228,11 @@ def format_change(before: dict[str, dict[str, float]], after: dict[str, dict[str
             continue
         b, a = before[k], after[k]
         overlap = "CIs overlap" if a["lo"] <= b["hi"] and b["lo"] <= a["hi"] else "CIs do not overlap"
-        lines.append(f"{k}: {100 * b['mean']:.1f}% [{100 * b['lo']:.1f}, {100 * b['hi']:.1f}] -> "
-                     f"{100 * a['mean']:.1f}% [{100 * a['lo']:.1f}, {100 * a['hi']:.1f}] "
-                     f"({100 * (a['mean'] - b['mean']):+.1f} points, {overlap})")
+        lines.append(
+            f"{k}: {100 * b['mean']:.1f}% [{100 * b['lo']:.1f}, {100 * b['hi']:.1f}] -> "
+            f"{100 * a['mean']:.1f}% [{100 * a['lo']:.1f}, {100 * a['hi']:.1f}] "
+            f"({100 * (a['mean'] - b['mean']):+.1f} points, {overlap})"
+        )
     return lines
 
 

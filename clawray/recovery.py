@@ -42,8 +42,10 @@ class ActorLost(RuntimeError):
 
     def __init__(self, role: str, kind: str, detail: str = ""):
         self.role, self.kind = role, kind
-        super().__init__(f"the {role} actor died{f' ({detail})' if detail else ''}; the samples and sessions "
-                         "are in the journal: restart with resume=true to continue from the last checkpoint")
+        super().__init__(
+            f"the {role} actor died{f' ({detail})' if detail else ''}; the samples and sessions "
+            "are in the journal: restart with resume=true to continue from the last checkpoint"
+        )
 
 
 def actor_roles(driver: Any) -> dict[str, tuple[str, str]]:
@@ -95,7 +97,10 @@ def _first_dead(roles: dict[str, tuple[str, str]]) -> str | None:
     try:
         from ray.util.state import list_actors
 
-        dead = {a.actor_id for a in list_actors(filters=[("state", "=", "DEAD")], limit=10_000, raise_on_missing_output=False)}
+        dead = {
+            a.actor_id
+            for a in list_actors(filters=[("state", "=", "DEAD")], limit=10_000, raise_on_missing_output=False)
+        }
     except Exception:  # noqa: BLE001 - the state API is optional (no dashboard): name nothing
         return None
     return next((role for aid, (role, _) in roles.items() if aid in dead), None)
@@ -227,8 +232,15 @@ class RestartCounters:
 ENGINE_COUNTERS = ("tokens", "gen_seconds", "requests", "cancelled", "errors", "interrupted")
 
 
-def wait_batch(driver: Any, batch_size: int, next_version: int, timeout_s: float | None, max_batch_size: int,
-               poll_s: float = 5.0, desc: str | None = None) -> dict | None:
+def wait_batch(
+    driver: Any,
+    batch_size: int,
+    next_version: int,
+    timeout_s: float | None,
+    max_batch_size: int,
+    poll_s: float = 5.0,
+    desc: str | None = None,
+) -> dict | None:
     """:meth:`TrajectoryQueue.get_batch`, in slices of ``poll_s`` seconds with :func:`check_actors`
     between them. Returns the batch, or None after ``timeout_s`` (None = no limit). ``desc``: a
     terminal progress bar (:func:`clawray.console.progress`) of the queued samples out of
@@ -290,11 +302,17 @@ def resync_restarted_engines(driver: Any) -> list[str]:
         return []
     result = driver.weight_sync.resync(driver.version)
     if result["ok"]:
-        print(f"[clawray] {', '.join(names)} restarted: re-synced policy v{driver.version} in "
-              f"{result['seconds']:.1f}s; serving again", flush=True)
+        print(
+            f"[clawray] {', '.join(names)} restarted: re-synced policy v{driver.version} in "
+            f"{result['seconds']:.1f}s; serving again",
+            flush=True,
+        )
     else:
-        print(f"[clawray] {', '.join(names)} restarted; re-syncing policy v{driver.version} failed "
-              f"({result['error']}); retrying", flush=True)
+        print(
+            f"[clawray] {', '.join(names)} restarted; re-syncing policy v{driver.version} failed "
+            f"({result['error']}); retrying",
+            flush=True,
+        )
     return names
 
 
@@ -341,11 +359,15 @@ def rebuild_learners(driver: Any, lost: "ActorLost") -> None:
     try:
         driver.rebuild_learners()
     except Exception as e:  # noqa: BLE001 - reported as the loss it could not repair
-        raise ActorLost(lost.role, lost.kind, f"killed or crashed; rebuilding the learners failed: "
-                                              f"{type(e).__name__}") from None
-    print(f"[clawray] learner group rebuilt in {time.monotonic() - t0:.1f}s: policy v{driver.version}, "
-          f"step {driver.steps_done}, {ray.get(driver.queue.stats.remote())['size']} queued sample(s); "
-          "training goes on", flush=True)
+        raise ActorLost(
+            lost.role, lost.kind, f"killed or crashed; rebuilding the learners failed: {type(e).__name__}"
+        ) from None
+    print(
+        f"[clawray] learner group rebuilt in {time.monotonic() - t0:.1f}s: policy v{driver.version}, "
+        f"step {driver.steps_done}, {ray.get(driver.queue.stats.remote())['size']} queued sample(s); "
+        "training goes on",
+        flush=True,
+    )
 
 
 async def probe(ref: Any, timeout_s: float = 5.0) -> Any:

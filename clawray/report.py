@@ -41,15 +41,19 @@ from typing import Any
 # invariant -> (title, metrics plotted on its panel); "reward" comes first, on its own
 INVARIANTS: dict[str, tuple[str, list[str]]] = {
     "reward": ("Reward (batch mean of the judge's score)", ["reward_mean", "inv/nonzero_reward_frac"]),
-    "entropy": ("Policy entropy does not collapse",
-                ["inv/entropy", "inv/entropy_p10", "inv/entropy_coef"]),
-    "signal": ("Learning signal stays non-degenerate",
-               ["inv/nonzero_reward_frac", "inv/adv_std", "inv/degenerate_batches"]),
-    "on_policy_gap": ("On-policy gap stays bounded",
-                      ["inv/staleness_mean", "inv/staleness_max", "inv/ratio_max", "inv/clip_frac",
-                       "inv/logprob_mismatch_kl"]),
-    "effective_samples": ("Effective sample rate stays high",
-                          ["inv/effective_sample_rate", "inv/effective_token_rate", "samples_dropped"]),
+    "entropy": ("Policy entropy does not collapse", ["inv/entropy", "inv/entropy_p10", "inv/entropy_coef"]),
+    "signal": (
+        "Learning signal stays non-degenerate",
+        ["inv/nonzero_reward_frac", "inv/adv_std", "inv/degenerate_batches"],
+    ),
+    "on_policy_gap": (
+        "On-policy gap stays bounded",
+        ["inv/staleness_mean", "inv/staleness_max", "inv/ratio_max", "inv/clip_frac", "inv/logprob_mismatch_kl"],
+    ),
+    "effective_samples": (
+        "Effective sample rate stays high",
+        ["inv/effective_sample_rate", "inv/effective_token_rate", "samples_dropped"],
+    ),
 }
 
 # running totals in metrics.jsonl, plotted (and summarized) as per-step increments
@@ -107,8 +111,10 @@ def bounds(config: dict[str, Any]) -> dict[str, list[tuple[float, str]]]:
         cap = float(queue["max_staleness"])
         out["inv/staleness_max"] = out["inv/staleness_mean"] = [(cap, f"cap {cap:g}")]
     if isinstance(lrn.get("eps"), (int, float)) and isinstance(lrn.get("eps_high"), (int, float)):
-        out["inv/ratio_max"] = [(1 + lrn["eps_high"], f"clip 1+{lrn['eps_high']:g}"),
-                                (1 - lrn["eps"], f"clip 1-{lrn['eps']:g}")]
+        out["inv/ratio_max"] = [
+            (1 + lrn["eps_high"], f"clip 1+{lrn['eps_high']:g}"),
+            (1 - lrn["eps"], f"clip 1-{lrn['eps']:g}"),
+        ]
     if lrn.get("entropy_floor"):
         out["inv/entropy"] = out["inv/entropy_p10"] = [(float(lrn["entropy_floor"]), "floor")]
     return out
@@ -126,12 +132,23 @@ def summarize(rows: list[dict]) -> list[tuple[str, str, int, float, float, float
             values = [v for v in per_step(train, key) if math.isfinite(v)]
             if values:
                 label = f"{key} (per step)" if is_counter(key) else key
-                table.append((name, label, len(values), values[0], min(values), sum(values) / len(values),
-                              max(values), values[-1]))
+                table.append(
+                    (
+                        name,
+                        label,
+                        len(values),
+                        values[0],
+                        min(values),
+                        sum(values) / len(values),
+                        max(values),
+                        values[-1],
+                    )
+                )
     for key in eval_measures(evals):
         values = [float(r[key]) for r in evals if isinstance(r.get(key), (int, float))]
-        table.append(("eval", key, len(values), values[0], min(values), sum(values) / len(values), max(values),
-                      values[-1]))
+        table.append(
+            ("eval", key, len(values), values[0], min(values), sum(values) / len(values), max(values), values[-1])
+        )
     return table
 
 
@@ -157,8 +174,11 @@ def _plot_eval(plt, evals: list[dict], path: str) -> bool:
         return False
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
-        pts = [(r["step"], r[key], r.get(f"{key}_lo", r[key]), r.get(f"{key}_hi", r[key])) for r in evals
-               if isinstance(r.get(key), (int, float))]
+        pts = [
+            (r["step"], r[key], r.get(f"{key}_lo", r[key]), r.get(f"{key}_hi", r[key]))
+            for r in evals
+            if isinstance(r.get(key), (int, float))
+        ]
         xs, ys, lo, hi = (list(c) for c in zip(*pts))
         ax.fill_between(xs, lo, hi, alpha=0.2, label="95% CI")
         ax.plot(xs, ys, marker="o")
@@ -175,9 +195,15 @@ def _plot_eval(plt, evals: list[dict], path: str) -> bool:
     return True
 
 
-THRESHOLDS = {"entropy_ratio_min": 0.5, "adv_std_min": 0.05, "nonzero_reward_frac_min": 0.5,
-              "mismatch_kl_max": 0.01, "clip_frac_max": 0.2, "effective_token_rate_min": 0.5,
-              "behaviour_ratio_min": 0.5}
+THRESHOLDS = {
+    "entropy_ratio_min": 0.5,
+    "adv_std_min": 0.05,
+    "nonzero_reward_frac_min": 0.5,
+    "mismatch_kl_max": 0.01,
+    "clip_frac_max": 0.2,
+    "effective_token_rate_min": 0.5,
+    "behaviour_ratio_min": 0.5,
+}
 """The matrix's verdict thresholds (see the module docstring)."""
 
 MATRIX_COLUMNS = ("entropy", "signal", "on_policy_gap", "effective_samples", "behaviour")
@@ -220,13 +246,22 @@ def matrix_row(rows: list[dict], config: dict[str, Any]) -> dict[str, tuple[str,
     if kl or clip:
         max_kl = max(kl) if kl else 0.0
         mean_clip = sum(clip) / len(clip) if clip else 0.0
-        cell("on_policy_gap", (f"KL max {max_kl:.2g}, clip {mean_clip:.3f}",
-                               max_kl <= T["mismatch_kl_max"] and mean_clip <= T["clip_frac_max"]))
+        cell(
+            "on_policy_gap",
+            (
+                f"KL max {max_kl:.2g}, clip {mean_clip:.3f}",
+                max_kl <= T["mismatch_kl_max"] and mean_clip <= T["clip_frac_max"],
+            ),
+        )
     else:
         cell("on_policy_gap", None)
     eff = _finite(train, "inv/effective_token_rate")
-    cell("effective_samples", (f"token rate {sum(eff) / len(eff):.2f}", sum(eff) / len(eff) >= T["effective_token_rate_min"])
-         if eff else None)
+    cell(
+        "effective_samples",
+        (f"token rate {sum(eff) / len(eff):.2f}", sum(eff) / len(eff) >= T["effective_token_rate_min"])
+        if eff
+        else None,
+    )
     beh = _finite(train, "inv/behaviour_entropy")
     trend = _trend(beh, float(lrn.get("behaviour_floor") or 0.0))
     if trend is not None:
@@ -271,11 +306,14 @@ def write_html(out_dir: str, table: list, images: dict[str, list[str]]) -> str:
     import html
 
     head = ["mode", "run", *MATRIX_COLUMNS]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>clawray report</title>",
-             "<style>body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:4px 8px}"
-             "table{border-collapse:collapse}.ok{color:#060}.risk{color:#a00}</style></head><body>",
-             "<h1>clawray report</h1><h2>Invariant matrix</h2><table><tr>"
-             + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>clawray report</title>",
+        "<style>body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:4px 8px}"
+        "table{border-collapse:collapse}.ok{color:#060}.risk{color:#a00}</style></head><body>",
+        "<h1>clawray report</h1><h2>Invariant matrix</h2><table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        + "</tr>",
+    ]
     for mode, run_dir, row in table:
         cells = [f"<td>{html.escape(mode)}</td>", f"<td>{html.escape(run_dir)}</td>"]
         for c in MATRIX_COLUMNS:
@@ -283,8 +321,11 @@ def write_html(out_dir: str, table: list, images: dict[str, list[str]]) -> str:
             css = "ok" if verdict == "✓" else "risk" if verdict == "●" else ""
             cells.append(f"<td class='{css}'>{verdict} {html.escape(figures)}</td>")
         parts.append("<tr>" + "".join(cells) + "</tr>")
-    parts.append("</table><p>✓ holds, ● at risk, – no data; thresholds: "
-                 + html.escape(", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items())) + "</p>")
+    parts.append(
+        "</table><p>✓ holds, ● at risk, – no data; thresholds: "
+        + html.escape(", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items()))
+        + "</p>"
+    )
     for run_dir, paths in images.items():
         parts.append(f"<h2>{html.escape(run_dir)}</h2>")
         for p in paths:
@@ -336,14 +377,22 @@ def write_report(run_dir: str) -> list[str]:
     steps = [r["step"] for r in train]
     for name, (title, keys) in INVARIANTS.items():
         present = [k for k in keys if any(k in r for r in train)]
-        fig, axes = plt.subplots(len(present) or 1, 1, figsize=(7, 1.9 * max(len(present), 1)), sharex=True,
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            len(present) or 1, 1, figsize=(7, 1.9 * max(len(present), 1)), sharex=True, squeeze=False
+        )
         for ax, key in zip(axes[:, 0], present):
             ax.plot(steps, per_step(train, key), marker="o", ms=3)
             for value, label in limits.get(key, []):
                 ax.axhline(value, color="tab:red", ls="--", lw=1)
-                ax.annotate(label, (1.0, value), xycoords=("axes fraction", "data"), ha="right", va="bottom",
-                            fontsize=7, color="tab:red")
+                ax.annotate(
+                    label,
+                    (1.0, value),
+                    xycoords=("axes fraction", "data"),
+                    ha="right",
+                    va="bottom",
+                    fontsize=7,
+                    color="tab:red",
+                )
             label = key.removeprefix("inv/") + (" / step" if is_counter(key) else "")
             ax.set_ylabel(label, fontsize=8)
             ax.grid(alpha=0.3)
@@ -355,11 +404,20 @@ def write_report(run_dir: str) -> list[str]:
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
-    lines = [f"# clawray report: {run_dir}", "", f"{len(train)} steps, {len(evals)} evaluations.", "",
-             "| panel | metric | rows with a value | first | min | mean | max | last |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {inv} | `{key}` | {n}/{len(evals) if inv == 'eval' else len(train)} | "
-              + " | ".join(f"{v:.4g}" for v in vals) + " |" for inv, key, n, *vals in summarize(rows)]
+    lines = [
+        f"# clawray report: {run_dir}",
+        "",
+        f"{len(train)} steps, {len(evals)} evaluations.",
+        "",
+        "| panel | metric | rows with a value | first | min | mean | max | last |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {inv} | `{key}` | {n}/{len(evals) if inv == 'eval' else len(train)} | "
+        + " | ".join(f"{v:.4g}" for v in vals)
+        + " |"
+        for inv, key, n, *vals in summarize(rows)
+    ]
     path = os.path.join(out_dir, "summary.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -37,8 +37,16 @@ class Tracker:
             (with a warning), while ``metrics.jsonl`` holds the rows of the resumed run.
     """
 
-    def __init__(self, run_dir: str, mode: str = "offline", project: str = "clawray", name: str = "",
-                 config: dict | None = None, resume_step: int | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        mode: str = "offline",
+        project: str = "clawray",
+        name: str = "",
+        config: dict | None = None,
+        resume_step: int | None = None,
+        run_id: str | None = None,
+    ):
         private_dir(run_dir)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         kept = []
@@ -59,8 +67,15 @@ class Tracker:
             private_dir(os.path.join(run_dir, "wandb"))
             old_umask = private_umask()  # the wandb service this starts writes 0600 files
             try:
-                self.run = wandb.init(project=project, name=name or None, dir=run_dir, mode=mode,
-                                      config=redacted(config or {}), reinit="finish_previous", **resume)
+                self.run = wandb.init(
+                    project=project,
+                    name=name or None,
+                    dir=run_dir,
+                    mode=mode,
+                    config=redacted(config or {}),
+                    reinit="finish_previous",
+                    **resume,
+                )
             finally:
                 os.umask(old_umask)
             self._run_id = self.run.id

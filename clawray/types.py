@@ -101,8 +101,9 @@ class Sample:
     def __post_init__(self) -> None:
         n_resp = len(self.tokens) - self.prompt_len
         if self.prompt_len < 1 or n_resp < 1:
-            raise ValueError(f"sample needs >= 1 prompt and response token, got P={self.prompt_len}, "
-                             f"len(tokens)={len(self.tokens)}")
+            raise ValueError(
+                f"sample needs >= 1 prompt and response token, got P={self.prompt_len}, len(tokens)={len(self.tokens)}"
+            )
         for name in ("loss_mask", "rollout_logprobs"):
             if len(getattr(self, name)) != n_resp:
                 raise ValueError(f"{name} has length {len(getattr(self, name))}, expected R={n_resp}")
@@ -112,8 +113,9 @@ class Sample:
             if len(self.token_versions) != n_resp:
                 raise ValueError(f"token_versions has length {len(self.token_versions)}, expected R={n_resp}")
             if min(self.token_versions) != self.policy_version:
-                raise ValueError(f"policy_version {self.policy_version} is not the oldest token version "
-                                 f"{min(self.token_versions)}")
+                raise ValueError(
+                    f"policy_version {self.policy_version} is not the oldest token version {min(self.token_versions)}"
+                )
         for name in ("teacher_topk_logprobs", "teacher_topk_ids"):
             value = getattr(self, name)
             if value is not None and len(value) != n_resp:
@@ -180,10 +182,16 @@ class SampleMeta:
     def of(cls, sample: Sample) -> "SampleMeta":
         """The metadata of ``sample`` (computed where the sample is built, before it is queued)."""
         prompt = ",".join(map(str, sample.tokens[: sample.prompt_len])).encode()
-        return cls(policy_version=int(sample.policy_version), reward=sample.reward, num_tokens=len(sample.tokens),
-                   trainable_tokens=int(sum(sample.loss_mask)),
-                   prompt_key=hashlib.blake2b(prompt, digest_size=16).hexdigest(), kind=sample.kind,
-                   session_id=sample.session_id, turn_index=sample.turn_index,
-                   opening_key=str(sample.info.get("opening", sample.session_id)),
-                   outcome=sample.info.get("outcome"),
-                   shaping=tuple(sorted((str(k), float(v)) for k, v in sample.info.get("shaping", {}).items())))
+        return cls(
+            policy_version=int(sample.policy_version),
+            reward=sample.reward,
+            num_tokens=len(sample.tokens),
+            trainable_tokens=int(sum(sample.loss_mask)),
+            prompt_key=hashlib.blake2b(prompt, digest_size=16).hexdigest(),
+            kind=sample.kind,
+            session_id=sample.session_id,
+            turn_index=sample.turn_index,
+            opening_key=str(sample.info.get("opening", sample.session_id)),
+            outcome=sample.info.get("outcome"),
+            shaping=tuple(sorted((str(k), float(v)) for k, v in sample.info.get("shaping", {}).items())),
+        )

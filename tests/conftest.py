@@ -27,10 +27,22 @@ def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
     come last."""
     from clawray.config import load_config
 
-    return load_config(["conf/rl.yaml", "conf/cpu.yaml", *presets], [
-        f"model.path={tiny_model}", "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1",
-        "judge.backend=feedback", "trainer.batch_size=2", f"run_dir={run_dir}", f"serve.port={free_port()}",
-        "eval.enabled=false", "queue.max_staleness=2", *overrides])
+    return load_config(
+        ["conf/rl.yaml", "conf/cpu.yaml", *presets],
+        [
+            f"model.path={tiny_model}",
+            "rollout.backend=hf",
+            "rollout.num_cpus=0.25",
+            "rollout.torch_threads=1",
+            "judge.backend=feedback",
+            "trainer.batch_size=2",
+            f"run_dir={run_dir}",
+            f"serve.port={free_port()}",
+            "eval.enabled=false",
+            "queue.max_staleness=2",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -49,13 +61,30 @@ def ray_cluster(tmp_path_factory):
     port, dash = free_port(), free_port()
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     temp = str(tmp_path_factory.mktemp("ray"))
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                    # own agent ports: another Ray on this machine must not take the job agent's default
-                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-                    f"--ray-client-server-port={free_port()}",
-                    "--disable-usage-stats", f"--temp-dir={temp}"], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            "--include-dashboard=true",
+            # own agent ports: another Ray on this machine must not take the job agent's default
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     try:
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}

@@ -68,10 +68,12 @@ def majority_vote(votes: list[int | None]) -> tuple[int, dict[str, int]]:
 _NEGATIVE = re.compile(
     r"(👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bnot (?:correct|right)\b|\bmistake\b|"
     r"\bno markdown\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b|\berror\b|\btraceback\b)",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 _POSITIVE = re.compile(
     r"(👍|\bthumbs?[ -]?up\b|\bcorrect\b|\bright\b|\bthanks?\b|\bthank you\b|\bgreat\b|\bperfect\b|\bwell done\b)",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 def feedback_score(next_state: list[dict[str, Any]]) -> int | None:
@@ -126,8 +128,10 @@ def render_context(turn: Turn, context_messages: int) -> str:
     (tool calls rendered readably); empty when ``context_messages`` is 0."""
     if context_messages <= 0:
         return ""
-    lines = [f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else m.get('content') or ''}"
-             for m in turn.messages[-context_messages:]]
+    lines = [
+        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else m.get('content') or ''}"
+        for m in turn.messages[-context_messages:]
+    ]
     return "## Conversation so far\n" + "\n".join(lines) + "\n\n"
 
 
@@ -135,10 +139,12 @@ def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]], context_mes
     """Chat messages asking a PRM judge to score ``turn`` from ``next_state``, with the last
     ``context_messages`` messages of the conversation as context (OpenClaw-RL's judge saw none)."""
     state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
-    user = (f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n"
-            f"## Next state\n{state}\n\n"
-            "Is the next state (a) progress, (b) a correction or redo, or (c) ambiguous? "
-            "End with \\boxed{1}, \\boxed{-1} or \\boxed{0}.")
+    user = (
+        f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n"
+        f"## Next state\n{state}\n\n"
+        "Is the next state (a) progress, (b) a correction or redo, or (c) ambiguous? "
+        "End with \\boxed{1}, \\boxed{-1} or \\boxed{0}."
+    )
     return [{"role": "system", "content": PRM_SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -154,12 +160,16 @@ HINT_SYSTEM = (
 _HINT_START, _HINT_END = "[HINT_START]", "[HINT_END]"
 
 
-def build_hint_messages(turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4) -> list[dict[str, str]]:
+def build_hint_messages(
+    turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4
+) -> list[dict[str, str]]:
     """Chat messages asking a judge for a hindsight hint on ``turn`` given ``next_state`` (with context)."""
     state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
-    user = (f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n## Next state\n{state}\n\n"
-            "Does the next state reveal how the output should have been? Answer \\boxed{1} or \\boxed{-1}; "
-            "after \\boxed{1} give [HINT_START] your instruction [HINT_END].")
+    user = (
+        f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n## Next state\n{state}\n\n"
+        "Does the next state reveal how the output should have been? Answer \\boxed{1} or \\boxed{-1}; "
+        "after \\boxed{1} give [HINT_START] your instruction [HINT_END]."
+    )
     return [{"role": "system", "content": HINT_SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -194,7 +204,7 @@ def parse_hint(text: str) -> tuple[int | None, str | None]:
         pos = end
     outside.append(text[pos:])
     decision = _last_box("".join(outside))
-    hint = text[spans[-1][0] + len(_HINT_START): spans[-1][1] - len(_HINT_END)].strip() if spans else None
+    hint = text[spans[-1][0] + len(_HINT_START) : spans[-1][1] - len(_HINT_END)].strip() if spans else None
     return (decision if decision in (1, -1) else None), (hint or None)
 
 
@@ -291,8 +301,7 @@ class JudgeWorker:
             if not cfg.base_url or not cfg.model:
                 raise ValueError("judge backend 'openai' needs judge.base_url and judge.model")
             # no retries inside the client: judge.retries is the one retry policy
-            self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout_s,
-                                      max_retries=0)
+            self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout_s, max_retries=0)
 
     async def judge(self, turn: Turn, next_state: list[dict[str, Any]]) -> JudgeResult:
         """Score ``turn`` from ``next_state``; never raises for a bad judge answer or a failed call
@@ -301,8 +310,9 @@ class JudgeWorker:
             votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
         else:
             messages = build_prm_messages(turn, next_state, self.cfg.context_messages)
-            raw = await asyncio.gather(*(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}")
-                                         for i in range(self.cfg.m)))
+            raw = await asyncio.gather(
+                *(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
+            )
             votes = [parse_score(r) for r in raw]
         score, counts = majority_vote(votes)
         self.stats["turns"] += 1
@@ -313,8 +323,9 @@ class JudgeWorker:
         self.stats[f"score_{score}"] += 1
         return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
 
-    async def hint(self, turn: Turn, next_state: list[dict[str, Any]], accept: str = "any",
-                   min_chars: int = 10) -> HintResult:
+    async def hint(
+        self, turn: Turn, next_state: list[dict[str, Any]], accept: str = "any", min_chars: int = 10
+    ) -> HintResult:
         """OPD hint votes for ``turn``: m votes (one for ``feedback``), accepted by ``accept``
         (``"any"`` positive vote, as OpenClaw-RL, or ``"majority"`` of valid votes) among votes with
         a hint longer than ``min_chars``; the longest accepted hint wins. Never raises for a bad
@@ -324,8 +335,9 @@ class JudgeWorker:
             raw = [json.dumps(next_state)[:500]]
         else:
             messages = build_hint_messages(turn, next_state, self.cfg.context_messages)
-            raw = await asyncio.gather(*(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}")
-                                         for i in range(self.cfg.m)))
+            raw = await asyncio.gather(
+                *(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
+            )
             votes = [parse_hint(r) for r in raw]
         result = accept_hint(votes, accept, min_chars)
         result.raw = list(raw)
@@ -346,8 +358,9 @@ class JudgeWorker:
         for attempt in range(attempts):
             async with self.semaphore:
                 try:
-                    answer = await asyncio.wait_for(self._ask_once(messages, f"{seed_key}/{attempt}"),
-                                                    timeout=self.cfg.timeout_s)
+                    answer = await asyncio.wait_for(
+                        self._ask_once(messages, f"{seed_key}/{attempt}"), timeout=self.cfg.timeout_s
+                    )
                     return answer[-MAX_ANSWER_CHARS:]
                 except Exception as e:
                     self.stats["failed_calls"] += 1
@@ -364,13 +377,21 @@ class JudgeWorker:
             from clawray.actors.rollout import await_cancellable
 
             # a timed-out vote cancels its generation in the engine too
-            out = await await_cancellable(self.engine.generate.remote(GenerateRequest(
-                prompt_ids=self.tokenizer.encode(text, add_special_tokens=False), max_tokens=self.cfg.max_tokens,
-                temperature=self.cfg.temperature, stop_token_ids=self.end_ids, seed=zlib.crc32(seed_key.encode()))))
+            out = await await_cancellable(
+                self.engine.generate.remote(
+                    GenerateRequest(
+                        prompt_ids=self.tokenizer.encode(text, add_special_tokens=False),
+                        max_tokens=self.cfg.max_tokens,
+                        temperature=self.cfg.temperature,
+                        stop_token_ids=self.end_ids,
+                        seed=zlib.crc32(seed_key.encode()),
+                    )
+                )
+            )
             return self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
         resp = await self.client.chat.completions.create(
-            model=self.cfg.model, messages=messages, temperature=self.cfg.temperature,
-            max_tokens=self.cfg.max_tokens)
+            model=self.cfg.model, messages=messages, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens
+        )
         content = resp.choices[0].message.content
         if isinstance(content, list):  # content parts, as some OpenAI-compatible servers answer
             content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))

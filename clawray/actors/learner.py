@@ -42,8 +42,14 @@ import numpy as np
 import ray
 import torch
 
-from clawray.algos.losses import (SUM_METRICS, LossSettings, SampleLossInputs, batch_loss_metrics, sample_loss,
-                                  sequence_logprobs)
+from clawray.algos.losses import (
+    SUM_METRICS,
+    LossSettings,
+    SampleLossInputs,
+    batch_loss_metrics,
+    sample_loss,
+    sequence_logprobs,
+)
 from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
 from clawray.ray_env import reserve_rendezvous, tcp_store, use_node_gloo
@@ -83,8 +89,9 @@ def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def merge_lora_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, float], fan_in_fan_out: set[str],
-                          adapter: str = "default") -> dict[str, torch.Tensor]:
+def merge_lora_state_dict(
+    state: dict[str, torch.Tensor], scalings: dict[str, float], fan_in_fan_out: set[str], adapter: str = "default"
+) -> dict[str, torch.Tensor]:
     """The base model's state dict with LoRA deltas merged in, from a peft model's full state dict.
 
     For every LoRA-wrapped linear ``m``: ``W = W_base + scaling * B @ A`` (LoRA, Hu et al.,
@@ -161,8 +168,15 @@ class LearnerWorker:
         OSError: (rank 0) ``master_port`` is taken on its node.
     """
 
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, cfg: LearnerConfig | dict,
-                 loss_weights: dict | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_port: int,
+        model_path: str,
+        cfg: LearnerConfig | dict,
+        loss_weights: dict | None = None,
+    ):
         cfg = section(LearnerConfig, cfg)
         self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
         self._loss_weights = loss_weights
@@ -187,16 +201,26 @@ class LearnerWorker:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        cfg, rank, world_size, model_path, loss_weights = (self.cfg, self.rank, self.world_size, self.model_path,
-                                                           self._loss_weights)
+        cfg, rank, world_size, model_path, loss_weights = (
+            self.cfg,
+            self.rank,
+            self.world_size,
+            self.model_path,
+            self._loss_weights,
+        )
         torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=cfg.dist_timeout_s)
         use_node_gloo(master_host)
         self.master_address = (master_host, master_port)
-        dist.init_process_group(backend, store=tcp_store(master_host, master_port, world_size, rank == 0, timeout),
-                                rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=tcp_store(master_host, master_port, world_size, rank == 0, timeout),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
         torch.manual_seed(0)  # same seed on every rank: LoRA's A matrices start identical everywhere
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         model.config.use_cache = False
@@ -210,9 +234,16 @@ class LearnerWorker:
             from peft import LoraConfig, get_peft_model
             from peft.tuners.lora import LoraLayer
 
-            model = get_peft_model(model, LoraConfig(
-                r=self.lora_rank, lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
-                target_modules=list(lora.target_modules), bias="none"))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=self.lora_rank,
+                    lora_alpha=float(lora.alpha),
+                    lora_dropout=float(lora.dropout),
+                    target_modules=list(lora.target_modules),
+                    bias="none",
+                ),
+            )
             for name, module in model.named_modules():
                 if isinstance(module, LoraLayer) and "default" in module.scaling:
                     self._lora_scalings[name] = float(module.scaling["default"])
@@ -231,17 +262,26 @@ class LearnerWorker:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
         schedule = (cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
         lr_factor(0, *schedule)  # raises on a bad schedule here rather than at the first step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, *schedule))
         weights = {"w_rl": 1.0, "w_opd": 1.0, "opd_adv_clip": 0.0, **(loss_weights or {})}
         self.loss_settings = LossSettings(
-            eps=cfg.eps, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip or None, tis_cap=cfg.tis_cap or None,
-            proximal=cfg.ratio_anchor == "proximal", agg_mode=cfg.agg_mode, kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator, w_rl=weights["w_rl"], w_opd=weights["w_opd"],
-            opd_adv_clip=weights["opd_adv_clip"] or None)
+            eps=cfg.eps,
+            eps_high=cfg.eps_high,
+            dual_clip=cfg.dual_clip or None,
+            tis_cap=cfg.tis_cap or None,
+            proximal=cfg.ratio_anchor == "proximal",
+            agg_mode=cfg.agg_mode,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            w_rl=weights["w_rl"],
+            w_opd=weights["w_opd"],
+            opd_adv_clip=weights["opd_adv_clip"] or None,
+        )
         self.version = 0
         self._transport = None
         self.skipped_steps = 0
@@ -309,8 +349,9 @@ class LearnerWorker:
         return self.model(input_ids=torch.tensor([[0]], device=self.device)).logits.sum() * 0.0
 
     @torch.no_grad()
-    def _proximal_logprobs(self, fetched: dict[int, Sample], packs: list[list[list[int]]],
-                           passes: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _proximal_logprobs(
+        self, fetched: dict[int, Sample], packs: list[list[list[int]]], passes: torch.Tensor
+    ) -> dict[int, torch.Tensor]:
         """Log-probs ``[R]`` (response tokens, float32, at the sample's temperature) of the current
         weights for the samples of mini-batches 2.. (``packs[1:]``), keyed by batch index.
 
@@ -328,14 +369,22 @@ class LearnerWorker:
                 samples = [fetched[i] for i in packs[j][p]]
                 logits_all = self._forward(samples, self.model)
                 for b, (i, s) in enumerate(zip(packs[j][p], samples)):
-                    targets = torch.tensor(s.tokens[s.prompt_len:], device=self.device)
-                    out[i] = sequence_logprobs(logits_all[b, s.prompt_len - 1 : len(s.tokens) - 1], targets,
-                                               s.temperature)
+                    targets = torch.tensor(s.tokens[s.prompt_len :], device=self.device)
+                    out[i] = sequence_logprobs(
+                        logits_all[b, s.prompt_len - 1 : len(s.tokens) - 1], targets, s.temperature
+                    )
         return out
 
-    def _micro_batch_loss(self, samples: list[Sample], advs: list[float], norm_tokens: float, norm_seqs: float,
-                          entropy_coef: float, first_mini_batch: bool, proximal: list[torch.Tensor] | None = None
-                          ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    def _micro_batch_loss(
+        self,
+        samples: list[Sample],
+        advs: list[float],
+        norm_tokens: float,
+        norm_seqs: float,
+        entropy_coef: float,
+        first_mini_batch: bool,
+        proximal: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         """Sum of the samples' losses (:func:`clawray.algos.losses.sample_loss`, each already
         normalised by the global mini-batch size) and each sample's metrics by name.
 
@@ -351,37 +400,64 @@ class LearnerWorker:
         total = torch.zeros((), device=self.device)
         metrics = []
         for b, s in enumerate(samples):
-            out = sample_loss(self._loss_inputs(s, logits_all, ref_all, b, advs[b], norm_tokens, norm_seqs,
-                                                entropy_coef, first_mini_batch, proximal), self.loss_settings)
+            out = sample_loss(
+                self._loss_inputs(
+                    s, logits_all, ref_all, b, advs[b], norm_tokens, norm_seqs, entropy_coef, first_mini_batch, proximal
+                ),
+                self.loss_settings,
+            )
             total = total + out.loss
             metrics.append(out.metrics)
         return total, metrics
 
-    def _loss_inputs(self, s: Sample, logits_all: torch.Tensor, ref_all: torch.Tensor | None, b: int, adv: float,
-                     norm_tokens: float, norm_seqs: float, entropy_coef: float, first_mini_batch: bool,
-                     proximal: list[torch.Tensor] | None) -> SampleLossInputs:
+    def _loss_inputs(
+        self,
+        s: Sample,
+        logits_all: torch.Tensor,
+        ref_all: torch.Tensor | None,
+        b: int,
+        adv: float,
+        norm_tokens: float,
+        norm_seqs: float,
+        entropy_coef: float,
+        first_mini_batch: bool,
+        proximal: list[torch.Tensor] | None,
+    ) -> SampleLossInputs:
         """Sample ``s`` (row ``b`` of the micro-batch's logits ``[B, T, V]``) as loss inputs (tensors on
         the learner's device)."""
         dev, end = self.device, len(s.tokens)
-        targets = torch.tensor(s.tokens[s.prompt_len:], device=dev)
+        targets = torch.tensor(s.tokens[s.prompt_len :], device=dev)
         topk = s.teacher_topk_ids is not None
         return SampleLossInputs(
-            logits=logits_all[b, s.prompt_len - 1 : end - 1], targets=targets,
+            logits=logits_all[b, s.prompt_len - 1 : end - 1],
+            targets=targets,
             loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32, device=dev),
-            rollout_logprobs=torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=dev), advantage=adv,
-            temperature=s.temperature, num_tokens=norm_tokens, num_seqs=norm_seqs, entropy_coef=entropy_coef,
-            teacher_logprobs=(None if s.teacher_logprobs is None
-                              else torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=dev)),
+            rollout_logprobs=torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=dev),
+            advantage=adv,
+            temperature=s.temperature,
+            num_tokens=norm_tokens,
+            num_seqs=norm_seqs,
+            entropy_coef=entropy_coef,
+            teacher_logprobs=(
+                None
+                if s.teacher_logprobs is None
+                else torch.tensor(s.teacher_logprobs, dtype=torch.float32, device=dev)
+            ),
             teacher_topk_logprobs=torch.tensor(s.teacher_topk_logprobs, device=dev) if topk else None,
             teacher_topk_ids=torch.tensor(s.teacher_topk_ids, device=dev) if topk else None,
-            ref_logprobs=(None if ref_all is None else
-                          sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)),
+            ref_logprobs=(
+                None
+                if ref_all is None
+                else sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)
+            ),
             proximal_logprobs=None if proximal is None else proximal[b],
             # generated by exactly these weights (later mini-batches run on already-updated weights)
-            fresh=first_mini_batch and s.policy_version == self.version)
+            fresh=first_mini_batch and s.policy_version == self.version,
+        )
 
-    def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
-                   entropy_coef: float = 0.0) -> dict:
+    def train_step(
+        self, sample_refs: list, version: int, advantages: list[float] | None = None, entropy_coef: float = 0.0
+    ) -> dict:
         """``steps_per_batch`` optimizer steps on a batch; the step produces policy ``version``.
 
         The batch splits into ``steps_per_batch`` contiguous mini-batches (one optimizer step each,
@@ -424,14 +500,24 @@ class LearnerWorker:
         fetched = dict(zip(flat, ray.get([sample_refs[i] for i in flat]) if flat else []))
         adv_of = {i: float(advantages[i]) if advantages is not None else float(fetched[i].reward or 0.0) for i in flat}
         budget = cfg.max_tokens_per_micro_batch
-        packs = [[[idx[k] for k in group] for group in pack_micro_batches([len(fetched[i].tokens) for i in idx], budget)]
-                 for idx in mine]
+        packs = [
+            [[idx[k] for k in group] for group in pack_micro_batches([len(fetched[i].tokens) for i in idx], budget)]
+            for idx in mine
+        ]
         # global counts per mini-batch (sums): loss tokens, samples, and the micro-batches' padded
         # [B, T] slots and real tokens (perf/padding_frac); micro-batches: max over ranks
-        counts = torch.tensor([[float(sum(sum(fetched[i].loss_mask) for i in idx)), float(len(idx)),
-                                float(sum(len(g) * len(fetched[g[0]].tokens) for g in packs[j])),
-                                float(sum(len(fetched[i].tokens) for i in idx))] for j, idx in enumerate(mine)],
-                              dtype=torch.float64)
+        counts = torch.tensor(
+            [
+                [
+                    float(sum(sum(fetched[i].loss_mask) for i in idx)),
+                    float(len(idx)),
+                    float(sum(len(g) * len(fetched[g[0]].tokens) for g in packs[j])),
+                    float(sum(len(fetched[i].tokens) for i in idx)),
+                ]
+                for j, idx in enumerate(mine)
+            ],
+            dtype=torch.float64,
+        )
         dist.all_reduce(counts)
         passes = torch.tensor([len(p) for p in packs], dtype=torch.int64)
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)
@@ -451,8 +537,14 @@ class LearnerWorker:
                     group = packs[j][p]
                     anchors = [proximal[i] for i in group] if proximal is not None and j > 0 else None
                     loss, metrics = self._micro_batch_loss(
-                        [fetched[i] for i in group], [adv_of[i] for i in group], norm_tokens, norm_seqs,
-                        entropy_coef, j == 0, anchors)
+                        [fetched[i] for i in group],
+                        [adv_of[i] for i in group],
+                        norm_tokens,
+                        norm_seqs,
+                        entropy_coef,
+                        j == 0,
+                        anchors,
+                    )
                     per_sample += metrics
                 else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
                     loss = self._padding_pass()
@@ -507,8 +599,9 @@ class LearnerWorker:
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
-        return batch_loss_metrics(dict(zip(SUM_METRICS, sums.tolist())), ratio_max.item(), torch.cat(gathered),
-                                  self.world_size, num_mini)
+        return batch_loss_metrics(
+            dict(zip(SUM_METRICS, sums.tolist())), ratio_max.item(), torch.cat(gathered), self.world_size, num_mini
+        )
 
     # ------------------------------------------------------------------ weight sync
     def sync_rendezvous(self, host: str = "") -> tuple[str, int]:
@@ -568,8 +661,13 @@ class LearnerWorker:
             hf.save_pretrained(path, state_dict=state)
             for name in os.listdir(self.model_path):  # tokenizer, chat template, generation config
                 src = os.path.join(self.model_path, name)
-                if (os.path.isfile(src) and not name.endswith(_WEIGHT_FILES) and name != "config.json"
-                        and not name.endswith(".index.json") and not os.path.exists(os.path.join(path, name))):
+                if (
+                    os.path.isfile(src)
+                    and not name.endswith(_WEIGHT_FILES)
+                    and name != "config.json"
+                    and not name.endswith(".index.json")
+                    and not os.path.exists(os.path.join(path, name))
+                ):
                     shutil.copy2(src, os.path.join(path, name))
 
     # ------------------------------------------------------------------ checkpoints
@@ -612,8 +710,9 @@ class LearnerWorker:
         missing = [k for k in keys if state.get(k) is None]
         if missing:
             raise RuntimeError(f"checkpoint model folder {folder} lacks {len(missing)} weight(s), e.g. {missing[0]}")
-        set_model_state_dict(self.model, {k: state[k].float() for k in keys},
-                             options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(
+            self.model, {k: state[k].float() for k in keys}, options=StateDictOptions(full_state_dict=True)
+        )
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> dict:
         """Write this learner's part of a checkpoint into the existing folder ``path``. Collective.
@@ -640,16 +739,28 @@ class LearnerWorker:
             model_sd = self._train_state_weights(model_sd)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "train_state"))
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        rng = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
         with open(os.path.join(path, "rng", f"rank{self.rank}.pkl"), "wb") as f:
             pickle.dump(rng, f)
         if self.rank == 0:
             with open(os.path.join(path, "learner.pkl"), "wb") as f:
-                pickle.dump({"scheduler": self.scheduler.state_dict(), "version": self.version,
-                             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-                             "world_size": self.world_size, "lora_rank": self.lora_rank,
-                             "weights": "model" if self.lora_rank == 0 else "adapters"}, f)
+                pickle.dump(
+                    {
+                        "scheduler": self.scheduler.state_dict(),
+                        "version": self.version,
+                        "optimizer_steps": self.optimizer_steps,
+                        "skipped_steps": self.skipped_steps,
+                        "world_size": self.world_size,
+                        "lora_rank": self.lora_rank,
+                        "weights": "model" if self.lora_rank == 0 else "adapters",
+                    },
+                    f,
+                )
         dist.barrier()
         return {"version": self.version, "seconds": time.perf_counter() - t0}
 
@@ -682,11 +793,19 @@ class LearnerWorker:
         dcp.load(state, checkpoint_id=os.path.join(path, "train_state"))
         if weights == "model":
             self._load_hf_weights(os.path.join(path, "model"), list(model_sd))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=weights == "all"))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=weights == "all"),
+        )
         self.scheduler.load_state_dict(meta["scheduler"])
-        self.version, self.optimizer_steps, self.skipped_steps = (meta["version"], meta["optimizer_steps"],
-                                                                  meta["skipped_steps"])
+        self.version, self.optimizer_steps, self.skipped_steps = (
+            meta["version"],
+            meta["optimizer_steps"],
+            meta["skipped_steps"],
+        )
         rng_file = os.path.join(path, "rng", f"rank{self.rank}.pkl")
         if os.path.exists(rng_file):  # absent when the group grew: the new rank keeps its seed
             with open(rng_file, "rb") as f:
@@ -697,8 +816,11 @@ class LearnerWorker:
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
         dist.barrier()
-        return {"version": self.version, "optimizer_steps": self.optimizer_steps,
-                "lr": self.optimizer.param_groups[0]["lr"]}
+        return {
+            "version": self.version,
+            "optimizer_steps": self.optimizer_steps,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
 
 
 def _cause(error: BaseException) -> str:
@@ -707,8 +829,13 @@ def _cause(error: BaseException) -> str:
     that reads ``SomeError: ...``, else the first line."""
     text = str(error).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    named = [ln for ln in lines if ln.split(":", 1)[0].replace(".", "").isidentifier() and ":" in ln
-             and ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+    named = [
+        ln
+        for ln in lines
+        if ln.split(":", 1)[0].replace(".", "").isidentifier()
+        and ":" in ln
+        and ln.split(":", 1)[0].endswith(("Error", "Exception"))
+    ]
     return named[-1] if named else (lines[0] if lines else type(error).__name__)
 
 
@@ -737,8 +864,14 @@ class LearnerGroup:
             placement group removed before raising: nothing stays reserved.
     """
 
-    def __init__(self, model_path: str, cfg: LearnerConfig | dict, master_port: int = 0,
-                 placement_timeout_s: float = 120.0, loss_weights: dict | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: LearnerConfig | dict,
+        master_port: int = 0,
+        placement_timeout_s: float = 120.0,
+        loss_weights: dict | None = None,
+    ):
         from ray.util.placement_group import placement_group
 
         cfg = section(LearnerConfig, cfg)
@@ -753,16 +886,18 @@ class LearnerGroup:
             try:
                 ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"the learner placement group ({n} x {bundle}) was not granted within "
-                                   f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
-                                   ) from None
+                raise RuntimeError(
+                    f"the learner placement group ({n} x {bundle}) was not granted within "
+                    f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
+                ) from None
             self._start_workers(n, model_path, cfg, master_port, loss_weights)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_workers(self, n: int, model_path: str, cfg: LearnerConfig, master_port: int,
-                       loss_weights: dict | None) -> None:
+    def _start_workers(
+        self, n: int, model_path: str, cfg: LearnerConfig, master_port: int, loss_weights: dict | None
+    ) -> None:
         """Create the N workers in the placement group, get rank 0's rendezvous address (bound on its
         node) and wait until every rank has joined at it and sharded its model; the first failure
         raises at once (the other ranks may be blocked in a collective with it)."""
@@ -770,10 +905,15 @@ class LearnerGroup:
 
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
-            self.workers.append(LearnerWorkerActor.options(
-                num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, resources=dict(cfg.resources) or None, name=None,
-                scheduling_strategy=strategy,
-            ).remote(i, n, master_port, model_path, cfg, loss_weights))
+            self.workers.append(
+                LearnerWorkerActor.options(
+                    num_cpus=cfg.num_cpus,
+                    num_gpus=cfg.num_gpus,
+                    resources=dict(cfg.resources) or None,
+                    name=None,
+                    scheduling_strategy=strategy,
+                ).remote(i, n, master_port, model_path, cfg, loss_weights)
+            )
         try:
             self.rendezvous = tuple(ray.get(self.workers[0].rendezvous_address.remote()))
         except ray.exceptions.RayError as e:
@@ -799,8 +939,9 @@ class LearnerGroup:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
 
-    def train_step(self, sample_refs: list, version: int, advantages: list[float] | None = None,
-                   entropy_coef: float = 0.0) -> dict:
+    def train_step(
+        self, sample_refs: list, version: int, advantages: list[float] | None = None, entropy_coef: float = 0.0
+    ) -> dict:
         """Run one optimizer step on every rank (see :meth:`LearnerWorker.train_step`); returns rank 0's metrics."""
         return ray.get([w.train_step.remote(sample_refs, version, advantages, entropy_coef) for w in self.workers])[0]
 

@@ -124,12 +124,15 @@ class TrajectoryQueue:
         if len(kept) < len(self._items):
             self.dropped["stale"] += len(self._items) - len(kept)
             if self.journal is not None:  # [journal hook] a stale drop is final
-                self.journal.drop("stale", [seq for _, meta, seq in self._items
-                                            if next_version - meta.policy_version > self.max_staleness])
+                self.journal.drop(
+                    "stale",
+                    [seq for _, meta, seq in self._items if next_version - meta.policy_version > self.max_staleness],
+                )
             self._items = kept
 
-    async def get_batch(self, batch_size: int, next_version: int, timeout_s: float | None = None,
-                        max_batch_size: int = 0) -> dict | None:
+    async def get_batch(
+        self, batch_size: int, next_version: int, timeout_s: float | None = None, max_batch_size: int = 0
+    ) -> dict | None:
         """Wait for at least ``batch_size`` fresh samples for the update producing ``next_version``,
         then take up to ``max_batch_size`` of them (0 = exactly ``batch_size``), oldest policy
         version first, FIFO within a version.
@@ -210,8 +213,9 @@ class TrajectoryQueue:
                     items.append((*queued[seq], seq))
                     continue
                 sample = Sample(**sample)
-                items.append((ray.put(sample), dataclasses.replace(SampleMeta.of(sample), policy_version=int(version)),
-                              seq))
+                items.append(
+                    (ray.put(sample), dataclasses.replace(SampleMeta.of(sample), policy_version=int(version)), seq)
+                )
             self._items = items
             self.num_taken = self.journal.state.taken
             self._cond.notify_all()

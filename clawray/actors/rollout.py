@@ -97,16 +97,21 @@ def continue_request(request: GenerateRequest, done_ids: list[int]) -> GenerateR
     if left < 1:
         raise ValueError(f"nothing left to continue: {len(done_ids)} of max_tokens={request.max_tokens} done")
     seed = None if request.seed is None else (request.seed * 1_000_003 + len(done_ids)) % (1 << 62)
-    return dataclasses.replace(request, prompt_ids=list(request.prompt_ids) + list(done_ids), max_tokens=left,
-                               seed=seed)
+    return dataclasses.replace(
+        request, prompt_ids=list(request.prompt_ids) + list(done_ids), max_tokens=left, seed=seed
+    )
 
 
 class _Job:
-    __slots__ = ("kind", "payload", "future", "loop", "stream", "cancelled", "streamed", "ids", "logprobs",
-                 "versions")
+    __slots__ = ("kind", "payload", "future", "loop", "stream", "cancelled", "streamed", "ids", "logprobs", "versions")
 
-    def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop,
-                 stream: Callable[[list[int]], None] | None = None):
+    def __init__(
+        self,
+        kind: str,
+        payload: Any,
+        loop: asyncio.AbstractEventLoop,
+        stream: Callable[[list[int]], None] | None = None,
+    ):
         self.kind, self.payload, self.loop, self.stream = kind, payload, loop, stream
         self.future: asyncio.Future = loop.create_future()
         self.cancelled = False  # set from the event loop when the caller went away; read by the engine thread
@@ -142,8 +147,16 @@ class RolloutEngine:
             :class:`EngineRestartedError` until the first weight load (frozen judge/teacher engines: False).
     """
 
-    def __init__(self, backend: str, model_path: str, name: str = "rollout-0", torch_threads: int = 2,
-                 max_batch_size: int = 16, backend_kwargs: dict | None = None, resync_on_restart: bool = False):
+    def __init__(
+        self,
+        backend: str,
+        model_path: str,
+        name: str = "rollout-0",
+        torch_threads: int = 2,
+        max_batch_size: int = 16,
+        backend_kwargs: dict | None = None,
+        resync_on_restart: bool = False,
+    ):
         self.name = name
         # [recovery hook] a restarted policy engine holds the initial weights: no generation before a sync
         from clawray.recovery import was_restarted
@@ -158,13 +171,24 @@ class RolloutEngine:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._backend = None
-        self._stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0, "loads": 0, "last_sync_error": None,
-                       "cancelled": 0, "errors": 0, "interrupted": 0}
+        self._stats = {
+            "requests": 0,
+            "tokens": 0,
+            "gen_seconds": 0.0,
+            "loads": 0,
+            "last_sync_error": None,
+            "cancelled": 0,
+            "errors": 0,
+            "interrupted": 0,
+        }
         self._interrupt = False  # set by pause(interrupt=True): running generations stop at their next token
         self._parked: list[_Job] = []  # generations a sync interrupted (engine thread only), resumed by resume()
         self._thread = threading.Thread(
-            target=self._run, args=(backend, model_path, torch_threads, backend_kwargs or {}), daemon=True,
-            name=f"{name}-engine")
+            target=self._run,
+            args=(backend, model_path, torch_threads, backend_kwargs or {}),
+            daemon=True,
+            name=f"{name}-engine",
+        )
         self._thread.start()
 
     # ---------------------------------------------------------------- engine thread
@@ -241,8 +265,13 @@ class RolloutEngine:
             if len(batch) == 1:
                 self._failed(batch[0], e)
                 return
-            logger.warning("%s: a batch of %d failed (%s: %s); retrying its requests one by one", self.name,
-                           len(batch), type(e).__name__, e)
+            logger.warning(
+                "%s: a batch of %d failed (%s: %s); retrying its requests one by one",
+                self.name,
+                len(batch),
+                type(e).__name__,
+                e,
+            )
             for job in batch:
                 if job.cancelled:
                     self._cancelled(job, 0)
@@ -271,9 +300,11 @@ class RolloutEngine:
                 batch[i].streamed = True
                 batch[i].stream(ids)
 
-        outputs = self._backend.generate([continue_request(j.payload, j.ids) for j in batch],
-                                         on_tokens if any(j.stream for j in batch) else None,
-                                         lambda i: batch[i].cancelled or self._interrupt)
+        outputs = self._backend.generate(
+            [continue_request(j.payload, j.ids) for j in batch],
+            on_tokens if any(j.stream for j in batch) else None,
+            lambda i: batch[i].cancelled or self._interrupt,
+        )
         self._stats["gen_seconds"] += time.perf_counter() - t0
         for job, out in zip(batch, outputs):
             self._stats["tokens"] += len(out.response_ids)
@@ -293,9 +324,16 @@ class RolloutEngine:
 
     def _resolve(self, job: _Job, finish_reason: str) -> None:
         self._stats["requests"] += 1
-        job.resolve({"response_ids": job.ids, "logprobs": job.logprobs, "finish_reason": finish_reason,
-                     "policy_version": min(job.versions, default=self.version), "token_versions": job.versions,
-                     "engine": self.name})
+        job.resolve(
+            {
+                "response_ids": job.ids,
+                "logprobs": job.logprobs,
+                "finish_reason": finish_reason,
+                "policy_version": min(job.versions, default=self.version),
+                "token_versions": job.versions,
+                "engine": self.name,
+            }
+        )
 
     async def _enqueue(self, job: _Job) -> None:
         if not self._ready.is_set():
@@ -406,8 +444,9 @@ class RolloutEngine:
         """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
         return await self._call(lambda: self._backend.score(prompt_ids, response_ids, temperature))
 
-    async def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
-                         temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+    async def score_topk(
+        self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
+    ) -> tuple[list[list[float]], list[list[int]]]:
         """Top-``k`` log-probs and ids (``[R][k]``) at each response position (top-k teacher path)."""
         return await self._call(lambda: self._backend.score_topk(prompt_ids, response_ids, k, temperature))
 
@@ -520,8 +559,13 @@ class RolloutEngine:
             self._awaiting_sync = False
             self._stats["loads"] += 1
             self._stats["last_sync_error"] = None
-            return {"engine": self.name, "receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                    "version": version, "interrupted": len(self._parked)}
+            return {
+                "engine": self.name,
+                "receive_s": t1 - t0,
+                "load_s": time.perf_counter() - t1,
+                "version": version,
+                "interrupted": len(self._parked),
+            }
 
         return await self._call(_load)
 

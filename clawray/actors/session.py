@@ -112,11 +112,23 @@ class SessionTracker:
         ValueError: an unknown credit mode or shaping term, or an algorithm without its teachers.
     """
 
-    def __init__(self, judges: list, queue: Any, at_least_one: bool = True, records_dir: str | None = None,
-                 algo: str = "rl", teachers: list | None = None, opd: dict | None = None,
-                 idle_timeout_s: float = 0.0, truncated: str = "keep", records_max_bytes: int = 64 << 20,
-                 records_keep: int = 5, journal: dict | None = None, credit: dict | None = None,
-                 shaping: dict | None = None):
+    def __init__(
+        self,
+        judges: list,
+        queue: Any,
+        at_least_one: bool = True,
+        records_dir: str | None = None,
+        algo: str = "rl",
+        teachers: list | None = None,
+        opd: dict | None = None,
+        idle_timeout_s: float = 0.0,
+        truncated: str = "keep",
+        records_max_bytes: int = 64 << 20,
+        records_keep: int = 5,
+        journal: dict | None = None,
+        credit: dict | None = None,
+        shaping: dict | None = None,
+    ):
         self.judges, self.queue = judges, queue
         credit = {"mode": "turn", "gamma": 1.0, "outcome_turn_weight": 0.0, "max_staleness": 2, **(credit or {})}
         if credit["mode"] not in CREDIT_MODES:
@@ -142,9 +154,12 @@ class SessionTracker:
         self._sweeper: asyncio.Task | None = None
         self.served_records = self.judged_records = None
         if records_dir:
-            self.served_records = JsonlRecords(os.path.join(records_dir, "turns.jsonl"), records_max_bytes, records_keep)
-            self.judged_records = JsonlRecords(os.path.join(records_dir, "judgments.jsonl"), records_max_bytes,
-                                               records_keep)
+            self.served_records = JsonlRecords(
+                os.path.join(records_dir, "turns.jsonl"), records_max_bytes, records_keep
+            )
+            self.judged_records = JsonlRecords(
+                os.path.join(records_dir, "judgments.jsonl"), records_max_bytes, records_keep
+            )
         self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
         if journal:
             from clawray.journal import SessionJournal, restore_tracker
@@ -196,8 +211,12 @@ class SessionTracker:
                 if render_key is not None and render_key != chat_render_key(t.tools):
                     changed = True
                     break
-                prev = {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "ended": not t.truncated,
-                        "n_messages": len(t.messages)}
+                prev = {
+                    "prompt_ids": t.prompt_ids,
+                    "response_ids": t.response_ids,
+                    "ended": not t.truncated,
+                    "n_messages": len(t.messages),
+                }
                 break
         return {"session_id": session_id, "prev": prev, "context_changed": changed}
 
@@ -380,9 +399,15 @@ class SessionTracker:
 
             held = s.held[-1][1] if s.held and s.held[-1][0] is turn else None
             waiting = next((w for w in s.waiting if w.turn_index == turn.turn_index), None)
-            self._journal("judged", sid=turn.session_id, turn_index=turn.turn_index, effective=s.effective,
-                          held=held, turn=turn_to_dict(turn) if held is not None else None,
-                          waiting=asdict(waiting) if waiting is not None else None)
+            self._journal(
+                "judged",
+                sid=turn.session_id,
+                turn_index=turn.turn_index,
+                effective=s.effective,
+                held=held,
+                turn=turn_to_dict(turn) if held is not None else None,
+                waiting=asdict(waiting) if waiting is not None else None,
+            )
         await self._maybe_flush(s)
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
@@ -422,8 +447,9 @@ class SessionTracker:
 
     async def _maybe_flush(self, s: _Session) -> None:
         """Emit a session's waiting turns before its end when the staleness budget forces it."""
-        if s.waiting and must_flush(min(w.policy_version for w in s.waiting), self.served_version,
-                                    self.credit["max_staleness"]):
+        if s.waiting and must_flush(
+            min(w.policy_version for w in s.waiting), self.served_version, self.credit["max_staleness"]
+        ):
             self.counts["credit/forced_flushes"] += 1
             await self._release(s, closed=False)
 
@@ -458,10 +484,12 @@ class SessionTracker:
 
     def _scorers(self, judge: Any) -> Scorers:
         """The judge actor's calls and the teachers' (round-robin, picked when the teacher is asked)."""
-        return Scorers(judge=getattr(getattr(judge, "judge", None), "remote", None),
-                       hint=getattr(getattr(judge, "hint", None), "remote", None),
-                       teacher_logprobs=lambda turn, hint: self._teacher().teacher_logprobs.remote(turn, hint),
-                       teacher_topk=lambda turn, hint, k: self._teacher().teacher_topk.remote(turn, hint, k))
+        return Scorers(
+            judge=getattr(getattr(judge, "judge", None), "remote", None),
+            hint=getattr(getattr(judge, "hint", None), "remote", None),
+            teacher_logprobs=lambda turn, hint: self._teacher().teacher_logprobs.remote(turn, hint),
+            teacher_topk=lambda turn, hint, k: self._teacher().teacher_topk.remote(turn, hint, k),
+        )
 
     def _teacher(self) -> Any:
         return self.teachers[self._rr % len(self.teachers)]
@@ -476,10 +504,18 @@ class SessionTracker:
     def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
         if self.judged_records is None:
             return
-        row = {**extra, "session_id": turn.session_id, "turn": turn.turn_index, "policy_version": turn.policy_version,
-               "response": turn.response_message, "next_state": next_state,
-               "score": getattr(result, "score", None), "votes": getattr(result, "votes", None),
-               "raw_votes": getattr(result, "raw", None), "dropped": dropped}
+        row = {
+            **extra,
+            "session_id": turn.session_id,
+            "turn": turn.turn_index,
+            "policy_version": turn.policy_version,
+            "response": turn.response_message,
+            "next_state": next_state,
+            "score": getattr(result, "score", None),
+            "votes": getattr(result, "votes", None),
+            "raw_votes": getattr(result, "raw", None),
+            "dropped": dropped,
+        }
         self.judged_records.append(row)
 
     async def pending_turn(self, session_id: str, choice: int = 0) -> Turn | None:
@@ -497,8 +533,12 @@ class SessionTracker:
     async def stats(self) -> dict:
         """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
         self._start_replay()
-        out = {**self.counts, "open_sessions": len(self.sessions), "judging": len(self.tasks),
-               "credit/turns_waiting": self.n_waiting}
+        out = {
+            **self.counts,
+            "open_sessions": len(self.sessions),
+            "judging": len(self.tasks),
+            "credit/turns_waiting": self.n_waiting,
+        }
         if self.counts["credit/sessions"]:
             out["credit/mean_session_turns"] = self.counts["credit/session_turns"] / self.counts["credit/sessions"]
         if self.counts["credit/outcome_sessions"]:

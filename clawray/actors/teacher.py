@@ -22,8 +22,9 @@ from clawray.types import Turn
 DEFAULT_HINT_TEMPLATE = "\n\n[user's hint / instruction]\n{hint}"
 
 
-def hinted_messages(messages: list[dict[str, Any]], hint: str, template: str = DEFAULT_HINT_TEMPLATE,
-                    placement: str = "user") -> list[dict]:
+def hinted_messages(
+    messages: list[dict[str, Any]], hint: str, template: str = DEFAULT_HINT_TEMPLATE, placement: str = "user"
+) -> list[dict]:
     """A copy of ``messages`` with ``template.format(hint=hint)`` added to the teacher context.
 
     ``placement="user"`` (OpenClaw-RL): appended to the last user message (to the last message when
@@ -68,8 +69,9 @@ def check_same_tokenizer(policy_path: str, teacher_path: str) -> None:
         raise ValueError(f"teacher tokenizer at {teacher_path} has {len(vb)} tokens, the policy's has {len(va)}")
     for token, idx in sorted(va.items(), key=lambda kv: kv[1]):
         if vb.get(token) != idx:
-            raise ValueError(f"teacher tokenizer at {teacher_path} maps {token!r} to {vb.get(token)}, the "
-                             f"policy's to {idx}")
+            raise ValueError(
+                f"teacher tokenizer at {teacher_path} maps {token!r} to {vb.get(token)}, the policy's to {idx}"
+            )
     if a.eos_token != b.eos_token:
         raise ValueError(f"teacher eos {b.eos_token!r} differs from the policy's {a.eos_token!r}")
 
@@ -87,8 +89,14 @@ class TeacherWorker:
             instead of an engine (see :class:`clawray.engines.endpoint.EndpointScorer`; T = 1 only).
     """
 
-    def __init__(self, engine: Any, tokenizer_path: str, template: str = DEFAULT_HINT_TEMPLATE,
-                 endpoint: dict | None = None, placement: str = "user"):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer_path: str,
+        template: str = DEFAULT_HINT_TEMPLATE,
+        endpoint: dict | None = None,
+        placement: str = "user",
+    ):
         from transformers import AutoConfig, AutoTokenizer
 
         from clawray.engines.endpoint import EndpointScorer
@@ -111,8 +119,12 @@ class TeacherWorker:
         """Token ids of the hinted teacher prompt (generation prompt included); the hint's special-token
         strings are removed first (:class:`clawray.chat.SpecialTokenStripper`)."""
         hint = self.plain_hint(hint)
-        text = self.tokenizer.apply_chat_template(hinted_messages(turn.messages, hint, self.template, self.placement),
-                                                  tools=turn.tools, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            hinted_messages(turn.messages, hint, self.template, self.placement),
+            tools=turn.tools,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def teacher_logprobs(self, turn: Turn, hint: str) -> list[float]:
@@ -135,13 +147,17 @@ class TeacherWorker:
         values, ids = await (self.scorer.score_topk(*args) if self.scorer else self.engine.score_topk.remote(*args))
         self.seconds += time.perf_counter() - t0
         if len(ids) != len(turn.response_ids) or len(values) != len(ids):
-            raise RuntimeError(f"teacher returned {len(values)} top-k value rows and {len(ids)} id rows for "
-                               f"{len(turn.response_ids)} tokens")
+            raise RuntimeError(
+                f"teacher returned {len(values)} top-k value rows and {len(ids)} id rows for "
+                f"{len(turn.response_ids)} tokens"
+            )
         width = len(ids[0]) if ids else 0
         for t, (row_values, row_ids) in enumerate(zip(values, ids)):
             if not 1 <= width <= k or len(row_values) != width or len(row_ids) != width:
-                raise RuntimeError(f"teacher top-k row {t} holds {len(row_values)} values and {len(row_ids)} ids; "
-                                   f"every row needs the same 1..{k}")
+                raise RuntimeError(
+                    f"teacher top-k row {t} holds {len(row_values)} values and {len(row_ids)} ids; "
+                    f"every row needs the same 1..{k}"
+                )
             values[t] = [_logprob(v, f"position {t}") for v in row_values]
             if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in row_ids):
                 raise RuntimeError(f"teacher top-k row {t} holds an id outside [0, {self.vocab_size}): {row_ids}")

@@ -29,8 +29,9 @@ def binary_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.T
         ValueError: the batch sizes differ.
     """
     if rewards.dim() != 1 or loss_mask.dim() != 2 or rewards.shape[0] != loss_mask.shape[0]:
-        raise ValueError(f"expected rewards [B] and loss_mask [B, T], got {tuple(rewards.shape)} "
-                         f"and {tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"expected rewards [B] and loss_mask [B, T], got {tuple(rewards.shape)} and {tuple(loss_mask.shape)}"
+        )
     return rewards.to(torch.float32)[:, None] * loss_mask.to(torch.float32)
 
 
@@ -56,8 +57,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, min_std: fl
         ValueError: the shapes differ or are not 1-D.
     """
     if rewards.dim() != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(f"expected rewards [B] and group_ids [B], got {tuple(rewards.shape)} and "
-                         f"{tuple(group_ids.shape)}")
+        raise ValueError(
+            f"expected rewards [B] and group_ids [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
     r = rewards.to(torch.float64)
     out = torch.zeros_like(r)
     for g in torch.unique(group_ids):
@@ -69,8 +71,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, min_std: fl
     return out.to(torch.float32)
 
 
-def opd_advantages(teacher_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
-                   clip: float | None = None) -> torch.Tensor:
+def opd_advantages(
+    teacher_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, clip: float | None = None
+) -> torch.Tensor:
     """On-policy distillation token advantage ``A_t = teacher_logprob_t - rollout_logprob_t``.
 
     The teacher scores the *same* response tokens under the hint-augmented prompt (OpenClaw-RL,
@@ -90,9 +93,16 @@ def opd_advantages(teacher_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return adv
 
 
-def combine_advantages(rewards: torch.Tensor, teacher_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                       loss_mask: torch.Tensor, has_teacher: torch.Tensor, w_rl: float = 1.0,
-                       w_opd: float = 1.0, clip: float | None = None) -> torch.Tensor:
+def combine_advantages(
+    rewards: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    has_teacher: torch.Tensor,
+    w_rl: float = 1.0,
+    w_opd: float = 1.0,
+    clip: float | None = None,
+) -> torch.Tensor:
     """Combine: ``A_t = w_rl * r + w_opd * (teacher_logprob_t - rollout_logprob_t)`` (OpenClaw-RL §5).
 
     A sample without an accepted hint (``has_teacher[b] = False``) gets *no* OPD term: exactly
@@ -128,8 +138,9 @@ class BatchAdvantages:
     signal: dict[str, float]
 
 
-def batch_advantages(rewards: list[float | None], guard, estimator: str = "binary",
-                     group_keys: list[Hashable] | None = None) -> BatchAdvantages:
+def batch_advantages(
+    rewards: list[float | None], guard, estimator: str = "binary", group_keys: list[Hashable] | None = None
+) -> BatchAdvantages:
     """Scalar advantages of one batch: the degenerate-batch guard, then the estimator.
 
     The guard (:class:`~clawray.algos.invariants.DegenerateBatchGuard`, its state updated) looks at

@@ -252,11 +252,13 @@ class OPD(Algorithm):
             except Exception as e:  # never zeros in place of teacher log-probs
                 counts["teacher_errors"] += 1
                 if not (combine and score):  # nothing left to train on: the turn is dropped
-                    return Verdict(drop="teacher_error", note=f"teacher error: {e!r}", result=results[-1],
-                                   extra={"hint": hint})
+                    return Verdict(
+                        drop="teacher_error", note=f"teacher error: {e!r}", result=results[-1], extra={"hint": hint}
+                    )
                 failure = {"teacher_error": repr(e)}  # Combine with a score: the reward term alone
-        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.name,
-                                  hint=None if failure else hint)
+        sample = Sample.from_turn(
+            turn, reward=float(score) if combine else None, kind=self.name, hint=None if failure else hint
+        )
         sample.teacher_logprobs = teacher
         if topk is not None:
             sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
@@ -268,8 +270,7 @@ class OPD(Algorithm):
         Raises:
             TimeoutError: no answer in time; whatever the teacher raised.
         """
-        call = (scorers.teacher_topk(turn, hint, self.topk) if self.topk > 0
-                else scorers.teacher_logprobs(turn, hint))
+        call = scorers.teacher_topk(turn, hint, self.topk) if self.topk > 0 else scorers.teacher_logprobs(turn, hint)
         try:
             return await asyncio.wait_for(call, self.teacher_timeout_s)
         except asyncio.TimeoutError:

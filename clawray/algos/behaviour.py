@@ -66,7 +66,7 @@ def ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     words = (text or "").lower().split()
     if len(words) < n:
         return {tuple(words)} if words else set()
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def jaccard(a: set, b: set) -> float:
@@ -86,8 +86,10 @@ def self_similarity(texts: Sequence[str], n: int = 2) -> float:
 
 def _text(message: dict[str, Any]) -> str:
     """The reply's text for n-gram overlap: its content, then its tool calls (name and arguments)."""
-    calls = " ".join(f"{(c.get('function') or {}).get('name', '')} {(c.get('function') or {}).get('arguments', '')}"
-                     for c in message.get("tool_calls") or [])
+    calls = " ".join(
+        f"{(c.get('function') or {}).get('name', '')} {(c.get('function') or {}).get('arguments', '')}"
+        for c in message.get("tool_calls") or []
+    )
     return f"{message.get('content') or ''} {calls}".strip()
 
 
@@ -114,5 +116,8 @@ def behaviour_stats(replies: Sequence[Sequence[dict[str, Any]]], n: int = 2) -> 
         ent.append(entropy(sigs))
         sim.append(self_similarity([_text(m) for m in group], n))
     p = len(replies)
-    return {"inv/behaviour_distinct": sum(distinct) / p, "inv/behaviour_entropy": sum(ent) / p,
-            "inv/self_similarity": sum(sim) / p}
+    return {
+        "inv/behaviour_distinct": sum(distinct) / p,
+        "inv/behaviour_entropy": sum(ent) / p,
+        "inv/self_similarity": sum(sim) / p,
+    }

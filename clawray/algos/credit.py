@@ -72,8 +72,9 @@ def outcome_credit(num_turns: int, outcome: float, gamma: float) -> list[float]:
     return [outcome * gamma ** (num_turns - 1 - i) for i in range(num_turns)]
 
 
-def assign_credit(mode: str, rewards: list[float], gamma: float, outcome: float | None = None,
-                  turn_weight: float = 0.0) -> list[float]:
+def assign_credit(
+    mode: str, rewards: list[float], gamma: float, outcome: float | None = None, turn_weight: float = 0.0
+) -> list[float]:
     """The training reward of each judged turn of one session (or flushed segment), in turn order.
 
     Args:
@@ -107,8 +108,9 @@ def assign_credit(mode: str, rewards: list[float], gamma: float, outcome: float 
     return [turn_weight * float(r) + s for r, s in zip(rewards, spread)]
 
 
-def segment_credit(mode: str, rewards: list[float], gamma: float, outcome: float | None, turn_weight: float,
-                   closed: bool) -> list[float]:
+def segment_credit(
+    mode: str, rewards: list[float], gamma: float, outcome: float | None, turn_weight: float, closed: bool
+) -> list[float]:
     """:func:`assign_credit` for a whole session (``closed``) or for a segment flushed early by the
     staleness budget (not ``closed``): such a segment has no outcome yet, so ``outcome`` mode gives
     its turns ``turn_weight * r_t`` alone and ``discounted`` mode truncates the return at the flush."""

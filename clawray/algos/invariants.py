@@ -25,8 +25,9 @@ def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> float
     return float(torch.quantile(v, q)) if v.numel() else math.nan
 
 
-def mismatch_kl_sum(rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tensor,
-                    loss_mask: torch.Tensor) -> torch.Tensor:
+def mismatch_kl_sum(
+    rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
     """Sum over masked tokens of ``r - 1 - log r`` with ``r = exp(learner - rollout)`` (k3 terms of
     ``KL(rollout || learner)``), a 0-dim float64 tensor on the inputs' device (no host sync): the
     numerator of :func:`logprob_mismatch_kl`, summed by the learner over samples and ranks."""
@@ -35,8 +36,9 @@ def mismatch_kl_sum(rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tens
     return (torch.exp(log_r) - 1.0 - log_r).sum()
 
 
-def logprob_mismatch_kl(rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tensor,
-                        loss_mask: torch.Tensor) -> float:
+def logprob_mismatch_kl(
+    rollout_logprobs: torch.Tensor, learner_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> float:
     """``KL(rollout || learner)`` on the sampled tokens, k3 estimator, mean over masked tokens.
 
     Tokens were sampled by the rollout engine ``mu``; with ``r = pi / mu``,
@@ -75,8 +77,7 @@ def signal_stats(rewards: list[float]) -> dict[str, float]:
     mean = sum(rewards) / n
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
     one_signed = all(r > 0 for r in rewards) or all(r < 0 for r in rewards) or all(r == 0 for r in rewards)
-    return {"nonzero_reward_frac": sum(r != 0 for r in rewards) / n, "reward_std": std,
-            "one_signed": float(one_signed)}
+    return {"nonzero_reward_frac": sum(r != 0 for r in rewards) / n, "reward_std": std, "one_signed": float(one_signed)}
 
 
 @dataclass

@@ -16,8 +16,13 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-def aggregate(token_values: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean",
-              num_tokens: float | torch.Tensor | None = None, num_seqs: float | None = None) -> torch.Tensor:
+def aggregate(
+    token_values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce masked per-token values ``[B, T]`` (or ``[T]``, one sequence) to a scalar.
 
     Modes and their trade-off:
@@ -152,8 +157,13 @@ def ppo_clip_loss(
             is_weight = is_weight.clamp(max=tis_cap)
         token_loss = token_loss * is_weight
     loss = aggregate(token_loss, loss_mask, agg_mode, normalizer, num_seqs)
-    return PolicyLossOutput(loss=loss, token_loss=token_loss, clipped=clipped.to(logprobs.dtype).detach(),
-                            ratio=ratio.detach(), is_weight=is_weight.detach())
+    return PolicyLossOutput(
+        loss=loss,
+        token_loss=token_loss,
+        clipped=clipped.to(logprobs.dtype).detach(),
+        ratio=ratio.detach(),
+        is_weight=is_weight.detach(),
+    )
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -176,8 +186,12 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
-def topk_reverse_kl(student_logits: torch.Tensor, teacher_topk_logprobs: torch.Tensor,
-                    teacher_topk_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def topk_reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per-position reverse KL ``KL(student || teacher)`` over the teacher's top-k ids plus a tail bin.
 
     The student's distribution is restricted to the teacher's k ids and one tail bin holding the
@@ -307,9 +321,23 @@ class SampleLossInputs:
     fresh: bool = False
 
 
-SUM_METRICS = ("loss", "pg_loss", "kl", "clipped", "ratio_sum", "tokens", "adv_sum", "adv_sq_sum",
-               "effective_tokens", "response_tokens", "samples", "is_weight_sum", "mismatch_kl_sum",
-               "mismatch_tokens", "entropy_sum")
+SUM_METRICS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clipped",
+    "ratio_sum",
+    "tokens",
+    "adv_sum",
+    "adv_sq_sum",
+    "effective_tokens",
+    "response_tokens",
+    "samples",
+    "is_weight_sum",
+    "mismatch_kl_sum",
+    "mismatch_tokens",
+    "entropy_sum",
+)
 """The :class:`LossOutput` metrics that add up over samples (and ranks); ``ratio_max`` takes the max,
 ``token_entropy`` concatenates."""
 
@@ -356,15 +384,33 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
     entropy = token_entropy(scaled if inp.entropy_coef > 0 else scaled.detach())
     mask, rollout = inp.loss_mask, inp.rollout_logprobs
     has_teacher = inp.teacher_logprobs is not None
-    adv = combine_advantages(torch.tensor([inp.advantage], device=mask.device),
-                             (inp.teacher_logprobs if has_teacher else rollout)[None], rollout[None], mask[None],
-                             torch.tensor([has_teacher], device=mask.device), cfg.w_rl, cfg.w_opd, cfg.opd_adv_clip)[0]
+    adv = combine_advantages(
+        torch.tensor([inp.advantage], device=mask.device),
+        (inp.teacher_logprobs if has_teacher else rollout)[None],
+        rollout[None],
+        mask[None],
+        torch.tensor([has_teacher], device=mask.device),
+        cfg.w_rl,
+        cfg.w_opd,
+        cfg.opd_adv_clip,
+    )[0]
     anchor = rollout
     if cfg.proximal:  # decoupled PPO: trust region around the pre-update weights
         anchor = logprobs.detach() if inp.proximal_logprobs is None else inp.proximal_logprobs
-    out = ppo_clip_loss(logprobs, anchor, adv, mask, cfg.eps, cfg.eps_high, normalizer=inp.num_tokens,
-                        dual_clip=cfg.dual_clip, behaviour_logprobs=rollout if cfg.proximal else None,
-                        tis_cap=cfg.tis_cap, agg_mode=cfg.agg_mode, num_seqs=inp.num_seqs)
+    out = ppo_clip_loss(
+        logprobs,
+        anchor,
+        adv,
+        mask,
+        cfg.eps,
+        cfg.eps_high,
+        normalizer=inp.num_tokens,
+        dual_clip=cfg.dual_clip,
+        behaviour_logprobs=rollout if cfg.proximal else None,
+        tis_cap=cfg.tis_cap,
+        agg_mode=cfg.agg_mode,
+        num_seqs=inp.num_seqs,
+    )
     loss = out.loss
     if inp.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
         loss = aggregate(topk_reverse_kl(scaled, inp.teacher_topk_logprobs, inp.teacher_topk_ids), mask, **agg)
@@ -379,11 +425,18 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         f64 = functools.partial(torch.as_tensor, dtype=torch.float64, device=mask.device)
         tokens = m.sum().double()
         metrics = {
-            "loss": loss.detach().double(), "pg_loss": out.loss.detach().double(), "kl": kl_value.detach().double(),
-            "clipped": out.clipped[m].sum().double(), "ratio_sum": out.ratio[m].sum().double(), "tokens": tokens,
-            "adv_sum": adv[m].sum().double(), "adv_sq_sum": adv[m].pow(2).sum().double(),
-            "effective_tokens": effective_tokens(adv, mask).double(), "response_tokens": f64(float(mask.numel())),
-            "samples": f64(1.0), "is_weight_sum": out.is_weight[m].sum().double(),
+            "loss": loss.detach().double(),
+            "pg_loss": out.loss.detach().double(),
+            "kl": kl_value.detach().double(),
+            "clipped": out.clipped[m].sum().double(),
+            "ratio_sum": out.ratio[m].sum().double(),
+            "tokens": tokens,
+            "adv_sum": adv[m].sum().double(),
+            "adv_sq_sum": adv[m].pow(2).sum().double(),
+            "effective_tokens": effective_tokens(adv, mask).double(),
+            "response_tokens": f64(float(mask.numel())),
+            "samples": f64(1.0),
+            "is_weight_sum": out.is_weight[m].sum().double(),
             "mismatch_kl_sum": mismatch_kl_sum(rollout, logprobs.detach(), mask) if inp.fresh else f64(0.0),
             "mismatch_tokens": tokens if inp.fresh else f64(0.0),
             "entropy_sum": entropy.detach()[m].sum().double(),
@@ -393,8 +446,9 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
     return LossOutput(loss=loss, metrics=metrics)
 
 
-def batch_loss_metrics(sums: dict[str, float], ratio_max: float, token_entropy: torch.Tensor, world_size: int,
-                       num_mini_batches: int) -> dict[str, float]:
+def batch_loss_metrics(
+    sums: dict[str, float], ratio_max: float, token_entropy: torch.Tensor, world_size: int, num_mini_batches: int
+) -> dict[str, float]:
     """The train step's loss metrics from the :class:`LossOutput` metrics summed over every sample of
     every rank (:data:`SUM_METRICS`), the max ratio and all masked tokens' entropies ``[M]``.
 
@@ -426,7 +480,8 @@ def batch_loss_metrics(sums: dict[str, float], ratio_max: float, token_entropy: 
         "inv/ratio_max": ratio_max,
         "inv/clip_frac": sums["clipped"] / tokens,
         "inv/is_weight_mean": sums["is_weight_sum"] / tokens,
-        "inv/logprob_mismatch_kl": (sums["mismatch_kl_sum"] / sums["mismatch_tokens"] if sums["mismatch_tokens"]
-                                    else math.nan),
+        "inv/logprob_mismatch_kl": (
+            sums["mismatch_kl_sum"] / sums["mismatch_tokens"] if sums["mismatch_tokens"] else math.nan
+        ),
         "inv/effective_token_rate": sums["effective_tokens"] / max(sums["response_tokens"], 1.0),
     }

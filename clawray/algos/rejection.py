@@ -34,8 +34,9 @@ def opening(messages: Sequence[dict]) -> list[dict]:
     return list(messages)
 
 
-def group_keys(mode: str, prompts: Sequence[Sequence[int] | Hashable], openings: Sequence[Hashable],
-               turn_indexes: Sequence[int]) -> list[Hashable]:
+def group_keys(
+    mode: str, prompts: Sequence[Sequence[int] | Hashable], openings: Sequence[Hashable], turn_indexes: Sequence[int]
+) -> list[Hashable]:
     """The group of each sample (see the module docstring).
 
     Args:

@@ -7,8 +7,9 @@ import math
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def lr_factor(step: int, schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 0,
-              min_lr_ratio: float = 0.0) -> float:
+def lr_factor(
+    step: int, schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 0, min_lr_ratio: float = 0.0
+) -> float:
     """The multiplier of the base learning rate for the optimizer step with 0-based index ``step``.
 
     Warmup (Goyal et al., arXiv 1706.02677): for ``step < warmup_steps`` the factor is

@@ -45,7 +45,11 @@ def _calls(message: dict[str, Any]) -> list[tuple[str, str]]:
         fn = call.get("function") or {}
         args = fn.get("arguments", "")
         try:  # the same arguments in another key order or spacing are the same call
-            args = json.dumps(json.loads(args), sort_keys=True) if isinstance(args, str) else json.dumps(args, sort_keys=True)
+            args = (
+                json.dumps(json.loads(args), sort_keys=True)
+                if isinstance(args, str)
+                else json.dumps(args, sort_keys=True)
+            )
         except (json.JSONDecodeError, TypeError):
             pass
         out.append((str(fn.get("name", "")), str(args)))

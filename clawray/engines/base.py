@@ -70,8 +70,9 @@ TokenCallback = Callable[[int, list[int]], None]
 CancelCheck = Callable[[int], bool]
 
 
-def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float,
-                      generator: torch.Generator | None) -> tuple[int, float]:
+def sample_next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> tuple[int, float]:
     """Draw one token the way vLLM does (temperature, then top-p nucleus) and return its log-prob
     under the module's convention (full softmax at ``T``, no nucleus renormalisation).
 
@@ -116,8 +117,12 @@ class Backend(Protocol):
     Implementations: :class:`clawray.engines.hf.HFBackend`, :class:`clawray.engines.vllm.VLLMBackend`.
     """
 
-    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None,
-                 cancelled: CancelCheck | None = None) -> list[GenerateOutput]:
+    def generate(
+        self,
+        requests: list[GenerateRequest],
+        on_tokens: TokenCallback | None = None,
+        cancelled: CancelCheck | None = None,
+    ) -> list[GenerateOutput]:
         """Sample a response for every request (batched where the engine can), with the module's
         sampling convention.
 
@@ -130,8 +135,9 @@ class Backend(Protocol):
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of the given response ids after the given prompt (teacher path)."""
 
-    def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
-                   temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+    def score_topk(
+        self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
+    ) -> tuple[list[list[float]], list[list[int]]]:
         """Top-k log-probs and ids (``[R][k]``, descending) at each response position (top-k teacher)."""
 
     def weight_specs(self) -> list[WeightSpec]:

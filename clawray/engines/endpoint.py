@@ -60,8 +60,9 @@ class EndpointScorer:
 
     async def tokenize(self, text: str) -> list[int]:
         """The server's token ids of ``text`` (no special tokens added)."""
-        out = await self._post(f"{self.root}/tokenize", {"model": await self.model_name(), "prompt": text,
-                                                          "add_special_tokens": False})
+        out = await self._post(
+            f"{self.root}/tokenize", {"model": await self.model_name(), "prompt": text, "add_special_tokens": False}
+        )
         return list(out["tokens"])
 
     async def detokenize(self, ids: list[int]) -> str:
@@ -69,18 +70,28 @@ class EndpointScorer:
         out = await self._post(f"{self.root}/detokenize", {"model": await self.model_name(), "tokens": ids})
         return out["prompt"]
 
-    async def _prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int], k: int,
-                               temperature: float) -> list[dict[str, Any]]:
+    async def _prompt_logprobs(
+        self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float
+    ) -> list[dict[str, Any]]:
         if not prompt_ids or not response_ids:
             raise ValueError("scoring needs a non-empty prompt and response")
         if temperature not in (0.0, 1.0):
-            raise ValueError(f"an endpoint teacher scores at temperature 1 only (vLLM prompt_logprobs use raw "
-                             f"logits); this turn was sampled at T={temperature}")
-        out = await self._post(f"{self.base_url}/completions", {
-            "model": await self.model_name(), "prompt": list(prompt_ids) + list(response_ids), "max_tokens": 1,
-            "temperature": 0.0, "prompt_logprobs": k})
+            raise ValueError(
+                f"an endpoint teacher scores at temperature 1 only (vLLM prompt_logprobs use raw "
+                f"logits); this turn was sampled at T={temperature}"
+            )
+        out = await self._post(
+            f"{self.base_url}/completions",
+            {
+                "model": await self.model_name(),
+                "prompt": list(prompt_ids) + list(response_ids),
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": k,
+            },
+        )
         try:
-            rows = out["choices"][0]["prompt_logprobs"][len(prompt_ids):]
+            rows = out["choices"][0]["prompt_logprobs"][len(prompt_ids) :]
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"{self.base_url}/completions returned no prompt_logprobs") from None
         if len(rows) != len(response_ids) or any(row is None for row in rows):
@@ -97,8 +108,9 @@ class EndpointScorer:
         rows = await self._prompt_logprobs(prompt_ids, response_ids, 0, temperature)
         return [float(row[str(tok)]["logprob"]) for row, tok in zip(rows, response_ids)]
 
-    async def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
-                         temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+    async def score_topk(
+        self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
+    ) -> tuple[list[list[float]], list[list[int]]]:
         """Top-``k`` log-probs and ids (``[R][k]``, descending) at each response position (T = 1).
 
         Raises:
@@ -128,17 +140,30 @@ async def check_endpoint_tokenizer(policy_path: str, scorer: EndpointScorer) -> 
 
     tok = AutoTokenizer.from_pretrained(policy_path)
     chat = tok.apply_chat_template(
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 12*7? Use the tool."},
-         {"role": "assistant", "content": None, "tool_calls": [
-             {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*7"}}}]},
-         {"role": "tool", "content": "84"}], add_generation_prompt=True, tokenize=False)
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 12*7? Use the tool."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*7"}}}
+                ],
+            },
+            {"role": "tool", "content": "84"},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     probes = [chat, "héllo wörld ✓ 漢字 🙂", "0123456789 3.14159 -42", " ".join(tok.all_special_tokens)]
     for text in probes:
         ours, theirs = tok.encode(text, add_special_tokens=False), await scorer.tokenize(text)
         if ours != theirs:
             first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            raise ValueError(f"the teacher endpoint's tokenizer differs from the policy's on {text[:40]!r}: token "
-                             f"{first} is {theirs[first:first + 1]} there, {ours[first:first + 1]} here")
+            raise ValueError(
+                f"the teacher endpoint's tokenizer differs from the policy's on {text[:40]!r}: token "
+                f"{first} is {theirs[first : first + 1]} there, {ours[first : first + 1]} here"
+            )
     last = len(tok) - 1
     if await scorer.detokenize([last]) != tok.decode([last]):
         raise ValueError(f"the teacher endpoint decodes token {last} differently from the policy's tokenizer")

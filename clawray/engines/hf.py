@@ -15,8 +15,14 @@ from typing import Iterable
 import torch
 
 from clawray.algos.losses import sequence_logprobs
-from clawray.engines.base import (CancelCheck, GenerateOutput, GenerateRequest, TokenCallback, WeightSpec,
-                                  sample_next_token)
+from clawray.engines.base import (
+    CancelCheck,
+    GenerateOutput,
+    GenerateRequest,
+    TokenCallback,
+    WeightSpec,
+    sample_next_token,
+)
 
 
 class HFBackend:
@@ -50,13 +56,18 @@ class HFBackend:
         return [eos] if isinstance(eos, int) else list(eos)
 
     @torch.inference_mode()
-    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None,
-                 cancelled: CancelCheck | None = None) -> list[GenerateOutput]:
+    def generate(
+        self,
+        requests: list[GenerateRequest],
+        on_tokens: TokenCallback | None = None,
+        cancelled: CancelCheck | None = None,
+    ) -> list[GenerateOutput]:
         """Sample each request in turn; see :meth:`clawray.engines.base.Backend.generate`."""
         return [self._generate_one(i, r, on_tokens, cancelled) for i, r in enumerate(requests)]
 
-    def _generate_one(self, index: int, req: GenerateRequest, on_tokens: TokenCallback | None,
-                      cancelled: CancelCheck | None) -> GenerateOutput:
+    def _generate_one(
+        self, index: int, req: GenerateRequest, on_tokens: TokenCallback | None, cancelled: CancelCheck | None
+    ) -> GenerateOutput:
         stop = set(req.stop_token_ids) | set(self.eos_ids)
         gen = self.rng if req.seed is None else torch.Generator(self.device).manual_seed(req.seed)
         inputs = torch.tensor([req.prompt_ids], device=self.device)
@@ -88,11 +99,12 @@ class HFBackend:
             raise ValueError("score needs a non-empty prompt and response")
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
-        return sequence_logprobs(logits, ids[0, len(prompt_ids):], temperature).tolist()
+        return sequence_logprobs(logits, ids[0, len(prompt_ids) :], temperature).tolist()
 
     @torch.inference_mode()
-    def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
-                   temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+    def score_topk(
+        self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
+    ) -> tuple[list[list[float]], list[list[int]]]:
         """The top-``k`` log-probs and ids at each response position (``[R][k]`` each, descending)."""
         if not prompt_ids or not response_ids:
             raise ValueError("score_topk needs a non-empty prompt and response")

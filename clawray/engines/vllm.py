@@ -84,9 +84,18 @@ class VLLMBackend:
             for an fp32 lm_head, ``tensor_parallel_size``).
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "bfloat16", max_model_len: int = 2048, seed: int = 0,
-                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-                 **engine_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        seed: int = 0,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        **engine_kwargs,
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -98,17 +107,29 @@ class VLLMBackend:
                 engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
         engine_kwargs.setdefault("generation_config", "vllm")  # nothing from generation_config.json
         self.model_path = model_path
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, max_model_len=max_model_len,
-                       seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                       logprobs_mode="processed_logprobs", **engine_kwargs)
+        self.llm = LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
         self.tokenizer = self.llm.get_tokenizer()
         tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
         self._request_ids = itertools.count()
 
-    def generate(self, requests: list[GenerateRequest], on_tokens: TokenCallback | None = None,
-                 cancelled: CancelCheck | None = None) -> list[GenerateOutput]:
+    def generate(
+        self,
+        requests: list[GenerateRequest],
+        on_tokens: TokenCallback | None = None,
+        cancelled: CancelCheck | None = None,
+    ) -> list[GenerateOutput]:
         """Sample all requests together (the engine is stepped here, ``RequestOutputKind.DELTA``);
         outputs are in request order.
 
@@ -126,17 +147,28 @@ class VLLMBackend:
 
         if not requests:
             return []
-        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=0, min_p=0.0,
-                                 presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                                 max_tokens=r.max_tokens, stop_token_ids=list(r.stop_token_ids), seed=r.seed,
-                                 logprobs=0, detokenize=False)
-                  for r in requests]
+        params = [
+            SamplingParams(
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=0,
+                min_p=0.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                repetition_penalty=1.0,
+                max_tokens=r.max_tokens,
+                stop_token_ids=list(r.stop_token_ids),
+                seed=r.seed,
+                logprobs=0,
+                detokenize=False,
+            )
+            for r in requests
+        ]
         prompts = [list(r.prompt_ids) for r in requests]
         results = self._run_stepped(prompts, params, on_tokens, cancelled)
         # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T
         # (aborted ones too: a sync's interrupt keeps their tokens, which must carry these weights' log-probs)
-        nucleus = [i for i, r in enumerate(requests)
-                   if r.top_p < 1.0 and r.temperature > 0 and results[i].response_ids]
+        nucleus = [i for i, r in enumerate(requests) if r.top_p < 1.0 and r.temperature > 0 and results[i].response_ids]
         for temp in sorted({requests[i].temperature for i in nucleus}):
             idx = [i for i in nucleus if requests[i].temperature == temp]
             pairs = [(list(requests[i].prompt_ids), results[i].response_ids) for i in idx]
@@ -150,8 +182,9 @@ class VLLMBackend:
             raise RuntimeError(f"vLLM request {request_id} finished with {finish_reason!r}")
         return GenerateOutput(response_ids=ids, logprobs=logprobs, finish_reason=finish_reason)
 
-    def _run_stepped(self, prompts: list[list[int]], params: list, on_tokens: TokenCallback | None,
-                     cancelled: CancelCheck | None) -> list[GenerateOutput]:
+    def _run_stepped(
+        self, prompts: list[list[int]], params: list, on_tokens: TokenCallback | None, cancelled: CancelCheck | None
+    ) -> list[GenerateOutput]:
         """Add the requests to the engine and step it until all finish, passing on new tokens and
         aborting cancelled requests; on any error, abort what is left before raising."""
         from vllm.exceptions import VLLMValidationError
@@ -205,8 +238,9 @@ class VLLMBackend:
         """
         return self._score_batch([(list(prompt_ids), list(response_ids))], temperature)[0]
 
-    def score_topk(self, prompt_ids: list[int], response_ids: list[int], k: int,
-                   temperature: float = 1.0) -> tuple[list[list[float]], list[list[int]]]:
+    def score_topk(
+        self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
+    ) -> tuple[list[list[float]], list[list[int]]]:
         """The top-``k`` log-probs and ids at each response position (``[R][k]`` each, descending),
         from ``prompt_logprobs=k`` (vLLM adds the actual token when it is outside the top k; it is
         left out here by rank)."""
@@ -219,7 +253,7 @@ class VLLMBackend:
         with self._logit_temperature(temperature if temperature > 0 else 1.0):
             out = self._run([prompt + response], params)[0]
         values, ids = [], []
-        for step in out.prompt_logprobs[len(prompt):]:
+        for step in out.prompt_logprobs[len(prompt) :]:
             ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in step.items() if lp.rank <= k))[:k]
             ids.append([tok for _, tok, _ in ranked])
             values.append([lp for _, _, lp in ranked])
@@ -234,8 +268,10 @@ class VLLMBackend:
         with self._logit_temperature(temperature if temperature > 0 else 1.0):
             outs = self._run([p + r for p, r in pairs], params)
         # prompt_logprobs[i] is the dict for token i given tokens < i (entry 0 is None).
-        return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[len(p):], r)]
-                for out, (p, r) in zip(outs, pairs)]
+        return [
+            [step[tok].logprob for step, tok in zip(out.prompt_logprobs[len(p) :], r)]
+            for out, (p, r) in zip(outs, pairs)
+        ]
 
     def _run(self, prompts: list[list[int]], params) -> list:
         """One blocking ``llm.generate`` over token-id prompts; vLLM's input validation errors become ValueError."""

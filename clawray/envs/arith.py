@@ -70,17 +70,22 @@ CALCULATOR_TOOL = {
     "function": {
         "name": "calculator",
         "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]},
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+}
 
 
 def calculator(expression: str) -> str:
     """Evaluate ``+ - * /`` arithmetic safely; returns the result or ``"error: ..."``."""
+
     def ev(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -89,6 +94,7 @@ def calculator(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError("unsupported expression")
+
     try:
         value = ev(ast.parse(str(expression), mode="eval").body)
         return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
@@ -162,8 +168,12 @@ class ArithEnv(Environment):
     def grade(self, task: Problem, reply: str) -> dict[str, bool]:
         """``{"solved", "correct", "no_markdown", "has_answer"}`` by :func:`grade`."""
         has_answer, correct, markdown = grade(reply, task)
-        return {"solved": correct and not markdown, "correct": correct, "no_markdown": not markdown,
-                "has_answer": has_answer}
+        return {
+            "solved": correct and not markdown,
+            "correct": correct,
+            "no_markdown": not markdown,
+            "has_answer": has_answer,
+        }
 
     def feedback(self, task: Problem, reply: str) -> tuple[str, bool]:
         """:func:`feedback`."""

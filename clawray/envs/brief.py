@@ -24,8 +24,14 @@ from clawray.envs.base import Environment, Problem
 PREFERENCE = "Reply with the number only."
 LOW, HIGH = 1, 9  # operand range, inclusive
 MAX_WORDS = 8
-TEMPLATES = ("What is {x} + {y}?", "What's {x} plus {y}?", "Add {x} and {y}.", "Compute {x} + {y}.",
-             "How much is {x} + {y}?", "What do you get when you add {x} to {y}?")
+TEMPLATES = (
+    "What is {x} + {y}?",
+    "What's {x} plus {y}?",
+    "Add {x} and {y}.",
+    "Compute {x} + {y}.",
+    "How much is {x} + {y}?",
+    "What do you get when you add {x} to {y}?",
+)
 
 _NUMBER = re.compile(r"-?\d+")
 _NUMBER_ONLY = re.compile(r"\s*-?\d+\.?\s*")
@@ -51,8 +57,12 @@ class BriefEnv(Environment):
 
     def all_tasks(self) -> list[Problem]:
         """All ``len(TEMPLATES) * (HIGH - LOW + 1) ** 2`` questions."""
-        return [Problem(t.format(x=x, y=y), x + y) for t in TEMPLATES
-                for x in range(LOW, HIGH + 1) for y in range(LOW, HIGH + 1)]
+        return [
+            Problem(t.format(x=x, y=y), x + y)
+            for t in TEMPLATES
+            for x in range(LOW, HIGH + 1)
+            for y in range(LOW, HIGH + 1)
+        ]
 
     def grade(self, task: Problem, reply: str) -> dict[str, bool]:
         """``{"solved", "correct", "brief", "number_only"}``."""
@@ -60,8 +70,12 @@ class BriefEnv(Environment):
         correct = bool(numbers) and int(numbers[-1]) == task.answer
         text = reply.strip()
         brief = bool(text) and "\n" not in text and len(text.split()) <= MAX_WORDS
-        return {"solved": correct and brief, "correct": correct, "brief": brief,
-                "number_only": _NUMBER_ONLY.fullmatch(reply) is not None}
+        return {
+            "solved": correct and brief,
+            "correct": correct,
+            "brief": brief,
+            "number_only": _NUMBER_ONLY.fullmatch(reply) is not None,
+        }
 
     def feedback(self, task: Problem, reply: str) -> tuple[str, bool]:
         """The user's next message from :meth:`grade` and whether the task is solved. A correction
@@ -72,8 +86,13 @@ class BriefEnv(Environment):
         if g["solved"]:
             return "Correct, thanks! Short and clear, exactly what I wanted.", True
         if g["correct"]:
-            return (f"The number is right, but that is far too long: I asked for the number only. Please redo it "
-                    f"as just: {task.answer}"), False
+            return (
+                f"The number is right, but that is far too long: I asked for the number only. Please redo it "
+                f"as just: {task.answer}"
+            ), False
         if not _NUMBER.search(reply):
-            return f"I can't find the answer in that. It is {task.answer}; please try again with just the number.", False
+            return (
+                f"I can't find the answer in that. It is {task.answer}; please try again with just the number.",
+                False,
+            )
         return f"That's wrong: the answer is {task.answer}. Please try again, with just the number.", False

@@ -33,17 +33,52 @@ from typing import Any
 
 from clawray.envs.base import Environment, Problem
 
-STUDENT_PREFERENCE = ("I'm a student and this is my homework. Work it out the way I would write it myself, "
-                      "in plain sentences with the calculations, not like an AI assistant.")
-TEACHER_PREFERENCE = ("I'm a teacher. Write a short note to my pupil about their answer: say exactly what is "
-                      "right or wrong and what the correct answer is, and keep it kind and encouraging.")
+STUDENT_PREFERENCE = (
+    "I'm a student and this is my homework. Work it out the way I would write it myself, "
+    "in plain sentences with the calculations, not like an AI assistant."
+)
+TEACHER_PREFERENCE = (
+    "I'm a teacher. Write a short note to my pupil about their answer: say exactly what is "
+    "right or wrong and what the correct answer is, and keep it kind and encouraging."
+)
 
 # stock phrases that make a reply sound AI-written (matched case-insensitively, as words)
-AI_PHRASES = ("as an ai", "certainly", "i'd be happy", "i would be happy", "happy to help", "great question",
-              "let's break", "let's dive", "delve", "step 1", "step-by-step", "step by step", "in conclusion",
-              "to solve this problem", "here's", "here is the", "final answer", "sure!", "absolutely")
-FRIENDLY = ("great", "good", "nice", "well done", "keep", "don't worry", "almost", "close", "proud",
-            "effort", "try", "awesome", "excellent")
+AI_PHRASES = (
+    "as an ai",
+    "certainly",
+    "i'd be happy",
+    "i would be happy",
+    "happy to help",
+    "great question",
+    "let's break",
+    "let's dive",
+    "delve",
+    "step 1",
+    "step-by-step",
+    "step by step",
+    "in conclusion",
+    "to solve this problem",
+    "here's",
+    "here is the",
+    "final answer",
+    "sure!",
+    "absolutely",
+)
+FRIENDLY = (
+    "great",
+    "good",
+    "nice",
+    "well done",
+    "keep",
+    "don't worry",
+    "almost",
+    "close",
+    "proud",
+    "effort",
+    "try",
+    "awesome",
+    "excellent",
+)
 HARSH = ("stupid", "careless", "lazy", "bad", "terrible", "obviously", "should have known", "pathetic")
 
 _MARKDOWN = re.compile(r"(\*\*|__|^#{1,6}\s|^\s*[-*+]\s|^\s*\d+[.)]\s|`|\\\(|\\\[|\\boxed)", re.MULTILINE)
@@ -90,13 +125,17 @@ def load_items(path: str) -> list[Problem]:
             an empty file.
     """
     if not path:
-        raise FileNotFoundError("the student/teacher environments need a GSM8K-style file: set env.data_path=/path/to/"
-                                "gsm8k_test.json (a JSON list or JSONL of {\"question\", \"ground_truth_answer\"})")
+        raise FileNotFoundError(
+            "the student/teacher environments need a GSM8K-style file: set env.data_path=/path/to/"
+            'gsm8k_test.json (a JSON list or JSONL of {"question", "ground_truth_answer"})'
+        )
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"env.data_path={path} does not exist: point env.data_path at a local copy of a "
-                                "GSM8K-style file (a JSON list or JSONL of {\"question\", \"ground_truth_answer\"}), "
-                                "e.g. `clawray run ... env.data_path=/data/gsm8k_test.json`")
+        raise FileNotFoundError(
+            f"env.data_path={path} does not exist: point env.data_path at a local copy of a "
+            'GSM8K-style file (a JSON list or JSONL of {"question", "ground_truth_answer"}), '
+            "e.g. `clawray run ... env.data_path=/data/gsm8k_test.json`"
+        )
     with open(path) as f:
         text = f.read()
     stripped = text.lstrip()
@@ -165,8 +204,12 @@ class StudentEnv(GSM8KEnv):
         correct = bool(nums) and nums[-1] == task.answer
         shows_work = _CALC.search(reply) is not None
         natural = bool(reply.strip()) and not _MARKDOWN.search(reply) and not _AI.search(reply)
-        return {"solved": correct and shows_work and natural, "correct": correct, "shows_work": shows_work,
-                "natural": natural}
+        return {
+            "solved": correct and shows_work and natural,
+            "correct": correct,
+            "shows_work": shows_work,
+            "natural": natural,
+        }
 
     def complaint(self, g: dict[str, bool]) -> str:
         """Thanks when solved, else the first failed check in words (read by the feedback judge)."""
@@ -175,8 +218,10 @@ class StudentEnv(GSM8KEnv):
         if not g["correct"]:
             return "That's wrong, the final number doesn't match the answer key. Please try again."
         if not g["natural"]:
-            return ("The number is right, but that sounds like an AI wrote it (lists, bold or phrases like "
-                    "'Certainly' or 'step by step'). Please try again in plain sentences, the way a student writes.")
+            return (
+                "The number is right, but that sounds like an AI wrote it (lists, bold or phrases like "
+                "'Certainly' or 'step by step'). Please try again in plain sentences, the way a student writes."
+            )
         return "The number is right, but I need to show the calculation. Please try again with the working shown."
 
 
@@ -207,8 +252,7 @@ class TeacherEnv(GSM8KEnv):
         nums = set(numbers_in(reply))
         pupil = pupil_answer(task)
         specific = task.answer in nums and (pupil == task.answer or pupil in nums)
-        friendly = (_FRIENDLY.search(reply) is not None and _HARSH.search(reply) is None
-                    and not _MARKDOWN.search(reply))
+        friendly = _FRIENDLY.search(reply) is not None and _HARSH.search(reply) is None and not _MARKDOWN.search(reply)
         return {"solved": specific and friendly, "specific": specific, "friendly": friendly}
 
     def complaint(self, g: dict[str, bool]) -> str:
@@ -216,6 +260,8 @@ class TeacherEnv(GSM8KEnv):
         if g["solved"]:
             return "Thanks, that is specific and kind, exactly what I wanted. Great!"
         if not g["specific"]:
-            return ("That's not specific enough: the note must name my pupil's number and the correct answer. "
-                    "Please try again.")
+            return (
+                "That's not specific enough: the note must name my pupil's number and the correct answer. "
+                "Please try again."
+            )
         return "That's too cold (or formatted): please try again, warm and encouraging, plain text."

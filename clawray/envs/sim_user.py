@@ -88,17 +88,27 @@ class SimUserPool:
                     self._count(f"error/{type(e).__name__}")
                     time.sleep(1.0)
 
-    def _ask(self, session: str, messages: list[dict], done: bool = False, max_tokens: int | None = None,
-             outcome: float | None = None) -> Any:
+    def _ask(
+        self,
+        session: str,
+        messages: list[dict],
+        done: bool = False,
+        max_tokens: int | None = None,
+        outcome: float | None = None,
+    ) -> Any:
         self._count("requests")
         tools = {"tools": self.env.tools} if self.env.tools else {}
         headers = {"X-Session-Id": session, "X-Session-Done": "true" if done else "false"}
         if outcome is not None:  # the session's score for long-horizon credit (trainer.credit)
             headers["X-Session-Outcome"] = f"{outcome:g}"
         return self.client.chat.completions.create(
-            model=self.model, messages=messages, **tools,
-            max_tokens=max_tokens or self.cfg["max_tokens"], temperature=self.cfg["temperature"],
-            extra_headers=headers)
+            model=self.model,
+            messages=messages,
+            **tools,
+            max_tokens=max_tokens or self.cfg["max_tokens"],
+            temperature=self.cfg["temperature"],
+            extra_headers=headers,
+        )
 
     def run_session(self, problem: Problem) -> bool:
         """One session; returns whether the problem was solved."""
@@ -131,8 +141,13 @@ class SimUserPool:
                 self._ask(session, messages, done=True, max_tokens=16, outcome=1.0 if solved else -1.0)
                 self._count("solved" if solved else "unsolved")
                 return solved
-        self._ask(session, messages + [{"role": "user", "content": "Let's stop here."}], done=True, max_tokens=16,
-                  outcome=-1.0)
+        self._ask(
+            session,
+            messages + [{"role": "user", "content": "Let's stop here."}],
+            done=True,
+            max_tokens=16,
+            outcome=-1.0,
+        )
         self._count("unsolved")
         return False
 

@@ -73,25 +73,43 @@ app = FastAPI(title="clawray policy server", docs_url=None, redoc_url=None, open
 logger = logging.getLogger("ray.serve")
 MAX_CHARS_PER_TOKEN = 128  # no tokenizer token is longer: a prompt with more characters cannot fit
 # the HTTP status of each RequestError code that is not a plain 400
-ERROR_STATUS = {"body_too_large": 413, "body_timeout": 408, "unsupported_media_type": 415, "forbidden_origin": 403,
-                "forbidden_host": 403, "session_token": 403}
+ERROR_STATUS = {
+    "body_too_large": 413,
+    "body_timeout": 408,
+    "unsupported_media_type": 415,
+    "forbidden_origin": 403,
+    "forbidden_host": 403,
+    "session_token": 403,
+}
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 MAX_BOUND_SESSIONS = 100_000  # session tokens kept; the oldest binding is forgotten beyond this
 
 
-
-def error_response(status: int, message: str, param: str | None = None, code: str = "invalid_request",
-                   err_type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str = "invalid_request",
+    err_type: str = "invalid_request_error",
+    headers: dict | None = None,
+) -> JSONResponse:
     """An OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": err_type, "param": param, "code": code}})
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content={"error": {"message": message, "type": err_type, "param": param, "code": code}},
+    )
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes and wrong methods answer in the OpenAI error shape too."""
-    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None,
-                          "not_found" if exc.status_code == 404 else "invalid_request")
+    return error_response(
+        exc.status_code,
+        f"{request.method} {request.url.path}: {exc.detail}",
+        None,
+        "not_found" if exc.status_code == 404 else "invalid_request",
+    )
 
 
 async def _next(stream: Any) -> dict:
@@ -189,8 +207,16 @@ class PolicyServer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engines, self.tracker = engines, tracker
-        self.cfg = {"sync_wait_timeout_s": 30.0, "retry_after_s": 2, "max_n": 8, "body_timeout_s": 30.0,
-                    "allowed_origins": [], "host": "127.0.0.1", "session_binding": "echo", **cfg}
+        self.cfg = {
+            "sync_wait_timeout_s": 30.0,
+            "retry_after_s": 2,
+            "max_n": 8,
+            "body_timeout_s": 30.0,
+            "allowed_origins": [],
+            "host": "127.0.0.1",
+            "session_binding": "echo",
+            **cfg,
+        }
         self.stop_text = self.tokenizer.eos_token  # the end tag the chat template renders after a reply
         self.end_ids = end_of_turn_ids(model_path, self.tokenizer)
         self.locks = _SessionLocks()
@@ -213,10 +239,17 @@ class PolicyServer:
         except RequestError as e:
             return error_response(403, str(e), None, e.code, "permission_error")
         if not self._authorized(request):
-            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
-                                  "invalid_api_key", "authentication_error")
-        return {"object": "list", "data": [{"id": self.cfg["model_name"], "object": "model", "created": 0,
-                                            "owned_by": "clawray"}]}
+            return error_response(
+                401,
+                "missing or invalid API key (Authorization: Bearer ...)",
+                None,
+                "invalid_api_key",
+                "authentication_error",
+            )
+        return {
+            "object": "list",
+            "data": [{"id": self.cfg["model_name"], "object": "model", "created": 0, "owned_by": "clawray"}],
+        }
 
     @app.get("/health")
     async def health(self) -> Any:
@@ -239,20 +272,39 @@ class PolicyServer:
                 engines.append({"name": f"rollout-{i}", "policy_version": None, "state": "down"})
             else:
                 state = "awaiting_sync" if st.get("awaiting_sync") else "syncing" if p else "serving"
-                engines.append({"name": st["name"], "policy_version": st["version"], "state": state,
-                                "requests": st["requests"], "cancelled": st.get("cancelled", 0),
-                                "errors": st.get("errors", 0)})
+                engines.append(
+                    {
+                        "name": st["name"],
+                        "policy_version": st["version"],
+                        "state": state,
+                        "requests": st["requests"],
+                        "cancelled": st.get("cancelled", 0),
+                        "errors": st.get("errors", 0),
+                    }
+                )
         tracker = await probe(self.tracker.stats.remote())
         kinds = {}
         for kind, prefix in (("judges", "judge"), ("teachers", "teacher"), ("learners", "learner rank")):
-            kinds[kind] = [{"name": f"{prefix}-{i}" if kind != "learners" else f"{prefix} {i}", "state": actor_state(a)}
-                           for i, a in enumerate(self.actors.get(kind) or [])]
+            kinds[kind] = [
+                {"name": f"{prefix}-{i}" if kind != "learners" else f"{prefix} {i}", "state": actor_state(a)}
+                for i, a in enumerate(self.actors.get(kind) or [])
+            ]
         queue = actor_state(self.actors["queue"]) if self.actors.get("queue") is not None else None
-        degraded = (tracker is None or queue not in (None, "ok") or any(e["state"] in ("down", "awaiting_sync") for e in engines)
-                    or any(a["state"] != "ok" for v in kinds.values() for a in v))
-        body = {"status": "degraded" if degraded else "ok", "policy_versions": [e["policy_version"] for e in engines],
-                "engines": engines, "tracker": "down" if tracker is None else "ok", **kinds,
-                "open_sessions": (tracker or {}).get("open_sessions", 0), "counts": dict(self.counts)}
+        degraded = (
+            tracker is None
+            or queue not in (None, "ok")
+            or any(e["state"] in ("down", "awaiting_sync") for e in engines)
+            or any(a["state"] != "ok" for v in kinds.values() for a in v)
+        )
+        body = {
+            "status": "degraded" if degraded else "ok",
+            "policy_versions": [e["policy_version"] for e in engines],
+            "engines": engines,
+            "tracker": "down" if tracker is None else "ok",
+            **kinds,
+            "open_sessions": (tracker or {}).get("open_sessions", 0),
+            "counts": dict(self.counts),
+        }
         if queue is not None:
             body["queue"] = queue
         if degraded:
@@ -274,8 +326,13 @@ class PolicyServer:
             return error_response(403, str(e), None, e.code, "permission_error")
         if not self._authorized(request):
             self.counts["unauthorized"] += 1
-            return error_response(401, "missing or invalid API key (Authorization: Bearer ...)", None,
-                                  "invalid_api_key", "authentication_error")
+            return error_response(
+                401,
+                "missing or invalid API key (Authorization: Bearer ...)",
+                None,
+                "invalid_api_key",
+                "authentication_error",
+            )
         locked: str | None = None  # the session whose lock this request holds
         call: _Call | None = None
         streaming = answered = False
@@ -283,8 +340,13 @@ class PolicyServer:
         try:
             self._check_content_type(request)
             raw = await self._read_body(request)  # the whole body, under a deadline, before any lock
-            req = parse_chat_request(decode_body(raw), request.headers, self.cfg["default_max_tokens"],
-                                     self.cfg["default_temperature"], self.cfg["max_n"])
+            req = parse_chat_request(
+                decode_body(raw),
+                request.headers,
+                self.cfg["default_max_tokens"],
+                self.cfg["default_temperature"],
+                self.cfg["max_n"],
+            )
             token = self._bind_session(req.session_id, request.headers.get("x-session-token"))
             if req.session_id:  # then a session's requests queue in the order their bodies arrived
                 await self.locks.acquire(req.session_id)
@@ -302,17 +364,34 @@ class PolicyServer:
         except RequestError as e:
             self.counts["rejected"] += 1
             status = ERROR_STATUS.get(e.code, 400)
-            return error_response(status, str(e), e.param, e.code,
-                                  "permission_error" if status == 403 else "invalid_request_error",
-                                  headers={"Connection": "close"} if status == 408 else None)
+            return error_response(
+                status,
+                str(e),
+                e.param,
+                e.code,
+                "permission_error" if status == 403 else "invalid_request_error",
+                headers={"Connection": "close"} if status == 408 else None,
+            )
         except EnginePausedError:
             self.counts["sync_wait_timeouts"] += 1
-            return error_response(503, "the policy is being updated; retry shortly", None, "engine_syncing",
-                                  "server_error", headers={"Retry-After": str(self.cfg["retry_after_s"])})
+            return error_response(
+                503,
+                "the policy is being updated; retry shortly",
+                None,
+                "engine_syncing",
+                "server_error",
+                headers={"Retry-After": str(self.cfg["retry_after_s"])},
+            )
         except asyncio.TimeoutError:
             self.counts["engine_timeouts"] += 1
-            return error_response(503, "the policy engine did not answer in time", None, "engine_timeout",
-                                  "server_error", headers={"Retry-After": str(self.cfg["retry_after_s"])})
+            return error_response(
+                503,
+                "the policy engine did not answer in time",
+                None,
+                "engine_timeout",
+                "server_error",
+                headers={"Retry-After": str(self.cfg["retry_after_s"])},
+            )
         except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
             # the client hung up: Serve cancels this handler and (recursively) its engine calls
             self.counts["cancelled"] += 1
@@ -321,14 +400,18 @@ class PolicyServer:
         except (_NoEngineUp, ray.exceptions.RayActorError):  # [recovery hook] no engine up, or the tracker down
             self.counts["actor_unavailable"] += 1
             logger.warning("chat completion refused: no engine is up, or the session tracker is restarting")
-            return error_response(503, "the service is recovering from a failure; retry shortly", None,
-                                  "service_unavailable", "server_error",
-                                  headers={"Retry-After": str(self.cfg["retry_after_s"])})
+            return error_response(
+                503,
+                "the service is recovering from a failure; retry shortly",
+                None,
+                "service_unavailable",
+                "server_error",
+                headers={"Retry-After": str(self.cfg["retry_after_s"])},
+            )
         except EngineError as e:  # the engine failed on this request alone; it goes on serving
             self.counts["engine_errors"] += 1
             logger.warning("chat completion failed in the engine: %s", e)
-            return error_response(500, "the policy engine failed on this request", None, "engine_error",
-                                  "server_error")
+            return error_response(500, "the policy engine failed on this request", None, "engine_error", "server_error")
         except Exception:  # a server-side fault: logged, reported in OpenAI form without internals
             self.counts["internal_errors"] += 1
             logger.exception("chat completion failed")
@@ -361,15 +444,19 @@ class PolicyServer:
         origin = request.headers.get("origin")
         allowed = self.cfg["allowed_origins"]
         if origin is not None and "*" not in allowed and origin.rstrip("/") not in [o.rstrip("/") for o in allowed]:
-            raise RequestError(f"browser origin {origin[:200]!r} is not allowed (serve.allowed_origins)", None,
-                               "forbidden_origin")
+            raise RequestError(
+                f"browser origin {origin[:200]!r} is not allowed (serve.allowed_origins)", None, "forbidden_origin"
+            )
         bound = self.cfg["host"]
         if bound in LOOPBACK_HOSTS:
             host = request.headers.get("host", "")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # drop the port
             if name.lower() not in LOOPBACK_HOSTS | {bound}:
-                raise RequestError(f"Host {host[:200]!r} is not a loopback name (the server is bound to {bound})",
-                                   None, "forbidden_host")
+                raise RequestError(
+                    f"Host {host[:200]!r} is not a loopback name (the server is bound to {bound})",
+                    None,
+                    "forbidden_host",
+                )
 
     @staticmethod
     def _check_content_type(request: Request) -> None:
@@ -377,8 +464,9 @@ class PolicyServer:
         ``application/json`` (parameters such as ``charset=utf-8`` allowed)."""
         declared = request.headers.get("content-type", "")
         if declared.split(";", 1)[0].strip().lower() != "application/json":
-            raise RequestError(f"Content-Type must be application/json, not {declared[:100]!r}", None,
-                               "unsupported_media_type")
+            raise RequestError(
+                f"Content-Type must be application/json, not {declared[:100]!r}", None, "unsupported_media_type"
+            )
 
     def _bind_session(self, session_id: str | None, given: str | None) -> str | None:
         """Session binding: the first request of an explicit session id gets a fresh token (returned,
@@ -407,8 +495,9 @@ class PolicyServer:
             entry[1] = True
             return None
         if mode == "strict" or entry[1]:
-            raise RequestError("this session is bound to another client: send its X-Session-Token", None,
-                               "session_token")
+            raise RequestError(
+                "this session is bound to another client: send its X-Session-Token", None, "session_token"
+            )
         return None
 
     async def _read_body(self, request: Request) -> bytes:
@@ -421,8 +510,9 @@ class PolicyServer:
             return await asyncio.wait_for(self._read_body_unbounded(request), timeout=self.cfg["body_timeout_s"])
         except asyncio.TimeoutError:
             self.counts["body_timeouts"] += 1
-            raise RequestError(f"the request body did not arrive within {self.cfg['body_timeout_s']} s", None,
-                               "body_timeout") from None
+            raise RequestError(
+                f"the request body did not arrive within {self.cfg['body_timeout_s']} s", None, "body_timeout"
+            ) from None
 
     async def _read_body_unbounded(self, request: Request) -> bytes:
         limit = self.cfg["max_body_bytes"]
@@ -453,8 +543,11 @@ class PolicyServer:
         limit = self.cfg["max_model_len"]
         chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in req.messages)
         if chars > limit * MAX_CHARS_PER_TOKEN:
-            raise RequestError(f"prompt is {chars} characters, more than max_model_len {limit} tokens can hold",
-                               "messages", "context_length_exceeded")
+            raise RequestError(
+                f"prompt is {chars} characters, more than max_model_len {limit} tokens can hold",
+                "messages",
+                "context_length_exceeded",
+            )
         prev = None
         if req.turn_type == "main":
             prefix_keys = conversation_keys(req.messages)
@@ -481,19 +574,25 @@ class PolicyServer:
         tail = self.tokenizer.decode(call.prompt_ids[-4:], skip_special_tokens=False)
         call.in_reasoning = tail.rstrip().endswith(THINK_OPEN)
         if len(call.prompt_ids) >= limit:
-            raise RequestError(f"prompt is {len(call.prompt_ids)} tokens; max_model_len is {limit}", "messages",
-                               "context_length_exceeded")
+            raise RequestError(
+                f"prompt is {len(call.prompt_ids)} tokens; max_model_len is {limit}",
+                "messages",
+                "context_length_exceeded",
+            )
 
     def _warn_no_session(self) -> None:
         if not self._warned_no_session:
             self._warned_no_session = True
-            logger.warning("a client sends no X-Session-Id header (nor session_id / user in the body): its "
-                           "sessions are inferred by matching message prefixes; send X-Session-Id to be exact")
+            logger.warning(
+                "a client sends no X-Session-Id header (nor session_id / user in the body): its "
+                "sessions are inferred by matching message prefixes; send X-Session-Id to be exact"
+            )
 
     def _render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except Exception as e:  # a template that cannot render this conversation is the client's input
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
 
@@ -504,8 +603,9 @@ class PolicyServer:
         a fresh render."""
         if prev is not None:
             try:
-                suffix = splice_suffix(lambda m, g: self._render(m, req.tools, g), req.messages, prev["n_messages"],
-                                       self.stop_text)
+                suffix = splice_suffix(
+                    lambda m, g: self._render(m, req.tools, g), req.messages, prev["n_messages"], self.stop_text
+                )
                 body = prev["response_ids"][:-1] if prev["ended"] else prev["response_ids"]
                 self.counts["prompts_spliced"] += 1
                 return [*prev["prompt_ids"], *body, *self.tokenizer.encode(suffix, add_special_tokens=False)], True
@@ -575,9 +675,17 @@ class PolicyServer:
     def _generate_requests(self, call: _Call) -> list[GenerateRequest]:
         req = call.req
         max_tokens = min(req.max_tokens, self.cfg["max_model_len"] - len(call.prompt_ids))
-        return [GenerateRequest(prompt_ids=call.prompt_ids, max_tokens=max_tokens, temperature=req.temperature,
-                                top_p=req.top_p, stop_token_ids=call.end_ids,
-                                seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+        return [
+            GenerateRequest(
+                prompt_ids=call.prompt_ids,
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                stop_token_ids=call.end_ids,
+                seed=None if req.seed is None else req.seed + i,
+            )
+            for i in range(req.n)
+        ]
 
     @staticmethod
     def _ended(call: _Call, response_ids: list[int]) -> bool:
@@ -592,12 +700,23 @@ class PolicyServer:
         req = call.req
         ended = self._ended(call, out["response_ids"])
         finish = "tool_calls" if parsed.tool_calls else "stop" if ended else "length"
-        return Turn(session_id=call.session_id, turn_index=0, messages=req.messages, response_message=parsed.message(),
-                    prompt_ids=call.prompt_ids, response_ids=out["response_ids"], rollout_logprobs=out["logprobs"],
-                    policy_version=out["policy_version"], finish_reason=finish,
-                    temperature=req.temperature, tools=req.tools, truncated=not ended,
-                    tool_parse_error=parsed.tool_parse_error, spliced=call.spliced,
-                    token_versions=_mixed_versions(out))
+        return Turn(
+            session_id=call.session_id,
+            turn_index=0,
+            messages=req.messages,
+            response_message=parsed.message(),
+            prompt_ids=call.prompt_ids,
+            response_ids=out["response_ids"],
+            rollout_logprobs=out["logprobs"],
+            policy_version=out["policy_version"],
+            finish_reason=finish,
+            temperature=req.temperature,
+            tools=req.tools,
+            truncated=not ended,
+            tool_parse_error=parsed.tool_parse_error,
+            spliced=call.spliced,
+            token_versions=_mixed_versions(out),
+        )
 
     async def _record(self, call: _Call, turns: list[Turn]) -> list[int | None]:
         """Record main-line turns with the tracker; returns their indexes (None when not recorded)."""
@@ -618,10 +737,13 @@ class PolicyServer:
         # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
         # no gathered exception is left unretrieved; a client that hangs up (or the timeout) cancels
         # the engine calls (await_cancellable), which stops their generation
-        outs = await asyncio.wait_for(asyncio.gather(*(await_cancellable(engine.generate.remote(g, wait_s))
-                                                       for g in self._generate_requests(call)),
-                                                     return_exceptions=True),
-                                      timeout=self.cfg["generate_timeout_s"])
+        outs = await asyncio.wait_for(
+            asyncio.gather(
+                *(await_cancellable(engine.generate.remote(g, wait_s)) for g in self._generate_requests(call)),
+                return_exceptions=True,
+            ),
+            timeout=self.cfg["generate_timeout_s"],
+        )
         for out in outs:
             if isinstance(out, BaseException):
                 raise out
@@ -629,8 +751,9 @@ class PolicyServer:
 
     async def _complete(self, call: _Call) -> JSONResponse:
         outs = await self._on_engine(call, lambda engine: self._generate_all(call, engine))
-        texts = [self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False)
-                 for o in outs]
+        texts = [
+            self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False) for o in outs
+        ]
         parsed = [parse_reply_text(text, call.in_reasoning, tools=bool(call.req.tools)) for text in texts]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
@@ -641,10 +764,15 @@ class PolicyServer:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": call.req.model or self.cfg["model_name"],
-            "choices": [{"index": i, "message": p.message(), "finish_reason": t.finish_reason, "logprobs": None}
-                        for i, (p, t) in enumerate(zip(parsed, turns))],
-            "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
-                      "total_tokens": len(call.prompt_ids) + completion},
+            "choices": [
+                {"index": i, "message": p.message(), "finish_reason": t.finish_reason, "logprobs": None}
+                for i, (p, t) in enumerate(zip(parsed, turns))
+            ],
+            "usage": {
+                "prompt_tokens": len(call.prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(call.prompt_ids) + completion,
+            },
             "session_id": call.session_id,
             "turn_index": indexes[0],
             "policy_version": version,
@@ -659,8 +787,11 @@ class PolicyServer:
         them all (so a sync timeout is still a 503, not a broken stream; an engine that is down before
         admitting is replaced by the next live one, see :meth:`_on_engine`)."""
         streams = await self._on_engine(call, lambda engine: self._admitted_streams(call, engine))
-        return StreamingResponse(self._sse(call, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **self._token_header(call)})
+        return StreamingResponse(
+            self._sse(call, streams),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **self._token_header(call)},
+        )
 
     async def _admitted_streams(self, call: _Call, engine: Any) -> list:
         wait_s = self.cfg["sync_wait_timeout_s"]
@@ -679,14 +810,22 @@ class PolicyServer:
         ``index``), then every choice's finish chunk, the usage chunk when asked, ``[DONE]``. The
         turns are recorded before the finish chunks, so the client's next request finds them."""
         req, n = call.req, len(streams)
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": req.model or self.cfg["model_name"]}
+        base = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model or self.cfg["model_name"],
+        }
         usage_field = {"usage": None} if req.include_usage else {}
         timeout = self.cfg["generate_timeout_s"]
 
         def chunk(i: int, delta: dict, finish: str | None = None, **extra: Any) -> str:
-            body = {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}],
-                    **usage_field, **extra}
+            body = {
+                **base,
+                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                **usage_field,
+                **extra,
+            }
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         def deltas(i: int, events: list) -> Iterator[str]:
@@ -696,8 +835,9 @@ class PolicyServer:
                 else:
                     yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": value})
 
-        detoks = [IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
-                  for _ in range(n)]
+        detoks = [
+            IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) for _ in range(n)
+        ]
         parsers = [ReplyParser(call.in_reasoning, tools=bool(req.tools)) for _ in range(n)]
         outs: list[dict | None] = [None] * n
         merged: asyncio.Queue = asyncio.Queue()
@@ -732,12 +872,21 @@ class PolicyServer:
             turns = [self._turn(call, outs[i], parsers[i].result) for i in range(n)]
             indexes = await self._record(call, turns)  # before [DONE]: the client's next request sees them
             for i, (turn, index) in enumerate(zip(turns, indexes)):
-                yield chunk(i, {}, turn.finish_reason, session_id=call.session_id, turn_index=index,
-                            policy_version=outs[i]["policy_version"])
+                yield chunk(
+                    i,
+                    {},
+                    turn.finish_reason,
+                    session_id=call.session_id,
+                    turn_index=index,
+                    policy_version=outs[i]["policy_version"],
+                )
             if req.include_usage:
                 n_prompt, n_completion = len(call.prompt_ids), sum(len(o["response_ids"]) for o in outs)
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-                         "total_tokens": n_prompt + n_completion}
+                usage = {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_completion,
+                    "total_tokens": n_prompt + n_completion,
+                }
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             completed = True
@@ -756,9 +905,14 @@ class PolicyServer:
                 logger.warning("stream failed in the engine: %s", e)
             else:
                 logger.exception("stream failed")
-            err = {"error": {"message": "the policy engine failed on this request" if engine_failed else
-                             "internal server error", "type": "server_error", "param": None,
-                             "code": "engine_error" if engine_failed else "internal_error"}}
+            err = {
+                "error": {
+                    "message": "the policy engine failed on this request" if engine_failed else "internal server error",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "engine_error" if engine_failed else "internal_error",
+                }
+            }
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -771,8 +925,16 @@ class PolicyServer:
                 self.locks.release(call.locked)
 
 
-def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict, host: str, port: int,
-                        num_cpus: float, actors: dict | None = None) -> str:
+def start_policy_server(
+    model_path: str,
+    engines: list,
+    tracker: Any,
+    cfg: dict,
+    host: str,
+    port: int,
+    num_cpus: float,
+    actors: dict | None = None,
+) -> str:
     """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`);
     returns the base URL (``.../v1``).
 
@@ -784,8 +946,7 @@ def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict,
 
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus},
-                                  logging_config={"enable_access_log": False})
+    server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus}, logging_config={"enable_access_log": False})
     serve.run(server.bind(model_path, engines, tracker, cfg, actors), name="clawray", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 30.0
     while True:
@@ -795,6 +956,8 @@ def start_policy_server(model_path: str, engines: list, tracker: Any, cfg: dict,
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the policy server does not answer on {host}:{port}; is Ray Serve already running "
-                               "in this cluster on another port? (Serve keeps the port it first started on)")
+            raise RuntimeError(
+                f"the policy server does not answer on {host}:{port}; is Ray Serve already running "
+                "in this cluster on another port? (Serve keeps the port it first started on)"
+            )
         time.sleep(0.5)

@@ -46,8 +46,11 @@ def header_problem(headers: list[tuple[bytes, bytes]]) -> tuple[int, str, str] |
         size = len(name) + len(value)
         total += size
         if size > MAX_HEADER_BYTES:
-            return (431, f"header {name[:64].decode('latin-1')!r} is {size} bytes; the limit is {MAX_HEADER_BYTES}",
-                    "headers_too_large")
+            return (
+                431,
+                f"header {name[:64].decode('latin-1')!r} is {size} bytes; the limit is {MAX_HEADER_BYTES}",
+                "headers_too_large",
+            )
         try:
             value.decode("utf-8")
         except UnicodeDecodeError:
@@ -70,11 +73,20 @@ class HeaderGuard:
             await self.app(scope, receive, send)
             return
         status, message, code = problem
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": code}}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -27,17 +27,48 @@ from clawray.chat import RequestError, loads_strict, normalize_messages
 MAX_SESSION_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 #: Every body key clawray reads; any other key is refused (``unsupported``), never ignored.
-BODY_KEYS = frozenset({
-    # OpenAI chat completions
-    "messages", "model", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "max_tokens",
-    "temperature", "top_p", "seed", "n", "stream", "stream_options", "stop", "logprobs", "top_logprobs",
-    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user", "metadata", "store",
-    "service_tier", "prompt_cache_key", "safety_identifier", "modalities",
-    # vLLM extensions
-    "stop_token_ids", "top_k", "min_p", "repetition_penalty",
-    # clawray's session protocol
-    "session_id", "turn_type", "session_done", "session_outcome",
-})
+BODY_KEYS = frozenset(
+    {
+        # OpenAI chat completions
+        "messages",
+        "model",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_completion_tokens",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "response_format",
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "modalities",
+        # vLLM extensions
+        "stop_token_ids",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        # clawray's session protocol
+        "session_id",
+        "turn_type",
+        "session_done",
+        "session_outcome",
+    }
+)
 MAX_OUTCOME = 1e6  # |session outcome| bound: a score, not an arbitrary float
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy decoding (vLLM's sampling epsilon)
 _TRUE = {"1", "true", "yes", "on"}
@@ -101,7 +132,9 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestError("request body contains invalid Unicode (a lone surrogate)", None, "invalid_unicode") from None
+        raise RequestError(
+            "request body contains invalid Unicode (a lone surrogate)", None, "invalid_unicode"
+        ) from None
     except (RecursionError, ValueError):
         raise RequestError("request body is nested too deeply", None, "invalid_json") from None
     return body
@@ -163,14 +196,16 @@ _DEPRECATED = {"functions": "tools", "function_call": "tool_choice"}
 def _unsupported(body: Mapping) -> None:
     for key in body:
         if key in _DEPRECATED:
-            raise RequestError(f"'{key}' (deprecated by OpenAI) is not supported; use '{_DEPRECATED[key]}'", key,
-                               "unsupported")
+            raise RequestError(
+                f"'{key}' (deprecated by OpenAI) is not supported; use '{_DEPRECATED[key]}'", key, "unsupported"
+            )
         if key not in BODY_KEYS:
             raise RequestError(f"unknown or unsupported parameter '{key}'", key, "unsupported")
     for key, ok in _NEUTRAL.items():
         if body.get(key) is not None and not ok(body[key]):
-            raise RequestError(f"'{key}'={json.dumps(body[key])[:80]} is not supported yet; omit it", key,
-                               "unsupported")
+            raise RequestError(
+                f"'{key}'={json.dumps(body[key])[:80]} is not supported yet; omit it", key, "unsupported"
+            )
     for key in ("metadata",):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise RequestError(f"'{key}' must be an object", key)
@@ -184,10 +219,15 @@ def _stop_token_ids(body: Mapping) -> list[int]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return []
-    if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-        raise RequestError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers "
-                           ">= 0)", "stop_token_ids")
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_STOP_TOKEN_IDS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        raise RequestError(
+            f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)",
+            "stop_token_ids",
+        )
     return ids
 
 
@@ -198,8 +238,11 @@ def _tool_choice(body: Mapping, tools: list | None) -> list | None:
     if choice == "none":
         return None
     if choice == "required" or isinstance(choice, dict):
-        raise RequestError("tool_choice 'required' or a named function is not supported yet; use 'auto' or "
-                           "'none'", "tool_choice", "unsupported")
+        raise RequestError(
+            "tool_choice 'required' or a named function is not supported yet; use 'auto' or 'none'",
+            "tool_choice",
+            "unsupported",
+        )
     raise RequestError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
 
 
@@ -242,16 +285,22 @@ def _stream(body: Mapping) -> tuple[bool, bool]:
         raise RequestError("'stream_options' is only allowed with stream=true", "stream_options")
     unknown = sorted(set(options) - {"include_usage"})
     if unknown:
-        raise RequestError(f"stream_options.{unknown[0]} is not supported", f"stream_options.{unknown[0]}",
-                           "unsupported")
+        raise RequestError(
+            f"stream_options.{unknown[0]} is not supported", f"stream_options.{unknown[0]}", "unsupported"
+        )
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise RequestError("'stream_options.include_usage' must be true or false", "stream_options.include_usage")
     return True, include
 
 
-def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], default_max_tokens: int,
-                       default_temperature: float, max_n: int = 1) -> ChatRequest:
+def parse_chat_request(
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    default_max_tokens: int,
+    default_temperature: float,
+    max_n: int = 1,
+) -> ChatRequest:
     """Validate a decoded body and the session headers.
 
     Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``,
@@ -296,10 +345,23 @@ def parse_chat_request(body: Mapping[str, Any], headers: Mapping[str, str], defa
     done_raw = headers.get("x-session-done")
     done = _flag(done_raw if done_raw is not None else body.get("session_done", False), "session_done")
     outcome = _outcome(headers.get("x-session-outcome"), body.get("session_outcome"))
-    return ChatRequest(messages=messages, tools=tools, model=model, max_tokens=max_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed, session_id=session_id, turn_type=turn_type.lower(), done=done,
-                       n=n, stream=stream, include_usage=include_usage, stop_token_ids=stop_token_ids,
-                       outcome=outcome)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        session_id=session_id,
+        turn_type=turn_type.lower(),
+        done=done,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        stop_token_ids=stop_token_ids,
+        outcome=outcome,
+    )
 
 
 def _outcome(header: str | None, body_value: Any) -> float | None:
@@ -318,6 +380,7 @@ def _outcome(header: str | None, body_value: Any) -> float | None:
     except ValueError:
         raise RequestError(f"session_outcome must be a number, got {raw!r}", "session_outcome") from None
     if not math.isfinite(value) or abs(value) > MAX_OUTCOME:
-        raise RequestError(f"session_outcome must be finite and within +-{MAX_OUTCOME:g}, got {raw!r}",
-                           "session_outcome")
+        raise RequestError(
+            f"session_outcome must be finite and within +-{MAX_OUTCOME:g}, got {raw!r}", "session_outcome"
+        )
     return value

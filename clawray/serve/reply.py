@@ -153,7 +153,7 @@ class ReplyParser:
                 if THINK_OPEN.startswith(head):  # undecided (empty or a partial "<think>")
                     break
                 if head.startswith(THINK_OPEN):
-                    self.state, self.pending = "reasoning", head[len(THINK_OPEN):]
+                    self.state, self.pending = "reasoning", head[len(THINK_OPEN) :]
                     self.result.reasoning_content = ""
                 else:
                     self.state = "content"
@@ -161,7 +161,7 @@ class ReplyParser:
                 end = self._emit_until(THINK_CLOSE, self._reasoning, out)
                 if end < 0:
                     break
-                self.state, self.pending = "content", self.pending[end + len(THINK_CLOSE):]
+                self.state, self.pending = "content", self.pending[end + len(THINK_CLOSE) :]
             elif self.state == "content" and not self.tools:
                 self._content_text(self.pending, out)
                 self.pending = ""
@@ -212,8 +212,11 @@ class ReplyParser:
             return
         self._content_text("".join(outside), out)
         for i, call in enumerate(calls):
-            tc = {"id": self.make_id(), "type": "function",
-                  "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+            tc = {
+                "id": self.make_id(),
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
+            }
             self.result.tool_calls.append(tc)
             out.append(("tool_call", {"index": i, **tc}))
 
@@ -247,7 +250,7 @@ class ReplyParser:
             self.held_ws += text
             return
         piece = self.held_ws + body
-        self.held_ws = text[len(body):]
+        self.held_ws = text[len(body) :]
         self._content.append(piece)
         out.append(("content", piece))
 
@@ -283,11 +286,11 @@ class IncrementalDetokenizer:
         """Append token ids; returns the newly complete text ('' while a character is incomplete)."""
         self.ids.extend(ids)
         prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset:])
+        text = self.decode(self.ids[self.prefix_offset :])
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        delta = text[len(prefix):]
+        delta = text[len(prefix) :]
         self.emitted += delta
         return delta
 
@@ -296,6 +299,6 @@ class IncrementalDetokenizer:
         full = self.decode(self.ids)
         if not full.startswith(self.emitted):  # cannot happen for byte-level BPE; never drop text
             return ""
-        delta = full[len(self.emitted):]
+        delta = full[len(self.emitted) :]
         self.emitted = full
         return delta

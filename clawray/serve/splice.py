@@ -39,8 +39,9 @@ class SpliceError(ValueError):
 
 
 def _without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in m.items() if k != "reasoning_content"} if m["role"] == "assistant" else m
-            for m in messages]
+    return [
+        {k: v for k, v in m.items() if k != "reasoning_content"} if m["role"] == "assistant" else m for m in messages
+    ]
 
 
 def splice_suffix(render: Render, messages: list[dict[str, Any]], n_messages: int, stop_text: str) -> str:
@@ -69,4 +70,4 @@ def splice_suffix(render: Render, messages: list[dict[str, Any]], n_messages: in
     end = head.rfind(stop_text) if stop_text else -1
     if end < 0:
         raise SpliceError(f"the rendered reply does not end with the stop text {stop_text!r}")
-    return head[end:] + full[len(head):]
+    return head[end:] + full[len(head) :]

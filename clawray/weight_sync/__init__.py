@@ -19,8 +19,16 @@ Invariants: a receiver checks the header (version, plan digest) before it yields
 failed sync never leaves an engine paused; after any failure the next sync rebuilds the group.
 """
 
-from clawray.weight_sync.plan import (Bucket, WeightSyncError, check_plan, decode_plan, encode_plan, plan_buckets,
-                                      plan_diff, plan_digest)
+from clawray.weight_sync.plan import (
+    Bucket,
+    WeightSyncError,
+    check_plan,
+    decode_plan,
+    encode_plan,
+    plan_buckets,
+    plan_diff,
+    plan_digest,
+)
 from clawray.weight_sync.transport import TRANSPORTS, SyncHeader, TransportSpec, WeightTransport
 from clawray.weight_sync.collective import CollectiveTransport
 from clawray.weight_sync.mailbox import WeightMailbox, WeightMailboxActor
@@ -29,7 +37,24 @@ from clawray.weight_sync.ipc import IpcTransport
 from clawray.weight_sync.factory import make_transport
 from clawray.weight_sync.controller import WeightSyncController
 
-__all__ = ["TRANSPORTS", "Bucket", "CollectiveTransport", "IpcTransport", "ObjectStoreTransport", "SyncHeader",
-           "TransportSpec", "WeightMailbox", "WeightMailboxActor", "WeightSyncController", "WeightSyncError",
-           "WeightTransport", "check_plan", "decode_plan", "encode_plan", "make_transport", "plan_buckets",
-           "plan_diff", "plan_digest"]
+__all__ = [
+    "TRANSPORTS",
+    "Bucket",
+    "CollectiveTransport",
+    "IpcTransport",
+    "ObjectStoreTransport",
+    "SyncHeader",
+    "TransportSpec",
+    "WeightMailbox",
+    "WeightMailboxActor",
+    "WeightSyncController",
+    "WeightSyncError",
+    "WeightTransport",
+    "check_plan",
+    "decode_plan",
+    "encode_plan",
+    "make_transport",
+    "plan_buckets",
+    "plan_diff",
+    "plan_digest",
+]

@@ -42,8 +42,18 @@ class CollectiveTransport(WeightTransport):
 
     kind = "collective"
 
-    def __init__(self, rank: int, world_size: int, host: str, port: int, plan: list[WeightSpec],
-                 bucket_bytes: int, timeout_s: float = 120.0, backend: str = "gloo", max_inflight: int = 2):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        plan: list[WeightSpec],
+        bucket_bytes: int,
+        timeout_s: float = 120.0,
+        backend: str = "gloo",
+        max_inflight: int = 2,
+    ):
         super().__init__(rank, plan, bucket_bytes, timeout_s)
         self.world_size = world_size
         self.max_inflight = max(1, max_inflight)
@@ -105,8 +115,11 @@ class CollectiveTransport(WeightTransport):
             check_plan(self.plan, state)  # raises the reason
         if not self._pack_bufs:
             most = max((b.numel * b.dtype.itemsize for b in self.buckets if len(b.specs) > 1), default=0)
-            self._pack_bufs = [torch.zeros(most, dtype=torch.uint8, device=self.device)
-                               for _ in range(self.max_inflight)] if most else []
+            self._pack_bufs = (
+                [torch.zeros(most, dtype=torch.uint8, device=self.device) for _ in range(self.max_inflight)]
+                if most
+                else []
+            )
         nbytes = 0
         pending: deque = deque()
         for i, bucket in enumerate(self.buckets):

@@ -77,9 +77,20 @@ class WeightSyncController:
         ValueError: an unknown ``transport`` or ``mode``.
     """
 
-    def __init__(self, senders: list, engines: list, names: list[str], plan: list[WeightSpec], *,
-                 transport: str = "collective", bucket_bytes: int = 64 << 20, timeout_s: float = 120.0,
-                 backend: str = "gloo", host: str = "", mode: str = "interrupt"):
+    def __init__(
+        self,
+        senders: list,
+        engines: list,
+        names: list[str],
+        plan: list[WeightSpec],
+        *,
+        transport: str = "collective",
+        bucket_bytes: int = 64 << 20,
+        timeout_s: float = 120.0,
+        backend: str = "gloo",
+        host: str = "",
+        mode: str = "interrupt",
+    ):
         if mode not in ("interrupt", "drain"):  # [sync.mode]
             raise ValueError(f"unknown sync mode {mode!r}; expected 'interrupt' or 'drain'")
         self.mode = mode
@@ -88,9 +99,14 @@ class WeightSyncController:
         self.host = host
         self.rendezvous: tuple[str, int] | None = None  # the collective's published (host, port)
         # raises ValueError for an unknown transport; host, port and mailbox are set per group generation
-        self.spec = TransportSpec(kind="collective" if transport == "auto" else transport,
-                                  world_size=1 + len(self.engines), plan=list(plan), bucket_bytes=bucket_bytes,
-                                  timeout_s=timeout_s, backend=backend)
+        self.spec = TransportSpec(
+            kind="collective" if transport == "auto" else transport,
+            world_size=1 + len(self.engines),
+            plan=list(plan),
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            backend=backend,
+        )
         self.timeout_s = timeout_s
         self.connected = False  # the group is built and in step
         self.behind = False  # the last sync failed: some engine may lag the learner's version
@@ -136,10 +152,12 @@ class WeightSyncController:
                 raise _group_error(self._describe("starting the weight mailbox", errors), errors)
         host, port = self.rendezvous or ("", 0)
         spec = dataclasses.replace(self.spec, host=host, port=port, mailbox=self._mailbox)
-        named = {n: s.init_weight_sender.remote(spec, check=check_plan)
-                 for n, s in zip(self._member_names(), self.senders)}
-        named.update({n: e.init_weight_receiver.remote(i + 1, spec)
-                      for i, (n, e) in enumerate(zip(self.names, self.engines))})
+        named = {
+            n: s.init_weight_sender.remote(spec, check=check_plan) for n, s in zip(self._member_names(), self.senders)
+        }
+        named.update(
+            {n: e.init_weight_receiver.remote(i + 1, spec) for i, (n, e) in enumerate(zip(self.names, self.engines))}
+        )
         _, errors = _collect(named, 2 * self.timeout_s)
         if errors:
             raise _group_error(self._describe("building the sync group", errors), errors)
@@ -159,15 +177,17 @@ class WeightSyncController:
         self.rendezvous = None
         if self.requested in ("auto", "ipc"):
             try:
-                where = actor_locations(dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])),
-                                        self.timeout_s)
+                where = actor_locations(
+                    dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])), self.timeout_s
+                )
                 sender = where.pop("learner-0")
                 self.spec = dataclasses.replace(self.spec, kind=resolve_transport(self.requested, sender, where))
             except ValueError as e:
                 raise _group_error(str(e), {"sync group": str(e)}) from None
             except ray.exceptions.RayError as e:
-                raise _group_error(f"locating the sync group's members failed: {_reason(e)}",
-                                   {"sync group": _reason(e)}) from None
+                raise _group_error(
+                    f"locating the sync group's members failed: {_reason(e)}", {"sync group": _reason(e)}
+                ) from None
         if self.spec.kind == "collective":
             results, errors = _collect({"learner-0": self.senders[0].sync_rendezvous.remote(self.host)}, self.timeout_s)
             if errors:
@@ -197,9 +217,21 @@ class WeightSyncController:
             pause stopped part-way and the engines continued on the new weights; 0 in drain mode).
         """
         t0 = time.perf_counter()
-        out: dict[str, Any] = {"ok": False, "version": version, "seconds": 0.0, "bytes": 0.0, "gather_s": 0.0,
-                               "send_s": 0.0, "receive_s": {}, "load_s": {}, "failed": [], "error": None,
-                               "rebuild_s": 0.0, "pause_s": 0.0, "interrupted": 0}
+        out: dict[str, Any] = {
+            "ok": False,
+            "version": version,
+            "seconds": 0.0,
+            "bytes": 0.0,
+            "gather_s": 0.0,
+            "send_s": 0.0,
+            "receive_s": {},
+            "load_s": {},
+            "failed": [],
+            "error": None,
+            "rebuild_s": 0.0,
+            "pause_s": 0.0,
+            "interrupted": 0,
+        }
         errors: dict[str, str] = {}
         if not self.connected:
             try:
@@ -220,8 +252,11 @@ class WeightSyncController:
         for n, err in list(pause_errors.items()) + list(resume_errors.items()):
             errors.setdefault(n, err)
         sent = results.get("learner-0", {})
-        out.update(bytes=float(sent.get("bytes", 0.0)), gather_s=float(sent.get("gather_s", 0.0)),
-                   send_s=float(sent.get("send_s", 0.0)))
+        out.update(
+            bytes=float(sent.get("bytes", 0.0)),
+            gather_s=float(sent.get("gather_s", 0.0)),
+            send_s=float(sent.get("send_s", 0.0)),
+        )
         for n in self.names:
             if n in results:
                 out["receive_s"][n] = results[n]["receive_s"]

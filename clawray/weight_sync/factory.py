@@ -30,12 +30,14 @@ def make_transport(spec: TransportSpec, rank: int, name: str = "") -> WeightTran
     if spec.kind == "collective":
         if not spec.host or not spec.port:
             raise ValueError("the collective transport needs the rendezvous host and port that rank 0 published")
-        return CollectiveTransport(rank, spec.world_size, spec.host, spec.port, spec.plan, spec.bucket_bytes,
-                                   spec.timeout_s, spec.backend)
+        return CollectiveTransport(
+            rank, spec.world_size, spec.host, spec.port, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.backend
+        )
     if spec.mailbox is None:
         raise ValueError(f"the {spec.kind} transport needs a WeightMailboxActor handle")
     if spec.kind == "object_store":
         return ObjectStoreTransport(rank, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return IpcTransport(rank, spec.world_size, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox,
-                        device=device, name=name)
+    return IpcTransport(
+        rank, spec.world_size, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox, device=device, name=name
+    )

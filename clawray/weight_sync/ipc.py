@@ -64,8 +64,17 @@ class IpcTransport(WeightTransport):
 
     kind = "ipc"
 
-    def __init__(self, rank: int, world_size: int, plan: list[WeightSpec], bucket_bytes: int, timeout_s: float,
-                 mailbox, device: str | torch.device = "cpu", name: str = ""):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        plan: list[WeightSpec],
+        bucket_bytes: int,
+        timeout_s: float,
+        mailbox,
+        device: str | torch.device = "cpu",
+        name: str = "",
+    ):
         super().__init__(rank, plan, bucket_bytes, timeout_s)
         self.world_size = world_size
         self.mailbox = mailbox
@@ -84,7 +93,9 @@ class IpcTransport(WeightTransport):
             try:
                 ray.get(mailbox.join.remote(rank, self.name), timeout=timeout_s)
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
-                raise WeightSyncError(f"{self.name}: could not register with the weight mailbox: {_reason(e)}") from None
+                raise WeightSyncError(
+                    f"{self.name}: could not register with the weight mailbox: {_reason(e)}"
+                ) from None
 
     # ------------------------------------------------------------------ sender
     def _buffers(self) -> list[torch.Tensor]:
@@ -119,22 +130,24 @@ class IpcTransport(WeightTransport):
             offset = 0
             for spec in bucket.specs:
                 n = _numel(spec.shape)
-                buf[offset: offset + n].copy_(state[spec.name].detach().reshape(-1))
+                buf[offset : offset + n].copy_(state[spec.name].detach().reshape(-1))
                 offset += n
             nbytes += buf.numel() * buf.element_size()
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             torch.cuda.current_stream(self.device).synchronize()  # packed before any receiver reads
         ranks = list(range(1, self.world_size))
         handles = [[bytes(ForkingPickler.dumps(buf)) for buf in bufs] for _ in ranks]
-        ray.get(self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, handles),
-                timeout=self.timeout_s)
+        ray.get(
+            self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, handles), timeout=self.timeout_s
+        )
         acks = ray.get(self.mailbox.wait_acks.remote(self._seq, ranks, self.timeout_s), timeout=self.timeout_s + 30)
         missing = [r for r in ranks if r not in acks]
         if missing:
             names = ray.get(self.mailbox.names.remote(), timeout=30)
             who = ", ".join(f"{names[r]} (rank {r})" if r in names else f"rank {r}" for r in missing)
-            raise WeightSyncError(f"sync #{self._seq} to v{version}: no ack from {who} within "
-                                  f"{self.timeout_s:g}s; the sync is withdrawn")
+            raise WeightSyncError(
+                f"sync #{self._seq} to v{version}: no ack from {who} within {self.timeout_s:g}s; the sync is withdrawn"
+            )
         return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ receiver
@@ -157,13 +170,14 @@ class IpcTransport(WeightTransport):
         self._seq += 1
         seq = self._seq
         try:
-            header, meta, handles = ray.get(self.mailbox.fetch.remote(seq, self.timeout_s),
-                                            timeout=self.timeout_s + 5)
+            header, meta, handles = ray.get(self.mailbox.fetch.remote(seq, self.timeout_s), timeout=self.timeout_s + 5)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, TimeoutError) as e:
             raise WeightSyncError(f"no sync #{seq} posted within {self.timeout_s:g}s: {e!r}") from None
         if header.get("status") == _WITHDRAWN:
-            raise WeightSyncError(f"the sender withdrew sync #{seq} to v{header['version']} (it stopped waiting "
-                                  "for acks) before this receiver fetched it")
+            raise WeightSyncError(
+                f"the sender withdrew sync #{seq} to v{header['version']} (it stopped waiting "
+                "for acks) before this receiver fetched it"
+            )
         try:
             self._check_header(SyncHeader(**header), meta, expected_version)
         except _Abort as e:
@@ -174,8 +188,9 @@ class IpcTransport(WeightTransport):
             flats = [pickle.loads(h) for h in handles[self.rank - 1]]
             for bucket, flat in zip(self.buckets, flats, strict=True):
                 if flat.numel() != bucket.numel or flat.dtype != bucket.dtype:
-                    raise ValueError(f"a bucket of {flat.numel()} x {flat.dtype} where the plan has "
-                                     f"{bucket.numel} x {bucket.dtype}")
+                    raise ValueError(
+                        f"a bucket of {flat.numel()} x {flat.dtype} where the plan has {bucket.numel} x {bucket.dtype}"
+                    )
         except Exception as e:  # noqa: BLE001 - a withdrawn/freed buffer, another device, a bad layout
             self._ack(seq, False, "open failed")
             raise WeightSyncError(f"could not map the shared buckets of sync #{seq}: {e!r}") from None
@@ -191,8 +206,10 @@ class IpcTransport(WeightTransport):
             torch.cuda.synchronize()  # the engine's copies out of the buffers have finished
         self._held = []
         if not self._ack(seq, ok) and ok:
-            raise WeightSyncError(f"the sender withdrew sync #{seq} (it stopped waiting for acks) before this "
-                                  "receiver acked; the loaded weights may be incomplete")
+            raise WeightSyncError(
+                f"the sender withdrew sync #{seq} (it stopped waiting for acks) before this "
+                "receiver acked; the loaded weights may be incomplete"
+            )
 
     def close(self) -> None:
         """Forget the mailbox; a sender hands its buffers to the next sender of the same plan here."""

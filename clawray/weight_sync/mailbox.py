@@ -76,8 +76,10 @@ class WeightMailbox:
         import asyncio
 
         async with self._cond:
+
             def complete() -> bool:
                 return all(r in self._acks.get(seq, {}) for r in ranks)
+
             try:
                 await asyncio.wait_for(self._cond.wait_for(complete), timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
@@ -117,8 +119,10 @@ def _check_state_or_abort(transport: Any, state: dict[str, torch.Tensor], versio
     try:
         check_plan(transport.plan, state)
     except WeightSyncError:
-        ray.get(transport.mailbox.post.remote(transport._seq, vars(transport._header(version, _ABORT)), transport.meta,
-                                              []), timeout=transport.timeout_s)
+        ray.get(
+            transport.mailbox.post.remote(transport._seq, vars(transport._header(version, _ABORT)), transport.meta, []),
+            timeout=transport.timeout_s,
+        )
         raise
 
 

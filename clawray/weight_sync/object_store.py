@@ -43,16 +43,18 @@ class ObjectStoreTransport(WeightTransport):
             flat = self._pack(bucket, state, cpu)
             nbytes += flat.numel() * flat.element_size()
             refs.append(ray.put(flat))
-        ray.get(self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, refs),
-                timeout=self.timeout_s)
+        ray.get(
+            self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, refs), timeout=self.timeout_s
+        )
         self._live = refs
         return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
 
     def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
         self._seq += 1
         try:
-            header, meta, refs = ray.get(self.mailbox.fetch.remote(self._seq, self.timeout_s),
-                                         timeout=self.timeout_s + 5)
+            header, meta, refs = ray.get(
+                self.mailbox.fetch.remote(self._seq, self.timeout_s), timeout=self.timeout_s + 5
+            )
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, TimeoutError) as e:
             raise WeightSyncError(f"no sync #{self._seq} posted within {self.timeout_s:g}s: {e!r}") from None
         try:

@@ -74,8 +74,11 @@ def check_plan(plan: list[WeightSpec], state: dict[str, torch.Tensor]) -> None:
     missing = [s.name for s in plan if s.name not in state]
     if missing:
         raise WeightSyncError(f"learner state dict lacks {len(missing)} planned weights, e.g. {missing[:3]}")
-    bad = [f"{s.name}: {tuple(state[s.name].shape)} != {s.shape}" for s in plan
-           if tuple(state[s.name].shape) != tuple(s.shape)]
+    bad = [
+        f"{s.name}: {tuple(state[s.name].shape)} != {s.shape}"
+        for s in plan
+        if tuple(state[s.name].shape) != tuple(s.shape)
+    ]
     if bad:
         raise WeightSyncError(f"shape mismatch between learner and engine: {bad[:3]}")
 
@@ -93,8 +96,9 @@ def plan_digest(plan: list[WeightSpec]) -> int:
 
 def encode_plan(plan: list[WeightSpec], buckets: list[Bucket]) -> bytes:
     """The sender's plan and bucket layout as compact JSON bytes (sent with every sync header)."""
-    return json.dumps({"plan": _plan_rows(plan), "buckets": [[b.numel, str(b.dtype)] for b in buckets]},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"plan": _plan_rows(plan), "buckets": [[b.numel, str(b.dtype)] for b in buckets]}, separators=(",", ":")
+    ).encode()
 
 
 def decode_plan(blob: bytes) -> tuple[list[WeightSpec], list[tuple[int, torch.dtype]]]:
@@ -116,12 +120,18 @@ def plan_diff(expected: list[WeightSpec], got: list[WeightSpec], limit: int = 3)
         out.append(f"sender has {len(only_snd)} weight(s) this engine does not load, e.g. {only_snd[:limit]}")
     if only_exp:
         out.append(f"sender lacks {len(only_exp)} weight(s) this engine loads, e.g. {only_exp[:limit]}")
-    shapes = [f"{n}: {tuple(snd[n].shape)} != {tuple(exp[n].shape)}" for n in exp
-              if n in snd and tuple(snd[n].shape) != tuple(exp[n].shape)]
+    shapes = [
+        f"{n}: {tuple(snd[n].shape)} != {tuple(exp[n].shape)}"
+        for n in exp
+        if n in snd and tuple(snd[n].shape) != tuple(exp[n].shape)
+    ]
     if shapes:
         out.append(f"shape (sender != engine): {shapes[:limit]}")
-    dtypes = [f"{n}: {_dtype(snd[n].dtype)} != {_dtype(exp[n].dtype)}" for n in exp
-              if n in snd and _dtype(snd[n].dtype) != _dtype(exp[n].dtype)]
+    dtypes = [
+        f"{n}: {_dtype(snd[n].dtype)} != {_dtype(exp[n].dtype)}"
+        for n in exp
+        if n in snd and _dtype(snd[n].dtype) != _dtype(exp[n].dtype)
+    ]
     if dtypes:
         out.append(f"dtype (sender != engine): {dtypes[:limit]}")
     if not out and [s.name for s in expected] != [s.name for s in got]:

@@ -22,8 +22,16 @@ from typing import Any, Iterator
 import torch
 
 from clawray.engines.base import WeightSpec
-from clawray.weight_sync.plan import (Bucket, WeightSyncError, _numel, decode_plan, encode_plan, plan_buckets,
-                                      plan_diff, plan_digest)
+from clawray.weight_sync.plan import (
+    Bucket,
+    WeightSyncError,
+    _numel,
+    decode_plan,
+    encode_plan,
+    plan_buckets,
+    plan_diff,
+    plan_digest,
+)
 
 TRANSPORTS = ("collective", "object_store", "ipc")
 _MAGIC = 0x5C1A_0001  # first header word: a sender speaking another header layout fails loudly
@@ -81,8 +89,10 @@ class SyncHeader:
 
     def to_tensor(self) -> torch.Tensor:
         """``int64[7]`` for a collective."""
-        return torch.tensor([_MAGIC, self.version, self.n_tensors, self.n_buckets, self.digest, self.meta_nbytes,
-                             self.status], dtype=torch.int64)
+        return torch.tensor(
+            [_MAGIC, self.version, self.n_tensors, self.n_buckets, self.digest, self.meta_nbytes, self.status],
+            dtype=torch.int64,
+        )
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "SyncHeader":
@@ -165,8 +175,11 @@ class WeightTransport(abc.ABC):
         """The sender's bucket layout; raises :class:`_Abort` (carrying it) when the sync must not be loaded."""
         _, layout = decode_plan(meta)
         if header.status == _ABORT:
-            raise _Abort(layout, f"the sender aborted the sync to v{header.version} (its state does not fit "
-                                 "the plan; see the learner's error)")
+            raise _Abort(
+                layout,
+                f"the sender aborted the sync to v{header.version} (its state does not fit "
+                "the plan; see the learner's error)",
+            )
         problems = []
         if header.digest != self.digest:
             sender_plan, _ = decode_plan(meta)
@@ -174,13 +187,17 @@ class WeightTransport(abc.ABC):
         if header.version != expected_version:
             problems.append(f"version {header.version} != expected {expected_version}")
         if problems:
-            raise _Abort(layout, f"sync header rejected before loading: {'; '.join(problems)} "
-                                 f"(tensors {header.n_tensors} vs {len(self.plan)}, "
-                                 f"buckets {header.n_buckets} vs {len(self.buckets)})")
+            raise _Abort(
+                layout,
+                f"sync header rejected before loading: {'; '.join(problems)} "
+                f"(tensors {header.n_tensors} vs {len(self.plan)}, "
+                f"buckets {header.n_buckets} vs {len(self.buckets)})",
+            )
         return layout
 
-    def _pack(self, bucket: Bucket, state: dict[str, torch.Tensor], device: torch.device,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+    def _pack(
+        self, bucket: Bucket, state: dict[str, torch.Tensor], device: torch.device, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One flat tensor of ``bucket.numel`` elements, packed into ``out`` (a uint8 buffer of at least
         the bucket's bytes) when given; no copy when the bucket is one contiguous tensor."""
         parts = [state[s.name].detach().reshape(-1) for s in bucket.specs]
@@ -192,7 +209,7 @@ class WeightTransport(abc.ABC):
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
         offset = 0
         for p in parts:
-            flat[offset: offset + p.numel()].copy_(p)
+            flat[offset : offset + p.numel()].copy_(p)
             offset += p.numel()
         return flat
 
@@ -200,7 +217,7 @@ class WeightTransport(abc.ABC):
         offset = 0
         for spec in bucket.specs:
             n = _numel(spec.shape)
-            yield spec.name, flat[offset: offset + n].view(spec.shape)
+            yield spec.name, flat[offset : offset + n].view(spec.shape)
             offset += n
 
 

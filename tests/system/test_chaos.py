@@ -44,7 +44,9 @@ def _acked(records):
 
 def _trained_until(records, step):
     by_seq = {r["seq"]: (r["sample"]["session_id"], r["sample"]["turn_index"]) for r in records if r["op"] == "ack"}
-    return [by_seq[q] for r in records if r["op"] == "consume" and r["trained"] and r["step"] <= step for q in r["seqs"]]
+    return [
+        by_seq[q] for r in records if r["op"] == "consume" and r["trained"] and r["step"] <= step for q in r["seqs"]
+    ]
 
 
 def _steps_done(run_dir):
@@ -72,11 +74,28 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     from clawray.driver import Driver
 
     run_dir = str(tmp_path / "run")
-    common = ["queue.max_staleness=20", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "wandb.mode=disabled",
-              "trainer.batch_timeout_s=300", "env.max_turns=3", "env.max_tokens=16"]
-    cfg1 = tiny_run_config(tiny_model, run_dir, overrides=common + [
-        "trainer.batch_size=4", "trainer.max_batch_size=64", "trainer.num_steps=-1", "env.enabled=true",
-        "env.concurrency=2", "ray.num_cpus=2"])
+    common = [
+        "queue.max_staleness=20",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=2",
+        "wandb.mode=disabled",
+        "trainer.batch_timeout_s=300",
+        "env.max_turns=3",
+        "env.max_tokens=16",
+    ]
+    cfg1 = tiny_run_config(
+        tiny_model,
+        run_dir,
+        overrides=common
+        + [
+            "trainer.batch_size=4",
+            "trainer.max_batch_size=64",
+            "trainer.num_steps=-1",
+            "env.enabled=true",
+            "env.concurrency=2",
+            "ray.num_cpus=2",
+        ],
+    )
     from omegaconf import OmegaConf
 
     cfg_path = str(tmp_path / "run1.yaml")
@@ -84,8 +103,13 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "run1.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "clawray.cli", "run", cfg_path], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawray.cli", "run", cfg_path],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=os.getcwd(),
+    )
     t0, killed_at = time.monotonic(), None
     try:
         while time.monotonic() - t0 < 420:
@@ -111,9 +135,20 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert metrics[ckpt_steps - 1]["samples_trained"] == len(trained_before)  # the driver's own count agrees
 
-    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + [
-        "resume=true", "env.enabled=false", "trainer.batch_size=1", "trainer.max_batch_size=64",
-        f"trainer.num_steps={ckpt_steps + 1}"]))
+    d2 = Driver(
+        tiny_run_config(
+            tiny_model,
+            run_dir,
+            overrides=common
+            + [
+                "resume=true",
+                "env.enabled=false",
+                "trainer.batch_size=1",
+                "trainer.max_batch_size=64",
+                f"trainer.num_steps={ckpt_steps + 1}",
+            ],
+        )
+    )
     d2.setup()
     try:
         assert d2.steps_done == ckpt_steps and d2.version == ckpt_steps
@@ -125,8 +160,15 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
         for sid, t in last.items():
             if ray.get(d2.tracker.pending_turn.remote(sid)) is not None:
                 continued = (sid, t["turn_index"])
-                body = {"model": d2.cfg.serve.model_name, "max_tokens": 8,
-                        "messages": [*t["messages"], t["response_message"], {"role": "user", "content": "Correct, thanks!"}]}
+                body = {
+                    "model": d2.cfg.serve.model_name,
+                    "max_tokens": 8,
+                    "messages": [
+                        *t["messages"],
+                        t["response_message"],
+                        {"role": "user", "content": "Correct, thanks!"},
+                    ],
+                }
                 r = httpx.post(d2.base_url + "/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=120)
                 assert r.status_code == 200, r.text
                 break
@@ -149,18 +191,27 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     assert len(keys) == len(set(keys))
     if continued is not None:
         assert (continued[0], continued[1] + 1) in keys
-    print(f"\nkill -9 driver at checkpoint step {killed_at[0]} with {killed_at[1]} queued: acknowledged "
-          f"{len(acked)}, trained before {len(trained_before)} + after resume {len(trained_after)}, lost "
-          f"{len(acked - set(trained))}; continued session {continued}; Ray processes outliving the driver: {survivors}")
+    print(
+        f"\nkill -9 driver at checkpoint step {killed_at[0]} with {killed_at[1]} queued: acknowledged "
+        f"{len(acked)}, trained before {len(trained_before)} + after resume {len(trained_after)}, lost "
+        f"{len(acked - set(trained))}; continued session {continued}; Ray processes outliving the driver: {survivors}"
+    )
 
 
 def _learner_sample(i):
     from clawray.types import Sample
 
     n = 96  # response tokens: a step long enough to be killed in
-    return Sample(tokens=[5, 6, 7, *[100 + (i + k) % 50 for k in range(n)]], prompt_len=3, loss_mask=[1] * n,
-                  rollout_logprobs=[-6.9] * n, reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"L{i}",
-                  turn_index=1)
+    return Sample(
+        tokens=[5, 6, 7, *[100 + (i + k) % 50 for k in range(n)]],
+        prompt_len=3,
+        loss_mask=[1] * n,
+        rollout_logprobs=[-6.9] * n,
+        reward=1.0 if i % 2 else -1.0,
+        policy_version=0,
+        session_id=f"L{i}",
+        turn_index=1,
+    )
 
 
 def _kill_inside_train_step(d, step, rank=1):
@@ -184,8 +235,14 @@ def _kill_inside_train_step(d, step, rank=1):
     return seen
 
 
-_LEARNER_KILL = ["env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
-                 "trainer.batch_timeout_s=120", "trainer.max_batch_size=2"]
+_LEARNER_KILL = [
+    "env.enabled=false",
+    "queue.max_staleness=20",
+    "checkpoint.every_steps=1",
+    "wandb.mode=disabled",
+    "trainer.batch_timeout_s=120",
+    "trainer.max_batch_size=2",
+]
 
 
 def _run_until_a_learner_dies(tiny_model, run_dir, step: int, num_steps: int):
@@ -211,7 +268,8 @@ def _run_until_a_learner_dies(tiny_model, run_dir, step: int, num_steps: int):
 
 
 def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_each_sample_once(
-        ray_cluster, tiny_model, tmp_path):
+    ray_cluster, tiny_model, tmp_path
+):
     """learner.max_restarts=0: rank 1 is SIGKILLed inside step 2's train_step; the run stops with one
     line naming it (no exit checkpoint: the group cannot save); the resume from step 1's checkpoint
     trains step 2's batch (in flight, never consumed) exactly once."""
@@ -237,12 +295,13 @@ def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_
     finally:
         d2.close()
     assert sorted(first + second) == [(f"L{i}", 1) for i in range(4)]
-    print(f"\nkill -9 learner rank 1 inside train_step: run stopped {stop_s:.1f}s after the kill: {err}; "
-          f"trained after resume {second}")
+    print(
+        f"\nkill -9 learner rank 1 inside train_step: run stopped {stop_s:.1f}s after the kill: {err}; "
+        f"trained after resume {second}"
+    )
 
 
-def test_learner_killed_before_the_first_checkpoint_resumes_from_the_initial_policy(ray_cluster, tiny_model,
-                                                                                    tmp_path):
+def test_learner_killed_before_the_first_checkpoint_resumes_from_the_initial_policy(ray_cluster, tiny_model, tmp_path):
     """learner.max_restarts=0, rank 1 SIGKILLed inside step 1's train_step: no checkpoint exists yet,
     so resume=true starts from the initial policy (v0, step 0) and replays the whole journal: the 4
     acknowledged samples are each trained exactly once (before this, such a resume was refused and the
@@ -277,9 +336,22 @@ def test_learner_killed_inside_train_step_is_rebuilt_from_the_checkpoint(ray_clu
     new ranks."""
     from clawray.driver import Driver
 
-    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "env.enabled=false", "queue.max_staleness=20", "checkpoint.every_steps=1", "wandb.mode=disabled",
-        "trainer.batch_timeout_s=120", "trainer.max_batch_size=2", "trainer.num_steps=3", "learner.max_restarts=1"]))
+    d = Driver(
+        tiny_run_config(
+            tiny_model,
+            tmp_path / "run",
+            overrides=[
+                "env.enabled=false",
+                "queue.max_staleness=20",
+                "checkpoint.every_steps=1",
+                "wandb.mode=disabled",
+                "trainer.batch_timeout_s=120",
+                "trainer.max_batch_size=2",
+                "trainer.num_steps=3",
+                "learner.max_restarts=1",
+            ],
+        )
+    )
     d.setup()
     errors = []
     try:
@@ -318,8 +390,9 @@ def _session_on(engine_index, n):
     return next(f"S{i}" for i in range(1000) if zlib.crc32(f"S{i}".encode()) % n == engine_index)
 
 
-def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed_around(ray_cluster, tiny_model,
-                                                                                       tmp_path):
+def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed_around(
+    ray_cluster, tiny_model, tmp_path
+):
     """A killed judge is restarted by Ray and its call retried: the turn is judged and queued, /health
     stays 200. A killed rollout engine (of 2) is restarted by Ray: meanwhile /health answers 503
     (state ``down`` or ``awaiting_sync``) and its sessions are served by the other engine (200); the
@@ -329,19 +402,44 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
     from clawray.types import Sample
 
     def sample(i):
-        return Sample(tokens=[5, 6, 7, 100 + i, 101], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-6.9, -6.9],
-                      reward=1.0 if i % 2 else -1.0, policy_version=0, session_id=f"E{i}", turn_index=1)
+        return Sample(
+            tokens=[5, 6, 7, 100 + i, 101],
+            prompt_len=3,
+            loss_mask=[1, 1],
+            rollout_logprobs=[-6.9, -6.9],
+            reward=1.0 if i % 2 else -1.0,
+            policy_version=0,
+            session_id=f"E{i}",
+            turn_index=1,
+        )
 
-    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "env.enabled=false", "wandb.mode=disabled", "trainer.num_steps=2", "trainer.batch_timeout_s=300",
-        "serve.retry_after_s=1", "rollout.num_engines=2", "trainer.max_batch_size=2", "queue.max_staleness=20"]))
+    d = Driver(
+        tiny_run_config(
+            tiny_model,
+            tmp_path / "run",
+            overrides=[
+                "env.enabled=false",
+                "wandb.mode=disabled",
+                "trainer.num_steps=2",
+                "trainer.batch_timeout_s=300",
+                "serve.retry_after_s=1",
+                "rollout.num_engines=2",
+                "trainer.max_batch_size=2",
+                "queue.max_staleness=20",
+            ],
+        )
+    )
     d.setup()
     url = d.base_url + "/chat/completions"
     root = d.base_url.removesuffix("/v1")
 
     def chat(messages, sid):
-        return httpx.post(url, json={"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages},
-                          headers={"X-Session-Id": sid}, timeout=120)
+        return httpx.post(
+            url,
+            json={"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages},
+            headers={"X-Session-Id": sid},
+            timeout=120,
+        )
 
     errors = []
     try:
@@ -404,9 +502,11 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         d.close()
     assert errors == [None], errors
     assert d.steps_done == 2 and d.version == 2
-    print(f"\nkill -9 judge: recovered, turn judged {judge_s:.1f}s after the kill; kill -9 rollout-0 of 2: "
-          f"/health 503, its sessions served by rollout-1, restarted and re-synced to v1 {recover_s:.1f}s after the "
-          f"kill; training went on to v2")
+    print(
+        f"\nkill -9 judge: recovered, turn judged {judge_s:.1f}s after the kill; kill -9 rollout-0 of 2: "
+        f"/health 503, its sessions served by rollout-1, restarted and re-synced to v1 {recover_s:.1f}s after the "
+        f"kill; training went on to v2"
+    )
 
 
 def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cluster, tiny_model, tmp_path):
@@ -414,17 +514,30 @@ def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cl
     or pid); once Ray restarted it and the driver re-synced it, requests are served again."""
     from clawray.driver import Driver
 
-    d = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "env.enabled=false", "wandb.mode=disabled", "trainer.num_steps=1", "trainer.batch_timeout_s=300",
-        "serve.retry_after_s=3"]))
+    d = Driver(
+        tiny_run_config(
+            tiny_model,
+            tmp_path / "run",
+            overrides=[
+                "env.enabled=false",
+                "wandb.mode=disabled",
+                "trainer.num_steps=1",
+                "trainer.batch_timeout_s=300",
+                "serve.retry_after_s=3",
+            ],
+        )
+    )
     d.setup()
     url = d.base_url + "/chat/completions"
     root = d.base_url.removesuffix("/v1")
 
     def chat(sid):
-        return httpx.post(url, json={"model": d.cfg.serve.model_name, "max_tokens": 4,
-                                     "messages": [{"role": "user", "content": "hi"}]},
-                          headers={"X-Session-Id": sid}, timeout=120)
+        return httpx.post(
+            url,
+            json={"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            headers={"X-Session-Id": sid},
+            timeout=120,
+        )
 
     runner = threading.Thread(target=lambda: _catch(d.run), daemon=True)
     try:
@@ -449,16 +562,19 @@ def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cl
         assert httpx.get(root + "/health", timeout=30).status_code == 200
     finally:
         d.close()
-    print(f"\nkill -9 the only engine: {codes.count(503)} requests got 503 + Retry-After, served again "
-          f"{recover_s:.1f}s after the kill")
+    print(
+        f"\nkill -9 the only engine: {codes.count(503)} requests got 503 + Retry-After, served again "
+        f"{recover_s:.1f}s after the kill"
+    )
 
 
 def _chaos_bench():
     """``bench/chaos.py`` as a module (its kill-and-audit code is the test's)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
-                        "chaos.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "chaos.py"
+    )
     spec = importlib.util.spec_from_file_location("clawray_bench_chaos", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -39,8 +39,10 @@ def test_commit_is_atomic_and_prunes(tmp_path):
 def test_queue_rejects_too_long_samples_with_a_counted_reason():
     async def scenario():
         q = TrajectoryQueue(max_staleness=2, max_tokens=10)
+
         def meta(n):
             return SampleMeta(policy_version=0, reward=1.0, num_tokens=n, trainable_tokens=1, prompt_key="p")
+
         assert await q.put(["fits"], meta(10)) == 1
         assert await q.put(["too-long"], meta(11)) == 1  # rejected at admission, from the metadata
         return await q.stats()
@@ -49,9 +51,16 @@ def test_queue_rejects_too_long_samples_with_a_counted_reason():
 
 
 def _sample(i, n_resp=3, version=0):
-    return Sample(tokens=[5, 6, 7] + [100 + i] * n_resp, prompt_len=3, loss_mask=[1] * n_resp,
-                  rollout_logprobs=[-6.9] * n_resp, reward=1.0 if i % 2 else -1.0, policy_version=version,
-                  session_id=f"s{i}", turn_index=1)
+    return Sample(
+        tokens=[5, 6, 7] + [100 + i] * n_resp,
+        prompt_len=3,
+        loss_mask=[1] * n_resp,
+        rollout_logprobs=[-6.9] * n_resp,
+        reward=1.0 if i % 2 else -1.0,
+        policy_version=version,
+        session_id=f"s{i}",
+        turn_index=1,
+    )
 
 
 @pytest.mark.slow
@@ -61,9 +70,17 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     from clawray.driver import Driver
 
     run_dir = tmp_path / "run"
-    common = ["env.enabled=false", "queue.max_staleness=10", "learner.max_tokens_per_micro_batch=32",
-              "checkpoint.every_steps=1", "checkpoint.keep_last=2", "learner.lr=1e-3", "wandb.mode=offline",
-              "trainer.batch_timeout_s=60", "trainer.max_batch_size=2"]  # exact batches of 2: counts below
+    common = [
+        "env.enabled=false",
+        "queue.max_staleness=10",
+        "learner.max_tokens_per_micro_batch=32",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=2",
+        "learner.lr=1e-3",
+        "wandb.mode=offline",
+        "trainer.batch_timeout_s=60",
+        "trainer.max_batch_size=2",
+    ]  # exact batches of 2: counts below
     d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
     d.setup()
     try:
@@ -93,8 +110,15 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     assert (state["version"], state["steps_done"], state["queued_samples"]) == (2, 2, 2)
     assert state["wandb_run_id"] == wandb_id and wandb_id  # the resume continues this wandb run
     assert state["samples_trained"] == 4  # the effective-sample-rate numerator survives a resume
-    for part in ("model/config.json", "model/model.safetensors", "model/tokenizer.json", "train_state/.metadata",
-                 "learner.pkl", "rng/rank0.pkl", "rng/rank1.pkl"):
+    for part in (
+        "model/config.json",
+        "model/model.safetensors",
+        "model/tokenizer.json",
+        "train_state/.metadata",
+        "learner.pkl",
+        "rng/rank0.pkl",
+        "rng/rank1.pkl",
+    ):
         assert os.path.exists(os.path.join(ckpt, part)), part
     assert not os.path.exists(os.path.join(ckpt, "queue.pkl"))  # the journal holds the queue
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "model"), dtype=torch.float32).state_dict()
@@ -112,8 +136,13 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     from clawray.actors.rollout import RolloutEngineActor
 
     vllm_engine = RolloutEngineActor.options(num_cpus=0.25).remote(
-        "vllm", os.path.join(ckpt, "model"), "export-check", 1, 4,
-        {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.1})
+        "vllm",
+        os.path.join(ckpt, "model"),
+        "export-check",
+        1,
+        4,
+        {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.1},
+    )
     try:
         ray.get(vllm_engine.ready.remote())
         assert ray.get(vllm_engine.score.remote(prompt, response)) == pytest.approx(expected, abs=1e-4)
@@ -147,7 +176,9 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         d2.close()
     last = latest_checkpoint(root)
     assert last.endswith("ckpt-000004") and [os.path.basename(p) for p in list_checkpoints(root)] == [
-        "ckpt-000003", "ckpt-000004"]
+        "ckpt-000003",
+        "ckpt-000004",
+    ]
     from clawray.journal import SampleState, read_records
 
     # the taken, untrained batch is not consumed in the journal: a resume queues it again

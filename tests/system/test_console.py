@@ -26,12 +26,21 @@ def test_capture_routes_lines(tmp_path):
     log = tmp_path / "logs" / "job.log"
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(log)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["[clawray] step 1/2 | reward +0.50", "(SimUserPool pid=9) [clawray] from a worker",
-                                       "clawray: an error for the user", "after capture"]
+    assert out.stdout.splitlines() == [
+        "[clawray] step 1/2 | reward +0.50",
+        "(SimUserPool pid=9) [clawray] from a worker",
+        "clawray: an error for the user",
+        "after capture",
+    ]
     text = log.read_text()
     assert "\x1b" not in text and "\r" not in text
-    for line in ("[clawray] step 1/2", "(RolloutEngine pid=7) INFO vllm chatter", "a library warning",
-                 "child process line", "clawray: an error for the user"):
+    for line in (
+        "[clawray] step 1/2",
+        "(RolloutEngine pid=7) INFO vllm chatter",
+        "a library warning",
+        "child process line",
+        "clawray: an error for the user",
+    ):
         assert line in text
     assert "after capture" not in text and "eval" not in text  # the progress bar never reaches the file
 

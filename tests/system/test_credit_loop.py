@@ -15,10 +15,25 @@ pytestmark = pytest.mark.slow
 
 
 def test_discounted_credit_and_behaviour_monitor_in_the_loop(ray_cluster, tiny_model, tmp_path):
-    cfg = tiny_run_config(tiny_model, tmp_path / "run", presets=["conf/credit.yaml"], overrides=[
-        "trainer.num_steps=2", "trainer.batch_timeout_s=300", "env.concurrency=2", "env.max_tokens=12",
-        "env.max_turns=3", "env.name=arith", "wandb.mode=disabled", "monitor.every_steps=1", "monitor.k=2",
-        "monitor.num_prompts=2", "monitor.max_tokens=8", "learner.behaviour_floor=5.0"])
+    cfg = tiny_run_config(
+        tiny_model,
+        tmp_path / "run",
+        presets=["conf/credit.yaml"],
+        overrides=[
+            "trainer.num_steps=2",
+            "trainer.batch_timeout_s=300",
+            "env.concurrency=2",
+            "env.max_tokens=12",
+            "env.max_turns=3",
+            "env.name=arith",
+            "wandb.mode=disabled",
+            "monitor.every_steps=1",
+            "monitor.k=2",
+            "monitor.num_prompts=2",
+            "monitor.max_tokens=8",
+            "learner.behaviour_floor=5.0",
+        ],
+    )
     d = Driver(cfg)
     try:
         d.setup()

@@ -49,6 +49,7 @@ class Actor:
             def remote(*args, **kwargs):
                 actor.calls.append((name, args))
                 return Done(fn(*args, **kwargs))
+
         return Method
 
 
@@ -63,24 +64,51 @@ def counting_get(log):
             log.append(ref)
             out.append(ref.value)
         return out if many else out[0]
+
     return get
 
 
 def _sample(name, prompt, reward, trainable=True):
-    return Sample(tokens=prompt + [50, 51, 52], prompt_len=len(prompt), loss_mask=[int(trainable)] * 3,
-                  rollout_logprobs=[-1.0] * 3, reward=reward, policy_version=0, session_id=name, turn_index=1)
+    return Sample(
+        tokens=prompt + [50, 51, 52],
+        prompt_len=len(prompt),
+        loss_mask=[int(trainable)] * 3,
+        rollout_logprobs=[-1.0] * 3,
+        reward=reward,
+        policy_version=0,
+        session_id=name,
+        turn_index=1,
+    )
 
 
 @pytest.mark.parametrize("estimator, expected", [("binary", [1.0, -1.0, 1.0]), ("grpo", [1.0, -1.0, 0.0])])
 def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_path, estimator, expected):
     # A, B (all-masked) and C share a prompt, D has its own
-    samples = [_sample("A", [1, 2, 3], 1.0), _sample("B", [1, 2, 3], -1.0, trainable=False),
-               _sample("C", [1, 2, 3], -1.0), _sample("D", [1, 2, 4], 1.0)]
-    batch = {"refs": [PayloadRef(s.session_id) for s in samples], "meta": [SampleMeta.of(s) for s in samples],
-             "versions": [0] * 4, "staleness": [1, 1, 1, 1], "seqs": [1, 2, 3, 4]}
-    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], [
-        "model.path=unused", f"run_dir={tmp_path}", "trainer.batch_size=2", "trainer.max_batch_size=4",
-        f"trainer.advantage={estimator}", "checkpoint.every_steps=0", "wandb.mode=disabled"])
+    samples = [
+        _sample("A", [1, 2, 3], 1.0),
+        _sample("B", [1, 2, 3], -1.0, trainable=False),
+        _sample("C", [1, 2, 3], -1.0),
+        _sample("D", [1, 2, 4], 1.0),
+    ]
+    batch = {
+        "refs": [PayloadRef(s.session_id) for s in samples],
+        "meta": [SampleMeta.of(s) for s in samples],
+        "versions": [0] * 4,
+        "staleness": [1, 1, 1, 1],
+        "seqs": [1, 2, 3, 4],
+    }
+    cfg = load_config(
+        ["conf/rl.yaml", "conf/cpu.yaml"],
+        [
+            "model.path=unused",
+            f"run_dir={tmp_path}",
+            "trainer.batch_size=2",
+            "trainer.max_batch_size=4",
+            f"trainer.advantage={estimator}",
+            "checkpoint.every_steps=0",
+            "wandb.mode=disabled",
+        ],
+    )
     d = Driver(cfg)
     trained = []
 
@@ -88,13 +116,19 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
         trained.append((refs, version, advantages))
         return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1}
 
-    d.queue = Actor(get_batch=lambda *a: batch, stats=lambda: {"size": 0, "put": 4, "taken": 4, "dropped": {}},
-                    consumed=lambda seqs, step, ok: None)
+    d.queue = Actor(
+        get_batch=lambda *a: batch,
+        stats=lambda: {"size": 0, "put": 4, "taken": 4, "dropped": {}},
+        consumed=lambda seqs, step, ok: None,
+    )
     d.tracker = Actor(stats=lambda: {"open_sessions": 0})
     d.engines, d.judges, d.teachers = [], [], []
     d.learners = type("Learners", (), {"train_step": staticmethod(train_step)})()
-    d.weight_sync = type("Sync", (), {"behind": False, "failures": 0, "engine_versions": lambda self: {},
-                                      "sync": lambda self, v: _sync_result(v)})()
+    d.weight_sync = type(
+        "Sync",
+        (),
+        {"behind": False, "failures": 0, "engine_versions": lambda self: {}, "sync": lambda self, v: _sync_result(v)},
+    )()
     logged = []
     d.tracking = type("Tracking", (), {"log": lambda self, m, step: logged.append(step)})()
     gets = []
@@ -114,5 +148,17 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
 
 
 def _sync_result(version):
-    return {"ok": True, "version": version, "seconds": 0.01, "bytes": 8.0, "gather_s": 0.0, "send_s": 0.01,
-            "receive_s": {}, "load_s": {}, "failed": [], "error": None, "rebuild_s": 0.0, "versions": {}}
+    return {
+        "ok": True,
+        "version": version,
+        "seconds": 0.01,
+        "bytes": 8.0,
+        "gather_s": 0.0,
+        "send_s": 0.01,
+        "receive_s": {},
+        "load_s": {},
+        "failed": [],
+        "error": None,
+        "rebuild_s": 0.0,
+        "versions": {},
+    }

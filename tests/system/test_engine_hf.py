@@ -31,8 +31,17 @@ def hostile_engine(tiny_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("hostile") / "tiny"
     shutil.copytree(tiny_model, path)
     cfg = json.loads((path / "generation_config.json").read_text())
-    cfg.update({"do_sample": True, "top_k": 1, "temperature": 0.1, "top_p": 0.1, "repetition_penalty": 3.0,
-                "min_p": 0.5, "no_repeat_ngram_size": 1})
+    cfg.update(
+        {
+            "do_sample": True,
+            "top_k": 1,
+            "temperature": 0.1,
+            "top_p": 0.1,
+            "repetition_penalty": 3.0,
+            "min_p": 0.5,
+            "no_repeat_ngram_size": 1,
+        }
+    )
     (path / "generation_config.json").write_text(json.dumps(cfg))
     return HFBackend(str(path), seed=99)
 
@@ -90,8 +99,9 @@ def test_top_p_samples_only_inside_the_nucleus(engine):
     assert len(set(samples)) > 10
     out = engine.generate([GenerateRequest(PROMPT, max_tokens=8, temperature=1.0, top_p=0.05, seed=5)])[0]
     # recorded log-probs: the full softmax at T, not renormalised over the nucleus
-    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(engine.score(PROMPT, out.response_ids, 1.0)),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs), torch.tensor(engine.score(PROMPT, out.response_ids, 1.0)), atol=1e-5, rtol=0
+    )
 
 
 def test_sample_next_token_nucleus_keeps_the_token_that_crosses_top_p():
@@ -108,21 +118,22 @@ def test_greedy_and_seeds(engine):
     greedy = engine.generate([GenerateRequest(PROMPT, max_tokens=10, temperature=0.0)])[0]
     with torch.no_grad():
         ids = torch.tensor([PROMPT + greedy.response_ids])
-        assert engine.model(ids).logits[0, len(PROMPT) - 1:-1].argmax(-1).tolist() == greedy.response_ids
-    a, b, c = (engine.generate([GenerateRequest(PROMPT, max_tokens=12, temperature=1.0, seed=s)])[0]
-               for s in (7, 7, 8))
+        assert engine.model(ids).logits[0, len(PROMPT) - 1 : -1].argmax(-1).tolist() == greedy.response_ids
+    a, b, c = (engine.generate([GenerateRequest(PROMPT, max_tokens=12, temperature=1.0, seed=s)])[0] for s in (7, 7, 8))
     assert a.response_ids == b.response_ids != c.response_ids
 
 
 def test_a_hostile_generation_config_changes_nothing(hostile_engine):
     """top_k 1, temperature 0.1, repetition_penalty 3 in the folder: T = 1 replies stay diverse and
     their log-probs are the full softmax of a teacher-forced forward pass."""
-    outs = [hostile_engine.generate([GenerateRequest(PROMPT, max_tokens=12, temperature=1.0, seed=s)])[0]
-            for s in range(6)]
+    outs = [
+        hostile_engine.generate([GenerateRequest(PROMPT, max_tokens=12, temperature=1.0, seed=s)])[0] for s in range(6)
+    ]
     assert len({tuple(o.response_ids) for o in outs}) == 6
     for o in outs:
-        torch.testing.assert_close(torch.tensor(o.logprobs),
-                                   torch.tensor(hostile_engine.score(PROMPT, o.response_ids, 1.0)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(o.logprobs), torch.tensor(hostile_engine.score(PROMPT, o.response_ids, 1.0)), atol=1e-5, rtol=0
+        )
     probs = _probs(hostile_engine, PROMPT)
     assert _chi2_equal_mass_bins(probs, _first_tokens(hostile_engine, N_SAMPLES, temperature=1.0)) < CHI2_9DOF_P001
 
@@ -135,7 +146,10 @@ def test_cancel_stops_at_the_next_token(engine):
         return len(polls) > 3
 
     streamed = []
-    out = engine.generate([GenerateRequest(PROMPT, max_tokens=50, temperature=0.0)],
-                          on_tokens=lambda i, ids: streamed.extend(ids), cancelled=cancelled)[0]
+    out = engine.generate(
+        [GenerateRequest(PROMPT, max_tokens=50, temperature=0.0)],
+        on_tokens=lambda i, ids: streamed.extend(ids),
+        cancelled=cancelled,
+    )[0]
     assert out.finish_reason == "abort"
     assert len(out.response_ids) == 3 == len(out.logprobs) and streamed == out.response_ids

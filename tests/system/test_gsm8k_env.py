@@ -12,7 +12,6 @@ from clawray.envs.base import Problem
 from clawray.envs.gsm8k import load_items, pupil_answer
 
 
-
 def _find_gsm8k() -> str:
     """``../shared/data/gsm8k_test.json`` beside the clone (CI); a worktree nested one level deeper
     finds it in the first ancestor that has it."""
@@ -21,20 +20,31 @@ def _find_gsm8k() -> str:
     while True:
         path = os.path.join(here, "shared", "data", "gsm8k_test.json")
         if os.path.isfile(path) or os.path.dirname(here) == here:
-            return path if os.path.isfile(path) else os.path.join(os.path.dirname(repo), "shared", "data",
-                                                                   "gsm8k_test.json")
+            return (
+                path
+                if os.path.isfile(path)
+                else os.path.join(os.path.dirname(repo), "shared", "data", "gsm8k_test.json")
+            )
         here = os.path.dirname(here)
 
 
 GSM8K = _find_gsm8k()
-needs_gsm8k = pytest.mark.skipif(not os.path.isfile(GSM8K), reason=f"{GSM8K} (the 1,319 GSM8K test items, beside "
-                                 "CI's clone) is absent; point a run at a copy with env.data_path")
+needs_gsm8k = pytest.mark.skipif(
+    not os.path.isfile(GSM8K),
+    reason=f"{GSM8K} (the 1,319 GSM8K test items, beside "
+    "CI's clone) is absent; point a run at a copy with env.data_path",
+)
 
 
 @pytest.fixture
 def small_file(tmp_path):
-    rows = [{"question": f"Ann has {i} apples and buys {i + 1} more. How many apples now?",
-             "ground_truth_answer": str(2 * i + 1)} for i in range(60)]
+    rows = [
+        {
+            "question": f"Ann has {i} apples and buys {i + 1} more. How many apples now?",
+            "ground_truth_answer": str(2 * i + 1),
+        }
+        for i in range(60)
+    ]
     rows.append({"question": "How many cents in 12 dollars?", "ground_truth_answer": "1,200"})
     path = tmp_path / "items.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -51,8 +61,9 @@ def test_gsm8k_file_splits_disjoint_and_fixed(name):
     assert not {t.question for t in train} & {t.question for t in held}
     assert {t.question for t in env.prompts("eval", 7)} == {t.question for t in held}  # the seed only orders
     first = json.load(open(GSM8K))[0]
-    assert first["ground_truth_answer"] == "36" and any(t.answer == 36 and t.question == first["question"].strip()
-                                                       for t in train + held)
+    assert first["ground_truth_answer"] == "36" and any(
+        t.answer == 36 and t.question == first["question"].strip() for t in train + held
+    )
 
 
 def test_jsonl_and_comma_answers(small_file):
@@ -81,14 +92,15 @@ def test_student_check_and_feedback(small_file):
     ai = "Certainly! Let's break it down step by step.\n1. 3 + 4 = 7\n**Answer: 7**"
     no_work = "She has 7 apples."
     wrong = "3 + 4 = 8, so she has 8 apples."
-    grades = {k: env.grade(task, v) for k, v in
-              {"good": good, "ai": ai, "no_work": no_work, "wrong": wrong}.items()}
+    grades = {k: env.grade(task, v) for k, v in {"good": good, "ai": ai, "no_work": no_work, "wrong": wrong}.items()}
     assert grades["good"] == {"solved": True, "correct": True, "shows_work": True, "natural": True}
     assert grades["ai"] == {"solved": False, "correct": True, "shows_work": True, "natural": False}
     assert grades["no_work"] == {"solved": False, "correct": True, "shows_work": False, "natural": True}
     assert grades["wrong"] == {"solved": False, "correct": False, "shows_work": True, "natural": True}
-    votes = {k: feedback_score([{"role": "user", "content": env.feedback(task, v)[0]}])
-             for k, v in {"good": good, "ai": ai, "no_work": no_work, "wrong": wrong}.items()}
+    votes = {
+        k: feedback_score([{"role": "user", "content": env.feedback(task, v)[0]}])
+        for k, v in {"good": good, "ai": ai, "no_work": no_work, "wrong": wrong}.items()
+    }
     assert votes == {"good": 1, "ai": -1, "no_work": -1, "wrong": -1}
     assert env.opening(task)[0]["content"].startswith(task.question + " I'm a student")
 

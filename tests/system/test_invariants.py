@@ -23,8 +23,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def driver(ray_cluster, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("inv-run")
-    cfg = tiny_run_config(tiny_model, run_dir, overrides=[
-        "env.enabled=false", "trainer.batch_timeout_s=60", "learner.lr=0.0", "wandb.mode=disabled"])
+    cfg = tiny_run_config(
+        tiny_model,
+        run_dir,
+        overrides=["env.enabled=false", "trainer.batch_timeout_s=60", "learner.lr=0.0", "wandb.mode=disabled"],
+    )
     d = Driver(cfg)
     d.setup()
     yield d
@@ -35,11 +38,17 @@ def feed(d, rewards, seed=0):
     """Generate one reply per reward with the current engine and enqueue it as a sample."""
     prompt = [1, 40, 41, 42, 2, 1, 43]
     for i, r in enumerate(rewards):
-        out = ray.get(d.engines[0].generate.remote(GenerateRequest(prompt, max_tokens=8, temperature=1.0,
-                                                                   seed=seed * 100 + i)))
-        s = Sample(tokens=prompt + out["response_ids"], prompt_len=len(prompt),
-                   loss_mask=[1] * len(out["response_ids"]), rollout_logprobs=out["logprobs"], reward=r,
-                   policy_version=out["policy_version"])
+        out = ray.get(
+            d.engines[0].generate.remote(GenerateRequest(prompt, max_tokens=8, temperature=1.0, seed=seed * 100 + i))
+        )
+        s = Sample(
+            tokens=prompt + out["response_ids"],
+            prompt_len=len(prompt),
+            loss_mask=[1] * len(out["response_ids"]),
+            rollout_logprobs=out["logprobs"],
+            reward=r,
+            policy_version=out["policy_version"],
+        )
         ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
 
 

@@ -17,9 +17,19 @@ def test_loop_over_the_ipc_transport_logs_sync_and_generation_throughput(ray_clu
     """The CPU twin of launch/gpu_check.sh: the real Driver with sync.transport=ipc (shared-memory
     handles between the learner and the engine) trains 2 steps, the engine ends on v2, and every
     step logs the figures gpu_check.sh prints."""
-    cfg = tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "sync.transport=ipc", "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2",
-        "env.max_tokens=16", "env.max_turns=2", "wandb.mode=disabled"])
+    cfg = tiny_run_config(
+        tiny_model,
+        tmp_path / "run",
+        overrides=[
+            "sync.transport=ipc",
+            "trainer.num_steps=2",
+            "trainer.batch_timeout_s=180",
+            "env.concurrency=2",
+            "env.max_tokens=16",
+            "env.max_turns=2",
+            "wandb.mode=disabled",
+        ],
+    )
     d = Driver(cfg)
     try:
         d.setup()

@@ -14,15 +14,35 @@ pytestmark = pytest.mark.slow
 
 
 def test_submit_script_runs_a_short_job(ray_cluster, tiny_model, tmp_path):
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster["dashboard"], "CLAWRAY_PYTHON": sys.executable,
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster["dashboard"],
+        "CLAWRAY_PYTHON": sys.executable,
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    }
     run_dir = tmp_path / "job"
-    cmd = ["bash", "launch/submit.sh", "conf/rl.yaml", "conf/cpu.yaml", f"model.path={tiny_model}",
-           "rollout.backend=hf", "rollout.num_cpus=0.25", "rollout.torch_threads=1", "judge.backend=feedback",
-           "trainer.batch_size=2", "trainer.num_steps=1", "trainer.batch_timeout_s=180", "env.concurrency=2",
-           "env.max_tokens=16", "env.max_turns=2", "wandb.mode=disabled", f"serve.port={free_port()}",
-           "trainer.max_batch_size=2", "eval.enabled=false",
-           f"run_dir={run_dir}"]
+    cmd = [
+        "bash",
+        "launch/submit.sh",
+        "conf/rl.yaml",
+        "conf/cpu.yaml",
+        f"model.path={tiny_model}",
+        "rollout.backend=hf",
+        "rollout.num_cpus=0.25",
+        "rollout.torch_threads=1",
+        "judge.backend=feedback",
+        "trainer.batch_size=2",
+        "trainer.num_steps=1",
+        "trainer.batch_timeout_s=180",
+        "env.concurrency=2",
+        "env.max_tokens=16",
+        "env.max_turns=2",
+        "wandb.mode=disabled",
+        f"serve.port={free_port()}",
+        "trainer.max_batch_size=2",
+        "eval.enabled=false",
+        f"run_dir={run_dir}",
+    ]
     for _ in range(40):  # the head's job agent can take a while to register on a loaded 2-core box
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         out = r.stdout + r.stderr

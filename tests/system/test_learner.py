@@ -15,8 +15,18 @@ from clawray.ray_env import free_port
 from clawray.types import Sample
 from clawray.weight_sync import TransportSpec
 
-LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=1e-3, weight_decay=0.0, betas=[0.9, 0.98],
-               grad_clip=1.0, eps=0.2, eps_high=0.28, dist_timeout_s=60)
+LEARNER = dict(
+    num_workers=2,
+    num_cpus=0.25,
+    torch_threads=1,
+    lr=1e-3,
+    weight_decay=0.0,
+    betas=[0.9, 0.98],
+    grad_clip=1.0,
+    eps=0.2,
+    eps_high=0.28,
+    dist_timeout_s=60,
+)
 
 
 # ---------------------------------------------------------------- pure functions
@@ -43,16 +53,30 @@ def test_lr_schedule_exact_values():
 
 
 def test_learner_config_keys_and_checks():
-    cfg = load_config([], ["learner.lr_schedule=cosine", "learner.total_steps=100", "learner.warmup_steps=10",
-                           "learner.lora.rank=8", "learner.lora.target_modules=[q_proj]", "checkpoint.every_steps=5",
-                           "resume=true", "learner.max_tokens_per_micro_batch=4096", "learner.steps_per_batch=2"])
+    cfg = load_config(
+        [],
+        [
+            "learner.lr_schedule=cosine",
+            "learner.total_steps=100",
+            "learner.warmup_steps=10",
+            "learner.lora.rank=8",
+            "learner.lora.target_modules=[q_proj]",
+            "checkpoint.every_steps=5",
+            "resume=true",
+            "learner.max_tokens_per_micro_batch=4096",
+            "learner.steps_per_batch=2",
+        ],
+    )
     assert (cfg.learner.lora.rank, list(cfg.learner.lora.target_modules), cfg.resume) == (8, ["q_proj"], True)
     assert cfg.checkpoint.every_steps == 5 and cfg.checkpoint.keep_last == 2 and cfg.checkpoint.dir == ""
-    for bad, fragment in [("learner.lr_schedule=linear", "lr_schedule"),
-                          ("learner.lr_schedule=cosine", "total_steps"),
-                          ("learner.max_tokens_per_micro_batch=0", "max_tokens_per_micro_batch"),
-                          ("learner.steps_per_batch=0", "steps_per_batch"),
-                          ("learner.lora.rank=-1", "lora"), ("checkpoint.keep_last=-1", "checkpoint")]:
+    for bad, fragment in [
+        ("learner.lr_schedule=linear", "lr_schedule"),
+        ("learner.lr_schedule=cosine", "total_steps"),
+        ("learner.max_tokens_per_micro_batch=0", "max_tokens_per_micro_batch"),
+        ("learner.steps_per_batch=0", "steps_per_batch"),
+        ("learner.lora.rank=-1", "lora"),
+        ("checkpoint.keep_last=-1", "checkpoint"),
+    ]:
         with pytest.raises(ConfigError, match=fragment):
             load_config([], [bad])
 
@@ -61,9 +85,13 @@ def test_merge_lora_state_dict_names_and_values():
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
     a, b = torch.randn(2, 4, generator=g), torch.randn(6, 2, generator=g)
-    state = {"base_model.model.layer.q.base_layer.weight": w, "base_model.model.layer.q.base_layer.bias": bias,
-             "base_model.model.layer.q.lora_A.default.weight": a, "base_model.model.layer.q.lora_B.default.weight": b,
-             "base_model.model.norm.weight": torch.ones(4)}
+    state = {
+        "base_model.model.layer.q.base_layer.weight": w,
+        "base_model.model.layer.q.base_layer.bias": bias,
+        "base_model.model.layer.q.lora_A.default.weight": a,
+        "base_model.model.layer.q.lora_B.default.weight": b,
+        "base_model.model.norm.weight": torch.ones(4),
+    }
     before = {k: v.clone() for k, v in state.items()}
     merged = merge_lora_state_dict(state, {"base_model.model.layer.q": 4.0}, set())
     assert set(merged) == {"layer.q.weight", "layer.q.bias", "norm.weight"}
@@ -78,8 +106,16 @@ def _samples(prompt_lens=(3, 5, 4, 6, 3), resp_lens=(4, 2, 7, 3, 5), logprobs=No
     out = []
     for k, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
         tokens = torch.randint(10, 1000, (p + r,), generator=g).tolist()
-        out.append(Sample(tokens=tokens, prompt_len=p, loss_mask=[1] * (r - 1) + [k % 2], reward=(-1.0) ** k,
-                          rollout_logprobs=logprobs[k] if logprobs else [-6.9] * r, policy_version=0))
+        out.append(
+            Sample(
+                tokens=tokens,
+                prompt_len=p,
+                loss_mask=[1] * (r - 1) + [k % 2],
+                reward=(-1.0) ** k,
+                rollout_logprobs=logprobs[k] if logprobs else [-6.9] * r,
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -95,10 +131,14 @@ def _reference_step(model_dir, samples, lr):
     loss = 0.0
     for s in samples:
         ids = torch.tensor([s.tokens])
-        lp = sequence_logprobs(model(input_ids=ids).logits[0, s.prompt_len - 1 : -1], ids[0, s.prompt_len:])
+        lp = sequence_logprobs(model(input_ids=ids).logits[0, s.prompt_len - 1 : -1], ids[0, s.prompt_len :])
         mask = torch.tensor(s.loss_mask, dtype=torch.float32)
-        loss = loss + ppo_clip_loss(lp, torch.tensor(s.rollout_logprobs), mask * s.reward, mask, 0.2, 0.28,
-                                    normalizer=tokens).loss
+        loss = (
+            loss
+            + ppo_clip_loss(
+                lp, torch.tensor(s.rollout_logprobs), mask * s.reward, mask, 0.2, 0.28, normalizer=tokens
+            ).loss
+        )
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -114,8 +154,11 @@ def _on_policy_logprobs(model_dir, samples):
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.tokens])
-            out.append(sequence_logprobs(model(input_ids=ids).logits[0, s.prompt_len - 1 : -1],
-                                         ids[0, s.prompt_len:]).tolist())
+            out.append(
+                sequence_logprobs(
+                    model(input_ids=ids).logits[0, s.prompt_len - 1 : -1], ids[0, s.prompt_len :]
+                ).tolist()
+            )
     return out
 
 
@@ -143,8 +186,10 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
 
     refs = [ray.put(s) for s in samples]
     results = {}
-    for label, extra in [("packed", {"max_tokens_per_micro_batch": 10_000}),
-                         ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True})]:
+    for label, extra in [
+        ("packed", {"max_tokens_per_micro_batch": 10_000}),
+        ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True}),
+    ]:
         group = LearnerGroup(tiny_model, {**LEARNER, **extra}, free_port())
         try:
             results[label] = _step(group, refs, 1)
@@ -219,20 +264,57 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
     from clawray.actors.rollout import RolloutEngineActor
 
     base_sd = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
-    cfg = {**LEARNER, "lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0,
-                                           "target_modules": ["q_proj", "v_proj", "down_proj"]},
-           "steps_per_batch": 2, "lr_schedule": "cosine", "warmup_steps": 1, "total_steps": 5, "min_lr_ratio": 0.1,
-           "max_tokens_per_micro_batch": 24}
+    cfg = {
+        **LEARNER,
+        "lr": 1e-2,
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        "steps_per_batch": 2,
+        "lr_schedule": "cosine",
+        "warmup_steps": 1,
+        "total_steps": 5,
+        "min_lr_ratio": 0.1,
+        "max_tokens_per_micro_batch": 24,
+    }
     p = [5, 6, 7]
-    rl = Sample(tokens=p + [11, 12, 13], prompt_len=3, loss_mask=[1, 1, 1], rollout_logprobs=[-7.0] * 3,
-                reward=1.0, policy_version=0)
-    opd = Sample(tokens=p + [21, 22, 23, 24], prompt_len=3, loss_mask=[1] * 4, rollout_logprobs=[-7.0] * 4,
-                 reward=None, policy_version=0, kind="opd", teacher_logprobs=[-5.0, -9.0, -6.0, -8.0])
-    combine = Sample(tokens=p + [31, 32], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-7.0] * 2, reward=-1.0,
-                     policy_version=0, kind="combine", teacher_logprobs=[-6.0, -6.5])
-    topk = Sample(tokens=p + [41, 42], prompt_len=3, loss_mask=[1, 1], rollout_logprobs=[-7.0] * 2, reward=None,
-                  policy_version=0, kind="opd", teacher_topk_ids=[[41, 1, 2], [42, 3, 4]],
-                  teacher_topk_logprobs=[[-0.5, -2.0, -3.0], [-0.7, -1.5, -3.5]])
+    rl = Sample(
+        tokens=p + [11, 12, 13],
+        prompt_len=3,
+        loss_mask=[1, 1, 1],
+        rollout_logprobs=[-7.0] * 3,
+        reward=1.0,
+        policy_version=0,
+    )
+    opd = Sample(
+        tokens=p + [21, 22, 23, 24],
+        prompt_len=3,
+        loss_mask=[1] * 4,
+        rollout_logprobs=[-7.0] * 4,
+        reward=None,
+        policy_version=0,
+        kind="opd",
+        teacher_logprobs=[-5.0, -9.0, -6.0, -8.0],
+    )
+    combine = Sample(
+        tokens=p + [31, 32],
+        prompt_len=3,
+        loss_mask=[1, 1],
+        rollout_logprobs=[-7.0] * 2,
+        reward=-1.0,
+        policy_version=0,
+        kind="combine",
+        teacher_logprobs=[-6.0, -6.5],
+    )
+    topk = Sample(
+        tokens=p + [41, 42],
+        prompt_len=3,
+        loss_mask=[1, 1],
+        rollout_logprobs=[-7.0] * 2,
+        reward=None,
+        policy_version=0,
+        kind="opd",
+        teacher_topk_ids=[[41, 1, 2], [42, 3, 4]],
+        teacher_topk_logprobs=[[-0.5, -2.0, -3.0], [-0.7, -1.5, -3.5]],
+    )
     refs = [ray.put(s) for s in (rl, opd, combine, topk)]
     group = LearnerGroup(tiny_model, cfg, free_port())
     engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-lora", 1, 8, {})
@@ -242,8 +324,10 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
         plan = ray.get(engine.weight_specs.remote())
         port = free_port()
         spec = TransportSpec("collective", 2, plan, bucket_bytes=1 << 20, timeout_s=60, port=port)
-        ray.get(group.init_weight_sender(spec)  # checks the merged names against the engine's plan
-                + [engine.init_weight_receiver.remote(1, spec)])
+        ray.get(
+            group.init_weight_sender(spec)  # checks the merged names against the engine's plan
+            + [engine.init_weight_receiver.remote(1, spec)]
+        )
         raw0 = ray.get([w.state_dict.remote(merged=False) for w in group.workers])[0]
         lora_keys = [k for k in raw0 if ".lora_" in k]
         assert len(lora_keys) == 2 * 3 * 2  # A and B x 3 modules x 2 layers

@@ -23,8 +23,18 @@ from clawray.algos.losses import sequence_logprobs
 from clawray.ray_env import free_port
 from clawray.types import Sample
 
-LEARNER = dict(num_cpus=0.25, torch_threads=1, lr=0.0, weight_decay=0.0, betas=[0.9, 0.98], grad_clip=1.0,
-               eps=0.2, eps_high=0.28, dist_timeout_s=60, max_tokens_per_micro_batch=1)
+LEARNER = dict(
+    num_cpus=0.25,
+    torch_threads=1,
+    lr=0.0,
+    weight_decay=0.0,
+    betas=[0.9, 0.98],
+    grad_clip=1.0,
+    eps=0.2,
+    eps_high=0.28,
+    dist_timeout_s=60,
+    max_tokens_per_micro_batch=1,
+)
 # the helpers below run inside the learner actors (__ray_call__), which cannot import this test module
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -36,8 +46,16 @@ def _samples(prompt_lens=(3, 5, 4, 6, 3), resp_lens=(4, 2, 7, 3, 5), seed=0) -> 
     out = []
     for k, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
         tokens = torch.randint(10, 1000, (p + r,), generator=g).tolist()
-        out.append(Sample(tokens=tokens, prompt_len=p, loss_mask=[1] * r, reward=(-1.0) ** k,
-                          rollout_logprobs=[0.0] * r, policy_version=0))
+        out.append(
+            Sample(
+                tokens=tokens,
+                prompt_len=p,
+                loss_mask=[1] * r,
+                reward=(-1.0) ** k,
+                rollout_logprobs=[0.0] * r,
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -53,7 +71,7 @@ def _on_policy(model_dir: str, samples: list[Sample], state: dict | None = None)
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.tokens])
-            lp = sequence_logprobs(model(input_ids=ids).logits[0, s.prompt_len - 1 : -1], ids[0, s.prompt_len:])
+            lp = sequence_logprobs(model(input_ids=ids).logits[0, s.prompt_len - 1 : -1], ids[0, s.prompt_len :])
             out.append(dataclasses.replace(s, rollout_logprobs=lp.tolist()))
     return out
 
@@ -86,7 +104,12 @@ def _random_lora_b(worker, seed: int) -> None:
 
 def _set(group: LearnerGroup, **options) -> None:
     """Change learner options read at each ``train_step`` (anchor, steps per batch) on every rank."""
-    ray.get([w.__ray_call__.remote(lambda self, kw: [setattr(self.cfg, k, v) for k, v in kw.items()], options) for w in group.workers])
+    ray.get(
+        [
+            w.__ray_call__.remote(lambda self, kw: [setattr(self.cfg, k, v) for k, v in kw.items()], options)
+            for w in group.workers
+        ]
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -97,8 +120,7 @@ def test_lr0_on_policy_matrix(ray_cluster, tiny_model, dropout_model, workers):
     its frozen reference < 1e-6 (kl_coef 0.05). ``max_tokens_per_micro_batch=1``: one sample per
     pass, so with 2 ranks and 5 samples one rank runs padding passes (also in the proximal pre-pass)."""
     failures = []
-    for label, model, extra in [("full", dropout_model, {"kl_coef": 0.05}),
-                                 ("lora", tiny_model, {"lora": LORA})]:
+    for label, model, extra in [("full", dropout_model, {"kl_coef": 0.05}), ("lora", tiny_model, {"lora": LORA})]:
         group = LearnerGroup(model, {**LEARNER, **extra, "num_workers": workers}, free_port())
         try:
             state = None
@@ -115,13 +137,31 @@ def test_lr0_on_policy_matrix(ray_cluster, tiny_model, dropout_model, workers):
                     m = group.train_step(batch, version)
                     cell = (label, anchor, steps, workers)
                     assert m["optimizer_steps"] == steps and m["num_tokens"] == 21, cell
-                    ok = (abs(m["inv/ratio_max"] - 1) < 1e-5 and abs(m["inv/ratio_mean"] - 1) < 1e-5
-                          and m["inv/clip_frac"] == 0.0 and m["inv/logprob_mismatch_kl"] < 1e-6
-                          and abs(m["kl"]) < 1e-6 and abs(m["inv/is_weight_mean"] - 1) < 1e-5)
+                    ok = (
+                        abs(m["inv/ratio_max"] - 1) < 1e-5
+                        and abs(m["inv/ratio_mean"] - 1) < 1e-5
+                        and m["inv/clip_frac"] == 0.0
+                        and m["inv/logprob_mismatch_kl"] < 1e-6
+                        and abs(m["kl"]) < 1e-6
+                        and abs(m["inv/is_weight_mean"] - 1) < 1e-5
+                    )
                     if not ok:
-                        failures.append((cell, {k: round(m[k], 6) for k in (
-                            "inv/ratio_max", "inv/ratio_mean", "inv/clip_frac", "inv/logprob_mismatch_kl", "kl",
-                            "inv/is_weight_mean")}))
+                        failures.append(
+                            (
+                                cell,
+                                {
+                                    k: round(m[k], 6)
+                                    for k in (
+                                        "inv/ratio_max",
+                                        "inv/ratio_mean",
+                                        "inv/clip_frac",
+                                        "inv/logprob_mismatch_kl",
+                                        "kl",
+                                        "inv/is_weight_mean",
+                                    )
+                                },
+                            )
+                        )
         finally:
             group.shutdown()
     if failures:
@@ -178,7 +218,9 @@ def test_failed_learner_start_releases_its_placement_group(ray_cluster, tiny_mod
     (the old code kept them reserved until the driver exited)."""
     live, before = _live_placement_groups(), _settled_cpus()
     cfg = {**LEARNER, "num_workers": 2, "num_cpus": 0.5, "lora": {**LORA, "target_modules": ["no_such"]}}
-    with pytest.raises(RuntimeError, match=r"learner rank [01] of 2 failed to start: \S*Error: Target modules .*no_such"):
+    with pytest.raises(
+        RuntimeError, match=r"learner rank [01] of 2 failed to start: \S*Error: Target modules .*no_such"
+    ):
         LearnerGroup(tiny_model, cfg, free_port())
     assert _live_placement_groups() <= live  # ours is removed
     deadline = time.monotonic() + 20

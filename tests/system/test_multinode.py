@@ -55,10 +55,21 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
     learners' rendezvous and the weight-sync group's rendezvous are rank 0's own node address
     (127.0.0.2), not 127.0.0.1; ``sync.transport=auto`` chose the collective (engine on another host);
     the engine serves v2."""
-    cfg = tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "learner.resources={learner_node: 1}", "rollout.resources={rollout_node: 1}", "sync.transport=auto",
-        "trainer.num_steps=2", "trainer.batch_timeout_s=240", "env.concurrency=2", "env.max_tokens=16",
-        "env.max_turns=2", "wandb.mode=disabled"])
+    cfg = tiny_run_config(
+        tiny_model,
+        tmp_path / "run",
+        overrides=[
+            "learner.resources={learner_node: 1}",
+            "rollout.resources={rollout_node: 1}",
+            "sync.transport=auto",
+            "trainer.num_steps=2",
+            "trainer.batch_timeout_s=240",
+            "env.concurrency=2",
+            "env.max_tokens=16",
+            "env.max_turns=2",
+            "wandb.mode=disabled",
+        ],
+    )
     d = Driver(cfg)
     try:
         d.setup()
@@ -69,8 +80,10 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
         assert ray.get(d.learners.workers[1].__ray_call__.remote(lambda w: w.master_address)) == (host, port)
         assert d.weight_sync.transport == "collective" and d.weight_sync.rendezvous[0] == "127.0.0.2"
         out = capsys.readouterr().out
-        assert (f"[clawray] placement: learners on 127.0.0.2 x2 (rendezvous 127.0.0.2:{port}), engines on 127.0.0.3 x1; "
-                f"weight sync collective at 127.0.0.2:{d.weight_sync.rendezvous[1]}") in out
+        assert (
+            f"[clawray] placement: learners on 127.0.0.2 x2 (rendezvous 127.0.0.2:{port}), engines on 127.0.0.3 x1; "
+            f"weight sync collective at 127.0.0.2:{d.weight_sync.rendezvous[1]}"
+        ) in out
         summary = d.run()
         assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]
         lines = [json.loads(line) for line in open(f"{d.run_dir}/metrics.jsonl")]
@@ -85,9 +98,18 @@ def test_forced_ipc_across_hosts_is_refused_naming_the_engine(three_nodes, tiny_
     error naming the engine, both hosts and the way out, instead of a hang or a silent copy."""
     from clawray.weight_sync import WeightSyncError
 
-    cfg = tiny_run_config(tiny_model, tmp_path / "run", overrides=[
-        "learner.resources={learner_node: 1}", "rollout.resources={rollout_node: 1}", "sync.transport=ipc",
-        "learner.num_workers=1", "env.enabled=false", "wandb.mode=disabled"])
+    cfg = tiny_run_config(
+        tiny_model,
+        tmp_path / "run",
+        overrides=[
+            "learner.resources={learner_node: 1}",
+            "rollout.resources={rollout_node: 1}",
+            "sync.transport=ipc",
+            "learner.num_workers=1",
+            "env.enabled=false",
+            "wandb.mode=disabled",
+        ],
+    )
     d = Driver(cfg)
     try:
         with pytest.raises(WeightSyncError) as err:

@@ -11,13 +11,31 @@ from conftest import tiny_run_config
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("preset, extra", [("conf/opd.yaml", []), ("conf/combine.yaml", []),
-                                           ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"]),
-                                           ("conf/opd.yaml", ["opd.teacher=live"])])
+@pytest.mark.parametrize(
+    "preset, extra",
+    [
+        ("conf/opd.yaml", []),
+        ("conf/combine.yaml", []),
+        ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"]),
+        ("conf/opd.yaml", ["opd.teacher=live"]),
+    ],
+)
 def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
-    cfg = tiny_run_config(tiny_model, tmp_path, presets=[preset], overrides=extra + [
-        "trainer.num_steps=2", "trainer.batch_timeout_s=180", "env.concurrency=2", "env.max_tokens=12",
-        "env.max_turns=2", "learner.lr=1e-3", "wandb.mode=disabled"])
+    cfg = tiny_run_config(
+        tiny_model,
+        tmp_path,
+        presets=[preset],
+        overrides=extra
+        + [
+            "trainer.num_steps=2",
+            "trainer.batch_timeout_s=180",
+            "env.concurrency=2",
+            "env.max_tokens=12",
+            "env.max_turns=2",
+            "learner.lr=1e-3",
+            "wandb.mode=disabled",
+        ],
+    )
     d = Driver(cfg)
     try:
         d.setup()

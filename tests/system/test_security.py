@@ -39,23 +39,53 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
     for mode in ("echo", "strict"):
         queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
-            [judge], queue, records_dir=str(tmp / mode), idle_timeout_s=600.0, truncated="mask")
-        cfg = {"model_name": "tiny", "default_max_tokens": 4, "default_temperature": 1.0, "max_model_len": 256,
-               "generate_timeout_s": 60, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 1.0,
-               "retry_after_s": 2, "max_n": 4, "body_timeout_s": 2.0, "host": "127.0.0.1",
-               "allowed_origins": ["http://localhost:3000"], "session_binding": mode}
-        serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
-                  name=mode, route_prefix=f"/{mode}")
+            [judge], queue, records_dir=str(tmp / mode), idle_timeout_s=600.0, truncated="mask"
+        )
+        cfg = {
+            "model_name": "tiny",
+            "default_max_tokens": 4,
+            "default_temperature": 1.0,
+            "max_model_len": 256,
+            "generate_timeout_s": 60,
+            "max_body_bytes": 1 << 20,
+            "api_key": "",
+            "sync_wait_timeout_s": 1.0,
+            "retry_after_s": 2,
+            "max_n": 4,
+            "body_timeout_s": 2.0,
+            "host": "127.0.0.1",
+            "allowed_origins": ["http://localhost:3000"],
+            "session_binding": mode,
+        }
+        serve.run(
+            PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+            name=mode,
+            route_prefix=f"/{mode}",
+        )
     yield {"port": port, "root": f"http://127.0.0.1:{port}"}
     serve.shutdown()
 
 
-def _raw(port: int, head: bytes, body: bytes = BODY, path: bytes = b"/echo/v1/chat/completions",
-         content_type: bytes = b"application/json", timeout: float = 30.0) -> int:
+def _raw(
+    port: int,
+    head: bytes,
+    body: bytes = BODY,
+    path: bytes = b"/echo/v1/chat/completions",
+    content_type: bytes = b"application/json",
+    timeout: float = 30.0,
+) -> int:
     """Send one request as raw bytes; returns the response's status code."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + content_type + b"\r\n" + head
-                  + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST "
+            + path
+            + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            + content_type
+            + b"\r\n"
+            + head
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
         data = b""
         while b"\r\n" not in data:
             chunk = s.recv(4096)
@@ -65,9 +95,17 @@ def _raw(port: int, head: bytes, body: bytes = BODY, path: bytes = b"/echo/v1/ch
     return int(data.split(b" ", 2)[1])
 
 
-PROXY_DECODED = [b"X-Session-Id", b"x_session_id", b"X-Request-Id", b"serve_multiplexed_model_id",
-                 b"serve-multiplexed-model-id", b"X-Request-Timeout-Seconds", b"X-Request-Disconnect-Disabled",
-                 b"traceparent", b"X-Other"]
+PROXY_DECODED = [
+    b"X-Session-Id",
+    b"x_session_id",
+    b"X-Request-Id",
+    b"serve_multiplexed_model_id",
+    b"serve-multiplexed-model-id",
+    b"X-Request-Timeout-Seconds",
+    b"X-Request-Disconnect-Disabled",
+    b"traceparent",
+    b"X-Other",
+]
 
 
 def test_header_bytes_and_sizes_get_4xx_never_500(secured):
@@ -83,8 +121,10 @@ def test_slow_body_gets_408_and_blocks_no_one_of_its_session(secured):
 
     def slowloris():
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            s.sendall(b"POST /echo/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                      b"\r\nX-Session-Id: slow-s\r\nContent-Length: %d\r\n\r\n" % len(BODY))
+            s.sendall(
+                b"POST /echo/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                b"\r\nX-Session-Id: slow-s\r\nContent-Length: %d\r\n\r\n" % len(BODY)
+            )
             t0 = time.perf_counter()
             try:
                 for b in BODY:  # 1 byte per 0.25 s: the body would take 16 s
@@ -99,8 +139,12 @@ def test_slow_body_gets_408_and_blocks_no_one_of_its_session(secured):
     t.start()
     time.sleep(0.5)
     t0 = time.perf_counter()
-    r = httpx.post(secured["root"] + "/echo/v1/chat/completions", content=BODY, timeout=30,
-                   headers={"Content-Type": "application/json", "X-Session-Id": "slow-s"})
+    r = httpx.post(
+        secured["root"] + "/echo/v1/chat/completions",
+        content=BODY,
+        timeout=30,
+        headers={"Content-Type": "application/json", "X-Session-Id": "slow-s"},
+    )
     fast_s = time.perf_counter() - t0
     t.join(30)
     assert r.status_code == 200 and fast_s < 1.5  # served while the slow body of its session trickles
@@ -152,8 +196,9 @@ def test_session_binding_echo_binds_once_the_token_comes_back(secured):
 
 def test_session_binding_strict_and_a_failed_first_request_binds_nothing(secured):
     root = secured["root"]
-    bad = httpx.post(f"{root}/strict/v1/chat/completions", json={"messages": []}, timeout=30,
-                     headers={"X-Session-Id": "bind-s"})
+    bad = httpx.post(
+        f"{root}/strict/v1/chat/completions", json={"messages": []}, timeout=30, headers={"X-Session-Id": "bind-s"}
+    )
     assert bad.status_code == 400 and "x-session-token" not in bad.headers
     first = _session(root, "strict", "bind-s")
     token = first.headers["x-session-token"]

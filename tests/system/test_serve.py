@@ -62,9 +62,13 @@ def _scripted_engine_class():
             ids, finish = self.replies.pop(0) if self.replies else ([1], "length")
             if len(ids) > request.max_tokens:  # cut like a real engine
                 ids, finish = ids[: request.max_tokens], "length"
-            return {"response_ids": ids, "logprobs": [-0.01 * (i + 1) for i in range(len(ids))],
-                    "finish_reason": finish,
-                    "policy_version": 3, "engine": "scripted"}
+            return {
+                "response_ids": ids,
+                "logprobs": [-0.01 * (i + 1) for i in range(len(ids))],
+                "finish_reason": finish,
+                "policy_version": 3,
+                "engine": "scripted",
+            }
 
         async def generate(self, request, wait_s=None):
             return await self._next(request)
@@ -125,21 +129,45 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
     for name in ("real", "scripted"):
         queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
         trackers[name] = SessionTrackerActor.options(num_cpus=0).remote(
-            [judge], queue, records_dir=str(tmp / name / "records"), idle_timeout_s=600.0, truncated="mask")
+            [judge], queue, records_dir=str(tmp / name / "records"), idle_timeout_s=600.0, truncated="mask"
+        )
     ray.get(real_engine.ready.remote())
-    cfg = {"model_name": "tiny", "default_max_tokens": 100, "default_temperature": 1.0, "max_model_len": 256,
-           "generate_timeout_s": 60, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 1.0,
-           "retry_after_s": 2, "max_n": 4}
+    cfg = {
+        "model_name": "tiny",
+        "default_max_tokens": 100,
+        "default_temperature": 1.0,
+        "max_model_len": 256,
+        "generate_timeout_s": 60,
+        "max_body_bytes": 1 << 20,
+        "api_key": "",
+        "sync_wait_timeout_s": 1.0,
+        "retry_after_s": 2,
+        "max_n": 4,
+    }
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     opts = {"ray_actor_options": {"num_cpus": 0}}
-    serve.run(PolicyServer.options(**opts).bind(tiny_model, [real_engine], trackers["real"], cfg),
-              name="real", route_prefix="/real")
-    serve.run(PolicyServer.options(**opts).bind(thinking_model, [scripted], trackers["scripted"], cfg),
-              name="scripted", route_prefix="/scripted")
+    serve.run(
+        PolicyServer.options(**opts).bind(tiny_model, [real_engine], trackers["real"], cfg),
+        name="real",
+        route_prefix="/real",
+    )
+    serve.run(
+        PolicyServer.options(**opts).bind(thinking_model, [scripted], trackers["scripted"], cfg),
+        name="scripted",
+        route_prefix="/scripted",
+    )
     root = f"http://127.0.0.1:{port}"
-    yield {"root": root, "real": f"{root}/real/v1", "scripted": f"{root}/scripted/v1", "engine": real_engine,
-           "scripted_engine": scripted, "trackers": trackers, "tok": tok, "records": tmp}
+    yield {
+        "root": root,
+        "real": f"{root}/real/v1",
+        "scripted": f"{root}/scripted/v1",
+        "engine": real_engine,
+        "scripted_engine": scripted,
+        "trackers": trackers,
+        "tok": tok,
+        "records": tmp,
+    }
     serve.shutdown()
     ray.kill(real_engine)
 
@@ -156,11 +184,20 @@ def _ids(tok, text, stop=True):
 def test_stream_merges_to_the_plain_answer_for_a_fixed_seed(served):
     client = _client(served["real"])
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, seed=11, max_tokens=24,
-                                           extra_headers={"X-Session-Id": "plain-11"})
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, seed=11, max_tokens=24, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_headers={"X-Session-Id": "stream-11"}))
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, seed=11, max_tokens=24, extra_headers={"X-Session-Id": "plain-11"}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            seed=11,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Session-Id": "stream-11"},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == (plain.choices[0].message.content or "")
@@ -173,23 +210,33 @@ def test_stream_merges_to_the_plain_answer_for_a_fixed_seed(served):
     assert usage.usage.completion_tokens == len(turn.response_ids)
     assert usage.usage.prompt_tokens == len(turn.prompt_ids)
     # the raw event stream ends with [DONE]
-    with httpx.stream("POST", served["real"] + "/chat/completions", timeout=60, json={
-            "messages": messages, "stream": True, "max_tokens": 4, "seed": 1}) as r:
+    with httpx.stream(
+        "POST",
+        served["real"] + "/chat/completions",
+        timeout=60,
+        json={"messages": messages, "stream": True, "max_tokens": 4, "seed": 1},
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert r.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
 
 
 def test_stream_emits_whole_characters_reasoning_and_tool_call_deltas(served):
     tok, engine = served["tok"], served["scripted_engine"]
-    reply = ('<think>\n漢字 ✓ plan\n</think>\n\nCalling the tool: é.\n<tool_call>\n'
-             '{"name": "calculator", "arguments": "{\\"expression\\": \\"3*4\\"}"}\n</tool_call>')
+    reply = (
+        "<think>\n漢字 ✓ plan\n</think>\n\nCalling the tool: é.\n<tool_call>\n"
+        '{"name": "calculator", "arguments": "{\\"expression\\": \\"3*4\\"}"}\n</tool_call>'
+    )
     ray.get(engine.script.remote([(_ids(tok, reply), "stop"), (_ids(tok, reply), "stop")]))
     client = _client(served["scripted"])
     messages = [{"role": "user", "content": "3*4?"}]
-    plain = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                           extra_headers={"X-Session-Id": "utf-plain"})
-    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True,
-                                                 extra_headers={"X-Session-Id": "utf-stream"}))
+    plain = client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, extra_headers={"X-Session-Id": "utf-plain"}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, stream=True, extra_headers={"X-Session-Id": "utf-stream"}
+        )
+    )
     texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
     reasoning = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks]
     reasoning = [r for r in reasoning if r]
@@ -199,7 +246,8 @@ def test_stream_emits_whole_characters_reasoning_and_tool_call_deltas(served):
     assert "".join(reasoning) == plain.choices[0].message.model_extra["reasoning_content"] == "\n漢字 ✓ plan\n"
     calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
     assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
-        (0, "calculator", {"expression": "3*4"})]
+        (0, "calculator", {"expression": "3*4"})
+    ]
     (plain_call,) = plain.choices[0].message.tool_calls
     assert json.loads(plain_call.function.arguments) == {"expression": "3*4"}  # double-encoded -> one JSON string
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason == "tool_calls"
@@ -215,26 +263,44 @@ def test_scripted_tool_blocks_two_objects_bad_json_and_truncation(served):
     long_reply = _ids(tok, "one two three four five six seven eight nine ten", stop=False)
     ray.get(engine.script.remote([(_ids(tok, two), "stop"), (_ids(tok, bad), "stop"), (long_reply, "stop")]))
     client = _client(served["scripted"])
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "sums"}], tools=TOOLS,
-                                       extra_headers={"X-Session-Id": "two-calls"})
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "sums"}],
+        tools=TOOLS,
+        extra_headers={"X-Session-Id": "two-calls"},
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [
-        {"expression": "1+1"}, {"expression": "2+2"}]
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "bad"}], tools=TOOLS,
-                                       extra_headers={"X-Session-Id": "bad-call"})
+        {"expression": "1+1"},
+        {"expression": "2+2"},
+    ]
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "bad"}],
+        tools=TOOLS,
+        extra_headers={"X-Session-Id": "bad-call"},
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == bad
     assert ray.get(tracker.pending_turn.remote("bad-call")).tool_parse_error
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "count"}], max_tokens=4,
-                                       extra_headers={"X-Session-Id": "cut"})
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "count"}], max_tokens=4, extra_headers={"X-Session-Id": "cut"}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
     cut = ray.get(tracker.pending_turn.remote("cut"))
     assert cut.truncated and cut.response_ids == long_reply[:4]
     # the next request resolves the truncated turn: masked (not judged), counted
     before = ray.get(tracker.stats.remote()).get("dropped/truncated", 0)
-    client.chat.completions.create(model="m", messages=[
-        {"role": "user", "content": "count"}, {"role": "assistant", "content": r.choices[0].message.content},
-        {"role": "user", "content": "go on"}], max_tokens=2, extra_headers={"X-Session-Id": "cut"})
+    client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "count"},
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "go on"},
+        ],
+        max_tokens=2,
+        extra_headers={"X-Session-Id": "cut"},
+    )
     assert ray.get(tracker.stats.remote())["dropped/truncated"] == before + 1
 
 
@@ -247,10 +313,19 @@ def test_no_tool_calls_unless_tools_are_offered(served):
     client = _client(served["scripted"])
     msgs = [{"role": "user", "content": "1+1?"}]
     bare = client.chat.completions.create(model="m", messages=msgs, extra_headers={"X-Turn-Type": "side"})
-    chunks = list(client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none",
-                                                 stream=True, extra_headers={"X-Turn-Type": "side"}))
-    offered = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS,
-                                             extra_headers={"X-Turn-Type": "side"})
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=msgs,
+            tools=TOOLS,
+            tool_choice="none",
+            stream=True,
+            extra_headers={"X-Turn-Type": "side"},
+        )
+    )
+    offered = client.chat.completions.create(
+        model="m", messages=msgs, tools=TOOLS, extra_headers={"X-Turn-Type": "side"}
+    )
     assert bare.choices[0].message.content == reply and bare.choices[0].message.tool_calls is None
     assert bare.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply
@@ -264,10 +339,16 @@ def test_history_tool_arguments_as_string_or_object_render_the_same(served):
     ray.get(engine.script.remote([([5], "length"), ([5], "length")]))
     client = _client(served["scripted"])
     call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}
-    history = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "c1", "content": "2"}]
-    as_object = [history[0], {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": {"expression": "1+1"}}}]},
-                 history[2]]
+    history = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+    as_object = [
+        history[0],
+        {**history[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": {"expression": "1+1"}}}]},
+        history[2],
+    ]
     n0 = len(ray.get(engine.seen.remote()))
     for msgs in (history, as_object):  # side turns: rendered fresh, never spliced
         client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, extra_headers={"X-Turn-Type": "side"})
@@ -285,21 +366,30 @@ def test_spliced_prompts_keep_earlier_responses_exactly_under_a_thinking_templat
     would drop the think block and re-serialise the JSON, but each recorded prompt holds the earlier
     turns' prompt + response ids exactly."""
     tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
-    replies = ['<think>\nneed the tool\n</think>\n\n<tool_call>\n{"name":"calculator","arguments":{"expression":"6*7"}}\n</tool_call>',
-               '<think>\ngot 42\n</think>\n\nIt is 42.',
-               '<think>\nagain\n</think>\n\n<tool_call>\n{"name":"calculator","arguments":{"expression":"42+1"}}\n</tool_call>']
+    replies = [
+        '<think>\nneed the tool\n</think>\n\n<tool_call>\n{"name":"calculator","arguments":{"expression":"6*7"}}\n</tool_call>',
+        "<think>\ngot 42\n</think>\n\nIt is 42.",
+        '<think>\nagain\n</think>\n\n<tool_call>\n{"name":"calculator","arguments":{"expression":"42+1"}}\n</tool_call>',
+    ]
     ray.get(engine.script.remote([(_ids(tok, r), "stop") for r in replies]))
     client = _client(served["scripted"])
     messages = [{"role": "user", "content": "6*7?"}]
     turns = []
-    for k, follow in enumerate([{"role": "tool", "tool_call_id": "x", "content": "42"},
-                                {"role": "user", "content": "and plus one?"}, None]):
-        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                           extra_headers={"X-Session-Id": "drift"}, stream=(k == 1))
+    for k, follow in enumerate(
+        [{"role": "tool", "tool_call_id": "x", "content": "42"}, {"role": "user", "content": "and plus one?"}, None]
+    ):
+        r = client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, extra_headers={"X-Session-Id": "drift"}, stream=(k == 1)
+        )
         if k == 1:  # a streamed turn: rebuild the message from the deltas, as a client does
             chunks = list(r)
-            msg = {"role": "assistant", "content": "".join(c.choices[0].delta.content or "" for c in chunks),
-                   "reasoning_content": "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)}
+            msg = {
+                "role": "assistant",
+                "content": "".join(c.choices[0].delta.content or "" for c in chunks),
+                "reasoning_content": "".join(
+                    c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks
+                ),
+            }
         else:
             msg = r.choices[0].message.model_dump(exclude_none=True)
         turns.append(ray.get(tracker.pending_turn.remote("drift")))
@@ -308,8 +398,10 @@ def test_spliced_prompts_keep_earlier_responses_exactly_under_a_thinking_templat
     for prev, nxt in zip(turns, turns[1:]):
         head = prev.prompt_ids + prev.response_ids
         assert nxt.spliced and nxt.prompt_ids[: len(head)] == head
-    fresh = tok.encode(tok.apply_chat_template(turns[2].messages, tools=TOOLS, add_generation_prompt=True,
-                                               tokenize=False), add_special_tokens=False)
+    fresh = tok.encode(
+        tok.apply_chat_template(turns[2].messages, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     assert fresh != turns[2].prompt_ids  # the template would have drifted: think dropped, JSON re-serialised
     assert fresh[-3:] == turns[2].prompt_ids[-3:]  # ... while the new suffix is the template's own rendering
 
@@ -323,34 +415,55 @@ def test_every_end_id_ends_the_turn_hidden_kept_and_spliced_as_the_template_rend
     tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
     im_end, eot = tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")
     body = tok.encode("Hi there", add_special_tokens=False)
-    ray.get(engine.script.remote([(body + [eot], "stop"), (body + [eot], "stop"), (body + [im_end], "stop"),
-                                  ([5], "length"), ([5], "length"), ([5], "length")]))
+    ray.get(
+        engine.script.remote(
+            [
+                (body + [eot], "stop"),
+                (body + [eot], "stop"),
+                (body + [im_end], "stop"),
+                ([5], "length"),
+                ([5], "length"),
+                ([5], "length"),
+            ]
+        )
+    )
     client = _client(served["scripted"])
     first = [{"role": "user", "content": "hello"}]
     n0 = len(ray.get(engine.seen.remote()))
     plain = client.chat.completions.create(model="m", messages=first, extra_headers={"X-Session-Id": "eot-plain"})
-    chunks = list(client.chat.completions.create(model="m", messages=first, stream=True,
-                                                 extra_headers={"X-Session-Id": "eot-stream"}))
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=first, stream=True, extra_headers={"X-Session-Id": "eot-stream"}
+        )
+    )
     normal = client.chat.completions.create(model="m", messages=first, extra_headers={"X-Session-Id": "eot-normal"})
     assert ray.get(engine.seen.remote())[n0].stop_token_ids == [im_end, eot]  # the engine stops on both
     assert plain.choices[0].message.content == "Hi there" == normal.choices[0].message.content
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hi there"
-    assert plain.choices[0].finish_reason == "stop" == [c for c in chunks if c.choices[0].finish_reason][0].choices[
-        0].finish_reason
+    assert (
+        plain.choices[0].finish_reason
+        == "stop"
+        == [c for c in chunks if c.choices[0].finish_reason][0].choices[0].finish_reason
+    )
     assert plain.usage.completion_tokens == len(body) + 1
     for sid, last in (("eot-plain", eot), ("eot-stream", eot), ("eot-normal", im_end)):
         turn = ray.get(tracker.pending_turn.remote(sid))
         assert turn.response_ids == body + [last] and not turn.truncated and turn.finish_reason == "stop"
     follow = first + [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "more"}]
     prompt1 = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    expected = prompt1 + body + [im_end] + tok.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n",
-                                                      add_special_tokens=False)
+    expected = (
+        prompt1
+        + body
+        + [im_end]
+        + tok.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    )
     for sid in ("eot-plain", "eot-stream", "eot-normal"):
         client.chat.completions.create(model="m", messages=follow, extra_headers={"X-Session-Id": sid})
         turn = ray.get(tracker.pending_turn.remote(sid))
         assert turn.spliced and turn.prompt_ids == expected, sid
-        fresh = tok.encode(tok.apply_chat_template(follow, add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False)
+        fresh = tok.encode(
+            tok.apply_chat_template(follow, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
         assert turn.prompt_ids == fresh  # what the chat template renders for that history
 
 
@@ -360,15 +473,19 @@ def test_request_stop_token_ids_end_the_turn_too(served):
     ray.get(engine.script.remote([(body + [extra], "stop"), ([5], "length")]))
     client = _client(served["scripted"])
     n0 = len(ray.get(engine.seen.remote()))
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hey"}],
-                                       extra_body={"stop_token_ids": [extra]},
-                                       extra_headers={"X-Session-Id": "req-stop"})
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hey"}],
+        extra_body={"stop_token_ids": [extra]},
+        extra_headers={"X-Session-Id": "req-stop"},
+    )
     assert r.choices[0].message.content == "Hi there" and r.choices[0].finish_reason == "stop"
     assert ray.get(engine.seen.remote())[n0].stop_token_ids == [tok.eos_token_id, 0, extra]
     assert ray.get(tracker.pending_turn.remote("req-stop")).response_ids == body + [extra]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hey"}],
-                                       extra_body={"stop_token_ids": [len(tok)]})
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hey"}], extra_body={"stop_token_ids": [len(tok)]}
+        )
     assert e.value.body["param"] == "stop_token_ids"
 
 
@@ -383,9 +500,14 @@ def test_prompt_reuse_keys_on_tools_tool_choice_and_system_message(served):
     client = _client(served["scripted"])
     before = ray.get(tracker.stats.remote())
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q0"}]
-    plan = [(dict(tools=TOOLS), False), (dict(tools=WEATHER), False), (dict(tools=WEATHER), True),
-            (dict(tools=WEATHER, tool_choice="none"), False), (dict(tools=WEATHER, tool_choice="none"), True),
-            (dict(), False)]
+    plan = [
+        (dict(tools=TOOLS), False),
+        (dict(tools=WEATHER), False),
+        (dict(tools=WEATHER), True),
+        (dict(tools=WEATHER, tool_choice="none"), False),
+        (dict(tools=WEATHER, tool_choice="none"), True),
+        (dict(), False),
+    ]
     turns = []
     for k, (kw, spliced) in enumerate(plan):
         if k == 5:  # a new system message: the history differs from the start
@@ -393,8 +515,10 @@ def test_prompt_reuse_keys_on_tools_tool_choice_and_system_message(served):
         r = client.chat.completions.create(model="m", messages=messages, extra_headers={"X-Session-Id": "reuse"}, **kw)
         turn = ray.get(tracker.pending_turn.remote("reuse"))
         tools = None if kw.get("tool_choice") == "none" else kw.get("tools")
-        fresh = tok.encode(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False)
+        fresh = tok.encode(
+            tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
         assert turn.spliced == spliced, k
         if spliced:
             head = turns[-1].prompt_ids + turns[-1].response_ids
@@ -403,8 +527,10 @@ def test_prompt_reuse_keys_on_tools_tool_choice_and_system_message(served):
         text = tok.decode(turn.prompt_ids)
         assert ("calculator" in text, "get_weather" in text) == (k == 0, 1 <= k <= 2), k
         turns.append(turn)
-        messages = messages + [r.choices[0].message.model_dump(exclude_none=True),
-                               {"role": "user", "content": f"q{k + 1}"}]
+        messages = messages + [
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": f"q{k + 1}"},
+        ]
     ray.get(tracker.drain.remote(30))
     after = ray.get(tracker.stats.remote())
     # turns 1-4 were paired with their next state (judged); only the system-message change is a branch
@@ -425,8 +551,15 @@ def test_sessions_are_inferred_for_clients_without_ids(served):
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=4)
     assert second.model_extra["session_id"] == sid and second.model_extra["turn_index"] == 2
     assert ray.get(tracker.pending_turn.remote(sid)).spliced
-    stray = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "never served"}, {"role": "user", "content": "?"}])
+    stray = client.chat.completions.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "never served"},
+            {"role": "user", "content": "?"},
+        ],
+    )
     assert stray.model_extra["session_id"] is None and stray.model_extra["turn_index"] is None
     counts = httpx.get(served["root"] + "/real/health", timeout=30).json()["counts"]
     assert counts["sessions_inferred"] >= 1 and counts["unattributable"] >= 1
@@ -442,8 +575,10 @@ def test_concurrent_requests_of_one_session_run_in_arrival_order(served):
     async def burst():
         async def one(i):
             await asyncio.sleep(0.05 * i)
-            return await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}],
-                                                        extra_headers={"X-Session-Id": "burst"})
+            return await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"q{i}"}], extra_headers={"X-Session-Id": "burst"}
+            )
+
         return await asyncio.gather(*(one(i) for i in range(3)))
 
     t0 = time.perf_counter()
@@ -459,30 +594,51 @@ def test_concurrent_requests_of_one_session_run_in_arrival_order(served):
 
 def test_n_choices_are_recorded_as_n_turns_and_one_is_continued(served):
     client, tracker = _client(served["real"]), served["trackers"]["real"]
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pick"}], n=3, seed=5,
-                                       max_tokens=6, extra_headers={"X-Session-Id": "multi"})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "pick"}],
+        n=3,
+        seed=5,
+        max_tokens=6,
+        extra_headers={"X-Session-Id": "multi"},
+    )
     assert [c.index for c in r.choices] == [0, 1, 2] and r.model_extra["turn_indexes"] == [1, 2, 3]
     turns = [ray.get(tracker.pending_turn.remote("multi", i)) for i in range(3)]
     assert len({tuple(t.prompt_ids) for t in turns}) == 1
     assert r.usage.completion_tokens == sum(len(t.response_ids) for t in turns)
     before = ray.get(tracker.stats.remote())
     chosen = r.choices[1].message.model_dump(exclude_none=True)
-    client.chat.completions.create(model="tiny", max_tokens=2, extra_headers={"X-Session-Id": "multi"}, messages=[
-        {"role": "user", "content": "pick"}, chosen, {"role": "user", "content": "thanks"}])
+    client.chat.completions.create(
+        model="tiny",
+        max_tokens=2,
+        extra_headers={"X-Session-Id": "multi"},
+        messages=[{"role": "user", "content": "pick"}, chosen, {"role": "user", "content": "thanks"}],
+    )
     after = ray.get(tracker.stats.remote())
     assert after.get("dropped/unchosen", 0) == before.get("dropped/unchosen", 0) + 2
     assert after.get("judged", 0) + after.get("dropped/truncated", 0) > before.get("judged", 0) + before.get(
-        "dropped/truncated", 0)
+        "dropped/truncated", 0
+    )
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=5)
     assert e.value.body["param"] == "n"
     # streamed n = 2: the interleaved deltas of each choice merge to that choice's plain answer
     msgs = [{"role": "user", "content": "two ways"}]
-    plain = client.chat.completions.create(model="tiny", messages=msgs, n=2, seed=21, max_tokens=12,
-                                           extra_headers={"X-Session-Id": "multi-plain"})
-    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, n=2, seed=21, max_tokens=12,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_headers={"X-Session-Id": "multi-stream"}))
+    plain = client.chat.completions.create(
+        model="tiny", messages=msgs, n=2, seed=21, max_tokens=12, extra_headers={"X-Session-Id": "multi-plain"}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            n=2,
+            seed=21,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Session-Id": "multi-stream"},
+        )
+    )
     for i in range(2):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
         assert text == (plain.choices[i].message.content or "")
@@ -496,22 +652,37 @@ def test_n_choices_are_recorded_as_n_turns_and_one_is_continued(served):
 def test_async_client_errors_and_limits(served):
     async def run():
         client = openai.AsyncOpenAI(base_url=served["real"], api_key="x", max_retries=0)
-        ok = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=3, extra_headers={"X-Session-Id": "limits"})
+        ok = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            extra_headers={"X-Session-Id": "limits"},
+        )
         assert ok.model_extra["turn_index"] == 1
         with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 400}],
-                                                 extra_headers={"X-Session-Id": "limits"})
+            await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "x " * 400}],
+                extra_headers={"X-Session-Id": "limits"},
+            )
         assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
         assert "max_model_len is 256" in e.value.body["message"] and "prompt is" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
         with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                 stream=False, stream_options={"include_usage": True})
+            await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "x"}],
+                stream=False,
+                stream_options={"include_usage": True},
+            )
         assert e.value.body["param"] == "stream_options"
-        again = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=3, extra_headers={"X-Session-Id": "limits"})
+        again = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            extra_headers={"X-Session-Id": "limits"},
+        )
         return again
 
     again = asyncio.run(run())
@@ -525,25 +696,44 @@ def test_sync_pause_gives_503_with_retry_after_then_serves(served):
         health = httpx.get(served["root"] + "/real/health", timeout=30).json()
         assert health["engines"][0]["state"] == "syncing"
         t0 = time.perf_counter()
-        r = httpx.post(served["real"] + "/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = httpx.post(
+            served["real"] + "/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 503 and r.headers["retry-after"] == "2"
         assert r.json()["error"]["code"] == "engine_syncing" and time.perf_counter() - t0 >= 1.0
     finally:
         ray.get(engine.resume.remote())
-    r = httpx.post(served["real"] + "/chat/completions", timeout=30,
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(
+        served["real"] + "/chat/completions",
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200
     health = httpx.get(served["root"] + "/real/health", timeout=30).json()
-    assert health["engines"][0] == {**health["engines"][0], "name": "rollout-0", "policy_version": 0, "state": "serving"}
+    assert health["engines"][0] == {
+        **health["engines"][0],
+        "name": "rollout-0",
+        "policy_version": 0,
+        "state": "serving",
+    }
     assert health["open_sessions"] >= 1
 
 
 def test_records_are_appended_0600_with_turns_and_judgments(served):
     records = served["records"] / "real" / "records"
     turns = [json.loads(line) for line in open(records / "turns.jsonl")]
-    assert turns and {"session_id", "turn_index", "prompt_ids", "response_ids", "rollout_logprobs",
-                      "policy_version", "truncated", "spliced"} <= set(turns[0])
+    assert turns and {
+        "session_id",
+        "turn_index",
+        "prompt_ids",
+        "response_ids",
+        "rollout_logprobs",
+        "policy_version",
+        "truncated",
+        "spliced",
+    } <= set(turns[0])
     assert all(len(t["response_ids"]) == len(t["rollout_logprobs"]) for t in turns)
     assert stat.S_IMODE(os.stat(records / "turns.jsonl").st_mode) == 0o600
     ray.get(served["trackers"]["real"].drain.remote(30))

@@ -43,14 +43,27 @@ def server(serve_root, tiny_model, tmp_path_factory):
     engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
-    tracker = SessionTrackerActor.options(num_cpus=0).remote([judge], queue, records_dir=str(tmp / "records"),
-                                                              idle_timeout_s=600.0, truncated="mask")
+    tracker = SessionTrackerActor.options(num_cpus=0).remote(
+        [judge], queue, records_dir=str(tmp / "records"), idle_timeout_s=600.0, truncated="mask"
+    )
     ray.get(engine.ready.remote())
-    cfg = {"model_name": "tiny", "default_max_tokens": 100, "default_temperature": 1.0, "max_model_len": 2048,
-           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
-           "retry_after_s": 2, "max_n": 4}
-    serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
-              name="engine", route_prefix="/e")
+    cfg = {
+        "model_name": "tiny",
+        "default_max_tokens": 100,
+        "default_temperature": 1.0,
+        "max_model_len": 2048,
+        "generate_timeout_s": 120,
+        "max_body_bytes": 1 << 20,
+        "api_key": "",
+        "sync_wait_timeout_s": 5.0,
+        "retry_after_s": 2,
+        "max_n": 4,
+    }
+    serve.run(
+        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+        name="engine",
+        route_prefix="/e",
+    )
     yield {"base": f"{serve_root}/e", "engine": engine, "tracker": tracker}
     serve.delete("engine")
     ray.kill(engine)
@@ -148,8 +161,10 @@ def test_a_failing_request_fails_alone_and_the_engine_goes_on(monkeypatch):
         engine = RolloutEngine("fake", "nowhere", max_batch_size=8)
         await engine.ready()
         await engine.pause()  # queue all three so they share one batch
-        calls = [asyncio.ensure_future(engine.generate(GenerateRequest(p, max_tokens=1)))
-                 for p in ([1, 11], [666, 12], [2, 13])]
+        calls = [
+            asyncio.ensure_future(engine.generate(GenerateRequest(p, max_tokens=1)))
+            for p in ([1, 11], [666, 12], [2, 13])
+        ]
         await asyncio.sleep(0.1)
         await engine.resume()
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -224,20 +239,41 @@ def vllm_servers(serve_root, tmp_path_factory):
     engines = {
         "default": RolloutEngineActor.options(num_cpus=0.25).remote("vllm", path, "vllm-default", 1, 16, base_kwargs),
         "chunked": RolloutEngineActor.options(num_cpus=0.25).remote(
-            "vllm", path, "vllm-chunked", 1, 16,
-            {**base_kwargs, "enable_chunked_prefill": True, "max_num_batched_tokens": 256, "max_num_seqs": 16}),
+            "vllm",
+            path,
+            "vllm-chunked",
+            1,
+            16,
+            {**base_kwargs, "enable_chunked_prefill": True, "max_num_batched_tokens": 256, "max_num_seqs": 16},
+        ),
     }
     ray.get([e.ready.remote() for e in engines.values()])
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
-    cfg = {"model_name": "tiny", "default_max_tokens": 8, "default_temperature": 1.0, "max_model_len": 1024,
-           "generate_timeout_s": 120, "max_body_bytes": 1 << 20, "api_key": "", "sync_wait_timeout_s": 5.0,
-           "retry_after_s": 2, "max_n": 4}
+    cfg = {
+        "model_name": "tiny",
+        "default_max_tokens": 8,
+        "default_temperature": 1.0,
+        "max_model_len": 1024,
+        "generate_timeout_s": 120,
+        "max_body_bytes": 1 << 20,
+        "api_key": "",
+        "sync_wait_timeout_s": 5.0,
+        "retry_after_s": 2,
+        "max_n": 4,
+    }
     for name, engine in engines.items():
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
-            [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2),
-            records_dir=str(tmp_path_factory.mktemp(name)), idle_timeout_s=600.0, truncated="mask")
-        serve.run(PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
-                  name=f"vllm-{name}", route_prefix=f"/{name}")
+            [judge],
+            TrajectoryQueueActor.options(num_cpus=0).remote(2),
+            records_dir=str(tmp_path_factory.mktemp(name)),
+            idle_timeout_s=600.0,
+            truncated="mask",
+        )
+        serve.run(
+            PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
+            name=f"vllm-{name}",
+            route_prefix=f"/{name}",
+        )
     yield {name: (f"{serve_root}/{name}", engine) for name, engine in engines.items()}
     for name, engine in engines.items():
         serve.delete(f"vllm-{name}")
@@ -282,8 +318,14 @@ def test_vllm_engine_error_fails_one_request_cleanly_and_the_engine_goes_on(vllm
     replies = asyncio.run(_post_all(base, [seeded, *plain], engine))  # the failing one shares a batch
     bad = replies[0]
     assert bad.status_code == 500
-    assert bad.json() == {"error": {"message": "the policy engine failed on this request", "type": "server_error",
-                                    "param": None, "code": "engine_error"}}
+    assert bad.json() == {
+        "error": {
+            "message": "the policy engine failed on this request",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    }
     assert [r.status_code for r in replies[1:]] == [200] * 3
     after = asyncio.run(_post_all(base, [{**seeded, "seed": None}, *plain[:1]]))  # long unseeded prompt: works
     assert [r.status_code for r in after] == [200, 200]

@@ -25,10 +25,28 @@ def vllm_server(tiny_model, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     # the module, not the `vllm` script: the script asks for the `vllm` distribution, which vllm-cpu is not
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
-                             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                             "--max-model-len", "512", "--served-model-name", "tiny-teacher"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            tiny_model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--served-model-name",
+            "tiny-teacher",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -59,16 +77,28 @@ def test_endpoint_teacher_scores_the_exact_ids_like_the_local_engine(vllm_server
     from clawray.types import Turn
 
     teacher = TeacherWorker(None, tiny_model, endpoint={"base_url": vllm_server, "model": "", "api_key": "x"})
-    turn = Turn(session_id="s", turn_index=1, messages=[{"role": "user", "content": "What is 2+3?"}],
-                response_message={"role": "assistant", "content": "5"}, prompt_ids=[1], response_ids=[37, 52, 9, 2],
-                rollout_logprobs=[-1.0] * 4, policy_version=0, finish_reason="stop", temperature=1.0)
+    turn = Turn(
+        session_id="s",
+        turn_index=1,
+        messages=[{"role": "user", "content": "What is 2+3?"}],
+        response_message={"role": "assistant", "content": "5"},
+        prompt_ids=[1],
+        response_ids=[37, 52, 9, 2],
+        rollout_logprobs=[-1.0] * 4,
+        policy_version=0,
+        finish_reason="stop",
+        temperature=1.0,
+    )
     hint = "Answer with the number only."
 
     async def run():
         await teacher.check_endpoint(tiny_model)  # identical tokenizer: passes
         await check_endpoint_tokenizer(tiny_model, teacher.scorer)
-        return (await teacher.teacher_logprobs(turn, hint), await teacher.teacher_topk(turn, hint, 5),
-                teacher.scorer.model)
+        return (
+            await teacher.teacher_logprobs(turn, hint),
+            await teacher.teacher_topk(turn, hint, 5),
+            teacher.scorer.model,
+        )
 
     logprobs, (top_values, top_ids), model = asyncio.run(run())
     assert model == "tiny-teacher"

@@ -9,13 +9,24 @@ import torch
 
 from clawray.engines.base import WeightSpec
 from clawray.ray_env import free_port
-from clawray.weight_sync import (CollectiveTransport, ObjectStoreTransport, TransportSpec, WeightSyncError,
-                                 check_plan, plan_buckets, plan_digest)
+from clawray.weight_sync import (
+    CollectiveTransport,
+    ObjectStoreTransport,
+    TransportSpec,
+    WeightSyncError,
+    check_plan,
+    plan_buckets,
+    plan_digest,
+)
 
 
 def specs():
-    return [WeightSpec("a", (4, 4), "torch.float32"), WeightSpec("b", (8,), "torch.float32"),
-            WeightSpec("c", (2, 2), "torch.bfloat16"), WeightSpec("d", (64,), "torch.float32")]
+    return [
+        WeightSpec("a", (4, 4), "torch.float32"),
+        WeightSpec("b", (8,), "torch.float32"),
+        WeightSpec("c", (2, 2), "torch.bfloat16"),
+        WeightSpec("d", (64,), "torch.float32"),
+    ]
 
 
 def make_state(plan, seed=0):
@@ -34,11 +45,13 @@ def run_receivers(fns: list) -> tuple[list, list[threading.Thread]]:
     results = [{} for _ in fns]
     threads = []
     for fn, res in zip(fns, results):
+
         def target(fn=fn, res=res):
             try:
                 res["value"] = fn()
             except Exception as e:  # recorded for the assertions
                 res["error"] = e
+
         th = threading.Thread(target=target, daemon=True)
         th.start()
         threads.append(th)
@@ -64,10 +77,12 @@ def test_check_plan_names_missing_and_shape_mismatch():
 def test_plan_digest_covers_names_shapes_dtypes_and_order():
     base = plan_digest(specs())
     assert base == plan_digest(specs())  # deterministic
-    variants = [specs()[::-1],
-                [WeightSpec("a2", (4, 4), "torch.float32")] + specs()[1:],
-                [WeightSpec("a", (16,), "torch.float32")] + specs()[1:],
-                [WeightSpec("a", (4, 4), "torch.bfloat16")] + specs()[1:]]
+    variants = [
+        specs()[::-1],
+        [WeightSpec("a2", (4, 4), "torch.float32")] + specs()[1:],
+        [WeightSpec("a", (16,), "torch.float32")] + specs()[1:],
+        [WeightSpec("a", (4, 4), "torch.bfloat16")] + specs()[1:],
+    ]
     digests = {plan_digest(v) for v in variants}
     assert base not in digests and len(digests) == 4
 
@@ -229,8 +244,10 @@ def test_collective_timeout_does_not_hang_and_a_rebuilt_group_works():
     # recovery: every member builds a new group on a new port; the next sync is exact everywhere
     port2 = free_port()
     state2 = make_state(plan, seed=4)
-    fns = [lambda r=r: dict(CollectiveTransport(r, 3, "127.0.0.1", port2, plan, 16 << 20, timeout_s=20).receive(2))
-           for r in (1, 2)]
+    fns = [
+        lambda r=r: dict(CollectiveTransport(r, 3, "127.0.0.1", port2, plan, 16 << 20, timeout_s=20).receive(2))
+        for r in (1, 2)
+    ]
     results, threads = run_receivers(fns)
     CollectiveTransport(0, 3, "127.0.0.1", port2, plan, 16 << 20, timeout_s=20).send(state2, 2)
     for th in threads:
@@ -254,7 +271,9 @@ def test_object_store_transport_roundtrips_bit_exactly_and_checks_metadata(ray_c
         stats = sender.send(state, version)
         assert stats["bytes"] == (16 + 8 + 64) * 4 + 4 * 2 + 300 * 2
         assert_exact(dict(r1.receive(version)), state)
-        with pytest.raises(WeightSyncError, match=r"dtype \(sender != engine\): \['c: torch.bfloat16 != torch.float16'\]"):
+        with pytest.raises(
+            WeightSyncError, match=r"dtype \(sender != engine\): \['c: torch.bfloat16 != torch.float16'\]"
+        ):
             r2.receive(version)
     # a sync that never comes: the receiver gives up after its timeout instead of hanging
     r3 = ObjectStoreTransport(1, plan, 100, 1.0, mailbox)
@@ -311,8 +330,9 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
     try:
         for version in (3, 4):
             state = make_state(plan, seed=version)
-            sent, got1, err2 = ray.get([sender.send.remote(state, version), r1.receive.remote(version),
-                                        r2.receive.remote(version)], timeout=60)
+            sent, got1, err2 = ray.get(
+                [sender.send.remote(state, version), r1.receive.remote(version), r2.receive.remote(version)], timeout=60
+            )
             assert sent["bytes"] == (16 + 8 + 64) * 4 + 4 * 2 + 300 * 2
             got, shared = got1
             assert shared
@@ -419,7 +439,9 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
                 def boom(weights):
                     del self._backend.load_weights  # back to the real method afterwards
                     raise RuntimeError("injected load failure")
+
                 self._backend.load_weights = boom
+
             await self._call(arm)
 
         async def block(self, seconds):
@@ -438,13 +460,15 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
     try:
         ray.get([e.ready.remote() for e in engines] + [learner.ready.remote()])
         plan = ray.get(engines[0].weight_specs.remote())
-        ctl = WeightSyncController([learner], engines, names, plan, transport=transport, bucket_bytes=1 << 20,
-                                   timeout_s=4.0)
+        ctl = WeightSyncController(
+            [learner], engines, names, plan, transport=transport, bucket_bytes=1 << 20, timeout_s=4.0
+        )
         ctl.connect()
 
         def serving_versions():
-            outs = ray.get([e.generate.remote(GenerateRequest([5, 6, 7], max_tokens=2, seed=0)) for e in engines],
-                           timeout=30)  # would time out if an engine had been left paused
+            outs = ray.get(
+                [e.generate.remote(GenerateRequest([5, 6, 7], max_tokens=2, seed=0)) for e in engines], timeout=30
+            )  # would time out if an engine had been left paused
             return [o["policy_version"] for o in outs]
 
         # 1) rollout-1 raises while loading v1: named, engines resumed, rollout-0 on v1, rollout-1 on v0
@@ -484,8 +508,10 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
         assert r3["ok"] is False and "rollout-1" in r3["failed"]
         assert "rollout-1 (timed out after 4s)" in r3["error"]
         assert r3["versions"]["rollout-0"] in (2, 3)
-        assert ray.get(engines[0].generate.remote(GenerateRequest([5], max_tokens=1)), timeout=30)["policy_version"] \
+        assert (
+            ray.get(engines[0].generate.remote(GenerateRequest([5], max_tokens=1)), timeout=30)["policy_version"]
             == r3["versions"]["rollout-0"]
+        )
 
         # 4) the next sync recovers: both engines on v4 with exactly v4's weights
         r4 = ctl.sync(4)

@@ -11,9 +11,17 @@ from clawray.types import Turn
 
 
 def _turn():
-    return Turn(session_id="s", turn_index=3, messages=[{"role": "user", "content": "q"}],
-                response_message={"role": "assistant", "content": "r"}, prompt_ids=[1, 2], response_ids=[7, 8, 9],
-                rollout_logprobs=[-0.5, -0.25, -1.0], policy_version=2, finish_reason="stop")
+    return Turn(
+        session_id="s",
+        turn_index=3,
+        messages=[{"role": "user", "content": "q"}],
+        response_message={"role": "assistant", "content": "r"},
+        prompt_ids=[1, 2],
+        response_ids=[7, 8, 9],
+        rollout_logprobs=[-0.5, -0.25, -1.0],
+        policy_version=2,
+        finish_reason="stop",
+    )
 
 
 def _scorers(score=1, votes=(1,), hint="Say just the number.", teacher=(-0.1, -0.2, -0.3), fail=None):
@@ -58,8 +66,14 @@ def test_binary_rl_verdicts():
 
 def test_unanimous_rl_trains_only_undisputed_scores():
     algo = make_algorithm("rl_unanimous")
-    cases = {(1, (1, 1, 1)): (1.0, None), (-1, (-1, -1, -1)): (-1.0, None), (1, (1, None, 1)): (1.0, None),
-             (1, (1, 1, -1)): (None, 1 / 3), (-1, (-1, -1, 0)): (None, -2 / 3), (0, (0, 0, 1)): (None, 1 / 3)}
+    cases = {
+        (1, (1, 1, 1)): (1.0, None),
+        (-1, (-1, -1, -1)): (-1.0, None),
+        (1, (1, None, 1)): (1.0, None),
+        (1, (1, 1, -1)): (None, 1 / 3),
+        (-1, (-1, -1, 0)): (None, -2 / 3),
+        (0, (0, 0, 1)): (None, 1 / 3),
+    }
     for (score, votes), (reward, held) in cases.items():
         v, counts = _score(algo, score=score, votes=votes)
         assert (v.sample.reward if v.sample else None, v.held) == (reward, pytest.approx(held)), votes

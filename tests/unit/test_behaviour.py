@@ -14,8 +14,11 @@ def text(t):
 
 
 def tool(name, args):
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": args}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": args}}],
+    }
 
 
 def test_signatures():
@@ -40,8 +43,12 @@ def test_entropy_and_overlap_hand_computed():
 
 def test_behaviour_stats_of_a_collapsed_and_a_diverse_prompt():
     collapsed = [text("The answer is 7."), text("The answer is 8."), text("the answer is 7"), text("The answer is 9")]
-    diverse = [text("The answer is 7."), text("Let me add: 3 + 4."), tool("calc", '{"expression": "3+4"}'),
-               text("Seven.")]
+    diverse = [
+        text("The answer is 7."),
+        text("Let me add: 3 + 4."),
+        tool("calc", '{"expression": "3+4"}'),
+        text("Seven."),
+    ]
     stats = behaviour_stats([collapsed, diverse], n=2)
     # distinct: (1/4 + 4/4) / 2; entropy: (0 + ln 4) / 2
     assert stats["inv/behaviour_distinct"] == pytest.approx(0.625)
@@ -55,8 +62,11 @@ def test_behaviour_stats_of_a_collapsed_and_a_diverse_prompt():
 
 def test_self_similarity_of_identical_replies_is_one():
     stats = behaviour_stats([[text("same words here")] * 3])
-    assert stats == {"inv/behaviour_distinct": pytest.approx(1 / 3), "inv/behaviour_entropy": 0.0,
-                     "inv/self_similarity": 1.0}
+    assert stats == {
+        "inv/behaviour_distinct": pytest.approx(1 / 3),
+        "inv/behaviour_entropy": 0.0,
+        "inv/self_similarity": 1.0,
+    }
 
 
 def test_behaviour_floor_uses_the_entropy_controller():

@@ -28,8 +28,12 @@ def test_check_is_right_and_brief():
         "": (False, False, False, False),
     }
     for reply, (solved, correct, brief, number_only) in cases.items():
-        assert env.grade(task, reply) == {"solved": solved, "correct": correct, "brief": brief,
-                                          "number_only": number_only}, reply
+        assert env.grade(task, reply) == {
+            "solved": solved,
+            "correct": correct,
+            "brief": brief,
+            "number_only": number_only,
+        }, reply
 
 
 def test_feedback_scores_and_hints_carry_the_answer():

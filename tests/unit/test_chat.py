@@ -1,36 +1,52 @@
 import pytest
 
-from clawray.chat import (RequestError, conversation_key, conversation_keys, end_of_turn_ids, normalize_messages,
-                          render_key)
+from clawray.chat import (
+    RequestError,
+    conversation_key,
+    conversation_keys,
+    end_of_turn_ids,
+    normalize_messages,
+    render_key,
+)
 
 
 def test_normalize_developer_list_content_and_tool_call_arguments():
-    msgs = normalize_messages([
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"},
-    ])
+    msgs = normalize_messages(
+        [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        ]
+    )
     assert msgs[0] == {"role": "system", "content": "be brief"}
     assert msgs[1] == {"role": "user", "content": "ab"}
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"x": 1}}
     assert msgs[3] == {"role": "tool", "content": "1", "tool_call_id": "c1"}
 
 
-@pytest.mark.parametrize("messages, param", [
-    (None, "messages"),
-    ([], "messages"),
-    ("hello", "messages"),
-    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
-    ([{"role": "user", "content": "x"}, {"content": "no role"}], "messages[1].role"),
-    ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "user"}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
-    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
-     "messages[0].tool_calls"),
-    (["not an object"], "messages[0]"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        (None, "messages"),
+        ([], "messages"),
+        ("hello", "messages"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": "x"}, {"content": "no role"}], "messages[1].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
+        (
+            [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
+            "messages[0].tool_calls",
+        ),
+        (["not an object"], "messages[0]"),
+    ],
+)
 def test_normalize_rejects_with_param(messages, param):
     with pytest.raises(RequestError) as e:
         normalize_messages(messages)
@@ -38,21 +54,54 @@ def test_normalize_rejects_with_param(messages, param):
 
 
 def test_reasoning_and_argument_forms_normalise_alike():
-    as_string = normalize_messages([{"role": "user", "content": "q"}, {
-        "role": "assistant", "content": "a", "reasoning": "think",
-        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
-    as_object = normalize_messages([{"role": "user", "content": "q"}, {
-        "role": "assistant", "content": "a", "reasoning_content": "think",
-        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}])
+    as_string = normalize_messages(
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "a",
+                "reasoning": "think",
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+            },
+        ]
+    )
+    as_object = normalize_messages(
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "a",
+                "reasoning_content": "think",
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+            },
+        ]
+    )
     assert as_string == as_object
-    assert as_string[1]["reasoning_content"] == "think" and as_string[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert as_string[1]["reasoning_content"] == "think" and as_string[1]["tool_calls"][0]["function"]["arguments"] == {
+        "x": 1
+    }
 
 
 def test_conversation_key_ignores_echo_form_but_not_content():
-    served = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a ", "reasoning_content": "r",
-               "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
-    echoed = normalize_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": [
-        {"id": "other", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}])
+    served = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "a ",
+            "reasoning_content": "r",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+        },
+    ]
+    echoed = normalize_messages(
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": "a",
+                "tool_calls": [{"id": "other", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+            },
+        ]
+    )
     assert conversation_key(served) == conversation_key(echoed)
     changed = [dict(echoed[0]), {**echoed[1], "tool_calls": [{"function": {"name": "f", "arguments": {"x": 2}}}]}]
     assert conversation_key(changed) != conversation_key(served)
@@ -60,9 +109,14 @@ def test_conversation_key_ignores_echo_form_but_not_content():
 
 
 def test_conversation_keys_are_the_prefix_keys():
-    msgs = normalize_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                               {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t",
-                                                                        "tool_call_id": "1"}])
+    msgs = normalize_messages(
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "tool", "content": "t", "tool_call_id": "1"},
+        ]
+    )
     assert conversation_keys(msgs) == [conversation_key(msgs[: k + 1]) for k in range(len(msgs))]
 
 

@@ -18,8 +18,10 @@ def test_closing_lines_name_the_model_and_commands():
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x"])
     ckpt = {"path": "runs/x/checkpoints/ckpt-000001", "version": 3, "bytes": 2.5 * 2**30}
     lines = closing_lines(cfg, ckpt)
-    assert lines[0] == ("trained model (policy v3): runs/x/checkpoints/ckpt-000001/model (checkpoint 2560 MiB; "
-                        "checkpoint.save_optimizer=false keeps only the model)")
+    assert lines[0] == (
+        "trained model (policy v3): runs/x/checkpoints/ckpt-000001/model (checkpoint 2560 MiB; "
+        "checkpoint.save_optimizer=false keeps only the model)"
+    )
     assert lines[1].endswith("conf/serve.yaml model.path=runs/x/checkpoints/ckpt-000001/model")
     assert lines[2].startswith(f"evaluate it: clawray eval runs/x/checkpoints/ckpt-000001/model --env {cfg.env.name}")
     assert lines[3].startswith("report:      clawray report runs/x")

@@ -29,18 +29,21 @@ def test_rl_preset_alone_uses_engine_judge():
     assert load_config(["conf/rl.yaml"]).judge.backend == "engine"
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("trainer.bogus=1", "trainer.bogus"),
-    ("nosuch=1", "nosuch"),
-    ("trainer.num_steps=abc", "trainer.num_steps"),
-    ("rollout.backend=sglang", "rollout.backend"),
-    ("judge.m=0", "judge.m"),
-    ("no_equals_sign", "key=value"),
-    ("opd.hint_template='{hint} {other}'", "opd.hint_template"),  # would fail on every hinted turn
-    ("opd.hint_template='[{0}] {hint}'", "opd.hint_template"),
-    ("opd.hint_template=no placeholder", "opd.hint_template"),
-    ("opd.teacher_timeout_s=0", "opd.teacher_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("trainer.bogus=1", "trainer.bogus"),
+        ("nosuch=1", "nosuch"),
+        ("trainer.num_steps=abc", "trainer.num_steps"),
+        ("rollout.backend=sglang", "rollout.backend"),
+        ("judge.m=0", "judge.m"),
+        ("no_equals_sign", "key=value"),
+        ("opd.hint_template='{hint} {other}'", "opd.hint_template"),  # would fail on every hinted turn
+        ("opd.hint_template='[{0}] {hint}'", "opd.hint_template"),
+        ("opd.hint_template=no placeholder", "opd.hint_template"),
+        ("opd.teacher_timeout_s=0", "opd.teacher_timeout_s"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_config([], [override])
@@ -116,8 +119,12 @@ def test_every_numeric_key_has_a_range():
     assert "learner.lora.dropout" in {k for k, *_ in _numeric_fields()}
 
 
-BAD = [(key, kind, bounds, v) for key, bounds, kind in _numeric_fields() if bounds
-       for v in _bad_values(bounds, _item_type(kind))]
+BAD = [
+    (key, kind, bounds, v)
+    for key, bounds, kind in _numeric_fields()
+    if bounds
+    for v in _bad_values(bounds, _item_type(kind))
+]
 
 
 @pytest.mark.parametrize("key, kind, bounds, value", BAD, ids=[f"{k}={v}" for k, _, _, v in BAD])
@@ -132,8 +139,9 @@ def test_out_of_range_value_is_refused_naming_key_value_and_range(key, kind, bou
 
 # keys whose range also depends on another key (a cross-field rule): the edge loads in this context
 EDGE_CONTEXT = {"trainer.max_batch_size": ["trainer.batch_size=1"]}
-EDGE = [(key, kind, v) for key, bounds, kind in _numeric_fields() if bounds
-        for v in _edge_values(bounds, _item_type(kind))]
+EDGE = [
+    (key, kind, v) for key, bounds, kind in _numeric_fields() if bounds for v in _edge_values(bounds, _item_type(kind))
+]
 
 
 @pytest.mark.parametrize("key, kind, value", EDGE, ids=[f"{k}={v}" for k, _, v in EDGE])
@@ -148,20 +156,23 @@ def _select(cfg, key):
     return list(value) if not isinstance(value, (int, float, str)) else value
 
 
-@pytest.mark.parametrize("override, message", [
-    # the faults of issue 11 item 6: no clip (frozen weights) and a negative clip (gradient ascent)
-    ("learner.grad_clip=0", "learner.grad_clip=0.0 is out of range: must be > 0.0"),
-    ("learner.grad_clip=-1", "learner.grad_clip=-1.0 is out of range: must be > 0.0"),
-    ("learner.betas=[0.9,1.0]", "learner.betas=[0.9, 1.0] is out of range: each value must be in [0.0, 1.0)"),
-    ("learner.betas=[0.9]", "learner.betas=[0.9] must have 2 values"),
-    ("learner.dual_clip=0.5", "learner.dual_clip=0.5 is out of range: must be > 1.0 or 0.0 (off)"),
-    ("serve.port=70000", "serve.port=70000 is out of range: must be in [1, 65535]"),
-    ("trainer.num_steps=-2", "trainer.num_steps=-2 is out of range: must be >= 0 or -1 (until interrupted)"),
-    ("rollout.num_cpus=0.00005", "rollout.num_cpus=5e-05 is out of range: must be >= 0 in steps of 0.0001"),
-    ("env.temperature=2.5", "env.temperature=2.5 is out of range: must be in [0.0, 2.0]"),
-    ("learner.tis_cap=0.5", "learner.tis_cap=0.5 is out of range: must be >= 1.0 or 0.0 (none)"),
-    ("trainer.algo=ppo", "trainer.algo='ppo' is not one of ['rl', 'rl_unanimous', 'opd', 'combine']"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # the faults of issue 11 item 6: no clip (frozen weights) and a negative clip (gradient ascent)
+        ("learner.grad_clip=0", "learner.grad_clip=0.0 is out of range: must be > 0.0"),
+        ("learner.grad_clip=-1", "learner.grad_clip=-1.0 is out of range: must be > 0.0"),
+        ("learner.betas=[0.9,1.0]", "learner.betas=[0.9, 1.0] is out of range: each value must be in [0.0, 1.0)"),
+        ("learner.betas=[0.9]", "learner.betas=[0.9] must have 2 values"),
+        ("learner.dual_clip=0.5", "learner.dual_clip=0.5 is out of range: must be > 1.0 or 0.0 (off)"),
+        ("serve.port=70000", "serve.port=70000 is out of range: must be in [1, 65535]"),
+        ("trainer.num_steps=-2", "trainer.num_steps=-2 is out of range: must be >= 0 or -1 (until interrupted)"),
+        ("rollout.num_cpus=0.00005", "rollout.num_cpus=5e-05 is out of range: must be >= 0 in steps of 0.0001"),
+        ("env.temperature=2.5", "env.temperature=2.5 is out of range: must be in [0.0, 2.0]"),
+        ("learner.tis_cap=0.5", "learner.tis_cap=0.5 is out of range: must be >= 1.0 or 0.0 (none)"),
+        ("trainer.algo=ppo", "trainer.algo='ppo' is not one of ['rl', 'rl_unanimous', 'opd', 'combine']"),
+    ],
+)
 def test_range_messages(override, message):
     with pytest.raises(ConfigError) as err:
         load_config([], [override])
@@ -169,37 +180,76 @@ def test_range_messages(override, message):
 
 
 def test_documented_zero_meanings_load():
-    cfg = load_config([], ["learner.lr=0", "learner.dual_clip=0", "learner.tis_cap=0", "opd.adv_clip=0",
-                           "session.idle_timeout_s=0", "trainer.batch_timeout_s=0", "trainer.num_steps=-1",
-                           "checkpoint.every_steps=0", "checkpoint.keep_last=0", "ray.num_cpus=0",
-                           "serve.sync_wait_timeout_s=0", "judge.context_messages=0", "learner.lora.rank=0"])
+    cfg = load_config(
+        [],
+        [
+            "learner.lr=0",
+            "learner.dual_clip=0",
+            "learner.tis_cap=0",
+            "opd.adv_clip=0",
+            "session.idle_timeout_s=0",
+            "trainer.batch_timeout_s=0",
+            "trainer.num_steps=-1",
+            "checkpoint.every_steps=0",
+            "checkpoint.keep_last=0",
+            "ray.num_cpus=0",
+            "serve.sync_wait_timeout_s=0",
+            "judge.context_messages=0",
+            "learner.lora.rank=0",
+        ],
+    )
     assert (cfg.learner.lr, cfg.learner.dual_clip, cfg.trainer.num_steps) == (0.0, 0.0, -1)
 
 
 def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
-    assert choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 24  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode
+    assert (
+        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 24
+    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["learner.lr_schedule=cosine", "learner.total_steps=2", "learner.warmup_steps=2"], "total_steps > learner.warmup"),
-    (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules"),
-    (["learner.entropy_coef=0.2", "learner.entropy_coef_max=0.1", "learner.entropy_floor=0.5"], "entropy_coef_max"),
-    # siblings found at run time before: fewer optimizer steps than asked, a dead judge actor, and
-    # every vLLM teacher call failing ("greater than max allowed: 20")
-    (["trainer.batch_size=2", "learner.steps_per_batch=3"], r"learner\.steps_per_batch=3 exceeds trainer\.batch_size=2"),
-    (["judge.base_url=http://j/v1", "judge.backend=openai"], "judge.backend=openai needs judge.base_url and judge.model"),
-    (["trainer.algo=opd", "opd.loss=topk", "opd.topk=21", "opd.teacher_backend=vllm"], r"opd\.topk=21 exceeds 20"),
-    (["trainer.algo=combine", "opd.loss=topk", "rollout.backend=vllm", "opd.teacher=live"], r"opd\.topk=50 exceeds 20"),
-    (["trainer.algo=opd", "env.temperature=0.7", "opd.teacher=http://t:8000/v1"], r"env\.temperature=0\.7 but an endpoint"),
-    (["trainer.algo=opd", "env.temperature=1.0", "serve.default_temperature=0.5", "opd.teacher=https://t/v1"],
-     r"serve\.default_temperature=0\.5 but an endpoint"),
-    (["trainer.batch_size=4", "trainer.max_batch_size=3"], r"trainer\.max_batch_size must be 0 \(= batch_size\) or >="),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["learner.lr_schedule=cosine", "learner.total_steps=2", "learner.warmup_steps=2"],
+            "total_steps > learner.warmup",
+        ),
+        (["learner.lora.rank=4", "learner.lora.target_modules=[]"], "target_modules"),
+        (["learner.entropy_coef=0.2", "learner.entropy_coef_max=0.1", "learner.entropy_floor=0.5"], "entropy_coef_max"),
+        # siblings found at run time before: fewer optimizer steps than asked, a dead judge actor, and
+        # every vLLM teacher call failing ("greater than max allowed: 20")
+        (
+            ["trainer.batch_size=2", "learner.steps_per_batch=3"],
+            r"learner\.steps_per_batch=3 exceeds trainer\.batch_size=2",
+        ),
+        (
+            ["judge.base_url=http://j/v1", "judge.backend=openai"],
+            "judge.backend=openai needs judge.base_url and judge.model",
+        ),
+        (["trainer.algo=opd", "opd.loss=topk", "opd.topk=21", "opd.teacher_backend=vllm"], r"opd\.topk=21 exceeds 20"),
+        (
+            ["trainer.algo=combine", "opd.loss=topk", "rollout.backend=vllm", "opd.teacher=live"],
+            r"opd\.topk=50 exceeds 20",
+        ),
+        (
+            ["trainer.algo=opd", "env.temperature=0.7", "opd.teacher=http://t:8000/v1"],
+            r"env\.temperature=0\.7 but an endpoint",
+        ),
+        (
+            ["trainer.algo=opd", "env.temperature=1.0", "serve.default_temperature=0.5", "opd.teacher=https://t/v1"],
+            r"serve\.default_temperature=0\.5 but an endpoint",
+        ),
+        (
+            ["trainer.batch_size=4", "trainer.max_batch_size=3"],
+            r"trainer\.max_batch_size must be 0 \(= batch_size\) or >=",
+        ),
+    ],
+)
 def test_cross_field_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config([], overrides)
@@ -212,11 +262,21 @@ def test_yaml_syntax_error_in_an_override_is_a_config_error():
 
 
 def test_redacted_hides_secrets_for_logging():
-    cfg = load_config([], ["serve.api_key=sk-serve", "judge.api_key=sk-judge", "opd.teacher_api_key=sk-teach",
-                           "judge.base_url=http://bob:pw@judge:8000/v1", "opd.teacher=https://t.example/v1"])
+    cfg = load_config(
+        [],
+        [
+            "serve.api_key=sk-serve",
+            "judge.api_key=sk-judge",
+            "opd.teacher_api_key=sk-teach",
+            "judge.base_url=http://bob:pw@judge:8000/v1",
+            "opd.teacher=https://t.example/v1",
+        ],
+    )
     out = redacted(cfg)
     assert (out["serve"]["api_key"], out["judge"]["api_key"], out["opd"]["teacher_api_key"]) == ("***",) * 3
-    assert out["judge"]["base_url"] == "http://bob:***@judge:8000/v1" and out["opd"]["teacher"] == "https://t.example/v1"
+    assert (
+        out["judge"]["base_url"] == "http://bob:***@judge:8000/v1" and out["opd"]["teacher"] == "https://t.example/v1"
+    )
     assert "sk-" not in repr(out) and "pw" not in repr(out)
     assert redacted(load_config())["serve"]["api_key"] == ""  # empty stays visible: auth is off
     assert cfg.serve.api_key == "sk-serve"  # the config itself is unchanged
@@ -224,5 +284,10 @@ def test_redacted_hides_secrets_for_logging():
 
 def test_credit_preset_uses_discounted_returns_on_multi_turn_sessions():
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/credit.yaml"])
-    assert (cfg.trainer.credit, cfg.trainer.gamma, cfg.env.max_turns, cfg.queue.max_staleness) == ("discounted", 0.9, 4, 3)
+    assert (cfg.trainer.credit, cfg.trainer.gamma, cfg.env.max_turns, cfg.queue.max_staleness) == (
+        "discounted",
+        0.9,
+        4,
+        3,
+    )
     assert cfg.trainer.shaping.truncated == 0.2

@@ -65,9 +65,15 @@ def test_must_flush_at_the_last_update_that_may_train_the_turn():
 # ------------------------------------------------------------------------------------------ pure shaping
 def _tool_turn(history_calls, reply_calls, **flags):
     def msg(calls):
-        return {"role": "assistant", "content": None,
-                "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
-                               for i, (n, a) in enumerate(calls)]}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                for i, (n, a) in enumerate(calls)
+            ],
+        }
+
     history = [{"role": "user", "content": "q"}] + [msg([c]) for c in history_calls]
     return Turn("s", 1, history, msg(reply_calls), [1], [2], [-0.1], 0, "tool_calls", **flags)
 
@@ -114,8 +120,11 @@ def test_discounted_turns_wait_for_the_close_then_train_on_their_returns():
 
     waiting, stats = asyncio.run(scenario())
     assert waiting["credit/turns_waiting"] == 2 and waiting.get("samples", 0) == 0
-    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(0.81)), (2, pytest.approx(0.9)),
-                                                                  (3, 1.0)]
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [
+        (1, pytest.approx(0.81)),
+        (2, pytest.approx(0.9)),
+        (3, 1.0),
+    ]
     assert [s.info["turn_reward"] for s, _ in queue.items] == [0.0, 0.0, 1.0]
     assert stats["credit/turns_waiting"] == 0 and stats["credit/mean_session_turns"] == 4
     assert "dropped/zero_score" not in stats and "at_least_one_promoted" not in stats
@@ -205,7 +214,9 @@ def test_shaping_penalises_a_truncated_reply_in_turn_mode():
     asyncio.run(scenario())
     # t1: +1 - 0.5; t2: a 0 score plus the penalty trains on -0.5 (no longer neutral)
     assert [(s.turn_index, s.reward, s.info["shaping"]) for s, _ in queue.items] == [
-        (1, 0.5, {"truncated": -0.5}), (2, -0.5, {"truncated": -0.5})]
+        (1, 0.5, {"truncated": -0.5}),
+        (2, -0.5, {"truncated": -0.5}),
+    ]
 
 
 def test_waiting_turns_survive_a_tracker_restart(tmp_path):
@@ -234,5 +245,8 @@ def test_waiting_turns_survive_a_tracker_restart(tmp_path):
     queue = FakeQueue()
     assert asyncio.run(second(queue)) == 2
     # rewards [0, 1, 1], gamma 0.9: [0.9 + 0.81, 1.9, 1]
-    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(1.71)), (2, pytest.approx(1.9)),
-                                                                  (3, 1.0)]
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [
+        (1, pytest.approx(1.71)),
+        (2, pytest.approx(1.9)),
+        (3, 1.0),
+    ]

@@ -70,7 +70,11 @@ def test_split_is_a_fixed_hash_of_the_question():
     # pinned values: the split must not change between processes or releases
     env = make_env("arith", 1)
     assert sorted(t.question for t in env.prompts("eval")) == [
-        "What is 1 + 2?", "What is 2 + 5?", "What is 5 + 3?", "What is 5 + 4?"]
+        "What is 1 + 2?",
+        "What is 2 + 5?",
+        "What is 5 + 3?",
+        "What is 5 + 4?",
+    ]
     assert len(make_env("sums").prompts("eval")) == 117 and len(make_env("sums").prompts("train")) == 508
     assert split_of("x", 0.0) == "train" and split_of("x", 1.0) == "eval"
 
@@ -96,17 +100,26 @@ def test_sums_check_feedback_and_score_agree():
     env = make_env("sums")
     task = env.prompts("eval")[0]  # What is 21 + 23? -> 44
     assert (task.question, task.answer) == ("What is 21 + 23?", 44)
-    cases = {"44": (True, True, True), " 44.\n": (True, True, True), "The answer is 44.": (False, True, False),
-             "**44**": (False, True, False), "45": (False, False, True), "I don't know": (False, False, False),
-             "": (False, False, False)}
+    cases = {
+        "44": (True, True, True),
+        " 44.\n": (True, True, True),
+        "The answer is 44.": (False, True, False),
+        "**44**": (False, True, False),
+        "45": (False, False, True),
+        "I don't know": (False, False, False),
+        "": (False, False, False),
+    }
     for reply, (solved, correct, number_only) in cases.items():
         assert env.grade(task, reply) == {"solved": solved, "correct": correct, "number_only": number_only}, reply
         text, done = env.feedback(task, reply)
         assert done is solved
         # the feedback judge reads the user's text: +1 exactly when the user's check passed
         assert feedback_score([{"role": "user", "content": text}]) == (1 if solved else -1), (reply, text)
-        msgs = env.opening(task) + [{"role": "assistant", "content": reply}, {"role": "user", "content": text},
-                                    {"role": "assistant", "content": "44"}]
+        msgs = env.opening(task) + [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "44"},
+        ]
         assert env.score(task, msgs) == env.grade(task, reply)  # only the FIRST reply counts
     assert env.opening(task) == [{"role": "user", "content": "What is 21 + 23? Reply with the number only."}]
     assert env.tools is None
@@ -119,11 +132,18 @@ def test_arith_env_wraps_the_old_check():
     assert env.tools[0]["function"]["name"] == "calculator"
     for reply in [f"It is {task.answer}.", f"**{task.answer}**", "no idea", f"{task.answer + 1}"]:
         has_answer, correct, markdown = grade(reply, task)
-        assert env.grade(task, reply) == {"solved": correct and not markdown, "correct": correct,
-                                          "no_markdown": not markdown, "has_answer": has_answer}
+        assert env.grade(task, reply) == {
+            "solved": correct and not markdown,
+            "correct": correct,
+            "no_markdown": not markdown,
+            "has_answer": has_answer,
+        }
         assert env.feedback(task, reply) == feedback(reply, task)
     # a pure tool call as the first reply has no text: unsolved
-    assert env.score(task, env.opening(task) + [{"role": "assistant", "content": None, "tool_calls": []}])["solved"] is False
+    assert (
+        env.score(task, env.opening(task) + [{"role": "assistant", "content": None, "tool_calls": []}])["solved"]
+        is False
+    )
 
 
 def test_unknown_environment():

@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from clawray.evaluation import (Evaluator, flat_metrics, format_change, resolve_model_dir, summarize,
-                                wilson_interval)
+from clawray.evaluation import Evaluator, flat_metrics, format_change, resolve_model_dir, summarize, wilson_interval
 
 
 def test_wilson_interval_hand_computed():
@@ -32,8 +31,14 @@ def test_summarize_and_formatting():
     assert (round(m["solved"]["lo"], 3), round(m["solved"]["hi"], 3)) == (0.462, 0.653)
     assert m["correct"]["mean"] == 1.0 and m["correct"]["hi"] == 1.0
     flat = flat_metrics(m)
-    assert set(flat) == {"eval/solved", "eval/solved_lo", "eval/solved_hi", "eval/correct", "eval/correct_lo",
-                         "eval/correct_hi"}
+    assert set(flat) == {
+        "eval/solved",
+        "eval/solved_lo",
+        "eval/solved_hi",
+        "eval/correct",
+        "eval/correct_lo",
+        "eval/correct_hi",
+    }
     after = summarize([{"solved": True, "correct": True}] * 90 + [{"solved": False, "correct": True}] * 10)
     lines = format_change(m, after)
     assert lines[0] == "solved: 56.0% [46.2, 65.3] -> 90.0% [82.6, 94.5] (+34.0 points, CIs do not overlap)"
@@ -73,8 +78,17 @@ def test_requests_are_seeded_per_sample_and_rendered_with_the_chat_template(tiny
     # replies are scored on the parsed text: a stop token is not part of it
     eos = tok.convert_tokens_to_ids(tok.eos_token)
     assert ev.reply_message(tok.encode("44", add_special_tokens=False) + [eos])["content"] == "44"
-    result = ev.run(lambda rs: [{"response_ids": tok.encode(str(ev.tasks[0].answer), add_special_tokens=False)
-                                 + [eos], "policy_version": 3}] * len(rs))
+    result = ev.run(
+        lambda rs: (
+            [
+                {
+                    "response_ids": tok.encode(str(ev.tasks[0].answer), add_special_tokens=False) + [eos],
+                    "policy_version": 3,
+                }
+            ]
+            * len(rs)
+        )
+    )
     assert result["samples"] == 6 and result["policy_versions"] == [3]
     assert result["metrics"]["solved"]["successes"] == 3  # the right number for prompt 0's 3 samples only
     from clawray.envs.base import Environment
@@ -91,8 +105,26 @@ def test_cli_eval_on_the_tiny_model_with_hf(tiny_model, tmp_path):
     from clawray.cli import main
 
     out = tmp_path / "eval.json"
-    rc = main(["eval", tiny_model, "--env", "sums", "--backend", "hf", "--num-prompts", "3", "--n", "2",
-               "--max-tokens", "4", "--temperature", "1.0", "--out", str(out)])
+    rc = main(
+        [
+            "eval",
+            tiny_model,
+            "--env",
+            "sums",
+            "--backend",
+            "hf",
+            "--num-prompts",
+            "3",
+            "--n",
+            "2",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "1.0",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["prompts"] == 3 and result["samples"] == 6 and result["split"] == "eval"

@@ -16,8 +16,16 @@ from test_session import FakeJudge, FakeQueue, turn
 
 
 def _sample(i, version=0, sid=None):
-    return Sample(tokens=[5, 6, 7, 100 + i], prompt_len=3, loss_mask=[1], rollout_logprobs=[-0.1 * i - 0.05],
-                  reward=1.0, policy_version=version, session_id=sid or f"s{i}", turn_index=1)
+    return Sample(
+        tokens=[5, 6, 7, 100 + i],
+        prompt_len=3,
+        loss_mask=[1],
+        rollout_logprobs=[-0.1 * i - 0.05],
+        reward=1.0,
+        policy_version=version,
+        session_id=sid or f"s{i}",
+        turn_index=1,
+    )
 
 
 def test_replay_voids_steps_after_the_checkpoint_and_keeps_counters(tmp_path):
@@ -73,7 +81,9 @@ def test_fresh_run_starts_empty_journals(tmp_path):
     paths = prepare_journals(str(tmp_path), None)
     SampleJournal(paths["samples"]).ack(_sample(1), 0)
     prepare_journals(str(tmp_path), None)
-    assert read_records(paths["samples"]) == [] and oct(os.stat(os.path.dirname(paths["samples"])).st_mode)[-3:] == "700"
+    assert (
+        read_records(paths["samples"]) == [] and oct(os.stat(os.path.dirname(paths["samples"])).st_mode)[-3:] == "700"
+    )
 
 
 @pytest.fixture
@@ -103,6 +113,7 @@ def test_session_continues_across_a_tracker_restart(tmp_path, no_object_store):
         async def slow(turn_, ns):
             await hang.wait()
             return await real(turn_, ns)
+
         judge.judge.fn = slow
         await tracker.record_turn(turn("t", h, "r1"))
         await tracker.record_turn(turn("t", h2, "r2"))
@@ -146,7 +157,12 @@ def test_tracker_counters_continue_across_a_restart_and_a_compaction(tmp_path, n
         return await tracker.stats()
 
     before = asyncio.run(first())
-    assert (before["turns"], before["samples"], before["sessions_closed"], before["dropped/no_next_state"]) == (3, 2, 1, 1)
+    assert (before["turns"], before["samples"], before["sessions_closed"], before["dropped/no_next_state"]) == (
+        3,
+        2,
+        1,
+        1,
+    )
 
     async def second(new_turn):
         tracker = SessionTracker([judge], FakeQueue(), journal={"path": path})

@@ -97,8 +97,15 @@ def test_opd_and_combine_advantages():
     mask = torch.tensor([[1, 1, 0]])
     assert opd_advantages(teacher, rollout, mask).tolist() == [[1.0, 0.0, 0.0]]
     assert opd_advantages(teacher, rollout, torch.ones(1, 3), clip=1.5).tolist() == [[1.0, 0.0, -1.5]]
-    both = combine_advantages(torch.tensor([1.0, -1.0]), teacher.repeat(2, 1), rollout.repeat(2, 1),
-                              torch.ones(2, 3), torch.tensor([True, False]), w_rl=0.5, w_opd=2.0)
+    both = combine_advantages(
+        torch.tensor([1.0, -1.0]),
+        teacher.repeat(2, 1),
+        rollout.repeat(2, 1),
+        torch.ones(2, 3),
+        torch.tensor([True, False]),
+        w_rl=0.5,
+        w_opd=2.0,
+    )
     # sample 0: 0.5*1 + 2*(1, 0, -2); sample 1 has no hint: exactly 0.5*-1, no mismatch noise
     assert both.tolist() == [[2.5, 0.5, -3.5], [-0.5, -0.5, -0.5]]
 
@@ -178,8 +185,14 @@ def test_topk_reverse_kl_full_mass_stays_finite():
 
 
 # ---------------------------------------------------------------- invariants
-from clawray.algos.invariants import (DegenerateBatchGuard, EntropyController, effective_token_rate,  # noqa: E402
-                                      logprob_mismatch_kl, masked_quantile, signal_stats)
+from clawray.algos.invariants import (  # noqa: E402
+    DegenerateBatchGuard,
+    EntropyController,
+    effective_token_rate,
+    logprob_mismatch_kl,
+    masked_quantile,
+    signal_stats,
+)
 
 
 def test_invariant_metrics_hand_computed():
@@ -191,8 +204,11 @@ def test_invariant_metrics_hand_computed():
     adv = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert effective_token_rate(adv, torch.tensor([[1, 1, 1], [1, 1, 0]]), response_tokens=5) == pytest.approx(0.4)
     assert signal_stats([1, 1, 1]) == {"nonzero_reward_frac": 1.0, "reward_std": 0.0, "one_signed": 1.0}
-    assert signal_stats([1, -1, 0, 0]) == {"nonzero_reward_frac": 0.5, "reward_std": pytest.approx(math.sqrt(0.5)),
-                                           "one_signed": 0.0}
+    assert signal_stats([1, -1, 0, 0]) == {
+        "nonzero_reward_frac": 0.5,
+        "reward_std": pytest.approx(math.sqrt(0.5)),
+        "one_signed": 0.0,
+    }
 
 
 def test_degenerate_guard_modes():
@@ -213,7 +229,7 @@ def test_entropy_controller_rises_below_floor_and_falls_back():
     c = EntropyController(coef=0.0, floor=1.0, lr=0.1, max_coef=0.05)
     assert c.update(0.6) == pytest.approx(0.04)
     assert c.update(0.6) == pytest.approx(0.05)  # capped
-    assert c.update(1.5) == pytest.approx(0.0)   # entropy back above the floor: the bonus decays
+    assert c.update(1.5) == pytest.approx(0.0)  # entropy back above the floor: the bonus decays
     assert EntropyController(coef=0.01).update(0.0) == 0.01  # floor 0: fixed coefficient
 
 
@@ -223,9 +239,14 @@ def _uniform_inputs(**kw):
 
     # uniform logits over V = 4: every log-prob is -log 4, every entropy log 4
     lp = -math.log(4)
-    base = dict(logits=torch.zeros(3, 4, requires_grad=True), targets=torch.tensor([0, 1, 2]),
-                loss_mask=torch.tensor([1.0, 1.0, 0.0]), rollout_logprobs=torch.full((3,), lp), advantage=2.0,
-                fresh=True)
+    base = dict(
+        logits=torch.zeros(3, 4, requires_grad=True),
+        targets=torch.tensor([0, 1, 2]),
+        loss_mask=torch.tensor([1.0, 1.0, 0.0]),
+        rollout_logprobs=torch.full((3,), lp),
+        advantage=2.0,
+        fresh=True,
+    )
     return SampleLossInputs(**{**base, **kw})
 
 
@@ -238,11 +259,26 @@ def test_sample_loss_hand_computed_and_metrics_by_name():
     assert out.loss.item() == pytest.approx(-2.0)
     m = {k: v.item() for k, v in out.metrics.items() if k != "token_entropy"}
     assert set(out.metrics) == {*SUM_METRICS, "ratio_max", "token_entropy"}
-    assert m == pytest.approx({"loss": -2.0, "pg_loss": -2.0, "kl": 0.0, "clipped": 0.0, "ratio_sum": 2.0,
-                               "tokens": 2.0, "adv_sum": 4.0, "adv_sq_sum": 8.0, "effective_tokens": 2.0,
-                               "response_tokens": 3.0, "samples": 1.0, "is_weight_sum": 2.0,
-                               "mismatch_kl_sum": 0.0, "mismatch_tokens": 2.0,
-                               "entropy_sum": 2 * math.log(4), "ratio_max": 1.0})
+    assert m == pytest.approx(
+        {
+            "loss": -2.0,
+            "pg_loss": -2.0,
+            "kl": 0.0,
+            "clipped": 0.0,
+            "ratio_sum": 2.0,
+            "tokens": 2.0,
+            "adv_sum": 4.0,
+            "adv_sq_sum": 8.0,
+            "effective_tokens": 2.0,
+            "response_tokens": 3.0,
+            "samples": 1.0,
+            "is_weight_sum": 2.0,
+            "mismatch_kl_sum": 0.0,
+            "mismatch_tokens": 2.0,
+            "entropy_sum": 2 * math.log(4),
+            "ratio_max": 1.0,
+        }
+    )
     assert out.metrics["token_entropy"].tolist() == pytest.approx([math.log(4)] * 2)
     assert all(v.dtype == torch.float64 and not v.requires_grad for v in out.metrics.values())
     # OPD term: teacher - rollout = +0.5 on every token, w_rl 0.5, w_opd 2: A = 0.5 * 2 + 2 * 0.5 = 2 per token
@@ -250,8 +286,9 @@ def test_sample_loss_hand_computed_and_metrics_by_name():
     out = sample_loss(_uniform_inputs(teacher_logprobs=teacher, fresh=False), LossSettings(w_rl=0.5, w_opd=2.0))
     assert out.metrics["adv_sum"].item() == pytest.approx(4.0) and out.metrics["mismatch_tokens"].item() == 0.0
     # KL to a reference 1 nat above: k1 = -1 per token, coefficient 0.1 -> loss -2 - 0.1
-    out = sample_loss(_uniform_inputs(ref_logprobs=torch.full((3,), lp + 1.0)),
-                      LossSettings(kl_coef=0.1, kl_estimator="k1"))
+    out = sample_loss(
+        _uniform_inputs(ref_logprobs=torch.full((3,), lp + 1.0)), LossSettings(kl_coef=0.1, kl_estimator="k1")
+    )
     assert (out.loss.item(), out.metrics["kl"].item()) == pytest.approx((-2.1, -1.0))
     # entropy bonus: - 0.5 * log 4
     out = sample_loss(_uniform_inputs(entropy_coef=0.5), LossSettings())
@@ -262,10 +299,21 @@ def test_batch_loss_metrics_by_name():
     from clawray.algos.losses import SUM_METRICS, batch_loss_metrics
 
     sums = dict.fromkeys(SUM_METRICS, 0.0)
-    sums.update(loss=-8.0, tokens=4.0, adv_sum=4.0, adv_sq_sum=8.0, ratio_sum=4.0, clipped=1.0, samples=2.0,
-                effective_tokens=2.0, response_tokens=8.0, entropy_sum=2.0)
-    m = batch_loss_metrics(sums, 1.5, torch.tensor([0.1, 0.2, 0.3, 1.4], dtype=torch.float64), world_size=2,
-                           num_mini_batches=2)
+    sums.update(
+        loss=-8.0,
+        tokens=4.0,
+        adv_sum=4.0,
+        adv_sq_sum=8.0,
+        ratio_sum=4.0,
+        clipped=1.0,
+        samples=2.0,
+        effective_tokens=2.0,
+        response_tokens=8.0,
+        entropy_sum=2.0,
+    )
+    m = batch_loss_metrics(
+        sums, 1.5, torch.tensor([0.1, 0.2, 0.3, 1.4], dtype=torch.float64), world_size=2, num_mini_batches=2
+    )
     assert m["loss"] == -2.0 and m["inv/adv_std"] == 1.0 and m["inv/clip_frac"] == 0.25
     assert m["inv/effective_token_rate"] == 0.25 and m["inv/entropy"] == 0.5 and m["inv/entropy_min"] == 0.1
     assert m["inv/entropy_p10"] == pytest.approx(0.13) and math.isnan(m["inv/logprob_mismatch_kl"])

@@ -14,30 +14,60 @@ torch = pytest.importorskip("torch")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 FIXED_TEXT = "Tom has 12 apples.\nHe eats 3. How many are left? #### 9"
-FIXED_IDS = [743, 85, 395, 229, 25, 26, 501, 361, 48, 77, 374, 73, 285, 229, 27, 22, 337, 323, 336,
-             442, 39, 516, 229, 33]
+FIXED_IDS = [
+    743,
+    85,
+    395,
+    229,
+    25,
+    26,
+    501,
+    361,
+    48,
+    77,
+    374,
+    73,
+    285,
+    229,
+    27,
+    22,
+    337,
+    323,
+    336,
+    442,
+    39,
+    516,
+    229,
+    33,
+]
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
-    },
-}]
+    }
+]
 
 
 def _conversation(arguments):
     return [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is 12 * 7?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": arguments}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": arguments}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "84"},
         {"role": "tool", "tool_call_id": "c2", "content": '{"ok": true}'},
         {"role": "assistant", "content": "12 * 7 = 84. The answer is 84."},
@@ -139,12 +169,15 @@ def test_tokenizer_vocab_and_special_tokens(tok):
     assert tok.encode("<tool_call><|im_end|>") == [3, im_end]
 
 
-@pytest.mark.parametrize("text", [
-    FIXED_TEXT,
-    "  leading spaces, trailing spaces  \n\n\ttabs\r\nCRLF 0123456789 -42 3.14 1,000,000",
-    '{"name": "calculator", "arguments": {"expression": "(2 + 3) * 4"}}',
-    "~`!@#$%^&*()_+-=[]{}|;':\",./<>?\\ unseen words: xylophone quizzically",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        FIXED_TEXT,
+        "  leading spaces, trailing spaces  \n\n\ttabs\r\nCRLF 0123456789 -42 3.14 1,000,000",
+        '{"name": "calculator", "arguments": {"expression": "(2 + 3) * 4"}}',
+        "~`!@#$%^&*()_+-=[]{}|;':\",./<>?\\ unseen words: xylophone quizzically",
+    ],
+)
 def test_roundtrip(tok, text):
     assert tok.decode(tok.encode(text)) == text
 
@@ -173,17 +206,20 @@ def test_model_loads_and_runs(tiny_paths, tok):
 
 def test_chat_template_renders_tools(tok):
     assert tok.chat_template == CHAT_TEMPLATE
-    as_dict = tok.apply_chat_template(_conversation({"expression": "12 * 7"}), tools=TOOLS,
-                                      add_generation_prompt=True, tokenize=False)
-    as_string = tok.apply_chat_template(_conversation('{"expression": "12 * 7"}'), tools=TOOLS,
-                                        add_generation_prompt=True, tokenize=False)
+    as_dict = tok.apply_chat_template(
+        _conversation({"expression": "12 * 7"}), tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    as_string = tok.apply_chat_template(
+        _conversation('{"expression": "12 * 7"}'), tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
     assert as_dict == EXPECTED_RENDER
     assert as_string == EXPECTED_RENDER
 
 
 def test_chat_template_ids_match_encoding(tok):
-    ids = tok.apply_chat_template(_conversation({"expression": "12 * 7"}), tools=TOOLS,
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        _conversation({"expression": "12 * 7"}), tools=TOOLS, add_generation_prompt=True, tokenize=True
+    )
     if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     assert ids == tok.encode(EXPECTED_RENDER)
@@ -197,10 +233,14 @@ def test_chat_template_small_cases(tok):
     # content None, flat tool call after text, several calls in one turn, list-of-parts content
     msgs = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"name": "f", "arguments": {}},
-            {"name": "g", "arguments": '{"x": 1}'},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"name": "f", "arguments": {}},
+                {"name": "g", "arguments": '{"x": 1}'},
+            ],
+        },
         {"role": "tool", "content": None},
         {"role": "assistant", "content": None},
     ]

@@ -11,22 +11,27 @@ from clawray.actors.teacher import TeacherWorker, hinted_messages
 from clawray.types import SampleMeta, Turn
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("thinking \\boxed{1} [HINT_START] Use plain text, no lists. [HINT_END]", (1, "Use plain text, no lists.")),
-    ("\\boxed{-1}", (-1, None)),
-    ("\\boxed{0} [HINT_START]x[HINT_END]", (None, "x")),  # 0 is not on the hint scale: invalid decision
-    ("\\boxed{1} no tags", (1, None)),
-    ("\\boxed{1} [HINT_START]a[HINT_END] \\boxed{1} [HINT_START] last one [HINT_END]", (1, "last one")),
-    ("garbage", (None, None)),
-    # a box quoted in the hint is part of the hint, not the decision, before or after the verdict
-    ("\\boxed{-1} [HINT_START] answer like \\boxed{1} [HINT_END]", (-1, "answer like \\boxed{1}")),
-    ("\\boxed{1} [HINT_START] Put only the number in a box, like \\boxed{5}. [HINT_END]",
-     (1, "Put only the number in a box, like \\boxed{5}.")),
-    ("\\boxed{1} [HINT_START] a [HINT_START] b [HINT_END]", (1, "a [HINT_START] b")),
-    ("\\boxed{1} " + "[HINT_START]" * 30000, (1, None)),  # linear: a lazy regex took minutes here
-    ("\\boxed{" + "1" * 5000 + "} [HINT_START] long enough hint [HINT_END]", (None, "long enough hint")),
-    ({"text": "\\boxed{1}"}, (None, None)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("thinking \\boxed{1} [HINT_START] Use plain text, no lists. [HINT_END]", (1, "Use plain text, no lists.")),
+        ("\\boxed{-1}", (-1, None)),
+        ("\\boxed{0} [HINT_START]x[HINT_END]", (None, "x")),  # 0 is not on the hint scale: invalid decision
+        ("\\boxed{1} no tags", (1, None)),
+        ("\\boxed{1} [HINT_START]a[HINT_END] \\boxed{1} [HINT_START] last one [HINT_END]", (1, "last one")),
+        ("garbage", (None, None)),
+        # a box quoted in the hint is part of the hint, not the decision, before or after the verdict
+        ("\\boxed{-1} [HINT_START] answer like \\boxed{1} [HINT_END]", (-1, "answer like \\boxed{1}")),
+        (
+            "\\boxed{1} [HINT_START] Put only the number in a box, like \\boxed{5}. [HINT_END]",
+            (1, "Put only the number in a box, like \\boxed{5}."),
+        ),
+        ("\\boxed{1} [HINT_START] a [HINT_START] b [HINT_END]", (1, "a [HINT_START] b")),
+        ("\\boxed{1} " + "[HINT_START]" * 30000, (1, None)),  # linear: a lazy regex took minutes here
+        ("\\boxed{" + "1" * 5000 + "} [HINT_START] long enough hint [HINT_END]", (None, "long enough hint")),
+        ({"text": "\\boxed{1}"}, (None, None)),
+    ],
+)
 def test_parse_hint(text, expected):
     assert parse_hint(text) == expected
 
@@ -35,24 +40,32 @@ def test_accept_hint_rules():
     votes = [(1, "short"), (1, "Answer with one plain sentence."), (-1, None), (None, None)]
     assert accept_hint(votes, "any", 10).hint == "Answer with one plain sentence."
     assert accept_hint(votes, "majority", 10).hint is None  # 1 qualifying of 3 valid votes
-    assert accept_hint(votes[:2] + [(1, "Drop the markdown.")], "majority", 10).hint == \
-        "Answer with one plain sentence."  # 2 of 3 valid votes qualify; the longest wins
+    assert (
+        accept_hint(votes[:2] + [(1, "Drop the markdown.")], "majority", 10).hint == "Answer with one plain sentence."
+    )  # 2 of 3 valid votes qualify; the longest wins
     assert accept_hint([(1, "exactly10!")], "any", 10).hint is None  # must be longer than min_chars
     with pytest.raises(ValueError):
         accept_hint(votes, "all")
 
 
 def test_feedback_hint_is_the_users_correction():
-    assert feedback_hint([{"role": "user", "content": "That's wrong. Please try again, in one plain sentence."}]) == \
-        (1, "That's wrong. Please try again, in one plain sentence.")
+    assert feedback_hint([{"role": "user", "content": "That's wrong. Please try again, in one plain sentence."}]) == (
+        1,
+        "That's wrong. Please try again, in one plain sentence.",
+    )
     assert feedback_hint([{"role": "user", "content": "Correct, thanks!"}]) == (-1, None)
     assert feedback_hint([{"role": "tool", "content": "42"}]) == (-1, None)
     assert feedback_hint([]) == (None, None)
 
 
 def test_hinted_messages():
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
-            {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}, {"role": "tool", "content": "t"}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+        {"role": "tool", "content": "t"},
+    ]
     out = hinted_messages(msgs, "be brief", "\n\nHINT: {hint}")
     assert out[3]["content"] == "q2\n\nHINT: be brief" and msgs[3]["content"] == "q2"  # a copy
     assert [m["content"] for m in out if m is not out[3]] == ["s", "q1", "a", "t"]
@@ -60,9 +73,12 @@ def test_hinted_messages():
     assert hinted_messages([], "h", "\n{hint}") == [{"role": "user", "content": "h"}]
     # placement "system": appended to the system message, or a new leading one
     assert hinted_messages(msgs[1:2], "be brief", "\nHINT: {hint}", "system") == [
-        {"role": "system", "content": "HINT: be brief"}, {"role": "user", "content": "q1"}]
-    assert hinted_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "h", "+{hint}",
-                           "system") == [{"role": "system", "content": "s+h"}, {"role": "user", "content": "u"}]
+        {"role": "system", "content": "HINT: be brief"},
+        {"role": "user", "content": "q1"},
+    ]
+    assert hinted_messages(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "h", "+{hint}", "system"
+    ) == [{"role": "system", "content": "s+h"}, {"role": "user", "content": "u"}]
     with pytest.raises(ValueError):
         hinted_messages(msgs, "h", placement="assistant")
 
@@ -76,10 +92,17 @@ class _Remote:
 
 
 def _turn(reply="r1", version=0):
-    return Turn(session_id="s", turn_index=0, messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                response_message={"role": "assistant", "content": reply}, prompt_ids=[1, 2, 3],
-                response_ids=[7, 8, 9], rollout_logprobs=[-1.0, -2.0, -3.0], policy_version=version,
-                finish_reason="stop")
+    return Turn(
+        session_id="s",
+        turn_index=0,
+        messages=[{"role": "user", "content": "What is 2 + 3?"}],
+        response_message={"role": "assistant", "content": reply},
+        prompt_ids=[1, 2, 3],
+        response_ids=[7, 8, 9],
+        rollout_logprobs=[-1.0, -2.0, -3.0],
+        policy_version=version,
+        finish_reason="stop",
+    )
 
 
 def test_teacher_worker_scores_the_exact_response_ids(tiny_model):
@@ -99,10 +122,15 @@ def test_teacher_worker_scores_the_exact_response_ids(tiny_model):
     turn.temperature = 0.7
     lp = asyncio.run(worker.teacher_logprobs(turn, "answer in one sentence"))
     assert lp == [-0.5, -0.25, -0.125]
-    (prompt_ids, response_ids, temperature), = seen
-    expected = worker.tokenizer.encode(worker.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 3?\n\n[hint] answer in one sentence"}],
-        add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ((prompt_ids, response_ids, temperature),) = seen
+    expected = worker.tokenizer.encode(
+        worker.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?\n\n[hint] answer in one sentence"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        add_special_tokens=False,
+    )
     assert prompt_ids == expected and response_ids == [7, 8, 9] and temperature == 0.7
 
 
@@ -122,21 +150,27 @@ def test_teacher_worker_refuses_bad_logprobs_and_strips_special_tokens_from_hint
     engine.score, engine.score_topk = _Remote(score), _Remote(score_topk)
     worker = TeacherWorker(engine, tiny_model, "\n\n[hint] {hint}")
     turn = _turn()
-    for bad, message in [([-0.5, float("nan"), -1.0], "nan at position 1"), ([-0.5, 5.0, -1.0], "5.0 at position 1"),
-                         ([-0.5, -1.0, "-0.5"], "'-0.5' at position 2"), ([None, -1.0, -1.0], "None at position 0"),
-                         ([-0.5, float("-inf"), -1.0], "-inf at position 1")]:
+    for bad, message in [
+        ([-0.5, float("nan"), -1.0], "nan at position 1"),
+        ([-0.5, 5.0, -1.0], "5.0 at position 1"),
+        ([-0.5, -1.0, "-0.5"], "'-0.5' at position 2"),
+        ([None, -1.0, -1.0], "None at position 0"),
+        ([-0.5, float("-inf"), -1.0], "-inf at position 1"),
+    ]:
         answers.append(bad)
         with pytest.raises(RuntimeError, match=message):
             asyncio.run(worker.teacher_logprobs(turn, "answer in one sentence"))
     answers.append([-0.5, 0.0, -1e-9])
     assert asyncio.run(worker.teacher_logprobs(turn, "answer in one sentence")) == [-0.5, 0.0, -1e-9]
     good_values, good_ids = [[-0.1, -2.0]] * 3, [[4, 5]] * 3
-    for values, ids, message in [([[-0.1, -2.0]] * 2, good_ids, "2 top-k value rows and 3 id rows"),
-                                 (good_values, [[4, 5], [4], [4, 5]], "row 1 holds 2 values and 1 ids"),
-                                 ([[-0.1, float("nan")]] * 3, good_ids, "nan at position 0"),
-                                 (good_values, [[4, -5]] * 3, r"row 0 holds an id outside \[0, 1024\)"),
-                                 (good_values, [[4, 1024]] * 3, "outside"),
-                                 ([[-0.1, -2.0, -3.0]] * 3, [[4, 5, 6]] * 3, "the same 1..2")]:
+    for values, ids, message in [
+        ([[-0.1, -2.0]] * 2, good_ids, "2 top-k value rows and 3 id rows"),
+        (good_values, [[4, 5], [4], [4, 5]], "row 1 holds 2 values and 1 ids"),
+        ([[-0.1, float("nan")]] * 3, good_ids, "nan at position 0"),
+        (good_values, [[4, -5]] * 3, r"row 0 holds an id outside \[0, 1024\)"),
+        (good_values, [[4, 1024]] * 3, "outside"),
+        ([[-0.1, -2.0, -3.0]] * 3, [[4, 5, 6]] * 3, "the same 1..2"),
+    ]:
         answers.append((values, ids))
         with pytest.raises(RuntimeError, match=message):
             asyncio.run(worker.teacher_topk(turn, "answer in one sentence", 2))
@@ -158,6 +192,7 @@ class FakeJudge:
         async def judge(turn, next_state):
             s = scores.get(next_state[-1]["content"], 0)
             return JudgeResult(s, [s], counts={"valid": 1, "invalid": 0, "tie": 0})
+
         self.hint, self.judge = _Remote(hint), _Remote(judge)
 
 
@@ -165,6 +200,7 @@ class FakeTeacher:
     def __init__(self):
         async def teacher_logprobs(turn, hint):
             return [-0.5] * len(turn.response_ids)
+
         self.teacher_logprobs = _Remote(teacher_logprobs)
 
 
@@ -173,6 +209,7 @@ class FakeQueue:
         async def put(refs, meta):
             assert meta == SampleMeta.of(refs[0])  # the metadata the driver reads matches the payload
             self.items.append(refs[0])
+
         self.items = []
         self.put = _Remote(put)
 
@@ -191,12 +228,15 @@ def _run(tracker, feedbacks):
             await tracker.record_turn(Turn(**{**_turn(f"r{k + 1}").__dict__, "messages": list(h)}))
         await tracker.drain()
         return await tracker.stats()
+
     return asyncio.run(scenario())
 
 
 def test_combine_dispatch_all_four_cases():
-    judge = FakeJudge(hints={"hint+score": "Say it in one sentence.", "hint only": "Drop the markdown now."},
-                      scores={"hint+score": -1, "score only": 1})
+    judge = FakeJudge(
+        hints={"hint+score": "Say it in one sentence.", "hint only": "Drop the markdown now."},
+        scores={"hint+score": -1, "score only": 1},
+    )
     queue = FakeQueue()
     tracker = SessionTracker([judge], queue, algo="combine", teachers=[FakeTeacher()])
     stats = _run(tracker, ["hint+score", "hint only", "score only", "nothing"])
@@ -233,8 +273,19 @@ def test_combine_runs_hint_and_eval_votes_concurrently_within_the_worker_limit(t
 
     engine = Engine()
     engine.generate = _Remote(generate)
-    worker = JudgeWorker({"backend": "engine", "m": 2, "temperature": 0.6, "max_tokens": 32, "timeout_s": 5,
-                          "retries": 0, "concurrency": concurrency}, engine=engine, tokenizer_path=tiny_model)
+    worker = JudgeWorker(
+        {
+            "backend": "engine",
+            "m": 2,
+            "temperature": 0.6,
+            "max_tokens": 32,
+            "timeout_s": 5,
+            "retries": 0,
+            "concurrency": concurrency,
+        },
+        engine=engine,
+        tokenizer_path=tiny_model,
+    )
     judge = Engine()
     judge.hint, judge.judge = _Remote(worker.hint), _Remote(worker.judge)
     queue = FakeQueue()
@@ -257,18 +308,25 @@ def test_a_failing_teacher_never_gives_zero_teacher_logprobs(algo, failure, tmp_
                 if failure == "hangs":
                     await asyncio.sleep(3600)
                 raise RuntimeError("prompt is 9000 tokens; max_model_len is 2048")
+
             self.teacher_logprobs = _Remote(teacher_logprobs)
 
-    judge = FakeJudge(hints={"hint+score": "Say it in one sentence.", "hint only": "Drop the markdown now."},
-                      scores={"hint+score": -1})
+    judge = FakeJudge(
+        hints={"hint+score": "Say it in one sentence.", "hint only": "Drop the markdown now."},
+        scores={"hint+score": -1},
+    )
     queue = FakeQueue()
-    tracker = SessionTracker([judge], queue, algo=algo, teachers=[BrokenTeacher()], records_dir=str(tmp_path),
-                             opd={"teacher_timeout_s": 0.2})
+    tracker = SessionTracker(
+        [judge], queue, algo=algo, teachers=[BrokenTeacher()], records_dir=str(tmp_path), opd={"teacher_timeout_s": 0.2}
+    )
     stats = _run(tracker, ["hint+score", "hint only"])
     got = [(s.turn_index, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items]
     rows = sorted((json.loads(line) for line in open(tmp_path / "judgments.jsonl")), key=lambda r: r["turn"])
-    error = ("TimeoutError('the teacher gave no answer in 0.2 s')" if failure == "hangs"
-             else "RuntimeError('prompt is 9000 tokens")
+    error = (
+        "TimeoutError('the teacher gave no answer in 0.2 s')"
+        if failure == "hangs"
+        else "RuntimeError('prompt is 9000 tokens"
+    )
     assert stats["teacher_errors"] == 2 and stats["judging"] == 0  # nothing left hanging
     if algo == "combine":  # the scored turn keeps its reward term alone; the hint-only turn is lost
         assert got == [(1, -1.0, None, None)] and stats["dropped/teacher_error"] == 1

@@ -55,8 +55,9 @@ def test_a_sync_interrupts_a_long_generation_which_continues_on_the_new_weights(
     eng, loop = engine
     v0 = {k: v.clone() for k, v in eng._backend.model.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
-    v1 = {k: v + 0.1 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone()
-          for k, v in v0.items()}
+    v1 = {
+        k: v + 0.1 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone() for k, v in v0.items()
+    }
     eng._transport = _LocalTransport(v1)
     # no stop ids and no eos in the tiny model's reach: both requests run to max_tokens
     eng._backend.eos_ids = []
@@ -102,17 +103,27 @@ def test_a_sync_interrupts_a_long_generation_which_continues_on_the_new_weights(
     assert (lps[k:] - _score(eng, v0, PROMPT + ids[:k], ids[k:])).abs().max() > 1e-2
     # the request queued behind it did not start before the load: all of it is v1
     assert queued["token_versions"] == [1] * 8 and queued["policy_version"] == 1
-    torch.testing.assert_close(torch.tensor(queued["logprobs"]), _score(eng, v1, [9, 10, 11], queued["response_ids"]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(queued["logprobs"]), _score(eng, v1, [9, 10, 11], queued["response_ids"]), atol=1e-5, rtol=0
+    )
     stats = loop.run_until_complete(eng.stats())
     assert stats["interrupted"] == 2 and stats["requests"] == 2 and stats["cancelled"] == 0
     eng._backend.model.load_state_dict(v1)  # the engine serves v1 (the scoring above swapped weights)
 
 
 def _turn(versions: list[int]) -> Turn:
-    return Turn(session_id="s", turn_index=1, messages=[], response_message={}, prompt_ids=PROMPT,
-                response_ids=[20 + i for i in range(len(versions))], rollout_logprobs=[-1.0] * len(versions),
-                policy_version=min(versions), finish_reason="stop", token_versions=versions)
+    return Turn(
+        session_id="s",
+        turn_index=1,
+        messages=[],
+        response_message={},
+        prompt_ids=PROMPT,
+        response_ids=[20 + i for i in range(len(versions))],
+        rollout_logprobs=[-1.0] * len(versions),
+        policy_version=min(versions),
+        finish_reason="stop",
+        token_versions=versions,
+    )
 
 
 def test_staleness_of_a_partial_rollout_counts_from_its_oldest_token():
@@ -139,11 +150,25 @@ def test_staleness_of_a_partial_rollout_counts_from_its_oldest_token():
 
 def test_a_sample_whose_version_is_not_its_oldest_token_is_refused():
     with pytest.raises(ValueError, match="policy_version 1 is not the oldest token version 0"):
-        Sample(tokens=PROMPT + [20, 21], prompt_len=4, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0], reward=1.0,
-               policy_version=1, token_versions=[0, 1])
+        Sample(
+            tokens=PROMPT + [20, 21],
+            prompt_len=4,
+            loss_mask=[1, 1],
+            rollout_logprobs=[-1.0, -1.0],
+            reward=1.0,
+            policy_version=1,
+            token_versions=[0, 1],
+        )
     with pytest.raises(ValueError, match="token_versions has length 1, expected R=2"):
-        Sample(tokens=PROMPT + [20, 21], prompt_len=4, loss_mask=[1, 1], rollout_logprobs=[-1.0, -1.0], reward=1.0,
-               policy_version=0, token_versions=[0])
+        Sample(
+            tokens=PROMPT + [20, 21],
+            prompt_len=4,
+            loss_mask=[1, 1],
+            rollout_logprobs=[-1.0, -1.0],
+            reward=1.0,
+            policy_version=0,
+            token_versions=[0],
+        )
 
 
 def test_continue_request_resubmits_the_prompt_plus_the_tokens_so_far():
@@ -151,7 +176,12 @@ def test_continue_request_resubmits_the_prompt_plus_the_tokens_so_far():
     assert continue_request(req, []) is req
     nxt = continue_request(req, [20, 21, 22])
     assert (nxt.prompt_ids, nxt.max_tokens, nxt.temperature, nxt.top_p, nxt.stop_token_ids) == (
-        PROMPT + [20, 21, 22], 7, 0.7, 0.9, [2])
+        PROMPT + [20, 21, 22],
+        7,
+        0.7,
+        0.9,
+        [2],
+    )
     assert nxt.seed == continue_request(req, [20, 21, 22]).seed != 5  # deterministic, a fresh stream
     assert req.prompt_ids == PROMPT  # the original request is left as it was
     with pytest.raises(ValueError, match="nothing left to continue"):

@@ -26,8 +26,10 @@ def test_auto_on_gpu_is_ipc_only_for_engines_on_the_senders_gpu():
     """CUDA IPC handles open only on a device the receiver sees (Ray shows each actor its own GPUs)."""
     sender = ("10.0.0.5", ("0",))
     assert resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",))}) == "ipc"  # conf/gpu.yaml: 0.5 + 0.5
-    assert resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",)),
-                                              "rollout-1": ("10.0.0.5", ("1",))}) == "collective"
+    assert (
+        resolve_transport("auto", sender, {"rollout-0": ("10.0.0.5", ("0",)), "rollout-1": ("10.0.0.5", ("1",))})
+        == "collective"
+    )
 
 
 def test_forced_ipc_across_hosts_names_the_engines_away():
@@ -84,11 +86,13 @@ def test_resources_keys_take_custom_ray_resources_only():
     assert dict(cfg.learner.resources) == {"learner_node": 1.0} and dict(cfg.rollout.resources) == {"rollout_node": 1.0}
     assert cfg.sync.transport == "auto" and dict(load_config().learner.resources) == {}
     assert dict(load_config([], ["rollout.resources={rollout_node: 0.25}"]).rollout.resources) == {"rollout_node": 0.25}
-    bad = {"learner.resources={GPU: 1}": "learner.resources.GPU: GPU is one of Ray's built-in resources",
-           "rollout.resources={CPU: 1}": "rollout.resources.CPU: CPU is one of Ray's built-in resources",
-           "rollout.resources={rollout_node: 0}": "rollout.resources.rollout_node=0.0 is out of range",
-           "learner.resources={learner_node: -1}": "learner.resources.learner_node=-1.0 is out of range",
-           "learner.resources={learner_node: 0.00001}": "learner.resources.learner_node=1e-05 is out of range"}
+    bad = {
+        "learner.resources={GPU: 1}": "learner.resources.GPU: GPU is one of Ray's built-in resources",
+        "rollout.resources={CPU: 1}": "rollout.resources.CPU: CPU is one of Ray's built-in resources",
+        "rollout.resources={rollout_node: 0}": "rollout.resources.rollout_node=0.0 is out of range",
+        "learner.resources={learner_node: -1}": "learner.resources.learner_node=-1.0 is out of range",
+        "learner.resources={learner_node: 0.00001}": "learner.resources.learner_node=1e-05 is out of range",
+    }
     for override, message in bad.items():
         with pytest.raises(ConfigError) as err:
             load_config([], [override])

@@ -56,12 +56,31 @@ def test_current_openai_fields_win_over_their_deprecated_aliases():
 
 
 def test_neutral_values_of_implemented_later_fields_and_metadata_fields_are_accepted():
-    r = parse({"messages": MSG, "stop": [], "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
-               "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
-               "parallel_tool_calls": True, "modalities": ["text"], "top_k": -1, "min_p": 0, "repetition_penalty": 1.0,
-               "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
-               "safety_identifier": "h", "stop_token_ids": [7, 8], "stream": True,
-               "stream_options": {"include_usage": True}})
+    r = parse(
+        {
+            "messages": MSG,
+            "stop": [],
+            "logprobs": False,
+            "top_logprobs": 0,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logit_bias": {},
+            "response_format": {"type": "text"},
+            "parallel_tool_calls": True,
+            "modalities": ["text"],
+            "top_k": -1,
+            "min_p": 0,
+            "repetition_penalty": 1.0,
+            "metadata": {"a": "b"},
+            "store": False,
+            "service_tier": "auto",
+            "prompt_cache_key": "k",
+            "safety_identifier": "h",
+            "stop_token_ids": [7, 8],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert (r.stop_token_ids, r.include_usage, r.max_tokens) == ([7, 8], True, 64)
     assert parse({"messages": MSG}).stop_token_ids == []
 
@@ -72,102 +91,185 @@ def test_tool_choice_none_drops_tools():
     assert parse({"messages": MSG, "tools": tools, "tool_choice": "none"}).tools is None
 
 
-@pytest.mark.parametrize("body, headers, param, code", [
-    ({"messages": MSG, "session_id": 5}, {}, "session_id", "invalid_request"),
-    ({"messages": MSG, "session_id": "x" * (MAX_SESSION_ID_CHARS + 1)}, {}, "session_id", "invalid_request"),
-    ({"messages": MSG, "session_id": ""}, {}, "session_id", "invalid_request"),
-    ({"messages": MSG, "model": 5}, {}, "model", "invalid_request"),
-    ({"messages": MSG, "user": {"id": 1}}, {}, "user", "invalid_request"),
-    ({"messages": MSG}, {"x-session-done": "maybe"}, "session_done", "invalid_request"),
-    ({"messages": MSG, "session_done": {}}, {}, "session_done", "invalid_request"),
-    ({"messages": MSG}, {"x-session-outcome": "solved"}, "session_outcome", "invalid_request"),
-    ({"messages": MSG}, {"x-session-outcome": "inf"}, "session_outcome", "invalid_request"),
-    ({"messages": MSG, "session_outcome": True}, {}, "session_outcome", "invalid_request"),
-    ({"messages": MSG, "session_outcome": 1e7}, {}, "session_outcome", "invalid_request"),
-    ({"messages": MSG, "session_outcome": "nan"}, {}, "session_outcome", "invalid_request"),
-    ({"messages": MSG}, {"x-turn-type": "garbage"}, "turn_type", "invalid_request"),
-    ({"messages": MSG, "temperature": float("nan")}, {}, "temperature", "invalid_request"),
-    ({"messages": MSG, "temperature": True}, {}, "temperature", "invalid_request"),
-    ({"messages": MSG, "max_tokens": 1.5}, {}, "max_tokens", "invalid_request"),
-    ({"messages": MSG, "top_p": 0}, {}, "top_p", "invalid_request"),
-    ({"messages": MSG, "stream": "yes"}, {}, "stream", "invalid_request"),
-    ({"messages": MSG, "stream_options": {"include_usage": True}}, {}, "stream_options", "invalid_request"),
-    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}}, {}, "stream_options.include_usage",
-     "invalid_request"),
-    ({"messages": MSG, "n": 0}, {}, "n", "invalid_request"),
-    ({"messages": MSG, "n": 99}, {}, "n", "invalid_request"),
-    ({"messages": [{"role": "assistant", "content": "a", "reasoning": 5}]}, {}, "messages[0].reasoning_content",
-     "invalid_request"),
-    ({"messages": MSG, "stop": ["e"]}, {}, "stop", "unsupported"),
-    ({"messages": MSG, "logprobs": True}, {}, "logprobs", "unsupported"),
-    ({"messages": MSG, "presence_penalty": 0.5}, {}, "presence_penalty", "unsupported"),
-    ({"messages": MSG, "tool_choice": "required"}, {}, "tool_choice", "unsupported"),
-    ({"messages": MSG, "tool_choice": 5}, {}, "tool_choice", "invalid_request"),
-    ({"messages": MSG, "tools": [{"type": "garbage", "function": {"name": "f"}}]}, {}, "tools[0].type",
-     "invalid_request"),
-    ({"messages": MSG, "tools": [{"function": {"name": "f", "parameters": "lol"}}]}, {}, "tools[0]",
-     "invalid_request"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"function": {"name": "f", "arguments": "[1, 2]"}}]}]}, {}, "messages[0].tool_calls", "invalid_request"),
-    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": {"a": 1}}]}, {},
-     "messages[0].tool_call_id", "invalid_request"),
-    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, {}, "messages[0].name", "invalid_request"),
-    ({"messages": MSG, "turn_type": False}, {}, "turn_type", "invalid_request"),
-    ({"messages": MSG, "turn_type": ""}, {}, "turn_type", "invalid_request"),
-    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": ""}}]}, {}, "tools[0]", "invalid_request"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"function": {"name": "f", "arguments": '{"a": NaN}'}}]}]}, {}, "messages[0].tool_calls", "invalid_request"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"function": {"name": "f", "arguments": '{"a": ' + "9" * 5000 + "}"}}]}]}, {}, "messages[0].tool_calls",
-     "invalid_request"),
-    ({"messages": MSG}, {"x-session-id": "\xff\xfe".encode("latin-1").decode("latin-1")}, "session_id",
-     "invalid_request"),
-    # both token caps are validated, whichever wins
-    ({"messages": MSG, "max_completion_tokens": 3, "max_tokens": 0}, {}, "max_tokens", "invalid_request"),
-    ({"messages": MSG, "max_completion_tokens": 0, "max_tokens": 40}, {}, "max_completion_tokens", "invalid_request"),
-    # deprecated aliases, unknown fields, non-neutral values of fields implemented later: never ignored
-    ({"messages": MSG, "functions": [{"name": "f", "parameters": {}}]}, {}, "functions", "unsupported"),
-    ({"messages": MSG, "function_call": "auto"}, {}, "function_call", "unsupported"),
-    ({"messages": MSG, "max_token": 5}, {}, "max_token", "unsupported"),
-    ({"messages": MSG, "reasoning_effort": "low"}, {}, "reasoning_effort", "unsupported"),
-    ({"messages": MSG, "audio": {"voice": "x"}}, {}, "audio", "unsupported"),
-    ({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, {}, "chat_template_kwargs",
-     "unsupported"),
-    ({"messages": MSG, "parallel_tool_calls": False}, {}, "parallel_tool_calls", "unsupported"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, {}, "response_format", "unsupported"),
-    ({"messages": MSG, "top_logprobs": 2}, {}, "top_logprobs", "unsupported"),
-    ({"messages": MSG, "logit_bias": {"5": 10}}, {}, "logit_bias", "unsupported"),
-    ({"messages": MSG, "modalities": ["text", "audio"]}, {}, "modalities", "unsupported"),
-    ({"messages": MSG, "top_k": 5}, {}, "top_k", "unsupported"),
-    ({"messages": MSG, "min_p": 0.1}, {}, "min_p", "unsupported"),
-    ({"messages": MSG, "repetition_penalty": 1.2}, {}, "repetition_penalty", "unsupported"),
-    ({"messages": MSG, "stop": "END"}, {}, "stop", "unsupported"),
-    ({"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": True}}, {},
-     "stream_options.continuous_usage_stats", "unsupported"),
-    ({"messages": MSG, "metadata": "x"}, {}, "metadata", "invalid_request"),
-    ({"messages": MSG, "store": "yes"}, {}, "store", "invalid_request"),
-    ({"messages": MSG, "prompt_cache_key": 5}, {}, "prompt_cache_key", "invalid_request"),
-    ({"messages": MSG, "stop_token_ids": [1, -1]}, {}, "stop_token_ids", "invalid_request"),
-    ({"messages": MSG, "stop_token_ids": [True]}, {}, "stop_token_ids", "invalid_request"),
-    ({"messages": MSG, "stop_token_ids": 5}, {}, "stop_token_ids", "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "body, headers, param, code",
+    [
+        ({"messages": MSG, "session_id": 5}, {}, "session_id", "invalid_request"),
+        ({"messages": MSG, "session_id": "x" * (MAX_SESSION_ID_CHARS + 1)}, {}, "session_id", "invalid_request"),
+        ({"messages": MSG, "session_id": ""}, {}, "session_id", "invalid_request"),
+        ({"messages": MSG, "model": 5}, {}, "model", "invalid_request"),
+        ({"messages": MSG, "user": {"id": 1}}, {}, "user", "invalid_request"),
+        ({"messages": MSG}, {"x-session-done": "maybe"}, "session_done", "invalid_request"),
+        ({"messages": MSG, "session_done": {}}, {}, "session_done", "invalid_request"),
+        ({"messages": MSG}, {"x-session-outcome": "solved"}, "session_outcome", "invalid_request"),
+        ({"messages": MSG}, {"x-session-outcome": "inf"}, "session_outcome", "invalid_request"),
+        ({"messages": MSG, "session_outcome": True}, {}, "session_outcome", "invalid_request"),
+        ({"messages": MSG, "session_outcome": 1e7}, {}, "session_outcome", "invalid_request"),
+        ({"messages": MSG, "session_outcome": "nan"}, {}, "session_outcome", "invalid_request"),
+        ({"messages": MSG}, {"x-turn-type": "garbage"}, "turn_type", "invalid_request"),
+        ({"messages": MSG, "temperature": float("nan")}, {}, "temperature", "invalid_request"),
+        ({"messages": MSG, "temperature": True}, {}, "temperature", "invalid_request"),
+        ({"messages": MSG, "max_tokens": 1.5}, {}, "max_tokens", "invalid_request"),
+        ({"messages": MSG, "top_p": 0}, {}, "top_p", "invalid_request"),
+        ({"messages": MSG, "stream": "yes"}, {}, "stream", "invalid_request"),
+        ({"messages": MSG, "stream_options": {"include_usage": True}}, {}, "stream_options", "invalid_request"),
+        (
+            {"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}},
+            {},
+            "stream_options.include_usage",
+            "invalid_request",
+        ),
+        ({"messages": MSG, "n": 0}, {}, "n", "invalid_request"),
+        ({"messages": MSG, "n": 99}, {}, "n", "invalid_request"),
+        (
+            {"messages": [{"role": "assistant", "content": "a", "reasoning": 5}]},
+            {},
+            "messages[0].reasoning_content",
+            "invalid_request",
+        ),
+        ({"messages": MSG, "stop": ["e"]}, {}, "stop", "unsupported"),
+        ({"messages": MSG, "logprobs": True}, {}, "logprobs", "unsupported"),
+        ({"messages": MSG, "presence_penalty": 0.5}, {}, "presence_penalty", "unsupported"),
+        ({"messages": MSG, "tool_choice": "required"}, {}, "tool_choice", "unsupported"),
+        ({"messages": MSG, "tool_choice": 5}, {}, "tool_choice", "invalid_request"),
+        (
+            {"messages": MSG, "tools": [{"type": "garbage", "function": {"name": "f"}}]},
+            {},
+            "tools[0].type",
+            "invalid_request",
+        ),
+        (
+            {"messages": MSG, "tools": [{"function": {"name": "f", "parameters": "lol"}}]},
+            {},
+            "tools[0]",
+            "invalid_request",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}],
+                    }
+                ]
+            },
+            {},
+            "messages[0].tool_calls",
+            "invalid_request",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "1", "tool_call_id": {"a": 1}}]},
+            {},
+            "messages[0].tool_call_id",
+            "invalid_request",
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, {}, "messages[0].name", "invalid_request"),
+        ({"messages": MSG, "turn_type": False}, {}, "turn_type", "invalid_request"),
+        ({"messages": MSG, "turn_type": ""}, {}, "turn_type", "invalid_request"),
+        (
+            {"messages": MSG, "tools": [{"type": "function", "function": {"name": ""}}]},
+            {},
+            "tools[0]",
+            "invalid_request",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": '{"a": NaN}'}}],
+                    }
+                ]
+            },
+            {},
+            "messages[0].tool_calls",
+            "invalid_request",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": '{"a": ' + "9" * 5000 + "}"}}],
+                    }
+                ]
+            },
+            {},
+            "messages[0].tool_calls",
+            "invalid_request",
+        ),
+        (
+            {"messages": MSG},
+            {"x-session-id": "\xff\xfe".encode("latin-1").decode("latin-1")},
+            "session_id",
+            "invalid_request",
+        ),
+        # both token caps are validated, whichever wins
+        ({"messages": MSG, "max_completion_tokens": 3, "max_tokens": 0}, {}, "max_tokens", "invalid_request"),
+        (
+            {"messages": MSG, "max_completion_tokens": 0, "max_tokens": 40},
+            {},
+            "max_completion_tokens",
+            "invalid_request",
+        ),
+        # deprecated aliases, unknown fields, non-neutral values of fields implemented later: never ignored
+        ({"messages": MSG, "functions": [{"name": "f", "parameters": {}}]}, {}, "functions", "unsupported"),
+        ({"messages": MSG, "function_call": "auto"}, {}, "function_call", "unsupported"),
+        ({"messages": MSG, "max_token": 5}, {}, "max_token", "unsupported"),
+        ({"messages": MSG, "reasoning_effort": "low"}, {}, "reasoning_effort", "unsupported"),
+        ({"messages": MSG, "audio": {"voice": "x"}}, {}, "audio", "unsupported"),
+        (
+            {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}},
+            {},
+            "chat_template_kwargs",
+            "unsupported",
+        ),
+        ({"messages": MSG, "parallel_tool_calls": False}, {}, "parallel_tool_calls", "unsupported"),
+        ({"messages": MSG, "response_format": {"type": "json_object"}}, {}, "response_format", "unsupported"),
+        ({"messages": MSG, "top_logprobs": 2}, {}, "top_logprobs", "unsupported"),
+        ({"messages": MSG, "logit_bias": {"5": 10}}, {}, "logit_bias", "unsupported"),
+        ({"messages": MSG, "modalities": ["text", "audio"]}, {}, "modalities", "unsupported"),
+        ({"messages": MSG, "top_k": 5}, {}, "top_k", "unsupported"),
+        ({"messages": MSG, "min_p": 0.1}, {}, "min_p", "unsupported"),
+        ({"messages": MSG, "repetition_penalty": 1.2}, {}, "repetition_penalty", "unsupported"),
+        ({"messages": MSG, "stop": "END"}, {}, "stop", "unsupported"),
+        (
+            {"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            {},
+            "stream_options.continuous_usage_stats",
+            "unsupported",
+        ),
+        ({"messages": MSG, "metadata": "x"}, {}, "metadata", "invalid_request"),
+        ({"messages": MSG, "store": "yes"}, {}, "store", "invalid_request"),
+        ({"messages": MSG, "prompt_cache_key": 5}, {}, "prompt_cache_key", "invalid_request"),
+        ({"messages": MSG, "stop_token_ids": [1, -1]}, {}, "stop_token_ids", "invalid_request"),
+        ({"messages": MSG, "stop_token_ids": [True]}, {}, "stop_token_ids", "invalid_request"),
+        ({"messages": MSG, "stop_token_ids": 5}, {}, "stop_token_ids", "invalid_request"),
+    ],
+)
 def test_rejections_name_the_field(body, headers, param, code):
     with pytest.raises(RequestError) as e:
         parse(body, headers)
     assert (e.value.param, e.value.code) == (param, code)
 
 
-@pytest.mark.parametrize("raw, code", [
-    (b"{bad", "invalid_json"),
-    (b"[1]", "invalid_json"),
-    (b"\xff\xfe", "invalid_json"),
-    (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", "invalid_json"),
-    (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), "invalid_unicode"),
-    (b'{"messages": [], "foo": ' + b"1" * 4400 + b"}", "invalid_json"),  # over Python's int digit limit
-    (b'{"temperature": NaN}', "invalid_json"),
-    (b'{"tools": [{"function": {"name": "f", "parameters": {"x": Infinity}}}]}', "invalid_json"),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode("utf-16"), "invalid_json"),
-])
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b"{bad", "invalid_json"),
+        (b"[1]", "invalid_json"),
+        (b"\xff\xfe", "invalid_json"),
+        (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", "invalid_json"),
+        (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), "invalid_unicode"),
+        (b'{"messages": [], "foo": ' + b"1" * 4400 + b"}", "invalid_json"),  # over Python's int digit limit
+        (b'{"temperature": NaN}', "invalid_json"),
+        (b'{"tools": [{"function": {"name": "f", "parameters": {"x": Infinity}}}]}', "invalid_json"),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode("utf-16"), "invalid_json"),
+    ],
+)
 def test_decode_body_rejections(raw, code):
     with pytest.raises(RequestError) as e:
         decode_body(raw)
@@ -175,4 +277,4 @@ def test_decode_body_rejections(raw, code):
 
 
 def test_decode_body_accepts_unicode_and_nul():
-    assert decode_body('{"a": "h\\u00e9 \\u0000 \U0001F600"}'.encode())["a"] == "hé \x00 \U0001F600"
+    assert decode_body('{"a": "h\\u00e9 \\u0000 \U0001f600"}'.encode())["a"] == "hé \x00 \U0001f600"

@@ -13,8 +13,9 @@ def run(coro):
 def put(q, name, version, num_tokens=4):
     """Enqueue the fake ref ``name`` with metadata naming it (``session_id``), so a test can check that
     each ref's metadata travels with it."""
-    meta = SampleMeta(policy_version=version, reward=1.0, num_tokens=num_tokens, trainable_tokens=1,
-                      prompt_key="p", session_id=name)
+    meta = SampleMeta(
+        policy_version=version, reward=1.0, num_tokens=num_tokens, trainable_tokens=1, prompt_key="p", session_id=name
+    )
     return q.put([name], meta)
 
 
@@ -52,8 +53,12 @@ def test_batch_is_fifo_and_waits_for_enough_samples():
         return batch, await q.stats()
 
     batch, stats = run(scenario())
-    assert without_meta(batch) == {"refs": ["s0", "s1", "s2", "s3"], "versions": [0, 0, 0, 0], "staleness": [1, 1, 1, 1],
-                     "seqs": [0, 0, 0, 0]}  # no journal: no sequence numbers
+    assert without_meta(batch) == {
+        "refs": ["s0", "s1", "s2", "s3"],
+        "versions": [0, 0, 0, 0],
+        "staleness": [1, 1, 1, 1],
+        "seqs": [0, 0, 0, 0],
+    }  # no journal: no sequence numbers
     assert stats == {"size": 0, "put": 4, "taken": 4, "dropped": {}}
 
 
@@ -79,7 +84,12 @@ def test_batch_takes_every_fresh_sample_up_to_the_cap_oldest_version_first():
             await put(q, name, version)
         # update producing v3: a and d (staleness 3) are stale; b, f (staleness 2) come before c, e (1)
         first = await q.get_batch(2, next_version=3, timeout_s=0.1, max_batch_size=3)
-        assert without_meta(first) == {"refs": ["b", "f", "c"], "versions": [1, 1, 2], "staleness": [2, 2, 1], "seqs": [0, 0, 0]}
+        assert without_meta(first) == {
+            "refs": ["b", "f", "c"],
+            "versions": [1, 1, 2],
+            "staleness": [2, 2, 1],
+            "seqs": [0, 0, 0],
+        }
         await put(q, "g", 3)
         # update producing v4: e (v2, staleness 2) is still fresh and goes first; g follows
         second = await q.get_batch(1, next_version=4, timeout_s=0.1, max_batch_size=8)
@@ -106,6 +116,7 @@ def test_exact_batches_by_default_and_a_cap_below_the_minimum_is_an_error():
 def test_learner_bound_stream_trains_what_exact_batches_drop():
     """A learner that takes one batch per version while 6 samples arrive per version (staleness
     cap 1): exact batches of 2 leave 4 of every 6 to go stale; batches of up to 8 train all."""
+
     async def stream(max_batch_size):
         q = TrajectoryQueue(max_staleness=1)
         trained = 0

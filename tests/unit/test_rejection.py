@@ -37,8 +37,16 @@ def test_grpo_over_session_prefix_groups():
 
 
 def _sample(prompt, reward):
-    return Sample(tokens=[prompt, 9], prompt_len=1, loss_mask=[1], rollout_logprobs=[-0.1], reward=reward,
-                  policy_version=0, session_id=f"s{prompt}", turn_index=1)
+    return Sample(
+        tokens=[prompt, 9],
+        prompt_len=1,
+        loss_mask=[1],
+        rollout_logprobs=[-0.1],
+        reward=reward,
+        policy_version=0,
+        session_id=f"s{prompt}",
+        turn_index=1,
+    )
 
 
 def _meta(prompt, reward):
@@ -46,13 +54,19 @@ def _meta(prompt, reward):
 
 
 def _batch(metas):
-    return {"refs": [f"ref{i}" for i in range(len(metas))], "meta": metas, "versions": [0] * len(metas),
-            "staleness": [1] * len(metas), "seqs": list(range(len(metas)))}
+    return {
+        "refs": [f"ref{i}" for i in range(len(metas))],
+        "meta": metas,
+        "versions": [0] * len(metas),
+        "staleness": [1] * len(metas),
+        "seqs": list(range(len(metas))),
+    }
 
 
 def _driver(monkeypatch, takes, **trainer):
-    cfg = load_config([], ["trainer.dynamic_sampling=true", "trainer.batch_size=4"]
-                      + [f"trainer.{k}={v}" for k, v in trainer.items()])
+    cfg = load_config(
+        [], ["trainer.dynamic_sampling=true", "trainer.batch_size=4"] + [f"trainer.{k}={v}" for k, v in trainer.items()]
+    )
     d = driver_mod.Driver.__new__(driver_mod.Driver)
     d.cfg, d.zero_variance_dropped = cfg, 0
     calls = []
@@ -94,6 +108,10 @@ def test_credit_metrics_of_a_batch():
     a, b, c = SampleMeta.of(a), SampleMeta.of(b), SampleMeta.of(c)
     assert (a.outcome, a.shaping, c.outcome, c.shaping) == (1.0, (("truncated", -0.5),), None, ())
     m = driver_mod.credit_metrics([a, b, c], {"credit/turns_waiting": 3, "credit/mean_session_turns": 2.5})
-    assert m == {"credit/turns_waiting": 3.0, "credit/mean_session_turns": 2.5, "reward/outcome_mean": 0.0,
-                 "reward/shaping/truncated": -0.25}
+    assert m == {
+        "credit/turns_waiting": 3.0,
+        "credit/mean_session_turns": 2.5,
+        "reward/outcome_mean": 0.0,
+        "reward/shaping/truncated": -0.25,
+    }
     assert torch.isnan(torch.tensor(driver_mod.credit_metrics([c], {})["reward/outcome_mean"]))

@@ -38,11 +38,11 @@ REPLIES = [
     "  \n  ",
     "<think>\nadd 2 and 2\n</think>\n\nThe sum is 4.",
     "<think>unterminated reasoning",
-    "Let me compute.\n<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"expr\": \"2+2\"}}\n</tool_call>\n",
-    "<tool_call>{\"name\": \"a\", \"arguments\": \"{\\\"x\\\": 1}\"}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>",
-    "<tool_call>{\"name\": \"a\", \"arguments\": {}}\n{\"name\": \"b\", \"arguments\": {\"y\": [1, 2]}}</tool_call>",
+    'Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+2"}}\n</tool_call>\n',
+    '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}}\n{"name": "b", "arguments": {"y": [1, 2]}}</tool_call>',
     "Before <tool_call>{not json}</tool_call> after",
-    "text <tool_call>{\"name\": \"a\", \"arguments\": {}}",
+    'text <tool_call>{"name": "a", "arguments": {}}',
     "a <tool b <think> c </think> d",
     "héllo wörld ✓ 漢字",
 ]
@@ -65,7 +65,12 @@ def test_every_chunking_gives_the_whole_text_parse(text):
 
 def test_parse_cases_exact():
     r = parse_reply_text("<think>\nadd 2 and 2\n</think>\n\nThe sum is 4.")
-    assert (r.reasoning_content, r.content, r.tool_calls, r.tool_parse_error) == ("\nadd 2 and 2\n", "The sum is 4.", [], False)
+    assert (r.reasoning_content, r.content, r.tool_calls, r.tool_parse_error) == (
+        "\nadd 2 and 2\n",
+        "The sum is 4.",
+        [],
+        False,
+    )
     r = parse_reply_text("<think>unterminated")
     assert (r.reasoning_content, r.content) == ("unterminated", None)
     r = parse_reply_text("a <tool b <think> c </think> d")  # a think block that is not at the start is content
@@ -75,17 +80,32 @@ def test_parse_cases_exact():
 
 
 def test_tool_calls_double_encoded_and_two_objects_in_one_block():
-    text = ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>\n'
-            '<tool_call>{"name": "b", "arguments": {"y": 2}}\n{"name": "c", "parameters": "\\"{\\\\\\"z\\\\\\": 3}\\""}</tool_call>')
+    text = (
+        '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"y": 2}}\n{"name": "c", "parameters": "\\"{\\\\\\"z\\\\\\": 3}\\""}</tool_call>'
+    )
     _, r = _stream(text, [])
     assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in r.tool_calls] == [
-        ("call_0", "a", {"x": 1}), ("call_1", "b", {"y": 2}), ("call_2", "c", {"z": 3})]
+        ("call_0", "a", {"x": 1}),
+        ("call_1", "b", {"y": 2}),
+        ("call_2", "c", {"z": 3}),
+    ]
     assert r.content is None and not r.tool_parse_error
     assert [c["name"] for c in parse_tool_block('[{"name": "p"}, {"name": "q", "arguments": {}}]')] == ["p", "q"]
 
 
-@pytest.mark.parametrize("text", ["Before <tool_call>{not json}</tool_call> after", "x <tool_call>{\"name\": \"a\"}", "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>[\"calculator\"]</tool_call>", "<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": NaN}}</tool_call>",
-                                  "<tool_call>{\"name\": 3}</tool_call>", "<tool_call>{\"name\": \"a\", \"arguments\": [1]}</tool_call>"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Before <tool_call>{not json}</tool_call> after",
+        'x <tool_call>{"name": "a"}',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>["calculator"]</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {"x": NaN}}</tool_call>',
+        '<tool_call>{"name": 3}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+    ],
+)
 def test_bad_tool_block_is_raw_content_and_flagged(text):
     r = parse_reply_text(text)
     assert r.tool_calls == [] and r.tool_parse_error and r.content == text.strip()
@@ -116,7 +136,7 @@ def test_detokenizer_matches_the_real_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    text = "What is 2+2? héllo ✓ 漢字 <tool_call>{\"a\": 1}</tool_call>"
+    text = 'What is 2+2? héllo ✓ 漢字 <tool_call>{"a": 1}</tool_call>'
     ids = tok.encode(text, add_special_tokens=False)
     det = IncrementalDetokenizer(lambda x: tok.decode(x, skip_special_tokens=False))
     out = "".join(det.add([i]) for i in ids) + det.finish()

@@ -7,18 +7,57 @@ import math
 from clawray.report import bounds, per_step, split_rows, summarize, write_report
 
 TRAIN = [
-    {"step": 1, "samples": 4, "reward_mean": 0.5, "samples_dropped": 4, "inv/dropped_samples/stale": 0,
-     "inv/staleness_max": 1, "inv/ratio_max": 1.1, "inv/entropy": 2.0, "inv/degenerate_batches": 0},
-    {"step": 2, "samples": 6, "reward_mean": None, "samples_dropped": 10, "inv/dropped_samples/stale": 3,
-     "inv/staleness_max": 2, "inv/ratio_max": 1.3, "inv/entropy": 1.5, "inv/degenerate_batches": 1},
-    {"step": 3, "samples": 5, "reward_mean": 1.0, "samples_dropped": 11, "inv/dropped_samples/stale": 3,
-     "inv/staleness_max": 1, "inv/ratio_max": 1.0, "inv/entropy": 1.2, "inv/degenerate_batches": 1},
+    {
+        "step": 1,
+        "samples": 4,
+        "reward_mean": 0.5,
+        "samples_dropped": 4,
+        "inv/dropped_samples/stale": 0,
+        "inv/staleness_max": 1,
+        "inv/ratio_max": 1.1,
+        "inv/entropy": 2.0,
+        "inv/degenerate_batches": 0,
+    },
+    {
+        "step": 2,
+        "samples": 6,
+        "reward_mean": None,
+        "samples_dropped": 10,
+        "inv/dropped_samples/stale": 3,
+        "inv/staleness_max": 2,
+        "inv/ratio_max": 1.3,
+        "inv/entropy": 1.5,
+        "inv/degenerate_batches": 1,
+    },
+    {
+        "step": 3,
+        "samples": 5,
+        "reward_mean": 1.0,
+        "samples_dropped": 11,
+        "inv/dropped_samples/stale": 3,
+        "inv/staleness_max": 1,
+        "inv/ratio_max": 1.0,
+        "inv/entropy": 1.2,
+        "inv/degenerate_batches": 1,
+    },
 ]
 EVALS = [
-    {"step": 0, "policy_version": 0, "eval/solved": 0.25, "eval/solved_lo": 0.2, "eval/solved_hi": 0.3,
-     "eval/seconds": 9.0},
-    {"step": 3, "policy_version": 3, "eval/solved": 0.75, "eval/solved_lo": 0.7, "eval/solved_hi": 0.8,
-     "eval/seconds": 8.0},
+    {
+        "step": 0,
+        "policy_version": 0,
+        "eval/solved": 0.25,
+        "eval/solved_lo": 0.2,
+        "eval/solved_hi": 0.3,
+        "eval/seconds": 9.0,
+    },
+    {
+        "step": 3,
+        "policy_version": 3,
+        "eval/solved": 0.75,
+        "eval/solved_lo": 0.7,
+        "eval/solved_hi": 0.8,
+        "eval/seconds": 8.0,
+    },
 ]
 
 
@@ -49,8 +88,9 @@ def test_write_report_eval_first_and_integer_ticks(tmp_path, monkeypatch):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for row in [EVALS[0], *TRAIN, EVALS[1]]:
             f.write(json.dumps(row) + "\n")
-    (tmp_path / "config.json").write_text(json.dumps({"queue": {"max_staleness": 2},
-                                                      "learner": {"eps": 0.2, "eps_high": 0.28}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"queue": {"max_staleness": 2}, "learner": {"eps": 0.2, "eps_high": 0.28}})
+    )
     import matplotlib.figure
 
     ticks, lines = [], []
@@ -84,29 +124,80 @@ def _run(tmp_path, name, algo, rows, learner=None):
 def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
     from clawray.report import matrix, matrix_markdown, write_reports
 
-    rl = _run(tmp_path, "rl", "rl", [
-        {"step": 1, "inv/entropy": 2.0, "inv/nonzero_reward_frac": 1.0, "inv/adv_std": 0.9,
-         "inv/logprob_mismatch_kl": 0.001, "inv/clip_frac": 0.0, "inv/effective_token_rate": 1.0},
-        {"step": 2, "inv/entropy": 1.2, "inv/nonzero_reward_frac": 0.5, "inv/adv_std": 0.7,
-         "inv/logprob_mismatch_kl": 0.002, "inv/clip_frac": 0.1, "inv/effective_token_rate": 0.8}])
-    opd = _run(tmp_path, "opd", "opd", [
-        {"step": 1, "inv/entropy": 2.0, "inv/nonzero_reward_frac": 0.0, "inv/adv_std": 0.3,
-         "inv/logprob_mismatch_kl": 0.05, "inv/clip_frac": 0.3, "inv/effective_token_rate": 0.4,
-         "inv/behaviour_entropy": 1.0},
-        {"step": 2, "inv/entropy": 0.9, "inv/nonzero_reward_frac": 0.0, "inv/adv_std": 0.3,
-         "inv/logprob_mismatch_kl": None, "inv/clip_frac": 0.1, "inv/effective_token_rate": 0.4,
-         "inv/behaviour_entropy": 0.4}], learner={"entropy_floor": 1.0})
+    rl = _run(
+        tmp_path,
+        "rl",
+        "rl",
+        [
+            {
+                "step": 1,
+                "inv/entropy": 2.0,
+                "inv/nonzero_reward_frac": 1.0,
+                "inv/adv_std": 0.9,
+                "inv/logprob_mismatch_kl": 0.001,
+                "inv/clip_frac": 0.0,
+                "inv/effective_token_rate": 1.0,
+            },
+            {
+                "step": 2,
+                "inv/entropy": 1.2,
+                "inv/nonzero_reward_frac": 0.5,
+                "inv/adv_std": 0.7,
+                "inv/logprob_mismatch_kl": 0.002,
+                "inv/clip_frac": 0.1,
+                "inv/effective_token_rate": 0.8,
+            },
+        ],
+    )
+    opd = _run(
+        tmp_path,
+        "opd",
+        "opd",
+        [
+            {
+                "step": 1,
+                "inv/entropy": 2.0,
+                "inv/nonzero_reward_frac": 0.0,
+                "inv/adv_std": 0.3,
+                "inv/logprob_mismatch_kl": 0.05,
+                "inv/clip_frac": 0.3,
+                "inv/effective_token_rate": 0.4,
+                "inv/behaviour_entropy": 1.0,
+            },
+            {
+                "step": 2,
+                "inv/entropy": 0.9,
+                "inv/nonzero_reward_frac": 0.0,
+                "inv/adv_std": 0.3,
+                "inv/logprob_mismatch_kl": None,
+                "inv/clip_frac": 0.1,
+                "inv/effective_token_rate": 0.4,
+                "inv/behaviour_entropy": 0.4,
+            },
+        ],
+        learner={"entropy_floor": 1.0},
+    )
     table = matrix([rl, opd])
     (m1, _, r1), (m2, _, r2) = table
     assert (m1, m2) == ("rl", "opd")
     # rl: entropy 2.0 -> 1.2 (>= 1.0), non-zero 0.75, adv std 0.8, KL max 0.002, clip 0.05, rate 0.9
-    assert {c: v for c, (_, v) in r1.items()} == {"entropy": "✓", "signal": "✓", "on_policy_gap": "✓",
-                                                 "effective_samples": "✓", "behaviour": "–"}
+    assert {c: v for c, (_, v) in r1.items()} == {
+        "entropy": "✓",
+        "signal": "✓",
+        "on_policy_gap": "✓",
+        "effective_samples": "✓",
+        "behaviour": "–",
+    }
     assert r1["signal"][0] == "non-zero 0.75, adv std 0.8" and r1["on_policy_gap"][0] == "KL max 0.002, clip 0.050"
     # opd: 0.9 is under the floor 1.0; no rewards is fine for OPD; KL 0.05 > 0.01 and clip 0.2 mean;
     # rate 0.4 < 0.5; behaviour entropy 1.0 -> 0.4 < 0.5 x 1.0
-    assert {c: v for c, (_, v) in r2.items()} == {"entropy": "●", "signal": "✓", "on_policy_gap": "●",
-                                                 "effective_samples": "●", "behaviour": "●"}
+    assert {c: v for c, (_, v) in r2.items()} == {
+        "entropy": "●",
+        "signal": "✓",
+        "on_policy_gap": "●",
+        "effective_samples": "●",
+        "behaviour": "●",
+    }
     lines = matrix_markdown(table)
     assert lines[0] == "| mode | run | entropy | signal | on_policy_gap | effective_samples | behaviour |"
     assert lines[2].startswith("| rl | rl | ✓ 2 → 1.2 |")

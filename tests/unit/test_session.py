@@ -28,6 +28,7 @@ class FakeJudge:
             if score == 0:  # a 0 majority whose votes lean positive
                 return JudgeResult(0, [0, 0, 1], counts={"valid": 3, "invalid": 0, "tie": 0})
             return JudgeResult(score, [score], raw=[f"\\boxed{{{score}}}"], counts={"valid": 1, "invalid": 0, "tie": 0})
+
         self.seen = []
         self.judge = _Remote(judge)
 
@@ -37,6 +38,7 @@ class FakeQueue:
         async def put(refs, meta):
             assert meta == SampleMeta.of(refs[0])  # the metadata the driver reads matches the payload
             self.items.append((refs[0], meta.policy_version))
+
         self.items = []
         self.put = _Remote(put)
 
@@ -47,9 +49,17 @@ def no_object_store(monkeypatch):
 
 
 def turn(session, history, reply, version=0):
-    return Turn(session_id=session, turn_index=0, messages=list(history),
-                response_message={"role": "assistant", "content": reply}, prompt_ids=[1, 2, 3],
-                response_ids=[7, 8], rollout_logprobs=[-0.5, -0.25], policy_version=version, finish_reason="stop")
+    return Turn(
+        session_id=session,
+        turn_index=0,
+        messages=list(history),
+        response_message={"role": "assistant", "content": reply},
+        prompt_ids=[1, 2, 3],
+        response_ids=[7, 8],
+        rollout_logprobs=[-0.5, -0.25],
+        policy_version=version,
+        finish_reason="stop",
+    )
 
 
 def test_pairs_next_state_and_emits_samples_in_order():
@@ -59,8 +69,11 @@ def test_pairs_next_state_and_emits_samples_in_order():
     async def scenario():
         h = [{"role": "user", "content": "q"}]
         assert await tracker.record_turn(turn("s", h, "r1", version=0)) == 1
-        h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "tool", "content": "t1"},
-                  {"role": "user", "content": "bad"}]
+        h2 = h + [
+            {"role": "assistant", "content": "r1"},
+            {"role": "tool", "content": "t1"},
+            {"role": "user", "content": "bad"},
+        ]
         assert await tracker.record_turn(turn("s", h2, "r2", version=1)) == 2
         h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "good"}]
         assert await tracker.record_turn(turn("s", h3, "r3", version=1), done=True) == 3
@@ -98,7 +111,10 @@ def test_zero_scores_at_least_one_unscored_and_branch():
         for t in turns:
             await tracker.record_turn(t)
         # the client edited the history: the reply we served is not there -> branch, not mis-paired
-        h5 = turns[-1].messages + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "meh"}]
+        h5 = turns[-1].messages + [
+            {"role": "assistant", "content": "something else"},
+            {"role": "user", "content": "meh"},
+        ]
         await tracker.record_turn(turn("a", h5, "r5"))
         await tracker.drain()
         held = len(queue.items)
@@ -163,8 +179,13 @@ def test_a_closed_session_id_used_again_continues_its_turn_indexes():
     async def scenario():
         h = [{"role": "user", "content": "q"}]
         assert await tracker.record_turn(turn("re", h, "r1")) == 1
-        assert await tracker.record_turn(turn("re", h + [{"role": "assistant", "content": "r1"},
-                                                         {"role": "user", "content": "good"}], "r2"), done=True) == 2
+        assert (
+            await tracker.record_turn(
+                turn("re", h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "good"}], "r2"),
+                done=True,
+            )
+            == 2
+        )
         assert await tracker.record_turn(turn("re", h, "again")) == 3  # not 1 again
         await tracker.drain()
         return await tracker.stats()
@@ -181,6 +202,7 @@ def test_judges_take_turns_round_robin_a_dead_one_loses_only_its_turn_and_votes_
             async def judge(turn, next_state):
                 self.seen.append(turn.turn_index)
                 raise RuntimeError("judge actor died")
+
             self.seen = []
             self.judge = _Remote(judge)
 
@@ -202,4 +224,3 @@ def test_judges_take_turns_round_robin_a_dead_one_loses_only_its_turn_and_votes_
     assert (rows[1]["score"], rows[1]["votes"], rows[1]["raw_votes"]) == (1, [1], ["\\boxed{1}"])
     assert rows[2]["dropped"].startswith("judge error: RuntimeError('judge actor died')")
     assert rows[2]["votes"] is None and rows[2]["next_state"] == [{"role": "user", "content": "bad"}]
-

@@ -16,9 +16,16 @@ def _offline_folders(run_dir) -> list[str]:
 def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = str(tmp_path / "run")
-    cfg = load_config([], ["serve.api_key=sk-serve-SECRET1", "judge.api_key=sk-judge-SECRET2",
-                           "opd.teacher_api_key=sk-teacher-SECRET3", "judge.base_url=http://bob:SECRET4@judge:1/v1",
-                           "model.path=/models/VISIBLE-MARKER"])
+    cfg = load_config(
+        [],
+        [
+            "serve.api_key=sk-serve-SECRET1",
+            "judge.api_key=sk-judge-SECRET2",
+            "opd.teacher_api_key=sk-teacher-SECRET3",
+            "judge.base_url=http://bob:SECRET4@judge:1/v1",
+            "model.path=/models/VISIBLE-MARKER",
+        ],
+    )
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -46,8 +53,11 @@ def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypa
     assert third.run_id != run_id
     third.finish()
 
-    data = b"".join(open(p, "rb").read() for p in glob.glob(os.path.join(run_dir, "wandb", "**", "*"), recursive=True)
-                    if os.path.isfile(p))
+    data = b"".join(
+        open(p, "rb").read()
+        for p in glob.glob(os.path.join(run_dir, "wandb", "**", "*"), recursive=True)
+        if os.path.isfile(p)
+    )
     assert b"VISIBLE-MARKER" in data  # the config is in the files: the search below can see it
     for secret in (b"SECRET1", b"SECRET2", b"SECRET3", b"SECRET4"):
         assert secret not in data, secret
@@ -106,5 +116,10 @@ def test_checkpoints_are_private_whatever_the_writers_umask(tmp_path):
     finally:
         os.umask(old)
     modes = _modes(str(tmp_path / "ckpts"))
-    assert modes == {".": 0o700, "ckpt-000001": 0o700, "ckpt-000001/model": 0o700,
-                     "ckpt-000001/model/weights.bin": 0o600, "latest": 0o600}
+    assert modes == {
+        ".": 0o700,
+        "ckpt-000001": 0o700,
+        "ckpt-000001/model": 0o700,
+        "ckpt-000001/model/weights.bin": 0o600,
+        "latest": 0o600,
+    }

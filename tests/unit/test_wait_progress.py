@@ -40,15 +40,17 @@ def _driver(monkeypatch, queue):
     monkeypatch.setattr(recovery.ray, "get", lambda v: v)
     monkeypatch.setattr(recovery, "check_actors", lambda d: None)
     monkeypatch.setattr(recovery, "resync_restarted_engines", lambda d: [])
-    return type("D", (), {"queue": type("Q", (), {"get_batch": _Remote(queue.get_batch),
-                                                   "stats": _Remote(queue.stats)})()})()
+    return type(
+        "D", (), {"queue": type("Q", (), {"get_batch": _Remote(queue.get_batch), "stats": _Remote(queue.stats)})()}
+    )()
 
 
 def test_wait_batch_shows_queued_samples_out_of_the_batch(monkeypatch):
     queue, bars = _Queue(), []
     driver = _driver(monkeypatch, queue)
-    monkeypatch.setattr("clawray.console.progress", lambda total, desc, unit: bars.append(_Bar(total, desc, unit))
-                        or bars[-1])
+    monkeypatch.setattr(
+        "clawray.console.progress", lambda total, desc, unit: bars.append(_Bar(total, desc, unit)) or bars[-1]
+    )
     batch = recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01, desc="step 1/20: samples")
     assert batch == {"refs": ["r"] * 4}
     assert len(bars) == 1 and (bars[0].total, bars[0].desc, bars[0].unit) == (4, "step 1/20: samples", "sample")
