@@ -486,6 +486,7 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
     """
     import asyncio
 
+    from clawray.algos.credit_ledger import SessionCredit
     from clawray.chat import conversation_key
 
     state = tracker.journal.state
@@ -500,10 +501,9 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
             effective=rec.effective,
             held=[(Sample(**t) if "tokens" in t else Turn(**t), m) for t, m in rec.held],
             sid=sid,
-            waiting=[Sample(**w) for w in rec.waiting],
-            outcome=rec.outcome,
+            credit=SessionCredit(waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome),
         )
-        tracker.n_waiting += len(s.waiting)
+        tracker.ledger.restored(s.credit)
         s.keys = [conversation_key([*t.messages, t.response_message]) for t in pending]
         by_sid[sid] = s
         if not rec.closed:

@@ -39,21 +39,20 @@ indexes, pending turns, judgements started and finished, held turns, closes) is 
 restarting this actor) rebuilds its sessions from it and restarts the unfinished judgements (their
 samples are deduplicated by the queue's journal).
 
-Long-horizon credit (``credit``, see :mod:`clawray.algos.credit`): with ``mode`` ``discounted`` or
-``outcome`` a judged turn that carries a reward does not go to the queue at once: it *waits* in its
-session (``credit/turns_waiting``) until the session closes (``X-Session-Done`` or the idle timeout),
-then every waiting turn gets its return and is emitted; a return of exactly 0 makes a turn neutral
-(the at-least-one rule may still promote it with its mean vote; a sample with a teacher term is
-emitted anyway). The staleness budget flushes a session's waiting turns early
-(:func:`~clawray.algos.credit.must_flush`, ``credit/forced_flushes``): the tracker learns the
-engines' version from the turns it records. Waiting turns, the session's outcome and the flushes are
-journaled (``judged`` with ``waiting``, ``outcome``, ``released``), so they survive a restart. Dense
-shaping terms (:mod:`clawray.algos.shaping`) are added to a judged turn's reward before it waits.
+Long-horizon credit and shaping (``credit``, ``shaping``): delegated to a
+:class:`~clawray.algos.credit_ledger.CreditLedger`. With ``mode`` ``discounted`` or ``outcome`` a
+judged turn that carries a reward waits in its session's :class:`~clawray.algos.credit_ledger.SessionCredit`
+until the session closes (or the staleness budget flushes it), then gets its return and is emitted;
+a return of exactly 0 makes a turn neutral (the at-least-one rule may still promote it with its mean
+vote; a sample with a teacher term is emitted anyway). The tracker tells the ledger the engines'
+version from the turns it records. Waiting turns (``judged`` with ``waiting``), the session's outcome
+and the releases are journaled, so they survive a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections import Counter, OrderedDict
@@ -63,9 +62,8 @@ from typing import Any
 import ray
 
 from clawray.algos.algorithm import Scorers, make_algorithm
-from clawray.algos.credit import CREDIT_MODES, must_flush, segment_credit
+from clawray.algos.credit_ledger import CreditLedger, SessionCredit
 from clawray.algos.rejection import opening
-from clawray.algos.shaping import check_terms, shaping_terms
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
 from clawray.records import JsonlRecords
@@ -85,8 +83,7 @@ class _Session:
     tasks: list = field(default_factory=list)  # this session's judge tasks
     last_seen: float = field(default_factory=time.monotonic)
     sid: str = ""  # the session id (for the journal)
-    waiting: list = field(default_factory=list)  # credit != turn: judged samples awaiting their return
-    outcome: float | None = None  # the session's explicit outcome (X-Session-Outcome), last one given
+    credit: SessionCredit = field(default_factory=SessionCredit)  # waiting turns, outcome (trainer.credit)
     requests: int = 0  # main-line requests recorded in this session (n choices count once)
     opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
 
@@ -130,14 +127,17 @@ class SessionTracker:
         shaping: dict | None = None,
     ):
         self.judges, self.queue = judges, queue
-        credit = {"mode": "turn", "gamma": 1.0, "outcome_turn_weight": 0.0, "max_staleness": 2, **(credit or {})}
-        if credit["mode"] not in CREDIT_MODES:
-            raise ValueError(f"unknown credit mode {credit['mode']!r}; expected one of {list(CREDIT_MODES)}")
-        self.credit = credit
-        self.shaping = {k: float(w) for k, w in (shaping or {}).items() if w}
-        check_terms(self.shaping)
-        self.served_version = -1  # the newest policy version seen on a recorded turn (the engines')
-        self.n_waiting = 0
+        self.counts: Counter[str] = Counter()
+        c = credit or {}
+        self.ledger = CreditLedger(
+            c.get("mode", "turn"),
+            c.get("gamma", 1.0),
+            c.get("outcome_turn_weight", 0.0),
+            c.get("max_staleness", 2),
+            shaping,
+            self.counts,
+            self._journal,
+        )
         self.algorithm, self.teachers = make_algorithm(algo, opd), teachers or []
         if self.algorithm.needs_teacher and not self.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
@@ -147,7 +147,6 @@ class SessionTracker:
         # last turn index of recently closed sessions, so a reused id never repeats an index
         self.closed_turns: OrderedDict[str, int] = OrderedDict()
         self.truncated = truncated
-        self.counts: Counter[str] = Counter()
         self.tasks: set[asyncio.Task] = set()
         self._rr = 0
         self.idle_timeout_s = idle_timeout_s
@@ -252,7 +251,7 @@ class SessionTracker:
         if not s.opening:
             s.opening = conversation_key(opening(turns[0].messages))
         if outcome is not None:
-            self._set_outcome(s, outcome)
+            self.ledger.set_outcome(s.credit, sid, outcome)
         if s.pending:
             self._resolve(s, turns[0].messages)
         s.pending, s.keys = [], []
@@ -274,17 +273,10 @@ class SessionTracker:
             self._journal("turns", sid=sid, turns=[turn_to_dict(t) for t in turns])
         if done:
             await self.close_session(sid)
-        version = max(t.policy_version for t in turns)
-        if version > self.served_version:  # the engines moved on: waiting turns may have to go now
-            self.served_version = version
+        if self.ledger.served(max(t.policy_version for t in turns)):  # the engines moved on: flush?
             for other in list(self.sessions.values()):
                 await self._maybe_flush(other)
         return [t.turn_index for t in turns]
-
-    def _set_outcome(self, s: _Session, outcome: float) -> None:
-        """Store the session's explicit outcome (journaled)."""
-        s.outcome = float(outcome)
-        self._journal("outcome", sid=s.sid, value=s.outcome)  # [journal hook]
 
     async def close_session(self, session_id: str, outcome: float | None = None) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
@@ -296,12 +288,11 @@ class SessionTracker:
         """
         s = self.sessions.get(session_id)
         if s is not None and outcome is not None:
-            self._set_outcome(s, outcome)
+            self.ledger.set_outcome(s.credit, session_id, outcome)
         s = self.sessions.pop(session_id, None)
         if s is None:
             return
-        self.counts["credit/sessions"] += 1
-        self.counts["credit/session_turns"] += s.requests
+        self.ledger.session_closed(s.requests)
         self.closed_turns[session_id] = s.turns
         if len(self.closed_turns) > MAX_CLOSED_REMEMBERED:
             self.closed_turns.popitem(last=False)
@@ -328,9 +319,9 @@ class SessionTracker:
     async def _finalize(self, s: _Session) -> None:
         if s.tasks:
             await asyncio.gather(*s.tasks, return_exceptions=True)
-        released = bool(s.waiting)
+        released = bool(s.credit.waiting)
         if released:
-            await self._release(s, closed=True)
+            await self.ledger.release(s.credit, s.sid, True, *self._outlets(s))
         if not s.held:
             if released:
                 self._journal("finalized", sid=s.sid)  # [journal hook]
@@ -398,7 +389,7 @@ class SessionTracker:
             from clawray.journal import turn_to_dict
 
             held = s.held[-1][1] if s.held and s.held[-1][0] is turn else None
-            waiting = next((w for w in s.waiting if w.turn_index == turn.turn_index), None)
+            waiting = next((w for w in s.credit.waiting if w.turn_index == turn.turn_index), None)
             self._journal(
                 "judged",
                 sid=turn.session_id,
@@ -417,70 +408,22 @@ class SessionTracker:
         if verdict.drop is not None:
             self.counts[f"dropped/{verdict.drop}"] += 1
         self._record(turn, next_state, verdict.result, verdict.record_note, **verdict.extra)
-        sample, held = self._shape(turn, verdict.sample, verdict.held)
-        if self.credit["mode"] != "turn" and sample is not None and sample.reward is not None:
-            sample.info["held_vote"] = held  # a zero return falls back to the at-least-one rule
-            s.waiting.append(sample)
-            self.n_waiting += 1
-        elif held is not None:  # held for the at-least-one rule until the session closes
+        sample, held = self.ledger.shape(turn, verdict.sample, verdict.held, self.algorithm.promote)
+        if self.ledger.wait(s.credit, sample, held):  # it waits for its return (trainer.credit)
+            return
+        if held is not None:  # held for the at-least-one rule until the session closes
             s.held.append((turn, held))
         elif sample is not None:
             await self._emit(s, sample)
 
-    def _shape(self, turn: Turn, sample: Sample | None, held: float | None) -> tuple[Sample | None, float | None]:
-        """Add the shaping terms to a judged turn's reward: ``(sample, held mean vote)``. A held
-        (0-scored) turn becomes a sample with the terms' sum as its reward when that sum is not 0, or
-        (credit != turn) always, to wait for its return with reward 0."""
-        rewarded = sample is not None and sample.reward is not None
-        if not rewarded and held is None:
-            return sample, held
-        terms = shaping_terms(turn, self.shaping) if self.shaping else {}
-        total = sum(terms.values())
-        if not rewarded:
-            if total == 0.0 and self.credit["mode"] == "turn":
-                return None, held
-            sample = self.algorithm.promote(turn, 0.0)
-        sample.reward = float(sample.reward) + total
-        if terms:
-            sample.info["shaping"] = terms
-        return sample, (held if self.credit["mode"] != "turn" else None)
-
     async def _maybe_flush(self, s: _Session) -> None:
         """Emit a session's waiting turns before its end when the staleness budget forces it."""
-        if s.waiting and must_flush(
-            min(w.policy_version for w in s.waiting), self.served_version, self.credit["max_staleness"]
-        ):
-            self.counts["credit/forced_flushes"] += 1
-            await self._release(s, closed=False)
+        await self.ledger.maybe_flush(s.credit, s.sid, *self._outlets(s))
 
-    async def _release(self, s: _Session, closed: bool) -> None:
-        """Give the waiting turns their returns (:func:`~clawray.algos.credit.segment_credit`) and emit
-        them; a zero return makes a held turn neutral again (back to the at-least-one rule), any other
-        turn without a teacher term is dropped (``dropped/zero_return``)."""
-        entries = sorted(s.waiting, key=lambda w: w.turn_index)
-        s.waiting = []
-        self.n_waiting -= len(entries)
-        c = self.credit
-        outcome = s.outcome if closed else None
-        rewards = [float(w.reward) for w in entries]
-        credit = segment_credit(c["mode"], rewards, c["gamma"], outcome, c["outcome_turn_weight"], closed)
-        if closed and c["mode"] == "outcome":
-            self.counts["credit/outcome_sum"] += rewards[-1] if outcome is None else outcome
-            self.counts["credit/outcome_sessions"] += 1
-        held_back = []
-        for sample, g in zip(entries, credit):
-            sample.info["turn_reward"], sample.reward = sample.reward, g
-            if closed and c["mode"] == "outcome":
-                sample.info["outcome"] = rewards[-1] if outcome is None else outcome
-            held = sample.info.pop("held_vote", None)
-            if g != 0.0 or sample.teacher_logprobs is not None or sample.teacher_topk_ids is not None:
-                await self._emit(s, sample)
-            elif held is not None:
-                s.held.append((sample, held))
-                held_back.append([dict(sample.__dict__), held])
-            else:
-                self.counts["dropped/zero_return"] += 1
-        self._journal("released", sid=s.sid, turn_indexes=[w.turn_index for w in entries], held=held_back)
+    def _outlets(self, s: _Session) -> tuple:
+        """``(emit, hold)`` for the ledger's released turns: to the queue, or back to the at-least-one
+        rule."""
+        return functools.partial(self._emit, s), lambda sample, vote: s.held.append((sample, vote))
 
     def _scorers(self, judge: Any) -> Scorers:
         """The judge actor's calls and the teachers' (round-robin, picked when the teacher is asked)."""
@@ -537,12 +480,8 @@ class SessionTracker:
             **self.counts,
             "open_sessions": len(self.sessions),
             "judging": len(self.tasks),
-            "credit/turns_waiting": self.n_waiting,
+            **self.ledger.stats(),
         }
-        if self.counts["credit/sessions"]:
-            out["credit/mean_session_turns"] = self.counts["credit/session_turns"] / self.counts["credit/sessions"]
-        if self.counts["credit/outcome_sessions"]:
-            out["credit/outcome_mean"] = self.counts["credit/outcome_sum"] / self.counts["credit/outcome_sessions"]
         return out
 
 
