@@ -1,6 +1,7 @@
-"""Long-horizon credit (clawray.algos.credit), dense shaping (clawray.algos.shaping) and their place in
-the SessionTracker: hand-computed returns, a session closed by the idle timeout, the staleness
-budget's early flush, the outcome header, and waiting turns surviving a tracker restart."""
+"""Long-horizon credit (clawray.algos.credit), dense shaping (clawray.algos.shaping), the credit ledger
+(clawray.algos.credit_ledger, on its own) and their place in the SessionTracker: hand-computed
+returns, a session closed by the idle timeout, the staleness budget's early flush, the outcome
+header, and waiting turns surviving a tracker restart."""
 
 import asyncio
 import time
@@ -10,8 +11,9 @@ import pytest
 from clawray.actors import session as session_mod
 from clawray.actors.session import SessionTracker
 from clawray.algos.credit import assign_credit, discounted_returns, must_flush, outcome_credit, segment_credit
+from clawray.algos.credit_ledger import CreditLedger, SessionCredit
 from clawray.algos.shaping import repeated_tool_call, shaping_terms
-from clawray.types import Turn
+from clawray.types import Sample, Turn
 from test_session import FakeJudge, FakeQueue, turn
 
 
@@ -87,6 +89,96 @@ def test_shaping_terms_hand_computed():
     assert shaping_terms(cut, weights) == {"tool_parse_error": -0.5, "truncated": -0.25, "repeated_tool_call": 0.0}
     with pytest.raises(ValueError, match="unknown shaping term"):
         shaping_terms(cut, {"verbosity": 1.0})
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+def _ledger(mode, **kw):
+    journal = []
+    led = CreditLedger(mode, journal=lambda op, **f: journal.append((op, f)), **kw)
+    return led, journal
+
+
+def _judged(index, reward, version=0, vote=None, led=None, sc=None):
+    """A judged turn's sample put in ``sc`` through ``led.wait`` (reward None: a pure OPD sample)."""
+    t = turn("s", [{"role": "user", "content": "q"}], f"r{index}", version)
+    t.turn_index = index
+    sample = Sample.from_turn(t, reward=reward, kind="rl")
+    return led.wait(sc, sample, vote), sample
+
+
+def _release(led, sc, closed):
+    emitted, held = [], []
+
+    async def emit(sample):
+        emitted.append((sample.turn_index, sample.reward))
+
+    asyncio.run(led.release(sc, "s", closed, emit, lambda sample, vote: held.append((sample.turn_index, vote))))
+    return emitted, held
+
+
+def test_ledger_shape_adds_the_terms_and_keeps_the_vote_only_while_turns_wait():
+    promote = lambda t, r: Sample.from_turn(t, reward=r, kind="rl")  # noqa: E731
+    t = turn("s", [{"role": "user", "content": "q"}], "r")
+    t.truncated = True
+    plain, _ = _ledger("turn")
+    assert plain.shape(t, None, 1 / 3, promote) == (None, 1 / 3)  # no terms: still held, no sample
+    penal, _ = _ledger("turn", shaping={"truncated": 0.5, "tool_parse_error": 0.0})
+    sample, held = penal.shape(t, None, 1 / 3, promote)  # a 0 score plus the penalty trains on -0.5
+    assert (sample.reward, sample.info["shaping"], held) == (-0.5, {"truncated": -0.5}, None)
+    sample, held = penal.shape(t, promote(t, 1.0), None, promote)
+    assert (sample.reward, held) == (0.5, None)
+    waits, _ = _ledger("discounted")
+    sample, held = waits.shape(t, None, 1 / 3, promote)  # waits with reward 0, its vote beside it
+    assert (sample.reward, held) == (0.0, 1 / 3)
+    opd = Sample.from_turn(t, reward=None, kind="opd")
+    assert waits.shape(t, opd, None, promote) == (opd, None)  # no reward: nothing to shape
+    with pytest.raises(ValueError, match="credit mode"):
+        CreditLedger("montecarlo")
+    with pytest.raises(ValueError, match="unknown shaping term"):
+        CreditLedger("turn", shaping={"verbosity": 1.0})
+
+
+def test_ledger_release_at_the_close_hand_computed():
+    led, journal = _ledger("discounted", gamma=0.5)
+    sc = SessionCredit()
+    assert _judged(3, 0.0, vote=0.5, led=led, sc=sc)[0]  # waits, out of order: released in turn order
+    assert _judged(1, -1.0, led=led, sc=sc)[0]
+    assert _judged(2, 0.0, led=led, sc=sc)[0]  # a 0 reward without a held vote
+    waits, opd = _judged(4, None, led=led, sc=sc)
+    assert not waits and opd.reward is None  # no reward: emitted at once by the tracker, never waits
+    assert led.stats() == {"credit/turns_waiting": 3}
+    emitted, held = _release(led, sc, closed=True)
+    # rewards [-1, 0, 0] by turn, gamma 0.5: G = [-1, 0, 0]; turn 2 (no vote) is dropped, turn 3
+    # (vote 0.5) goes back to the at-least-one rule
+    assert emitted == [(1, -1.0)] and held == [(3, 0.5)]
+    assert led.counts["dropped/zero_return"] == 1 and led.n_waiting == 0 and sc.waiting == []
+    assert journal[-1][0] == "released" and journal[-1][1]["turn_indexes"] == [1, 2, 3]
+    assert [(h["turn_index"], v) for h, v in journal[-1][1]["held"]] == [(3, 0.5)]
+
+
+def test_ledger_flushes_a_segment_on_staleness_without_the_outcome():
+    led, journal = _ledger("outcome", gamma=0.9, outcome_turn_weight=0.5, max_staleness=2)
+    sc = SessionCredit()
+    led.set_outcome(sc, "s", 2)
+    assert sc.outcome == 2.0 and journal == [("outcome", {"sid": "s", "value": 2.0})]
+    _judged(1, 1.0, version=0, led=led, sc=sc)
+    _judged(2, -1.0, version=0, led=led, sc=sc)
+    emitted = []
+
+    async def emit(sample):
+        emitted.append((sample.turn_index, sample.reward, sample.info["turn_reward"]))
+
+    assert led.served(0) and not led.served(0)
+    asyncio.run(led.maybe_flush(sc, "s", emit, None))  # engines serve v0: v0 turns may still wait
+    assert emitted == [] and led.n_waiting == 2
+    assert led.served(1)
+    asyncio.run(led.maybe_flush(sc, "s", emit, None))  # v1 served: the next update is the last chance
+    # a segment has no outcome yet: R_t = 0.5 * r_t
+    assert emitted == [(1, 0.5, 1.0), (2, -0.5, -1.0)] and led.counts["credit/forced_flushes"] == 1
+    _judged(3, 1.0, version=1, led=led, sc=sc)
+    assert _release(led, sc, closed=True)[0] == [(3, pytest.approx(0.5 + 2.0))]  # the outcome at the close
+    led.session_closed(3)
+    assert led.stats() == {"credit/turns_waiting": 0, "credit/mean_session_turns": 3.0, "credit/outcome_mean": 2.0}
 
 
 # ------------------------------------------------------------------------------------------ the tracker
