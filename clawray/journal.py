@@ -42,6 +42,7 @@ import shutil
 from collections import OrderedDict
 from typing import Any, Iterable
 
+from clawray.algos.credit_ledger import SessionCredit
 from clawray.types import Sample, Turn
 
 SAMPLES_FILE = "samples.jsonl"
@@ -472,6 +473,30 @@ class SessionJournal:
         if op == "close" and self.compact_bytes and self.file.size() > self.compact_bytes:
             self.file.rewrite(self.state.records())
 
+    def turns(self, turns: list[Turn], counts: dict) -> None:
+        """``turns``: a request's new turns, with their indexes (durable before they are answered)."""
+        self.log("turns", sid=turns[0].session_id, turns=[turn_to_dict(t) for t in turns], counts=counts)
+
+    def judge(self, turn: Turn, next_state: list, counts: dict) -> None:
+        """``judge``: a judgement about to start (durable before it starts; a restart relaunches it)."""
+        self.log("judge", sid=turn.session_id, turn=turn_to_dict(turn), next_state=next_state, counts=counts)
+
+    def judged(self, session: Any, turn: Turn, counts: dict) -> None:
+        """``judged``: what the judgement of ``turn`` left in its tracker ``session``: held for the
+        at-least-one rule (the turn and its mean vote), waiting for its return (the sample), or done."""
+        held = session.held[-1][1] if session.held and session.held[-1][0] is turn else None
+        waiting = next((w for w in session.credit.waiting if w.turn_index == turn.turn_index), None)
+        self.log(
+            "judged",
+            sid=turn.session_id,
+            turn_index=turn.turn_index,
+            effective=session.effective,
+            held=held,
+            turn=turn_to_dict(turn) if held is not None else None,
+            waiting=dataclasses.asdict(waiting) if waiting is not None else None,
+            counts=counts,
+        )
+
 
 def restore_tracker(tracker: Any, session_cls: type) -> list:
     """Rebuild a SessionTracker's sessions from its journal's state.
@@ -486,7 +511,6 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
     """
     import asyncio
 
-    from clawray.algos.credit_ledger import SessionCredit
     from clawray.chat import conversation_key
 
     state = tracker.journal.state
@@ -528,6 +552,5 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
 def _relaunch(tracker: Any, s: Any, turn: Turn, next_state: list) -> None:
     import asyncio
 
-    judge = tracker.judges[tracker._rr % len(tracker.judges)]
-    tracker._rr += 1
+    judge = tracker.scoring.next_judge()
     s.tasks.append(tracker._track(asyncio.ensure_future(tracker._journaled_judge(s, turn, next_state, judge))))

@@ -60,3 +60,44 @@ class JsonlRecords:
             if os.path.exists(f"{self.path}.{i}"):
                 os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
         os.replace(self.path, f"{self.path}.1")
+
+
+class TurnRecords:
+    """The SessionTracker's records: every served main-line turn (``turns.jsonl``, :meth:`Turn.record`)
+    and every judged one (``judgments.jsonl``: votes, score, next state, why it was not trained).
+
+    Args:
+        folder: where both files go (``{run_dir}/records``); None = no records (every call a no-op).
+        max_bytes, keep_files: each file's rotation (see :class:`JsonlRecords`).
+    """
+
+    def __init__(self, folder: str | None, max_bytes: int = 64 << 20, keep_files: int = 5):
+        self.served = self.judged = None
+        if folder:
+            self.served = JsonlRecords(os.path.join(folder, "turns.jsonl"), max_bytes, keep_files)
+            self.judged = JsonlRecords(os.path.join(folder, "judgments.jsonl"), max_bytes, keep_files)
+
+    def turn(self, turn: Any) -> None:
+        """Append one served :class:`~clawray.types.Turn`."""
+        if self.served is not None:
+            self.served.append(turn.record())
+
+    def judgement(self, turn: Any, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
+        """Append one judged turn: its next state, the judge's ``result`` (``score``, ``votes``,
+        ``raw``; None when there is none), ``dropped`` (the reason it is not trained, or None) and the
+        algorithm's ``extra`` fields (hints, teacher notes)."""
+        if self.judged is None:
+            return
+        row = {
+            **extra,
+            "session_id": turn.session_id,
+            "turn": turn.turn_index,
+            "policy_version": turn.policy_version,
+            "response": turn.response_message,
+            "next_state": next_state,
+            "score": getattr(result, "score", None),
+            "votes": getattr(result, "votes", None),
+            "raw_votes": getattr(result, "raw", None),
+            "dropped": dropped,
+        }
+        self.judged.append(row)

@@ -31,7 +31,7 @@ Pairing a turn with its next state keys on the messages alone; splicing also nee
 key (tools): a request that changes its tools still gives the previous turn its next state, but its
 prompt is rendered afresh.
 Every served main-line turn is appended to ``records/turns.jsonl`` and every judged one to
-``records/judgments.jsonl`` (see :class:`clawray.records.JsonlRecords`).
+``records/judgments.jsonl`` (see :class:`clawray.records.TurnRecords`).
 
 Durability (``journal``, see :mod:`clawray.journal`): with a journal path, the session state (turn
 indexes, pending turns, judgements started and finished, held turns, closes) is appended to
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -61,12 +60,15 @@ from typing import Any
 
 import ray
 
-from clawray.algos.algorithm import Scorers, make_algorithm
+from clawray.actors.scoring import ScorerPool
+from clawray.algos.algorithm import make_algorithm
 from clawray.algos.credit_ledger import CreditLedger, SessionCredit
 from clawray.algos.rejection import opening
 from clawray.chat import conversation_key, conversation_keys
 from clawray.chat import render_key as chat_render_key
-from clawray.records import JsonlRecords
+from clawray.journal import SessionJournal, restore_tracker
+from clawray.records import TurnRecords
+from clawray.recovery import was_restarted
 from clawray.types import Sample, SampleMeta, Turn
 
 
@@ -126,20 +128,11 @@ class SessionTracker:
         credit: dict | None = None,
         shaping: dict | None = None,
     ):
-        self.judges, self.queue = judges, queue
+        self.queue = queue
         self.counts: Counter[str] = Counter()
-        c = credit or {}
-        self.ledger = CreditLedger(
-            c.get("mode", "turn"),
-            c.get("gamma", 1.0),
-            c.get("outcome_turn_weight", 0.0),
-            c.get("max_staleness", 2),
-            shaping,
-            self.counts,
-            self._journal,
-        )
-        self.algorithm, self.teachers = make_algorithm(algo, opd), teachers or []
-        if self.algorithm.needs_teacher and not self.teachers:
+        self.ledger = CreditLedger(**(credit or {}), shaping=shaping, counts=self.counts, journal=self._journal)
+        self.algorithm, self.scoring = make_algorithm(algo, opd), ScorerPool(judges, teachers)
+        if self.algorithm.needs_teacher and not self.scoring.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
         self.sessions: dict[str, _Session] = {}
@@ -148,25 +141,13 @@ class SessionTracker:
         self.closed_turns: OrderedDict[str, int] = OrderedDict()
         self.truncated = truncated
         self.tasks: set[asyncio.Task] = set()
-        self._rr = 0
         self.idle_timeout_s = idle_timeout_s
         self._sweeper: asyncio.Task | None = None
-        self.served_records = self.judged_records = None
-        if records_dir:
-            self.served_records = JsonlRecords(
-                os.path.join(records_dir, "turns.jsonl"), records_max_bytes, records_keep
-            )
-            self.judged_records = JsonlRecords(
-                os.path.join(records_dir, "judgments.jsonl"), records_max_bytes, records_keep
-            )
+        self.records = TurnRecords(records_dir, records_max_bytes, records_keep)
         self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
         if journal:
-            from clawray.journal import SessionJournal, restore_tracker
-
             self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
             self._replay = restore_tracker(self, _Session)
-            from clawray.recovery import was_restarted
-
             if was_restarted():  # [recovery hook] Ray restarted this actor (its counters continue from the journal)
                 self.counts["restarts"] += 1
 
@@ -265,12 +246,9 @@ class SessionTracker:
             s.pending.append(turn)
             s.keys.append(key)
             self.index[key] = sid
-            if self.served_records is not None:
-                self.served_records.append(turn.record())
+            self.records.turn(turn)
         if self.journal is not None:  # [journal hook] the indexes are durable before they are answered
-            from clawray.journal import turn_to_dict
-
-            self._journal("turns", sid=sid, turns=[turn_to_dict(t) for t in turns])
+            self.journal.turns(turns, dict(self.counts))
         if done:
             await self.close_session(sid)
         if self.ledger.served(max(t.policy_version for t in turns)):  # the engines moved on: flush?
@@ -365,17 +343,14 @@ class SessionTracker:
         prev, next_state = chosen, messages[len(chosen.messages) + 1 :]
         if prev.truncated and self.truncated == "mask":
             self.counts["dropped/truncated"] += 1
-            self._record(prev, next_state, None, "truncated")
+            self.records.judgement(prev, next_state, None, "truncated")
             return
         self._launch_judge(s, prev, next_state)
 
     def _launch_judge(self, s: _Session, turn: Turn, next_state: list[dict]) -> None:
-        judge = self.judges[self._rr % len(self.judges)]
-        self._rr += 1
+        judge = self.scoring.next_judge()
         if self.journal is not None:  # [journal hook] the judgement is durable before it starts
-            from clawray.journal import turn_to_dict
-
-            self._journal("judge", sid=turn.session_id, turn=turn_to_dict(turn), next_state=next_state)
+            self.journal.judge(turn, next_state, dict(self.counts))
         s.tasks.append(self._track(asyncio.ensure_future(self._journaled_judge(s, turn, next_state, judge))))
 
     async def _journaled_judge(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
@@ -384,30 +359,16 @@ class SessionTracker:
         staleness budget says so."""
         await self._judge_and_emit(s, turn, next_state, judge)
         if self.journal is not None:
-            from dataclasses import asdict
-
-            from clawray.journal import turn_to_dict
-
-            held = s.held[-1][1] if s.held and s.held[-1][0] is turn else None
-            waiting = next((w for w in s.credit.waiting if w.turn_index == turn.turn_index), None)
-            self._journal(
-                "judged",
-                sid=turn.session_id,
-                turn_index=turn.turn_index,
-                effective=s.effective,
-                held=held,
-                turn=turn_to_dict(turn) if held is not None else None,
-                waiting=asdict(waiting) if waiting is not None else None,
-            )
+            self.journal.judged(s, turn, dict(self.counts))
         await self._maybe_flush(s)
 
     async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
         """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.score`), then
         count, record, shape its reward, and emit, hold or keep it waiting for its return."""
-        verdict = await self.algorithm.score(turn, next_state, self._scorers(judge), self.counts)
+        verdict = await self.algorithm.score(turn, next_state, self.scoring.scorers(judge), self.counts)
         if verdict.drop is not None:
             self.counts[f"dropped/{verdict.drop}"] += 1
-        self._record(turn, next_state, verdict.result, verdict.record_note, **verdict.extra)
+        self.records.judgement(turn, next_state, verdict.result, verdict.record_note, **verdict.extra)
         sample, held = self.ledger.shape(turn, verdict.sample, verdict.held, self.algorithm.promote)
         if self.ledger.wait(s.credit, sample, held):  # it waits for its return (trainer.credit)
             return
@@ -425,41 +386,12 @@ class SessionTracker:
         rule."""
         return functools.partial(self._emit, s), lambda sample, vote: s.held.append((sample, vote))
 
-    def _scorers(self, judge: Any) -> Scorers:
-        """The judge actor's calls and the teachers' (round-robin, picked when the teacher is asked)."""
-        return Scorers(
-            judge=getattr(getattr(judge, "judge", None), "remote", None),
-            hint=getattr(getattr(judge, "hint", None), "remote", None),
-            teacher_logprobs=lambda turn, hint: self._teacher().teacher_logprobs.remote(turn, hint),
-            teacher_topk=lambda turn, hint, k: self._teacher().teacher_topk.remote(turn, hint, k),
-        )
-
-    def _teacher(self) -> Any:
-        return self.teachers[self._rr % len(self.teachers)]
-
     async def _emit(self, s: _Session, sample: Sample) -> None:
         s.effective = True
         if s.opening:  # its group under trainer.group_by=session_prefix
             sample.info.setdefault("opening", s.opening)
         await self.queue.put.remote([ray.put(sample)], SampleMeta.of(sample))
         self.counts["samples"] += 1
-
-    def _record(self, turn: Turn, next_state: list, result: Any, dropped: str | None, **extra: Any) -> None:
-        if self.judged_records is None:
-            return
-        row = {
-            **extra,
-            "session_id": turn.session_id,
-            "turn": turn.turn_index,
-            "policy_version": turn.policy_version,
-            "response": turn.response_message,
-            "next_state": next_state,
-            "score": getattr(result, "score", None),
-            "votes": getattr(result, "votes", None),
-            "raw_votes": getattr(result, "raw", None),
-            "dropped": dropped,
-        }
-        self.judged_records.append(row)
 
     async def pending_turn(self, session_id: str, choice: int = 0) -> Turn | None:
         """The session's latest turn (of choice ``choice``), still waiting for its next state, or None."""
