@@ -35,6 +35,8 @@ from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
 from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
 from clawray.private import open_private, private_dir, private_tree
 from clawray.config import checkpoint_dir, model_path
+from clawray.evaluation import RunEvaluations
+from clawray.monitor import BehaviourMonitor
 from clawray.weight_sync import WeightSyncController
 
 
@@ -153,10 +155,12 @@ class Driver:
         self.behaviour = EntropyController(
             0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max
         )
+        self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.behaviour)  # every monitor.every_steps
         self.all_masked_dropped = 0
         self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
-        self.eval_results: list[dict[str, Any]] = []  # {"step", "policy_version", "metrics", ...} per evaluation
+        self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir)  # before, every eval.every_steps, after
+        self.eval_results = self.evals.results  # {"when", "step", "policy_version", "metrics", ...} each
         self.skipped_steps: dict[str, int] = {}
         self.steps_done = 0  # driver steps, continued across a resume
         self.checkpoint_dir = checkpoint_dir(cfg)
@@ -525,64 +529,21 @@ class Driver:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, when: str) -> dict[str, Any] | None:
-        """Evaluate the current policy on the environment's eval split (``eval.*``, see
-        :mod:`clawray.evaluation`) through rollout engine 0, which serves the current policy (no
-        extra engine); the driver syncs weights only inside :meth:`step`, so every sample comes from
-        one policy version. Logs ``eval/<measure>``, ``eval/<measure>_lo``/``_hi`` (95% Wilson) and
-        ``eval/seconds`` at the current step, appends to ``self.eval_results`` and writes
-        ``run_dir/eval.json``.
+        """Evaluate the current policy on the environment's eval split (``eval.*``,
+        :class:`~clawray.evaluation.RunEvaluations`) through rollout engine 0, which serves the current
+        policy (no extra engine); the driver syncs weights only inside :meth:`step`, so every sample
+        comes from one policy version. Logged at the current step; appended to ``self.eval_results``.
 
         Args:
-            when: ``"before"``, ``"step"`` or ``"after"`` (a label in the record and the log line).
+            when: ``"before"``, ``"step"`` or ``"after"``.
 
         Returns:
-            the record (``{"when", "step", "policy_version", "metrics", ...}``), or None when
-            ``eval.enabled`` is false or the evaluation failed (the error is printed, the run goes on).
+            the record, or None when ``eval.enabled`` is false or the evaluation failed (printed).
         """
-        from clawray.evaluation import flat_metrics, format_metrics
-
         if not self.cfg.eval.enabled:
             return None
-        try:
-            result = self._evaluator().run(self._engine0_generate)
-        except Exception as e:  # an evaluation never ends a training run
-            print(f"[clawray] eval ({when}) failed: {type(e).__name__}: {e}", flush=True)
-            return None
-        record = {"when": when, "step": self.steps_done, "policy_version": self.version, **result}
-        self.eval_results.append(record)
-        self.tracking.log(
-            {**flat_metrics(result["metrics"]), "eval/seconds": result["seconds"], "policy_version": self.version},
-            step=self.steps_done,
-        )
-        with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
-            json.dump(self.eval_results, f, indent=2)
-        print(
-            f"[clawray] eval {when} (step {self.steps_done}, policy v{self.version}, {result['env']} "
-            f"{result['split']}: {result['prompts']} prompts x {result['n']}, T={result['temperature']}, "
-            f"{result['seconds']:.1f}s): {format_metrics(result['metrics'])}",
-            flush=True,
-        )
-        return record
-
-    def _evaluator(self):
-        if getattr(self, "_eval", None) is None:
-            from transformers import AutoTokenizer
-
-            from clawray.envs import env_from_config
-            from clawray.evaluation import Evaluator
-
-            ev, env = self.cfg.eval, self.cfg.env
-            self._eval = Evaluator(
-                env_from_config(env),
-                AutoTokenizer.from_pretrained(self.model_path),
-                n=ev.n,
-                num_prompts=ev.num_prompts,
-                temperature=ev.temperature,
-                seed=ev.seed,
-                max_tokens=env.max_tokens,
-                split="eval",
-            )
-        return self._eval
+        generate, log = self._engine0_generate, self.tracking.log
+        return self.evals.run(when, self.steps_done, self.version, self.model_path, generate, log)
 
     def _engine0_generate(self, requests: list) -> list[dict]:
         from clawray.console import wait_with_progress
@@ -693,44 +654,10 @@ class Driver:
 
     def _monitor_behaviour(self) -> dict[str, float]:
         """Every ``monitor.every_steps`` steps: the behaviour-diversity probe on engine 0 (the current
-        policy, :mod:`clawray.monitor`); feeds the behaviour controller. Returns the ``inv/behaviour_*``
-        and ``inv/self_similarity`` figures, ``inv/behaviour_coef`` and ``timing/monitor_s`` ({} when
-        it is not this step's turn; a failing probe is printed and the run goes on)."""
-        every = self.cfg.monitor.every_steps
-        if every <= 0 or self.steps_done % every:
-            return {}
-        t0 = time.perf_counter()
-        try:
-            stats = self._probe().run(lambda reqs: ray.get([self.engines[0].generate.remote(r) for r in reqs]))
-        except Exception as e:  # a probe never ends a training run
-            print(f"[clawray] behaviour probe failed: {type(e).__name__}: {e}", flush=True)
-            return {}
-        self.behaviour.update(stats["inv/behaviour_entropy"])
-        return {**stats, "inv/behaviour_coef": self.behaviour.coef, "timing/monitor_s": time.perf_counter() - t0}
-
-    def _probe(self):
-        if getattr(self, "_probe_obj", None) is None:
-            from transformers import AutoTokenizer
-
-            from clawray.envs import env_from_config
-            from clawray.monitor import BehaviourProbe, load_probe_file
-
-            mon = self.cfg.monitor
-            env = env_from_config(self.cfg.env)
-            if mon.probe_file:
-                prompts, tools = load_probe_file(mon.probe_file), None
-            else:
-                prompts, tools = [env.opening(t) for t in env.prompts("train", mon.seed)[: mon.num_prompts]], env.tools
-            self._probe_obj = BehaviourProbe(
-                AutoTokenizer.from_pretrained(self.model_path),
-                prompts,
-                tools or None,
-                mon.k,
-                mon.max_tokens,
-                mon.seed,
-                mon.ngram,
-            )
-        return self._probe_obj
+        policy, :class:`~clawray.monitor.BehaviourMonitor`), which feeds the behaviour controller;
+        ``{}`` when it is not this step's turn."""
+        generate = lambda reqs: ray.get([self.engines[0].generate.remote(r) for r in reqs])  # noqa: E731
+        return self.monitor.maybe_probe(self.steps_done, self.model_path, generate)
 
     def _fill_dynamic(self, batch: dict, next_version: int) -> tuple[dict, set[int]]:
         """DAPO dynamic sampling (:mod:`clawray.algos.rejection`): while fewer than
@@ -1115,7 +1042,6 @@ class Driver:
         if not hasattr(self, "engines"):
             self.setup()
         t0 = time.perf_counter()
-        every = self.cfg.eval.every_steps
         self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
         self.start_traffic()
         try:
@@ -1124,7 +1050,7 @@ class Driver:
             while self.cfg.trainer.num_steps < 0 or self.steps_done < self.cfg.trainer.num_steps:
                 step_or_recover(self)  # [recovery hook] self.step(), surviving a restarted actor
                 last = self.cfg.trainer.num_steps >= 0 and self.steps_done >= self.cfg.trainer.num_steps
-                if every > 0 and self.steps_done % every == 0 and not last:
+                if self.evals.due(self.steps_done, last):
                     self.evaluate("step")
         except BaseException as e:  # interrupted (a serving run ends this way): still leave a summary
             from clawray.recovery import ActorLost, actor_lost

@@ -15,6 +15,7 @@ success rate varies a lot between prompts).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -242,3 +243,84 @@ def flat_metrics(metrics: dict[str, dict[str, float]], prefix: str = "eval/") ->
     for k, m in metrics.items():
         out[f"{prefix}{k}"], out[f"{prefix}{k}_lo"], out[f"{prefix}{k}_hi"] = m["mean"], m["lo"], m["hi"]
     return out
+
+
+class RunEvaluations:
+    """The job's evaluations of the current policy (``eval.*``): before the loop, every
+    ``eval.every_steps`` steps and after it; each logged, kept in :attr:`results` and written to
+    ``run_dir/eval.json``.
+
+    Args:
+        eval_cfg: the ``eval`` config section (``enabled``, ``every_steps``, ``n``, ``num_prompts``,
+            ``temperature``, ``seed``).
+        env_cfg: the ``env`` config section (the environment and its ``max_tokens``).
+        run_dir: the run folder.
+    """
+
+    def __init__(self, eval_cfg: Any, env_cfg: Any, run_dir: str):
+        self.cfg, self.env_cfg, self.run_dir = eval_cfg, env_cfg, run_dir
+        self.results: list[dict[str, Any]] = []  # {"when", "step", "policy_version", "metrics", ...} each
+        self._evaluator: Evaluator | None = None
+
+    def due(self, steps_done: int, last: bool) -> bool:
+        """Whether an evaluation follows step ``steps_done`` (not after the ``last`` one: the closing
+        evaluation covers it)."""
+        every = self.cfg.every_steps
+        return every > 0 and steps_done % every == 0 and not last
+
+    def run(
+        self, when: str, step: int, version: int, model_path: str, generate: Callable, log: Callable
+    ) -> dict[str, Any] | None:
+        """Evaluate the policy that ``generate`` serves (version ``version``) on the environment's eval
+        split; log ``eval/<measure>``, ``eval/<measure>_lo``/``_hi`` (95% Wilson) and ``eval/seconds``
+        through ``log(metrics, step=step)``; append the record to :attr:`results` and write ``eval.json``.
+
+        Args:
+            when: ``"before"``, ``"step"`` or ``"after"`` (a label in the record and the log line).
+            model_path: the policy's model folder (its tokenizer and chat template render the prompts).
+            generate: ``generate(requests) -> replies`` (:meth:`Evaluator.run`).
+
+        Returns:
+            the record (``{"when", "step", "policy_version", "metrics", ...}``), or None when
+            ``eval.enabled`` is false or the evaluation failed (the error is printed, the run goes on).
+        """
+        if not self.cfg.enabled:
+            return None
+        try:
+            result = self._build(model_path).run(generate)
+        except Exception as e:  # an evaluation never ends a training run
+            print(f"[clawray] eval ({when}) failed: {type(e).__name__}: {e}", flush=True)
+            return None
+        record = {"when": when, "step": step, "policy_version": version, **result}
+        self.results.append(record)
+        log(
+            {**flat_metrics(result["metrics"]), "eval/seconds": result["seconds"], "policy_version": version}, step=step
+        )
+        with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
+            json.dump(self.results, f, indent=2)
+        print(
+            f"[clawray] eval {when} (step {step}, policy v{version}, {result['env']} "
+            f"{result['split']}: {result['prompts']} prompts x {result['n']}, T={result['temperature']}, "
+            f"{result['seconds']:.1f}s): {format_metrics(result['metrics'])}",
+            flush=True,
+        )
+        return record
+
+    def _build(self, model_path: str) -> Evaluator:
+        if self._evaluator is None:
+            from transformers import AutoTokenizer
+
+            from clawray.envs import env_from_config
+
+            ev, env = self.cfg, self.env_cfg
+            self._evaluator = Evaluator(
+                env_from_config(env),
+                AutoTokenizer.from_pretrained(model_path),
+                n=ev.n,
+                num_prompts=ev.num_prompts,
+                temperature=ev.temperature,
+                seed=ev.seed,
+                max_tokens=env.max_tokens,
+                split="eval",
+            )
+        return self._evaluator

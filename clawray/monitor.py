@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Callable
 
 from clawray.algos.behaviour import behaviour_stats
@@ -98,3 +99,62 @@ class BehaviourProbe:
             messages.append(parse_reply_text(self.tokenizer.decode(body, skip_special_tokens=False)).message())
         replies = [messages[i * self.k : (i + 1) * self.k] for i in range(len(self.prompts))]
         return behaviour_stats(replies, self.ngram)
+
+
+class BehaviourMonitor:
+    """Every ``monitor.every_steps`` steps: the probe on the current policy, feeding the behaviour
+    controller (``learner.behaviour_floor``: an :class:`~clawray.algos.invariants.EntropyController`
+    fed ``inv/behaviour_entropy``; its coefficient adds to the entropy bonus).
+
+    Args:
+        mon_cfg: the ``monitor`` config section; env_cfg: the ``env`` section (the probe prompts).
+        controller: the behaviour controller (checkpointed by the driver).
+    """
+
+    def __init__(self, mon_cfg: Any, env_cfg: Any, controller: Any):
+        self.cfg, self.env_cfg, self.controller = mon_cfg, env_cfg, controller
+        self._probe: BehaviourProbe | None = None
+
+    def maybe_probe(self, steps_done: int, model_path: str, generate: Callable) -> dict[str, float]:
+        """The probe after step ``steps_done`` when it is its turn: the ``inv/behaviour_*`` and
+        ``inv/self_similarity`` figures, ``inv/behaviour_coef`` and ``timing/monitor_s`` (seconds);
+        ``{}`` when it is not (or the probe failed: printed, the run goes on).
+
+        Args:
+            model_path: the policy's model folder (its tokenizer renders the probe prompts).
+            generate: ``generate(requests) -> replies`` on the current policy.
+        """
+        every = self.cfg.every_steps
+        if every <= 0 or steps_done % every:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            stats = self._build(model_path).run(generate)
+        except Exception as e:  # a probe never ends a training run
+            print(f"[clawray] behaviour probe failed: {type(e).__name__}: {e}", flush=True)
+            return {}
+        self.controller.update(stats["inv/behaviour_entropy"])
+        return {**stats, "inv/behaviour_coef": self.controller.coef, "timing/monitor_s": time.perf_counter() - t0}
+
+    def _build(self, model_path: str) -> BehaviourProbe:
+        if self._probe is None:
+            from transformers import AutoTokenizer
+
+            from clawray.envs import env_from_config
+
+            mon = self.cfg
+            env = env_from_config(self.env_cfg)
+            if mon.probe_file:
+                prompts, tools = load_probe_file(mon.probe_file), None
+            else:
+                prompts, tools = [env.opening(t) for t in env.prompts("train", mon.seed)[: mon.num_prompts]], env.tools
+            self._probe = BehaviourProbe(
+                AutoTokenizer.from_pretrained(model_path),
+                prompts,
+                tools or None,
+                mon.k,
+                mon.max_tokens,
+                mon.seed,
+                mon.ngram,
+            )
+        return self._probe

@@ -93,3 +93,33 @@ def test_probe_requests_and_measure(tiny_model):
     stats = probe.run(lambda rs: outs[: len(rs)])
     assert stats["inv/behaviour_distinct"] == pytest.approx((1 / 2 + 2 / 2) / 2)
     assert stats["inv/behaviour_entropy"] == pytest.approx(math.log(2) / 2)
+
+
+def test_behaviour_monitor_probes_on_its_steps_and_feeds_the_controller(capsys):
+    from types import SimpleNamespace
+
+    from clawray.monitor import BehaviourMonitor
+
+    class FakeProbe:
+        def __init__(self, entropy):
+            self.calls, self.entropy = 0, entropy
+
+        def run(self, generate):
+            self.calls += 1
+            if self.entropy is None:
+                raise RuntimeError("engine gone")
+            return {"inv/behaviour_entropy": self.entropy}
+
+    ctl = EntropyController(coef=0.0, floor=1.0, lr=0.5, max_coef=1.0)
+    mon = BehaviourMonitor(SimpleNamespace(every_steps=2), None, ctl)
+    mon._probe = FakeProbe(0.2)
+    assert mon.maybe_probe(1, "unused", None) == {} and mon._probe.calls == 0  # not its turn
+    out = mon.maybe_probe(2, "unused", None)
+    # coef <- 0 + 0.5 * (1.0 - 0.2) = 0.4
+    assert out["inv/behaviour_entropy"] == 0.2 and out["inv/behaviour_coef"] == pytest.approx(0.4)
+    assert ctl.coef == pytest.approx(0.4) and out["timing/monitor_s"] >= 0
+    mon._probe = FakeProbe(None)  # a failing probe is printed, the run goes on, the controller stays
+    assert mon.maybe_probe(4, "unused", None) == {} and ctl.coef == pytest.approx(0.4)
+    assert "behaviour probe failed: RuntimeError: engine gone" in capsys.readouterr().out
+    off = BehaviourMonitor(SimpleNamespace(every_steps=0), None, ctl)
+    assert off.maybe_probe(0, "unused", None) == {}

@@ -137,3 +137,53 @@ def test_cli_eval_on_the_tiny_model_with_hf(tiny_model, tmp_path):
     assert all(r["question"] in held for r in result["replies"])
     assert main(["eval", str(tmp_path / "missing"), "--env", "sums", "--backend", "hf"]) == 1
     assert os.path.exists(out)
+
+
+def test_run_evaluations_schedule_record_and_failure(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from clawray.evaluation import RunEvaluations
+
+    class FakeEvaluator:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def run(self, generate):
+            if self.fail:
+                raise RuntimeError("no engine")
+            return {
+                "metrics": {"solved": {"mean": 0.5, "lo": 0.1, "hi": 0.9}},
+                "seconds": 1.0,
+                "env": "sums",
+                "split": "eval",
+                "prompts": 2,
+                "n": 1,
+                "temperature": 0.7,
+            }
+
+    evals = RunEvaluations(SimpleNamespace(enabled=True, every_steps=2), None, str(tmp_path))
+    assert [evals.due(s, last=False) for s in (1, 2, 3, 4)] == [False, True, False, True]
+    assert not evals.due(4, last=True)  # the closing evaluation covers the last step
+    logged = []
+    evals._evaluator = FakeEvaluator()
+    record = evals.run("step", 4, 3, "unused", None, lambda m, step: logged.append((step, m)))
+    assert (record["when"], record["step"], record["policy_version"]) == ("step", 4, 3)
+    assert logged == [
+        (
+            4,
+            {
+                "eval/solved": 0.5,
+                "eval/solved_lo": 0.1,
+                "eval/solved_hi": 0.9,
+                "eval/seconds": 1.0,
+                "policy_version": 3,
+            },
+        )
+    ]
+    with open(tmp_path / "eval.json") as f:
+        assert json.load(f)[0]["step"] == 4
+    evals._evaluator = FakeEvaluator(fail=True)  # a failed evaluation never ends the run
+    assert evals.run("after", 5, 3, "unused", None, None) is None and len(evals.results) == 1
+    assert "eval (after) failed: RuntimeError: no engine" in capsys.readouterr().out
+    off = RunEvaluations(SimpleNamespace(enabled=False, every_steps=1), None, str(tmp_path))
+    assert off.run("before", 0, 0, "unused", None, None) is None
