@@ -37,6 +37,7 @@ from clawray.private import open_private, private_dir, private_tree
 from clawray.config import checkpoint_dir, model_path
 from clawray.evaluation import RunEvaluations
 from clawray.monitor import BehaviourMonitor
+from clawray.step_metrics import GenerationMeter, credit_metrics, drop_counts, judge_metrics, step_line
 from clawray.weight_sync import WeightSyncController
 
 
@@ -61,43 +62,6 @@ def ensure_model(cfg: DictConfig) -> str:
     return path
 
 
-def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tracker_stats: dict) -> dict[str, float]:
-    """Cumulative judge and teacher figures from the workers' counters (summed over the J judges).
-
-    - ``judge/votes_per_turn`` = votes / turns; ``judge/invalid_vote_rate`` = invalid votes / votes;
-      ``judge/agreement_rate`` = votes equal to their turn's majority / valid votes (NaN without valid
-      votes).
-    - ``judge/hint_acceptance_rate`` = accepted hints / hint turns; ``judge/hint_invalid_vote_rate``;
-      ``judge/mean_hint_chars`` = characters of accepted hints / accepted hints.
-    - ``timing/teacher_scoring_s`` (seconds, summed over teachers), ``teacher/scored`` (turns) and
-      ``teacher/errors`` (failed teacher calls, from the SessionTracker), when there are teachers.
-    - ``judge/dispatch/<case>``: the SessionTracker's Combine dispatch counts.
-
-    A figure whose denominator is zero is left out (never divided by zero).
-    """
-    total: dict[str, float] = {}
-    for stats in judge_stats:
-        for k, v in stats.items():
-            total[k] = total.get(k, 0) + v
-    out = {}
-    if total.get("turns"):
-        out["judge/votes_per_turn"] = total["votes"] / total["turns"]
-        out["judge/invalid_vote_rate"] = total.get("invalid_votes", 0) / max(total["votes"], 1)
-        valid = total["votes"] - total.get("invalid_votes", 0)
-        out["judge/agreement_rate"] = total.get("agree_votes", 0) / valid if valid else math.nan
-    if total.get("hint_turns"):
-        out["judge/hint_acceptance_rate"] = total.get("hints_accepted", 0) / total["hint_turns"]
-        out["judge/hint_invalid_vote_rate"] = total.get("hint_invalid_votes", 0) / max(total["hint_votes"], 1)
-        if total.get("hints_accepted"):
-            out["judge/mean_hint_chars"] = total["hint_chars"] / total["hints_accepted"]
-    if teacher_stats is not None:
-        out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher_stats)
-        out["teacher/scored"] = sum(t["scored"] for t in teacher_stats)
-        out["teacher/errors"] = tracker_stats.get("teacher_errors", 0)
-    out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
-    return out
-
-
 def sample_groups(metas: list, group_by: str) -> list:
     """The group key of each sample (:class:`~clawray.types.SampleMeta`) under ``trainer.group_by``
     (:func:`clawray.algos.rejection.group_keys`)."""
@@ -106,28 +70,6 @@ def sample_groups(metas: list, group_by: str) -> list:
     return group_keys(
         group_by, [m.prompt_key for m in metas], [m.opening_key for m in metas], [m.turn_index for m in metas]
     )
-
-
-def credit_metrics(metas: list, tracker_stats: dict) -> dict[str, float]:
-    """Long-horizon credit and shaping figures of one step (see :mod:`clawray.algos.credit`).
-
-    - ``credit/turns_waiting``: judged turns waiting in the tracker for their session's end (now);
-    - ``credit/mean_session_turns``: main-line requests per closed session (since the start);
-    - ``reward/outcome_mean``: mean session outcome over the batch's samples that carry one (NaN when
-      none does);
-    - ``reward/shaping/<term>``: mean signed shaping contribution over the batch's samples that carry
-      a reward (0 for a sample the term left alone; absent when no sample has shaping terms).
-    """
-    out: dict[str, float] = {"credit/turns_waiting": float(tracker_stats.get("credit/turns_waiting", 0))}
-    if "credit/mean_session_turns" in tracker_stats:
-        out["credit/mean_session_turns"] = float(tracker_stats["credit/mean_session_turns"])
-    outcomes = [m.outcome for m in metas if m.outcome is not None]
-    out["reward/outcome_mean"] = sum(outcomes) / len(outcomes) if outcomes else math.nan
-    rewarded = [m for m in metas if m.reward is not None]
-    names = sorted({n for m in rewarded for n, _ in m.shaping})
-    for name in names:
-        out[f"reward/shaping/{name}"] = sum(dict(m.shaping).get(name, 0.0) for m in rewarded) / len(rewarded)
-    return out
 
 
 class Driver:
@@ -170,7 +112,7 @@ class Driver:
         self.trained_samples: deque[tuple[str, int]] = deque(maxlen=1 << 16)
         self._shut_down = False
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
-        self._gen_seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
+        self.generation = GenerationMeter()  # rollout tokens and throughput between steps
         from clawray.recovery import RestartCounters
 
         self.counters = RestartCounters()  # engine, judge and teacher counters survive their restarts
@@ -780,11 +722,8 @@ class Driver:
         tstats = ray.get(self.tracker.stats.remote())
         judge_metrics = self._judge_metrics(tstats)
         gen_metrics = self._generation_metrics()
-        dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
-        dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
-        dropped["dropped/all_masked"] = self.all_masked_dropped
-        if self.cfg.trainer.dynamic_sampling:
-            dropped["dropped/zero_variance"] = self.zero_variance_dropped
+        zero_variance = self.zero_variance_dropped if self.cfg.trainer.dynamic_sampling else None
+        dropped = drop_counts(tstats, qstats, self.all_masked_dropped, zero_variance)
         decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
         rewarded = adv.rewarded
         metrics = {
@@ -832,37 +771,18 @@ class Driver:
         t_wait: float,
         t_train: float,
     ) -> None:
-        """Append the row to the history, log it (wandb, ``metrics.jsonl``) and print the step's line."""
-        cfg = self.cfg
+        """Append the row to the history, log it (wandb, ``metrics.jsonl``) and print the step's line
+        (:func:`~clawray.step_metrics.step_line`)."""
         self.history.append(metrics)
         self.tracking.log(
             {k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done
         )
-        total = f"/{cfg.trainer.num_steps}" if cfg.trainer.num_steps > 0 else ""
-        reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
-        loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
-        reward = f"{metrics['reward_mean']:+.2f}" if adv.rewarded else " n/a"  # pure OPD samples carry no reward
-        n_int = int(metrics.get("sync/interrupted_requests", 0))
-        interrupted = f" ({n_int} interrupted)" if n_int else ""
-        print(
-            f"[clawray] step {self.steps_done}{total} | samples {metrics['samples']} | "
-            f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "
-            f"pause {metrics['sync/pause_s']:.2f}s{interrupted} | "
-            f"policy v{self.version}{f' (skipped: {skipped})' if skipped else ''} | "
-            f"staleness {metrics['inv/staleness_mean']:.1f} | "
-            f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
-            f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
-            f"wait {t_wait:.1f}s train {t_train:.1f}s",
-            flush=True,
-        )
+        args = (metrics, dropped, train, bool(adv.rewarded), skipped, sync_s, sync_error, t_wait, t_train)
+        print(step_line(self.steps_done, self.cfg.trainer.num_steps, *args), flush=True)
 
     def _generation_metrics(self) -> dict[str, float]:
-        """``rollout/tokens``: tokens the rollout engines generated since the last step (all engines);
-        ``rollout/tokens_per_s``: per engine, those tokens / its generation seconds, summed over the
-        engines (throughput while generating, not wall time); ``serve/cancelled`` and
-        ``rollout/engine_errors``: generations stopped because their client left, and requests the
-        engines failed on, since the start (all engines). ``{}`` when an engine does not answer
-        within 10 s."""
+        """The engines' generation figures since the last step (:class:`~clawray.step_metrics.GenerationMeter`);
+        ``{}`` when an engine does not answer within 10 s."""
         from clawray.recovery import ENGINE_COUNTERS
 
         try:
@@ -870,20 +790,7 @@ class Driver:
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
             return {}
         # [recovery hook] a restarted engine counts from 0 again: totals across its restarts
-        stats = [self.counters.rebase(st["name"], st, ENGINE_COUNTERS) for st in stats]
-        tokens, rate = 0, 0.0
-        for st in stats:
-            seen_tokens, seen_s = self._gen_seen.get(st["name"], (0, 0.0))
-            d_tokens, d_s = st["tokens"] - seen_tokens, st["gen_seconds"] - seen_s
-            self._gen_seen[st["name"]] = (st["tokens"], st["gen_seconds"])
-            tokens += d_tokens
-            rate += d_tokens / d_s if d_s > 0 else 0.0
-        return {
-            "rollout/tokens": float(tokens),
-            "rollout/tokens_per_s": rate,
-            "serve/cancelled": float(sum(st.get("cancelled", 0) for st in stats)),
-            "rollout/engine_errors": float(sum(st.get("errors", 0) for st in stats)),
-        }
+        return self.generation.update([self.counters.rebase(st["name"], st, ENGINE_COUNTERS) for st in stats])
 
     def engine_versions(self) -> dict[str, int | None]:
         """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine

@@ -194,56 +194,6 @@ def test_engine_judge_times_out_retries_and_counts(tiny_model):
     assert len(calls) == 4 and len(set(calls)) == 4  # each retry resamples with its own seed
 
 
-def test_judge_metrics_hand_computed():
-    from clawray.driver import judge_metrics
-
-    judges = [
-        {
-            "turns": 2,
-            "votes": 6,
-            "invalid_votes": 1,
-            "agree_votes": 4,
-            "hint_turns": 2,
-            "hint_votes": 6,
-            "hint_invalid_votes": 2,
-            "hints_accepted": 1,
-            "hint_chars": 30,
-        },
-        {
-            "turns": 1,
-            "votes": 3,
-            "invalid_votes": 2,
-            "agree_votes": 1,
-            "hint_turns": 2,
-            "hint_votes": 6,
-            "hint_invalid_votes": 0,
-            "hints_accepted": 2,
-            "hint_chars": 24,
-        },
-    ]
-    teachers = [{"scored": 2, "seconds": 0.5}, {"scored": 1, "seconds": 0.25}]
-    out = judge_metrics(
-        judges, teachers, {"dispatch/hint+score": 2, "dispatch/nohint": 1, "samples": 3, "teacher_errors": 1}
-    )
-    assert out == {
-        "judge/votes_per_turn": 3.0,
-        "judge/invalid_vote_rate": 3 / 9,
-        "judge/agreement_rate": 5 / 6,
-        "judge/hint_acceptance_rate": 0.75,
-        "judge/hint_invalid_vote_rate": 2 / 12,
-        "judge/mean_hint_chars": 18.0,
-        "timing/teacher_scoring_s": 0.75,
-        "teacher/scored": 3,
-        "teacher/errors": 1,
-        "judge/dispatch/hint+score": 2,
-        "judge/dispatch/nohint": 1,
-    }
-    # nothing judged yet: no rate is divided by zero; all votes invalid: agreement is NaN, not 0
-    assert judge_metrics([{}], None, {}) == {}
-    nan = judge_metrics([{"turns": 1, "votes": 3, "invalid_votes": 3}], None, {})["judge/agreement_rate"]
-    assert nan != nan
-
-
 def test_openai_judge_content_parts_are_read_and_other_shapes_are_invalid_votes():
     judge = JudgeWorker(
         {

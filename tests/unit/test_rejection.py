@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from clawray import driver as driver_mod
+from clawray import step_metrics
 from clawray.algos.advantages import batch_advantages
 from clawray.algos.invariants import DegenerateBatchGuard
 from clawray.algos.rejection import group_keys, opening, zero_variance
@@ -107,11 +108,11 @@ def test_credit_metrics_of_a_batch():
     b.info.update(outcome=-1.0)
     a, b, c = SampleMeta.of(a), SampleMeta.of(b), SampleMeta.of(c)
     assert (a.outcome, a.shaping, c.outcome, c.shaping) == (1.0, (("truncated", -0.5),), None, ())
-    m = driver_mod.credit_metrics([a, b, c], {"credit/turns_waiting": 3, "credit/mean_session_turns": 2.5})
+    m = step_metrics.credit_metrics([a, b, c], {"credit/turns_waiting": 3, "credit/mean_session_turns": 2.5})
     assert m == {
         "credit/turns_waiting": 3.0,
         "credit/mean_session_turns": 2.5,
         "reward/outcome_mean": 0.0,
         "reward/shaping/truncated": -0.25,
     }
-    assert torch.isnan(torch.tensor(driver_mod.credit_metrics([c], {})["reward/outcome_mean"]))
+    assert torch.isnan(torch.tensor(step_metrics.credit_metrics([c], {})["reward/outcome_mean"]))

@@ -1,0 +1,154 @@
+"""One training step's metrics row and its printed line (pure functions of what the driver gathered).
+
+The driver collects the counters of its actors (queue, session tracker, judges, teachers, rollout
+engines) and of the step; this module turns them into the ``metrics.jsonl`` / wandb row and the
+``[clawray] step ...`` line (see README). Cumulative counters stay cumulative; rates whose
+denominator is zero are left out or NaN, never a division by zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tracker_stats: dict) -> dict[str, float]:
+    """Cumulative judge and teacher figures from the workers' counters (summed over the J judges).
+
+    - ``judge/votes_per_turn`` = votes / turns; ``judge/invalid_vote_rate`` = invalid votes / votes;
+      ``judge/agreement_rate`` = votes equal to their turn's majority / valid votes (NaN without valid
+      votes).
+    - ``judge/hint_acceptance_rate`` = accepted hints / hint turns; ``judge/hint_invalid_vote_rate``;
+      ``judge/mean_hint_chars`` = characters of accepted hints / accepted hints.
+    - ``timing/teacher_scoring_s`` (seconds, summed over teachers), ``teacher/scored`` (turns) and
+      ``teacher/errors`` (failed teacher calls, from the SessionTracker), when there are teachers.
+    - ``judge/dispatch/<case>``: the SessionTracker's Combine dispatch counts.
+
+    A figure whose denominator is zero is left out (never divided by zero).
+    """
+    total: dict[str, float] = {}
+    for stats in judge_stats:
+        for k, v in stats.items():
+            total[k] = total.get(k, 0) + v
+    out = {}
+    if total.get("turns"):
+        out["judge/votes_per_turn"] = total["votes"] / total["turns"]
+        out["judge/invalid_vote_rate"] = total.get("invalid_votes", 0) / max(total["votes"], 1)
+        valid = total["votes"] - total.get("invalid_votes", 0)
+        out["judge/agreement_rate"] = total.get("agree_votes", 0) / valid if valid else math.nan
+    if total.get("hint_turns"):
+        out["judge/hint_acceptance_rate"] = total.get("hints_accepted", 0) / total["hint_turns"]
+        out["judge/hint_invalid_vote_rate"] = total.get("hint_invalid_votes", 0) / max(total["hint_votes"], 1)
+        if total.get("hints_accepted"):
+            out["judge/mean_hint_chars"] = total["hint_chars"] / total["hints_accepted"]
+    if teacher_stats is not None:
+        out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher_stats)
+        out["teacher/scored"] = sum(t["scored"] for t in teacher_stats)
+        out["teacher/errors"] = tracker_stats.get("teacher_errors", 0)
+    out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
+    return out
+
+
+def credit_metrics(metas: list, tracker_stats: dict) -> dict[str, float]:
+    """Long-horizon credit and shaping figures of one step (see :mod:`clawray.algos.credit`).
+
+    - ``credit/turns_waiting``: judged turns waiting in the tracker for their session's end (now);
+    - ``credit/mean_session_turns``: main-line requests per closed session (since the start);
+    - ``reward/outcome_mean``: mean session outcome over the batch's samples that carry one (NaN when
+      none does);
+    - ``reward/shaping/<term>``: mean signed shaping contribution over the batch's samples that carry
+      a reward (0 for a sample the term left alone; absent when no sample has shaping terms).
+    """
+    out: dict[str, float] = {"credit/turns_waiting": float(tracker_stats.get("credit/turns_waiting", 0))}
+    if "credit/mean_session_turns" in tracker_stats:
+        out["credit/mean_session_turns"] = float(tracker_stats["credit/mean_session_turns"])
+    outcomes = [m.outcome for m in metas if m.outcome is not None]
+    out["reward/outcome_mean"] = sum(outcomes) / len(outcomes) if outcomes else math.nan
+    rewarded = [m for m in metas if m.reward is not None]
+    names = sorted({n for m in rewarded for n, _ in m.shaping})
+    for name in names:
+        out[f"reward/shaping/{name}"] = sum(dict(m.shaping).get(name, 0.0) for m in rewarded) / len(rewarded)
+    return out
+
+
+def drop_counts(tracker_stats: dict, queue_stats: dict, all_masked: int, zero_variance: int | None) -> dict[str, int]:
+    """Turns that never became trained samples since the start, by reason: the tracker's
+    ``dropped/*`` counters, the queue's (``stale``, ...), ``dropped/all_masked`` and, with dynamic
+    sampling (``zero_variance`` not None), ``dropped/zero_variance``."""
+    dropped = {k: v for k, v in tracker_stats.items() if k.startswith("dropped/")}
+    dropped.update({f"dropped/{k}": v for k, v in queue_stats["dropped"].items()})
+    dropped["dropped/all_masked"] = all_masked
+    if zero_variance is not None:
+        dropped["dropped/zero_variance"] = zero_variance
+    return dropped
+
+
+class GenerationMeter:
+    """Rollout tokens and throughput between two steps, from the engines' cumulative counters."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, float]] = {}  # engine -> (tokens, gen seconds) at the last step
+
+    def update(self, stats: list[dict]) -> dict[str, float]:
+        """``rollout/tokens``: tokens the engines generated since the last call (all engines);
+        ``rollout/tokens_per_s``: per engine, those tokens / its generation seconds, summed over the
+        engines (throughput while generating, not wall time); ``serve/cancelled`` and
+        ``rollout/engine_errors``: since the start (all engines).
+
+        Args:
+            stats: each engine's ``stats()`` (``name``, cumulative ``tokens`` and ``gen_seconds``,
+                ``cancelled``, ``errors``), re-based across its restarts.
+        """
+        tokens, rate = 0, 0.0
+        for st in stats:
+            seen_tokens, seen_s = self._seen.get(st["name"], (0, 0.0))
+            d_tokens, d_s = st["tokens"] - seen_tokens, st["gen_seconds"] - seen_s
+            self._seen[st["name"]] = (st["tokens"], st["gen_seconds"])
+            tokens += d_tokens
+            rate += d_tokens / d_s if d_s > 0 else 0.0
+        return {
+            "rollout/tokens": float(tokens),
+            "rollout/tokens_per_s": rate,
+            "serve/cancelled": float(sum(st.get("cancelled", 0) for st in stats)),
+            "rollout/engine_errors": float(sum(st.get("errors", 0) for st in stats)),
+        }
+
+
+def step_line(
+    step: int,
+    num_steps: int,
+    metrics: dict[str, Any],
+    dropped: dict[str, int],
+    train: dict,
+    rewarded: bool,
+    skipped: str,
+    sync_s: float,
+    sync_error: str | None,
+    t_wait: float,
+    t_train: float,
+) -> str:
+    """The step's printed line (README): samples, reward, loss, sync and pause seconds, policy
+    version, staleness, trained share of judged turns, drops so far by reason, wait and train seconds.
+
+    Args:
+        step: steps done; num_steps: ``trainer.num_steps`` (<= 0: no total shown).
+        metrics: the step's row; dropped: :func:`drop_counts`; train: the learners' metrics (``loss``
+            absent on a skipped step); rewarded: some sample carries a reward (pure OPD: ``n/a``).
+        skipped: ``""`` or why the batch was not trained.
+    """
+    total = f"/{num_steps}" if num_steps > 0 else ""
+    reasons = ", ".join(f"{k.removeprefix('dropped/')} {v}" for k, v in sorted(dropped.items()) if v)
+    loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
+    reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
+    n_int = int(metrics.get("sync/interrupted_requests", 0))
+    interrupted = f" ({n_int} interrupted)" if n_int else ""
+    return (
+        f"[clawray] step {step}{total} | samples {metrics['samples']} | "
+        f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "
+        f"pause {metrics['sync/pause_s']:.2f}s{interrupted} | "
+        f"policy v{metrics['policy_version']}{f' (skipped: {skipped})' if skipped else ''} | "
+        f"staleness {metrics['inv/staleness_mean']:.1f} | "
+        f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
+        f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
+        f"wait {t_wait:.1f}s train {t_train:.1f}s"
+    )
