@@ -438,9 +438,11 @@ class TrainerConfig:
     # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
     # skip the update ("skip"), or train on raw rewards ("none", OpenClaw-RL)
     degenerate_batches: str = choice("baseline", "skip", "none")
-    # "binary": the (guarded) reward on every token (OpenClaw-RL); "grpo": group-normalised over
-    # samples of the batch that share a prompt (a group of one, or of equal rewards, gets 0)
-    advantage: str = choice("binary", "grpo")
+    # "binary": the (guarded) reward on every token (OpenClaw-RL); "baseline": r - b on every
+    # sample, b the running mean reward (REINFORCE with a baseline; the CPU demo's choice: a rare
+    # success outweighs the failures beside it); "grpo": group-normalised over samples of the batch
+    # that share a prompt (a group of one, or of equal rewards, gets 0)
+    advantage: str = choice("binary", "baseline", "grpo")
     # EMA momentum of the running reward baseline; 1 would pin the baseline at 0 forever
     baseline_momentum: float = num(0.9, ge=0.0, lt=1.0)
     # long-horizon credit (clawray.algos.credit): "turn" = each judged turn trains on its own score;

@@ -15,7 +15,8 @@ def test_presets_merge_and_override():
     assert cfg.judge.backend == "feedback"  # cpu.yaml overrides rl.yaml
     assert cfg.rollout.backend == "vllm"
     assert cfg.learner.eps == 0.2 and cfg.learner.eps_high == 0.28
-    assert cfg.learner.lr == 1.0e-5 and cfg.env.name == "brief"  # the CPU demo preset (issue 13)
+    assert cfg.learner.lr == 2.0e-5 and cfg.env.name == "brief"  # the CPU demo preset (issue 13)
+    assert cfg.trainer.advantage == "baseline"
 
 
 def test_serve_preset_trains_until_interrupted():

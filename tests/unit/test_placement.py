@@ -97,3 +97,18 @@ def test_resources_keys_take_custom_ray_resources_only():
         with pytest.raises(ConfigError) as err:
             load_config([], [override])
         assert message in str(err.value), (override, str(err.value))
+
+
+def test_a_local_ray_is_always_a_new_one(monkeypatch):
+    # "" must start our own Ray even when the machine already runs one (`ray start --head`): joining it
+    # made ray.init refuse num_cpus ("When connecting to an existing cluster, num_cpus ... must not
+    # be provided"); "auto" and an address join
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    ray_env.init_ray("", 3)
+    ray_env.init_ray("auto")
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 3
+    assert calls[1] == {"address": "auto", "log_to_driver": True}
