@@ -453,6 +453,10 @@ class TrainerConfig:
     credit: str = choice("turn", "discounted", "outcome")
     gamma: float = num(0.9, ge=0.0, le=1.0)  # discount per judged turn
     outcome_turn_weight: float = num(0.0, ge=0.0, le=100.0, note="0 = the outcome alone")
+    # credit discounted/outcome: a session that closes without an explicit outcome is scored once, as
+    # a whole, by a judge worker (judge.backend; feedback: the user's last message), and that score is
+    # its outcome; an explicit X-Session-Outcome still wins
+    outcome_judge: bool = False
     # samples of one group for trainer.advantage=grpo and dynamic sampling: "prompt" (same prompt
     # tokens), "session_prefix" (same session opening and turn index), "none" (the batch is one group)
     group_by: str = choice("prompt", "session_prefix", "none")
@@ -674,6 +678,8 @@ def _check_cross_fields(cfg: DictConfig) -> None:
             f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
             f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample"
         )
+    if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
+        raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)

@@ -49,6 +49,17 @@ emitted anyway). The staleness budget flushes a session's waiting turns early
 engines' version from the turns it records. Waiting turns, the session's outcome and the flushes are
 journaled (``judged`` with ``waiting``, ``outcome``, ``released``), so they survive a restart. Dense
 shaping terms (:mod:`clawray.algos.shaping`) are added to a judged turn's reward before it waits.
+
+The outcome judge (``credit["outcome_judge"]``, ``trainer.outcome_judge``): when a session closes
+(explicitly or idle) with waiting turns and no explicit outcome, one judge worker scores the whole
+session once (:meth:`clawray.actors.judge.JudgeWorker.judge_session`, over the last request's
+history plus its reply) and that score is the session's outcome. An explicit outcome wins (the judge
+is not asked); no waiting turn left (all flushed by the staleness budget) asks nothing. An answer
+without a valid vote, or a failed call, leaves the session without an outcome (``outcome`` mode then
+falls back to the last judged turn's score), counted as ``credit/outcome_unscored`` or
+``credit/outcome_judge_errors``; a scored one counts ``credit/outcome_judged``. The transcript is
+journaled with the close, and the judged outcome as an ``outcome`` record, so a restart between the
+close and the release asks the judge (again) or reuses its answer.
 """
 
 from __future__ import annotations
@@ -89,6 +100,7 @@ class _Session:
     outcome: float | None = None  # the session's explicit outcome (X-Session-Outcome), last one given
     requests: int = 0  # main-line requests recorded in this session (n choices count once)
     opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
+    transcript: list = field(default_factory=list)  # outcome judge: the last request's history + its reply
 
 
 class SessionTracker:
@@ -104,8 +116,9 @@ class SessionTracker:
         idle_timeout_s: close sessions idle this long (seconds); 0 = never.
         truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
         journal: ``{"path", "fsync", "compact_bytes"}`` of the session journal, or None (not durable).
-        credit: ``{"mode", "gamma", "outcome_turn_weight", "max_staleness"}`` (``trainer.credit``,
-            ``trainer.gamma``, ``trainer.outcome_turn_weight``, ``queue.max_staleness``); None = ``turn``.
+        credit: ``{"mode", "gamma", "outcome_turn_weight", "max_staleness", "outcome_judge"}``
+            (``trainer.credit``, ``trainer.gamma``, ``trainer.outcome_turn_weight``,
+            ``queue.max_staleness``, ``trainer.outcome_judge``); None = ``turn``.
         shaping: ``{term: weight}`` of the dense shaping terms (``trainer.shaping``; weight 0 = off).
 
     Raises:
@@ -130,7 +143,14 @@ class SessionTracker:
         shaping: dict | None = None,
     ):
         self.judges, self.queue = judges, queue
-        credit = {"mode": "turn", "gamma": 1.0, "outcome_turn_weight": 0.0, "max_staleness": 2, **(credit or {})}
+        credit = {
+            "mode": "turn",
+            "gamma": 1.0,
+            "outcome_turn_weight": 0.0,
+            "max_staleness": 2,
+            "outcome_judge": False,
+            **(credit or {}),
+        }
         if credit["mode"] not in CREDIT_MODES:
             raise ValueError(f"unknown credit mode {credit['mode']!r}; expected one of {list(CREDIT_MODES)}")
         self.credit = credit
@@ -253,6 +273,8 @@ class SessionTracker:
             s.opening = conversation_key(opening(turns[0].messages))
         if outcome is not None:
             self._set_outcome(s, outcome)
+        if self._judges_outcomes():
+            s.transcript = [*turns[0].messages, turns[0].response_message]
         if s.pending:
             self._resolve(s, turns[0].messages)
         s.pending, s.keys = [], []
@@ -282,9 +304,42 @@ class SessionTracker:
         return [t.turn_index for t in turns]
 
     def _set_outcome(self, s: _Session, outcome: float) -> None:
-        """Store the session's explicit outcome (journaled)."""
+        """Store the session's outcome (explicit or judged; journaled)."""
         s.outcome = float(outcome)
         self._journal("outcome", sid=s.sid, value=s.outcome)  # [journal hook]
+
+    def _judges_outcomes(self) -> bool:
+        """Whether closed sessions without an explicit outcome are scored by the outcome judge."""
+        return bool(self.credit["outcome_judge"]) and self.credit["mode"] != "turn"
+
+    async def _judge_outcome(self, s: _Session) -> None:
+        """Ask one judge worker for the whole session's score and make it the session's outcome; an
+        answer without a valid vote or a failed call leaves the outcome unset (counted)."""
+        judge = self.judges[self._rr % len(self.judges)]
+        self._rr += 1
+        try:
+            result = await judge.judge_session.remote(s.transcript, s.sid)
+        except Exception as e:  # a dead or failing judge worker: no outcome, never a dead tracker
+            self.counts["credit/outcome_judge_errors"] += 1
+            self.counts[f"credit/outcome_judge_errors/{type(e).__name__}"] += 1
+            return
+        valid = result.counts.get("valid", sum(v is not None for v in result.votes))
+        if self.judged_records is not None:
+            self.judged_records.append(
+                {
+                    "session_id": s.sid,
+                    "turn": None,
+                    "kind": "session_outcome",
+                    "score": result.score if valid else None,
+                    "votes": result.votes,
+                    "raw_votes": result.raw,
+                }
+            )
+        if not valid:
+            self.counts["credit/outcome_unscored"] += 1
+            return
+        self.counts["credit/outcome_judged"] += 1
+        self._set_outcome(s, float(result.score))
 
     async def close_session(self, session_id: str, outcome: float | None = None) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
@@ -308,7 +363,8 @@ class SessionTracker:
         self.counts["sessions_closed"] += 1
         self.counts["dropped/no_next_state"] += len(s.pending)
         self._unindex(s)
-        self._journal("close", sid=session_id)  # [journal hook]
+        judge_it = self._judges_outcomes() and s.outcome is None and bool(s.transcript)
+        self._journal("close", sid=session_id, transcript=s.transcript if judge_it else None)  # [journal hook]
         self._track(asyncio.ensure_future(self._finalize(s)))
 
     async def close_idle(self, now: float | None = None) -> int:
@@ -329,6 +385,8 @@ class SessionTracker:
         if s.tasks:
             await asyncio.gather(*s.tasks, return_exceptions=True)
         released = bool(s.waiting)
+        if released and s.outcome is None and s.transcript and self._judges_outcomes():
+            await self._judge_outcome(s)
         if released:
             await self._release(s, closed=True)
         if not s.held:

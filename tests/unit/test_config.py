@@ -43,6 +43,7 @@ def test_rl_preset_alone_uses_engine_judge():
         ("opd.hint_template='[{0}] {hint}'", "opd.hint_template"),
         ("opd.hint_template=no placeholder", "opd.hint_template"),
         ("opd.teacher_timeout_s=0", "opd.teacher_timeout_s"),
+        ("trainer.outcome_judge=true", "trainer.outcome_judge"),  # credit turn (the default): no outcome to judge
     ],
 )
 def test_bad_overrides_name_the_key(override, fragment):
