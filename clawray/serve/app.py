@@ -998,9 +998,13 @@ def start_policy_server(
     port: int,
     num_cpus: float,
     actors: dict | None = None,
+    num_replicas: int = 1,
+    resources: dict | None = None,
 ) -> str:
-    """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`);
-    returns the base URL (``.../v1``).
+    """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`)
+    as ``num_replicas`` replicas, each with ``num_cpus`` CPUs and the custom Ray ``resources``; more
+    than one replica routes by session (:func:`clawray.serve.routing.router_config`). Returns the base
+    URL (``.../v1``).
 
     Raises:
         RuntimeError: nothing answers on ``host:port`` 30 s after the deployment (e.g. Serve was
@@ -1008,9 +1012,18 @@ def start_policy_server(
     """
     import httpx
 
+    from clawray.serve.routing import router_config
+
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus}, logging_config={"enable_access_log": False})
+    options: dict[str, Any] = {"num_replicas": num_replicas}
+    if router_config(num_replicas) is not None:
+        options["request_router_config"] = router_config(num_replicas)
+    server = PolicyServer.options(
+        ray_actor_options={"num_cpus": num_cpus, "resources": dict(resources or {})},
+        logging_config={"enable_access_log": False},
+        **options,
+    )
     serve.run(server.bind(model_path, engines, tracker, cfg, actors), name="clawray", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 30.0
     while True:
