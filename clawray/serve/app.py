@@ -688,15 +688,22 @@ class PolicyServer:
         return self.engines[index]
 
     async def _poll_engines(self) -> None:
-        """Every ``engine_poll_s`` seconds: each engine's state and queue depth from its ``stats()``
-        (an engine that does not answer within 5 s is down until a later poll hears from it)."""
-        from clawray.recovery import probe
+        """Every ``engine_poll_s`` seconds: each engine's state and queue depth from its ``stats()``. A
+        dead or restarting engine (a Ray actor error) is down; one that does not answer within 5 s (a
+        busy host) keeps its previous state and load."""
+
+        async def poll(i: int) -> None:
+            try:
+                st = await asyncio.wait_for(self.engines[i].stats.remote(), 5.0)
+            except asyncio.TimeoutError:
+                return
+            except ray.exceptions.RayError:
+                st = None
+            self._states[i], self._loads[i] = engine_state(st), (st or {}).get("in_flight", 0)
 
         while True:
             before = list(self._sent)  # generations started while the poll runs stay counted
-            stats = await asyncio.gather(*(probe(e.stats.remote()) for e in self.engines))
-            self._states = [engine_state(st) for st in stats]
-            self._loads = [(st or {}).get("in_flight", 0) for st in stats]
+            await asyncio.gather(*(poll(i) for i in range(len(self.engines))))
             self._sent = [now - then for now, then in zip(self._sent, before)]
             await asyncio.sleep(self.cfg["engine_poll_s"])
 
