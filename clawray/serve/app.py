@@ -255,7 +255,8 @@ class PolicyServer:
         """This replica's counters: ``replica`` (Serve's replica id), ``requests`` (chat requests
         received), ``sessions`` (sessions it chose an engine for, at most :data:`MAX_BOUND_SESSIONS`
         kept), ``engine_choices`` (per engine, sessions whose engine it is now), ``counts`` (every
-        counter of ``/health``) and, with ``session_ids``, the ids of those sessions (sorted). Runs on the replica's event loop, where the session map changes."""
+        counter of ``/health``) and, with ``session_ids``, the ids of those sessions (sorted). Async: it
+        runs on the replica's event loop, where the session map changes, never in a thread."""
         try:
             replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a Serve replica (unit tests)
