@@ -186,7 +186,15 @@ class ServeConfig:
     model_name: str = "clawray-policy"
     default_max_tokens: int = num(256, **_MAX_TOKENS)
     default_temperature: float = num(1.0, **_TEMPERATURE)  # OpenAI's default
-    num_cpus: float = _ray_resource(0.1)
+    num_cpus: float = _ray_resource(0.1)  # per replica
+    # PolicyServer replicas; > 1: each session id always reaches the same replica (clawray.serve.routing)
+    num_replicas: int = num(1, ge=1)
+    # custom Ray resources each replica requests, e.g. {serve_node: 1} (see rollout.resources); Serve runs
+    # an HTTP proxy on every node that holds a replica, bound to serve.host:serve.port there
+    resources: dict[str, float] = field(default_factory=dict)
+    # a session leaves its engine (prefix-cache locality) only when that engine has more than this many
+    # requests in flight beyond the least loaded engine (or is down, or paused while another serves)
+    engine_slack: int = num(4, ge=0)
     generate_timeout_s: float = num(600.0, gt=0.0)  # a request waits at most this long for the engine
     max_body_mb: float = num(8.0, ge=0.001)  # larger request bodies get HTTP 413 (0.001 MiB ~ 1 KiB)
     api_key: str = secret("")  # when set, requests need "Authorization: Bearer <api_key>" (else 401)
@@ -643,9 +651,9 @@ _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 def _check_resources(cfg: DictConfig) -> None:
-    """``learner.resources`` / ``rollout.resources``: custom Ray resource names with amounts > 0 in
+    """``learner.resources`` / ``rollout.resources`` / ``serve.resources``: custom Ray resource names with amounts > 0 in
     Ray's 1e-4 steps; CPUs and GPUs have their own keys (``num_cpus``, ``num_gpus``)."""
-    for key in ("learner.resources", "rollout.resources"):
+    for key in ("learner.resources", "rollout.resources", "serve.resources"):
         for name, amount in OmegaConf.select(cfg, key).items():
             if name in _BUILTIN_RESOURCES:
                 raise ConfigError(

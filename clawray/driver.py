@@ -360,6 +360,7 @@ class Driver:
             "allowed_origins": list(cfg.serve.allowed_origins),
             "host": cfg.serve.host,
             "session_binding": cfg.serve.session_binding,
+            "engine_slack": cfg.serve.engine_slack,
         }
         actors = {
             "judges": self.judges,
@@ -368,7 +369,16 @@ class Driver:
             "queue": self.queue,
         }  # [recovery hook] their states in /health
         self.base_url = start_policy_server(
-            path, self.engines, self.tracker, serve_cfg, cfg.serve.host, cfg.serve.port, cfg.serve.num_cpus, actors
+            path,
+            self.engines,
+            self.tracker,
+            serve_cfg,
+            cfg.serve.host,
+            cfg.serve.port,
+            cfg.serve.num_cpus,
+            actors,
+            num_replicas=cfg.serve.num_replicas,
+            resources=dict(cfg.serve.resources),
         )
         self.tracking = Tracker(
             self.run_dir,
@@ -429,7 +439,10 @@ class Driver:
         try:  # /health reports the new ranks
             from ray import serve
 
-            serve.get_app_handle("clawray").set_actors.remote("learners", self.learners.workers).result(timeout_s=30)
+            # every replica answers /health: each gets the new list
+            serve.get_app_handle("clawray").broadcast("set_actors", "learners", self.learners.workers).results(
+                timeout_s=30
+            )
         except Exception as e:  # noqa: BLE001 - /health then shows the old ranks as dead: degraded, not wrong
             print(f"[clawray] /health keeps the old learner list ({type(e).__name__})", flush=True)
 
@@ -863,6 +876,9 @@ class Driver:
         tstats = ray.get(self.tracker.stats.remote())
         judge_metrics = self._judge_metrics(tstats)
         gen_metrics = self._generation_metrics()
+        serve_metrics = {
+            f"serve/replica_requests/{i}": float(st["requests"]) for i, st in enumerate(self.serve_stats())
+        }
         dropped = {k: v for k, v in tstats.items() if k.startswith("dropped/")}
         dropped.update({f"dropped/{k}": v for k, v in qstats["dropped"].items()})
         dropped["dropped/all_masked"] = self.all_masked_dropped
@@ -891,6 +907,7 @@ class Driver:
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
             **gen_metrics,
+            **serve_metrics,
             **credit_metrics(metas, tstats),
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
@@ -967,6 +984,20 @@ class Driver:
             "serve/cancelled": float(sum(st.get("cancelled", 0) for st in stats)),
             "rollout/engine_errors": float(sum(st.get("errors", 0) for st in stats)),
         }
+
+    def serve_stats(self, session_ids: bool = False) -> list[dict]:
+        """Every PolicyServer replica's :meth:`~clawray.serve.app.PolicyServer.stats` (one call per
+        replica, ``DeploymentHandle.broadcast``), sorted by replica id: entry ``i`` is the ``i`` of the
+        metric ``serve/replica_requests/<i>`` (chat requests that replica received since it started).
+        ``[]`` when Serve does not answer within 10 s."""
+        from ray import serve
+
+        try:
+            handle = serve.get_app_handle("clawray")
+            stats = handle.broadcast("stats", session_ids).results(timeout_s=10)
+        except Exception:  # noqa: BLE001 - metrics without the serve part, never a failed step
+            return []
+        return sorted(stats, key=lambda st: st["replica"])
 
     def engine_versions(self) -> dict[str, int | None]:
         """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine
