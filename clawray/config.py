@@ -473,6 +473,11 @@ class TrainerConfig:
     # dynamic_sampling_wait_s seconds (then the step trains what it has, or skips when nothing is left)
     dynamic_sampling: bool = False
     dynamic_sampling_wait_s: float = num(60.0, ge=0.0, note="0 = one take from the queue, no refill")
+    # false = a SERIAL loop, the baseline of bench/loop_throughput.py: once a batch is taken the driver
+    # holds the simulated users (no new request; those in flight finish, their judgements too), trains,
+    # syncs, then lets them go on, so generation never overlaps a train step or a sync. Only the
+    # simulated users (env.enabled) are held, never outside clients. true = the asynchronous loop
+    overlap: bool = True
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
 
 

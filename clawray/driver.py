@@ -6,6 +6,11 @@ Loop (one iteration per policy update)::
     -> broadcast weights (new version) -> resume -> log -> checkpoint every k steps -> next
 
 Serving never stops except for the weight broadcast; requests that arrive during it wait.
+``trainer.overlap: false`` makes the loop serial (the baseline of ``bench/loop_throughput.py``): after
+taking a batch the driver holds its simulated users and waits for their requests in flight and the
+judgements they started, trains, syncs, then releases them (:meth:`Driver._hold_traffic`), so no
+generation overlaps a train step or a sync. ``Driver.timeline`` keeps the wall-clock ``[start, end]``
+of each step's train and sync phases.
 The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
 ``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
 policy version; the run ends by printing each measure before -> after with its 95% CI.
@@ -182,6 +187,8 @@ class Driver:
         self._wandb_run_id: str | None = None  # a resumed run continues the checkpoint's wandb run
         self.learner_restarts = 0  # learner-group rebuilds so far (learner.max_restarts, clawray.recovery)
         self._trained_since_ckpt = 0  # entries of trained_samples after the last checkpoint (a rebuild drops them)
+        # (phase, start, end): wall-clock seconds (time.time()) of each step's "train" and "sync"
+        self.timeline: deque[tuple[str, float, float]] = deque(maxlen=4096)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -639,9 +646,15 @@ class Driver:
             sample_groups(metas, self.cfg.trainer.group_by),
         )
         skipped = "" if adv.train and refs else "degenerate"
-        train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
-        t_train = time.perf_counter() - t0 - t_wait
-        sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
+        hold_s = self._hold_traffic()  # serial loop only (trainer.overlap: false)
+        try:
+            t1, w1 = time.perf_counter(), time.time()
+            train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
+            t_train, w2 = time.perf_counter() - t1, time.time()
+            sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
+            self.timeline.extend([("train", w1, w2), ("sync", w2, time.time())])
+        finally:
+            self._release_traffic()
         if not skipped:
             self.version = next_version  # the learner's weights moved on even when the sync failed
             self.entropy.update(train["inv/entropy"])
@@ -653,6 +666,7 @@ class Driver:
         ckpt_s = self._periodic_checkpoint()
         timing = {
             "timing/wait_batch_s": t_wait,
+            "timing/hold_s": hold_s,
             "timing/train_s": t_train,
             **sync_metrics,
             "timing/checkpoint_s": ckpt_s,
@@ -663,6 +677,25 @@ class Driver:
             metrics["sync_error"] = sync_error
         self._log_step(metrics, dropped, adv, train, skipped, sync_s, sync_error, t_wait, t_train)
         return metrics
+
+    def _hold_traffic(self) -> float:
+        """Serial loop (``trainer.overlap: false``): hold the simulated users and wait until their
+        requests in flight are answered and the tracker's judgements are done; returns the seconds
+        this took (0.0 in the asynchronous loop, or without simulated users)."""
+        if self.cfg.trainer.overlap or getattr(self, "sim", None) is None:
+            return 0.0
+        t0 = time.perf_counter()
+        timeout = self.cfg.env.request_timeout_s
+        left = ray.get(self.sim.hold.remote(timeout))
+        if left:
+            print(f"[clawray] serial loop: {left} request(s) still in flight after {timeout:.0f}s", flush=True)
+        ray.get(self.tracker.drain.remote(timeout))
+        return time.perf_counter() - t0
+
+    def _release_traffic(self) -> None:
+        """Let the simulated users held by :meth:`_hold_traffic` go on (a no-op in the asynchronous loop)."""
+        if not self.cfg.trainer.overlap and getattr(self, "sim", None) is not None:
+            ray.get(self.sim.release.remote())
 
     def _take_batch(self, next_version: int) -> tuple[dict, list, list]:
         """The next batch from the queue (``trainer.batch_size`` .. ``max_batch_size`` samples), without
