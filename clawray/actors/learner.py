@@ -31,17 +31,14 @@ from __future__ import annotations
 import functools
 import math
 import os
-import pickle
-import random
-import shutil
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import numpy as np
 import ray
 import torch
 
+from clawray.actors.learner_checkpoint import load_learner_state, save_hf_folder, save_learner_state
 from clawray.algos.losses import (
     SUM_METRICS,
     LossSettings,
@@ -57,9 +54,6 @@ from clawray.types import Sample
 
 if TYPE_CHECKING:
     from clawray.weight_sync import TransportSpec
-
-
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -647,126 +641,42 @@ class LearnerWorker:
         stats = self._transport.send(state, version)
         return {"bytes": stats["bytes"], "gather_s": t1 - t0, "send_s": stats["seconds"]}
 
+    # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
         """Write the full model as an HF folder at ``path`` (collective; rank 0 writes): merged
-        weights under the base names with LoRA, plus the initial folder's tokenizer and config files."""
+        weights under the base names with LoRA, plus the initial folder's tokenizer and config files
+        (:func:`~clawray.actors.learner_checkpoint.save_hf_folder`)."""
         state = self._full_state_dict()
         if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            hf = self._hf_model(self.model)
-            out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
-            if out_emb is not None and out_emb.weight is in_emb.weight:  # tied: store the matrix once
-                name = next(n for n, m in hf.named_modules() if m is out_emb)
-                state = {k: v for k, v in state.items() if k != f"{name}.weight"}
-            hf.save_pretrained(path, state_dict=state)
-            for name in os.listdir(self.model_path):  # tokenizer, chat template, generation config
-                src = os.path.join(self.model_path, name)
-                if (
-                    os.path.isfile(src)
-                    and not name.endswith(_WEIGHT_FILES)
-                    and name != "config.json"
-                    and not name.endswith(".index.json")
-                    and not os.path.exists(os.path.join(path, name))
-                ):
-                    shutil.copy2(src, os.path.join(path, name))
-
-    # ------------------------------------------------------------------ checkpoints
-    def _train_state_weights(self, model_sd: dict) -> dict:
-        """The weights a resumable checkpoint keeps in ``train_state/`` beside the optimizer.
-
-        Full fine-tuning: none, since ``model/`` already holds every weight in float32 (the training
-        dtype), so storing them again would double the checkpoint (SmolLM2-135M: 0.54 GB).
-        LoRA: the adapters only (``model/`` holds the *merged* weights, which cannot be split back;
-        the frozen base weights are reloaded from the initial model folder at start-up).
-        """
-        if self.lora_rank == 0:
-            return {}
-        return {k: v for k, v in model_sd.items() if ".lora_" in k}
-
-    def _load_hf_weights(self, folder: str, keys: list[str]) -> None:
-        """Load the float32 weights of an HF folder written by :meth:`save` into the sharded model
-        (every rank reads the files; full fine-tuning only). ``keys``: the model's state-dict names
-        (``get_state_dict``). A tied output embedding, stored once, is filled from the input embedding.
-
-        Raises:
-            FileNotFoundError: ``folder`` has no ``*.safetensors`` file.
-            RuntimeError: a weight of the model is missing from the folder.
-        """
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"checkpoint model folder {folder} has no .safetensors file")
-        state: dict[str, torch.Tensor] = {}
-        for name in files:
-            state.update(load_file(os.path.join(folder, name)))
-        hf = self._hf_model(self.model)
-        out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
-        if out_emb is not None and out_emb.weight is in_emb.weight:
-            out_name = next(n for n, m in hf.named_modules() if m is out_emb)
-            in_name = next(n for n, m in hf.named_modules() if m is in_emb)
-            state.setdefault(f"{out_name}.weight", state.get(f"{in_name}.weight"))
-        missing = [k for k in keys if state.get(k) is None]
-        if missing:
-            raise RuntimeError(f"checkpoint model folder {folder} lacks {len(missing)} weight(s), e.g. {missing[0]}")
-        set_model_state_dict(
-            self.model, {k: state[k].float() for k in keys}, options=StateDictOptions(full_state_dict=True)
-        )
+            save_hf_folder(self._hf_model(self.model), state, self.model_path, path)
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> dict:
-        """Write this learner's part of a checkpoint into the existing folder ``path``. Collective.
-
-        Layout: ``model/`` (HF folder, :meth:`save`), ``train_state/`` (sharded
-        ``torch.distributed.checkpoint``: the AdamW state, plus the LoRA adapters with LoRA: the
-        weights themselves are read back from ``model/``, see :meth:`_train_state_weights`; one file per rank: no rank gathers the optimizer state, and a different
-        number of ranks can load it), ``learner.pkl`` (rank 0: scheduler state, policy version,
-        optimizer and skipped step counts) and ``rng/rank{r}.pkl`` (torch, python, numpy and CUDA
-        RNG states of each rank). ``save_optimizer=False`` writes ``model/`` and ``learner.pkl``
-        only (a model-only checkpoint, not resumable: :meth:`load_checkpoint` raises on it).
+        """Write this learner's part of a checkpoint into the existing folder ``path``: ``model/``
+        (:meth:`save`), then ``train_state/``, ``rng/`` and ``learner.pkl``
+        (:mod:`clawray.actors.learner_checkpoint` has the layout). ``save_optimizer=False`` writes no
+        ``train_state/`` (a model-only checkpoint, not resumable). Collective.
 
         Returns:
             ``{"version", "seconds"}`` on every rank.
         """
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         t0 = time.perf_counter()
         self.save(os.path.join(path, "model"))
-        if save_optimizer:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            model_sd = self._train_state_weights(model_sd)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "train_state"))
-        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-        rng = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        meta = {
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.world_size,
+            "lora_rank": self.lora_rank,
+            "weights": "model" if self.lora_rank == 0 else "adapters",
         }
-        with open(os.path.join(path, "rng", f"rank{self.rank}.pkl"), "wb") as f:
-            pickle.dump(rng, f)
-        if self.rank == 0:
-            with open(os.path.join(path, "learner.pkl"), "wb") as f:
-                pickle.dump(
-                    {
-                        "scheduler": self.scheduler.state_dict(),
-                        "version": self.version,
-                        "optimizer_steps": self.optimizer_steps,
-                        "skipped_steps": self.skipped_steps,
-                        "world_size": self.world_size,
-                        "lora_rank": self.lora_rank,
-                        "weights": "model" if self.lora_rank == 0 else "adapters",
-                    },
-                    f,
-                )
-        dist.barrier()
+        save_learner_state(path, self.model, self.optimizer, self.rank, meta, save_optimizer)
         return {"version": self.version, "seconds": time.perf_counter() - t0}
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore weights, optimizer, scheduler, version and this rank's RNG states from a checkpoint
-        folder written by :meth:`save_checkpoint`. Collective.
+        folder written by :meth:`save_checkpoint`
+        (:func:`~clawray.actors.learner_checkpoint.load_learner_state`). Collective.
 
         Returns:
             ``{"version", "optimizer_steps", "lr"}``.
@@ -775,47 +685,14 @@ class LearnerWorker:
             FileNotFoundError: ``path`` lacks ``train_state/`` or ``learner.pkl``.
             ValueError: the checkpoint was made with a different LoRA rank.
         """
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-        for name in ("train_state", "learner.pkl"):
-            if not os.path.exists(os.path.join(path, name)):
-                raise FileNotFoundError(f"checkpoint {path} has no {name}")
-        with open(os.path.join(path, "learner.pkl"), "rb") as f:
-            meta = pickle.load(f)
-        if meta["lora_rank"] != self.lora_rank:
-            raise ValueError(f"checkpoint {path} has LoRA rank {meta['lora_rank']}, the learner {self.lora_rank}")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        weights = meta.get("weights", "all")  # where the weights are: model/, adapters or (older) all in train_state
-        stored = {"model": {}, "adapters": self._train_state_weights(model_sd)}.get(weights, model_sd)
-        state = {"model": stored, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(path, "train_state"))
-        if weights == "model":
-            self._load_hf_weights(os.path.join(path, "model"), list(model_sd))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(strict=weights == "all"),
-        )
+        hf = self._hf_model(self.model)
+        meta = load_learner_state(path, self.model, hf, self.optimizer, self.rank, self.lora_rank)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.version, self.optimizer_steps, self.skipped_steps = (
             meta["version"],
             meta["optimizer_steps"],
             meta["skipped_steps"],
         )
-        rng_file = os.path.join(path, "rng", f"rank{self.rank}.pkl")
-        if os.path.exists(rng_file):  # absent when the group grew: the new rank keeps its seed
-            with open(rng_file, "rb") as f:
-                rng = pickle.load(f)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            if rng["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-        dist.barrier()
         return {
             "version": self.version,
             "optimizer_steps": self.optimizer_steps,
