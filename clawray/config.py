@@ -186,7 +186,15 @@ class ServeConfig:
     model_name: str = "clawray-policy"
     default_max_tokens: int = num(256, **_MAX_TOKENS)
     default_temperature: float = num(1.0, **_TEMPERATURE)  # OpenAI's default
-    num_cpus: float = _ray_resource(0.1)
+    num_cpus: float = _ray_resource(0.1)  # per replica
+    # PolicyServer replicas; > 1: each session id always reaches the same replica (clawray.serve.routing)
+    num_replicas: int = num(1, ge=1)
+    # custom Ray resources each replica requests, e.g. {serve_node: 1} (see rollout.resources); Serve runs
+    # an HTTP proxy on every node that holds a replica, bound to serve.host:serve.port there
+    resources: dict[str, float] = field(default_factory=dict)
+    # a session leaves its engine (prefix-cache locality) only when that engine has more than this many
+    # requests in flight beyond the least loaded engine (or is down, or paused while another serves)
+    engine_slack: int = num(4, ge=0)
     generate_timeout_s: float = num(600.0, gt=0.0)  # a request waits at most this long for the engine
     max_body_mb: float = num(8.0, ge=0.001)  # larger request bodies get HTTP 413 (0.001 MiB ~ 1 KiB)
     api_key: str = secret("")  # when set, requests need "Authorization: Bearer <api_key>" (else 401)
@@ -438,9 +446,11 @@ class TrainerConfig:
     # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
     # skip the update ("skip"), or train on raw rewards ("none", OpenClaw-RL)
     degenerate_batches: str = choice("baseline", "skip", "none")
-    # "binary": the (guarded) reward on every token (OpenClaw-RL); "grpo": group-normalised over
-    # samples of the batch that share a prompt (a group of one, or of equal rewards, gets 0)
-    advantage: str = choice("binary", "grpo")
+    # "binary": the (guarded) reward on every token (OpenClaw-RL); "baseline": r - b on every
+    # sample, b the running mean reward (REINFORCE with a baseline; the CPU demo's choice: a rare
+    # success outweighs the failures beside it); "grpo": group-normalised over samples of the batch
+    # that share a prompt (a group of one, or of equal rewards, gets 0)
+    advantage: str = choice("binary", "baseline", "grpo")
     # EMA momentum of the running reward baseline; 1 would pin the baseline at 0 forever
     baseline_momentum: float = num(0.9, ge=0.0, lt=1.0)
     # long-horizon credit (clawray.algos.credit): "turn" = each judged turn trains on its own score;
@@ -451,6 +461,10 @@ class TrainerConfig:
     credit: str = choice("turn", "discounted", "outcome")
     gamma: float = num(0.9, ge=0.0, le=1.0)  # discount per judged turn
     outcome_turn_weight: float = num(0.0, ge=0.0, le=100.0, note="0 = the outcome alone")
+    # credit discounted/outcome: a session that closes without an explicit outcome is scored once, as
+    # a whole, by a judge worker (judge.backend; feedback: the user's last message), and that score is
+    # its outcome; an explicit X-Session-Outcome still wins
+    outcome_judge: bool = False
     # samples of one group for trainer.advantage=grpo and dynamic sampling: "prompt" (same prompt
     # tokens), "session_prefix" (same session opening and turn index), "none" (the batch is one group)
     group_by: str = choice("prompt", "session_prefix", "none")
@@ -459,6 +473,11 @@ class TrainerConfig:
     # dynamic_sampling_wait_s seconds (then the step trains what it has, or skips when nothing is left)
     dynamic_sampling: bool = False
     dynamic_sampling_wait_s: float = num(60.0, ge=0.0, note="0 = one take from the queue, no refill")
+    # false = a SERIAL loop, the baseline of bench/loop_throughput.py: once a batch is taken the driver
+    # holds the simulated users (no new request; those in flight finish, their judgements too), trains,
+    # syncs, then lets them go on, so generation never overlaps a train step or a sync. Only the
+    # simulated users (env.enabled) are held, never outside clients. true = the asynchronous loop
+    overlap: bool = True
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
 
 
@@ -637,9 +656,9 @@ _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 def _check_resources(cfg: DictConfig) -> None:
-    """``learner.resources`` / ``rollout.resources``: custom Ray resource names with amounts > 0 in
+    """``learner.resources`` / ``rollout.resources`` / ``serve.resources``: custom Ray resource names with amounts > 0 in
     Ray's 1e-4 steps; CPUs and GPUs have their own keys (``num_cpus``, ``num_gpus``)."""
-    for key in ("learner.resources", "rollout.resources"):
+    for key in ("learner.resources", "rollout.resources", "serve.resources"):
         for name, amount in OmegaConf.select(cfg, key).items():
             if name in _BUILTIN_RESOURCES:
                 raise ConfigError(
@@ -672,6 +691,8 @@ def _check_cross_fields(cfg: DictConfig) -> None:
             f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
             f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample"
         )
+    if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
+        raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)

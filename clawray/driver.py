@@ -6,6 +6,11 @@ Loop (one iteration per policy update)::
     -> broadcast weights (new version) -> resume -> log -> checkpoint every k steps -> next
 
 Serving never stops except for the weight broadcast; requests that arrive during it wait.
+``trainer.overlap: false`` makes the loop serial (the baseline of ``bench/loop_throughput.py``): after
+taking a batch the driver holds its simulated users and waits for their requests in flight and the
+judgements they started, trains, syncs, then releases them (:meth:`Driver._hold_traffic`), so no
+generation overlaps a train step or a sync. ``Driver.timeline`` keeps the wall-clock ``[start, end]``
+of each step's train and sync phases.
 The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
 ``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
 policy version; the run ends by printing each measure before -> after with its 95% CI.
@@ -119,6 +124,8 @@ class Driver:
         self._wandb_run_id: str | None = None  # a resumed run continues the checkpoint's wandb run
         self.learner_restarts = 0  # learner-group rebuilds so far (learner.max_restarts, clawray.recovery)
         self._trained_since_ckpt = 0  # entries of trained_samples after the last checkpoint (a rebuild drops them)
+        # (phase, start, end): wall-clock seconds (time.time()) of each step's "train" and "sync"
+        self.timeline: deque[tuple[str, float, float]] = deque(maxlen=4096)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -251,6 +258,7 @@ class Driver:
                 "gamma": cfg.trainer.gamma,
                 "outcome_turn_weight": cfg.trainer.outcome_turn_weight,
                 "max_staleness": cfg.queue.max_staleness,
+                "outcome_judge": cfg.trainer.outcome_judge,
             },
             shaping=OmegaConf.to_container(cfg.trainer.shaping),
         )
@@ -296,6 +304,7 @@ class Driver:
             "allowed_origins": list(cfg.serve.allowed_origins),
             "host": cfg.serve.host,
             "session_binding": cfg.serve.session_binding,
+            "engine_slack": cfg.serve.engine_slack,
         }
         actors = {
             "judges": self.judges,
@@ -304,7 +313,16 @@ class Driver:
             "queue": self.queue,
         }  # [recovery hook] their states in /health
         self.base_url = start_policy_server(
-            path, self.engines, self.tracker, serve_cfg, cfg.serve.host, cfg.serve.port, cfg.serve.num_cpus, actors
+            path,
+            self.engines,
+            self.tracker,
+            serve_cfg,
+            cfg.serve.host,
+            cfg.serve.port,
+            cfg.serve.num_cpus,
+            actors,
+            num_replicas=cfg.serve.num_replicas,
+            resources=dict(cfg.serve.resources),
         )
         self.tracking = Tracker(
             self.run_dir,
@@ -365,7 +383,10 @@ class Driver:
         try:  # /health reports the new ranks
             from ray import serve
 
-            serve.get_app_handle("clawray").set_actors.remote("learners", self.learners.workers).result(timeout_s=30)
+            # every replica answers /health: each gets the new list
+            serve.get_app_handle("clawray").broadcast("set_actors", "learners", self.learners.workers).results(
+                timeout_s=30
+            )
         except Exception as e:  # noqa: BLE001 - /health then shows the old ranks as dead: degraded, not wrong
             print(f"[clawray] /health keeps the old learner list ({type(e).__name__})", flush=True)
 
@@ -519,9 +540,15 @@ class Driver:
             sample_groups(metas, self.cfg.trainer.group_by),
         )
         skipped = "" if adv.train and refs else "degenerate"
-        train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
-        t_train = time.perf_counter() - t0 - t_wait
-        sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
+        hold_s = self._hold_traffic()  # serial loop only (trainer.overlap: false)
+        try:
+            t1, w1 = time.perf_counter(), time.time()
+            train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
+            t_train, w2 = time.perf_counter() - t1, time.time()
+            sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
+            self.timeline.extend([("train", w1, w2), ("sync", w2, time.time())])
+        finally:
+            self._release_traffic()
         if not skipped:
             self.version = next_version  # the learner's weights moved on even when the sync failed
             self.entropy.update(train["inv/entropy"])
@@ -533,6 +560,7 @@ class Driver:
         ckpt_s = self._periodic_checkpoint()
         timing = {
             "timing/wait_batch_s": t_wait,
+            "timing/hold_s": hold_s,
             "timing/train_s": t_train,
             **sync_metrics,
             "timing/checkpoint_s": ckpt_s,
@@ -543,6 +571,25 @@ class Driver:
             metrics["sync_error"] = sync_error
         self._log_step(metrics, dropped, adv, train, skipped, sync_s, sync_error, t_wait, t_train)
         return metrics
+
+    def _hold_traffic(self) -> float:
+        """Serial loop (``trainer.overlap: false``): hold the simulated users and wait until their
+        requests in flight are answered and the tracker's judgements are done; returns the seconds
+        this took (0.0 in the asynchronous loop, or without simulated users)."""
+        if self.cfg.trainer.overlap or getattr(self, "sim", None) is None:
+            return 0.0
+        t0 = time.perf_counter()
+        timeout = self.cfg.env.request_timeout_s
+        left = ray.get(self.sim.hold.remote(timeout))
+        if left:
+            print(f"[clawray] serial loop: {left} request(s) still in flight after {timeout:.0f}s", flush=True)
+        ray.get(self.tracker.drain.remote(timeout))
+        return time.perf_counter() - t0
+
+    def _release_traffic(self) -> None:
+        """Let the simulated users held by :meth:`_hold_traffic` go on (a no-op in the asynchronous loop)."""
+        if not self.cfg.trainer.overlap and getattr(self, "sim", None) is not None:
+            ray.get(self.sim.release.remote())
 
     def _take_batch(self, next_version: int) -> tuple[dict, list, list]:
         """The next batch from the queue (``trainer.batch_size`` .. ``max_batch_size`` samples), without
@@ -722,6 +769,9 @@ class Driver:
         tstats = ray.get(self.tracker.stats.remote())
         judge_metrics = self._judge_metrics(tstats)
         gen_metrics = self._generation_metrics()
+        serve_metrics = {
+            f"serve/replica_requests/{i}": float(st["requests"]) for i, st in enumerate(self.serve_stats())
+        }
         zero_variance = self.zero_variance_dropped if self.cfg.trainer.dynamic_sampling else None
         dropped = drop_counts(tstats, qstats, self.all_masked_dropped, zero_variance)
         decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
@@ -747,6 +797,7 @@ class Driver:
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
             **gen_metrics,
+            **serve_metrics,
             **credit_metrics(metas, tstats),
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),
@@ -791,6 +842,20 @@ class Driver:
             return {}
         # [recovery hook] a restarted engine counts from 0 again: totals across its restarts
         return self.generation.update([self.counters.rebase(st["name"], st, ENGINE_COUNTERS) for st in stats])
+
+    def serve_stats(self, session_ids: bool = False) -> list[dict]:
+        """Every PolicyServer replica's :meth:`~clawray.serve.app.PolicyServer.stats` (one call per
+        replica, ``DeploymentHandle.broadcast``), sorted by replica id: entry ``i`` is the ``i`` of the
+        metric ``serve/replica_requests/<i>`` (chat requests that replica received since it started).
+        ``[]`` when Serve does not answer within 10 s."""
+        from ray import serve
+
+        try:
+            handle = serve.get_app_handle("clawray")
+            stats = handle.broadcast("stats", session_ids).results(timeout_s=10)
+        except Exception:  # noqa: BLE001 - metrics without the serve part, never a failed step
+            return []
+        return sorted(stats, key=lambda st: st["replica"])
 
     def engine_versions(self) -> dict[str, int | None]:
         """``{engine name: policy version it serves}`` for the synced rollout engines (None: the engine

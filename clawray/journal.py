@@ -335,7 +335,8 @@ class SessionRecord:
         emitted as a sample; held: ``[(turn or sample dict, mean vote)]`` 0-scored turns (a sample
         dict: a zero-return turn released by the credit rule); closed: closed (awaiting its
         at-least-one finalisation while ``held``, ``waiting`` or judgements remain); waiting: sample
-        dicts awaiting their return; outcome: the session's explicit outcome or None.
+        dicts awaiting their return; outcome: the session's outcome (explicit or judged) or None;
+        transcript: the messages the outcome judge reads (kept from the close, only when it will be asked).
     """
 
     turns: int = 0
@@ -345,6 +346,7 @@ class SessionRecord:
     closed: bool = False
     waiting: list = dataclasses.field(default_factory=list)
     outcome: float | None = None
+    transcript: list = dataclasses.field(default_factory=list)
 
 
 class SessionState:
@@ -371,6 +373,7 @@ class SessionState:
                 rec["closed"],
                 rec.get("waiting", []),
                 rec.get("outcome"),
+                rec.get("transcript") or [],
             )
         elif op == "closed_turns":
             self.closed_turns = OrderedDict(rec["items"])
@@ -411,6 +414,7 @@ class SessionState:
             s = self.sessions.get(sid)
             if s is not None:
                 s.closed, s.pending = True, []
+                s.transcript = rec.get("transcript") or []
                 self.closed_turns[sid] = s.turns
                 while len(self.closed_turns) > self.max_closed:
                     self.closed_turns.popitem(last=False)
@@ -441,6 +445,7 @@ class SessionState:
                 "closed": s.closed,
                 "waiting": s.waiting,
                 "outcome": s.outcome,
+                "transcript": s.transcript,
             }
             for sid, s in self.sessions.items()
         ]
@@ -525,7 +530,9 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
             effective=rec.effective,
             held=[(Sample(**t) if "tokens" in t else Turn(**t), m) for t, m in rec.held],
             sid=sid,
-            credit=SessionCredit(waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome),
+            credit=SessionCredit(
+                waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome, transcript=rec.transcript
+            ),
         )
         tracker.ledger.restored(s.credit)
         s.keys = [conversation_key([*t.messages, t.response_message]) for t in pending]

@@ -35,7 +35,8 @@ def apply_loopback_env() -> None:
 
 
 def init_ray(address: str = "", num_cpus: int = 0) -> None:
-    """Start a local Ray (``address=""``) or join a cluster (``"auto"`` or ``host:port``).
+    """Start a local Ray (``address=""``, always a new one, even beside a running cluster) or join a
+    cluster (``"auto"`` or ``host:port``).
 
     Idempotent: does nothing when Ray is already initialised in this process (e.g. inside a Ray job).
     A Python SIGTERM handler installed before the call stays installed.
@@ -60,6 +61,10 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(
+            # "local": a new Ray of our own even when this machine already runs one (`ray start
+            # --head`, another job's cluster); without it ray.init joins that cluster and then refuses
+            # num_cpus ("When connecting to an existing cluster, num_cpus ... must not be provided")
+            address="local",
             num_cpus=num_cpus or os.cpu_count(),
             include_dashboard=False,
             log_to_driver=True,

@@ -101,3 +101,18 @@ class TurnRecords:
             "dropped": dropped,
         }
         self.judged.append(row)
+
+    def session_outcome(self, session_id: str, result: Any, valid: int) -> None:
+        """Append the outcome judge's score of a whole session (``kind: session_outcome``, ``turn``
+        None; ``score`` None when no vote was valid)."""
+        if self.judged is None:
+            return
+        row = {
+            "session_id": session_id,
+            "turn": None,
+            "kind": "session_outcome",
+            "score": result.score if valid else None,
+            "votes": result.votes,
+            "raw_votes": result.raw,
+        }
+        self.judged.append(row)

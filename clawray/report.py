@@ -169,25 +169,36 @@ def _int_steps(ax) -> None:
 
 
 def _plot_eval(plt, evals: list[dict], path: str) -> bool:
+    """Each ``eval/<measure>`` with its 95% CI band against the step (left) and, when the rows carry
+    ``time/elapsed_s``, against wall minutes since the run started (right)."""
     keys = eval_measures(evals)
     if not keys:
         return False
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
+    xaxes = [("step", "step (policy updates)", 1.0)]
+    if all(isinstance(r.get("time/elapsed_s"), (int, float)) for r in evals):
+        xaxes.append(("time/elapsed_s", "wall time (minutes since start)", 60.0))
+    fig, axes = plt.subplots(
+        len(keys), len(xaxes), figsize=(5 * len(xaxes) + 2, 2.2 * len(keys)), sharex="col", squeeze=False
+    )
+    for row, key in enumerate(keys):
         pts = [
-            (r["step"], r[key], r.get(f"{key}_lo", r[key]), r.get(f"{key}_hi", r[key]))
+            (r, r[key], r.get(f"{key}_lo", r[key]), r.get(f"{key}_hi", r[key]))
             for r in evals
             if isinstance(r.get(key), (int, float))
         ]
-        xs, ys, lo, hi = (list(c) for c in zip(*pts))
-        ax.fill_between(xs, lo, hi, alpha=0.2, label="95% CI")
-        ax.plot(xs, ys, marker="o")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_ylabel(key.removeprefix("eval/"), fontsize=8)
-        ax.grid(alpha=0.3)
-        _int_steps(ax)
+        for col, (xkey, _, scale) in enumerate(xaxes):
+            ax = axes[row, col]
+            xs = [r[xkey] / scale for r, *_ in pts]
+            ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], alpha=0.2, label="95% CI")
+            ax.plot(xs, [p[1] for p in pts], marker="o")
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            if xkey == "step":
+                _int_steps(ax)
+        axes[row, 0].set_ylabel(key.removeprefix("eval/"), fontsize=8)
     axes[0, 0].legend(fontsize=7, loc="best")
-    axes[-1, 0].set_xlabel("step (policy updates)")
+    for col, (_, label, _) in enumerate(xaxes):
+        axes[-1, col].set_xlabel(label)
     fig.suptitle("Held-out evaluation (first-turn success, 95% Wilson CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)

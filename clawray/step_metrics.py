@@ -23,6 +23,10 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
     - ``timing/teacher_scoring_s`` (seconds, summed over teachers), ``teacher/scored`` (turns) and
       ``teacher/errors`` (failed teacher calls, from the SessionTracker), when there are teachers.
     - ``judge/dispatch/<case>``: the SessionTracker's Combine dispatch counts.
+    - ``judge/session_invalid_vote_rate`` = invalid votes / votes of the whole-session outcome judge
+      (``trainer.outcome_judge``); ``credit/outcome_judged``, ``credit/outcome_unscored`` and
+      ``credit/outcome_judge_errors``: the SessionTracker's counts of sessions it scored, that got no
+      valid vote, and whose judge call failed.
 
     A figure whose denominator is zero is left out (never divided by zero).
     """
@@ -41,6 +45,11 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
         out["judge/hint_invalid_vote_rate"] = total.get("hint_invalid_votes", 0) / max(total["hint_votes"], 1)
         if total.get("hints_accepted"):
             out["judge/mean_hint_chars"] = total["hint_chars"] / total["hints_accepted"]
+    if total.get("session_votes"):
+        out["judge/session_invalid_vote_rate"] = total.get("session_invalid_votes", 0) / total["session_votes"]
+    for key in ("credit/outcome_judged", "credit/outcome_unscored", "credit/outcome_judge_errors"):
+        if key in tracker_stats:
+            out[key] = tracker_stats[key]
     if teacher_stats is not None:
         out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher_stats)
         out["teacher/scored"] = sum(t["scored"] for t in teacher_stats)

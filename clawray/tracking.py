@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any
 
 from clawray.config import redacted
@@ -55,6 +56,10 @@ class Tracker:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         with open_private(self.path) as f:
             f.writelines(kept)
+        # every row carries `time/elapsed_s`, wall seconds since the tracker started (a resumed run
+        # continues from its last kept row), so `clawray report` can plot against wall time
+        last = [json.loads(line).get("time/elapsed_s") for line in kept]
+        self._t0 = time.monotonic() - next((t for t in reversed(last) if isinstance(t, (int, float))), 0.0)
         # the resolved config (secrets hidden) beside the metrics: `clawray report` draws the guards' bounds from it
         with open_private(os.path.join(run_dir, "config.json")) as f:
             json.dump(redacted(config or {}), f, indent=2)
@@ -88,7 +93,9 @@ class Tracker:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Append ``metrics`` (scalars) for ``step`` to wandb and ``metrics.jsonl`` (a non-finite
-        value, i.e. a metric undefined at this step, is written as ``null``: strict JSON)."""
+        value, i.e. a metric undefined at this step, is written as ``null``: strict JSON), with
+        ``time/elapsed_s`` (wall seconds since the run started) added."""
+        metrics = {**metrics, "time/elapsed_s": round(time.monotonic() - self._t0, 3)}
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open_private(self.path, "a") as f:
             f.write(json.dumps({"step": step, **row}) + "\n")

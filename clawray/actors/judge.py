@@ -6,6 +6,12 @@ Backends:
   * ``openai``: the same prompt sent to any OpenAI-compatible endpoint.
   * ``feedback``: reads explicit signals in the next state (thumbs, "correct"/"wrong", tool
     errors); deterministic, so it casts one vote.
+
+Besides the per-turn score, :meth:`JudgeWorker.judge_session` scores a whole closed session once
+(``trainer.outcome_judge``, long-horizon credit): the same m votes and majority over a transcript of
+the session (:func:`build_session_messages`); the ``feedback`` backend reads the conversation's last
+user or tool message (:func:`session_feedback_score`: on the simulated user's environments, its
+words for the environment's own final check). A malformed answer is an invalid vote, as for turns.
 """
 
 from __future__ import annotations
@@ -146,6 +152,59 @@ def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]], context_mes
         "End with \\boxed{1}, \\boxed{-1} or \\boxed{0}."
     )
     return [{"role": "system", "content": PRM_SYSTEM}, {"role": "user", "content": user}]
+
+
+SESSION_SYSTEM = (
+    "You judge a whole conversation between a user and an AI assistant after it ended. Decide whether, "
+    "by the end, the assistant achieved what the user wanted.\n"
+    "Score 1: the task was accomplished (the user confirms, thanks or accepts the result; a tool run "
+    "that checks it passes).\n"
+    "Score -1: it was not (the user still corrects the assistant, gives up or stops unsatisfied; the "
+    "last tool result is an error).\n"
+    "Score 0: the conversation does not show whether it was.\n"
+    "Think briefly, then give the score as \\boxed{1}, \\boxed{-1} or \\boxed{0} at the very end."
+)
+SESSION_MAX_CHARS = 24000  # the transcript shown to a session judge (its opening and its most recent part)
+
+
+def render_session(messages: list[dict[str, Any]], max_chars: int = SESSION_MAX_CHARS) -> str:
+    """A session's messages as ``[role] text`` lines (assistant tool calls rendered readably). Longer
+    than ``max_chars`` characters: the lines up to the first user message (the task), a
+    ``[... N messages omitted ...]`` line, then as many of the last lines as fit."""
+    lines = [
+        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else m.get('content') or ''}"
+        for m in messages
+    ]
+    if sum(len(x) + 1 for x in lines) <= max_chars:
+        return "\n".join(lines)
+    head_n = next((i + 1 for i, m in enumerate(messages) if m.get("role") == "user"), 1)
+    head = [x[: max_chars // 2] for x in lines[:head_n]]
+    budget, tail = max_chars - sum(len(x) + 1 for x in head), []
+    for x in reversed(lines[head_n:]):
+        if len(x) + 1 > budget:
+            break
+        tail.insert(0, x)
+        budget -= len(x) + 1
+    omitted = len(lines) - head_n - len(tail)
+    return "\n".join([*head, f"[... {omitted} messages omitted ...]", *tail])
+
+
+def build_session_messages(messages: list[dict[str, Any]], max_chars: int = SESSION_MAX_CHARS) -> list[dict[str, str]]:
+    """Chat messages asking a judge whether a whole session (``messages``: the last request's history
+    plus its reply) achieved the user's goal, to be answered with a boxed 1, -1 or 0."""
+    user = (
+        f"## Conversation\n{render_session(messages, max_chars)}\n\n"
+        "Did the assistant achieve what the user wanted by the end? End with \\boxed{1}, \\boxed{-1} or \\boxed{0}."
+    )
+    return [{"role": "system", "content": SESSION_SYSTEM}, {"role": "user", "content": user}]
+
+
+def session_feedback_score(messages: list[dict[str, Any]]) -> int | None:
+    """The ``feedback`` backend's session score: :func:`feedback_score` of the conversation's last user
+    or tool message (the simulated user's verdict on the final reply: "Correct, thanks!" -> 1, "That's
+    wrong ..." -> -1); None (an invalid vote) when there is none or it carries no signal."""
+    last = next((m for m in reversed(messages) if m.get("role") in ("user", "tool")), None)
+    return feedback_score([last]) if last is not None else None
 
 
 HINT_SYSTEM = (
@@ -323,6 +382,23 @@ class JudgeWorker:
         self.stats[f"score_{score}"] += 1
         return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
 
+    async def judge_session(self, messages: list[dict[str, Any]], session_id: str = "") -> JudgeResult:
+        """Score a whole closed session from its transcript (``messages``: the last request's history
+        plus its reply): m votes (one for ``feedback``, :func:`session_feedback_score`) and their
+        majority, on the turn judge's scale (1 achieved, -1 not, 0 cannot tell). Never raises for a
+        bad judge answer or a failed call (invalid votes, counted in ``session_invalid_votes``)."""
+        if self.backend == "feedback":
+            votes, raw = [session_feedback_score(messages)], [json.dumps(messages[-2:])[:500]]
+        else:
+            prompt = build_session_messages(messages)
+            raw = await asyncio.gather(*(self._ask(prompt, f"session/{session_id}/{i}") for i in range(self.cfg.m)))
+            votes = [parse_score(r) for r in raw]
+        score, counts = majority_vote(votes)
+        self.stats["sessions"] += 1
+        self.stats["session_votes"] += len(votes)
+        self.stats["session_invalid_votes"] += counts["invalid"]
+        return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
+
     async def hint(
         self, turn: Turn, next_state: list[dict[str, Any]], accept: str = "any", min_chars: int = 10
     ) -> HintResult:
@@ -401,7 +477,8 @@ class JudgeWorker:
 
     async def get_stats(self) -> dict:
         """Counters: turns, votes, invalid_votes, failed_calls, failed_votes, ties, score_{1,0,-1},
-        hint_turns, hint_votes, hint_invalid_votes, hints_accepted, hint_chars."""
+        hint_turns, hint_votes, hint_invalid_votes, hints_accepted, hint_chars, sessions,
+        session_votes, session_invalid_votes."""
         return dict(self.stats)
 
 

@@ -181,6 +181,7 @@ class RolloutEngine:
             "errors": 0,
             "interrupted": 0,
         }
+        self._in_flight = 0  # generate calls entered and not returned (waiting while paused included)
         self._interrupt = False  # set by pause(interrupt=True): running generations stop at their next token
         self._parked: list[_Job] = []  # generations a sync interrupted (engine thread only), resumed by resume()
         self._thread = threading.Thread(
@@ -392,14 +393,18 @@ class RolloutEngine:
             asyncio.CancelledError: the call was cancelled (``ray.cancel``); the generation is
                 dropped from the queue or stopped at its next token.
         """
-        await self._admit(wait_s)
-        job = _Job("generate", request, asyncio.get_running_loop())
-        await self._enqueue(job)
+        self._in_flight += 1
         try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.cancelled = True
-            raise
+            await self._admit(wait_s)
+            job = _Job("generate", request, asyncio.get_running_loop())
+            await self._enqueue(job)
+            try:
+                return await job.future
+            except asyncio.CancelledError:
+                job.cancelled = True
+                raise
+        finally:
+            self._in_flight -= 1
 
     async def generate_stream(self, request: GenerateRequest, wait_s: float | None = None):
         """Sample one response, streaming its tokens (a Ray streaming generator).
@@ -415,12 +420,17 @@ class RolloutEngine:
             asyncio.CancelledError: the stream was cancelled (``ray.cancel``) or closed early; the
                 generation is dropped from the queue or stopped at its next token.
         """
-        await self._admit(wait_s)
+        self._in_flight += 1
+        try:
+            await self._admit(wait_s)
+        except BaseException:
+            self._in_flight -= 1
+            raise
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         job = _Job("generate", request, loop, stream=lambda ids: loop.call_soon_threadsafe(tokens.put_nowait, ids))
-        await self._enqueue(job)
         try:
+            await self._enqueue(job)
             yield {"admitted": True}
             while not (job.future.done() and tokens.empty()):
                 getter = asyncio.ensure_future(tokens.get())
@@ -439,6 +449,7 @@ class RolloutEngine:
         finally:  # cancelled, closed early or failed: stop the generation if it still runs
             if not job.future.done():
                 job.cancelled = True
+            self._in_flight -= 1
 
     async def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
@@ -484,9 +495,18 @@ class RolloutEngine:
         included), ``gen_seconds``, ``loads`` (weight loads), ``cancelled`` (generations stopped or
         dropped because their caller went away), ``errors`` (requests the backend failed on),
         ``interrupted`` (generation runs a sync interrupted and that were continued after it), the
-        version, the last sync's error (None after a successful load) and ``awaiting_sync`` (restarted,
-        not re-synced yet: it refuses generation)."""
-        return {**self._stats, "version": self.version, "name": self.name, "awaiting_sync": self._awaiting_sync}
+        version, the last sync's error (None after a successful load), ``awaiting_sync`` (restarted,
+        not re-synced yet: it refuses generation), ``paused`` (a weight sync is in progress) and
+        ``in_flight`` (the queue depth: generate calls not finished, those waiting while paused included;
+        a gauge, not a counter)."""
+        return {
+            **self._stats,
+            "version": self.version,
+            "name": self.name,
+            "awaiting_sync": self._awaiting_sync,
+            "paused": not self._resumed.is_set(),
+            "in_flight": self._in_flight,
+        }
 
     async def init_weight_receiver(self, rank: int, spec: TransportSpec) -> None:
         """Join (or re-join, closing the previous one) the weight-sync transport ``spec`` describes as

@@ -47,6 +47,17 @@ a return of exactly 0 makes a turn neutral (the at-least-one rule may still prom
 vote; a sample with a teacher term is emitted anyway). The tracker tells the ledger the engines'
 version from the turns it records. Waiting turns (``judged`` with ``waiting``), the session's outcome
 and the releases are journaled, so they survive a restart.
+
+The outcome judge (``trainer.outcome_judge``): when a session closes (explicitly or idle) with
+waiting turns and no explicit outcome, one judge worker scores the whole session once
+(:meth:`clawray.actors.judge.JudgeWorker.judge_session`, over the last request's history plus its
+reply) and that score is the session's outcome. An explicit outcome wins (the judge is not asked); no
+waiting turn left (all flushed by the staleness budget) asks nothing. An answer without a valid vote,
+or a failed call, leaves the session without an outcome (``outcome`` mode then falls back to the last
+judged turn's score), counted as ``credit/outcome_unscored`` or ``credit/outcome_judge_errors``; a
+scored one counts ``credit/outcome_judged``. The transcript is journaled with the close, and the
+judged outcome as an ``outcome`` record, so a restart between the close and the release asks the
+judge (again) or reuses its answer.
 """
 
 from __future__ import annotations
@@ -103,8 +114,9 @@ class SessionTracker:
         idle_timeout_s: close sessions idle this long (seconds); 0 = never.
         truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
         journal: ``{"path", "fsync", "compact_bytes"}`` of the session journal, or None (not durable).
-        credit: ``{"mode", "gamma", "outcome_turn_weight", "max_staleness"}`` (``trainer.credit``,
-            ``trainer.gamma``, ``trainer.outcome_turn_weight``, ``queue.max_staleness``); None = ``turn``.
+        credit: ``{"mode", "gamma", "outcome_turn_weight", "max_staleness", "outcome_judge"}``
+            (``trainer.credit``, ``trainer.gamma``, ``trainer.outcome_turn_weight``,
+            ``queue.max_staleness``, ``trainer.outcome_judge``); None = ``turn``.
         shaping: ``{term: weight}`` of the dense shaping terms (``trainer.shaping``; weight 0 = off).
 
     Raises:
@@ -233,6 +245,8 @@ class SessionTracker:
             s.opening = conversation_key(opening(turns[0].messages))
         if outcome is not None:
             self.ledger.set_outcome(s.credit, sid, outcome)
+        if self.ledger.judges_outcomes:
+            s.credit.transcript = [*turns[0].messages, turns[0].response_message]
         if s.pending:
             self._resolve(s, turns[0].messages)
         s.pending, s.keys = [], []
@@ -256,6 +270,23 @@ class SessionTracker:
                 await self._maybe_flush(other)
         return [t.turn_index for t in turns]
 
+    async def _judge_outcome(self, s: _Session) -> None:
+        """Ask one judge worker for the whole session's score and make it the session's outcome; an
+        answer without a valid vote or a failed call leaves the outcome unset (counted)."""
+        try:
+            result = await self.scoring.next_judge().judge_session.remote(s.credit.transcript, s.sid)
+        except Exception as e:  # a dead or failing judge worker: no outcome, never a dead tracker
+            self.counts["credit/outcome_judge_errors"] += 1
+            self.counts[f"credit/outcome_judge_errors/{type(e).__name__}"] += 1
+            return
+        valid = result.counts.get("valid", sum(v is not None for v in result.votes))
+        self.records.session_outcome(s.sid, result, valid)
+        if not valid:
+            self.counts["credit/outcome_unscored"] += 1
+            return
+        self.counts["credit/outcome_judged"] += 1
+        self.ledger.set_outcome(s.credit, s.sid, float(result.score))
+
     async def close_session(self, session_id: str, outcome: float | None = None) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
         judge tasks finish, the waiting turns get their returns (``trainer.credit``) and the
@@ -277,7 +308,11 @@ class SessionTracker:
         self.counts["sessions_closed"] += 1
         self.counts["dropped/no_next_state"] += len(s.pending)
         self._unindex(s)
-        self._journal("close", sid=session_id)  # [journal hook]
+        judge_it = (
+            self.ledger.judges_outcomes and s.credit.outcome is None
+        )  # its judge tasks may still add waiting turns
+        transcript = s.credit.transcript if judge_it and s.credit.transcript else None
+        self._journal("close", sid=session_id, transcript=transcript)  # [journal hook]
         self._track(asyncio.ensure_future(self._finalize(s)))
 
     async def close_idle(self, now: float | None = None) -> int:
@@ -298,6 +333,8 @@ class SessionTracker:
         if s.tasks:
             await asyncio.gather(*s.tasks, return_exceptions=True)
         released = bool(s.credit.waiting)
+        if self.ledger.needs_judge(s.credit):
+            await self._judge_outcome(s)
         if released:
             await self.ledger.release(s.credit, s.sid, True, *self._outlets(s))
         if not s.held:

@@ -146,14 +146,18 @@ def batch_advantages(
     The guard (:class:`~clawray.algos.invariants.DegenerateBatchGuard`, its state updated) looks at
     the samples that carry a reward; a sample without one (pure OPD) keeps advantage 0 (its OPD term
     comes from the teacher, in the loss). ``estimator="binary"``: the guarded reward
-    (:func:`binary_advantages` broadcasts it over the tokens in the loss); ``"grpo"``: samples with
-    equal ``group_keys`` (the prompt tokens) form a group, :func:`group_advantages` of the raw rewards
-    (the guard still counts and may skip the batch).
+    (:func:`binary_advantages` broadcasts it over the tokens in the loss); ``"baseline"``: every
+    rewarded sample trains on ``r - b``, ``b`` the guard's running mean reward *before* this batch
+    (REINFORCE with a baseline, Williams 1992, eq. 11; at success rate p a success weighs
+    ``2(1 - p)`` and a failure ``-2p``, so a rare success is not drowned by the failures of a mixed
+    batch as it is with raw ±1); ``"grpo"``: samples with equal ``group_keys`` (the prompt tokens)
+    form a group, :func:`group_advantages` of the raw rewards. In every mode the guard counts
+    one-signed batches and updates its baseline, and ``skip`` may skip the batch.
 
     Args:
         rewards: ``[B]`` each sample's reward, None for a sample without one.
         guard: the run's degenerate-batch guard.
-        estimator: ``"binary"`` or ``"grpo"``.
+        estimator: ``"binary"``, ``"baseline"`` or ``"grpo"``.
         group_keys: ``[B]`` hashable group of each sample; required for ``"grpo"``.
 
     Raises:
@@ -161,16 +165,17 @@ def batch_advantages(
     """
     from clawray.algos.invariants import signal_stats
 
-    if estimator not in ("binary", "grpo"):
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected binary or grpo")
+    if estimator not in ("binary", "baseline", "grpo"):
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected binary, baseline or grpo")
     values = [float(r or 0.0) for r in rewards]
     rewarded = [i for i, r in enumerate(rewards) if r is not None]
     signal = signal_stats([values[i] for i in rewarded])
     advantages, train = list(values), True
     if rewarded:
+        baseline = guard.baseline
         guarded, train = guard.apply([values[i] for i in rewarded])
         for i, a in zip(rewarded, guarded):
-            advantages[i] = a
+            advantages[i] = values[i] - baseline if estimator == "baseline" else a
     if estimator == "grpo":
         if group_keys is None or len(group_keys) != len(rewards):
             raise ValueError("grpo advantages need one group key per sample")

@@ -11,7 +11,9 @@
 * ``outcome``: a session-level score ``O`` spread back with ``gamma^(T - t)`` (``T`` = the last
   judged turn), plus ``outcome_turn_weight * r_t``: ``R_t = w * r_t + gamma^(T - t) * O``. ``O`` is
   the session's explicit outcome (``X-Session-Outcome`` header or ``session_outcome`` body field),
-  else the last judged turn's own judge score (the judge reading the user's final reaction).
+  else, with ``trainer.outcome_judge``, one judge call over the whole closed session (see
+  :mod:`clawray.actors.session`), else the last judged turn's own judge score (the judge reading the
+  user's final reaction).
 
 Example (gamma = 0.9, judged rewards [0, 0, 1]): ``discounted`` gives [0.81, 0.9, 1.0];
 ``outcome`` with O = 1, w = 0 gives [0.81, 0.9, 1.0] as well, and with O = -1, w = 1 and rewards

@@ -46,11 +46,15 @@ class SessionCredit:
     Attributes:
         waiting: judged samples awaiting their return (credit != ``turn``), in judgement order; each
             keeps its held mean vote (0-scored turns) in ``info["held_vote"]`` while it waits.
-        outcome: the session's explicit outcome (``X-Session-Outcome``; the last one given), or None.
+        outcome: the session's outcome (``X-Session-Outcome``, the last one given, or the outcome
+            judge's score), or None.
+        transcript: what the outcome judge reads (the last request's history plus its reply); kept
+            only when :attr:`CreditLedger.judges_outcomes`.
     """
 
     waiting: list[Sample] = field(default_factory=list)
     outcome: float | None = None
+    transcript: list = field(default_factory=list)
 
 
 def _no_journal(op: str, **fields: Any) -> None:
@@ -65,6 +69,9 @@ class CreditLedger:
         gamma: ``trainer.gamma``, the discount in [0, 1].
         outcome_turn_weight: ``trainer.outcome_turn_weight`` (``outcome`` mode's weight of ``r_t``).
         max_staleness: ``queue.max_staleness`` in policy versions (the flush budget).
+        outcome_judge: ``trainer.outcome_judge``: a session closed with waiting turns and no explicit
+            outcome is scored once as a whole by a judge (the tracker asks; see
+            :attr:`judges_outcomes`).
         shaping: ``{term: weight}`` of the dense shaping terms (``trainer.shaping``; weight 0 = off).
         counts: the tracker's counters (``credit/*``, ``dropped/zero_return`` are added to them).
         journal: ``journal(op, **fields)`` appends one session-journal record (default: none).
@@ -79,6 +86,7 @@ class CreditLedger:
         gamma: float = 1.0,
         outcome_turn_weight: float = 0.0,
         max_staleness: int = 2,
+        outcome_judge: bool = False,
         shaping: dict | None = None,
         counts: Counter | None = None,
         journal: Callable[..., None] = _no_journal,
@@ -86,6 +94,7 @@ class CreditLedger:
         if mode not in CREDIT_MODES:
             raise ValueError(f"unknown credit mode {mode!r}; expected one of {list(CREDIT_MODES)}")
         self.mode, self.gamma, self.turn_weight, self.max_staleness = mode, gamma, outcome_turn_weight, max_staleness
+        self.outcome_judge = bool(outcome_judge)
         self.shaping = {k: float(w) for k, w in (shaping or {}).items() if w}
         check_terms(self.shaping)
         self.counts = Counter() if counts is None else counts
@@ -97,6 +106,16 @@ class CreditLedger:
     def defers(self) -> bool:
         """Whether rewarded turns wait for their session's return (``mode`` is not ``turn``)."""
         return self.mode != "turn"
+
+    @property
+    def judges_outcomes(self) -> bool:
+        """Whether closed sessions without an explicit outcome are scored by the outcome judge."""
+        return self.outcome_judge and self.defers
+
+    def needs_judge(self, sc: SessionCredit) -> bool:
+        """Whether this session, now closing, is to be scored by the outcome judge: turns wait, no
+        explicit outcome was given and a transcript was kept."""
+        return self.judges_outcomes and bool(sc.waiting) and sc.outcome is None and bool(sc.transcript)
 
     def shape(
         self, turn: Turn, sample: Sample | None, held: float | None, promote: Callable[[Turn, float], Sample]
@@ -141,7 +160,7 @@ class CreditLedger:
         self.n_waiting += len(sc.waiting)
 
     def set_outcome(self, sc: SessionCredit, sid: str, outcome: float) -> None:
-        """Store session ``sid``'s explicit outcome (journaled as ``outcome``)."""
+        """Store session ``sid``'s outcome, explicit or judged (journaled as ``outcome``)."""
         sc.outcome = float(outcome)
         self.journal("outcome", sid=sid, value=sc.outcome)
 

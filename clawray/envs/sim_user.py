@@ -11,6 +11,12 @@ Resample mode (``env.resample_n`` = n > 1): each drawn problem is asked in n ses
 the same opening messages (so the same prompt tokens), giving ``trainer.advantage: grpo`` real groups
 of first turns (``trainer.group_by: prompt``) or of turn k of sessions with one opening
 (``session_prefix``).
+
+Serial loop (``trainer.overlap: false``): :meth:`SimUserPool.hold` stops the users at their next
+request and waits for the requests in flight to be answered; :meth:`SimUserPool.release` lets them go
+on. Invariant: between ``hold`` returning 0 and ``release``, no request of this pool is in flight.
+Every request's wall-clock ``[start, end]`` (``time.time()``, seconds) is kept
+(:meth:`SimUserPool.request_log`, the newest 4,096) so a run can check what overlapped what.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import random
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -28,6 +34,10 @@ import ray
 from clawray.envs import env_from_config
 from clawray.envs.arith import calculator
 from clawray.envs.base import Problem
+
+
+class _Stopped(Exception):
+    """The pool was stopped while a user waited at a hold."""
 
 
 class SimUserPool:
@@ -50,6 +60,10 @@ class SimUserPool:
         self.stats: Counter[str] = Counter()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._gate = threading.Condition()  # guards _held and _in_flight
+        self._held = False
+        self._in_flight = 0  # requests sent and not answered yet
+        self._log: deque[tuple[float, float]] = deque(maxlen=4096)  # (start, end) of each request
 
     def start(self) -> None:
         """Start the session threads (returns at once)."""
@@ -59,11 +73,36 @@ class SimUserPool:
             self._threads.append(t)
 
     def stop(self, timeout_s: float = 5.0) -> dict:
-        """Stop after the current requests; returns the counters."""
+        """Stop after the current requests (users waiting at a hold stop too); returns the counters."""
         self._stop.set()
+        with self._gate:
+            self._gate.notify_all()
         for t in self._threads:
             t.join(timeout=timeout_s)
         return self.get_stats()
+
+    def hold(self, timeout_s: float = 600.0) -> int:
+        """Stop every user at its next request and wait (up to ``timeout_s`` seconds) until the
+        requests in flight are answered; returns how many are still in flight (0 unless timed out).
+        The users' sessions stay open: after :meth:`release` each goes on with its next request."""
+        deadline = time.monotonic() + timeout_s
+        with self._gate:
+            self._held = True
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._gate.wait(left)
+            return self._in_flight
+
+    def release(self) -> None:
+        """Let the users held by :meth:`hold` send their requests again."""
+        with self._gate:
+            self._held = False
+            self._gate.notify_all()
+
+    def request_log(self) -> list[tuple[float, float]]:
+        """``(start, end)`` wall-clock seconds (``time.time()``) of the newest 4,096 answered or
+        failed requests, oldest first."""
+        with self._gate:
+            return list(self._log)
 
     def get_stats(self) -> dict:
         """Counters: sessions, requests, solved, tool_calls, errors."""
@@ -83,6 +122,8 @@ class SimUserPool:
                     break
                 try:
                     self.run_session(problem)
+                except _Stopped:
+                    return
                 except Exception as e:  # keep the traffic going; the error is counted
                     self._count("errors")
                     self._count(f"error/{type(e).__name__}")
@@ -96,19 +137,33 @@ class SimUserPool:
         max_tokens: int | None = None,
         outcome: float | None = None,
     ) -> Any:
-        self._count("requests")
         tools = {"tools": self.env.tools} if self.env.tools else {}
         headers = {"X-Session-Id": session, "X-Session-Done": "true" if done else "false"}
         if outcome is not None:  # the session's score for long-horizon credit (trainer.credit)
             headers["X-Session-Outcome"] = f"{outcome:g}"
-        return self.client.chat.completions.create(
-            model=self.model,
-            messages=messages,
-            **tools,
-            max_tokens=max_tokens or self.cfg["max_tokens"],
-            temperature=self.cfg["temperature"],
-            extra_headers=headers,
-        )
+        with self._gate:  # a held pool sends nothing (serial loop, see hold)
+            if self._held:
+                while self._held and not self._stop.is_set():
+                    self._gate.wait()
+                if self._stop.is_set():  # stopped while held: the request is not sent
+                    raise _Stopped()
+            self._in_flight += 1
+        self._count("requests")
+        t0 = time.time()
+        try:
+            return self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                **tools,
+                max_tokens=max_tokens or self.cfg["max_tokens"],
+                temperature=self.cfg["temperature"],
+                extra_headers=headers,
+            )
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._log.append((t0, time.time()))
+                self._gate.notify_all()
 
     def run_session(self, problem: Problem) -> bool:
         """One session; returns whether the problem was solved."""

@@ -33,11 +33,22 @@ only after its body has arrived. Session binding (``session_binding``): a sessio
 fresh ``X-Session-Token``; a later request with another token, or (``strict``, or ``echo`` once the token
 came back) without one, gets 403.
 
-Engine failures (:mod:`clawray.recovery`): a session maps to engine ``crc32(session) % N``; an engine
-that is dead, restarting or restarted but not yet re-synced (:class:`~clawray.actors.rollout.EngineRestartedError`)
-is marked down and the request goes to the next live engine; a watcher clears the mark once the
-engine serves again. Only when no engine is up does a request get 503 with ``Retry-After``; error
-bodies never carry actor ids, pids or Ray namespaces.
+Engine choice (:func:`clawray.serve.routing.choose_engine`): a session sticks to its engine (prefix-cache
+locality) unless that engine is down, paused while others serve, or carries more than ``engine_slack``
+requests more than the least loaded engine; a new session takes the least loaded engine. Each replica
+polls the engines' states and queue depths every ``engine_poll_s`` seconds.
+
+Engine failures (:mod:`clawray.recovery`): an engine that is dead, restarting or restarted but not yet
+re-synced (:class:`~clawray.actors.rollout.EngineRestartedError`) is marked down and the request goes to
+the next engine the chooser picks; a watcher clears the mark once the engine serves again. Only when no
+engine is up does a request get 503 with ``Retry-After``; error bodies never carry actor ids, pids or Ray
+namespaces.
+
+Replicas (``serve.num_replicas``): every request of a session reaches the same replica
+(:mod:`clawray.serve.routing`), so the session lock, its binding token and its engine are one replica's
+state. Everything else a replica holds is either read from the shared actors (tracker, engines) or set on
+every replica by :meth:`PolicyServer.set_actors` through ``DeploymentHandle.broadcast``;
+:meth:`PolicyServer.stats` reports one replica's counters (the driver broadcasts it).
 """
 
 from __future__ import annotations
@@ -49,7 +60,6 @@ import logging
 import secrets
 import time
 import uuid
-import zlib
 from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator, Iterator
 
@@ -64,6 +74,7 @@ from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, rende
 from clawray.engines.base import GenerateRequest
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
+from clawray.serve.routing import DOWN, UP, choose_engine, engine_state
 from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply, ReplyParser, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.types import Turn
@@ -82,6 +93,9 @@ ERROR_STATUS = {
     "session_token": 403,
 }
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+# prompts of at most this many characters (message contents + tool calls) are rendered and tokenised
+# on the event loop (tens of microseconds); longer ones in a worker thread
+INLINE_PROMPT_CHARS = 4096
 MAX_BOUND_SESSIONS = 100_000  # session tokens kept; the oldest binding is forgotten beyond this
 
 
@@ -195,8 +209,9 @@ class PolicyServer:
         tracker: SessionTracker actor handle (session state, turn records).
         cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
             "generate_timeout_s", "max_body_bytes", "api_key", "sync_wait_timeout_s",
-            "retry_after_s", "max_n", "body_timeout_s", "allowed_origins", "host", "session_binding"}``
-            (an empty key disables auth).
+            "retry_after_s", "max_n", "body_timeout_s", "allowed_origins", "host", "session_binding",
+            "engine_slack", "engine_poll_s"}`` (an empty key disables auth; ``engine_slack``: requests,
+            default 4; ``engine_poll_s``: seconds, default 1.0).
         actors: ``{"judges": [...], "teachers": [...], "learners": [...], "queue": handle}`` whose
             state ``/health`` reports (read from Ray's actor table, never by calling them);
             :meth:`set_actors` replaces an entry (a rebuilt learner group).
@@ -215,6 +230,8 @@ class PolicyServer:
             "allowed_origins": [],
             "host": "127.0.0.1",
             "session_binding": "echo",
+            "engine_slack": 4,
+            "engine_poll_s": 1.0,
             **cfg,
         }
         self.stop_text = self.tokenizer.eos_token  # the end tag the chat template renders after a reply
@@ -225,10 +242,38 @@ class PolicyServer:
         self._warned_no_session = False
         self.actors: dict = dict(actors or {})
         self._down: dict[int, asyncio.Task] = {}  # engine index -> watcher that clears the mark
+        n = len(engines)
+        self._states = [UP] * n  # per engine, from the last poll (routing.engine_state)
+        self._loads = [0] * n  # per engine, its queue depth at the last poll (all replicas' requests)
+        self._sent = [0] * n  # per engine, generations this replica started since the last poll
+        self._homes: OrderedDict[str, int] = OrderedDict()  # session id -> its engine (LRU)
+        self._poller: asyncio.Task | None = None
 
     def set_actors(self, kind: str, handles: Any) -> None:
-        """Replace the handles ``/health`` reports for ``kind`` (``"learners"`` after a rebuild)."""
+        """Replace the handles ``/health`` reports for ``kind`` (``"learners"`` after a rebuild); the
+        driver calls it on every replica (``DeploymentHandle.broadcast``)."""
         self.actors[kind] = handles
+
+    async def stats(self, session_ids: bool = False) -> dict:
+        """This replica's counters: ``replica`` (Serve's replica id), ``requests`` (chat requests
+        received), ``sessions`` (sessions it chose an engine for, at most :data:`MAX_BOUND_SESSIONS`
+        kept), ``engine_choices`` (per engine, sessions whose engine it is now), ``counts`` (every
+        counter of ``/health``) and, with ``session_ids``, the ids of those sessions (sorted). Async: it
+        runs on the replica's event loop, where the session map changes, never in a thread."""
+        try:
+            replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a Serve replica (unit tests)
+            replica = "local"
+        body = {
+            "replica": replica,
+            "requests": self.counts["requests"],
+            "sessions": len(self._homes),
+            "engine_choices": [sum(1 for e in self._homes.values() if e == i) for i in range(len(self.engines))],
+            "counts": dict(self.counts),
+        }
+        if session_ids:
+            body["session_ids"] = sorted(self._homes)
+        return body
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Any:
@@ -570,7 +615,10 @@ class PolicyServer:
                 found = await self.tracker.lookup.remote(call.session_id, keys, render_key(req.tools))
                 prev = found["prev"]
                 self.counts["splice_context_changed"] += int(found["context_changed"])
-        call.prompt_ids, call.spliced = await asyncio.to_thread(self._prompt_ids, req, prev)
+        if chars <= INLINE_PROMPT_CHARS:  # about 0.1 ms of CPU: cheaper than a thread hop
+            call.prompt_ids, call.spliced = self._prompt_ids(req, prev)
+        else:  # a long render would stall every other request of this replica
+            call.prompt_ids, call.spliced = await asyncio.to_thread(self._prompt_ids, req, prev)
         tail = self.tokenizer.decode(call.prompt_ids[-4:], skip_special_tokens=False)
         call.in_reasoning = tail.rstrip().endswith(THINK_OPEN)
         if len(call.prompt_ids) >= limit:
@@ -597,10 +645,10 @@ class PolicyServer:
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
 
     def _prompt_ids(self, req: ChatRequest, prev: dict | None) -> tuple[list[int], bool]:
-        """Prompt token ids (CPU-bound: runs in a thread): the previous turn's exact prompt and reply
-        ids (without the end-of-turn id it stopped on) spliced with the newly rendered suffix, which
-        starts with the template's end tag, when the request continues it with the same tools; else
-        a fresh render."""
+        """Prompt token ids: the previous turn's exact prompt and reply ids (without the end-of-turn
+        id it stopped on) spliced with the newly rendered suffix, which starts with the template's
+        end tag, when the request continues it with the same tools; else a fresh render. CPU-bound:
+        :meth:`_prepare` runs it in a worker thread for prompts over :data:`INLINE_PROMPT_CHARS`."""
         if prev is not None:
             try:
                 suffix = splice_suffix(
@@ -620,21 +668,51 @@ class PolicyServer:
         return {"X-Session-Token": call.new_token} if call.new_token else {}
 
     def _engine(self, call: _Call) -> Any:
-        """The session's engine, ``crc32(session id) % N``, or the next one that is not marked down
-        (see :meth:`_mark_down`); a request without a session picks a random start.
+        """The request's engine (:func:`~clawray.serve.routing.choose_engine`): the polled states with
+        the engines marked down here (see :meth:`_mark_down`) as down, the polled queue depths plus
+        the generations this replica started since the poll; remembered as the session's engine.
 
         Raises:
-            _NoEngineUp: every engine is marked down.
+            _NoEngineUp: every engine is down.
         """
-        key = call.session_id or uuid.uuid4().hex
-        n = len(self.engines)
-        first = zlib.crc32(key.encode()) % n
-        # [recovery hook] route around an engine that is down (its session moves to the next one)
-        index = next((i % n for i in range(first, first + n) if i % n not in self._down), None)
-        if index is None:
-            raise _NoEngineUp("no rollout engine is up")
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.ensure_future(self._poll_engines())
+        n, key = len(self.engines), call.session_id
+        # [recovery hook] route around an engine that is down (its session moves to another one)
+        states = [DOWN if i in self._down else self._states[i] for i in range(n)]
+        loads = [self._loads[i] + self._sent[i] for i in range(n)]
+        try:
+            index = choose_engine(key, states, loads, self._homes.get(key) if key else None, self.cfg["engine_slack"])
+        except ValueError:
+            raise _NoEngineUp("no rollout engine is up") from None
+        if key:
+            self._homes[key] = index
+            self._homes.move_to_end(key)
+            if len(self._homes) > MAX_BOUND_SESSIONS:
+                self._homes.popitem(last=False)
+        self._sent[index] += call.req.n
         call.engine_index = index
         return self.engines[index]
+
+    async def _poll_engines(self) -> None:
+        """Every ``engine_poll_s`` seconds: each engine's state and queue depth from its ``stats()``. A
+        dead or restarting engine (a Ray actor error) is down; one that does not answer within 5 s (a
+        busy host) keeps its previous state and load."""
+
+        async def poll(i: int) -> None:
+            try:
+                st = await asyncio.wait_for(self.engines[i].stats.remote(), 5.0)
+            except asyncio.TimeoutError:
+                return
+            except ray.exceptions.RayError:
+                st = None
+            self._states[i], self._loads[i] = engine_state(st), (st or {}).get("in_flight", 0)
+
+        while True:
+            before = list(self._sent)  # generations started while the poll runs stay counted
+            await asyncio.gather(*(poll(i) for i in range(len(self.engines))))
+            self._sent = [now - then for now, then in zip(self._sent, before)]
+            await asyncio.sleep(self.cfg["engine_poll_s"])
 
     def _mark_down(self, index: int) -> None:
         """[recovery hook] Skip engine ``index`` until it serves again: a watcher polls its stats
@@ -934,9 +1012,13 @@ def start_policy_server(
     port: int,
     num_cpus: float,
     actors: dict | None = None,
+    num_replicas: int = 1,
+    resources: dict | None = None,
 ) -> str:
-    """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`);
-    returns the base URL (``.../v1``).
+    """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`)
+    as ``num_replicas`` replicas, each with ``num_cpus`` CPUs and the custom Ray ``resources``; more
+    than one replica routes by session (:func:`clawray.serve.routing.router_config`). Returns the base
+    URL (``.../v1``).
 
     Raises:
         RuntimeError: nothing answers on ``host:port`` 30 s after the deployment (e.g. Serve was
@@ -944,9 +1026,18 @@ def start_policy_server(
     """
     import httpx
 
+    from clawray.serve.routing import router_config
+
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    server = PolicyServer.options(ray_actor_options={"num_cpus": num_cpus}, logging_config={"enable_access_log": False})
+    options: dict[str, Any] = {"num_replicas": num_replicas}
+    if router_config(num_replicas) is not None:
+        options["request_router_config"] = router_config(num_replicas)
+    server = PolicyServer.options(
+        ray_actor_options={"num_cpus": num_cpus, "resources": dict(resources or {})},
+        logging_config={"enable_access_log": False},
+        **options,
+    )
     serve.run(server.bind(model_path, engines, tracker, cfg, actors), name="clawray", route_prefix="/", blocking=False)
     deadline = time.monotonic() + 30.0
     while True:

@@ -91,10 +91,14 @@ class HeaderGuard:
 
 
 def proxy_middlewares() -> list[Any]:
-    """The callback Serve's proxy calls (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): ``[HeaderGuard]``."""
+    """The callback Serve's proxy calls (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): ``[HeaderGuard,
+    SessionKeyMiddleware]`` (outermost first: headers are checked before a body is read for its session
+    id, see :mod:`clawray.serve.routing`)."""
     from starlette.middleware import Middleware
 
-    return [Middleware(HeaderGuard)]
+    from clawray.serve.routing import SessionKeyMiddleware
+
+    return [Middleware(HeaderGuard), Middleware(SessionKeyMiddleware)]
 
 
 def keep_replica_grpc_on_loopback() -> bool:

@@ -1,14 +1,18 @@
-"""Three Ray nodes on one machine: learners on node 2, the policy engine on node 3, the rest on the head.
+"""Three Ray nodes on one machine: learners on node 2, the policy engine on node 3, the rest on the head
+(two PolicyServer replicas among them, session-affine).
 
 Linux routes all of 127.0.0.0/8 to loopback, so a ``ray.cluster_utils.Cluster`` whose nodes have the
 node addresses 127.0.0.1 (head), 127.0.0.2 and 127.0.0.3 behaves as three hosts with their own
 addresses. Custom resources (``learner_node``, ``rollout_node``) that only nodes 2 and 3 offer place
-the actors (``learner.resources``, ``rollout.resources``). The module disconnects from the session's
+the actors (``learner.resources``, ``rollout.resources``); ``serve_node`` keeps the Serve replicas on the
+head (Serve runs an HTTP proxy on every node that holds a replica, each bound to ``serve.host:serve.port``:
+on one machine a second proxy would find the port taken). The module disconnects from the session's
 head for its own cluster and reconnects afterwards.
 """
 
 import json
 
+import httpx
 import pytest
 import ray
 
@@ -20,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """A head on 127.0.0.1 (2 CPUs) plus 127.0.0.2 (1 CPU, ``learner_node: 2``) and 127.0.0.3 (1 CPU,
+    """A head on 127.0.0.1 (2 CPUs, ``serve_node: 2``) plus 127.0.0.2 (1 CPU, ``learner_node: 2``) and 127.0.0.3 (1 CPU,
     ``rollout_node: 1``), connected; yields the cluster."""
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
@@ -32,7 +36,7 @@ def three_nodes():
     cluster_mode, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
     cluster = Cluster()
     try:
-        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False)
+        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={"serve_node": 2}, include_dashboard=False)
         cluster.add_node(node_ip_address="127.0.0.2", num_cpus=1, resources={"learner_node": 2})
         cluster.add_node(node_ip_address="127.0.0.3", num_cpus=1, resources={"rollout_node": 1})
         ray.init(address=cluster.address, log_to_driver=False)
@@ -50,11 +54,38 @@ def _actor_ip(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.util.get_node_ip_address()), timeout=60)
 
 
+def _body_sessions_on_both_replicas(d) -> dict[str, str]:
+    """Sessions named in the body (``session_id``, or ``user`` for every third), one request each until
+    both replicas served one, then a second request each (its session id in the body again). Returns
+    ``{session id: body field}``."""
+    url = d.base_url + "/chat/completions"
+
+    def chat(sid, field, messages):
+        body = {"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages, field: sid}
+        r = httpx.post(url, json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["session_id"] == sid, r.text
+        return r.json()["choices"][0]["message"]
+
+    sent: dict[str, tuple[str, list]] = {}
+    for i in range(24):  # each lands on either replica (a hash): both are reached after a few
+        sid, field = f"body-{i}", "user" if i % 3 == 2 else "session_id"
+        messages = [{"role": "user", "content": f"What is {i} + 1?"}]
+        sent[sid] = (field, messages + [chat(sid, field, messages)])
+        stats = d.serve_stats(session_ids=True)
+        if i >= 2 and all(any(s.startswith("body-") for s in st["session_ids"]) for st in stats):
+            break
+    for sid, (field, messages) in sent.items():
+        chat(sid, field, messages + [{"role": "user", "content": "Correct, thanks!"}])
+    return {sid: field for sid, (field, _) in sent.items()}
+
+
 def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, tiny_model, tmp_path, capsys):
     """The whole loop with the learner group on node 2 and the engine on node 3: 2 updates. The
     learners' rendezvous and the weight-sync group's rendezvous are rank 0's own node address
     (127.0.0.2), not 127.0.0.1; ``sync.transport=auto`` chose the collective (engine on another host);
-    the engine serves v2."""
+    the engine serves v2. Two PolicyServer replicas (``serve.num_replicas=2``): both served traffic,
+    every session (X-Session-Id from the simulated users; body ``session_id`` / ``user`` from direct
+    requests) stayed on one replica, and ``serve/replica_requests/<i>`` counts each replica's requests."""
     cfg = tiny_run_config(
         tiny_model,
         tmp_path / "run",
@@ -68,11 +99,14 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
             "env.max_tokens=16",
             "env.max_turns=2",
             "wandb.mode=disabled",
+            "serve.num_replicas=2",
+            "serve.resources={serve_node: 1}",
         ],
     )
     d = Driver(cfg)
     try:
         d.setup()
+        body_sessions = _body_sessions_on_both_replicas(d)
         assert [_actor_ip(w) for w in d.learners.workers] == ["127.0.0.2", "127.0.0.2"]
         assert _actor_ip(d.engines[0]) == "127.0.0.3"
         host, port = d.learners.rendezvous
@@ -89,6 +123,17 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
         lines = [json.loads(line) for line in open(f"{d.run_dir}/metrics.jsonl")]
         assert [m["policy_version"] for m in lines] == [1, 2] and all(m["sync/ok"] == 1.0 for m in lines)
         assert d.weight_sync.rendezvous[0] == "127.0.0.2"
+        replicas = d.serve_stats(session_ids=True)
+        assert len(replicas) == 2 and all(st["requests"] > 0 and st["sessions"] > 0 for st in replicas), replicas
+        on = [set(st["session_ids"]) for st in replicas]
+        assert not on[0] & on[1], on  # no session reached both replicas
+        served = {json.loads(line)["session_id"] for line in open(f"{d.run_dir}/records/turns.jsonl")}
+        assert set(body_sessions) <= served and served <= on[0] | on[1]
+        assert {"session_id", "user"} <= set(body_sessions.values())
+        assert any(s.startswith("body-") for s in on[0]) and any(s.startswith("body-") for s in on[1])
+        last = lines[-1]
+        counts = [last[f"serve/replica_requests/{i}"] for i in range(2)]
+        assert "serve/replica_requests/2" not in last and all(c > 0 for c in counts), last
     finally:
         d.shutdown()
 

@@ -15,7 +15,8 @@ def test_presets_merge_and_override():
     assert cfg.judge.backend == "feedback"  # cpu.yaml overrides rl.yaml
     assert cfg.rollout.backend == "vllm"
     assert cfg.learner.eps == 0.2 and cfg.learner.eps_high == 0.28
-    assert cfg.learner.lr == 1.0e-5 and cfg.env.name == "brief"  # the CPU demo preset (issue 13)
+    assert cfg.learner.lr == 2.0e-5 and cfg.env.name == "brief"  # the CPU demo preset (issue 13)
+    assert cfg.trainer.advantage == "baseline"
 
 
 def test_serve_preset_trains_until_interrupted():
@@ -42,6 +43,7 @@ def test_rl_preset_alone_uses_engine_judge():
         ("opd.hint_template='[{0}] {hint}'", "opd.hint_template"),
         ("opd.hint_template=no placeholder", "opd.hint_template"),
         ("opd.teacher_timeout_s=0", "opd.teacher_timeout_s"),
+        ("trainer.outcome_judge=true", "trainer.outcome_judge"),  # credit turn (the default): no outcome to judge
     ],
 )
 def test_bad_overrides_name_the_key(override, fragment):

@@ -342,3 +342,203 @@ def test_waiting_turns_survive_a_tracker_restart(tmp_path):
         (2, pytest.approx(1.9)),
         (3, 1.0),
     ]
+
+
+# ------------------------------------------------------------------------------------------ the outcome judge
+from clawray.actors.judge import (  # noqa: E402
+    JudgeWorker,
+    build_session_messages,
+    render_session,
+    session_feedback_score,
+)
+from test_session import _Remote  # noqa: E402
+
+RIGHT, WRONG = "Correct, thanks!", "That's wrong, try again."
+
+
+def session_judge(answers):
+    """A real JudgeWorker (openai backend, m = len(answers)) whose calls answer ``answers`` in order
+    (an Exception instance raises); the turn judge is the FakeJudge's table."""
+    worker = JudgeWorker({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "j", "m": len(answers)})
+    calls = iter(answers)
+
+    async def ask_once(messages, seed_key):
+        worker.prompts.append(messages)
+        a = next(calls)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    worker.prompts, worker._ask_once = [], ask_once
+    fake = FakeJudge({RIGHT: 1, WRONG: -1, "meh": 0})
+    fake.judge_session = _Remote(worker.judge_session)
+    fake.worker = worker
+    return fake
+
+
+def run_session(tracker, sid, feedbacks, close="done", outcome=None, version=0):
+    """Record a session whose user answered ``feedbacks`` to the first replies, close it (``done`` on
+    the last request, or ``idle``), wait for the judges; returns the tracker's stats."""
+
+    async def scenario():
+        turns = session(sid, feedbacks, version)
+        for t in turns[:-1]:
+            await tracker.record_turn(t)
+        await tracker.record_turn(turns[-1], done=close == "done", outcome=outcome)
+        if close == "idle":
+            await tracker.drain()
+            assert await tracker.close_idle(now=time.monotonic() + 11) == 1
+        for _ in range(3):
+            await tracker.drain()
+        return await tracker.stats()
+
+    return asyncio.run(scenario())
+
+
+def test_the_outcome_judge_scores_the_whole_session_once_and_spreads_it():
+    judge, queue = session_judge(["So it worked. \\boxed{1}", "no verdict here", "\\boxed{1}"]), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit={**credit("outcome", gamma=0.9), "outcome_judge": True})
+    stats = run_session(tracker, "oj", [RIGHT, "meh", WRONG])
+    # turn scores r = [1, 0, -1] (the fallback O would be -1); the judge's votes [1, invalid, 1] -> O = 1,
+    # spread gamma^(3-t): [0.81, 0.9, 1.0] (outcome_turn_weight 0)
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [
+        (1, pytest.approx(0.81)),
+        (2, pytest.approx(0.9)),
+        (3, 1.0),
+    ]
+    assert [s.info["outcome"] for s, _ in queue.items] == [1.0, 1.0, 1.0]
+    assert len(judge.worker.prompts) == 3  # m = 3 votes, one judgement
+    assert judge.worker.stats["sessions"] == 1 and judge.worker.stats["session_invalid_votes"] == 1
+    transcript = judge.worker.prompts[0][1]["content"]
+    # the whole session: the task, every reply and feedback, the closing reply
+    assert transcript.startswith("## Conversation\n[user] q\n[assistant] r1\n[user] " + RIGHT)
+    assert f"[user] {WRONG}\n[assistant] r4\n" in transcript
+    assert stats["credit/outcome_judged"] == 1 and stats["credit/outcome_mean"] == 1.0
+
+
+def test_malformed_or_failed_outcome_judge_falls_back_to_the_last_turn_score():
+    bad = session_judge(["\\boxed{2}", "\\boxed{1} and then \\boxed{yes}"])  # both invalid votes
+    q1 = FakeQueue()
+    t1 = SessionTracker([bad], q1, credit={**credit("outcome", gamma=0.5), "outcome_judge": True})
+    stats = run_session(t1, "bad", [WRONG, RIGHT])
+    # no valid vote: no outcome; O = the last judged turn's score r_2 = 1, spread [0.5, 1]
+    assert [(s.turn_index, s.reward) for s, _ in q1.items] == [(1, 0.5), (2, 1.0)]
+    assert stats["credit/outcome_unscored"] == 1 and "credit/outcome_judged" not in stats
+    assert bad.worker.stats["session_invalid_votes"] == 2
+    dead = session_judge([RuntimeError("judge down")])
+    dead.worker.cfg.retries = 0
+    q2 = FakeQueue()
+    t2 = SessionTracker([dead], q2, credit={**credit("outcome", gamma=0.5), "outcome_judge": True})
+    run_session(t2, "dead", [WRONG, RIGHT])
+    assert [(s.turn_index, s.reward) for s, _ in q2.items] == [(1, 0.5), (2, 1.0)]
+    assert dead.worker.stats["failed_calls"] == 1 and dead.worker.stats["session_invalid_votes"] == 1
+
+    class Broken:  # the judge actor itself fails: counted, the tracker lives on
+        judge = FakeJudge({RIGHT: 1, WRONG: -1}).judge
+
+        class judge_session:
+            @staticmethod
+            async def remote(*args):
+                raise RuntimeError("actor died")
+
+    q3 = FakeQueue()
+    t3 = SessionTracker([Broken()], q3, credit={**credit("outcome", gamma=0.5), "outcome_judge": True})
+    stats = run_session(t3, "broken", [WRONG, RIGHT])
+    assert [(s.turn_index, s.reward) for s, _ in q3.items] == [(1, 0.5), (2, 1.0)]
+    assert stats["credit/outcome_judge_errors"] == 1
+
+
+def test_an_explicit_outcome_wins_and_an_idle_close_is_judged():
+    judge, queue = session_judge(["\\boxed{-1}"]), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit={**credit("outcome", gamma=0.9), "outcome_judge": True})
+    run_session(tracker, "explicit", [RIGHT, RIGHT], outcome=1.0)
+    assert judge.worker.prompts == []  # X-Session-Outcome given: the judge is not asked
+    assert [s.reward for s, _ in queue.items] == [pytest.approx(0.9), 1.0]
+    # the feedback backend on an idle-closed session: its last user message is the user's verdict
+    fb = FakeJudge({RIGHT: 1, WRONG: -1})
+    fb.judge_session = _Remote(JudgeWorker({"backend": "feedback"}).judge_session)
+    q2 = FakeQueue()
+    t2 = SessionTracker(
+        [fb], q2, idle_timeout_s=10.0, credit={**credit("discounted", gamma=0.5), "outcome_judge": True}
+    )
+    stats = run_session(t2, "idle", [RIGHT, WRONG], close="idle")
+    # r = [1, -1]; the judged outcome -1 (the last user message: WRONG) is a terminal reward on turn 2:
+    # G_2 = -1 - 1 = -2, G_1 = 1 + 0.5 * -2 = 0 (a zero return of a scored turn: dropped)
+    assert [(s.turn_index, s.reward) for s, _ in q2.items] == [(2, -2.0)]
+    assert stats["sessions_idle_closed"] == 1 and stats["credit/outcome_judged"] == 1
+    assert stats["dropped/zero_return"] == 1
+
+
+def test_the_outcome_judge_only_credits_the_segment_still_waiting_at_the_close():
+    judge, queue = session_judge(["\\boxed{-1}"]), FakeQueue()
+    tracker = SessionTracker(
+        [judge], queue, credit={**credit("outcome", gamma=0.9, max_staleness=2, w=1.0), "outcome_judge": True}
+    )
+
+    async def scenario():
+        t1, t2, t3 = session("st", [RIGHT, RIGHT], version=0)
+        await tracker.record_turn(t1)
+        await tracker.record_turn(t2)
+        await tracker.drain()  # t1 judged +1: waits
+        await tracker.record_turn(turn("other", [{"role": "user", "content": "x"}], "y", version=1))
+        flushed = [(s.turn_index, s.reward) for s, _ in queue.items]  # v1 served: t1 flushed, no outcome
+        t3.policy_version = 1
+        await tracker.record_turn(t3, done=True)
+        for _ in range(3):
+            await tracker.drain()
+        return flushed
+
+    flushed = asyncio.run(scenario())
+    # t1's segment: w * r_1 = 1 (no outcome); t2 (judged +1 at v0, flushed at once as v1 is served);
+    # nothing waits at the close -> the judge is never asked
+    assert flushed == [(1, 1.0)]
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 1.0), (2, 1.0)]
+    assert judge.worker.prompts == []
+
+
+def test_the_judged_outcome_survives_a_tracker_restart_between_close_and_release(tmp_path):
+    from clawray.journal import prepare_journals
+
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    cfg = {**credit("outcome", gamma=0.9), "outcome_judge": True}
+
+    async def first():
+        hang = FakeJudge({RIGHT: 1, WRONG: -1})
+        hang.judge_session = _Remote(lambda *a: asyncio.sleep(3600))  # dies before the judge answers
+        tracker = SessionTracker([hang], FakeQueue(), journal={"path": path}, credit=cfg)
+        turns = session("r", [WRONG, WRONG])
+        for t in turns[:-1]:
+            await tracker.record_turn(t)
+        await tracker.record_turn(turns[-1], done=True)
+        await tracker.drain(timeout_s=0.5)
+        return (await tracker.stats())["credit/turns_waiting"]
+
+    assert asyncio.run(first()) == 2
+    judge, queue = session_judge(["\\boxed{1}"]), FakeQueue()
+
+    async def second():
+        tracker = SessionTracker([judge], queue, journal={"path": path}, credit=cfg)
+        for _ in range(3):
+            await tracker.drain()
+
+    asyncio.run(second())
+    assert "[user] q\n[assistant] r1\n[user] " + WRONG in judge.worker.prompts[0][1]["content"]
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(0.9)), (2, 1.0)]
+
+
+def test_session_transcript_rendering_and_feedback_score():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
+    msgs += [{"role": "assistant", "content": "a" * 50}, {"role": "user", "content": "b" * 50}] * 4
+    full = render_session(msgs)
+    assert full.count("\n") == 9 and full.startswith("[system] s\n[user] task\n[assistant] ")
+    short = render_session(msgs, max_chars=150)
+    # the opening (2 lines, 22 chars), then the last lines that fit in the 128 left: two of 60 + 1
+    assert short.split("\n") == ["[system] s", "[user] task", "[... 6 messages omitted ...]"] + [
+        "[assistant] " + "a" * 50,
+        "[user] " + "b" * 50,
+    ]
+    assert build_session_messages(msgs)[1]["content"].endswith("\\boxed{1}, \\boxed{-1} or \\boxed{0}.")
+    assert session_feedback_score([*msgs[:2], {"role": "user", "content": RIGHT}, {"role": "assistant"}]) == 1
+    assert session_feedback_score([{"role": "user", "content": "Let's stop here."}]) is None
+    assert session_feedback_score([{"role": "tool", "content": "Traceback: boom"}]) == -1
+    assert session_feedback_score([{"role": "assistant", "content": "hi"}]) is None

@@ -335,3 +335,18 @@ def test_batch_advantages_guard_and_grpo_groups():
         batch_advantages([1.0], guard, "grpo")
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         batch_advantages([1.0], guard, "gae")
+
+
+def test_batch_advantages_baseline_on_every_batch():
+    from clawray.algos.advantages import batch_advantages
+
+    # momentum 0.5: b = 0 for the first batch, then 0.5 * 0 + 0.5 * mean(-1, -1, -1, 1) = -0.25
+    guard = DegenerateBatchGuard("baseline", momentum=0.5)
+    out = batch_advantages([-1.0, -1.0, -1.0, 1.0], guard, "baseline")
+    assert out.advantages == [-1.0, -1.0, -1.0, 1.0] and guard.baseline == -0.25
+    # a mixed batch now trains on r - b too (with "binary" it would keep its raw rewards)
+    out = batch_advantages([-1.0, 1.0, None], guard, "baseline")
+    assert out.advantages == [-0.75, 1.25, 0.0] and out.rewarded == [0, 1]
+    assert guard.baseline == -0.125 and guard.degenerate_batches == 0
+    # "skip" still skips a one-signed batch
+    assert batch_advantages([1.0, 1.0], DegenerateBatchGuard("skip"), "baseline").train is False

@@ -86,14 +86,34 @@ def test_resources_keys_take_custom_ray_resources_only():
     assert dict(cfg.learner.resources) == {"learner_node": 1.0} and dict(cfg.rollout.resources) == {"rollout_node": 1.0}
     assert cfg.sync.transport == "auto" and dict(load_config().learner.resources) == {}
     assert dict(load_config([], ["rollout.resources={rollout_node: 0.25}"]).rollout.resources) == {"rollout_node": 0.25}
+    serve = load_config([], ["serve.resources={serve_node: 1}", "serve.num_replicas=2"]).serve
+    assert dict(serve.resources) == {"serve_node": 1.0} and serve.num_replicas == 2 and serve.engine_slack == 4
     bad = {
         "learner.resources={GPU: 1}": "learner.resources.GPU: GPU is one of Ray's built-in resources",
         "rollout.resources={CPU: 1}": "rollout.resources.CPU: CPU is one of Ray's built-in resources",
         "rollout.resources={rollout_node: 0}": "rollout.resources.rollout_node=0.0 is out of range",
         "learner.resources={learner_node: -1}": "learner.resources.learner_node=-1.0 is out of range",
         "learner.resources={learner_node: 0.00001}": "learner.resources.learner_node=1e-05 is out of range",
+        "serve.resources={CPU: 1}": "serve.resources.CPU: CPU is one of Ray's built-in resources",
+        "serve.resources={serve_node: 0}": "serve.resources.serve_node=0.0 is out of range",
+        "serve.num_replicas=0": "serve.num_replicas=0 is out of range",
     }
     for override, message in bad.items():
         with pytest.raises(ConfigError) as err:
             load_config([], [override])
         assert message in str(err.value), (override, str(err.value))
+
+
+def test_a_local_ray_is_always_a_new_one(monkeypatch):
+    # "" must start our own Ray even when the machine already runs one (`ray start --head`): joining it
+    # made ray.init refuse num_cpus ("When connecting to an existing cluster, num_cpus ... must not
+    # be provided"); "auto" and an address join
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    ray_env.init_ray("", 3)
+    ray_env.init_ray("auto")
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 3
+    assert calls[1] == {"address": "auto", "log_to_driver": True}

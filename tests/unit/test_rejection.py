@@ -116,3 +116,68 @@ def test_credit_metrics_of_a_batch():
         "reward/shaping/truncated": -0.25,
     }
     assert torch.isnan(torch.tensor(step_metrics.credit_metrics([c], {})["reward/outcome_mean"]))
+
+
+# ------------------------------------------------------------------------------------------ resample mode
+class _ScriptedClient:
+    """Stands in for the openai client of a SimUserPool: records each request (session id, messages,
+    whether it closes the session), answers "no idea", and stops the pool at its ``stop_after``-th
+    closed session."""
+
+    def __init__(self, pool, stop_after):
+        from types import SimpleNamespace
+
+        self.requests, self.pool, self.stop_after, self.closed = [], pool, stop_after, 0
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    def create(self, model, messages, max_tokens, temperature, extra_headers, **tools):
+        from types import SimpleNamespace
+
+        done = extra_headers["X-Session-Done"] == "true"
+        self.requests.append((extra_headers["X-Session-Id"], [dict(m) for m in messages], done, tools))
+        self.closed += done
+        if self.closed == self.stop_after:
+            self.pool._stop.set()
+        msg = SimpleNamespace(content="no idea", tool_calls=None)
+        return SimpleNamespace(choices=[SimpleNamespace(message=msg)])
+
+
+@pytest.mark.parametrize("n", [3, 1])
+def test_resample_mode_asks_each_problem_n_times_and_grpo_gets_groups_of_n(tiny_model, n):
+    from transformers import AutoTokenizer
+
+    from clawray.algos.advantages import group_advantages
+    from clawray.config import EnvConfig, section
+    from clawray.envs.sim_user import SimUserPool
+
+    cfg = {**vars(section(EnvConfig, {})), "name": "brief", "resample_n": n, "max_turns": 1, "seed": 0}
+    pool = SimUserPool("http://127.0.0.1:9/v1", cfg)
+    client = pool.client = _ScriptedClient(pool, stop_after=12)
+    pool._loop(0)  # one worker, in this thread, until the 12th session closes
+    firsts = [r for r in client.requests if not r[2]]  # each session's first (trained) request
+    assert len(firsts) == 12 and len({sid for sid, *_ in firsts}) == 12  # 12 sessions, 12 ids
+    # in: 12 / n problems, each asked in n consecutive sessions with the same opening messages
+    openings = [tuple(m["content"] for m in msgs) for _, msgs, _, _ in firsts]
+    assert len(set(openings)) == 12 // n
+    assert all(len(set(openings[i : i + n])) == 1 for i in range(0, 12, n))
+    # out: the first turns as the tracker would emit them (the served prompt ids: the chat template
+    # of the same messages), grouped by prompt as the driver does for trainer.advantage=grpo
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rewards = [1.0, -1.0, -1.0] * 4  # per group of 3: one solved, two not
+    metas = []
+    for (sid, msgs, _, _), r in zip(firsts, rewards):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        sample = Sample(list(ids) + [5, 6], len(ids), [1, 1], [-1.0, -1.0], r, 0, session_id=sid, turn_index=1)
+        metas.append(SampleMeta.of(sample))
+    keys = driver_mod.sample_groups(metas, "prompt")
+    sizes = sorted(keys.count(k) for k in set(keys))
+    assert sizes == [n] * (12 // n)
+    adv = group_advantages(torch.tensor(rewards), torch.tensor([sorted(set(keys)).index(k) for k in keys]))
+    if n == 3:  # rewards [1, -1, -1]: mean -1/3, population std sqrt(8/9); (1 + 1/3) / sqrt(8/9) = sqrt(2)
+        h = 2**0.5
+        assert adv.tolist() == pytest.approx([h, -h / 2, -h / 2] * 4, abs=1e-6)
+    else:  # groups of one carry no preference
+        assert adv.tolist() == [0.0] * 12
+    # dynamic sampling keeps the groups with variance: with n = 3 all 12 samples (4 groups) stay;
+    # with n = 1 every group of one is rejected
+    assert len(zero_variance(keys, rewards)) == (0 if n == 3 else 12)

@@ -206,3 +206,45 @@ def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
     assert "<td class='risk'>● 2 → 0.9</td>" in html and "../../opd/report/entropy.png" in html
     assert "## Invariant matrix" in open(tmp_path / "rl" / "report" / "summary.md").read()
     assert str(tmp_path / "rl" / "report" / "index.html") in written
+
+
+def test_eval_plot_against_steps_and_wall_minutes(tmp_path, monkeypatch):
+    rows = [{**EVALS[0], "time/elapsed_s": 90.0}, *TRAIN, {**EVALS[1], "time/elapsed_s": 570.0}]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    import matplotlib.figure
+
+    figs = []
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, *a, **k):
+        if path.endswith("eval.png"):
+            figs.append([(ax.get_xlabel(), [list(ln.get_xdata()) for ln in ax.get_lines()]) for ax in fig.axes])
+        return save(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    write_report(str(tmp_path))
+    (axes,) = figs
+    # one measure with a step column and a wall-time column (90 s -> 1.5 min, 570 s -> 9.5 min)
+    assert [xs for _, xs in axes] == [[[0, EVALS[1]["step"]]], [[1.5, 9.5]]]
+    assert [label for label, _ in axes] == ["step (policy updates)", "wall time (minutes since start)"]
+
+
+def test_tracker_rows_carry_elapsed_seconds_continued_on_resume(tmp_path, monkeypatch):
+    import time as _time
+
+    from clawray.tracking import Tracker
+
+    now = [1000.0]
+    monkeypatch.setattr(_time, "monotonic", lambda: now[0])
+    t = Tracker(str(tmp_path), "disabled")
+    now[0] = 1012.5
+    t.log({"loss": 1.0}, step=1)
+    now[0] = 1020.0
+    t.log({"loss": 2.0}, step=2)
+    now[0] = 5000.0  # a resume from step 1 continues from that row's 12.5 s
+    r = Tracker(str(tmp_path), "disabled", resume_step=1)
+    now[0] = 5003.0
+    r.log({"loss": 3.0}, step=2)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(x["step"], x["time/elapsed_s"]) for x in rows] == [(1, 12.5), (2, 15.5)]
