@@ -519,8 +519,8 @@ class Driver:
 
         The phases, each a named call: take a batch (:meth:`_take_batch`) -> advantages
         (:func:`~clawray.algos.advantages.batch_advantages`) -> train (:meth:`_train`) -> sync
-        (:meth:`_sync`) -> advance the policy version -> checkpoint (:meth:`_periodic_checkpoint`) ->
-        log (:meth:`_step_metrics`, :meth:`_log_step`).
+        (:meth:`_sync`) -> advance the policy version -> the metrics row (:meth:`_step_metrics`) ->
+        checkpoint (:meth:`_periodic_checkpoint`) -> log (:meth:`_log_step`).
 
         A batch is not trained when the degenerate-batch guard says skip (``skipped: degenerate``)
         or when the learners met a non-finite loss or gradient (``skipped: nonfinite``); then no
@@ -557,15 +557,13 @@ class Driver:
         self.steps_done += 1
         behaviour = self._monitor_behaviour()
         self._in_flight = None  # the step is complete (trained, or decided against)
-        ckpt_s = self._periodic_checkpoint()
-        timing = {
-            "timing/wait_batch_s": t_wait,
-            "timing/hold_s": hold_s,
-            "timing/train_s": t_train,
-            **sync_metrics,
-            "timing/checkpoint_s": ckpt_s,
-        }
+        timing = {"timing/wait_batch_s": t_wait, "timing/hold_s": hold_s, "timing/train_s": t_train, **sync_metrics}
+        # the row is ready before the checkpoint commits, so a driver killed right after the commit
+        # loses no row of a checkpointed step (the serve/queue/tracker stats calls take a while)
         metrics, dropped = self._step_metrics(batch, metas, adv, skipped, train, timing, t0)
+        ckpt_s = self._periodic_checkpoint()
+        metrics["timing/checkpoint_s"] = ckpt_s
+        metrics["timing/step_s"] += ckpt_s
         metrics.update(behaviour)
         if sync_error:
             metrics["sync_error"] = sync_error
