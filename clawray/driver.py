@@ -103,6 +103,7 @@ class Driver:
             0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max
         )
         self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.behaviour)  # every monitor.every_steps
+        self.model_path = cfg.model.path  # the policy's HF folder; setup resolves it (a build, a conversion)
         self.all_masked_dropped = 0
         self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
