@@ -463,7 +463,7 @@ class RolloutEngine:
 
     async def weight_specs(self) -> list[WeightSpec]:
         """The weights this engine loads, in sync order."""
-        return await self._call(self._backend.weight_specs)
+        return await self._call(lambda: self._backend.weight_specs())  # read once loaded (the engine thread)
 
     async def is_paused(self) -> bool:
         """Whether generation is paused (a weight sync is in progress)."""

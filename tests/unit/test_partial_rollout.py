@@ -197,3 +197,27 @@ def test_an_unknown_sync_mode_is_refused():
     assert load_config(["conf/rl.yaml"], []).sync.mode == "interrupt"
     with pytest.raises(ValueError, match="sync.mode"):
         load_config(["conf/rl.yaml"], ["sync.mode=pause"])
+
+
+def test_weight_specs_asked_before_the_backend_loaded_waits_for_it(monkeypatch):
+    # the first call on a fresh engine may come before its thread has built the backend: it must wait
+    # for the load, not read the still-None backend (AttributeError in test_security under load)
+    import threading
+    import time
+
+    import clawray.engines
+
+    loaded = threading.Event()
+
+    class SlowBackend:
+        def __init__(self, *a, **k):
+            time.sleep(0.3)
+            loaded.set()
+
+        def weight_specs(self):
+            return ["w0", "w1"]
+
+    monkeypatch.setattr(clawray.engines, "make_backend", lambda *a, **k: SlowBackend())
+    eng = RolloutEngine("hf", "unused", "rollout-x", torch_threads=1)
+    assert not loaded.is_set()
+    assert asyncio.run(eng.weight_specs()) == ["w0", "w1"] and loaded.is_set()
