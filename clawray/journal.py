@@ -503,12 +503,12 @@ class SessionJournal:
         )
 
 
-def restore_tracker(tracker: Any, session_cls: type) -> list:
+def restore_tracker(tracker: Any) -> list:
     """Rebuild a SessionTracker's sessions from its journal's state.
 
     Args:
-        tracker: the :class:`~clawray.actors.session.SessionTracker` (its ``journal`` is loaded).
-        session_cls: its per-session record class.
+        tracker: the :class:`~clawray.actors.session.SessionTracker` (its ``journal`` is loaded); its
+            open sessions go back into its :class:`~clawray.sessions.SessionBook`.
 
     Returns:
         callables that restart the unfinished judgements and the at-least-one finalisation of closed
@@ -516,15 +516,15 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
     """
     import asyncio
 
-    from clawray.chat import conversation_key
+    from clawray.sessions import Session
 
     state = tracker.journal.state
     tracker.counts.update(state.counts)  # the counters continue: never silently back at zero
-    tracker.closed_turns.update(state.closed_turns)
+    tracker.book.closed_turns.update(state.closed_turns)
     by_sid: dict[str, Any] = {}
     for sid, rec in state.sessions.items():
         pending = [Turn(**t) for t in rec.pending]
-        s = session_cls(
+        s = Session(
             turns=rec.turns,
             pending=pending,
             effective=rec.effective,
@@ -535,17 +535,14 @@ def restore_tracker(tracker: Any, session_cls: type) -> list:
             ),
         )
         tracker.ledger.restored(s.credit)
-        s.keys = [conversation_key([*t.messages, t.response_message]) for t in pending]
         by_sid[sid] = s
         if not rec.closed:
-            tracker.sessions[sid] = s
-            for key in s.keys:
-                tracker.index[key] = sid
+            tracker.book.restore(s)
     actions = []
     for (sid, _), (turn, next_state) in state.jobs.items():
         s = by_sid.get(sid)
         if s is None:  # its session was forgotten (closed, nothing held): judge it on a stand-in
-            s = by_sid[sid] = session_cls(turns=turn["turn_index"], sid=sid)
+            s = by_sid[sid] = Session(turns=turn["turn_index"], sid=sid)
         actions.append(lambda s=s, t=Turn(**turn), ns=next_state: _relaunch(tracker, s, t, ns))
     for sid, rec in state.sessions.items():
         if rec.closed:

@@ -64,41 +64,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any
 
 import ray
 
 from clawray.actors.scoring import ScorerPool
 from clawray.algos.algorithm import make_algorithm
-from clawray.algos.credit_ledger import CreditLedger, SessionCredit
-from clawray.algos.rejection import opening
-from clawray.chat import conversation_key, conversation_keys
-from clawray.chat import render_key as chat_render_key
+from clawray.algos.credit_ledger import CreditLedger
 from clawray.journal import SessionJournal, restore_tracker
 from clawray.records import TurnRecords
 from clawray.recovery import was_restarted
+from clawray.sessions import MAX_CLOSED_REMEMBERED, Session, SessionBook
 from clawray.types import Sample, SampleMeta, Turn
-
-
-MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
-
-
-@dataclass
-class _Session:
-    turns: int = 0
-    pending: list = field(default_factory=list)  # the latest request's turns (n choices), awaiting a next state
-    keys: list = field(default_factory=list)  # conversation_key(history + reply) of each pending turn
-    effective: bool = False  # a turn of this session has been trained
-    held: list = field(default_factory=list)  # (turn, mean vote) of 0-scored turns, for at-least-one
-    tasks: list = field(default_factory=list)  # this session's judge tasks
-    last_seen: float = field(default_factory=time.monotonic)
-    sid: str = ""  # the session id (for the journal)
-    credit: SessionCredit = field(default_factory=SessionCredit)  # waiting turns, outcome (trainer.credit)
-    requests: int = 0  # main-line requests recorded in this session (n choices count once)
-    opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
 
 
 class SessionTracker:
@@ -147,10 +125,7 @@ class SessionTracker:
         if self.algorithm.needs_teacher and not self.scoring.teachers:
             raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
-        self.sessions: dict[str, _Session] = {}
-        self.index: dict[str, str] = {}  # conversation_key of a pending turn's history + reply -> session id
-        # last turn index of recently closed sessions, so a reused id never repeats an index
-        self.closed_turns: OrderedDict[str, int] = OrderedDict()
+        self.book = SessionBook(MAX_CLOSED_REMEMBERED)  # sessions, pairing, the pending-turn index
         self.truncated = truncated
         self.tasks: set[asyncio.Task] = set()
         self.idle_timeout_s = idle_timeout_s
@@ -159,7 +134,7 @@ class SessionTracker:
         self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
         if journal:
             self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
-            self._replay = restore_tracker(self, _Session)
+            self._replay = restore_tracker(self)
             if was_restarted():  # [recovery hook] Ray restarted this actor (its counters continue from the journal)
                 self.counts["restarts"] += 1
 
@@ -175,42 +150,9 @@ class SessionTracker:
             self._replay.pop(0)()
 
     async def lookup(self, session_id: str | None, keys: dict[int, str], render_key: str | None = None) -> dict:
-        """Which session and pending turn a new request continues.
-
-        Args:
-            session_id: the request's session id, or None (then it is inferred from ``keys``).
-            keys: ``{k: conversation_key(messages[:k + 1])}`` for each assistant message ``k`` of the
-                request's history.
-            render_key: :func:`clawray.chat.render_key` of the request (what besides the messages
-                shapes its prompt: the tools). A pending turn rendered with another render key is
-                still found (its session and next-state pairing do not depend on it), but is not
-                offered for splicing.
-
-        Returns:
-            ``{"session_id", "prev", "context_changed"}``: the session (None when none matches); the
-            pending turn whose history + reply the request extends, as ``{"prompt_ids",
-            "response_ids", "ended", "n_messages"}`` (``ended``: the reply's last id is an end-of-turn
-            id), or None when it extends none (first turn, branch) or when the render key differs
-            (then ``context_changed`` is True).
-        """
+        """Which session and pending turn a new request continues: :meth:`clawray.sessions.SessionBook.find`."""
         self._start_replay()
-        if session_id is None:
-            session_id = next((self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index), None)
-        s = self.sessions.get(session_id) if session_id is not None else None
-        prev, changed = None, False
-        for t, key in zip(s.pending, s.keys) if s else ():
-            if keys.get(len(t.messages)) == key:
-                if render_key is not None and render_key != chat_render_key(t.tools):
-                    changed = True
-                    break
-                prev = {
-                    "prompt_ids": t.prompt_ids,
-                    "response_ids": t.response_ids,
-                    "ended": not t.truncated,
-                    "n_messages": len(t.messages),
-                }
-                break
-        return {"session_id": session_id, "prev": prev, "context_changed": changed}
+        return self.book.find(session_id, keys, render_key)
 
     async def record_turn(self, turn: Turn, done: bool = False, outcome: float | None = None) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""
@@ -236,41 +178,29 @@ class SessionTracker:
             self._sweeper = asyncio.ensure_future(self._sweep_idle())
         self._start_replay()
         sid = turns[0].session_id
-        s = self.sessions.get(sid)
-        if s is None:  # a new session, or a closed id used again: its turn indexes continue
-            s = self.sessions[sid] = _Session(turns=self.closed_turns.pop(sid, 0), sid=sid)
-        s.last_seen = time.monotonic()
-        s.requests += 1
-        if not s.opening:
-            s.opening = conversation_key(opening(turns[0].messages))
+        s = self.book.open(sid, turns[0].messages)  # a closed id used again: its turn indexes continue
         if outcome is not None:
             self.ledger.set_outcome(s.credit, sid, outcome)
         if self.ledger.judges_outcomes:
             s.credit.transcript = [*turns[0].messages, turns[0].response_message]
         if s.pending:
             self._resolve(s, turns[0].messages)
-        s.pending, s.keys = [], []
+        self.book.add(s, turns)
         for turn in turns:
-            s.turns += 1
-            turn.turn_index = s.turns
             self.counts["turns"] += 1
             self.counts["turns_truncated"] += int(turn.truncated)
             self.counts["turns_tool_parse_error"] += int(turn.tool_parse_error)
-            key = conversation_key([*turn.messages, turn.response_message])
-            s.pending.append(turn)
-            s.keys.append(key)
-            self.index[key] = sid
             self.records.turn(turn)
         if self.journal is not None:  # [journal hook] the indexes are durable before they are answered
             self.journal.turns(turns, dict(self.counts))
         if done:
             await self.close_session(sid)
         if self.ledger.served(max(t.policy_version for t in turns)):  # the engines moved on: flush?
-            for other in list(self.sessions.values()):
+            for other in list(self.book.sessions.values()):
                 await self._maybe_flush(other)
         return [t.turn_index for t in turns]
 
-    async def _judge_outcome(self, s: _Session) -> None:
+    async def _judge_outcome(self, s: Session) -> None:
         """Ask one judge worker for the whole session's score and make it the session's outcome; an
         answer without a valid vote or a failed call leaves the outcome unset (counted)."""
         try:
@@ -295,30 +225,22 @@ class SessionTracker:
         Args:
             outcome: the session's outcome score, when the closing request carried one.
         """
-        s = self.sessions.get(session_id)
-        if s is not None and outcome is not None:
-            self.ledger.set_outcome(s.credit, session_id, outcome)
-        s = self.sessions.pop(session_id, None)
+        s = self.book.close(session_id)
         if s is None:
             return
+        if outcome is not None:
+            self.ledger.set_outcome(s.credit, session_id, outcome)
         self.ledger.session_closed(s.requests)
-        self.closed_turns[session_id] = s.turns
-        if len(self.closed_turns) > MAX_CLOSED_REMEMBERED:
-            self.closed_turns.popitem(last=False)
         self.counts["sessions_closed"] += 1
         self.counts["dropped/no_next_state"] += len(s.pending)
-        self._unindex(s)
-        judge_it = (
-            self.ledger.judges_outcomes and s.credit.outcome is None
-        )  # its judge tasks may still add waiting turns
+        judge_it = self.ledger.judges_outcomes and s.credit.outcome is None  # its judge tasks may add waiting turns
         transcript = s.credit.transcript if judge_it and s.credit.transcript else None
         self._journal("close", sid=session_id, transcript=transcript)  # [journal hook]
         self._track(asyncio.ensure_future(self._finalize(s)))
 
     async def close_idle(self, now: float | None = None) -> int:
         """Close every session idle for longer than ``idle_timeout_s``; returns how many."""
-        now = time.monotonic() if now is None else now
-        idle = [sid for sid, s in self.sessions.items() if now - s.last_seen > self.idle_timeout_s]
+        idle = self.book.idle(self.idle_timeout_s, now)
         self.counts["sessions_idle_closed"] += len(idle)  # before the closes journal the counters
         for sid in idle:
             await self.close_session(sid)
@@ -329,7 +251,7 @@ class SessionTracker:
             await asyncio.sleep(min(max(self.idle_timeout_s / 4, 0.05), 30.0))
             await self.close_idle()
 
-    async def _finalize(self, s: _Session) -> None:
+    async def _finalize(self, s: Session) -> None:
         if s.tasks:
             await asyncio.gather(*s.tasks, return_exceptions=True)
         released = bool(s.credit.waiting)
@@ -342,8 +264,7 @@ class SessionTracker:
                 self._journal("finalized", sid=s.sid)  # [journal hook]
             return
         if self.at_least_one and not s.effective:
-            best = max(range(len(s.held)), key=lambda i: abs(s.held[i][1]))  # first of equals
-            item, mean_vote = s.held.pop(best)
+            item, mean_vote = s.promote_best()
             self.counts["at_least_one_promoted"] += 1
             if isinstance(item, Sample):  # a zero-return turn (credit != turn): its mean vote is its reward
                 item.reward = mean_vote
@@ -359,38 +280,26 @@ class SessionTracker:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _unindex(self, s: _Session) -> None:
-        for key in s.keys:
-            self.index.pop(key, None)
-
-    def _resolve(self, s: _Session, messages: list[dict[str, Any]]) -> None:
+    def _resolve(self, s: Session, messages: list[dict[str, Any]]) -> None:
         """Pair the pending turn that ``messages`` continues with its next state; count the rest."""
-        self._unindex(s)
-        chosen = None
-        prefix_keys = conversation_keys(messages)
-        for turn, key in zip(s.pending, s.keys):
-            n = len(turn.messages)
-            if len(messages) > n + 1 and prefix_keys[n] == key:
-                chosen = turn
-                break
-        if chosen is None:
-            self.counts["dropped/branch"] += len(s.pending)
+        pairing = self.book.pair(s, messages)
+        if pairing.chosen is None:
+            self.counts["dropped/branch"] += pairing.others
             return
-        self.counts["dropped/unchosen"] += len(s.pending) - 1
-        prev, next_state = chosen, messages[len(chosen.messages) + 1 :]
-        if prev.truncated and self.truncated == "mask":
+        self.counts["dropped/unchosen"] += pairing.others
+        if pairing.chosen.truncated and self.truncated == "mask":
             self.counts["dropped/truncated"] += 1
-            self.records.judgement(prev, next_state, None, "truncated")
+            self.records.judgement(pairing.chosen, pairing.next_state, None, "truncated")
             return
-        self._launch_judge(s, prev, next_state)
+        self._launch_judge(s, pairing.chosen, pairing.next_state)
 
-    def _launch_judge(self, s: _Session, turn: Turn, next_state: list[dict]) -> None:
+    def _launch_judge(self, s: Session, turn: Turn, next_state: list[dict]) -> None:
         judge = self.scoring.next_judge()
         if self.journal is not None:  # [journal hook] the judgement is durable before it starts
             self.journal.judge(turn, next_state, dict(self.counts))
         s.tasks.append(self._track(asyncio.ensure_future(self._journaled_judge(s, turn, next_state, judge))))
 
-    async def _journaled_judge(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
+    async def _journaled_judge(self, s: Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
         """Judge, then journal the outcome (held for at-least-one, waiting for its return, or done;
         [journal hook], a no-op without a journal), then flush the session's waiting turns when the
         staleness budget says so."""
@@ -399,7 +308,7 @@ class SessionTracker:
             self.journal.judged(s, turn, dict(self.counts))
         await self._maybe_flush(s)
 
-    async def _judge_and_emit(self, s: _Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
+    async def _judge_and_emit(self, s: Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
         """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.score`), then
         count, record, shape its reward, and emit, hold or keep it waiting for its return."""
         verdict = await self.algorithm.score(turn, next_state, self.scoring.scorers(judge), self.counts)
@@ -414,16 +323,16 @@ class SessionTracker:
         elif sample is not None:
             await self._emit(s, sample)
 
-    async def _maybe_flush(self, s: _Session) -> None:
+    async def _maybe_flush(self, s: Session) -> None:
         """Emit a session's waiting turns before its end when the staleness budget forces it."""
         await self.ledger.maybe_flush(s.credit, s.sid, *self._outlets(s))
 
-    def _outlets(self, s: _Session) -> tuple:
+    def _outlets(self, s: Session) -> tuple:
         """``(emit, hold)`` for the ledger's released turns: to the queue, or back to the at-least-one
         rule."""
         return functools.partial(self._emit, s), lambda sample, vote: s.held.append((sample, vote))
 
-    async def _emit(self, s: _Session, sample: Sample) -> None:
+    async def _emit(self, s: Session, sample: Sample) -> None:
         s.effective = True
         if s.opening:  # its group under trainer.group_by=session_prefix
             sample.info.setdefault("opening", s.opening)
@@ -432,7 +341,7 @@ class SessionTracker:
 
     async def pending_turn(self, session_id: str, choice: int = 0) -> Turn | None:
         """The session's latest turn (of choice ``choice``), still waiting for its next state, or None."""
-        s = self.sessions.get(session_id)
+        s = self.book.get(session_id)
         return s.pending[choice] if s is not None and choice < len(s.pending) else None
 
     async def drain(self, timeout_s: float = 60.0) -> int:
@@ -447,7 +356,7 @@ class SessionTracker:
         self._start_replay()
         out = {
             **self.counts,
-            "open_sessions": len(self.sessions),
+            "open_sessions": len(self.book),
             "judging": len(self.tasks),
             **self.ledger.stats(),
         }

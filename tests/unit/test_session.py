@@ -162,14 +162,14 @@ def test_idle_sessions_close_and_free_memory():
         h = [{"role": "user", "content": "q"}]
         await tracker.record_turn(turn("idle", h, "r1"))
         await tracker.record_turn(turn("busy", h, "r1"))
-        tracker.sessions["busy"].last_seen = time.monotonic() + 8  # seen recently
+        tracker.book.sessions["busy"].last_seen = time.monotonic() + 8  # seen recently
         closed = await tracker.close_idle(now=time.monotonic() + 11)
         await tracker.drain()
         return closed, await tracker.stats()
 
     closed, stats = asyncio.run(scenario())
     assert closed == 1 and stats["sessions_idle_closed"] == 1 and stats["open_sessions"] == 1
-    assert stats["dropped/no_next_state"] == 1 and "idle" not in tracker.sessions
+    assert stats["dropped/no_next_state"] == 1 and "idle" not in tracker.book.sessions
 
 
 def test_a_closed_session_id_used_again_continues_its_turn_indexes():

@@ -1,0 +1,199 @@
+"""The session book: open sessions, their pending turns, the pairing of a turn with its next state,
+and the at-least-one choice. Plain Python (no Ray, no asyncio): the
+:class:`~clawray.actors.session.SessionTracker` actor owns one book and adds the judging, the
+journal and the emission around it.
+
+Pairing. A request's turns (its n choices) stay *pending* in their session until the session's next
+main-line request. That request continues the pending turn whose history + reply is a prefix of its
+own history (compared by :func:`clawray.chat.conversation_key`); the messages after that prefix are
+the turn's next state. A history that continues none of them is a branch; the other choices of a
+continued request are ``unchosen``.
+
+Lookup. A request without a session id is placed in the open session one of whose pending turns its
+history continues (the longest such prefix wins), through an index from conversation key to session
+id; only pending turns are indexed, so the index holds one key per open choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawray.algos.credit_ledger import SessionCredit
+from clawray.algos.rejection import opening
+from clawray.chat import conversation_key, conversation_keys
+from clawray.chat import render_key as chat_render_key
+from clawray.types import Turn
+
+
+MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
+
+
+@dataclass
+class Session:
+    """One session's state.
+
+    ``held`` holds ``(turn or sample, mean vote)`` of the 0-scored (or zero-return) turns kept for the
+    at-least-one rule; ``tasks`` are the session's judge tasks (asyncio tasks, owned by the tracker).
+    """
+
+    turns: int = 0  # the last turn index given in this session (indexes are 1-based)
+    pending: list = field(default_factory=list)  # the latest request's turns (n choices), awaiting a next state
+    keys: list = field(default_factory=list)  # conversation_key(history + reply) of each pending turn
+    effective: bool = False  # a turn of this session has been trained
+    held: list = field(default_factory=list)  # (turn or sample, mean vote), for at-least-one
+    tasks: list = field(default_factory=list)  # this session's judge tasks
+    last_seen: float = field(default_factory=time.monotonic)  # time.monotonic() of its last request
+    sid: str = ""  # the session id (for the journal)
+    credit: SessionCredit = field(default_factory=SessionCredit)  # waiting turns, outcome (trainer.credit)
+    requests: int = 0  # main-line requests recorded in this session (n choices count once)
+    opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
+
+    def promote_best(self) -> tuple[Any, float] | None:
+        """The at-least-one rule's pick: take the held item with the largest ``|mean vote|`` (the first
+        of equals) out of ``held``; None when nothing is held.
+
+        Example: held mean votes ``[0.0, -1/3, 1/3]`` -> the second item (``-1/3``).
+        """
+        if not self.held:
+            return None
+        best = max(range(len(self.held)), key=lambda i: abs(self.held[i][1]))
+        return self.held.pop(best)
+
+
+@dataclass
+class Pairing:
+    """What a request's history makes of its session's pending turns (:meth:`SessionBook.pair`).
+
+    ``chosen`` is the pending turn the history continues (None: a branch, every pending turn is
+    dropped), ``next_state`` the messages after its reply, ``others`` how many pending turns it did
+    not continue.
+    """
+
+    chosen: Turn | None
+    next_state: list[dict[str, Any]]
+    others: int
+
+
+class SessionBook:
+    """Open sessions by id, the index of their pending turns, and the last turn index of recently
+    closed ids (so an id used again never repeats an index).
+
+    Args:
+        max_closed: closed session ids remembered (oldest forgotten first).
+    """
+
+    def __init__(self, max_closed: int = MAX_CLOSED_REMEMBERED):
+        self.sessions: dict[str, Session] = {}
+        self.index: dict[str, str] = {}  # conversation_key of a pending turn's history + reply -> session id
+        self.closed_turns: OrderedDict[str, int] = OrderedDict()
+        self.max_closed = max_closed
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def get(self, sid: str | None) -> Session | None:
+        """The open session ``sid``, or None."""
+        return self.sessions.get(sid) if sid is not None else None
+
+    def open(self, sid: str, messages: list[dict[str, Any]]) -> Session:
+        """The open session ``sid`` (created when new, its turn indexes continuing a closed one's),
+        marked seen now; ``messages`` (the request's history) sets a new session's opening."""
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = Session(turns=self.closed_turns.pop(sid, 0), sid=sid)
+        s.last_seen = time.monotonic()
+        s.requests += 1
+        if not s.opening:
+            s.opening = conversation_key(opening(messages))
+        return s
+
+    def find(self, session_id: str | None, keys: dict[int, str], render_key: str | None = None) -> dict:
+        """Which session and pending turn a new request continues (the server's lookup).
+
+        Args:
+            session_id: the request's session id, or None (then it is inferred from ``keys``).
+            keys: ``{k: conversation_key(messages[:k + 1])}`` for each assistant message ``k`` of the
+                request's history.
+            render_key: :func:`clawray.chat.render_key` of the request (its tools). A pending turn
+                rendered with another render key is still found (its session and next-state pairing
+                do not depend on it) but not offered for splicing.
+
+        Returns:
+            ``{"session_id", "prev", "context_changed"}``: the session (None when none matches); the
+            pending turn the request extends as ``{"prompt_ids", "response_ids", "ended",
+            "n_messages"}`` (``ended``: the reply was not cut by max_tokens), or None when it extends
+            none (first turn, branch) or when the render key differs (then ``context_changed``).
+        """
+        if session_id is None:
+            session_id = next((self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index), None)
+        s = self.get(session_id)
+        for t, key in zip(s.pending, s.keys) if s else ():
+            if keys.get(len(t.messages)) != key:
+                continue
+            if render_key is not None and render_key != chat_render_key(t.tools):
+                return {"session_id": session_id, "prev": None, "context_changed": True}
+            prev = {
+                "prompt_ids": t.prompt_ids,
+                "response_ids": t.response_ids,
+                "ended": not t.truncated,
+                "n_messages": len(t.messages),
+            }
+            return {"session_id": session_id, "prev": prev, "context_changed": False}
+        return {"session_id": session_id, "prev": None, "context_changed": False}
+
+    def pair(self, s: Session, messages: list[dict[str, Any]]) -> Pairing:
+        """Pair ``s``'s pending turns with the history ``messages`` of its next request; they leave the
+        index (the caller replaces them with :meth:`add`).
+
+        A pending turn with ``m`` history messages is continued when ``messages`` is longer than its
+        history + reply and starts with them.
+        """
+        self.unindex(s)
+        prefix_keys = conversation_keys(messages)
+        for turn, key in zip(s.pending, s.keys):
+            n = len(turn.messages)
+            if len(messages) > n + 1 and prefix_keys[n] == key:
+                return Pairing(turn, messages[n + 1 :], len(s.pending) - 1)
+        return Pairing(None, [], len(s.pending))
+
+    def add(self, s: Session, turns: list[Turn]) -> None:
+        """Make ``turns`` (one request's choices) ``s``'s pending turns, giving each the next turn index."""
+        s.pending, s.keys = [], []
+        for turn in turns:
+            s.turns += 1
+            turn.turn_index = s.turns
+            key = conversation_key([*turn.messages, turn.response_message])
+            s.pending.append(turn)
+            s.keys.append(key)
+            self.index[key] = s.sid
+
+    def close(self, sid: str) -> Session | None:
+        """Remove the open session ``sid`` (None when there is none), remembering its last turn index."""
+        s = self.sessions.pop(sid, None)
+        if s is None:
+            return None
+        self.closed_turns[sid] = s.turns
+        while len(self.closed_turns) > self.max_closed:
+            self.closed_turns.popitem(last=False)
+        self.unindex(s)
+        return s
+
+    def idle(self, timeout_s: float, now: float | None = None) -> list[str]:
+        """Ids of the open sessions without a request for more than ``timeout_s`` seconds."""
+        now = time.monotonic() if now is None else now
+        return [sid for sid, s in self.sessions.items() if now - s.last_seen > timeout_s]
+
+    def restore(self, s: Session) -> None:
+        """Put a session rebuilt from the journal back as open, with its pending turns indexed."""
+        s.keys = [conversation_key([*t.messages, t.response_message]) for t in s.pending]
+        self.sessions[s.sid] = s
+        for key in s.keys:
+            self.index[key] = s.sid
+
+    def unindex(self, s: Session) -> None:
+        """Drop ``s``'s pending turns from the index."""
+        for key in s.keys:
+            self.index.pop(key, None)

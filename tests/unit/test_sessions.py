@@ -1,0 +1,107 @@
+"""The Ray-free session book (clawray/sessions.py): pairing, lookup index, closes, at-least-one pick."""
+
+from clawray.chat import conversation_key
+from clawray.sessions import Session, SessionBook
+from clawray.types import Turn
+
+U1 = {"role": "user", "content": "2 + 2?"}
+U2 = {"role": "user", "content": "shorter"}
+
+
+def turn(sid, history, reply, tools=None):
+    return Turn(
+        session_id=sid,
+        turn_index=0,
+        messages=list(history),
+        response_message={"role": "assistant", "content": reply},
+        prompt_ids=[1, 2, 3],
+        response_ids=[7, 8],
+        rollout_logprobs=[-0.5, -0.25],
+        policy_version=0,
+        finish_reason="stop",
+        tools=tools,
+    )
+
+
+def keys_of(messages):
+    """The lookup keys a server computes: one per assistant message of the history."""
+    return {k: conversation_key(messages[: k + 1]) for k, m in enumerate(messages) if m["role"] == "assistant"}
+
+
+def test_add_numbers_turns_and_indexes_each_choice():
+    book = SessionBook()
+    s = book.open("a", [U1])
+    choices = [turn("a", [U1], "4"), turn("a", [U1], "four")]
+    book.add(s, choices)
+    assert [t.turn_index for t in choices] == [1, 2]
+    assert s.turns == 2 and s.requests == 1 and len(book) == 1
+    assert sorted(book.index.values()) == ["a", "a"] and len(book.index) == 2
+
+
+def test_pair_finds_the_continued_choice_and_its_next_state():
+    book = SessionBook()
+    s = book.open("a", [U1])
+    book.add(s, [turn("a", [U1], "4"), turn("a", [U1], "four")])
+    history = [U1, {"role": "assistant", "content": "four"}, U2]
+    p = book.pair(s, history)
+    assert p.chosen is s.pending[1] and p.next_state == [U2] and p.others == 1
+    assert book.index == {}  # paired turns leave the index
+
+
+def test_pair_of_a_history_that_continues_no_choice_is_a_branch():
+    book = SessionBook()
+    s = book.open("a", [U1])
+    book.add(s, [turn("a", [U1], "4"), turn("a", [U1], "four")])
+    p = book.pair(s, [U1, {"role": "assistant", "content": "5"}, U2])
+    assert p.chosen is None and p.next_state == [] and p.others == 2
+    # the reply alone, with nothing after it, is no next state either
+    book.add(s, [turn("a", [U1], "4")])
+    assert book.pair(s, [U1, {"role": "assistant", "content": "4"}]).chosen is None
+
+
+def test_find_infers_the_session_and_offers_the_turn_for_splicing_unless_tools_changed():
+    book = SessionBook()
+    book.add(book.open("a", [U1]), [turn("a", [U1], "4")])
+    book.add(book.open("b", [U2]), [turn("b", [U2], "ok")])
+    history = [U1, {"role": "assistant", "content": "4"}, U2]
+    found = book.find(None, keys_of(history))
+    assert found["session_id"] == "a" and not found["context_changed"]
+    assert found["prev"] == {"prompt_ids": [1, 2, 3], "response_ids": [7, 8], "ended": True, "n_messages": 1}
+    changed = book.find(None, keys_of(history), render_key="other tools")
+    assert changed == {"session_id": "a", "prev": None, "context_changed": True}
+    assert book.find(None, keys_of([U2])) == {"session_id": None, "prev": None, "context_changed": False}
+    assert book.find("b", keys_of(history))["prev"] is None  # b's pending turn is not in this history
+
+
+def test_close_remembers_the_last_index_and_forgets_the_oldest_id():
+    book = SessionBook(max_closed=2)
+    for sid, n in [("a", 3), ("b", 1), ("c", 2)]:
+        s = book.open(sid, [U1])
+        book.add(s, [turn(sid, [U1], str(k)) for k in range(n)])
+        assert book.close(sid) is s
+    assert list(book.closed_turns.items()) == [("b", 1), ("c", 2)] and book.index == {} and len(book) == 0
+    assert book.close("c") is None
+    assert book.open("c", [U1]).turns == 2 and book.open("a", [U1]).turns == 0  # "a" was forgotten
+
+
+def test_idle_lists_sessions_silent_longer_than_the_timeout():
+    book = SessionBook()
+    book.open("old", [U1]).last_seen = 100.0
+    book.open("new", [U1]).last_seen = 108.0
+    assert book.idle(5.0, now=110.0) == ["old"]
+    assert book.idle(1.0, now=110.0) == ["old", "new"]
+
+
+def test_restore_reopens_a_session_with_its_pending_turns_indexed():
+    book = SessionBook()
+    book.restore(Session(turns=1, pending=[turn("a", [U1], "4")], sid="a"))
+    history = [U1, {"role": "assistant", "content": "4"}, U2]
+    assert book.find(None, keys_of(history))["session_id"] == "a"
+    assert book.pair(book.get("a"), history).next_state == [U2]
+
+
+def test_promote_best_takes_the_largest_leaning_vote_first_of_equals():
+    s = Session(held=[("t0", 0.0), ("t1", -1 / 3), ("t2", 1 / 3)])
+    assert s.promote_best() == ("t1", -1 / 3)
+    assert [item for item, _ in s.held] == ["t0", "t2"]
+    assert Session().promote_best() is None
