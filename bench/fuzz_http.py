@@ -335,6 +335,7 @@ def start_server(body_timeout_s: float) -> int:
     from clawray.actors.session import SessionTrackerActor
     from clawray.models import build_tiny_model
     from clawray.ray_env import free_port, init_ray
+    from clawray.config import ServeConfig
     from clawray.serve.app import start_policy_server
 
     model = build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
@@ -346,20 +347,22 @@ def start_server(body_timeout_s: float) -> int:
         [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2), records_dir=tempfile.mkdtemp()
     )
     port = free_port()
-    cfg = {
-        "model_name": "m",
-        "default_max_tokens": 4,
-        "default_temperature": 1.0,
-        "max_model_len": 128,
-        "generate_timeout_s": 120,
-        "max_body_bytes": 1 << 20,
-        "api_key": "",
-        "body_timeout_s": body_timeout_s,
-        "host": "127.0.0.1",
-        "allowed_origins": [],
-        "session_binding": "echo",
-    }
-    start_policy_server(model, [engine], tracker, cfg, "127.0.0.1", port, 0.1)
+    cfg = ServeConfig(
+        model_name="m",
+        default_max_tokens=4,
+        default_temperature=1.0,
+        generate_timeout_s=120,
+        max_body_mb=1.0,
+        api_key="",
+        body_timeout_s=body_timeout_s,
+        host="127.0.0.1",
+        port=port,
+        num_cpus=0.1,
+        allowed_origins=[],
+        session_binding="echo",
+    )
+    max_model_len = 128
+    start_policy_server(model, [engine], tracker, cfg, max_model_len)
     return port
 
 

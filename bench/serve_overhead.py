@@ -98,6 +98,7 @@ def main() -> None:
     from clawray.envs.arith import make_problems
     from clawray.models import build_tiny_model
     from clawray.ray_env import free_port, init_ray
+    from clawray.config import ServeConfig
     from clawray.serve.app import start_policy_server
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
@@ -118,16 +119,19 @@ def main() -> None:
     tracker = SessionTrackerActor.options(num_cpus=0).remote(
         [judge], TrajectoryQueueActor.options(num_cpus=0).remote(2), records_dir=tempfile.mkdtemp()
     )
-    cfg = {
-        "model_name": "m",
-        "default_max_tokens": args.max_tokens,
-        "default_temperature": 1.0,
-        "max_model_len": 1024,
-        "generate_timeout_s": 600,
-        "max_body_bytes": 1 << 20,
-        "api_key": "",
-    }
-    base_url = start_policy_server(model, [engine], tracker, cfg, "127.0.0.1", free_port(), 0.1)
+    cfg = ServeConfig(
+        model_name="m",
+        default_max_tokens=args.max_tokens,
+        default_temperature=1.0,
+        generate_timeout_s=600,
+        max_body_mb=1.0,
+        api_key="",
+        host="127.0.0.1",
+        port=free_port(),
+        num_cpus=0.1,
+    )
+    max_model_len = 1024
+    base_url = start_policy_server(model, [engine], tracker, cfg, max_model_len)
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
 
     print(f"model={model} backend={args.backend} rounds={args.rounds} max_tokens={args.max_tokens}")

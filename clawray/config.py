@@ -213,6 +213,11 @@ class ServeConfig:
     # later request must carry it; "off": no tokens (README, "Reliability and security")
     session_binding: str = choice("echo", "strict", "off")
 
+    @property
+    def max_body_bytes(self) -> int:
+        """``max_body_mb`` in bytes (MiB: 2**20 bytes each)."""
+        return int(self.max_body_mb * 2**20)
+
 
 @dataclass
 class JudgeConfig:

@@ -290,23 +290,6 @@ class Driver:
         if cfg.resume:
             self._restore_checkpoint()
 
-        serve_cfg = {
-            "model_name": cfg.serve.model_name,
-            "default_max_tokens": cfg.serve.default_max_tokens,
-            "default_temperature": cfg.serve.default_temperature,
-            "max_model_len": ro.max_model_len,
-            "generate_timeout_s": cfg.serve.generate_timeout_s,
-            "max_body_bytes": int(cfg.serve.max_body_mb * 2**20),
-            "api_key": cfg.serve.api_key,
-            "sync_wait_timeout_s": cfg.serve.sync_wait_timeout_s,
-            "retry_after_s": cfg.serve.retry_after_s,
-            "max_n": cfg.serve.max_n,
-            "body_timeout_s": cfg.serve.body_timeout_s,
-            "allowed_origins": list(cfg.serve.allowed_origins),
-            "host": cfg.serve.host,
-            "session_binding": cfg.serve.session_binding,
-            "engine_slack": cfg.serve.engine_slack,
-        }
         actors = {
             "judges": self.judges,
             "teachers": self.teachers,
@@ -314,16 +297,7 @@ class Driver:
             "queue": self.queue,
         }  # [recovery hook] their states in /health
         self.base_url = start_policy_server(
-            path,
-            self.engines,
-            self.tracker,
-            serve_cfg,
-            cfg.serve.host,
-            cfg.serve.port,
-            cfg.serve.num_cpus,
-            actors,
-            num_replicas=cfg.serve.num_replicas,
-            resources=dict(cfg.serve.resources),
+            path, self.engines, self.tracker, OmegaConf.to_object(cfg.serve), ro.max_model_len, actors
         )
         self.tracking = Tracker(
             self.run_dir,

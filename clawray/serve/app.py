@@ -71,6 +71,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.actors.rollout import EngineError, EnginePausedError, EngineRestartedError, await_cancellable
 from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
+from clawray.config import ServeConfig, section
 from clawray.engines.base import GenerateRequest
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
@@ -207,33 +208,37 @@ class PolicyServer:
         model_path: policy folder (its tokenizer and chat template are used).
         engines: RolloutEngine actor handles; a session sticks to one engine (prefix-cache locality).
         tracker: SessionTracker actor handle (session state, turn records).
-        cfg: ``{"model_name", "default_max_tokens", "default_temperature", "max_model_len",
-            "generate_timeout_s", "max_body_bytes", "api_key", "sync_wait_timeout_s",
-            "retry_after_s", "max_n", "body_timeout_s", "allowed_origins", "host", "session_binding",
-            "engine_slack", "engine_poll_s"}`` (an empty key disables auth; ``engine_slack``: requests,
-            default 4; ``engine_poll_s``: seconds, default 1.0).
+        cfg: the ``serve`` config section (:class:`~clawray.config.ServeConfig`; an omegaconf node or a
+            mapping of some of its keys is converted by :func:`~clawray.config.section`, defaults from
+            the schema): model name, request defaults, timeouts, body limit, API key (empty: no auth),
+            origins, session binding, ``engine_slack``.
+        max_model_len: tokens, prompt + response, of the rollout engines (``rollout.max_model_len``).
         actors: ``{"judges": [...], "teachers": [...], "learners": [...], "queue": handle}`` whose
             state ``/health`` reports (read from Ray's actor table, never by calling them);
             :meth:`set_actors` replaces an entry (a rebuilt learner group).
+        engine_poll_s: seconds between two polls of the engines' states and queue depths (routing).
+
+    Raises:
+        ConfigError: ``cfg`` is a mapping with a key :class:`~clawray.config.ServeConfig` lacks or a
+            value of the wrong type.
     """
 
-    def __init__(self, model_path: str, engines: list, tracker: Any, cfg: dict, actors: dict | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        engines: list,
+        tracker: Any,
+        cfg: ServeConfig,
+        max_model_len: int,
+        actors: dict | None = None,
+        engine_poll_s: float = 1.0,
+    ):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engines, self.tracker = engines, tracker
-        self.cfg = {
-            "sync_wait_timeout_s": 30.0,
-            "retry_after_s": 2,
-            "max_n": 8,
-            "body_timeout_s": 30.0,
-            "allowed_origins": [],
-            "host": "127.0.0.1",
-            "session_binding": "echo",
-            "engine_slack": 4,
-            "engine_poll_s": 1.0,
-            **cfg,
-        }
+        self.cfg = section(ServeConfig, cfg)
+        self.max_model_len, self.engine_poll_s = max_model_len, engine_poll_s
         self.stop_text = self.tokenizer.eos_token  # the end tag the chat template renders after a reply
         self.end_ids = end_of_turn_ids(model_path, self.tokenizer)
         self.locks = _SessionLocks()
@@ -293,7 +298,7 @@ class PolicyServer:
             )
         return {
             "object": "list",
-            "data": [{"id": self.cfg["model_name"], "object": "model", "created": 0, "owned_by": "clawray"}],
+            "data": [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "clawray"}],
         }
 
     @app.get("/health")
@@ -353,7 +358,7 @@ class PolicyServer:
         if queue is not None:
             body["queue"] = queue
         if degraded:
-            return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.cfg["retry_after_s"])})
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.cfg.retry_after_s)})
         return body
 
     @app.post("/v1/chat/completions")
@@ -388,9 +393,9 @@ class PolicyServer:
             req = parse_chat_request(
                 decode_body(raw),
                 request.headers,
-                self.cfg["default_max_tokens"],
-                self.cfg["default_temperature"],
-                self.cfg["max_n"],
+                self.cfg.default_max_tokens,
+                self.cfg.default_temperature,
+                self.cfg.max_n,
             )
             token = self._bind_session(req.session_id, request.headers.get("x-session-token"))
             if req.session_id:  # then a session's requests queue in the order their bodies arrived
@@ -425,7 +430,7 @@ class PolicyServer:
                 None,
                 "engine_syncing",
                 "server_error",
-                headers={"Retry-After": str(self.cfg["retry_after_s"])},
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         except asyncio.TimeoutError:
             self.counts["engine_timeouts"] += 1
@@ -435,7 +440,7 @@ class PolicyServer:
                 None,
                 "engine_timeout",
                 "server_error",
-                headers={"Retry-After": str(self.cfg["retry_after_s"])},
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
             # the client hung up: Serve cancels this handler and (recursively) its engine calls
@@ -451,7 +456,7 @@ class PolicyServer:
                 None,
                 "service_unavailable",
                 "server_error",
-                headers={"Retry-After": str(self.cfg["retry_after_s"])},
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         except EngineError as e:  # the engine failed on this request alone; it goes on serving
             self.counts["engine_errors"] += 1
@@ -470,7 +475,7 @@ class PolicyServer:
 
     # ------------------------------------------------------------------ request plumbing
     def _authorized(self, request: Request) -> bool:
-        key = self.cfg.get("api_key") or ""
+        key = self.cfg.api_key
         if not key:
             return True
         given = request.headers.get("authorization", "")
@@ -487,12 +492,12 @@ class PolicyServer:
             RequestError: code ``forbidden_origin`` or ``forbidden_host`` (HTTP 403).
         """
         origin = request.headers.get("origin")
-        allowed = self.cfg["allowed_origins"]
+        allowed = self.cfg.allowed_origins
         if origin is not None and "*" not in allowed and origin.rstrip("/") not in [o.rstrip("/") for o in allowed]:
             raise RequestError(
                 f"browser origin {origin[:200]!r} is not allowed (serve.allowed_origins)", None, "forbidden_origin"
             )
-        bound = self.cfg["host"]
+        bound = self.cfg.host
         if bound in LOOPBACK_HOSTS:
             host = request.headers.get("host", "")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # drop the port
@@ -524,7 +529,7 @@ class PolicyServer:
         Raises:
             RequestError: code ``session_token`` (HTTP 403).
         """
-        mode = self.cfg["session_binding"]
+        mode = self.cfg.session_binding
         if mode == "off" or not session_id:
             return None
         entry = self.bindings.get(session_id)
@@ -552,15 +557,15 @@ class PolicyServer:
             RequestError: ``body_too_large`` (413) over ``max_body_bytes``; ``body_timeout`` (408) late.
         """
         try:
-            return await asyncio.wait_for(self._read_body_unbounded(request), timeout=self.cfg["body_timeout_s"])
+            return await asyncio.wait_for(self._read_body_unbounded(request), timeout=self.cfg.body_timeout_s)
         except asyncio.TimeoutError:
             self.counts["body_timeouts"] += 1
             raise RequestError(
-                f"the request body did not arrive within {self.cfg['body_timeout_s']} s", None, "body_timeout"
+                f"the request body did not arrive within {self.cfg.body_timeout_s} s", None, "body_timeout"
             ) from None
 
     async def _read_body_unbounded(self, request: Request) -> bytes:
-        limit = self.cfg["max_body_bytes"]
+        limit = self.cfg.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise RequestError(f"request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
@@ -585,7 +590,7 @@ class PolicyServer:
         if bad:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})", "stop_token_ids")
         call.end_ids = list(dict.fromkeys([*self.end_ids, *req.stop_token_ids]))
-        limit = self.cfg["max_model_len"]
+        limit = self.max_model_len
         chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in req.messages)
         if chars > limit * MAX_CHARS_PER_TOKEN:
             raise RequestError(
@@ -682,7 +687,7 @@ class PolicyServer:
         states = [DOWN if i in self._down else self._states[i] for i in range(n)]
         loads = [self._loads[i] + self._sent[i] for i in range(n)]
         try:
-            index = choose_engine(key, states, loads, self._homes.get(key) if key else None, self.cfg["engine_slack"])
+            index = choose_engine(key, states, loads, self._homes.get(key) if key else None, self.cfg.engine_slack)
         except ValueError:
             raise _NoEngineUp("no rollout engine is up") from None
         if key:
@@ -712,7 +717,7 @@ class PolicyServer:
             before = list(self._sent)  # generations started while the poll runs stay counted
             await asyncio.gather(*(poll(i) for i in range(len(self.engines))))
             self._sent = [now - then for now, then in zip(self._sent, before)]
-            await asyncio.sleep(self.cfg["engine_poll_s"])
+            await asyncio.sleep(self.engine_poll_s)
 
     def _mark_down(self, index: int) -> None:
         """[recovery hook] Skip engine ``index`` until it serves again: a watcher polls its stats
@@ -727,7 +732,7 @@ class PolicyServer:
 
         try:
             while True:
-                await asyncio.sleep(max(0.2, self.cfg["retry_after_s"] / 2))
+                await asyncio.sleep(max(0.2, self.cfg.retry_after_s / 2))
                 st = await probe(self.engines[index].stats.remote(), 5.0)
                 if st is not None and not st.get("awaiting_sync"):
                     return
@@ -752,7 +757,7 @@ class PolicyServer:
 
     def _generate_requests(self, call: _Call) -> list[GenerateRequest]:
         req = call.req
-        max_tokens = min(req.max_tokens, self.cfg["max_model_len"] - len(call.prompt_ids))
+        max_tokens = min(req.max_tokens, self.max_model_len - len(call.prompt_ids))
         return [
             GenerateRequest(
                 prompt_ids=call.prompt_ids,
@@ -811,7 +816,7 @@ class PolicyServer:
 
     # ------------------------------------------------------------------ plain answers
     async def _generate_all(self, call: _Call, engine: Any) -> list[dict]:
-        wait_s = self.cfg["sync_wait_timeout_s"]
+        wait_s = self.cfg.sync_wait_timeout_s
         # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
         # no gathered exception is left unretrieved; a client that hangs up (or the timeout) cancels
         # the engine calls (await_cancellable), which stops their generation
@@ -820,7 +825,7 @@ class PolicyServer:
                 *(await_cancellable(engine.generate.remote(g, wait_s)) for g in self._generate_requests(call)),
                 return_exceptions=True,
             ),
-            timeout=self.cfg["generate_timeout_s"],
+            timeout=self.cfg.generate_timeout_s,
         )
         for out in outs:
             if isinstance(out, BaseException):
@@ -841,7 +846,7 @@ class PolicyServer:
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": call.req.model or self.cfg["model_name"],
+            "model": call.req.model or self.cfg.model_name,
             "choices": [
                 {"index": i, "message": p.message(), "finish_reason": t.finish_reason, "logprobs": None}
                 for i, (p, t) in enumerate(zip(parsed, turns))
@@ -872,11 +877,11 @@ class PolicyServer:
         )
 
     async def _admitted_streams(self, call: _Call, engine: Any) -> list:
-        wait_s = self.cfg["sync_wait_timeout_s"]
+        wait_s = self.cfg.sync_wait_timeout_s
         streams = [engine.generate_stream.remote(g, wait_s) for g in self._generate_requests(call)]
         # each stream's first item is {"admitted": True}
         try:
-            await asyncio.wait_for(asyncio.gather(*(_next(s) for s in streams)), timeout=self.cfg["generate_timeout_s"])
+            await asyncio.wait_for(asyncio.gather(*(_next(s) for s in streams)), timeout=self.cfg.generate_timeout_s)
         except BaseException:  # refused, timed out or the client hung up: stop every stream in the engine
             _cancel_streams(streams)
             raise
@@ -892,10 +897,10 @@ class PolicyServer:
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
             "created": int(time.time()),
-            "model": req.model or self.cfg["model_name"],
+            "model": req.model or self.cfg.model_name,
         }
         usage_field = {"usage": None} if req.include_usage else {}
-        timeout = self.cfg["generate_timeout_s"]
+        timeout = self.cfg.generate_timeout_s
 
         def chunk(i: int, delta: dict, finish: str | None = None, **extra: Any) -> str:
             body = {
@@ -1007,38 +1012,42 @@ def start_policy_server(
     model_path: str,
     engines: list,
     tracker: Any,
-    cfg: dict,
-    host: str,
-    port: int,
-    num_cpus: float,
+    cfg: ServeConfig,
+    max_model_len: int,
     actors: dict | None = None,
-    num_replicas: int = 1,
-    resources: dict | None = None,
 ) -> str:
-    """Start Serve on ``host:port`` and deploy the PolicyServer (``actors``: see :class:`PolicyServer`)
-    as ``num_replicas`` replicas, each with ``num_cpus`` CPUs and the custom Ray ``resources``; more
-    than one replica routes by session (:func:`clawray.serve.routing.router_config`). Returns the base
-    URL (``.../v1``).
+    """Start Serve on ``cfg.host:cfg.port`` and deploy the PolicyServer (``cfg``, ``max_model_len``,
+    ``actors``: see :class:`PolicyServer`) as ``cfg.num_replicas`` replicas, each with ``cfg.num_cpus``
+    CPUs and the custom Ray ``cfg.resources``; more than one replica routes by session
+    (:func:`clawray.serve.routing.router_config`). Returns the base URL (``.../v1``).
 
     Raises:
         RuntimeError: nothing answers on ``host:port`` 30 s after the deployment (e.g. Serve was
             already running in this Ray cluster on another port: Serve keeps its first port).
+        ConfigError: ``cfg`` is a mapping that does not fit :class:`~clawray.config.ServeConfig`.
     """
     import httpx
 
     from clawray.serve.routing import router_config
 
+    cfg = section(ServeConfig, cfg)
+    host, port = cfg.host, cfg.port
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
-    options: dict[str, Any] = {"num_replicas": num_replicas}
-    if router_config(num_replicas) is not None:
-        options["request_router_config"] = router_config(num_replicas)
+    options: dict[str, Any] = {"num_replicas": cfg.num_replicas}
+    if router_config(cfg.num_replicas) is not None:
+        options["request_router_config"] = router_config(cfg.num_replicas)
     server = PolicyServer.options(
-        ray_actor_options={"num_cpus": num_cpus, "resources": dict(resources or {})},
+        ray_actor_options={"num_cpus": cfg.num_cpus, "resources": dict(cfg.resources)},
         logging_config={"enable_access_log": False},
         **options,
     )
-    serve.run(server.bind(model_path, engines, tracker, cfg, actors), name="clawray", route_prefix="/", blocking=False)
+    serve.run(
+        server.bind(model_path, engines, tracker, cfg, max_model_len, actors),
+        name="clawray",
+        route_prefix="/",
+        blocking=False,
+    )
     deadline = time.monotonic() + 30.0
     while True:
         try:

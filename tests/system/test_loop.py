@@ -213,6 +213,7 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
 
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.session import SessionTrackerActor
+    from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -221,17 +222,17 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
     logprobs = [-0.01 * (i + 1) for i in range(len(reply_ids))]
     engine = ray.remote(ScriptedEngine).options(num_cpus=0).remote(reply_ids, logprobs)
     tracker = SessionTrackerActor.options(num_cpus=0).remote([], TrajectoryQueueActor.options(num_cpus=0).remote(2))
-    cfg = {
-        "model_name": "scripted",
-        "default_max_tokens": 32,
-        "default_temperature": 1.0,
-        "max_model_len": 512,
-        "generate_timeout_s": 30,
-        "max_body_bytes": 1 << 20,
-        "api_key": "sekret",
-    }
+    cfg = ServeConfig(
+        model_name="scripted",
+        default_max_tokens=32,
+        default_temperature=1.0,
+        generate_timeout_s=30,
+        max_body_mb=1.0,
+        api_key="sekret",
+    )
+    max_model_len = 512
     serve.run(
-        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg, max_model_len),
         name="scripted",
         route_prefix="/scripted",
     )

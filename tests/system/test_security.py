@@ -28,6 +28,7 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
     from clawray.actors.judge import JudgeWorkerActor
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.session import SessionTrackerActor
+    from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
     from test_serve import _scripted_engine_class
 
@@ -41,24 +42,26 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
             [judge], queue, records_dir=str(tmp / mode), idle_timeout_s=600.0, truncated="mask"
         )
-        cfg = {
-            "model_name": "tiny",
-            "default_max_tokens": 4,
-            "default_temperature": 1.0,
-            "max_model_len": 256,
-            "generate_timeout_s": 60,
-            "max_body_bytes": 1 << 20,
-            "api_key": "",
-            "sync_wait_timeout_s": 1.0,
-            "retry_after_s": 2,
-            "max_n": 4,
-            "body_timeout_s": 2.0,
-            "host": "127.0.0.1",
-            "allowed_origins": ["http://localhost:3000"],
-            "session_binding": mode,
-        }
+        cfg = ServeConfig(
+            model_name="tiny",
+            default_max_tokens=4,
+            default_temperature=1.0,
+            generate_timeout_s=60,
+            max_body_mb=1.0,
+            api_key="",
+            sync_wait_timeout_s=1.0,
+            retry_after_s=2,
+            max_n=4,
+            body_timeout_s=2.0,
+            host="127.0.0.1",
+            allowed_origins=["http://localhost:3000"],
+            session_binding=mode,
+        )
+        max_model_len = 256
         serve.run(
-            PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+            PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(
+                tiny_model, [engine], tracker, cfg, max_model_len
+            ),
             name=mode,
             route_prefix=f"/{mode}",
         )

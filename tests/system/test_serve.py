@@ -106,6 +106,7 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
+    from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
 
     tmp = tmp_path_factory.mktemp("serve")
@@ -132,28 +133,28 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
             [judge], queue, records_dir=str(tmp / name / "records"), idle_timeout_s=600.0, truncated="mask"
         )
     ray.get(real_engine.ready.remote())
-    cfg = {
-        "model_name": "tiny",
-        "default_max_tokens": 100,
-        "default_temperature": 1.0,
-        "max_model_len": 256,
-        "generate_timeout_s": 60,
-        "max_body_bytes": 1 << 20,
-        "api_key": "",
-        "sync_wait_timeout_s": 1.0,
-        "retry_after_s": 2,
-        "max_n": 4,
-    }
+    cfg = ServeConfig(
+        model_name="tiny",
+        default_max_tokens=100,
+        default_temperature=1.0,
+        generate_timeout_s=60,
+        max_body_mb=1.0,
+        api_key="",
+        sync_wait_timeout_s=1.0,
+        retry_after_s=2,
+        max_n=4,
+    )
+    max_model_len = 256
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     opts = {"ray_actor_options": {"num_cpus": 0}}
     serve.run(
-        PolicyServer.options(**opts).bind(tiny_model, [real_engine], trackers["real"], cfg),
+        PolicyServer.options(**opts).bind(tiny_model, [real_engine], trackers["real"], cfg, max_model_len),
         name="real",
         route_prefix="/real",
     )
     serve.run(
-        PolicyServer.options(**opts).bind(thinking_model, [scripted], trackers["scripted"], cfg),
+        PolicyServer.options(**opts).bind(thinking_model, [scripted], trackers["scripted"], cfg, max_model_len),
         name="scripted",
         route_prefix="/scripted",
     )

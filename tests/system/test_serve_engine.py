@@ -37,6 +37,7 @@ def server(serve_root, tiny_model, tmp_path_factory):
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
+    from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
 
     tmp = tmp_path_factory.mktemp("serve_engine")
@@ -47,20 +48,20 @@ def server(serve_root, tiny_model, tmp_path_factory):
         [judge], queue, records_dir=str(tmp / "records"), idle_timeout_s=600.0, truncated="mask"
     )
     ray.get(engine.ready.remote())
-    cfg = {
-        "model_name": "tiny",
-        "default_max_tokens": 100,
-        "default_temperature": 1.0,
-        "max_model_len": 2048,
-        "generate_timeout_s": 120,
-        "max_body_bytes": 1 << 20,
-        "api_key": "",
-        "sync_wait_timeout_s": 5.0,
-        "retry_after_s": 2,
-        "max_n": 4,
-    }
+    cfg = ServeConfig(
+        model_name="tiny",
+        default_max_tokens=100,
+        default_temperature=1.0,
+        generate_timeout_s=120,
+        max_body_mb=1.0,
+        api_key="",
+        sync_wait_timeout_s=5.0,
+        retry_after_s=2,
+        max_n=4,
+    )
+    max_model_len = 2048
     serve.run(
-        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg),
+        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg, max_model_len),
         name="engine",
         route_prefix="/e",
     )
@@ -228,6 +229,7 @@ def vllm_servers(serve_root, tmp_path_factory):
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
     from clawray.models import CHAT_TEMPLATE
+    from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
 
     path = str(tmp_path_factory.mktemp("vllm_tiny"))
@@ -249,18 +251,18 @@ def vllm_servers(serve_root, tmp_path_factory):
     }
     ray.get([e.ready.remote() for e in engines.values()])
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
-    cfg = {
-        "model_name": "tiny",
-        "default_max_tokens": 8,
-        "default_temperature": 1.0,
-        "max_model_len": 1024,
-        "generate_timeout_s": 120,
-        "max_body_bytes": 1 << 20,
-        "api_key": "",
-        "sync_wait_timeout_s": 5.0,
-        "retry_after_s": 2,
-        "max_n": 4,
-    }
+    cfg = ServeConfig(
+        model_name="tiny",
+        default_max_tokens=8,
+        default_temperature=1.0,
+        generate_timeout_s=120,
+        max_body_mb=1.0,
+        api_key="",
+        sync_wait_timeout_s=5.0,
+        retry_after_s=2,
+        max_n=4,
+    )
+    max_model_len = 1024
     for name, engine in engines.items():
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
             [judge],
@@ -270,7 +272,7 @@ def vllm_servers(serve_root, tmp_path_factory):
             truncated="mask",
         )
         serve.run(
-            PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg),
+            PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg, max_model_len),
             name=f"vllm-{name}",
             route_prefix=f"/{name}",
         )
