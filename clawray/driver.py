@@ -461,7 +461,7 @@ class Driver:
         if not self.cfg.env.enabled:
             return
         self.sim = SimUserPoolActor.options(num_cpus=0).remote(
-            self.base_url, OmegaConf.to_container(self.cfg.env), self.cfg.serve.model_name
+            self.base_url, OmegaConf.to_object(self.cfg.env), self.cfg.serve.model_name
         )
         ray.get(self.sim.start.remote())
 

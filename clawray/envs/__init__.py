@@ -42,6 +42,14 @@ __all__ = ["ENVIRONMENTS", "env_from_config", "SPLITS", "Environment", "Problem"
 
 
 def env_from_config(env_cfg: Any) -> Environment:
-    """:func:`make_env` from the ``env`` config section (an omegaconf node or a plain dict)."""
-    get = env_cfg.get
-    return make_env(get("name", "arith"), get("level", 3), get("data_path", "") or "")
+    """:func:`make_env` from the ``env`` config section: an :class:`~clawray.config.EnvConfig`, an
+    omegaconf node or a mapping of some of its keys (converted by :func:`~clawray.config.section`, the
+    defaults are the schema's).
+
+    Raises:
+        ConfigError: a key :class:`~clawray.config.EnvConfig` lacks or a value of the wrong type.
+    """
+    from clawray.config import EnvConfig, section
+
+    env = section(EnvConfig, env_cfg)
+    return make_env(env.name, env.level, env.data_path)

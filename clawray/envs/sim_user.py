@@ -31,6 +31,7 @@ from typing import Any
 
 import ray
 
+from clawray.config import EnvConfig, section
 from clawray.envs import env_from_config
 from clawray.envs.arith import calculator
 from clawray.envs.base import Problem
@@ -45,17 +46,20 @@ class SimUserPool:
 
     Args:
         base_url: the policy endpoint (``http://127.0.0.1:PORT/v1``).
-        cfg: the ``env`` config section (plain dict): ``name``, ``level`` and ``data_path`` pick the environment.
+        cfg: the ``env`` config section (:class:`~clawray.config.EnvConfig`; an omegaconf node or a
+            mapping of some of its keys is converted by :func:`~clawray.config.section`): ``name``,
+            ``level`` and ``data_path`` pick the environment.
         model: the served model name.
     """
 
-    def __init__(self, base_url: str, cfg: dict, model: str = "clawray-policy"):
+    def __init__(self, base_url: str, cfg: EnvConfig, model: str = "clawray-policy"):
         from openai import OpenAI
 
-        self.client = OpenAI(base_url=base_url, api_key="EMPTY", timeout=cfg["request_timeout_s"], max_retries=0)
+        cfg = section(EnvConfig, cfg)
+        self.client = OpenAI(base_url=base_url, api_key="EMPTY", timeout=cfg.request_timeout_s, max_retries=0)
         self.cfg, self.model = cfg, model
         self.env = env_from_config(cfg)
-        self.rng = random.Random(cfg["seed"])
+        self.rng = random.Random(cfg.seed)
         self.lock = threading.Lock()
         self.stats: Counter[str] = Counter()
         self._stop = threading.Event()
@@ -67,7 +71,7 @@ class SimUserPool:
 
     def start(self) -> None:
         """Start the session threads (returns at once)."""
-        for i in range(self.cfg["concurrency"]):
+        for i in range(self.cfg.concurrency):
             t = threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"sim-user-{i}")
             t.start()
             self._threads.append(t)
@@ -117,7 +121,7 @@ class SimUserPool:
         while not self._stop.is_set():
             with self.lock:
                 problem = self.env.sample(self.rng, "train")
-            for _ in range(self.cfg.get("resample_n", 1)):  # resample mode: the same opening n times
+            for _ in range(self.cfg.resample_n):  # resample mode: the same opening n times
                 if self._stop.is_set():
                     break
                 try:
@@ -155,8 +159,8 @@ class SimUserPool:
                 model=self.model,
                 messages=messages,
                 **tools,
-                max_tokens=max_tokens or self.cfg["max_tokens"],
-                temperature=self.cfg["temperature"],
+                max_tokens=max_tokens or self.cfg.max_tokens,
+                temperature=self.cfg.temperature,
                 extra_headers=headers,
             )
         finally:
@@ -170,7 +174,7 @@ class SimUserPool:
         session = f"sim-{uuid.uuid4().hex[:12]}"
         self._count("sessions")
         messages: list[dict[str, Any]] = self.env.opening(problem)
-        for turn in range(self.cfg["max_turns"]):
+        for turn in range(self.cfg.max_turns):
             if self._stop.is_set():
                 return False
             msg = self._ask(session, messages).choices[0].message
@@ -188,7 +192,7 @@ class SimUserPool:
                 continue
             messages.append(assistant)
             text, solved = self.env.feedback(problem, msg.content or "")
-            last = solved or turn == self.cfg["max_turns"] - 1
+            last = solved or turn == self.cfg.max_turns - 1
             messages.append({"role": "user", "content": text})
             if last:
                 # the closing message carries the feedback on the last reply; its own reply is not

@@ -293,3 +293,12 @@ def test_credit_preset_uses_discounted_returns_on_multi_turn_sessions():
         3,
     )
     assert cfg.trainer.shaping.truncated == 0.2
+
+
+def test_serve_section_is_typed_and_max_body_bytes_is_mib():
+    from clawray.config import ServeConfig
+
+    assert ServeConfig().max_body_bytes == 8 * 1048576  # serve.max_body_mb 8 MiB
+    assert ServeConfig(max_body_mb=1.0).max_body_bytes == 1048576
+    serve = OmegaConf.to_object(load_config([], ["serve.max_body_mb=0.5", "serve.max_n=3"]).serve)
+    assert isinstance(serve, ServeConfig) and (serve.max_body_bytes, serve.max_n) == (524288, 3)

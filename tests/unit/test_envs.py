@@ -3,7 +3,7 @@ import random
 import pytest
 
 from clawray.actors.judge import feedback_score
-from clawray.envs import ENVIRONMENTS, make_env, split_of
+from clawray.envs import ENVIRONMENTS, env_from_config, make_env, split_of
 from clawray.envs.arith import calculator, feedback, grade, make_problems
 
 
@@ -152,3 +152,16 @@ def test_unknown_environment():
         make_env("chess")
     with pytest.raises(ValueError, match="unknown problem level"):
         make_env("arith", 4)
+
+
+def test_env_from_config_takes_the_env_section_with_the_schema_defaults():
+    from omegaconf import OmegaConf
+
+    from clawray.config import ConfigError, EnvConfig
+
+    env = env_from_config({"name": "arith"})  # a mapping of some keys: the rest are EnvConfig's
+    assert (env.name, env.level) == ("arith", 3)
+    assert env_from_config(EnvConfig(name="arith", level=1)).level == 1
+    assert env_from_config(OmegaConf.structured(EnvConfig(name="sums"))).name == "sums"  # an omegaconf node
+    with pytest.raises(ConfigError, match="nmae"):  # a misspelt key is an error, not the arith default
+        env_from_config({"nmae": "sums"})

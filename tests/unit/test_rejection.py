@@ -147,11 +147,10 @@ def test_resample_mode_asks_each_problem_n_times_and_grpo_gets_groups_of_n(tiny_
     from transformers import AutoTokenizer
 
     from clawray.algos.advantages import group_advantages
-    from clawray.config import EnvConfig, section
+    from clawray.config import EnvConfig
     from clawray.envs.sim_user import SimUserPool
 
-    cfg = {**vars(section(EnvConfig, {})), "name": "brief", "resample_n": n, "max_turns": 1, "seed": 0}
-    pool = SimUserPool("http://127.0.0.1:9/v1", cfg)
+    pool = SimUserPool("http://127.0.0.1:9/v1", EnvConfig(name="brief", resample_n=n, max_turns=1, seed=0))
     client = pool.client = _ScriptedClient(pool, stop_after=12)
     pool._loop(0)  # one worker, in this thread, until the 12th session closes
     firsts = [r for r in client.requests if not r[2]]  # each session's first (trained) request

@@ -6,7 +6,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-from omegaconf import OmegaConf
 
 from clawray.config import EnvConfig
 from clawray.envs.sim_user import SimUserPool
@@ -33,8 +32,7 @@ class SlowClient:
 
 
 def _pool(concurrency=3):
-    cfg = OmegaConf.to_container(OmegaConf.structured(EnvConfig(name="brief", concurrency=concurrency)))
-    pool = SimUserPool("http://127.0.0.1:9/v1", cfg)
+    pool = SimUserPool("http://127.0.0.1:9/v1", EnvConfig(name="brief", concurrency=concurrency))
     pool.client = SlowClient()
     return pool
 
