@@ -3,7 +3,9 @@ RolloutEngine actor directly, on the same prompts with the same seeds (so both p
 
 For each concurrency C, C sessions each send R single-turn requests back to back; both paths see the
 same prompt ids and sampling seeds. Prints mean / p50 latency per request (seconds), generated
-tokens per second, and the endpoint/direct ratios. Target: overhead <= 5% at 16 sessions.
+tokens per second, the engine's mean batch (requests per backend generate call: the hf engine runs
+static batches, so requests that reach it staggered run in smaller ones), and the endpoint/direct
+ratios. Target: overhead <= 5% at 16 sessions.
 
     python bench/serve_overhead.py                         # tiny model, hf engine
     python bench/serve_overhead.py --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm
@@ -135,18 +137,24 @@ def main() -> None:
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
 
     print(f"model={model} backend={args.backend} rounds={args.rounds} max_tokens={args.max_tokens}")
-    print(f"{'sessions':>8} {'path':>9} {'requests':>8} {'mean_s':>8} {'p50_s':>8} {'tokens/s':>9}")
+    print(f"{'sessions':>8} {'path':>9} {'requests':>8} {'mean_s':>8} {'p50_s':>8} {'tokens/s':>9} {'mean_batch':>10}")
     asyncio.run(_direct(engine, prompts, 2, 1, 8, stop))  # warm up both paths
     asyncio.run(_endpoint(base_url, questions, 2, 1, 8, "warm"))
     for c in [int(x) for x in args.concurrency.split(",")]:
         rows = {}
         for path in ("direct", "endpoint"):
+            before = ray.get(engine.stats.remote())
             if path == "direct":
                 lat, toks, wall = asyncio.run(_direct(engine, prompts, c, args.rounds, args.max_tokens, stop))
             else:
                 lat, toks, wall = asyncio.run(_endpoint(base_url, questions, c, args.rounds, args.max_tokens, f"c{c}"))
+            after = ray.get(engine.stats.remote())
+            batch = (after["requests"] - before["requests"]) / max(1, after["batches"] - before["batches"])
             rows[path] = (statistics.mean(lat), _percentile(lat, 0.5), toks / wall, toks)
-            print(f"{c:>8} {path:>9} {len(lat):>8} {rows[path][0]:>8.3f} {rows[path][1]:>8.3f} {rows[path][2]:>9.1f}")
+            print(
+                f"{c:>8} {path:>9} {len(lat):>8} {rows[path][0]:>8.3f} {rows[path][1]:>8.3f} {rows[path][2]:>9.1f} "
+                f"{batch:>10.1f}"
+            )
         (dm, dp, dt, dtok), (em, ep, et, etok) = rows["direct"], rows["endpoint"]
         same = "same tokens" if dtok == etok else f"token counts differ: {dtok} vs {etok}"
         print(

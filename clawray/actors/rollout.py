@@ -175,6 +175,7 @@ class RolloutEngine:
             "requests": 0,
             "tokens": 0,
             "gen_seconds": 0.0,
+            "batches": 0,
             "loads": 0,
             "last_sync_error": None,
             "cancelled": 0,
@@ -307,6 +308,7 @@ class RolloutEngine:
             lambda i: batch[i].cancelled or self._interrupt,
         )
         self._stats["gen_seconds"] += time.perf_counter() - t0
+        self._stats["batches"] += 1
         for job, out in zip(batch, outputs):
             self._stats["tokens"] += len(out.response_ids)
             job.ids += out.response_ids
@@ -492,7 +494,8 @@ class RolloutEngine:
 
     async def stats(self) -> dict:
         """Counters: ``requests`` (finished generations), ``tokens`` (generated, cancelled ones
-        included), ``gen_seconds``, ``loads`` (weight loads), ``cancelled`` (generations stopped or
+        included), ``gen_seconds``, ``batches`` (backend generate calls: requests run together, a
+        continued request counted again), ``loads`` (weight loads), ``cancelled`` (generations stopped or
         dropped because their caller went away), ``errors`` (requests the backend failed on),
         ``interrupted`` (generation runs a sync interrupted and that were continued after it), the
         version, the last sync's error (None after a successful load), ``awaiting_sync`` (restarted,

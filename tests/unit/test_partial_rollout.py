@@ -108,6 +108,9 @@ def test_a_sync_interrupts_a_long_generation_which_continues_on_the_new_weights(
     )
     stats = loop.run_until_complete(eng.stats())
     assert stats["interrupted"] == 2 and stats["requests"] == 2 and stats["cancelled"] == 0
+    # backend calls: the stream alone (stopped by the interrupt), the queued request (stopped before its
+    # first token), then both continued together after the load
+    assert stats["batches"] == 3
     eng._backend.model.load_state_dict(v1)  # the engine serves v1 (the scoring above swapped weights)
 
 
