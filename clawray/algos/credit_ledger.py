@@ -83,7 +83,7 @@ class CreditLedger:
     def __init__(
         self,
         mode: str = "turn",
-        gamma: float = 1.0,
+        gamma: float = 0.9,
         outcome_turn_weight: float = 0.0,
         max_staleness: int = 2,
         outcome_judge: bool = False,

@@ -542,3 +542,18 @@ def test_session_transcript_rendering_and_feedback_score():
     assert session_feedback_score([{"role": "user", "content": "Let's stop here."}]) is None
     assert session_feedback_score([{"role": "tool", "content": "Traceback: boom"}]) == -1
     assert session_feedback_score([{"role": "assistant", "content": "hi"}]) is None
+
+
+def test_ledger_defaults_are_the_schema_defaults():
+    """The ledger's keyword defaults equal their config fields' (algos/ cannot import the schema)."""
+    import inspect
+
+    from clawray.config import QueueConfig, TrainerConfig
+
+    params = inspect.signature(CreditLedger).parameters
+    trainer = TrainerConfig()
+    assert params["mode"].default == trainer.credit
+    assert params["gamma"].default == trainer.gamma == 0.9
+    assert params["outcome_turn_weight"].default == trainer.outcome_turn_weight
+    assert params["outcome_judge"].default == trainer.outcome_judge
+    assert params["max_staleness"].default == QueueConfig().max_staleness
