@@ -20,6 +20,26 @@ for _k, _v in LOOPBACK_ENV.items():
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def make_turn(session: str, history: list, reply: str, version: int = 0, tools: list | None = None):
+    """A served main-line turn for session tests: prompt ids [1, 2, 3], response ids [7, 8] with
+    log-probs [-0.5, -0.25], policy ``version``, the reply as the assistant message (index assigned
+    by the tracker)."""
+    from clawray.types import Turn
+
+    return Turn(
+        session_id=session,
+        turn_index=0,
+        messages=list(history),
+        response_message={"role": "assistant", "content": reply},
+        prompt_ids=[1, 2, 3],
+        response_ids=[7, 8],
+        rollout_logprobs=[-0.5, -0.25],
+        policy_version=version,
+        finish_reason="stop",
+        tools=tools,
+    )
+
+
 def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
     """A run config for the whole loop on the tiny model on 2 CPU cores: hf engine, feedback judge,
     batches of 2, no evaluation (tests that want it turn it on), a free serve port, conf/rl.yaml's

@@ -5,7 +5,8 @@ import pytest
 from clawray.actors import session as session_mod
 from clawray.actors.judge import JudgeResult
 from clawray.actors.session import SessionTracker
-from clawray.types import SampleMeta, Turn
+from clawray.types import SampleMeta
+from conftest import make_turn as turn
 
 
 class _Remote:
@@ -46,20 +47,6 @@ class FakeQueue:
 @pytest.fixture(autouse=True)
 def no_object_store(monkeypatch):
     monkeypatch.setattr(session_mod.ray, "put", lambda x: x)
-
-
-def turn(session, history, reply, version=0):
-    return Turn(
-        session_id=session,
-        turn_index=0,
-        messages=list(history),
-        response_message={"role": "assistant", "content": reply},
-        prompt_ids=[1, 2, 3],
-        response_ids=[7, 8],
-        rollout_logprobs=[-0.5, -0.25],
-        policy_version=version,
-        finish_reason="stop",
-    )
 
 
 def test_pairs_next_state_and_emits_samples_in_order():

@@ -2,25 +2,10 @@
 
 from clawray.chat import conversation_key
 from clawray.sessions import Session, SessionBook
-from clawray.types import Turn
+from conftest import make_turn as turn
 
 U1 = {"role": "user", "content": "2 + 2?"}
 U2 = {"role": "user", "content": "shorter"}
-
-
-def turn(sid, history, reply, tools=None):
-    return Turn(
-        session_id=sid,
-        turn_index=0,
-        messages=list(history),
-        response_message={"role": "assistant", "content": reply},
-        prompt_ids=[1, 2, 3],
-        response_ids=[7, 8],
-        rollout_logprobs=[-0.5, -0.25],
-        policy_version=0,
-        finish_reason="stop",
-        tools=tools,
-    )
 
 
 def keys_of(messages):
