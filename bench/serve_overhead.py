@@ -3,9 +3,13 @@ RolloutEngine actor directly, on the same prompts with the same seeds (so both p
 
 For each concurrency C, C sessions each send R single-turn requests back to back; both paths see the
 same prompt ids and sampling seeds. Prints mean / p50 latency per request (seconds), generated
-tokens per second, the engine's mean batch (requests per backend generate call: the hf engine runs
-static batches, so requests that reach it staggered run in smaller ones), and the endpoint/direct
-ratios. Target: overhead <= 5% at 16 sessions.
+tokens per second, the CPU milliseconds per request of each process on the path (engine, Serve
+proxy, Serve replica, session tracker, Serve controller, and this process: the client), the engine's
+mean batch (requests in the engine per backend step; the hf engine samples them one at a time,
+oldest first, so this is its queue depth), and the endpoint/direct ratios. A third path, ``bare``, is the least an OpenAI endpoint on Ray Serve does (chat template, one
+engine call, detokenize; no sessions or recording), on the same Serve proxy: ``bare`` vs ``direct``
+is Ray Serve's own cost on this machine, ``endpoint`` vs ``bare`` is clawray's. Target: endpoint
+overhead <= 5% at 16 sessions.
 
     python bench/serve_overhead.py                         # tiny model, hf engine
     python bench/serve_overhead.py --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm
@@ -22,6 +26,34 @@ import tempfile
 import time
 
 import ray
+
+
+#: process groups whose CPU time the bench reports per request: (label, prefix of the process's command line)
+_GROUPS = [
+    ("engine", "ray::RolloutEngine"),
+    ("proxy", "ray::ProxyActor"),
+    ("replica", "ray::ServeReplica"),
+    ("tracker", "ray::SessionTracker"),
+    ("serve_ctl", "ray::ServeController"),
+]
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds so far of each process group of :data:`_GROUPS` and of this process
+    (``client``: the HTTP client or the direct caller), from ``psutil``."""
+    import psutil
+
+    out = {label: 0.0 for label, _ in _GROUPS} | {"client": 0.0}
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        cmd, times = " ".join(proc.info["cmdline"] or []), proc.info["cpu_times"]
+        label = (
+            "client"
+            if proc.info["pid"] == os.getpid()
+            else next((lb for lb, pre in _GROUPS if cmd.startswith(pre)), None)
+        )
+        if label is not None and times is not None:  # None: the process is gone or not ours to read
+            out[label] += times.user + times.system
+    return out
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -81,6 +113,49 @@ async def _endpoint(base_url: str, questions: list[str], sessions: int, rounds: 
     return latencies, tokens, time.perf_counter() - t0
 
 
+def _start_bare_server(engine, model: str) -> None:
+    """Deploy, next to clawray's endpoint (same Serve proxy and port), the least an OpenAI chat endpoint
+    on Ray Serve does: FastAPI ingress, chat template + tokenize, one engine call, detokenize, the
+    response JSON. No sessions, no recording, no validation: the floor clawray's endpoint is held to.
+    It answers at ``/bare/v1/chat/completions``."""
+    from fastapi import FastAPI
+    from ray import serve
+
+    app = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)  # as clawray's
+    @serve.ingress(app)
+    class BareOpenAI:
+        def __init__(self, engine, model: str):
+            from transformers import AutoTokenizer
+
+            self.engine, self.tok = engine, AutoTokenizer.from_pretrained(model)
+            self.stop = [self.tok.convert_tokens_to_ids(self.tok.eos_token)]
+
+        @app.post("/v1/chat/completions")
+        async def chat(self, body: dict) -> dict:
+            from clawray.engines.base import GenerateRequest
+
+            text = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            ids = self.tok.encode(text, add_special_tokens=False)
+            req = GenerateRequest(
+                ids, body["max_tokens"], body["temperature"], stop_token_ids=self.stop, seed=body["seed"]
+            )
+            out = await self.engine.generate.remote(req)
+            n = len(out["response_ids"])
+            message = {"role": "assistant", "content": self.tok.decode(out["response_ids"], skip_special_tokens=True)}
+            return {
+                "id": "bare",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": out["finish_reason"]}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
+            }
+
+    serve.run(BareOpenAI.bind(engine, model), name="bare", route_prefix="/bare")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
@@ -134,33 +209,48 @@ def main() -> None:
     )
     max_model_len = 1024
     base_url = start_policy_server(model, [engine], tracker, cfg, max_model_len)
+    _start_bare_server(engine, model)
+    bare_url = base_url.removesuffix("/v1") + "/bare/v1"
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
 
     print(f"model={model} backend={args.backend} rounds={args.rounds} max_tokens={args.max_tokens}")
     print(f"{'sessions':>8} {'path':>9} {'requests':>8} {'mean_s':>8} {'p50_s':>8} {'tokens/s':>9} {'mean_batch':>10}")
     asyncio.run(_direct(engine, prompts, 2, 1, 8, stop))  # warm up both paths
     asyncio.run(_endpoint(base_url, questions, 2, 1, 8, "warm"))
+    asyncio.run(_endpoint(bare_url, questions, 2, 1, 8, "warm"))
     for c in [int(x) for x in args.concurrency.split(",")]:
-        rows = {}
-        for path in ("direct", "endpoint"):
-            before = ray.get(engine.stats.remote())
+        rows, cpu = {}, {}
+        for path in ("direct", "bare", "endpoint"):
+            before, cpu0 = ray.get(engine.stats.remote()), _cpu_seconds()
             if path == "direct":
                 lat, toks, wall = asyncio.run(_direct(engine, prompts, c, args.rounds, args.max_tokens, stop))
             else:
-                lat, toks, wall = asyncio.run(_endpoint(base_url, questions, c, args.rounds, args.max_tokens, f"c{c}"))
-            after = ray.get(engine.stats.remote())
-            batch = (after["requests"] - before["requests"]) / max(1, after["batches"] - before["batches"])
+                url = bare_url if path == "bare" else base_url
+                lat, toks, wall = asyncio.run(_endpoint(url, questions, c, args.rounds, args.max_tokens, f"c{c}"))
+            after, cpu1 = ray.get(engine.stats.remote()), _cpu_seconds()
+            cpu[path] = {k: 1000 * (cpu1[k] - cpu0[k]) / len(lat) for k in cpu1}
+            steps = max(1, after["steps"] - before["steps"])
+            batch = (after["step_requests"] - before["step_requests"]) / steps
             rows[path] = (statistics.mean(lat), _percentile(lat, 0.5), toks / wall, toks)
             print(
                 f"{c:>8} {path:>9} {len(lat):>8} {rows[path][0]:>8.3f} {rows[path][1]:>8.3f} {rows[path][2]:>9.1f} "
                 f"{batch:>10.1f}"
             )
-        (dm, dp, dt, dtok), (em, ep, et, etok) = rows["direct"], rows["endpoint"]
-        same = "same tokens" if dtok == etok else f"token counts differ: {dtok} vs {etok}"
-        print(
-            f"{c:>8} {'ratio':>9} {'':>8} {em / dm:>8.3f} {ep / dp:>8.3f} {dt / et:>9.3f}   "
-            f"latency overhead {100 * (em / dm - 1):+.1f}%, throughput overhead {100 * (dt / et - 1):+.1f}% ({same})"
-        )
+        for path, ms in cpu.items():
+            print(f"{c:>8} {path:>9} cpu ms/request: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
+        # bare/dir: Ray Serve's own cost; endpoint/bare: clawray's; endpoint/dir (last): the target's figure
+        for label, path, base in (
+            ("bare/dir", "bare", "direct"),
+            ("end/bare", "endpoint", "bare"),
+            ("end/dir", "endpoint", "direct"),
+        ):
+            (bm, bp, bt, btok), (em, ep, et, etok) = rows[base], rows[path]
+            same = "same tokens" if btok == etok else f"token counts differ: {btok} vs {etok}"
+            print(
+                f"{c:>8} {label:>9} {'':>8} {em / bm:>8.3f} {ep / bp:>8.3f} {bt / et:>9.3f}   "
+                f"latency overhead {100 * (em / bm - 1):+.1f}%, throughput overhead {100 * (bt / et - 1):+.1f}% "
+                f"({same})"
+            )
     serve.shutdown()
     ray.shutdown()
 

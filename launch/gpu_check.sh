@@ -5,11 +5,14 @@
 #
 #   bash launch/gpu_check.sh                      # installs (.venv, CUDA torch + vLLM), then runs
 #   bash launch/gpu_check.sh rollout.gpu_memory_utilization=0.3   # extra key=value overrides
+#   WITH_LOOP=1 bash launch/gpu_check.sh          # then step 6: async vs serial loop on SmolLM2 (about 5 min more)
 #
 # Steps: (1) setup.sh gpu; (2) nvidia-smi and torch / vLLM / CUDA versions; (3) an IpcTransport round
 # trip between two Ray actors holding 0.5 GPU each (CUDA tensors, bit-exact, timed); (4)
 # `clawray run conf/rl.yaml conf/gpu.yaml trainer.num_steps=3` in a fresh run folder; (5) a table from
-# the run's metrics.jsonl. Exits non-zero when any step fails, a sync failed or a metric is missing.
+# the run's metrics.jsonl; with WITH_LOOP=1, (6) bench/loop_throughput.py on SmolLM2-135M-Instruct with
+# conf/gpu.yaml and the CPU demo's workload (brief, 2 turns), whose last line is the async / serial ratio
+# (#16's target: >= 1.8x). Exits non-zero when any step fails, a sync failed or a metric is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -99,3 +102,11 @@ if bad:
     sys.exit("gpu_check FAILED: " + "; ".join(bad))
 print("gpu_check ok")
 EOF
+
+if [[ "${WITH_LOOP:-0}" == 1 ]]; then
+  echo "== 6. loop throughput on one GPU: async vs serial (bench/loop_throughput.py, SmolLM2-135M-Instruct)"
+  SMOL="$HOME/.cache/clawray/models/smollm2-135m-instruct"
+  [[ -d "$SMOL" ]] || clawray model smollm2 "$SMOL"
+  PYTHONPATH=. python bench/loop_throughput.py --model "$SMOL" --backend vllm --preset conf/gpu.yaml \
+    --set env.name=brief env.max_turns=2
+fi

@@ -1,8 +1,12 @@
 """RolloutEngine: one inference engine (``hf`` or ``vllm``) as an async Ray actor.
 
-The backend is owned by a single engine thread that executes jobs in FIFO order: batches of
-generation requests, teacher scoring and weight loads. ``pause()`` stops admitting new generation
-jobs (they wait, they do not fail) until ``resume()``.
+The backend is owned by a single engine thread that takes jobs in FIFO order: generation requests,
+teacher scoring and weight loads. Generation is continuously batched: the thread steps the backend
+(:meth:`clawray.engines.base.Backend.step`) and, between steps, adds newly queued requests to the
+running batch (up to ``max_batch_size``) and returns every request that finished, so a short reply
+never waits for a long one and a new request never waits for a batch to end. Any other job waits
+until the generations running when it was taken finish (no request is added meanwhile), then runs
+alone. ``pause()`` stops admitting new generation jobs (they wait, they do not fail) until ``resume()``.
 
 Weight syncs, two modes (``sync.mode``):
 
@@ -25,9 +29,18 @@ is marked cancelled: a queued job is dropped before it starts, a running one sto
 ``requests`` (finished generations).
 
 Failure isolation: an exception inside the backend fails only the request that caused it. When a
-batch fails, each of its requests is retried alone; a request that fails alone gets an
+step fails, the backend is cleared and each running request is retried alone (from its tokens so far); a request that fails alone gets an
 :class:`EngineError` (a short message without internals; the traceback goes to the log) and is
-counted in ``stats()["errors"]``. The engine thread keeps serving.
+counted in ``stats()["errors"]``. A request that already streamed tokens of the failed run is not
+retried (its client would see them twice): it fails. A request the backend refuses
+(:meth:`~clawray.engines.base.Backend.add` raises ``ValueError``) fails alone with
+:class:`EngineRefusedError`, an :class:`EngineError` that names the reason (a client error). A fault elsewhere in the engine thread's loop
+(``can_add`` or ``abort`` raising) is handled like a failed step (every running request is retried
+alone); a stream callback that raises fails its own request only. The engine thread keeps serving.
+
+Shutdown (:meth:`RolloutEngine.shutdown`): the running generations and the jobs queued before it
+finish; the parked generations, every job queued after it and every generate call still waiting for
+a paused engine's resume fail with :class:`EngineError`.
 """
 
 from __future__ import annotations
@@ -36,13 +49,14 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import ray
 
-from clawray.engines.base import GenerateRequest, WeightSpec
+from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
 
 if TYPE_CHECKING:
     from clawray.weight_sync import TransportSpec
@@ -62,8 +76,16 @@ class EngineRestartedError(RuntimeError):
 
 
 class EngineError(RuntimeError):
-    """The backend raised while generating this request (the engine itself keeps serving). The
-    message names the exception type only, never a traceback, path or actor id."""
+    """The backend raised while generating this request (the engine itself keeps serving), or the
+    engine was shut down before the job could run. The message names the exception type only, never
+    a traceback, path or actor id."""
+
+
+class EngineRefusedError(EngineError):
+    """The backend refused this request before sampling it (:meth:`Backend.add` raised ``ValueError``,
+    e.g. vLLM: the prompt leaves no room for a token within ``max_model_len``): the request's own
+    fault, a client error. The message is ``"the engine refused this request: <reason>"``, the reason
+    naming the request's sizes only (no traceback, path or actor id)."""
 
 
 async def await_cancellable(ref: Any) -> Any:
@@ -103,7 +125,22 @@ def continue_request(request: GenerateRequest, done_ids: list[int]) -> GenerateR
 
 
 class _Job:
-    __slots__ = ("kind", "payload", "future", "loop", "stream", "cancelled", "streamed", "ids", "logprobs", "versions")
+    _arrivals = itertools.count()  # arrival order of jobs (parked generations resume in it)
+
+    __slots__ = (
+        "arrival",
+        "kind",
+        "payload",
+        "future",
+        "loop",
+        "stream",
+        "cancelled",
+        "streamed",
+        "stopping",
+        "ids",
+        "logprobs",
+        "versions",
+    )
 
     def __init__(
         self,
@@ -113,9 +150,11 @@ class _Job:
         stream: Callable[[list[int]], None] | None = None,
     ):
         self.kind, self.payload, self.loop, self.stream = kind, payload, loop, stream
+        self.arrival = next(_Job._arrivals)
         self.future: asyncio.Future = loop.create_future()
         self.cancelled = False  # set from the event loop when the caller went away; read by the engine thread
-        self.streamed = False  # some tokens already went to the stream (a retry would repeat them)
+        self.streamed = False  # tokens of the current run already went to the stream (a retry would repeat them)
+        self.stopping = False  # the backend was told to abort it (engine thread only)
         # a generation's response so far (several engine runs when a sync interrupted it)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -130,7 +169,18 @@ class _Job:
             else:
                 self.future.set_result(value)
 
-        self.loop.call_soon_threadsafe(_set)
+        self.post(_set)
+
+    def cancel(self) -> None:
+        """Cancel the future (a no-op when the caller's await already cancelled it)."""
+        self.post(self.future.cancel)
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the caller's event loop; nothing when that loop is closed (the caller is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # "Event loop is closed"
+            pass
 
 
 class RolloutEngine:
@@ -157,6 +207,8 @@ class RolloutEngine:
         backend_kwargs: dict | None = None,
         resync_on_restart: bool = False,
     ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.name = name
         # [recovery hook] a restarted policy engine holds the initial weights: no generation before a sync
         from clawray.recovery import was_restarted
@@ -175,7 +227,8 @@ class RolloutEngine:
             "requests": 0,
             "tokens": 0,
             "gen_seconds": 0.0,
-            "batches": 0,
+            "steps": 0,
+            "step_requests": 0,
             "loads": 0,
             "last_sync_error": None,
             "cancelled": 0,
@@ -185,6 +238,8 @@ class RolloutEngine:
         self._in_flight = 0  # generate calls entered and not returned (waiting while paused included)
         self._interrupt = False  # set by pause(interrupt=True): running generations stop at their next token
         self._parked: list[_Job] = []  # generations a sync interrupted (engine thread only), resumed by resume()
+        self._stopped = False  # the engine thread has stopped: queued jobs fail (see _fail_queued)
+        self._closing = False  # shutdown() was called: generate calls fail instead of waiting for a resume
         self._thread = threading.Thread(
             target=self._run,
             args=(backend, model_path, torch_threads, backend_kwargs or {}),
@@ -208,122 +263,216 @@ class RolloutEngine:
             self._ready.set()
         if self._init_error is not None:
             return
-        held: _Job | None = None  # a non-generate job met while batching, run next
+        running: dict[int, _Job] = {}  # generations in the backend, by key
+        keys = itertools.count()
+        held: _Job | None = None  # a non-generation job: runs once the running generations finished
+        stopping = False  # shutdown: finish the running generations, then stop
         while True:
-            if self._parked and not self._interrupt:  # resumed after a sync: continue the parked ones first
-                batch, self._parked = self._parked, []
-            else:
-                job, held = (held, None) if held is not None else (self._jobs.get(), None)
-                if job is None:
-                    self._fail_parked()
-                    return
-                if job.kind == "wake":  # resume(): only wakes the loop up for the parked generations
-                    continue
-                if job.kind != "generate":
+            try:
+                if held is None and not stopping:
+                    held, stopping = self._take_jobs(running, keys)
+                if running:
+                    self._step(running)
+                elif held is not None:
+                    job, held = held, None
                     try:
                         job.resolve(job.payload())
                     except BaseException as e:
                         job.resolve(error=e)
-                    continue
-                batch = [job]
-            while held is None and len(batch) < self.max_batch_size:
-                try:
-                    nxt = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:  # shutdown: finish this batch first
-                    self._jobs.put(None)
-                    break
-                if nxt.kind != "generate":
-                    held = None if nxt.kind == "wake" else nxt
-                    break
-                batch.append(nxt)
-            self._run_generate(self._drop_cancelled(batch))
+                elif stopping:
+                    self._stop()
+                    return
+            except Exception as e:  # outside a backend step (can_add, abort, ...): the thread must go on serving
+                logger.error("%s: the engine loop failed", self.name, exc_info=e)
+                self._step_failed(running, e, culprit_known=False)
 
-    def _fail_parked(self) -> None:
-        for job in self._parked:
-            job.resolve(error=EngineError("the engine shut down while this request waited for a weight sync"))
-        self._parked = []
+    def _take_jobs(self, running: dict[int, _Job], keys: Iterator[int]) -> tuple[_Job | None, bool]:
+        """Add the parked generations (after a sync) and the queued ones to the running batch, until
+        it holds ``max_batch_size``, the queue is empty or a non-generation job comes (returned, and
+        no later job is taken). Blocks on the queue only when nothing runs.
 
-    def _drop_cancelled(self, batch: list[_Job]) -> list[_Job]:
-        """Queued jobs whose caller went away never start."""
-        for job in batch:
+        Returns:
+            ``(held, stopping)``: the non-generation job met, if any; whether shutdown was queued.
+        """
+        while len(running) < self.max_batch_size and (not running or self._backend.can_add()):
+            if self._parked and not self._interrupt:  # resumed after a sync: continue the parked ones first
+                self._start(self._parked.pop(0), running, keys)
+                continue
+            try:
+                job = self._jobs.get(block=not running)
+            except queue.Empty:
+                break
+            if job is None:
+                return None, True
+            if job.kind == "wake":  # resume(): only wakes the thread up for the parked generations
+                continue
+            if job.kind != "generate":
+                return job, False
+            if self._interrupt and not job.cancelled:  # queued before the sync's pause: runs on the new weights
+                self._park(job)
+            else:
+                self._start(job, running, keys)
+        return None, False
+
+    def _start(self, job: _Job, running: dict[int, _Job], keys: Iterator[int]) -> None:
+        if job.cancelled:  # its caller went away while it was queued or parked: never (re)starts
+            self._cancelled(job, len(job.ids))
+            return
+        key = next(keys)
+        try:
+            self._backend.add(key, continue_request(job.payload, job.ids))
+        except ValueError as e:  # refused (e.g. too long for the engine): fails alone, the request's fault
+            self._stats["errors"] += 1
+            logger.warning("%s: the backend refused a request: %s", self.name, e)
+            job.resolve(error=EngineRefusedError(f"the engine refused this request: {e}"))
+            return
+        except Exception as e:  # the backend failed while adding it: fails alone
+            self._failed(job, e)
+            return
+        job.stopping = job.streamed = False  # a new run: its stream has sent nothing yet
+        running[key] = job
+
+    def _park(self, job: _Job) -> None:
+        """Keep an interrupted (or queued) generation for resume(), in arrival order: a request queued
+        during the step that the interrupt stopped is parked first, yet resumes after the older one."""
+        self._stats["interrupted"] += 1
+        at = len(self._parked)
+        while at and self._parked[at - 1].arrival > job.arrival:
+            at -= 1
+        self._parked.insert(at, job)
+
+    def _stop(self) -> None:
+        """Shutdown: fail the parked generations and everything still queued; later jobs fail at once."""
+        self._stopped = True
+        parked, self._parked = self._parked, []
+        for job in parked:
             if job.cancelled:
+                self._cancelled(job, len(job.ids))
+            else:
+                job.resolve(error=EngineError("the engine shut down while this request waited for a weight sync"))
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """Fail every queued job with :class:`EngineError` (the engine thread has stopped). Called by
+        the engine thread as it stops and by :meth:`_enqueue` after a put that came too late, so no job
+        is left in the queue whichever comes last."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None or job.kind == "wake":
+                continue
+            if job.kind == "generate" and job.cancelled:
                 self._cancelled(job, 0)
-        return [j for j in batch if not j.cancelled]
+            else:
+                job.resolve(error=EngineError(f"{self.name} has shut down"))
 
     def _cancelled(self, job: _Job, tokens: int) -> None:
         self._stats["cancelled"] += 1
         logger.info("%s: generation cancelled by its caller after %d tokens", self.name, tokens)
-        job.loop.call_soon_threadsafe(job.future.cancel)  # no-op when the caller's await already cancelled it
+        job.cancel()
 
-    def _run_generate(self, batch: list[_Job]) -> None:
-        """Run one batch; if the backend raises, retry each request alone (see the module doc)."""
-        if not batch:
-            return
+    def _step(self, running: dict[int, _Job]) -> None:
+        """One backend step: abort the generations whose caller went away (or all, for a sync's
+        interrupt), stream the new tokens and finish the generations that ended."""
+        gone = [k for k, job in running.items() if not job.stopping and (job.cancelled or self._interrupt)]
+        for key in gone:
+            running[key].stopping = True
+        if gone:
+            self._backend.abort(gone)
+        t0 = time.perf_counter()
         try:
-            self._generate(batch)
+            out = self._backend.step()
         except BaseException as e:  # any failure: the engine thread must go on serving
-            if len(batch) == 1:
-                self._failed(batch[0], e)
-                return
+            self._stats["gen_seconds"] += time.perf_counter() - t0
+            self._step_failed(running, e)
+            return
+        self._stats["gen_seconds"] += time.perf_counter() - t0
+        self._stats["steps"] += 1
+        self._stats["step_requests"] += len(running)
+        for key, ids in out.new_tokens.items():
+            job = running.get(key)  # None: failed by its stream in this step
+            if job is not None and job.stream is not None:
+                self._stream(key, job, ids, running)
+        for key, result in out.finished.items():
+            job = running.pop(key, None)
+            if job is not None:  # None: failed by its stream (the backend returns it once aborted)
+                self._finish(job, result)
+
+    def _stream(self, key: int, job: _Job, ids: list[int], running: dict[int, _Job]) -> None:
+        """Send a step's new tokens to the job's stream; a stream that raises fails its job alone
+        (dropped from the batch and aborted in the backend; its output is ignored)."""
+        job.streamed = True
+        try:
+            job.stream(ids)
+        except Exception as e:
+            del running[key]
+            self._failed(job, e)
+            self._backend.abort([key])
+
+    def _step_failed(self, running: dict[int, _Job], error: BaseException, culprit_known: bool = True) -> None:
+        """Clear the backend and retry each running request alone (see the module doc). A single
+        request fails without a retry when the failed step ran it alone (``culprit_known``); none is
+        retried when the backend cannot even be cleared."""
+        jobs = list(running.values())
+        running.clear()
+        retry = len(jobs) > 1 or not culprit_known
+        try:
+            self._backend.clear()
+        except Exception as e:
+            logger.error("%s: clearing the backend failed", self.name, exc_info=e)
+            retry = False
+        if retry:
             logger.warning(
-                "%s: a batch of %d failed (%s: %s); retrying its requests one by one",
+                "%s: a step of %d requests failed (%s: %s); retrying them one by one",
                 self.name,
-                len(batch),
-                type(e).__name__,
-                e,
+                len(jobs),
+                type(error).__name__,
+                error,
             )
-            for job in batch:
-                if job.cancelled:
-                    self._cancelled(job, 0)
-                    continue
-                if job.streamed:  # its client already has tokens of the failed attempt
-                    self._failed(job, e)
-                    continue
-                try:
-                    self._generate([job])
-                except BaseException as e1:
-                    self._failed(job, e1)
+        for job in jobs:
+            if job.cancelled:
+                self._cancelled(job, len(job.ids))
+            elif job.streamed or not retry:  # streamed: its client already has tokens of the failed run
+                self._failed(job, error)
+            else:
+                self._retry_alone(job)
+
+    def _retry_alone(self, job: _Job) -> None:
+        """Run one request on its own (from its tokens so far), after a step that held it failed."""
+        try:
+            (result,) = self._backend.generate(
+                [continue_request(job.payload, job.ids)],
+                (lambda _, ids: job.stream(ids)) if job.stream is not None else None,
+                lambda _: job.cancelled or self._interrupt,
+            )
+        except BaseException as e:
+            self._failed(job, e)
+            return
+        self._finish(job, result)
 
     def _failed(self, job: _Job, error: BaseException) -> None:
         self._stats["errors"] += 1
         logger.error("%s: generation failed", self.name, exc_info=error)
         job.resolve(error=EngineError(f"the engine failed on this request ({type(error).__name__})"))
 
-    def _generate(self, batch: list[_Job]) -> None:
-        """Run the batch on the current weights; each job's response so far is extended by what this
-        run sampled. A job stopped by a sync's interrupt (not by its caller) is parked for resume()."""
-        t0 = time.perf_counter()
-        version = self.version
-
-        def on_tokens(i: int, ids: list[int]) -> None:
-            if batch[i].stream is not None:
-                batch[i].streamed = True
-                batch[i].stream(ids)
-
-        outputs = self._backend.generate(
-            [continue_request(j.payload, j.ids) for j in batch],
-            on_tokens if any(j.stream for j in batch) else None,
-            lambda i: batch[i].cancelled or self._interrupt,
-        )
-        self._stats["gen_seconds"] += time.perf_counter() - t0
-        self._stats["batches"] += 1
-        for job, out in zip(batch, outputs):
-            self._stats["tokens"] += len(out.response_ids)
-            job.ids += out.response_ids
-            job.logprobs += out.logprobs
-            job.versions += [version] * len(out.response_ids)
-            if out.finish_reason == "abort":
-                if job.cancelled:
-                    self._cancelled(job, len(job.ids))
-                elif len(job.ids) >= job.payload.max_tokens:  # stopped exactly at its last token
-                    self._resolve(job, "length")
-                else:  # interrupted by a weight sync: continued after the load
-                    self._stats["interrupted"] += 1
-                    self._parked.append(job)
-                continue
+    def _finish(self, job: _Job, out: GenerateOutput) -> None:
+        """Extend the job's response by what this run sampled (on the current weights: a load runs
+        only when no generation does) and resolve it; a job stopped by a sync's interrupt (not by its
+        caller) is parked for resume()."""
+        self._stats["tokens"] += len(out.response_ids)
+        job.ids += out.response_ids
+        job.logprobs += out.logprobs
+        job.versions += [self.version] * len(out.response_ids)
+        if out.finish_reason != "abort":
             self._resolve(job, out.finish_reason)
+        elif job.cancelled:
+            self._cancelled(job, len(job.ids))
+        elif len(job.ids) >= job.payload.max_tokens:  # stopped exactly at its last token
+            self._resolve(job, "length")
+        else:  # interrupted by a weight sync: continued after the load
+            self._park(job)
 
     def _resolve(self, job: _Job, finish_reason: str) -> None:
         self._stats["requests"] += 1
@@ -344,6 +493,8 @@ class RolloutEngine:
         if self._init_error is not None:
             raise RuntimeError(f"{self.name}: backend failed to start: {self._init_error!r}")
         self._jobs.put(job)
+        if self._stopped:  # the engine thread stopped (maybe after it emptied the queue): fail it here
+            self._fail_queued()
 
     async def _submit(self, kind: str, payload: Any) -> Any:
         job = _Job(kind, payload, asyncio.get_running_loop())
@@ -353,18 +504,26 @@ class RolloutEngine:
     async def _admit(self, wait_s: float | None) -> None:
         """Wait while paused: forever (``wait_s`` None) or up to ``wait_s`` seconds.
 
+        A call cancelled while it waits counts in ``stats()["cancelled"]``.
+
         Raises:
+            asyncio.CancelledError: the caller went away while it waited.
             EnginePausedError: still paused after ``wait_s`` seconds.
             EngineRestartedError: restarted and not re-synced yet (at once, no wait).
+            EngineError: :meth:`shutdown` was called (at once, or as soon as it is while waiting).
         """
         if self._awaiting_sync:
             raise EngineRestartedError(f"{self.name} was restarted and awaits the current policy's weights")
-        if self._resumed.is_set():
-            return
-        try:
-            await asyncio.wait_for(self._resumed.wait(), wait_s)
-        except asyncio.TimeoutError:
-            raise EnginePausedError(f"{self.name} is loading new weights (paused > {wait_s} s)") from None
+        if not self._resumed.is_set() and not self._closing:
+            try:
+                await asyncio.wait_for(self._resumed.wait(), wait_s)
+            except asyncio.TimeoutError:
+                raise EnginePausedError(f"{self.name} is loading new weights (paused > {wait_s} s)") from None
+            except asyncio.CancelledError:  # its caller went away while it waited: a cancelled generation
+                self._stats["cancelled"] += 1
+                raise
+        if self._closing:  # shut down (maybe while this call waited for a resume that never comes)
+            raise EngineError(f"{self.name} has shut down")
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         return self._submit("call", fn)
@@ -391,7 +550,8 @@ class RolloutEngine:
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s``.
-            EngineError: the backend failed on this request.
+            EngineError: the backend failed on this request, or the engine shut down;
+                :class:`EngineRefusedError` when the backend refused it (the request's fault).
             asyncio.CancelledError: the call was cancelled (``ray.cancel``); the generation is
                 dropped from the queue or stopped at its next token.
         """
@@ -418,7 +578,8 @@ class RolloutEngine:
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s`` (before anything is yielded).
-            EngineError: the backend failed on this request.
+            EngineError: the backend failed on this request, or the engine shut down;
+                :class:`EngineRefusedError` when the backend refused it (the request's fault).
             asyncio.CancelledError: the stream was cancelled (``ray.cancel``) or closed early; the
                 generation is dropped from the queue or stopped at its next token.
         """
@@ -494,14 +655,16 @@ class RolloutEngine:
 
     async def stats(self) -> dict:
         """Counters: ``requests`` (finished generations), ``tokens`` (generated, cancelled ones
-        included), ``gen_seconds``, ``batches`` (backend generate calls: requests run together, a
-        continued request counted again), ``loads`` (weight loads), ``cancelled`` (generations stopped or
-        dropped because their caller went away), ``errors`` (requests the backend failed on),
-        ``interrupted`` (generation runs a sync interrupted and that were continued after it), the
-        version, the last sync's error (None after a successful load), ``awaiting_sync`` (restarted,
-        not re-synced yet: it refuses generation), ``paused`` (a weight sync is in progress) and
-        ``in_flight`` (the queue depth: generate calls not finished, those waiting while paused included;
-        a gauge, not a counter)."""
+        included), ``gen_seconds`` (in backend steps), ``steps`` (backend steps), ``step_requests``
+        (running requests summed over steps: ``step_requests / steps`` is the mean batch), ``loads``
+        (weight loads), ``cancelled`` (generations stopped or dropped because their caller went away,
+        those that went away while waiting for a sync's resume included),
+        ``errors`` (requests the backend failed on), ``interrupted`` (generations a sync parked:
+        stopped mid-reply, or queued before its load; each continues after it), the version, the last
+        sync's error (None after a successful load), ``awaiting_sync`` (restarted, not re-synced yet:
+        it refuses generation), ``paused`` (a weight sync is in progress) and ``in_flight`` (the queue
+        depth: generate calls not finished, those waiting while paused included; a gauge, not a
+        counter)."""
         return {
             **self._stats,
             "version": self.version,
@@ -593,8 +756,12 @@ class RolloutEngine:
         return await self._call(_load)
 
     async def shutdown(self) -> None:
-        """Stop the engine thread."""
+        """Stop the engine thread: the running generations and the jobs queued before this call
+        finish; parked generations and jobs queued after it fail with :class:`EngineError`, and so do
+        the generate calls waiting for a paused engine's resume (at once: none will come)."""
+        self._closing = True
         self._jobs.put(None)
+        self._resumed.set()  # wakes the calls waiting in _admit, which then fail
 
 
 # The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.

@@ -12,8 +12,14 @@ ids) -- never with defaults inherited from a library or the model folder's ``gen
 restricted to the top-p nucleus (the smallest set of most probable tokens whose mass reaches
 ``top_p``, renormalised); ``T = 0`` is greedy (argmax). See :func:`sample_next_token`.
 
-Cancellation: :meth:`Backend.generate` takes ``cancelled(i)``; a request it reports cancelled stops at
-the next token (or is removed before it starts) and comes back with ``finish_reason == "abort"``.
+Continuous batching: a backend is driven one step at a time (:meth:`Backend.add`, :meth:`Backend.step`,
+:meth:`Backend.abort`), so its caller can add requests to the running batch and take each reply as soon
+as it finishes, between steps (Orca, Yu et al. 2022, "iteration-level scheduling"). :func:`run_batch`
+drives a fixed list of requests to the end; every backend's ``generate`` is that.
+
+Cancellation: :meth:`Backend.abort` (or ``generate``'s ``cancelled(i)``, polled before every step) stops
+a request at its next token (or before it starts); it comes back with ``finish_reason == "abort"`` and
+the tokens it had.
 """
 
 from __future__ import annotations
@@ -111,11 +117,49 @@ class WeightSpec:
     dtype: str  # e.g. "torch.float32"
 
 
-class Backend(Protocol):
-    """An inference engine driven from a single thread.
+@dataclass
+class StepOutput:
+    """What one :meth:`Backend.step` produced.
 
-    Implementations: :class:`clawray.engines.hf.HFBackend`, :class:`clawray.engines.vllm.VLLMBackend`.
+    Attributes:
+        new_tokens: request key -> the token ids it sampled in this step (for streaming; a
+            finished request's ids are also in its output).
+        finished: request key -> the whole output of each request that ended in this step
+            (``stop``, ``length`` or ``abort``); the backend forgets these keys.
     """
+
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)
+    finished: dict[int, GenerateOutput] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """An inference engine driven from a single thread, one step at a time.
+
+    Implementations: :class:`clawray.engines.hf.HFBackend` (one request at a time, in the order they
+    were added), :class:`clawray.engines.vllm.VLLMBackend` (vLLM's own continuous batching).
+    """
+
+    def add(self, key: int, request: GenerateRequest) -> None:
+        """Add a request to the running batch under the caller's ``key`` (unique among running ones).
+
+        Raises:
+            ValueError: the engine rejects the request (e.g. prompt longer than ``max_model_len``);
+                nothing was added.
+        """
+
+    def can_add(self) -> bool:
+        """Whether :meth:`add` may be called now. False while the backend needs the running requests
+        to finish first (vLLM: a finished top-p reply awaits its re-score, which runs alone)."""
+
+    def step(self) -> StepOutput:
+        """Advance the running requests by one engine step (the module's sampling convention)."""
+
+    def abort(self, keys: list[int]) -> None:
+        """Stop these running requests; each comes back in the next :meth:`step`'s ``finished`` with
+        ``finish_reason == "abort"`` and its tokens (and log-probs) so far. Unknown keys are ignored."""
+
+    def clear(self) -> None:
+        """Drop every running request, without outputs (after :meth:`step` raised)."""
 
     def generate(
         self,
@@ -123,14 +167,7 @@ class Backend(Protocol):
         on_tokens: TokenCallback | None = None,
         cancelled: CancelCheck | None = None,
     ) -> list[GenerateOutput]:
-        """Sample a response for every request (batched where the engine can), with the module's
-        sampling convention.
-
-        ``on_tokens(i, ids)``, when given, is called from the engine thread as request ``i``'s new
-        token ids are sampled (streaming); the returned outputs are the same either way.
-        ``cancelled(i)``, when given, is polled between tokens: a cancelled request stops there, is
-        removed from the engine and returns ``finish_reason == "abort"`` with what it had so far.
-        """
+        """:func:`run_batch` on this backend."""
 
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of the given response ids after the given prompt (teacher path)."""
@@ -145,3 +182,55 @@ class Backend(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors into the live model and drop any prefix/KV cache."""
+
+
+def run_batch(
+    backend: Backend,
+    requests: list[GenerateRequest],
+    on_tokens: TokenCallback | None = None,
+    cancelled: CancelCheck | None = None,
+) -> list[GenerateOutput]:
+    """Sample a response for every request (together, as the backend batches) and return the
+    outputs in request order.
+
+    ``on_tokens(i, ids)``, when given, is called as request ``i``'s new token ids are sampled
+    (streaming); the outputs are the same either way. ``cancelled(i)``, when given, is polled before
+    every step: a cancelled request stops there and returns ``finish_reason == "abort"`` with what it
+    had so far.
+
+    Raises:
+        ValueError: the backend rejected a request (none of them runs).
+        Exception: whatever a step raised; the backend is cleared first, so no request is left in it.
+    """
+    try:
+        for i, request in enumerate(requests):
+            backend.add(i, request)
+        outputs: dict[int, GenerateOutput] = {}
+        aborted: set[int] = set()
+        while len(outputs) < len(requests):
+            if cancelled is not None:
+                gone = [i for i in range(len(requests)) if i not in outputs and i not in aborted and cancelled(i)]
+                backend.abort(gone)
+                aborted.update(gone)
+            step = backend.step()
+            if on_tokens is not None:
+                for i, ids in step.new_tokens.items():
+                    on_tokens(i, ids)
+            outputs.update(step.finished)
+    except BaseException:
+        backend.clear()
+        raise
+    return [outputs[i] for i in range(len(requests))]
+
+
+class SteppedBackend:
+    """Gives a stepped backend its batch ``generate`` (:func:`run_batch`)."""
+
+    def generate(
+        self,
+        requests: list[GenerateRequest],
+        on_tokens: TokenCallback | None = None,
+        cancelled: CancelCheck | None = None,
+    ) -> list[GenerateOutput]:
+        """Sample every request to the end; see :func:`run_batch`."""
+        return run_batch(self, requests, on_tokens, cancelled)  # type: ignore[arg-type]

@@ -1,34 +1,50 @@
 """The ``hf`` backend: a transformers causal LM with its own sampling loop; the fast test path.
 
-The loop (one forward per token with the KV cache, then :func:`clawray.engines.base.sample_next_token`)
+The loop (one forward per token with the KV cache, then :func:`clawray.engines.base.sample_next_token`,
+one request at a time in the order they were added: a step samples one token of the oldest request)
 replaces ``model.generate`` on purpose: ``generate`` merges in library defaults (``top_k=50``) and the
 model folder's ``generation_config.json`` (``top_k``, ``temperature``, ``repetition_penalty``, ...), so
 it would sample from another distribution than the one whose log-probs are recorded. Here a request is
 sampled with its own parameters only; the folder's generation config contributes its eos ids (as in
-vLLM) and nothing else. The loop also polls the caller's cancel check before every token.
+vLLM) and nothing else. A request aborted between steps stops before its next token.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 
 from clawray.algos.losses import sequence_logprobs
 from clawray.engines.base import (
-    CancelCheck,
     GenerateOutput,
     GenerateRequest,
-    TokenCallback,
+    SteppedBackend,
+    StepOutput,
     WeightSpec,
     sample_next_token,
 )
 
 
-class HFBackend:
+@dataclass
+class _Run:
+    """One request's sampling state: its KV cache, the next input ids and the reply so far."""
+
+    request: GenerateRequest
+    stop: set[int]
+    generator: torch.Generator
+    inputs: torch.Tensor  # [1, P] before the first token, then [1, 1]
+    past: Any = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class HFBackend(SteppedBackend):
     """A transformers causal LM that samples, scores and loads weights.
 
-    Requests are served one at a time (no padding, so each request's log-probs are exact).
+    Requests are served one at a time, oldest first (no padding, so each request's log-probs are
+    exact): :meth:`step` samples one token of the oldest running request.
 
     Args:
         model_path: a local HF folder.
@@ -47,6 +63,8 @@ class HFBackend:
         self.model.eval()
         self.eos_ids = self._eos_ids(self.model.generation_config)
         self.rng = torch.Generator(self.device).manual_seed(seed)
+        self._runs: dict[int, _Run] = {}  # running requests by key, oldest first
+        self._aborted: list[int] = []
 
     @staticmethod
     def _eos_ids(gen_config) -> list[int]:
@@ -55,42 +73,53 @@ class HFBackend:
             return []
         return [eos] if isinstance(eos, int) else list(eos)
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        requests: list[GenerateRequest],
-        on_tokens: TokenCallback | None = None,
-        cancelled: CancelCheck | None = None,
-    ) -> list[GenerateOutput]:
-        """Sample each request in turn; see :meth:`clawray.engines.base.Backend.generate`."""
-        return [self._generate_one(i, r, on_tokens, cancelled) for i, r in enumerate(requests)]
+    def add(self, key: int, request: GenerateRequest) -> None:
+        """Queue a request behind the running ones (see :meth:`clawray.engines.base.Backend.add`)."""
+        if not request.prompt_ids:
+            raise ValueError("generate needs a non-empty prompt")
+        gen = self.rng if request.seed is None else torch.Generator(self.device).manual_seed(request.seed)
+        inputs = torch.tensor([request.prompt_ids], device=self.device)
+        self._runs[key] = _Run(request, set(request.stop_token_ids) | set(self.eos_ids), gen, inputs)
 
-    def _generate_one(
-        self, index: int, req: GenerateRequest, on_tokens: TokenCallback | None, cancelled: CancelCheck | None
-    ) -> GenerateOutput:
-        stop = set(req.stop_token_ids) | set(self.eos_ids)
-        gen = self.rng if req.seed is None else torch.Generator(self.device).manual_seed(req.seed)
-        inputs = torch.tensor([req.prompt_ids], device=self.device)
-        past = None
-        response: list[int] = []
-        logprobs: list[float] = []
-        finish = "length"
-        while len(response) < req.max_tokens:
-            if cancelled is not None and cancelled(index):
-                finish = "abort"
-                break
-            out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tok, lp = sample_next_token(out.logits[0, -1], req.temperature, req.top_p, gen)
-            response.append(tok)
-            logprobs.append(lp)
-            if on_tokens is not None:
-                on_tokens(index, [tok])
-            if tok in stop:
-                finish = "stop"
-                break
-            inputs = torch.tensor([[tok]], device=self.device)
-        return GenerateOutput(response_ids=response, logprobs=logprobs, finish_reason=finish)
+    def can_add(self) -> bool:
+        """Always: a request added now runs after the ones before it."""
+        return True
+
+    def abort(self, keys: list[int]) -> None:
+        """Stop these requests before their next token (reported by the next :meth:`step`)."""
+        self._aborted += [k for k in keys if k in self._runs]
+
+    def clear(self) -> None:
+        """Drop every request."""
+        self._runs.clear()
+        self._aborted = []
+
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        """Report the aborted requests, then sample one token of the oldest running request (one
+        forward pass with its KV cache)."""
+        out = StepOutput()
+        for key in self._aborted:
+            if key in self._runs:
+                run = self._runs.pop(key)
+                out.finished[key] = GenerateOutput(run.ids, run.logprobs, "abort")
+        self._aborted = []
+        if not self._runs:
+            return out
+        key, run = next(iter(self._runs.items()))
+        fwd = self.model(input_ids=run.inputs, past_key_values=run.past, use_cache=True)
+        run.past = fwd.past_key_values
+        tok, lp = sample_next_token(fwd.logits[0, -1], run.request.temperature, run.request.top_p, run.generator)
+        run.ids.append(tok)
+        run.logprobs.append(lp)
+        out.new_tokens[key] = [tok]
+        finish = "stop" if tok in run.stop else "length" if len(run.ids) >= run.request.max_tokens else None
+        if finish is None:
+            run.inputs = torch.tensor([[tok]], device=self.device)
+        else:
+            del self._runs[key]
+            out.finished[key] = GenerateOutput(run.ids, run.logprobs, finish)
+        return out
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:

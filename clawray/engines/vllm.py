@@ -20,9 +20,20 @@ at least ``max_model_len``, so any prompt prefills in one step): vLLM-CPU cannot
 seeded ``torch.Generator`` after a partial prefill (``CPU Generator does not use offset``), so seeded
 requests with long prompts failed.
 
-Generation steps the engine here (``add_request`` + ``step``), which lets a cancelled request be
-aborted between steps; if a step raises, every request of the call is aborted before the error
-propagates, so none is left inside the engine.
+Context length: scoring runs prompt + response as a prompt, and vLLM refuses a prompt of
+``max_model_len`` tokens (it wants room for one output token), so the engine is built with
+``max_model_len + 1`` positions and :meth:`VLLMBackend.add` keeps every reply within
+``max_model_len``: a top-p reply (or a teacher's reply) that fills the context is still scored. When
+``max_model_len`` is the model's own maximum there is no such room: a top-p request (T > 0) then
+stops one token earlier (prompt + response <= ``max_model_len - 1``), and scoring takes at most
+``max_model_len - 1`` tokens.
+
+Generation steps the engine here (``add_request`` + ``step``: :meth:`VLLMBackend.add`,
+:meth:`VLLMBackend.step`), so requests join and leave the running batch between steps and a cancelled
+one is aborted there. A finished (or aborted) top-p request's log-probs are re-scored as soon as no
+other request is in the engine (the re-score runs ``llm.generate``, which would step them too); until
+then :meth:`VLLMBackend.can_add` is False so the running ones drain. :meth:`VLLMBackend.clear` aborts
+every request (after a failed step), so none is left inside the engine.
 
 vLLM keeps the token that ended a reply in ``token_ids`` (eos and ``stop_token_ids`` alike), so
 ``response_ids`` end with it. The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -40,11 +51,24 @@ import itertools
 import logging
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
 
-from clawray.engines.base import CancelCheck, GenerateOutput, GenerateRequest, TokenCallback, WeightSpec
+from clawray.engines.base import GenerateOutput, GenerateRequest, SteppedBackend, StepOutput, WeightSpec
+
+
+@dataclass
+class _Run:
+    """One request inside the engine: the caller's key, vLLM's internal id and the reply so far."""
+
+    key: int
+    request: GenerateRequest
+    internal_id: str
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 def _set_logit_scale(value: float | None, factor: float, model: torch.nn.Module) -> float:
@@ -68,7 +92,13 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.quiet)
 
 
-class VLLMBackend:
+def _rescored(request: GenerateRequest) -> bool:
+    """Whether a reply to this request is re-scored after it ends: top-p sampling (top_p < 1, T > 0),
+    whose vLLM log-probs are renormalised over the nucleus (see the module doc)."""
+    return request.top_p < 1.0 and request.temperature > 0
+
+
+class VLLMBackend(SteppedBackend):
     """Generation, scoring and weight reload on one in-process vLLM engine.
 
     Args:
@@ -103,138 +133,151 @@ class VLLMBackend:
         if current_platform.is_cpu():
             engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
             engine_kwargs.setdefault("enable_chunked_prefill", False)  # seeded requests: see the module doc
-            if not engine_kwargs["enable_chunked_prefill"]:
-                engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
         engine_kwargs.setdefault("generation_config", "vllm")  # nothing from generation_config.json
         self.model_path = model_path
-        self.llm = LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            logprobs_mode="processed_logprobs",
-            **engine_kwargs,
-        )
+        self.max_model_len = max_model_len
+        self._score_len = max_model_len  # longest prompt + response that score() takes (see the module doc)
+
+        def make_llm(engine_len: int):
+            kwargs = dict(engine_kwargs)
+            if current_platform.is_cpu() and not kwargs["enable_chunked_prefill"]:
+                kwargs.setdefault("max_num_batched_tokens", max(engine_len, 2048))
+            return LLM(
+                model=model_path,
+                tokenizer=model_path,
+                dtype=dtype,
+                max_model_len=engine_len,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+
+        try:  # one position of headroom, for scoring a full-context prompt + response
+            self.llm = make_llm(max_model_len + 1)
+        except ValueError as e:  # max_model_len is the model's own maximum: no room beyond it
+            if "derived max_model_len" not in str(e):
+                raise
+            self.llm = make_llm(max_model_len)
+            self._score_len = max_model_len - 1
         self.tokenizer = self.llm.get_tokenizer()
         tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
         self._request_ids = itertools.count()
+        self._runs: dict[str, _Run] = {}  # requests in the engine, by request id
+        self._rescore: list[_Run] = []  # ended top-p requests waiting for their re-score
 
-    def generate(
-        self,
-        requests: list[GenerateRequest],
-        on_tokens: TokenCallback | None = None,
-        cancelled: CancelCheck | None = None,
-    ) -> list[GenerateOutput]:
-        """Sample all requests together (the engine is stepped here, ``RequestOutputKind.DELTA``);
-        outputs are in request order.
+    def add(self, key: int, request: GenerateRequest) -> None:
+        """Add a request to the engine's running batch (``RequestOutputKind.DELTA``); every sampling
+        field is set explicitly (see the module doc).
 
-        Each output's ``logprobs`` follow the module convention (length R = len(response_ids)).
-        ``on_tokens`` gets each step's new tokens as they come. ``cancelled(i)`` is polled after
-        every step; a cancelled request is aborted in the engine and returns ``finish_reason
-        "abort"`` with the tokens (and log-probs, same convention) it had so far: the engine
-        continues an interrupted request by re-submitting prompt + those tokens. ``finish_reason`` is ``"length"`` also when prompt + response reaches ``max_model_len``.
+        ``max_tokens`` is cut so that prompt + response stays within ``max_model_len`` (the reply
+        then ends with ``"length"`` there).
+
         Raises:
-            ValueError: vLLM rejected a request, e.g. a prompt longer than ``max_model_len``.
-            RuntimeError: a request finished for another reason than stop/length/abort.
-            Exception: whatever an engine step raised; the call's requests are aborted first.
+            ValueError: the prompt leaves no room for a token within ``max_model_len``, or vLLM
+                rejected the request; nothing was added.
         """
         from vllm import SamplingParams
-
-        if not requests:
-            return []
-        params = [
-            SamplingParams(
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=0,
-                min_p=0.0,
-                presence_penalty=0.0,
-                frequency_penalty=0.0,
-                repetition_penalty=1.0,
-                max_tokens=r.max_tokens,
-                stop_token_ids=list(r.stop_token_ids),
-                seed=r.seed,
-                logprobs=0,
-                detokenize=False,
-            )
-            for r in requests
-        ]
-        prompts = [list(r.prompt_ids) for r in requests]
-        results = self._run_stepped(prompts, params, on_tokens, cancelled)
-        # vLLM renormalises processed logprobs over the nucleus: re-score those requests, grouped by T
-        # (aborted ones too: a sync's interrupt keeps their tokens, which must carry these weights' log-probs)
-        nucleus = [i for i, r in enumerate(requests) if r.top_p < 1.0 and r.temperature > 0 and results[i].response_ids]
-        for temp in sorted({requests[i].temperature for i in nucleus}):
-            idx = [i for i in nucleus if requests[i].temperature == temp]
-            pairs = [(list(requests[i].prompt_ids), results[i].response_ids) for i in idx]
-            for i, lps in zip(idx, self._score_batch(pairs, temp)):
-                results[i].logprobs = lps
-        return results
-
-    @staticmethod
-    def _output(request_id: str, ids: list[int], logprobs: list[float], finish_reason: str | None) -> GenerateOutput:
-        if finish_reason not in ("stop", "length", "abort"):
-            raise RuntimeError(f"vLLM request {request_id} finished with {finish_reason!r}")
-        return GenerateOutput(response_ids=ids, logprobs=logprobs, finish_reason=finish_reason)
-
-    def _run_stepped(
-        self, prompts: list[list[int]], params: list, on_tokens: TokenCallback | None, cancelled: CancelCheck | None
-    ) -> list[GenerateOutput]:
-        """Add the requests to the engine and step it until all finish, passing on new tokens and
-        aborting cancelled requests; on any error, abort what is left before raising."""
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
-        engine = self.llm.llm_engine
-        index: dict[str, int] = {}
-        internal: dict[str, str] = {}
+        n = len(request.prompt_ids)
+        max_tokens = min(request.max_tokens, (self._score_len if _rescored(request) else self.max_model_len) - n)
+        if max_tokens < 1:
+            raise ValueError(f"the prompt is {n} tokens; max_model_len is {self.max_model_len}")
+        params = SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=0,
+            min_p=0.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            repetition_penalty=1.0,
+            max_tokens=max_tokens,
+            stop_token_ids=list(request.stop_token_ids),
+            seed=request.seed,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        rid = f"clawray-{next(self._request_ids)}"  # outputs carry this id; vLLM adds a suffix inside
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                p.output_kind = RequestOutputKind.DELTA
-                rid = f"clawray-{next(self._request_ids)}"  # outputs carry this id; vLLM adds a suffix inside
-                internal[rid] = engine.add_request(rid, {"prompt_token_ids": prompt}, p)
-                index[rid] = i
+            internal = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
         except VLLMValidationError as e:
-            engine.abort_request(list(internal.values()), internal=True)
             raise ValueError(str(e)) from e
-        ids: list[list[int]] = [[] for _ in prompts]
-        lps: list[list[float]] = [[] for _ in prompts]
-        finish: list[str | None] = [None] * len(prompts)
-        rids = list(index)
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    i = index[out.request_id]
-                    comp = out.outputs[0]
-                    new = list(comp.token_ids)
-                    ids[i] += new
-                    lps[i] += [step[tok].logprob for tok, step in zip(new, comp.logprobs or [])]
-                    if new and on_tokens is not None:
-                        on_tokens(i, new)
-                    if out.finished:
-                        finish[i] = comp.finish_reason
-                if cancelled is not None:
-                    gone = [i for i, rid in enumerate(rids) if finish[i] is None and cancelled(i)]
-                    if gone:
-                        engine.abort_request([internal[rids[i]] for i in gone], internal=True)
-                        for i in gone:
-                            finish[i] = "abort"
-        except BaseException:
-            engine.abort_request([internal[rids[i]] for i in range(len(rids)) if finish[i] is None], internal=True)
-            raise
-        return [self._output(rid, ids[i], lps[i], finish[i]) for rid, i in index.items()]
+        self._runs[rid] = _Run(key, request, internal)
+
+    def can_add(self) -> bool:
+        """False while a finished top-p reply waits for its re-score (which needs the engine alone)."""
+        return not self._rescore
+
+    def abort(self, keys: list[int]) -> None:
+        """Abort these requests in the engine; the next :meth:`step` returns them (``"abort"``)."""
+        wanted = set(keys)
+        runs = [r for r in self._runs.values() if r.key in wanted and r.finish_reason is None]
+        if runs:
+            self.llm.llm_engine.abort_request([r.internal_id for r in runs], internal=True)
+        for run in runs:
+            run.finish_reason = "abort"
+
+    def clear(self) -> None:
+        """Abort every request of this backend in the engine and forget them."""
+        live = [r.internal_id for r in self._runs.values() if r.finish_reason is None]
+        if live:
+            self.llm.llm_engine.abort_request(live, internal=True)
+        self._runs.clear()
+        self._rescore.clear()
+
+    def step(self) -> StepOutput:
+        """One ``engine.step()`` (when a request runs); each output's ``logprobs`` follow the module
+        convention (length R = len(response_ids)). ``finish_reason`` is ``"length"`` also when
+        prompt + response reaches ``max_model_len``. A top-p request (T > 0) that ended is returned
+        by the first step with no other request in the engine, re-scored (aborted ones too: a sync's
+        interrupt keeps their tokens, which must carry these weights' log-probs).
+
+        Raises:
+            RuntimeError: a request finished for another reason than stop/length/abort.
+            Exception: whatever the engine step raised (call :meth:`clear` then).
+        """
+        engine, out = self.llm.llm_engine, StepOutput()
+        if engine.has_unfinished_requests():
+            for res in engine.step():
+                run = self._runs[res.request_id]
+                comp = res.outputs[0]
+                new = list(comp.token_ids)
+                run.ids += new
+                run.logprobs += [step[tok].logprob for tok, step in zip(new, comp.logprobs or [])]
+                if new:
+                    out.new_tokens[run.key] = new
+                if res.finished:
+                    if comp.finish_reason not in ("stop", "length", "abort"):
+                        raise RuntimeError(f"vLLM request {res.request_id} finished with {comp.finish_reason!r}")
+                    run.finish_reason = comp.finish_reason
+        for rid in [rid for rid, run in self._runs.items() if run.finish_reason is not None]:
+            run = self._runs.pop(rid)
+            if _rescored(run.request) and run.ids:
+                self._rescore.append(run)  # vLLM renormalised its log-probs over the nucleus
+            else:
+                out.finished[run.key] = GenerateOutput(run.ids, run.logprobs, run.finish_reason)
+        if self._rescore and not engine.has_unfinished_requests():
+            for temp in sorted({r.request.temperature for r in self._rescore}):
+                runs = [r for r in self._rescore if r.request.temperature == temp]
+                pairs = [(list(r.request.prompt_ids), r.ids) for r in runs]
+                for run, lps in zip(runs, self._score_batch(pairs, temp)):
+                    out.finished[run.key] = GenerateOutput(run.ids, lps, run.finish_reason)
+            self._rescore.clear()
+        return out
 
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs ``log_softmax(logits / T)[y_t]`` of ``response_ids`` after ``prompt_ids`` (T = 1 if 0).
 
         Returns a list of length R = len(response_ids), natural log units.
         Raises:
-            ValueError: empty prompt, or P + R + 1 > ``max_model_len``.
+            ValueError: empty prompt, or P + R > ``max_model_len`` (> ``max_model_len - 1`` when
+                ``max_model_len`` is the model's own maximum; see the module doc).
         """
         return self._score_batch([(list(prompt_ids), list(response_ids))], temperature)[0]
 
@@ -249,6 +292,7 @@ class VLLMBackend:
         prompt, response = list(prompt_ids), list(response_ids)
         if not prompt:
             raise ValueError("score_topk needs a non-empty prompt")
+        self._check_score_len([(prompt, response)])
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
         with self._logit_temperature(temperature if temperature > 0 else 1.0):
             out = self._run([prompt + response], params)[0]
@@ -264,6 +308,7 @@ class VLLMBackend:
 
         if any(not p for p, _ in pairs):
             raise ValueError("score needs a non-empty prompt")
+        self._check_score_len(pairs)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._logit_temperature(temperature if temperature > 0 else 1.0):
             outs = self._run([p + r for p, r in pairs], params)
@@ -272,6 +317,11 @@ class VLLMBackend:
             [step[tok].logprob for step, tok in zip(out.prompt_logprobs[len(p) :], r)]
             for out, (p, r) in zip(outs, pairs)
         ]
+
+    def _check_score_len(self, pairs: list[tuple[list[int], list[int]]]) -> None:
+        longest = max(len(p) + len(r) for p, r in pairs)
+        if longest > self._score_len:
+            raise ValueError(f"prompt + response is {longest} tokens; this engine scores at most {self._score_len}")
 
     def _run(self, prompts: list[list[int]], params) -> list:
         """One blocking ``llm.generate`` over token-id prompts; vLLM's input validation errors become ValueError."""

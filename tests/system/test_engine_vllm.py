@@ -287,3 +287,85 @@ def test_an_interrupted_request_keeps_exact_logprobs_and_continues_by_resubmissi
     torch.testing.assert_close(
         torch.tensor(cut.logprobs + rest.logprobs), torch.tensor(whole.logprobs), atol=ATOL, rtol=0
     )
+
+
+def test_a_request_joins_the_running_batch_and_a_short_one_leaves_it_first(env):
+    """Continuous batching (``add``/``step``): B joins while A runs and returns while A still runs; each
+    reply is the one it gets alone (greedy, same tokens and log-probs). A top-p reply C that ends while
+    A runs waits for its re-score (``can_add`` False) until A ends, then carries the full-softmax
+    log-probs at T."""
+    backend, hf, _ = env
+    a_req = GenerateRequest([5, 6, 7, 8], max_tokens=30, temperature=0.0, stop_token_ids=[])
+    b_req = GenerateRequest([9, 10, 11], max_tokens=3, temperature=0.0)
+    alone_a, alone_b = _greedy(backend, [5, 6, 7, 8], n=30), _greedy(backend, [9, 10, 11], n=3)
+    finished, steps = {}, 0
+    backend.add(0, a_req)
+    for _ in range(5):
+        finished.update(backend.step().finished)
+        steps += 1
+    backend.add(1, b_req)
+    while 1 not in finished:
+        finished.update(backend.step().finished)
+        steps += 1
+    assert 0 not in finished and steps == 5 + 3  # B: its prefill step gives its first token
+    backend.add(2, GenerateRequest([17, 18], max_tokens=2, temperature=0.7, top_p=0.8, seed=3))
+    held = []  # steps after which C had ended but waited for its re-score
+    while 0 not in finished:
+        out = backend.step()
+        assert 2 not in out.finished or 0 in out.finished  # C comes back with A's last step, not before
+        finished.update(out.finished)
+        held += [] if backend.can_add() else [steps]
+        steps += 1
+    assert 2 in finished and len(held) >= 1 and 0 in finished
+    a, b, c = finished[0], finished[1], finished[2]
+    assert b.response_ids == alone_b.response_ids and a.response_ids == alone_a.response_ids
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(alone_a.logprobs), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(alone_b.logprobs), atol=ATOL, rtol=0)
+    assert len(c.response_ids) == 2
+    torch.testing.assert_close(
+        torch.tensor(c.logprobs), _hf_logprobs(hf, [17, 18], c.response_ids, 0.7), atol=ATOL, rtol=0
+    )
+    assert not backend.llm.llm_engine.has_unfinished_requests() and backend.can_add()
+
+
+def test_a_top_p_reply_that_fills_the_context_is_rescored_and_scoring_reaches_max_model_len(env):
+    """A top-p reply whose prompt + response reaches ``max_model_len`` (512 here) is re-scored over
+    all 512 tokens; vLLM refuses a prompt of ``max_model_len`` tokens (it wants room for one output
+    token), so the engine keeps one position of headroom. Before: ``ValueError`` from the re-score,
+    i.e. an engine error (HTTP 500) for every top-p reply cut by the context window. The limit
+    itself is unchanged: a 512-token prompt is refused and a reply stops at 512 tokens in all."""
+    backend, hf, _ = env
+    prompt = [5 + (7 * j) % 900 for j in range(505)]
+    reqs = [GenerateRequest(prompt, max_tokens=100, temperature=1.5, top_p=0.99, seed=s) for s in range(4)]
+    outs = backend.generate(reqs)
+    cut = [o for o in outs if o.finish_reason == "length"]
+    assert cut and all(len(o.response_ids) == 7 for o in cut)  # 505 + 7 = max_model_len
+    for out in outs:
+        ref = _hf_logprobs(hf, prompt, out.response_ids, 1.5)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+    response = cut[0].response_ids
+    got = torch.tensor(backend.score(prompt, response, temperature=1.0))  # the teacher path: 512 tokens
+    torch.testing.assert_close(got, _hf_logprobs(hf, prompt, response, 1.0), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError):
+        backend.generate([GenerateRequest(prompt + response, max_tokens=1, temperature=0.0)])
+    with pytest.raises(ValueError):
+        backend.score(prompt, response + [5])
+
+
+def test_at_the_models_own_maximum_a_top_p_reply_stops_one_token_early_and_is_rescored(env):
+    """``max_model_len`` = the model's ``max_position_embeddings`` (1024): vLLM allows no headroom, so
+    a top-p reply stops at 1023 tokens in all (re-scored exactly); a greedy one still reaches 1024."""
+    from clawray.engines.vllm import VLLMBackend
+
+    _, hf, path = env
+    backend = VLLMBackend(path, dtype="float32", max_model_len=1024, kv_cache_gib=0.25)
+    prompt = [5 + (7 * j) % 900 for j in range(1018)]
+    reqs = [GenerateRequest(prompt, max_tokens=100, temperature=1.5, top_p=0.99, seed=s) for s in range(4)]
+    outs = backend.generate(reqs + [GenerateRequest(prompt, max_tokens=100, temperature=0.0, stop_token_ids=[])])
+    assert {len(o.response_ids) for o in outs[:4] if o.finish_reason == "length"} == {5}
+    assert outs[4].finish_reason != "length" or len(outs[4].response_ids) == 6
+    for out in outs[:4]:
+        ref = _hf_logprobs(hf, prompt, out.response_ids, 1.5)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="scores at most 1023"):
+        backend.score(prompt, [5] * 6)

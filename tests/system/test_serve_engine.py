@@ -11,7 +11,7 @@ import httpx
 import pytest
 import ray
 
-from clawray.engines.base import GenerateOutput, GenerateRequest
+from clawray.engines.base import GenerateOutput, GenerateRequest, SteppedBackend, StepOutput
 from clawray.ray_env import free_port
 
 LONG = 1900  # tokens a hung-up client asked for
@@ -138,18 +138,34 @@ def test_clients_that_hang_up_free_the_engine(server, stream):
 
 
 # ------------------------------------------------------------------------------ engine failures
-class _FlakyBackend:
-    """Fails any batch holding a prompt that starts with 666; echoes the prompt's last id otherwise."""
+class _FlakyBackend(SteppedBackend):
+    """Fails any step while a prompt that starts with 666 runs; otherwise each request's one token is
+    its prompt's last id."""
 
-    def generate(self, requests, on_tokens=None, cancelled=None):
-        if any(r.prompt_ids[0] == 666 for r in requests):
+    def __init__(self):
+        self.runs: dict[int, GenerateRequest] = {}
+
+    def add(self, key, request):
+        self.runs[key] = request
+
+    def can_add(self):
+        return True
+
+    def abort(self, keys):
+        pass  # every request ends in the next step anyway
+
+    def clear(self):
+        self.runs.clear()
+
+    def step(self):
+        if any(r.prompt_ids[0] == 666 for r in self.runs.values()):
             raise RuntimeError("CPU Generator does not use offset (at /secret/path.py line 1)")
-        outs = []
-        for i, r in enumerate(requests):
-            if on_tokens:
-                on_tokens(i, [r.prompt_ids[-1]])
-            outs.append(GenerateOutput([r.prompt_ids[-1]], [-0.5], "length"))
-        return outs
+        out = StepOutput()
+        for key, r in self.runs.items():
+            out.new_tokens[key] = [r.prompt_ids[-1]]
+            out.finished[key] = GenerateOutput([r.prompt_ids[-1]], [-0.5], "length")
+        self.runs.clear()
+        return out
 
 
 def test_a_failing_request_fails_alone_and_the_engine_goes_on(monkeypatch):
@@ -187,9 +203,9 @@ def test_queued_cancelled_requests_never_start(monkeypatch):
     seen = []
 
     class Recorder(_FlakyBackend):
-        def generate(self, requests, on_tokens=None, cancelled=None):
-            seen.extend(r.prompt_ids[0] for r in requests)
-            return super().generate(requests, on_tokens, cancelled)
+        def add(self, key, request):
+            seen.append(request.prompt_ids[0])
+            super().add(key, request)
 
     monkeypatch.setattr(engines, "make_backend", lambda *a, **k: Recorder())
 
@@ -334,3 +350,25 @@ def test_vllm_engine_error_fails_one_request_cleanly_and_the_engine_goes_on(vllm
     health = httpx.get(f"{base}/health", timeout=30).json()
     assert health["engines"][0]["state"] == "serving" and health["engines"][0]["errors"] == 1
     assert health["counts"]["engine_errors"] == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_top_p_replies_that_fill_the_context_are_served(vllm_servers):
+    """Top-p replies (T > 0) cut by the context window: before, the re-score of prompt + response
+    (``max_model_len`` tokens) was refused by vLLM and each such choice failed (HTTP 500 engine_error).
+    Here ``max_model_len`` (1024) is the model's own maximum, so a top-p reply stops one token short."""
+    base, _ = vllm_servers["default"]
+    body = {
+        "messages": [{"role": "user", "content": _long(7)}],
+        "max_tokens": 1000,
+        "temperature": 1.5,
+        "top_p": 0.95,
+        "n": 4,
+        "seed": 1,
+    }
+    (reply,) = asyncio.run(_post_all(base, [body]))
+    assert reply.status_code == 200, reply.text[:300]
+    out = reply.json()
+    assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 4
+    assert out["usage"]["completion_tokens"] == 4 * (1023 - out["usage"]["prompt_tokens"])  # 4 x 149
