@@ -216,8 +216,10 @@ def _learner_sample(i):
 
 def _kill_inside_train_step(d, step, rank=1):
     """Make driver step ``step`` SIGKILL learner ``rank`` while its ``train_step`` runs: the remote
-    calls are submitted, then the rank is killed 50 ms later; returns a dict that says whether the
-    step was still running at the kill, no rank done (``inside``), and when (``t``)."""
+    calls are submitted, then the rank is killed at once (no sleep: on a fast machine the tiny
+    model's whole step took under 50 ms, so a kill 50 ms later landed in the weight sync); returns a
+    dict that says whether the step was still running at the kill, no rank done (``inside``), and
+    when (``t``)."""
     workers, orig, seen = d.learners.workers, d.learners.train_step, {"inside": None, "t": None}
     pid = ray.get(workers[rank].__ray_call__.remote(lambda self: os.getpid()))
 
@@ -225,7 +227,6 @@ def _kill_inside_train_step(d, step, rank=1):
         if d.steps_done + 1 != step:
             return orig(refs, version, advantages, entropy_coef)
         calls = [w.train_step.remote(refs, version, advantages, entropy_coef) for w in workers]
-        time.sleep(0.05)
         seen["inside"] = not ray.wait(calls, num_returns=len(calls), timeout=0)[0]  # no rank finished yet
         seen["t"] = time.monotonic()
         os.kill(pid, signal.SIGKILL)
