@@ -413,7 +413,7 @@ class ShapingConfig:
     """Dense reward shaping (clawray.algos.shaping): the penalty weight of each term; a judged turn's
     reward becomes ``r - sum(weight * term)``, each term in [0, 1]; 0 = the term is off."""
 
-    tool_parse_error: float = num(0.0, ge=0.0, le=10.0)  # a <tool_call> block that is not valid JSON
+    tool_parse_error: float = num(0.0, ge=0.0, le=10.0)  # a <tool_call> block that is not a valid call
     truncated: float = num(0.0, ge=0.0, le=10.0)  # a reply cut by max_tokens
     repeated_tool_call: float = num(0.0, ge=0.0, le=10.0)  # the same tool call (name, arguments) again
 

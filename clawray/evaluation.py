@@ -135,6 +135,9 @@ class Evaluator:
         if not self.tasks:
             raise ValueError(f"environment {env.name!r} has no {split} prompts")
         self.stop_ids = [tokenizer.convert_tokens_to_ids(tokenizer.eos_token)]
+        from clawray.serve.reply import ReplyDecoder
+
+        self.reply_text = ReplyDecoder(tokenizer)  # the client's text: special tokens hidden, as served
 
     def requests(self) -> list[GenerateRequest]:
         """``len(tasks) * n`` requests, prompt-major; sample ``j`` of prompt ``i`` has seed
@@ -162,7 +165,7 @@ class Evaluator:
         from clawray.serve.reply import parse_reply_text
 
         body = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
-        return parse_reply_text(self.tokenizer.decode(body, skip_special_tokens=False)).message()
+        return parse_reply_text(self.reply_text(body), tools=self.env.tools or True).message()
 
     def run(self, generate: Callable[[list[GenerateRequest]], list[Any]], chunk: int = 0) -> dict[str, Any]:
         """Generate with ``generate(requests) -> outputs`` (each a ``GenerateOutput`` or a dict with

@@ -89,14 +89,15 @@ class BehaviourProbe:
     def run(self, generate: Callable[[list[GenerateRequest]], list[Any]]) -> dict[str, float]:
         """Generate (``generate(requests) -> outputs`` with ``response_ids``) and measure:
         :func:`~clawray.algos.behaviour.behaviour_stats` of the ``[P][K]`` replies."""
-        from clawray.serve.reply import parse_reply_text
+        from clawray.serve.reply import ReplyDecoder, parse_reply_text
 
         outs = generate(self.requests())
+        reply_text = ReplyDecoder(self.tokenizer)
         messages = []
         for out in outs:
             ids = list(out["response_ids"] if isinstance(out, dict) else out.response_ids)
             body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-            messages.append(parse_reply_text(self.tokenizer.decode(body, skip_special_tokens=False)).message())
+            messages.append(parse_reply_text(reply_text(body), tools=self.tools or True).message())
         replies = [messages[i * self.k : (i + 1) * self.k] for i in range(len(self.prompts))]
         return behaviour_stats(replies, self.ngram)
 

@@ -27,7 +27,7 @@ class Turn:
         temperature: sampling temperature of the request (the learner scales logits by it; 0 -> 1).
         tools: the request's tool definitions (for judges and teachers), or None.
         truncated: the engine stopped at ``max_tokens`` (or the context end), not at a stop token.
-        tool_parse_error: the reply held a ``<tool_call>`` block that was not valid JSON.
+        tool_parse_error: the reply held a ``<tool_call>`` block that was not a valid tool call (hermes JSON or Qwen3-Coder XML).
         spliced: ``prompt_ids`` continue the previous turn's exact prompt + response ids (see
             :mod:`clawray.serve.splice`) instead of a fresh render of the history.
         token_versions: length R, the policy version that sampled each response token (a partial

@@ -12,7 +12,7 @@ Shaping applies to turns that carry a reward (Binary RL and Combine; pure OPD sa
 A 0-scored turn that a term penalises trains on the penalty (it is no longer a neutral turn).
 
 Terms:
-  * ``tool_parse_error``: the reply held a ``<tool_call>`` block that was not valid JSON.
+  * ``tool_parse_error``: the reply held a ``<tool_call>`` block that was not a valid tool call (hermes JSON or Qwen3-Coder XML).
   * ``truncated``: the reply was cut by ``max_tokens`` (or the context end).
   * ``repeated_tool_call``: the reply repeats a tool call (same function name and arguments) that an
     earlier assistant message of the same request history already made.

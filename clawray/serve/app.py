@@ -22,7 +22,10 @@ marks a turn that is served but never trained (default ``main``); ``X-Session-Do
 its outcome score for long-horizon credit (``trainer.credit``). A session's requests run one at a time, in arrival order.
 
 Every client error is an HTTP 4xx with an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request.
+``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request. A request
+the engine refuses (:class:`~clawray.actors.rollout.EngineRefusedError`: it does not fit the engine) is a
+400 ``request_refused`` with the engine's reason; on a stream whose headers were already sent, that error
+comes in-band.
 
 Hostile clients (README, "Reliability and security"): header bytes and sizes are refused in Serve's proxy
 (:mod:`clawray.serve.guard`). Here, in this order: a browser ``Origin`` outside ``allowed_origins`` or,
@@ -69,14 +72,27 @@ import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clawray.actors.rollout import EngineError, EnginePausedError, EngineRestartedError, await_cancellable
+from clawray.actors.rollout import (
+    EngineError,
+    EnginePausedError,
+    EngineRefusedError,
+    EngineRestartedError,
+    await_cancellable,
+)
 from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
 from clawray.config import ServeConfig, section
 from clawray.engines.base import GenerateRequest
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.routing import DOWN, UP, choose_engine, engine_state
-from clawray.serve.reply import THINK_OPEN, IncrementalDetokenizer, ParsedReply, ReplyParser, parse_reply_text
+from clawray.serve.reply import (
+    THINK_OPEN,
+    IncrementalDetokenizer,
+    ParsedReply,
+    ReplyDecoder,
+    ReplyParser,
+    parse_reply_text,
+)
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.types import Turn
 
@@ -108,12 +124,16 @@ def error_response(
     err_type: str = "invalid_request_error",
     headers: dict | None = None,
 ) -> JSONResponse:
-    """An OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-    return JSONResponse(
-        status_code=status,
-        headers=headers,
-        content={"error": {"message": message, "type": err_type, "param": param, "code": code}},
-    )
+    """An OpenAI-style error body (:func:`error_body`) with ``status``."""
+    return JSONResponse(status_code=status, headers=headers, content=error_body(message, param, code, err_type))
+
+
+def error_body(
+    message: str, param: str | None = None, code: str = "invalid_request", err_type: str = "invalid_request_error"
+) -> dict:
+    """The OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` (an HTTP error's body,
+    or a stream's in-band error event)."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -130,6 +150,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _next(stream: Any) -> dict:
     """The next item of a Ray streaming generator (``StopAsyncIteration`` at its end)."""
     return await (await stream.__anext__())
+
+
+def _refusal(error: EngineRefusedError) -> str:
+    """The refusal's own message (``"the engine refused this request: <reason>"``), without the remote
+    traceback a Ray task error adds to ``str()``."""
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+    return str(cause.args[0]) if cause.args else str(cause)
 
 
 def _mixed_versions(out: dict) -> list[int] | None:
@@ -236,6 +263,7 @@ class PolicyServer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.reply_text = ReplyDecoder(self.tokenizer)  # ids -> client text (no <|im_start|>, <|endoftext|>)
         self.engines, self.tracker = engines, tracker
         self.cfg = section(ServeConfig, cfg)
         self.max_model_len, self.engine_poll_s = max_model_len, engine_poll_s
@@ -365,7 +393,7 @@ class PolicyServer:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``, plain or streamed (SSE). 403 for a foreign browser origin, Host
         or session token, 401 without the configured API key, 415 for a body that is not JSON, 408 for a
-        body that outlasts ``body_timeout_s``, 400/413 for client errors, 503 (with ``Retry-After``) while a weight sync outlasts
+        body that outlasts ``body_timeout_s``, 400/413 for client errors (400 ``request_refused`` when the engine refuses the request), 503 (with ``Retry-After``) while a weight sync outlasts
         ``sync_wait_timeout_s`` or when the engine does not answer within ``generate_timeout_s``,
         500 only for a server-side fault. Ray Serve's proxy echoes the client's ``X-Request-Id``."""
         self.counts["requests"] += 1
@@ -458,6 +486,9 @@ class PolicyServer:
                 "server_error",
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
+        except EngineRefusedError as e:  # the request does not fit the engine: the client's error
+            self.counts["rejected"] += 1
+            return error_response(400, _refusal(e), None, "request_refused", "invalid_request_error")
         except EngineError as e:  # the engine failed on this request alone; it goes on serving
             self.counts["engine_errors"] += 1
             logger.warning("chat completion failed in the engine: %s", e)
@@ -834,10 +865,8 @@ class PolicyServer:
 
     async def _complete(self, call: _Call) -> JSONResponse:
         outs = await self._on_engine(call, lambda engine: self._generate_all(call, engine))
-        texts = [
-            self.tokenizer.decode(self._body_ids(call, o["response_ids"]), skip_special_tokens=False) for o in outs
-        ]
-        parsed = [parse_reply_text(text, call.in_reasoning, tools=bool(call.req.tools)) for text in texts]
+        texts = [self.reply_text(self._body_ids(call, o["response_ids"])) for o in outs]
+        parsed = [parse_reply_text(text, call.in_reasoning, tools=call.req.tools) for text in texts]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
         completion = sum(len(o["response_ids"]) for o in outs)
@@ -918,10 +947,8 @@ class PolicyServer:
                 else:
                     yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": value})
 
-        detoks = [
-            IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) for _ in range(n)
-        ]
-        parsers = [ReplyParser(call.in_reasoning, tools=bool(req.tools)) for _ in range(n)]
+        detoks = [IncrementalDetokenizer(self.reply_text) for _ in range(n)]
+        parsers = [ReplyParser(call.in_reasoning, tools=req.tools) for _ in range(n)]
         outs: list[dict | None] = [None] * n
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -982,20 +1009,17 @@ class PolicyServer:
                 raise asyncio.CancelledError() from None
             raise
         except Exception as e:  # headers are sent: report in-band (no internals), never a broken connection
-            engine_failed = isinstance(e, EngineError)
-            self.counts["engine_errors" if engine_failed else "stream_errors"] += 1
-            if engine_failed:
+            if isinstance(e, EngineRefusedError):  # the request does not fit the engine: the client's error
+                self.counts["rejected"] += 1
+                err = error_body(_refusal(e), None, "request_refused", "invalid_request_error")
+            elif isinstance(e, EngineError):
+                self.counts["engine_errors"] += 1
                 logger.warning("stream failed in the engine: %s", e)
+                err = error_body("the policy engine failed on this request", None, "engine_error", "server_error")
             else:
+                self.counts["stream_errors"] += 1
                 logger.exception("stream failed")
-            err = {
-                "error": {
-                    "message": "the policy engine failed on this request" if engine_failed else "internal server error",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "engine_error" if engine_failed else "internal_error",
-                }
-            }
+                err = error_body("internal server error", None, "internal_error", "server_error")
             yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

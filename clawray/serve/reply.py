@@ -16,8 +16,13 @@ Reply grammar (hermes / Qwen conventions)::
   (None when empty). Streaming holds back trailing whitespace and anything that may be the start of
   a tag, so it never has to take text back.
 * A tool-call block holds one JSON object ``{"name": ..., "arguments": ...}``, several objects in a
-  row, or a JSON list of them; ``arguments`` (or ``parameters``) may be an object or a JSON string
-  encoding one (double-encoded strings are decoded). Each call becomes an OpenAI tool call with
+  row, or a JSON list of them (hermes: Qwen2.5, the tiny model); ``arguments`` (or ``parameters``)
+  may be an object or a JSON string encoding one (double-encoded strings are decoded). Or it holds
+  Qwen3-Coder / Qwen3.5 XML, one or more ``<function=NAME>`` blocks of ``<parameter=KEY>VALUE
+  </parameter>`` (vLLM's ``qwen3_coder`` parser): a value is typed by the tool's JSON schema (a
+  ``string`` parameter stays text; integer, number, boolean, object, array and null are decoded
+  as JSON, and text that does not decode stays text); a parameter the schema does not know is
+  decoded as JSON when it is valid JSON. Each call becomes an OpenAI tool call with
   ``arguments`` a JSON string. Once a block opens, the rest of the reply is buffered and parsed at
   the end; if any block is not valid JSON, or is not closed, the whole non-reasoning text is the
   content and the reply is flagged ``tool_parse_error`` (never a server error).
@@ -76,16 +81,76 @@ class ParsedReply:
         return msg
 
 
-def parse_tool_block(body: str) -> list[dict[str, Any]]:
-    """The tool calls in one block's JSON body.
+_XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def tool_parameter_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """``{tool name: {parameter: JSON-schema type}}`` of an OpenAI ``tools`` list (a type may be a
+    list of types, as JSON schema allows; a parameter without one maps to None)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[fn["name"]] = {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()}
+    return out
+
+
+def _xml_value(text: str, kind: Any) -> Any:
+    """A Qwen3-Coder parameter value: one leading and one trailing newline dropped (the template's
+    layout), then typed by ``kind`` (the schema's type, see :func:`parse_tool_block`)."""
+    value = text[1:] if text.startswith("\n") else text
+    value = value[:-1] if value.endswith("\n") else value
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if kinds == {"string"}:
+        return value
+    try:
+        return STRICT_JSON.decode(value.strip())
+    except (ValueError, RecursionError):
+        return value
+
+
+def _parse_xml_block(body: str, types: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    calls = []
+    rest = body
+    for m in _XML_FUNCTION.finditer(body):
+        name = m.group(1).strip()
+        if not name:
+            raise ValueError("a tool call needs a function name")
+        schema = types.get(name, {})
+        args = {}
+        for p in _XML_PARAMETER.finditer(m.group(2)):
+            key = p.group(1).strip()
+            args[key] = _xml_value(p.group(2), schema.get(key))
+        leftover = _XML_PARAMETER.sub("", m.group(2))
+        if leftover.strip():
+            raise ValueError("text outside <parameter=...> blocks in a <function=...> block")
+        calls.append({"name": name, "arguments": args})
+        rest = rest.replace(m.group(0), "", 1)
+    if not calls or rest.strip():
+        raise ValueError("tool-call block is not <function=...>...</function> blocks")
+    return calls
+
+
+def parse_tool_block(body: str, types: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The tool calls in one ``<tool_call>`` block's body: hermes JSON, or Qwen3-Coder XML when the
+    body starts with ``<function=`` (see the module docstring).
+
+    Args:
+        body: the text between ``<tool_call>`` and ``</tool_call>``.
+        types: :func:`tool_parameter_types` of the request's tools (types the XML values).
 
     Returns:
         ``[{"name": str, "arguments": dict}, ...]`` (one or more).
 
     Raises:
         ValueError: the body is not one or more JSON call objects with a string ``name`` and
-            object (or JSON-string-encoded object) ``arguments``.
+            object (or JSON-string-encoded object) ``arguments``, nor well-formed XML function blocks.
     """
+    if body.lstrip().startswith("<function="):
+        return _parse_xml_block(body, types or {})
     decoder = STRICT_JSON  # NaN / Infinity would make the returned arguments invalid JSON
     items: list[Any] = []
     pos, text = 0, body.strip()
@@ -128,11 +193,15 @@ class ReplyParser:
     Args:
         in_reasoning: the prompt already opened a think block (its rendered text ends with ``<think>``).
         make_id: tool-call id factory (tests pass a deterministic one).
-        tools: the request offered tools; when False, ``<tool_call>`` blocks are content.
+        tools: the request's tools (an OpenAI ``tools`` list, whose schemas type XML parameter
+            values) or a bool; when falsy, ``<tool_call>`` blocks are content.
     """
 
-    def __init__(self, in_reasoning: bool = False, make_id: Callable[[], str] | None = None, tools: bool = True):
-        self.tools = tools
+    def __init__(
+        self, in_reasoning: bool = False, make_id: Callable[[], str] | None = None, tools: bool | list | None = True
+    ):
+        self.tools = bool(tools)
+        self.types = tool_parameter_types(tools) if isinstance(tools, list) else {}
         self.state = "reasoning" if in_reasoning else "start"
         self.make_id = make_id or (lambda: f"call_{uuid.uuid4().hex[:24]}")
         self.pending = ""  # text not yet classified (a possible partial tag, or the undecided start)
@@ -199,7 +268,7 @@ class ReplyParser:
             outside.append(buf[pos : m.start()])
             pos = m.end()
             try:
-                calls += parse_tool_block(m.group(1))
+                calls += parse_tool_block(m.group(1), self.types)
             except ValueError:
                 ok = False
                 break
@@ -255,12 +324,38 @@ class ReplyParser:
         out.append(("content", piece))
 
 
-def parse_reply_text(text: str, in_reasoning: bool = False, tools: bool = True) -> ParsedReply:
+def parse_reply_text(text: str, in_reasoning: bool = False, tools: bool | list | None = True) -> ParsedReply:
     """Parse a whole reply at once (the non-streamed path); see :class:`ReplyParser`."""
     parser = ReplyParser(in_reasoning, tools=tools)
     parser.feed(text)
     parser.finish()
     return parser.result
+
+
+class ReplyDecoder:
+    """Response token ids -> the text a client sees: the tokenizer's special tokens are dropped
+    (``<|endoftext|>``, ``<|im_start|>``, ...: vLLM's ``skip_special_tokens=True``), except the reply
+    grammar's own tags (``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``), which some
+    tokenizers mark special and the parser needs. Stored ids are never filtered; only text is.
+
+    Args:
+        tokenizer: an HF tokenizer; its ``all_special_ids`` and the added tokens flagged ``special``
+            are the hidden ids.
+    """
+
+    GRAMMAR_TAGS = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        special = set(getattr(tokenizer, "all_special_ids", None) or [])
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        special.update(i for i, tok in added.items() if getattr(tok, "special", False))
+        kept = {tokenizer.convert_tokens_to_ids(tag) for tag in self.GRAMMAR_TAGS}
+        self.hidden: frozenset[int] = frozenset(special - kept)
+
+    def __call__(self, ids: list[int]) -> str:
+        """The visible text of ``ids`` (hidden special ids dropped, the grammar's tags kept)."""
+        return self.tokenizer.decode([i for i in ids if i not in self.hidden], skip_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -60,6 +60,12 @@ def _scripted_engine_class():
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             ids, finish = self.replies.pop(0) if self.replies else ([1], "length")
+            if finish == "refuse":  # as RolloutEngine when Backend.add refuses the request
+                from clawray.actors.rollout import EngineRefusedError
+
+                raise EngineRefusedError(
+                    "the engine refused this request: the prompt is 255 tokens; max_model_len is 256"
+                )
             if len(ids) > request.max_tokens:  # cut like a real engine
                 ids, finish = ids[: request.max_tokens], "length"
             return {
@@ -74,6 +80,10 @@ def _scripted_engine_class():
             return await self._next(request)
 
         async def generate_stream(self, request, wait_s=None):
+            if self.replies and self.replies[0][1] == "refuse-late":  # refused after the admission
+                self.replies.pop(0)
+                yield {"admitted": True}
+                self.replies.insert(0, ([], "refuse"))
             out = await self._next(request)
             yield {"admitted": True}
             for t in out["response_ids"]:
@@ -740,3 +750,73 @@ def test_records_are_appended_0600_with_turns_and_judgments(served):
     ray.get(served["trackers"]["real"].drain.remote(30))
     judged = [json.loads(line) for line in open(records / "judgments.jsonl")]
     assert judged and stat.S_IMODE(os.stat(records / "judgments.jsonl").st_mode) == 0o600
+
+
+QWEN3_WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
+
+
+def test_qwen3_coder_tool_call_and_special_tokens_plain_and_streamed(served):
+    """Issue #24.4/#24.5 through the endpoint: a Qwen3-Coder XML call is a tool call (typed by the
+    schema: ``days`` 2, not "2"), never penalised as a parse error; ``<|im_start|>`` and
+    ``<|endoftext|>`` sampled inside a reply never reach the client as text, plain or streamed, and
+    the recorded response keeps every sampled id."""
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    xml = (
+        "<|im_start|>On it.<|endoftext|>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+        "Paris\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
+    ids = _ids(tok, xml)
+    assert (
+        ids.count(tok.convert_tokens_to_ids("<|im_start|>"))
+        == ids.count(tok.convert_tokens_to_ids("<|endoftext|>"))
+        == 1
+    )
+    ray.get(engine.script.remote([(ids, "stop"), (ids, "stop")]))
+    client = _client(served["scripted"])
+    msgs = [{"role": "user", "content": "weather?"}]
+    plain = client.chat.completions.create(
+        model="m", messages=msgs, tools=QWEN3_WEATHER, extra_headers={"X-Session-Id": "xml-plain"}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=msgs, tools=QWEN3_WEATHER, stream=True, extra_headers={"X-Session-Id": "xml-stream"}
+        )
+    )
+    (call,) = plain.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert plain.choices[0].message.content == "On it." and plain.choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "On it."
+    streamed = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [
+        ("get_weather", {"city": "Paris", "days": 2})
+    ]
+    for sid in ("xml-plain", "xml-stream"):
+        turn = ray.get(tracker.pending_turn.remote(sid))
+        assert turn.response_ids == ids and not turn.tool_parse_error
+
+
+def test_a_request_the_engine_refuses_is_a_client_error_not_a_500(served):
+    """``Backend.add`` refusing a request (vLLM: no room left within ``max_model_len``) reaches the
+    client as HTTP 400 ``request_refused`` with the reason (before: 500 ``engine_error``); a stream
+    refused after its headers were sent says so in-band. The next request is served."""
+    url, engine = f"{served['scripted']}/chat/completions", served["scripted_engine"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    reason = "the engine refused this request: the prompt is 255 tokens; max_model_len is 256"
+    refused = {"error": {"message": reason, "type": "invalid_request_error", "param": None, "code": "request_refused"}}
+    ray.get(engine.script.remote([([], "refuse"), ([], "refuse"), ([], "refuse-late"), ([7, 8], "length")]))
+    plain = httpx.post(url, json=body, timeout=30)
+    assert (plain.status_code, plain.json()) == (400, refused)
+    streamed = httpx.post(url, json={**body, "stream": True}, timeout=30)
+    assert (streamed.status_code, streamed.json()) == (400, refused)
+    late = httpx.post(url, json={**body, "stream": True}, timeout=30)
+    events = [line[6:] for line in late.text.splitlines() if line.startswith("data: ")]
+    assert late.status_code == 200 and json.loads(events[-2]) == refused and events[-1] == "[DONE]"
+    assert httpx.post(url, json=body, timeout=30).status_code == 200

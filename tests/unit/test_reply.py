@@ -155,3 +155,99 @@ def test_without_offered_tools_a_tool_block_is_content():
         events = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
         assert "".join(v for k, v in events if k == "content") == whole.content
         assert parser.result == whole
+
+
+def test_reply_decoder_hides_special_tokens_but_keeps_the_grammar_tags(tiny_model):
+    """Issue #24.5: ``<|endoftext|>`` (id 0) and ``<|im_start|>`` (id 1) sampled inside a reply never
+    reach the client as text (vLLM's skip_special_tokens); the tiny tokenizer marks ``<tool_call>``
+    special too, and the parser still sees it, so the tool call is parsed."""
+    from transformers import AutoTokenizer
+
+    from clawray.serve.reply import ReplyDecoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    decode = ReplyDecoder(tok)
+    assert decode.hidden == frozenset({0, 1, 2, 5, 6})  # endoftext, im_start, im_end, tool_response tags
+    hi = tok.encode("hello", add_special_tokens=False)
+    assert decode([1, *hi, 0]) == "hello"
+    assert decode(hi + [2]) == "hello"
+    call = tok.encode('{"name": "f", "arguments": {}}', add_special_tokens=False)
+    text = decode([*hi, 0, 3, *call, 4])
+    assert text == 'hello<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    parsed = parse_reply_text(text)
+    assert parsed.content == "hello" and parsed.tool_calls[0]["function"]["name"] == "f"
+    detok = IncrementalDetokenizer(decode)
+    assert detok.add([1]) == "" and detok.add(hi) == "hello" and detok.add([0]) == ""
+
+
+QWEN3_CODER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "zip": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "units": {"type": ["string", "null"]},
+                    "opts": {"type": "object"},
+                },
+            },
+        },
+    }
+]
+
+
+def test_qwen3_coder_xml_tool_call_is_typed_by_the_tools_schema():
+    """Issue #24.4: a Qwen3-Coder / Qwen3.5 call (``<function=...>`` with ``<parameter=...>`` blocks)
+    is a tool call, its values typed by the schema (a string parameter that looks like a number stays
+    a string), not content with ``tool_parse_error``."""
+    text = (
+        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+        '<parameter=units>\nnull\n</parameter>\n<parameter=opts>\n{"hourly": true}\n</parameter>\n'
+        "<parameter=extra>\n[1, 2]\n</parameter>\n</function>\n</tool_call>"
+    )
+    parsed = parse_reply_text(text, tools=QWEN3_CODER_TOOLS)
+    assert not parsed.tool_parse_error and parsed.content == "Let me check."
+    (call,) = parsed.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {
+        "city": "Paris",
+        "zip": "75001",
+        "days": 3,
+        "units": None,
+        "opts": {"hourly": True},
+        "extra": [1, 2],
+    }
+    # without schemas (tools=True) a JSON-looking value is decoded, text stays text
+    (call,) = parse_reply_text(text, tools=True).tool_calls
+    assert json.loads(call["function"]["arguments"])["zip"] == 75001
+    # every chunking gives the same result
+    for cut in range(0, len(text), 7):
+        events, result = _stream(text, [cut])
+        assert [json.loads(tc["function"]["arguments"])["city"] for tc in result.tool_calls] == ["Paris"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # function never closed
+        "<function=>\n</function>",  # no name
+        "<function=get_weather>\nParis\n</function>",  # text outside a parameter
+        "<function=get_weather>\n</function>\nand more",  # text after the function
+    ],
+)
+def test_malformed_qwen3_coder_blocks_are_a_tool_parse_error(body):
+    parsed = parse_reply_text(f"<tool_call>\n{body}\n</tool_call>", tools=QWEN3_CODER_TOOLS)
+    assert parsed.tool_parse_error and parsed.tool_calls == []
+    with pytest.raises(ValueError):
+        parse_tool_block(body)
+
+
+def test_two_qwen3_coder_functions_in_one_block_and_hermes_still_parses():
+    two = "<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n<function=b>\n</function>"
+    assert parse_tool_block(two) == [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]
+    assert parse_tool_block('{"name": "a", "arguments": {"x": "1"}}') == [{"name": "a", "arguments": {"x": "1"}}]
