@@ -4,8 +4,9 @@ Backends:
   * ``engine``: a frozen copy of the initial policy on its own RolloutEngine, prompted to reason
     and answer ``\\boxed{1}``, ``\\boxed{-1}`` or ``\\boxed{0}`` (OpenClaw-RL's PRM, arXiv 2603.10165).
   * ``openai``: the same prompt sent to any OpenAI-compatible endpoint.
-  * ``feedback``: reads explicit signals in the next state (thumbs, "correct"/"wrong", tool
-    errors); deterministic, so it casts one vote.
+  * ``feedback``: reads explicit signals in the next state by a documented grammar (user
+    complaints and praise; tool results by their structure, exit code or failure words; see
+    :mod:`clawray.algos.feedback` and ``docs/feedback.md``); deterministic, so it casts one vote.
 
 Besides the per-turn score, :meth:`JudgeWorker.judge_session` scores a whole closed session once
 (``trainer.outcome_judge``, long-horizon credit): the same m votes and majority over a transcript of
@@ -26,6 +27,7 @@ from typing import Any
 
 import ray
 
+from clawray.algos.feedback import feedback_score, message_text
 from clawray.chat import SpecialTokenStripper, end_of_turn_ids
 from clawray.config import JudgeConfig, section
 from clawray.types import Turn
@@ -71,45 +73,9 @@ def majority_vote(votes: list[int | None]) -> tuple[int, dict[str, int]]:
     return ranked[0][0], counts
 
 
-_NEGATIVE = re.compile(
-    r"(👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bnot (?:correct|right)\b|\bmistake\b|"
-    r"\bno markdown\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b|\berror\b|\btraceback\b)",
-    re.IGNORECASE,
-)
-_POSITIVE = re.compile(
-    r"(👍|\bthumbs?[ -]?up\b|\bcorrect\b|\bright\b|\bthanks?\b|\bthank you\b|\bgreat\b|\bperfect\b|\bwell done\b)",
-    re.IGNORECASE,
-)
-
-
-def feedback_score(next_state: list[dict[str, Any]]) -> int | None:
-    """Score a next state from explicit signals.
-
-    A tool result containing an error/traceback, or a user message with a negative signal
-    (thumbs down, wrong, incorrect, "try again", "no markdown", ...) gives -1; otherwise a positive
-    signal (thumbs up, correct, thanks, ...) gives +1; a clean tool result gives +1; no signal
-    gives None (an invalid vote: the feedback judge cannot tell).
-    """
-    if not next_state:
-        return None
-    score = None
-    for msg in next_state:
-        text = msg.get("content") or ""
-        if msg.get("role") == "tool":
-            if re.search(r"\b(error|exception|traceback|failed)\b", text, re.IGNORECASE):
-                return -1
-            score = 1 if score is None else score
-        elif msg.get("role") == "user":
-            if _NEGATIVE.search(text):
-                return -1
-            if _POSITIVE.search(text):
-                score = 1
-    return score
-
-
 def render_response(message: dict[str, Any]) -> str:
     """The assistant message as a judge reads it: its text plus one line per tool call."""
-    parts = [message.get("content") or ""]
+    parts = [message_text(message.get("content"))]
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {})
         parts.append(f"[tool call] {fn.get('name')}({fn.get('arguments')})")
@@ -135,7 +101,7 @@ def render_context(turn: Turn, context_messages: int) -> str:
     if context_messages <= 0:
         return ""
     lines = [
-        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else m.get('content') or ''}"
+        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else message_text(m.get('content'))}"
         for m in turn.messages[-context_messages:]
     ]
     return "## Conversation so far\n" + "\n".join(lines) + "\n\n"
@@ -144,7 +110,7 @@ def render_context(turn: Turn, context_messages: int) -> str:
 def build_prm_messages(turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4) -> list[dict[str, str]]:
     """Chat messages asking a PRM judge to score ``turn`` from ``next_state``, with the last
     ``context_messages`` messages of the conversation as context (OpenClaw-RL's judge saw none)."""
-    state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
+    state = "\n".join(f"[{m.get('role')}] {message_text(m.get('content'))}" for m in next_state)
     user = (
         f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n"
         f"## Next state\n{state}\n\n"
@@ -172,7 +138,7 @@ def render_session(messages: list[dict[str, Any]], max_chars: int = SESSION_MAX_
     than ``max_chars`` characters: the lines up to the first user message (the task), a
     ``[... N messages omitted ...]`` line, then as many of the last lines as fit."""
     lines = [
-        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else m.get('content') or ''}"
+        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else message_text(m.get('content'))}"
         for m in messages
     ]
     if sum(len(x) + 1 for x in lines) <= max_chars:
@@ -223,7 +189,7 @@ def build_hint_messages(
     turn: Turn, next_state: list[dict[str, Any]], context_messages: int = 4
 ) -> list[dict[str, str]]:
     """Chat messages asking a judge for a hindsight hint on ``turn`` given ``next_state`` (with context)."""
-    state = "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in next_state)
+    state = "\n".join(f"[{m.get('role')}] {message_text(m.get('content'))}" for m in next_state)
     user = (
         f"{render_context(turn, context_messages)}## Assistant output\n{render_response(turn.response_message)}\n\n## Next state\n{state}\n\n"
         "Does the next state reveal how the output should have been? Answer \\boxed{1} or \\boxed{-1}; "
@@ -274,7 +240,7 @@ def feedback_hint(next_state: list[dict[str, Any]]) -> tuple[int | None, str | N
     if not next_state:
         return None, None
     if feedback_score(next_state) == -1:
-        users = [m.get("content") or "" for m in next_state if m.get("role") == "user"]
+        users = [message_text(m.get("content")) for m in next_state if m.get("role") == "user"]
         if users:
             return 1, users[-1].strip()
     return -1, None
