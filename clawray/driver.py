@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections import Counter, deque
 from typing import Any
@@ -37,7 +38,13 @@ from omegaconf import DictConfig, OmegaConf
 from clawray.algos.advantages import BatchAdvantages, batch_advantages
 from clawray.algos.algorithm import algorithm_class
 from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
-from clawray.checkpoint import commit_checkpoint, latest_checkpoint, new_checkpoint_dirs
+from clawray.checkpoint import (
+    commit_checkpoint,
+    latest_checkpoint,
+    new_checkpoint_dirs,
+    policy_card,
+    write_policy_card,
+)
 from clawray.private import open_private, private_dir, private_tree
 from clawray.config import checkpoint_dir, model_path
 from clawray.evaluation import RunEvaluations
@@ -885,6 +892,8 @@ class Driver:
         }
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(state, f, indent=2)
+        if os.path.isdir(os.path.join(tmp, "model")):  # the model's precision and eval settings travel with it
+            write_policy_card(os.path.join(tmp, "model"), policy_card(self.cfg, learner_version, steps_done))
         private_tree(tmp)  # the learners' files too, whatever their umask
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
         self._trained_since_ckpt = 0  # [recovery hook] a learner rebuild starts from here
@@ -1134,22 +1143,44 @@ def exit_checkpoint_needed(last: dict[str, Any] | None, marker: tuple) -> bool:
     return last is None or tuple(last["marker"][:3]) != tuple(marker[:3])
 
 
+def clawray_command() -> str:
+    """The ``clawray`` executable to print in a command a user pastes: the one beside this Python
+    (``.venv/bin/clawray``, absolute) when it exists, else ``clawray``."""
+    exe = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "clawray")
+    return exe if os.path.isfile(exe) else "clawray"
+
+
+def eval_command(cfg: DictConfig, model: str) -> str:
+    """The ``clawray eval`` command that reproduces the job's own evaluation of ``model``: the same
+    environment, prompts, samples, temperature, seeds, token cap, engine backend and precision."""
+    from clawray.checkpoint import engine_dtype
+
+    env, ev, ro = cfg.env, cfg.eval, cfg.rollout
+    data = f" --data-path {os.path.abspath(env.data_path)}" if env.name in ("student", "teacher") else ""
+    return (
+        f"{clawray_command()} eval {model} --env {env.name} --level {env.level}{data} --n {ev.n} "
+        f"--num-prompts {ev.num_prompts} --temperature {ev.temperature} --seed {ev.seed} "
+        f"--max-tokens {env.max_tokens} --backend {ro.backend} --dtype {engine_dtype(ro.backend, ro.dtype)}"
+    )
+
+
 def closing_lines(cfg: DictConfig, last_checkpoint: dict[str, Any] | None) -> list[str]:
-    """Where the trained model is and the commands that use it (serve, evaluate, report)."""
-    run_dir = cfg.run_dir
+    """Where the trained model is and the commands that use it (serve, evaluate, report), with
+    absolute paths and the ``clawray`` beside this Python, so they work when pasted."""
+    run_dir = os.path.abspath(cfg.run_dir)
+    exe = clawray_command()
     lines = []
     if last_checkpoint is not None:
-        model = os.path.join(last_checkpoint["path"], "model")
+        model = os.path.join(os.path.abspath(last_checkpoint["path"]), "model")
         slim = "" if not cfg.checkpoint.save_optimizer else "; checkpoint.save_optimizer=false keeps only the model"
         lines += [
             f"trained model (policy v{last_checkpoint['version']}): {model} "
             f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
-            f"serve it:    clawray run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}",
+            f"serve it:    {exe} run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}",
         ]
         if cfg.env.enabled or cfg.eval.enabled:
-            data = f" --data-path {cfg.env.data_path}" if cfg.env.name in ("student", "teacher") else ""
-            lines.append(f"evaluate it: clawray eval {model} --env {cfg.env.name} --level {cfg.env.level}{data}")
-    lines.append(f"report:      clawray report {run_dir}   (plots in {os.path.join(run_dir, 'report')}/)")
+            lines.append(f"evaluate it: {eval_command(cfg, model)}")
+    lines.append(f"report:      {exe} report {run_dir}   (plots in {os.path.join(run_dir, 'report')}/)")
     return lines
 
 

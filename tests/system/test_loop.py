@@ -2,6 +2,7 @@
 FSDP2 learners and weight sync, driven by the real Driver."""
 
 import json
+import os
 
 import httpx
 import pytest
@@ -177,6 +178,29 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
     change = eval_change_lines(driver.eval_results)
     assert change[0] == "eval on arith eval (4 samples each): step 0 (v0) -> step 2 (v2)"
     assert change[1].startswith("  solved: ") and "->" in change[1] and len(change) == 5
+
+
+def test_the_printed_eval_command_reproduces_the_jobs_last_evaluation(driver, tmp_path):
+    """Issue #24.1: the closing ``evaluate it:`` command, pasted, gives the job's own final figures
+    (same prompts, samples, seeds, token cap, engine and precision: the policy card's), here exactly:
+    the hf engine samples each request alone with its own seed in float32."""
+    import shlex
+
+    from clawray.checkpoint import read_policy_card
+    from clawray.cli import main
+    from clawray.driver import closing_lines
+
+    path = driver.save_checkpoint()
+    card = read_policy_card(os.path.join(path, "model"))
+    assert card["policy_version"] == 2 and card["engine"] == {"backend": "hf", "dtype": "float32"}
+    line = next(x for x in closing_lines(driver.cfg, driver.last_checkpoint) if x.startswith("evaluate it: "))
+    argv = shlex.split(line.removeprefix("evaluate it: "))
+    assert argv[1:3] == ["eval", os.path.join(path, "model")] and "--dtype" in argv
+    out = str(tmp_path / "eval.json")
+    assert main(argv[1:] + ["--out", out]) == 0
+    mine, job = json.load(open(out)), driver.eval_results[-1]
+    assert (job["when"], job["policy_versions"]) == ("after", [2]) and mine["samples"] == job["samples"] == 4
+    assert mine["metrics"] == job["metrics"]
 
 
 def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):

@@ -1,6 +1,8 @@
 """What a finished job tells the user: where the model is, the commands that use it, and no second
 checkpoint of an unchanged policy at exit."""
 
+import os
+
 from clawray.config import load_config
 from clawray.driver import closing_lines, exit_checkpoint_needed
 
@@ -14,15 +16,81 @@ def test_exit_checkpoint_only_for_a_new_policy():
     assert exit_checkpoint_needed(last, (3, 3, False, 52, 34, []))  # a batch in flight
 
 
-def test_closing_lines_name_the_model_and_commands():
+def test_closing_lines_name_the_model_and_commands_with_paths_that_paste():
+    """Issue #24.1/#24.2: absolute paths, the clawray beside this Python, and an eval command with the
+    job's own evaluation settings and engine precision (conf/cpu.yaml: vllm float32, brief, 48
+    tokens, all prompts x 2), not the CLI's defaults."""
+    import os
+    import sys
+
+    from clawray.driver import clawray_command
+
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x"])
     ckpt = {"path": "runs/x/checkpoints/ckpt-000001", "version": 3, "bytes": 2.5 * 2**30}
     lines = closing_lines(cfg, ckpt)
+    model = os.path.abspath("runs/x/checkpoints/ckpt-000001/model")
+    exe = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "clawray")
+    assert clawray_command() == (exe if os.path.isfile(exe) else "clawray")
+    exe = clawray_command()
     assert lines[0] == (
-        "trained model (policy v3): runs/x/checkpoints/ckpt-000001/model (checkpoint 2560 MiB; "
+        f"trained model (policy v3): {model} (checkpoint 2560 MiB; "
         "checkpoint.save_optimizer=false keeps only the model)"
     )
-    assert lines[1].endswith("conf/serve.yaml model.path=runs/x/checkpoints/ckpt-000001/model")
-    assert lines[2].startswith(f"evaluate it: clawray eval runs/x/checkpoints/ckpt-000001/model --env {cfg.env.name}")
-    assert lines[3].startswith("report:      clawray report runs/x")
+    assert lines[1] == f"serve it:    {exe} run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}"
+    assert lines[2] == (
+        f"evaluate it: {exe} eval {model} --env brief --level 1 --n 2 --num-prompts 0 --temperature 0.7 "
+        "--seed 0 --max-tokens 48 --backend vllm --dtype float32"
+    )
+    assert lines[3].startswith(f"report:      {exe} report {os.path.abspath('runs/x')}")
     assert closing_lines(cfg, None) == [lines[3]]
+    gpu = load_config(["conf/rl.yaml", "conf/gpu.yaml"], ["run_dir=runs/x"])
+    assert closing_lines(gpu, ckpt)[2].endswith(f"--backend vllm --dtype {gpu.rollout.dtype}")
+    hf = load_config(
+        ["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x", "rollout.backend=hf", "rollout.dtype=bfloat16"]
+    )
+    assert closing_lines(hf, ckpt)[2].endswith("--backend hf --dtype float32")  # hf engines run float32
+
+
+def test_eval_precision_defaults_to_the_checkpoints_own_and_warns_otherwise(tmp_path):
+    """Issue #24.1: ``clawray eval`` ran vllm in bf16 by default against a policy trained, sampled
+    and evaluated in fp32 (half the gain). Now: the card's engine and dtype, fp32 for a plain folder,
+    and a warning for any other dtype."""
+    from clawray.checkpoint import policy_card, read_policy_card, write_policy_card
+    from clawray.cli import eval_precision
+
+    plain = str(tmp_path / "plain")
+    os.makedirs(plain)
+    assert eval_precision(plain, None, None) == ("vllm", "float32", "")
+    assert eval_precision(plain, None, "bfloat16") == ("vllm", "bfloat16", "")  # no card: the user's choice
+    assert eval_precision(plain, "hf", None) == ("hf", "float32", "")
+    card_dir = str(tmp_path / "ckpt")
+    os.makedirs(card_dir)
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x", "rollout.dtype=float32"])
+    write_policy_card(card_dir, policy_card(cfg, 7, 9))
+    card = read_policy_card(card_dir)
+    assert card["policy_version"] == 7 and card["engine"] == {"backend": "vllm", "dtype": "float32"}
+    assert card["eval"] == {
+        "env": "brief",
+        "level": 1,
+        "data_path": "",
+        "n": 2,
+        "num_prompts": 0,
+        "temperature": 0.7,
+        "seed": 0,
+        "max_tokens": 48,
+    }
+    assert oct(os.stat(os.path.join(card_dir, "clawray.json")).st_mode & 0o777) == "0o600"
+    assert eval_precision(card_dir, None, None) == ("vllm", "float32", "")
+    backend, dtype, note = eval_precision(card_dir, None, "bfloat16")
+    assert (backend, dtype) == ("vllm", "bfloat16") and note.startswith("warning: this policy was sampled")
+    assert eval_precision(card_dir, "hf", "bfloat16") == (
+        "hf",
+        "float32",
+        "the hf engine runs float32; --dtype bfloat16 is ignored",
+    )
+    write_policy_card(card_dir, policy_card(load_config(["conf/rl.yaml", "conf/gpu.yaml"], ["run_dir=r"]), 1, 1))
+    assert eval_precision(card_dir, None, None) == ("vllm", "bfloat16", "")
+    assert "differ from the job's" in eval_precision(card_dir, "hf", None)[2]
+    with open(os.path.join(card_dir, "clawray.json"), "w") as f:
+        f.write("[1, 2")  # torn: treated as a plain folder
+    assert read_policy_card(card_dir) is None and eval_precision(card_dir, None, None) == ("vllm", "float32", "")
