@@ -165,7 +165,7 @@ class Evaluator:
         from clawray.serve.reply import parse_reply_text
 
         body = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
-        return parse_reply_text(self.reply_text(body), tools=self.env.tools or True).message()
+        return parse_reply_text(self.reply_text.complete(body), tools=self.env.tools or True).message()
 
     def run(self, generate: Callable[[list[GenerateRequest]], list[Any]], chunk: int = 0) -> dict[str, Any]:
         """Generate with ``generate(requests) -> outputs`` (each a ``GenerateOutput`` or a dict with

@@ -97,7 +97,7 @@ class BehaviourProbe:
         for out in outs:
             ids = list(out["response_ids"] if isinstance(out, dict) else out.response_ids)
             body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-            messages.append(parse_reply_text(reply_text(body), tools=self.tools or True).message())
+            messages.append(parse_reply_text(reply_text.complete(body), tools=self.tools or True).message())
         replies = [messages[i * self.k : (i + 1) * self.k] for i in range(len(self.prompts))]
         return behaviour_stats(replies, self.ngram)
 

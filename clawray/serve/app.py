@@ -865,7 +865,7 @@ class PolicyServer:
 
     async def _complete(self, call: _Call) -> JSONResponse:
         outs = await self._on_engine(call, lambda engine: self._generate_all(call, engine))
-        texts = [self.reply_text(self._body_ids(call, o["response_ids"])) for o in outs]
+        texts = [self.reply_text.complete(self._body_ids(call, o["response_ids"])) for o in outs]
         parsed = [parse_reply_text(text, call.in_reasoning, tools=call.req.tools) for text in texts]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)

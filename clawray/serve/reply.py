@@ -43,7 +43,29 @@ from clawray.chat import STRICT_JSON
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.DOTALL)
+
+
+def _block_end(buf: str, start: int) -> int:
+    """Index of the ``</tool_call>`` that closes the block whose body starts at ``start``, or -1.
+
+    A JSON body is measured by balanced JSON (one or more values), so a ``</tool_call>`` inside a
+    string argument (a ``write_file`` whose content mentions the tag) does not end the block; a
+    body that is not JSON ends at the first closing tag (and then fails to parse, as it should).
+    """
+    pos = start
+    while pos < len(buf) and buf[pos] in " \t\r\n":
+        pos += 1
+    if pos < len(buf) and buf[pos] in "{[":
+        try:
+            while pos < len(buf) and buf[pos] in "{[":
+                _, pos = STRICT_JSON.raw_decode(buf, pos)
+                while pos < len(buf) and buf[pos] in " \t\r\n,":
+                    pos += 1
+            if buf.startswith(TOOL_CLOSE, pos):
+                return pos
+        except (ValueError, RecursionError):
+            pass
+    return buf.find(TOOL_CLOSE, start)
 
 
 def _partial_tag_len(text: str, tag: str) -> int:
@@ -264,11 +286,15 @@ class ReplyParser:
         calls: list[dict[str, Any]] = []
         outside: list[str] = []
         pos, ok = 0, True
-        for m in _BLOCK.finditer(buf):
-            outside.append(buf[pos : m.start()])
-            pos = m.end()
+        while (opened := buf.find(TOOL_OPEN, pos)) >= 0:
+            body = opened + len(TOOL_OPEN)
+            end = _block_end(buf, body)
+            if end < 0:  # never closed: caught below
+                break
+            outside.append(buf[pos:opened])
+            pos = end + len(TOOL_CLOSE)
             try:
-                calls += parse_tool_block(m.group(1), self.types)
+                calls += parse_tool_block(buf[body:end], self.types)
             except ValueError:
                 ok = False
                 break
@@ -357,6 +383,27 @@ class ReplyDecoder:
         """The visible text of ``ids`` (hidden special ids dropped, the grammar's tags kept)."""
         return self.tokenizer.decode([i for i in ids if i not in self.hidden], skip_special_tokens=False)
 
+    def complete(self, ids: list[int]) -> str:
+        """The visible text of a whole reply, without a trailing incomplete character
+        (:func:`complete_text`)."""
+        return complete_text(self, ids)
+
+
+def complete_text(decode: Callable[[list[int]], str], ids: list[int]) -> str:
+    """``decode(ids)`` without the U+FFFD of a character whose bytes the reply does not finish (a
+    reply cut by ``max_tokens``, or ended, inside a multi-byte character): the tokens of that last
+    incomplete character (at most 3 bytes, so at most 3 byte-level tokens) are left out. Streamed
+    deltas (:meth:`IncrementalDetokenizer.finish`) and the plain answer both end this way, so they
+    agree and never carry a broken character."""
+    text = decode(ids)
+    if not text.endswith("\ufffd"):
+        return text
+    for k in range(1, min(3, len(ids)) + 1):
+        shorter = decode(ids[:-k])
+        if not shorter.endswith("\ufffd"):
+            return shorter
+    return text
+
 
 class IncrementalDetokenizer:
     """Turns response token ids into text deltas that end on UTF-8 character boundaries.
@@ -390,8 +437,9 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """The remaining text, so that all deltas join to ``decode(all ids)``."""
-        full = self.decode(self.ids)
+        """The remaining text, so that all deltas join to :func:`complete_text` of all ids (a
+        trailing incomplete character is left out)."""
+        full = complete_text(self.decode, self.ids)
         if not full.startswith(self.emitted):  # cannot happen for byte-level BPE; never drop text
             return ""
         delta = full[len(self.emitted) :]

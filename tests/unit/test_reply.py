@@ -251,3 +251,42 @@ def test_two_qwen3_coder_functions_in_one_block_and_hermes_still_parses():
     two = "<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n<function=b>\n</function>"
     assert parse_tool_block(two) == [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]
     assert parse_tool_block('{"name": "a", "arguments": {"x": "1"}}') == [{"name": "a", "arguments": {"x": "1"}}]
+
+
+def test_a_closing_tag_inside_a_json_string_argument_does_not_end_the_block():
+    """Issue #27.7: a write_file call whose content mentions ``</tool_call>`` is one call with that
+    content, not a parse error with markup leaking into content; streamed chunkings agree."""
+    content = "The reply grammar closes a call with </tool_call> and opens one with <tool_call>."
+    call = json.dumps({"name": "write_file", "arguments": {"path": "notes.md", "content": content}})
+    text = f"Saving.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{json.dumps({'name': 'ls', 'arguments': {}})}\n</tool_call>"
+    parsed = parse_reply_text(text)
+    assert not parsed.tool_parse_error and parsed.content == "Saving."
+    assert [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [
+        {"path": "notes.md", "content": content},
+        {},
+    ]
+    for cut in range(0, len(text), 11):
+        _, result = _stream(text, [cut])
+        assert json.loads(result.tool_calls[0]["function"]["arguments"])["content"] == content
+    bad = 'x <tool_call>\n{"name": "f", "arguments": {oops}}\n</tool_call>'
+    assert parse_reply_text(bad).tool_parse_error and parse_reply_text(bad).content == bad
+    unclosed = '<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>"}}'
+    assert parse_reply_text(unclosed).tool_parse_error
+
+
+def test_a_reply_cut_inside_a_multibyte_character_streams_and_answers_the_same_whole_text(tiny_model):
+    """Issue #27.7: "ok 漢" is ids [432, 229, 171, 129, 104] in the tiny tokenizer (" " is 229, 漢 the 3 byte tokens after it);
+    cut after 171 or 129 by max_tokens, the stream and the plain answer are both "ok " (no U+FFFD), and a
+    whole character still arrives whole."""
+    from transformers import AutoTokenizer
+
+    from clawray.serve.reply import ReplyDecoder
+
+    decode = ReplyDecoder(AutoTokenizer.from_pretrained(tiny_model))
+    ids = decode.tokenizer.encode("ok 漢", add_special_tokens=False)
+    assert ids == [432, 229, 171, 129, 104]
+    for n, text in [(3, "ok "), (4, "ok "), (5, "ok 漢"), (2, "ok "), (1, "ok")]:
+        detok = IncrementalDetokenizer(decode)
+        streamed = "".join(detok.add([t]) for t in ids[:n]) + detok.finish()
+        assert streamed == decode.complete(ids[:n]) == text and "\ufffd" not in streamed
+    assert decode.complete([136]) == ""  # half of "é" alone
