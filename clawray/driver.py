@@ -46,6 +46,7 @@ from clawray.checkpoint import (
     write_policy_card,
 )
 from clawray.private import open_private, private_dir, private_tree
+from clawray.run_lock import RunFolderLock
 from clawray.config import checkpoint_dir, model_path
 from clawray.evaluation import RunEvaluations
 from clawray.monitor import BehaviourMonitor
@@ -94,6 +95,7 @@ class Driver:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.run_dir)
+        self._run_lock = RunFolderLock(self.run_dir)  # taken in setup, released by shutdown
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self._owns_ray = False
@@ -164,6 +166,7 @@ class Driver:
         cfg = self.cfg
         t0 = time.perf_counter()
         private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
+        self._run_lock.acquire()  # one run per folder: before anything in it is read, pruned or replaced
         path = ensure_model(cfg)
         self.model_path = path
         self._owns_ray = not ray.is_initialized()
@@ -1071,12 +1074,18 @@ class Driver:
 
     def shutdown(self) -> None:
         """Stop traffic, the server and every actor; stop Ray if this driver started it. Idempotent
-        (a failed :meth:`setup` has already called it)."""
-        from clawray.serve.shutdown import shutdown_serve
-
+        (a failed :meth:`setup` has already called it). Releases the run folder last."""
         if self._shut_down:
             return
         self._shut_down = True
+        try:
+            self._shutdown_components()
+        finally:
+            self._run_lock.release()  # the folder is free only once nothing of this run writes to it
+
+    def _shutdown_components(self) -> None:
+        from clawray.serve.shutdown import shutdown_serve
+
         ray_up = ray.is_initialized()  # False when setup failed before Ray started
         if ray_up and getattr(self, "sim", None) is not None:
             try:

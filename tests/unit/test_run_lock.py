@@ -1,0 +1,80 @@
+"""One run per run folder (issue #27.1): a second run in the folder of a live run is refused with a
+message naming the owner, before it reads, prunes or replaces anything there; a dead owner's lock is
+gone with its process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from clawray.run_lock import LOCK_FILE, RunFolderInUse, RunFolderLock
+
+HOLD = """
+import sys, time
+from clawray.run_lock import RunFolderLock
+RunFolderLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(run_dir):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_lock_is_refused_until_the_first_is_released(tmp_path):
+    first, second = RunFolderLock(str(tmp_path)), RunFolderLock(str(tmp_path))
+    first.acquire()
+    with pytest.raises(RunFolderInUse, match=rf"in use by another clawray run \(pid {os.getpid()} on "):
+        second.acquire()
+    assert first.held and not second.held
+    first.release()
+    first.release()  # idempotent
+    second.acquire()
+    assert second.held and oct(os.stat(tmp_path / LOCK_FILE).st_mode & 0o777) == "0o600"
+    second.release()
+
+
+def test_a_killed_owner_frees_the_folder(tmp_path):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(RunFolderInUse, match=rf"pid {proc.pid} on"):
+            RunFolderLock(str(tmp_path)).acquire()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    lock = RunFolderLock(str(tmp_path))
+    lock.acquire()  # the stale file does not block a resume
+    lock.release()
+
+
+def test_a_driver_in_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path, tiny_model):
+    """The issue's input: a fresh run started in the folder of a live one deleted its journal. Now
+    setup stops at the lock: the live run's journal and checkpoints are byte-identical after it."""
+    from clawray.driver import Driver
+    from conftest import tiny_run_config
+
+    run_dir = tmp_path / "run"
+    (run_dir / "journal").mkdir(parents=True)
+    (run_dir / "checkpoints" / "ckpt-000001").mkdir(parents=True)
+    journal = run_dir / "journal" / "samples.jsonl"
+    journal.write_text('{"seq": 1}\n')
+    proc = _holder(run_dir)
+    try:
+        d = Driver(tiny_run_config(tiny_model, run_dir))
+        t0 = time.monotonic()
+        with pytest.raises(RunFolderInUse, match=rf"run folder {run_dir} is in use .*pid {proc.pid}.*own run_dir="):
+            d.setup()
+        assert time.monotonic() - t0 < 30
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert journal.read_text() == '{"seq": 1}\n'
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["ckpt-000001"]
