@@ -28,6 +28,10 @@ from clawray.chat import render_key as chat_render_key
 from clawray.types import Turn
 
 
+#: Ids of the sessions the server starts for clients that send none. Only these are ever targets of
+#: session inference when session binding is on: a session with a client's own id may be bound to
+#: that client, and inference would let anyone who knows its history into it.
+AUTO_SESSION_PREFIX = "auto-"
 MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
 
 
@@ -110,11 +114,14 @@ class SessionBook:
             s.opening = conversation_key(opening(messages))
         return s
 
-    def find(self, session_id: str | None, keys: dict[int, str], render_key: str | None = None) -> dict:
+    def find(
+        self, session_id: str | None, keys: dict[int, str], render_key: str | None = None, auto_only: bool = False
+    ) -> dict:
         """Which session and pending turn a new request continues (the server's lookup).
 
         Args:
-            session_id: the request's session id, or None (then it is inferred from ``keys``).
+            session_id: the request's session id, or None (then it is inferred from ``keys``; with
+                ``auto_only``, only among the sessions the server started, :data:`AUTO_SESSION_PREFIX`).
             keys: ``{k: conversation_key(messages[:k + 1])}`` for each assistant message ``k`` of the
                 request's history.
             render_key: :func:`clawray.chat.render_key` of the request (its tools). A pending turn
@@ -128,7 +135,8 @@ class SessionBook:
             none (first turn, branch) or when the render key differs (then ``context_changed``).
         """
         if session_id is None:
-            session_id = next((self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index), None)
+            found = (self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index)
+            session_id = next((sid for sid in found if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)), None)
         s = self.get(session_id)
         for t, key in zip(s.pending, s.keys) if s else ():
             if keys.get(len(t.messages)) != key:

@@ -149,10 +149,12 @@ class SessionTracker:
         while self._replay:
             self._replay.pop(0)()
 
-    async def lookup(self, session_id: str | None, keys: dict[int, str], render_key: str | None = None) -> dict:
+    async def lookup(
+        self, session_id: str | None, keys: dict[int, str], render_key: str | None = None, auto_only: bool = False
+    ) -> dict:
         """Which session and pending turn a new request continues: :meth:`clawray.sessions.SessionBook.find`."""
         self._start_replay()
-        return self.book.find(session_id, keys, render_key)
+        return self.book.find(session_id, keys, render_key, auto_only)
 
     async def record_turn(self, turn: Turn, done: bool = False, outcome: float | None = None) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""

@@ -94,6 +94,7 @@ from clawray.serve.reply import (
     parse_reply_text,
 )
 from clawray.serve.splice import SpliceError, splice_suffix
+from clawray.sessions import AUTO_SESSION_PREFIX
 from clawray.types import Turn
 
 keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
@@ -553,7 +554,10 @@ class PolicyServer:
         """Session binding: the first request of an explicit session id gets a fresh token (returned,
         to be sent back as ``X-Session-Token``); a later request must carry it when ``session_binding``
         is ``strict``, or under ``echo`` once the token has come back once. A wrong token is always
-        refused. At most :data:`MAX_BOUND_SESSIONS` bindings are kept (oldest forgotten first).
+        refused. At most :data:`MAX_BOUND_SESSIONS` bindings are kept (oldest forgotten first). Ids
+        that start with :data:`~clawray.sessions.AUTO_SESSION_PREFIX` (the server's own sessions, which
+        inference may continue) are never bound; inference never continues any other session while
+        binding is on.
 
         Returns: the new token for a session's first request, else None.
 
@@ -561,8 +565,8 @@ class PolicyServer:
             RequestError: code ``session_token`` (HTTP 403).
         """
         mode = self.cfg.session_binding
-        if mode == "off" or not session_id:
-            return None
+        if mode == "off" or not session_id or session_id.startswith(AUTO_SESSION_PREFIX):
+            return None  # the server's own sessions (inference may continue them) are never bound
         entry = self.bindings.get(session_id)
         if entry is None:
             token = secrets.token_urlsafe(24)
@@ -635,12 +639,13 @@ class PolicyServer:
             keys = {k: prefix_keys[k] for k, m in enumerate(req.messages) if m["role"] == "assistant"}
             if call.session_id is None:
                 self._warn_no_session()
-                found = await self.tracker.lookup.remote(None, keys)
+                # never into a session that may be bound to its client: only the server's own (auto-) ones
+                found = await self.tracker.lookup.remote(None, keys, None, self.cfg.session_binding != "off")
                 if found["session_id"] is not None:
                     call.session_id = found["session_id"]
                     self.counts["sessions_inferred"] += 1
                 elif not keys:  # a conversation's first request: a new session
-                    call.session_id = f"auto-{uuid.uuid4().hex}"
+                    call.session_id = f"{AUTO_SESSION_PREFIX}{uuid.uuid4().hex}"
                     self.counts["sessions_started_without_id"] += 1
                 else:
                     self.counts["unattributable"] += 1

@@ -65,7 +65,7 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
             name=mode,
             route_prefix=f"/{mode}",
         )
-    yield {"port": port, "root": f"http://127.0.0.1:{port}"}
+    yield {"port": port, "root": f"http://127.0.0.1:{port}", "engine": engine, "model": tiny_model}
     serve.shutdown()
 
 
@@ -195,6 +195,40 @@ def test_session_binding_echo_binds_once_the_token_comes_back(secured):
     assert _session(root, "echo", "bind-e", token).status_code == 200
     assert _session(root, "echo", "bind-e").status_code == 403  # bound now: a token-less request is refused
     assert _session(root, "echo", "bind-e", token).json()["turn_index"] == 4  # refused requests recorded nothing
+
+
+def test_inference_never_joins_a_bound_session_and_still_continues_the_servers_own(secured):
+    """Issue #27.4: under ``echo``, a client that sends a victim's exact history with no session id
+    was inferred into the bound session, and its "Correct, thanks!" scored the victim's turn +1. Now
+    it is served unattributed (no session, nothing recorded); id-less clients still get their own
+    ``auto-`` sessions continued, and those are never bound (no token)."""
+    from transformers import AutoTokenizer
+
+    root, engine = secured["root"], secured["engine"]
+    tok = AutoTokenizer.from_pretrained(secured["model"])
+    four = tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]
+    ray.get(engine.script.remote([(four, "stop")] * 4))
+    url = f"{root}/echo/v1/chat/completions"
+    history = [{"role": "user", "content": "2+2?"}]
+    victim = httpx.post(url, json={"messages": history}, headers={"X-Session-Id": "victim-1"}, timeout=30)
+    assert victim.status_code == 200 and victim.json()["session_id"] == "victim-1" and victim.headers["x-session-token"]
+    reply = victim.json()["choices"][0]["message"]
+    assert reply["content"] == "4"
+    forged = history + [reply, {"role": "user", "content": "Correct, thanks!"}]
+    attack = httpx.post(url, json={"messages": forged}, timeout=30)
+    assert attack.status_code == 200
+    assert (attack.json()["session_id"], attack.json()["turn_index"]) == (None, None)  # served, not recorded
+    mine = httpx.post(url, json={"messages": history}, timeout=30)
+    sid = mine.json()["session_id"]
+    assert sid.startswith("auto-") and "x-session-token" not in mine.headers
+    again = httpx.post(
+        url,
+        json={"messages": history + [mine.json()["choices"][0]["message"], {"role": "user", "content": "ok"}]},
+        timeout=30,
+    )
+    assert (again.json()["session_id"], again.json()["turn_index"]) == (sid, 2)
+    health = httpx.get(f"{root}/echo/health", timeout=30).json()["counts"]
+    assert health["unattributable"] >= 1 and health["sessions_inferred"] >= 1
 
 
 def test_session_binding_strict_and_a_failed_first_request_binds_nothing(secured):
