@@ -660,7 +660,7 @@ class Driver:
         self, refs: list, metas: list, advantages: list[float], next_version: int, skipped: str
     ) -> tuple[dict[str, Any], str]:
         """Train the batch on every learner unless ``skipped``; returns ``(train metrics, skipped)``
-        (``"nonfinite"`` when the learners skipped every optimizer step). The journal marks the batch
+        (``"nonfinite"`` or ``"no_gradient"`` when the learners skipped every optimizer step). The journal marks the batch
         consumed by this step; it stays in flight until :meth:`step` completes the step."""
         train: dict[str, Any] = {}
         if not skipped:
@@ -673,8 +673,8 @@ class Driver:
                 if lost is None:
                     raise
                 raise lost from None
-            if train["skipped"]:
-                skipped = "nonfinite"
+            if train["skipped"]:  # no optimizer step: a non-finite loss, or no gradient at all
+                skipped = "no_gradient" if train.get("no_gradient_mini_batches", 0) > 0 else "nonfinite"
             else:
                 self.trained_samples.extend((m.session_id, m.turn_index) for m in metas)
                 self._trained_since_ckpt += len(metas)

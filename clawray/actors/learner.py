@@ -476,7 +476,10 @@ class LearnerWorker:
             rank, padding included), ``perf/padding_frac`` (padding tokens / padded ``[B, T]`` slots of
             every micro-batch on every rank; padding passes not counted), ``optimizer_steps``,
             ``skipped`` (1 when no optimizer step was
-            taken: a non-finite loss or gradient skips its mini-batch) and the invariants
+            taken: a non-finite loss or gradient skips its mini-batch, and so does one without a
+            loss token on any rank or with an all-zero gradient, counted in
+            ``no_gradient_mini_batches``: AdamW's weight decay and moments never act on a step that
+            carries no gradient, so such a step leaves the weights bit-identical) and the invariants
             ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
             ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``, ``inv/is_weight_mean``,
             ``inv/logprob_mismatch_kl`` (fresh samples of the first mini-batch only, same weights on
@@ -522,7 +525,11 @@ class LearnerWorker:
             proximal = self._proximal_logprobs(fetched, packs, passes)
         per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
         grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
+        no_gradient = 0  # mini-batches without a loss token or with an all-zero gradient: no optimizer step
         for j in range(num_mini):
+            if counts[j, 0].item() == 0:  # no loss token on any rank (counts is all-reduced: all ranks agree)
+                no_gradient += 1  # AdamW would still decay the weights and move its moments: not a step
+                continue
             norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
             self.optimizer.zero_grad(set_to_none=True)
             nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-batch
@@ -554,6 +561,10 @@ class LearnerWorker:
             if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
+            if grad_norm.item() == 0.0:  # e.g. every advantage 0 and no KL/entropy term: nothing to learn
+                no_gradient += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
             grad_norms.append(float(grad_norm.item()))
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
@@ -573,6 +584,7 @@ class LearnerWorker:
             # share of the micro-batches' padded [B, T] token slots that are padding (all ranks)
             "perf/padding_frac": 1.0 - float(counts[:, 3].sum()) / max(float(counts[:, 2].sum()), 1.0),
             "optimizer_steps": float(steps_taken),
+            "no_gradient_mini_batches": float(no_gradient),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
         }

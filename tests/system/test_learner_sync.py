@@ -219,3 +219,43 @@ def test_kl_proximal_anchor_dual_clip_and_nonfinite_skip(ray_cluster, tiny_model
         assert m4["skipped"] == 0.0
     finally:
         learners.shutdown()
+
+
+def test_a_step_without_gradient_leaves_the_weights_bit_identical_and_is_counted(ray_cluster, tiny_model):
+    """Issue #27.7: an all-masked batch (and one whose every advantage is 0) changed 21 of 27 tensors
+    through AdamW's weight decay and was not counted. Now no optimizer step: every tensor equal bit
+    for bit, ``skipped`` 1, ``no_gradient_mini_batches`` counted, the version not bumped; the next
+    real step trains."""
+    learners = LearnerGroup(tiny_model, dict(LEARNER, weight_decay=0.1, steps_per_batch=2), free_port())
+    try:
+        prompt = [5, 6, 7]
+
+        def sample(mask, reward, response=(11, 12, 13)):
+            return ray.put(
+                Sample(
+                    tokens=prompt + list(response),
+                    prompt_len=3,
+                    loss_mask=mask,
+                    rollout_logprobs=[-7.0] * 3,
+                    reward=reward,
+                    policy_version=0,
+                )
+            )
+
+        before = ray.get([w.state_dict.remote() for w in learners.workers])[0]
+        masked = [sample([0, 0, 0], 1.0) for _ in range(4)]
+        m = learners.train_step(masked, 1)
+        assert (m["skipped"], m["optimizer_steps"], m["no_gradient_mini_batches"]) == (1.0, 0.0, 2.0)
+        zero_adv = [sample([1, 1, 1], 0.0) for _ in range(4)]
+        m = learners.train_step(zero_adv, 1)
+        assert (m["skipped"], m["optimizer_steps"], m["no_gradient_mini_batches"]) == (1.0, 0.0, 2.0)
+        after = ray.get([w.state_dict.remote() for w in learners.workers])[0]
+        assert sorted(before) == sorted(after)
+        assert [k for k in before if not torch.equal(before[k], after[k])] == []
+        # (the same response with +1 and -1 would cancel to an exactly zero gradient: another response)
+        m = learners.train_step([sample([1, 1, 1], 1.0), sample([1, 1, 1], -1.0, (21, 22, 23))] + masked[:2], 1)
+        assert (m["skipped"], m["optimizer_steps"]) == (0.0, 1.0) and m["no_gradient_mini_batches"] == 1.0
+        trained = ray.get([w.state_dict.remote() for w in learners.workers])[0]
+        assert any(not torch.equal(before[k], trained[k]) for k in before)
+    finally:
+        learners.shutdown()
