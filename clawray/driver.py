@@ -119,6 +119,8 @@ class Driver:
         self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir)  # before, every eval.every_steps, after
         self.eval_results = self.evals.results  # {"when", "step", "policy_version", "metrics", ...} each
         self.skipped_steps: dict[str, int] = {}
+        self.stats_timeouts: dict[str, int] = {}  # counter reads that missed STATS_TIMEOUT_S, by component
+        self._last_counters: dict[str, Any] = {}  # the last answer of each component's counters
         self.steps_done = 0  # driver steps, continued across a resume
         self.checkpoint_dir = checkpoint_dir(cfg)
         # the batch taken from the queue and not yet trained: requeued by a checkpoint at exit
@@ -749,7 +751,7 @@ class Driver:
         """The step's metrics row (see README) and the cumulative drop counts by reason; ``timing/step_s``
         is measured from ``t0`` (``time.perf_counter()`` at the step's start)."""
         qstats = ray.get(self.queue.stats.remote())
-        tstats = ray.get(self.tracker.stats.remote())
+        tstats = self._counters("sessions", self.tracker.stats.remote(), {})
         judge_metrics = self._judge_metrics(tstats)
         gen_metrics = self._generation_metrics()
         serve_metrics = {
@@ -779,6 +781,7 @@ class Driver:
             "inv/effective_sample_rate": self.samples_trained / decided if decided else math.nan,
             **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
             **judge_metrics,
+            **{f"stats_timeouts/{k}": float(v) for k, v in self.stats_timeouts.items()},
             **gen_metrics,
             **serve_metrics,
             **credit_metrics(metas, tstats),
@@ -977,20 +980,38 @@ class Driver:
             flush=True,
         )
 
+    def _counters(self, name: str, refs: Any, default: Any) -> Any:
+        """``ray.get(refs)`` of a component's counters within :data:`STATS_TIMEOUT_S`; past it, the
+        last answer under ``name`` (or ``default``) and a count in ``stats_timeouts[name]``: metrics
+        and shutdown never wait behind a component's work (a judge busy with thousands of slow calls
+        held the whole loop before its counters moved to a control concurrency group)."""
+        try:
+            value = ray.get(refs, timeout=STATS_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.stats_timeouts[name] = self.stats_timeouts.get(name, 0) + 1
+            print(
+                f"[clawray] {name} counters did not answer within {STATS_TIMEOUT_S:.0f}s: the last ones are used",
+                flush=True,
+            )
+            return self._last_counters.get(name, default)
+        self._last_counters[name] = value
+        return value
+
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """:func:`judge_metrics` over this run's judge and teacher workers."""
         rebase = self.counters.rebase  # [recovery hook] totals across a judge's or teacher's restarts
         teachers = (
             [
                 rebase(f"teacher-{i}", st, st)
-                for i, st in enumerate(ray.get([t.get_stats.remote() for t in self.teachers]))
+                for i, st in enumerate(
+                    self._counters("teachers", [t.get_stats.remote() for t in self.teachers], [{}] * len(self.teachers))
+                )
             ]
             if self.teachers
             else None
         )
-        judges = [
-            rebase(f"judge-{i}", st, st) for i, st in enumerate(ray.get([j.get_stats.remote() for j in self.judges]))
-        ]
+        judge_stats = self._counters("judges", [j.get_stats.remote() for j in self.judges], [{}] * len(self.judges))
+        judges = [rebase(f"judge-{i}", st, st) for i, st in enumerate(judge_stats)]
         return judge_metrics(judges, teachers, tracker_stats)
 
     def run(self) -> dict[str, Any]:
@@ -1036,8 +1057,9 @@ class Driver:
             "engine_versions": ray.get([e.get_version.remote() for e in self.engines]),
             "engines": ray.get([e.stats.remote() for e in self.engines]),
             "queue": ray.get(self.queue.stats.remote()),
-            "sessions": ray.get(self.tracker.stats.remote()),
-            "judges": ray.get([j.get_stats.remote() for j in self.judges]),
+            "sessions": self._counters("sessions", self.tracker.stats.remote(), {}),
+            "judges": self._counters("judges", [j.get_stats.remote() for j in self.judges], [{}] * len(self.judges)),
+            "stats_timeouts": dict(self.stats_timeouts),
             "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else getattr(self, "sim_stats", {}),
             "samples_trained": self.samples_trained,
             "eval": [{k: v for k, v in r.items() if k != "replies"} for r in self.eval_results],
@@ -1122,6 +1144,10 @@ class Driver:
             self.weight_sync.close()
         if self._owns_ray:
             ray.shutdown()
+
+
+#: Seconds the driver waits for a component's counters (metrics, summary) before it uses the last ones.
+STATS_TIMEOUT_S = 10.0
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

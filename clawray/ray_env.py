@@ -27,6 +27,12 @@ from clawray.serve.guard import PROXY_CALLBACK_ENV
 # The Serve proxy runs clawray's HeaderGuard (clawray/serve/guard.py) before it decodes any header.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", **PROXY_CALLBACK_ENV}
 
+#: The concurrency group of an async actor's control methods (counters for the driver's metrics):
+#: Ray runs each group on its own event loop thread, so these never queue behind the actor's work
+#: (a judge with thousands of calls waiting on a slow endpoint answered ``get_stats`` last).
+CONTROL_GROUP = "control"
+CONTROL_GROUPS = {CONTROL_GROUP: 2}
+
 
 def apply_loopback_env() -> None:
     """Set the environment variables that keep Ray on 127.0.0.1 (unless the user set them)."""

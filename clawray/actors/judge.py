@@ -30,6 +30,7 @@ import ray
 from clawray.algos.feedback import feedback_score, message_text
 from clawray.chat import SpecialTokenStripper, end_of_turn_ids
 from clawray.config import JudgeConfig, section
+from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
 
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -441,11 +442,14 @@ class JudgeWorker:
             raise TypeError(f"the judge answered with {type(content).__name__} content, not text")
         return content or ""
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def get_stats(self) -> dict:
         """Counters: turns, votes, invalid_votes, failed_calls, failed_votes, ties, score_{1,0,-1},
         hint_turns, hint_votes, hint_invalid_votes, hints_accepted, hint_chars, sessions,
-        session_votes, session_invalid_votes."""
+        session_votes, session_invalid_votes. Answered in the actor's ``control`` concurrency group,
+        never queued behind judge calls (a slow judge endpoint held thousands of them, and the
+        driver's metrics waited behind them)."""
         return dict(self.stats)
 
 
-JudgeWorkerActor = ray.remote(JudgeWorker)
+JudgeWorkerActor = ray.remote(concurrency_groups=CONTROL_GROUPS)(JudgeWorker)

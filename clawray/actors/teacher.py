@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from clawray.chat import SpecialTokenStripper
+from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
 
 DEFAULT_HINT_TEMPLATE = "\n\n[user's hint / instruction]\n{hint}"
@@ -175,8 +176,10 @@ class TeacherWorker:
         if self.scorer is not None:
             await check_endpoint_tokenizer(policy_path, self.scorer)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def get_stats(self) -> dict:
-        """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``."""
+        """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``; answered in the
+        ``control`` concurrency group, never behind scoring calls."""
         return {"scored": self.scored, "seconds": self.seconds}
 
 
@@ -191,4 +194,4 @@ def _logprob(value: object, where: str) -> float:
     return float(value)
 
 
-TeacherWorkerActor = ray.remote(TeacherWorker)
+TeacherWorkerActor = ray.remote(concurrency_groups=CONTROL_GROUPS)(TeacherWorker)
