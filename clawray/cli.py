@@ -175,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_eval_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "run":  # before Ray starts: its processes inherit it (clawray/private.py)
+        from clawray.config import redacted_argv
         from clawray.private import private_umask
 
         private_umask()
+        sys.argv[:] = redacted_argv(sys.argv)  # wandb records sys.argv: no api key in the run's files
 
     if ns.command == "eval":
         return _eval(ns)

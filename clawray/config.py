@@ -788,6 +788,21 @@ def redacted(cfg: DictConfig | dict) -> dict:
     return out
 
 
+def redacted_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the value of every :func:`secret` override (``key=value``, also ``+key`` and
+    ``++key``) hidden as :func:`redacted` hides it in a config, for whatever records the command
+    line (wandb's run metadata reads ``sys.argv``). Other arguments are unchanged."""
+    kinds = {key: f.metadata.get("secret") for key, f, _ in schema_fields() if f.metadata.get("secret")}
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        kind = kinds.get(key.lstrip("+"))
+        if eq and kind and value:
+            arg = f"{key}={_redact_url(value) if kind == 'url' else '***'}"
+        out.append(arg)
+    return out
+
+
 def _redact_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.password is None:
