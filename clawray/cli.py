@@ -167,6 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         help="show vLLM/Ray/wandb output on the terminal (default: only clawray's lines; the rest "
         "goes to RUN_DIR/job.log)",
     )
+    p_serve = sub.add_parser(
+        "serve",
+        help="serve a trained policy as it is (no learner, no judge, nothing trained) until Ctrl-C",
+    )
+    p_serve.add_argument("model", help="a model folder, a checkpoint (ckpt-NNNNNN/) or a run's checkpoints folder")
+    p_serve.add_argument(
+        "args",
+        nargs="*",
+        help="config YAML files (serve/rollout settings, e.g. conf/cpu.yaml), then key=value overrides; "
+        "the engine's backend and dtype default to the checkpoint's own; run_dir defaults to runs/serve",
+    )
+    p_serve.add_argument("--verbose", "-v", action="store_true", help="show engine/Ray output here")
     p_model = sub.add_parser("model", help="build a local model folder")
     p_model.add_argument("kind", choices=["tiny", "smollm2"])
     p_model.add_argument("dir")
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p_report.add_argument("run_dir", nargs="+", help="run folders; the first gets the matrix of all of them")
     _add_eval_parser(sub)
     ns = parser.parse_args(argv)
-    if ns.command == "run":  # before Ray starts: its processes inherit it (clawray/private.py)
+    if ns.command in ("run", "serve"):  # before Ray starts: its processes inherit it (clawray/private.py)
         from clawray.config import redacted_argv
         from clawray.private import private_umask
 
@@ -183,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.command == "eval":
         return _eval(ns)
+
+    if ns.command == "serve":
+        return _serve(ns)
 
     if ns.command == "report":
         from clawray.report import write_reports
@@ -231,14 +246,46 @@ def main(argv: list[str] | None = None) -> int:
     except (TimeoutError, FileNotFoundError) as e:
         print(f"clawray: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # an actor died (clawray.recovery.ActorLost): one line, no traceback
+    except RuntimeError as e:  # an actor died (ActorLost), the folder is taken: one line, no traceback
         from clawray.recovery import ActorLost
+        from clawray.run_lock import RunFolderInUse
 
-        if not isinstance(e, ActorLost):
+        if not isinstance(e, (ActorLost, RunFolderInUse)):
             raise
         print(f"clawray: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve(ns) -> int:
+    """``clawray serve``: 0 after Ctrl-C/SIGTERM, 1 a missing model or a run folder in use, 2 a bad
+    config."""
+    from clawray.config import ConfigError, load_config
+    from clawray.evaluation import resolve_model_dir
+    from clawray.run_lock import RunFolderInUse
+    from clawray.serving import serve_policy, serving_overrides
+
+    try:
+        path = resolve_model_dir(ns.model)
+    except FileNotFoundError as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 1
+    files = [a for a in ns.args if "=" not in a]
+    overrides = ["run_dir=runs/serve", *serving_overrides(path), *(a for a in ns.args if "=" in a)]
+    try:
+        cfg = load_config(files, overrides)
+    except ConfigError as e:
+        print(f"clawray: config error: {e}", file=sys.stderr)
+        return 2
+    from clawray.console import capture
+
+    log_path = os.path.join(cfg.run_dir, "serve.log")
+    try:
+        with capture(log_path, verbose=ns.verbose):
+            return serve_policy(cfg)
+    except RunFolderInUse as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

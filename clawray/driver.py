@@ -1211,7 +1211,7 @@ def closing_lines(cfg: DictConfig, last_checkpoint: dict[str, Any] | None) -> li
         lines += [
             f"trained model (policy v{last_checkpoint['version']}): {model} "
             f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
-            f"serve it:    {exe} run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}",
+            f"serve it:    {exe} serve {model}   (as it is, no training; train on: {exe} run ... model.path={model})",
         ]
         if cfg.env.enabled or cfg.eval.enabled:
             lines.append(f"evaluate it: {eval_command(cfg, model)}")

@@ -195,6 +195,8 @@ class RolloutEngine:
         backend_kwargs: passed to the backend constructor (dtype, max_model_len, ...).
         resync_on_restart: a policy engine: when Ray restarts the actor, generation raises
             :class:`EngineRestartedError` until the first weight load (frozen judge/teacher engines: False).
+        version: the policy version of ``model_path``'s weights (0: the initial policy; ``clawray
+            serve`` of a checkpoint passes its version, so replies carry it).
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class RolloutEngine:
         max_batch_size: int = 16,
         backend_kwargs: dict | None = None,
         resync_on_restart: bool = False,
+        version: int = 0,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -214,7 +217,7 @@ class RolloutEngine:
         from clawray.recovery import was_restarted
 
         self._awaiting_sync = resync_on_restart and was_restarted()
-        self.version = 0
+        self.version = version
         self.max_batch_size = max_batch_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._resumed = asyncio.Event()

@@ -36,7 +36,10 @@ def test_closing_lines_name_the_model_and_commands_with_paths_that_paste():
         f"trained model (policy v3): {model} (checkpoint 2560 MiB; "
         "checkpoint.save_optimizer=false keeps only the model)"
     )
-    assert lines[1] == f"serve it:    {exe} run conf/rl.yaml conf/cpu.yaml conf/serve.yaml model.path={model}"
+    assert (
+        lines[1]
+        == f"serve it:    {exe} serve {model}   (as it is, no training; train on: {exe} run ... model.path={model})"
+    )
     assert lines[2] == (
         f"evaluate it: {exe} eval {model} --env brief --level 1 --n 2 --num-prompts 0 --temperature 0.7 "
         "--seed 0 --max-tokens 48 --backend vllm --dtype float32"
@@ -94,3 +97,18 @@ def test_eval_precision_defaults_to_the_checkpoints_own_and_warns_otherwise(tmp_
     with open(os.path.join(card_dir, "clawray.json"), "w") as f:
         f.write("[1, 2")  # torn: treated as a plain folder
     assert read_policy_card(card_dir) is None and eval_precision(card_dir, None, None) == ("vllm", "float32", "")
+
+
+def test_clawray_serve_refuses_a_missing_model_and_a_bad_config(tmp_path, capsys):
+    from clawray.cli import main
+
+    umask = os.umask(0o022)  # main() sets the process umask to 077: restored after
+    try:
+        assert main(["serve", str(tmp_path / "nothing")]) == 1
+        assert "is neither a model folder" in capsys.readouterr().err
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        assert main(["serve", str(tmp_path / "model"), "rollout.backend=tpu"]) == 2
+        assert "config error" in capsys.readouterr().err
+    finally:
+        os.umask(umask)

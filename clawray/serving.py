@@ -1,0 +1,250 @@
+"""``clawray serve``: serve a trained policy as it is, with no learner, judge or checkpoint.
+
+Training (``clawray run``) serves the policy it is changing; a user who wants to use or A/B the
+trained agent needs the same endpoint on fixed weights. :func:`serve_policy` starts the rollout
+engines on a model folder (a checkpoint's ``model/``), the :class:`~clawray.serve.app.PolicyServer`
+and a :class:`ServingTracker` that keeps the session book (session inference, exact prompt splicing
+across turns) and records every served main-line turn to ``RUN_DIR/records/turns.jsonl`` (with
+``records.enabled``), but judges and trains nothing. Replies carry the checkpoint's own policy
+version (its policy card, ``model/clawray.json``); the engine runs in the precision the policy was
+sampled in (the card's ``rollout.backend`` and ``rollout.dtype``) unless the command line says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import ray
+
+from clawray.records import TurnRecords
+from clawray.sessions import SessionBook
+from clawray.types import Turn
+
+
+class ServingTracker:
+    """The session tracker of plain serving: :class:`~clawray.sessions.SessionBook` bookkeeping (the
+    server's lookup and turn indexes) and turn records; nothing is judged or queued.
+
+    Args:
+        records_dir: where ``turns.jsonl`` goes, or None for no records.
+        idle_timeout_s: sessions without a request for this long are closed (> 0).
+        records_max_bytes, records_keep: the records' rotation.
+    """
+
+    def __init__(
+        self,
+        records_dir: str | None = None,
+        idle_timeout_s: float = 1800.0,
+        records_max_bytes: int = 64 << 20,
+        records_keep: int = 5,
+    ):
+        self.book = SessionBook()
+        self.records = TurnRecords(records_dir, records_max_bytes, records_keep)
+        self.idle_timeout_s = idle_timeout_s
+        self.counts = {"turns": 0, "sessions_closed": 0, "sessions_idle_closed": 0}
+
+    async def lookup(
+        self, session_id: str | None, keys: dict[int, str], render_key: str | None = None, auto_only: bool = False
+    ) -> dict:
+        """:meth:`clawray.sessions.SessionBook.find`."""
+        return self.book.find(session_id, keys, render_key, auto_only)
+
+    async def record_turns(self, turns: list[Turn], done: bool = False, outcome: float | None = None) -> list[int]:
+        """Record one request's served main-line turns; returns their 1-based indexes (``outcome`` is
+        accepted and ignored: nothing is trained)."""
+        for sid in self.book.idle(self.idle_timeout_s):
+            self.book.close(sid)
+            self.counts["sessions_idle_closed"] += 1
+        s = self.book.open(turns[0].session_id, turns[0].messages)
+        if s.pending:
+            self.book.pair(s, turns[0].messages)
+        self.book.add(s, turns)
+        for turn in turns:
+            self.records.turn(turn)
+        self.counts["turns"] += len(turns)
+        if done:
+            await self.close_session(turns[0].session_id, outcome)
+        return [t.turn_index for t in turns]
+
+    async def close_session(self, session_id: str, outcome: float | None = None) -> None:
+        """Close a session (``X-Session-Done``)."""
+        if self.book.close(session_id) is not None:
+            self.counts["sessions_closed"] += 1
+
+    async def stats(self) -> dict:
+        """Counters: turns, sessions closed (by the client, idle) and open sessions."""
+        return {**self.counts, "open_sessions": len(self.book)}
+
+
+ServingTrackerActor = ray.remote(ServingTracker)
+
+
+def serving_overrides(model_dir: str) -> list[str]:
+    """The overrides that serve ``model_dir`` as its job sampled it: ``model.path`` and, from its
+    policy card, ``rollout.backend`` and ``rollout.dtype`` (nothing more for a plain model folder).
+    The user's own overrides come after these and win."""
+    from clawray.checkpoint import read_policy_card
+
+    out = [f"model.path={model_dir}"]
+    engine = (read_policy_card(model_dir) or {}).get("engine") or {}
+    if engine.get("backend") in ("vllm", "hf"):
+        out.append(f"rollout.backend={engine['backend']}")
+    if isinstance(engine.get("dtype"), str):
+        out.append(f"rollout.dtype={engine['dtype']}")
+    return out
+
+
+def policy_version_of(model_dir: str) -> int:
+    """The policy version in ``model_dir``'s policy card (0 for a plain model folder)."""
+    from clawray.checkpoint import read_policy_card
+
+    version = (read_policy_card(model_dir) or {}).get("policy_version", 0)
+    return version if isinstance(version, int) and version >= 0 else 0
+
+
+class PolicyService:
+    """The running pieces of ``clawray serve`` (:meth:`start`, :meth:`stop`).
+
+    Args:
+        cfg: the config (``model.path`` is the model folder to serve; ``rollout``, ``serve``,
+            ``records``, ``session``, ``ray`` and ``run_dir`` are read).
+    """
+
+    def __init__(self, cfg: Any):
+        from clawray.config import model_path
+        from clawray.run_lock import RunFolderLock
+
+        self.cfg = cfg
+        self.model_dir = model_path(cfg)
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.version = policy_version_of(self.model_dir)
+        self.engines: list = []
+        self.tracker = None
+        self.base_url = ""
+        self._lock = RunFolderLock(self.run_dir)
+        self._owns_ray = False
+
+    def start(self) -> str:
+        """Start Ray (local unless ``ray.address``), the engines, the tracker and the endpoint;
+        returns the base URL (``.../v1``). On a failure, everything started is stopped first.
+
+        Raises:
+            RunFolderInUse: another run owns ``run_dir``.
+            RuntimeError: an engine or the server did not start.
+        """
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
+        from omegaconf import OmegaConf
+
+        from clawray.actors.rollout import RolloutEngineActor
+        from clawray.private import private_dir
+        from clawray.ray_env import init_ray
+        from clawray.recovery import engine_options
+        from clawray.serve.app import start_policy_server
+
+        cfg, ro = self.cfg, self.cfg.rollout
+        private_dir(self.run_dir)
+        self._lock.acquire()
+        self._owns_ray = not ray.is_initialized()
+        init_ray(cfg.ray.address, cfg.ray.num_cpus)
+        kwargs: dict[str, Any] = {"dtype": "float32", "seed": cfg.seed}
+        if ro.backend == "vllm":
+            kwargs = {
+                "dtype": ro.dtype,
+                "max_model_len": ro.max_model_len,
+                "seed": cfg.seed,
+                "kv_cache_gib": ro.kv_cache_gib,
+                "gpu_memory_utilization": ro.gpu_memory_utilization,
+            }
+        self.engines = [
+            RolloutEngineActor.options(
+                num_cpus=ro.num_cpus,
+                num_gpus=ro.num_gpus,
+                resources=dict(ro.resources) or None,
+                **engine_options(ro.max_restarts),
+            ).remote(
+                ro.backend,
+                self.model_dir,
+                f"rollout-{i}",
+                ro.torch_threads,
+                ro.max_batch_size,
+                kwargs,
+                version=self.version,
+            )
+            for i in range(ro.num_engines)
+        ]
+        ray.get([e.ready.remote() for e in self.engines])
+        records = os.path.join(self.run_dir, "records") if cfg.records.enabled else None
+        self.tracker = ServingTrackerActor.options(num_cpus=0).remote(
+            records,
+            cfg.session.idle_timeout_s,
+            int(cfg.records.max_mb * 2**20),
+            cfg.records.keep_files,
+        )
+        self.base_url = start_policy_server(
+            self.model_dir, self.engines, self.tracker, OmegaConf.to_object(cfg.serve), ro.max_model_len
+        )
+        return self.base_url
+
+    def stop(self) -> None:
+        """Stop the endpoint, the actors and (when this started it) Ray; release the run folder.
+        Idempotent."""
+        from clawray.serve.shutdown import shutdown_serve
+
+        try:
+            if ray.is_initialized():
+                try:
+                    shutdown_serve()
+                except Exception:  # noqa: BLE001 - the rest must still be released
+                    pass
+                for actor in [*self.engines, self.tracker]:
+                    if actor is not None:
+                        try:
+                            ray.kill(actor)
+                        except Exception:  # noqa: BLE001 - already gone
+                            pass
+                if self._owns_ray:
+                    ray.shutdown()
+            self.engines, self.tracker = [], None
+        finally:
+            self._lock.release()
+
+
+def serve_policy(cfg: Any, stop: threading.Event | None = None) -> int:
+    """``clawray serve``: serve ``cfg.model.path`` until SIGINT/SIGTERM (or ``stop`` is set); returns
+    the exit status (0)."""
+    service = PolicyService(cfg)
+    stop = stop or threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        t0 = time.perf_counter()
+        url = service.start()
+        ro = cfg.rollout
+        dtype = ro.dtype if ro.backend == "vllm" else "float32"
+        print(
+            f"[clawray] serving {service.model_dir} (policy v{service.version}) at {url} in {time.perf_counter() - t0:.1f}s: "
+            f"{ro.num_engines} engine(s) ({ro.backend}, {dtype}); no learner, no judge, nothing is trained; "
+            "Ctrl-C stops",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+        print("[clawray] stopping", flush=True)
+    finally:
+        service.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
