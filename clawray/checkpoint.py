@@ -12,9 +12,11 @@ With ``checkpoint.save_optimizer=false`` there is no ``train_state/`` (``driver.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import zlib
 
 from clawray.private import open_private, private_dir
 
@@ -61,6 +63,94 @@ def commit_checkpoint(tmp: str, final: str, keep_last: int = 0) -> str:
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+#: Each checkpoint's list of its files with their sizes and CRC-32s, written last before the commit.
+MANIFEST = "manifest.json"
+
+
+class DamagedFileError(RuntimeError):
+    """A file a resume needs is damaged or unreadable; the message names the file (and line) and
+    what was found, never a traceback."""
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(folder: str) -> None:
+    """Write ``folder/manifest.json``: ``{relative path: {"size", "crc32"}}`` of every file under
+    ``folder`` (CRC-32 of the bytes; about 1 s per GB). Call it after every other file is written
+    and before :func:`commit_checkpoint`."""
+    files = {}
+    for d, _, names in os.walk(folder):
+        for name in sorted(names):
+            full = os.path.join(d, name)
+            rel = os.path.relpath(full, folder)
+            if rel != MANIFEST:
+                files[rel] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
+    with open_private(os.path.join(folder, MANIFEST)) as f:
+        json.dump({"files": files}, f, indent=1)
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed (one line), or None when it is intact: every
+    file of its manifest present with the same size and CRC-32, and ``driver.json`` readable. A
+    checkpoint without a manifest (written before manifests existed) is checked for a readable
+    ``driver.json`` only."""
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.exists(manifest):
+        try:
+            with open(manifest) as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{MANIFEST} is unreadable"
+        for rel, want in files.items():
+            full = os.path.join(path, rel)
+            if not os.path.isfile(full):
+                return f"{rel} is missing"
+            if os.path.getsize(full) != want.get("size"):
+                return f"{rel} is {os.path.getsize(full)} bytes, {want.get('size')} were written"
+            if _crc32(full) != want.get("crc32"):
+                return f"{rel} does not match its CRC-32"
+    try:
+        with open(os.path.join(path, "driver.json")) as f:
+            state = json.load(f)
+        int(state["steps_done"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"driver.json is unreadable ({type(e).__name__})"
+    return None
+
+
+def latest_intact_checkpoint(root: str, report=print) -> str | None:
+    """The newest checkpoint under ``root`` that :func:`verify_checkpoint` passes: the one ``latest``
+    names first, then the others newest first (``checkpoint.keep_last`` keeps older ones for this).
+    Each damaged one is reported (``report(line)``) with why, and which one is used instead.
+
+    Returns:
+        the checkpoint folder, or None when there is none.
+
+    Raises:
+        DamagedFileError: checkpoints exist but every one is damaged (each is named).
+    """
+    first = latest_checkpoint(root)
+    if first is None:
+        return None
+    candidates = [first] + [p for p in reversed(list_checkpoints(root)) if p != first]
+    damaged = []
+    for path in candidates:
+        why = verify_checkpoint(path)
+        if why is None:
+            if damaged:
+                report(f"[clawray] resume falls back to {path}, the newest intact checkpoint")
+            return path
+        damaged.append(f"{os.path.basename(path)}: {why}")
+        report(f"[clawray] checkpoint {path} is damaged ({why}): not resumed from")
+    raise DamagedFileError(f"every checkpoint in {root} is damaged: " + "; ".join(damaged))
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -117,8 +207,6 @@ def policy_card(cfg, version: int, steps_done: int) -> dict:
 
 def write_policy_card(model_dir: str, card: dict) -> None:
     """Write :func:`policy_card`'s dict as ``model_dir/clawray.json`` (mode 0600)."""
-    import json
-
     with open_private(os.path.join(model_dir, POLICY_CARD), "w") as f:
         json.dump(card, f, indent=2)
 
@@ -126,8 +214,6 @@ def write_policy_card(model_dir: str, card: dict) -> None:
 def read_policy_card(model_dir: str) -> dict | None:
     """The policy card of a model folder, or None when it has none (a plain HF folder) or it is not
     a JSON object."""
-    import json
-
     try:
         with open(os.path.join(model_dir, POLICY_CARD)) as f:
             card = json.load(f)

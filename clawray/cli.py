@@ -246,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TimeoutError, FileNotFoundError) as e:
         print(f"clawray: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # an actor died (ActorLost), the folder is taken: one line, no traceback
+    except RuntimeError as e:  # an actor died, the folder is taken, a file is damaged: one line, no traceback
+        from clawray.checkpoint import DamagedFileError
         from clawray.recovery import ActorLost
         from clawray.run_lock import RunFolderInUse
 
-        if not isinstance(e, (ActorLost, RunFolderInUse)):
+        if not isinstance(e, (ActorLost, RunFolderInUse, DamagedFileError)):
             raise
         print(f"clawray: {e}", file=sys.stderr)
         return 1

@@ -41,8 +41,10 @@ from clawray.algos.invariants import DegenerateBatchGuard, EntropyController
 from clawray.checkpoint import (
     commit_checkpoint,
     latest_checkpoint,
+    latest_intact_checkpoint,
     new_checkpoint_dirs,
     policy_card,
+    write_manifest,
     write_policy_card,
 )
 from clawray.private import open_private, private_dir, private_tree
@@ -383,7 +385,7 @@ class Driver:
         Raises:
             FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
         """
-        path = latest_checkpoint(self.checkpoint_dir)
+        path = latest_intact_checkpoint(self.checkpoint_dir)
         if path is None:
             raise FileNotFoundError(f"no checkpoint in {self.checkpoint_dir}")
         with open(os.path.join(path, "driver.json")) as f:
@@ -428,10 +430,17 @@ class Driver:
         resume_step = None
         self._resume_from_start = False
         if self.cfg.resume:
-            path = latest_checkpoint(self.checkpoint_dir)
+            # verified (manifest sizes and CRC-32s); a damaged newest one falls back to an older one, said
+            path = self._resume_checkpoint = latest_intact_checkpoint(self.checkpoint_dir)
             if path is not None:
                 with open(os.path.join(path, "driver.json")) as f:
                     resume_step = json.load(f)["steps_done"]
+                if path != latest_checkpoint(self.checkpoint_dir):
+                    print(
+                        f"[clawray] resume from step {resume_step}: the batches trained after it that the "
+                        "journal already forgot (consumed before the damaged checkpoint) are not trained again",
+                        flush=True,
+                    )
             elif os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE)):
                 # died before its first checkpoint: the initial policy trains every journaled sample again
                 resume_step, self._resume_from_start = 0, True
@@ -440,7 +449,7 @@ class Driver:
                     f"resume=true but there is no checkpoint in {self.checkpoint_dir} "
                     f"and no journal in {journal_dir(self.run_dir)}"
                 )
-        paths = prepare_journals(self.run_dir, resume_step)
+        paths = prepare_journals(self.run_dir, resume_step, report=lambda line: print(line, flush=True))
         opts = {"fsync": self.cfg.queue.journal_fsync, "compact_bytes": int(self.cfg.queue.journal_compact_mb * 2**20)}
         return {kind: {"path": p, **opts} for kind, p in paths.items()}
 
@@ -901,6 +910,7 @@ class Driver:
         if os.path.isdir(os.path.join(tmp, "model")):  # the model's precision and eval settings travel with it
             write_policy_card(os.path.join(tmp, "model"), policy_card(self.cfg, learner_version, steps_done))
         private_tree(tmp)  # the learners' files too, whatever their umask
+        write_manifest(tmp)  # every file's size and CRC-32: a resume verifies them (about 1 s per GB)
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
         self._trained_since_ckpt = 0  # [recovery hook] a learner rebuild starts from here
         ray.get(self.queue.forget.remote(steps_done))  # [journal hook]
@@ -936,7 +946,8 @@ class Driver:
         Raises:
             FileNotFoundError: no committed checkpoint in ``checkpoint.dir``.
         """
-        path = latest_checkpoint(self.checkpoint_dir)
+        path = getattr(self, "_resume_checkpoint", None) if senders is None else None
+        path = path or latest_intact_checkpoint(self.checkpoint_dir)
         if path is None and senders is None and getattr(self, "_resume_from_start", False):
             print(
                 "[clawray] resume: no checkpoint yet; the initial policy (v0) trains every journaled, "

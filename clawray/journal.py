@@ -40,9 +40,10 @@ import json
 import os
 import shutil
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from clawray.algos.credit_ledger import SessionCredit
+from clawray.checkpoint import DamagedFileError
 from clawray.types import Sample, Turn
 
 SAMPLES_FILE = "samples.jsonl"
@@ -54,33 +55,44 @@ def journal_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "journal")
 
 
-def prepare_journals(run_dir: str, resume_step: int | None) -> dict[str, str]:
+def prepare_journals(
+    run_dir: str, resume_step: int | None, report: Callable[[str], None] | None = None
+) -> dict[str, str]:
     """Get the journals ready before the actors that write them start.
 
     Args:
         run_dir: the run folder.
         resume_step: the ``steps_done`` of the checkpoint being resumed, or None for a fresh run (its
             journals are removed: a fresh run in the same folder starts empty, like ``metrics.jsonl``).
+        report: told of a torn last line (see :func:`read_records`).
 
     Returns:
         ``{"samples": path, "sessions": path}``.
+
+    Raises:
+        DamagedFileError: a journal line other than the last is damaged (file and line named).
     """
     folder = journal_dir(run_dir)
     if resume_step is None:
         shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     paths = {"samples": os.path.join(folder, SAMPLES_FILE), "sessions": os.path.join(folder, SESSIONS_FILE)}
-    if resume_step is not None and os.path.exists(paths["samples"]):
-        state = SampleState.from_records(read_records(paths["samples"]), void_after_step=resume_step)
-        write_atomic(paths["samples"], state.records())
+    if resume_step is not None:
+        read_records(paths["sessions"], report)  # checked here: a damaged file is named before any actor starts
+        if os.path.exists(paths["samples"]):
+            state = SampleState.from_records(read_records(paths["samples"], report), void_after_step=resume_step)
+            write_atomic(paths["samples"], state.records())
     return paths
 
 
-def read_records(path: str) -> list[dict]:
-    """Every complete JSON line of ``path`` (``[]`` when it does not exist); a torn last line is skipped.
+def read_records(path: str, report: Callable[[str], None] | None = None) -> list[dict]:
+    """Every complete JSON line of ``path`` (``[]`` when it does not exist); a torn last line (a
+    write the process died in, never acknowledged) is skipped, and said through ``report`` when
+    given.
 
     Raises:
-        ValueError: a line other than the last one is not valid JSON (the file is corrupt).
+        DamagedFileError: a line other than the last one is not a JSON object (the file is damaged);
+            the message names the file and the line.
     """
     if not os.path.exists(path):
         return []
@@ -91,11 +103,22 @@ def read_records(path: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except ValueError:
             if i >= len(lines) - 2:  # the last line (a file ends with "\n", so the split's last part is b"")
+                if report is not None:
+                    report(
+                        f"[clawray] journal {path}: line {i + 1}, the last, is torn (a write cut by the "
+                        "process's end, never acknowledged): ignored"
+                    )
                 break
-            raise ValueError(f"journal {path}: line {i + 1} is corrupt") from None
+            raise DamagedFileError(
+                f"journal {path}: line {i + 1} of {len(lines) - 1} is not a complete record (the file is "
+                "damaged: restore it from a backup, or start afresh with resume=false)"
+            ) from None
+        out.append(rec)
     return out
 
 

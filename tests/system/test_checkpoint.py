@@ -219,3 +219,47 @@ def test_queue_journal_replay_round_trip(ray_cluster, tmp_path):
     batch, order, stats = asyncio.run(scenario())
     assert order == ["s1", "s7"] and batch["versions"] == [1, 3]  # s2 (13 tokens) exceeds the new budget
     assert stats == {"size": 0, "put": 4, "taken": 3, "dropped": {"too_long": 1}, "replayed": 1}
+
+
+@pytest.mark.slow
+def test_resume_falls_back_from_a_truncated_checkpoint_to_the_older_one(ray_cluster, tiny_model, tmp_path, capsys):
+    """Issue #27.3: a truncated ``model.safetensors`` in the newest checkpoint gave a raw traceback
+    and the older checkpoint kept by ``keep_last`` was never tried. Now the resume verifies the
+    manifest, says which checkpoint is damaged and resumes from the newest intact one."""
+    from clawray.driver import Driver
+
+    run_dir = tmp_path / "run"
+    common = [
+        "env.enabled=false",
+        "queue.max_staleness=10",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=2",
+        "wandb.mode=disabled",
+        "trainer.batch_timeout_s=60",
+        "trainer.max_batch_size=2",
+    ]
+    d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
+    d.setup()
+    try:
+        for s in (_sample(i) for i in range(4)):
+            ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
+        assert d.run()["policy_version"] == 2
+    finally:
+        d.close()
+    root = str(run_dir / "checkpoints")
+    first, second = list_checkpoints(root)
+    weights = os.path.join(second, "model", "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    capsys.readouterr()
+    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true"]))
+    d2.setup()
+    try:
+        assert (d2.version, d2.steps_done) == (1, 1)
+        assert ray.get([e.get_version.remote() for e in d2.engines]) == [1]
+    finally:
+        d2.shutdown()
+    out = capsys.readouterr().out
+    assert f"[clawray] checkpoint {second} is damaged (model/model.safetensors is " in out
+    assert f"[clawray] resume falls back to {first}, the newest intact checkpoint" in out
+    assert f"[clawray] resumed from {first}: policy v1, step 1" in out
