@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections import Counter, deque
@@ -121,6 +122,7 @@ class Driver:
         self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir)  # before, every eval.every_steps, after
         self.eval_results = self.evals.results  # {"when", "step", "policy_version", "metrics", ...} each
         self.skipped_steps: dict[str, int] = {}
+        self.checkpoint_failures = 0  # periodic checkpoints the disk refused (the run goes on)
         self.stats_timeouts: dict[str, int] = {}  # counter reads that missed STATS_TIMEOUT_S, by component
         self._last_counters: dict[str, Any] = {}  # the last answer of each component's counters
         self.steps_done = 0  # driver steps, continued across a resume
@@ -743,7 +745,19 @@ class Driver:
         """Save a checkpoint every ``checkpoint.every_steps`` steps; returns its seconds (0 if none)."""
         every = self.cfg.checkpoint.every_steps
         if every > 0 and self.steps_done % every == 0:
-            self.save_checkpoint()
+            try:
+                self.save_checkpoint()
+            except Exception as e:  # a full disk: the previous checkpoint and the journal stand
+                cause = getattr(e, "cause", None) or e  # a learner's OSError comes wrapped by Ray
+                if not isinstance(cause, OSError):
+                    raise
+                self.checkpoint_failures += 1
+                print(
+                    f"[clawray] checkpoint at step {self.steps_done} failed ({cause.strerror or type(cause).__name__}): "
+                    "the previous one and the journal stand; the next one is tried at its step",
+                    flush=True,
+                )
+                return 0.0
             return self.last_checkpoint["seconds"]
         return 0.0
 
@@ -873,6 +887,13 @@ class Driver:
         """
         t0 = time.perf_counter()
         tmp, final = new_checkpoint_dirs(self.checkpoint_dir)
+        try:
+            return self._save_checkpoint(t0, tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint only takes space
+            raise
+
+    def _save_checkpoint(self, t0: float, tmp: str, final: str) -> str:
         save_optimizer = self.cfg.checkpoint.save_optimizer
         results = ray.get([w.save_checkpoint.remote(tmp, save_optimizer) for w in self.learners.workers])
         learner_version = results[0]["version"]

@@ -299,8 +299,13 @@ class RunEvaluations:
         log(
             {**flat_metrics(result["metrics"]), "eval/seconds": result["seconds"], "policy_version": version}, step=step
         )
-        with open(os.path.join(self.run_dir, "eval.json"), "w") as f:
-            json.dump(self.results, f, indent=2)
+        try:  # replaced whole (a temporary file, then a rename): a full disk keeps the last good one
+            tmp = os.path.join(self.run_dir, ".eval.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(self.results, f, indent=2)
+            os.replace(tmp, os.path.join(self.run_dir, "eval.json"))
+        except OSError as e:
+            print(f"[clawray] eval.json not updated ({e.strerror or type(e).__name__})", flush=True)
         print(
             f"[clawray] eval {when} (step {step}, policy v{version}, {result['env']} "
             f"{result['split']}: {result['prompts']} prompts x {result['n']}, T={result['temperature']}, "

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable
 
 from clawray.algos.credit_ledger import SessionCredit
 from clawray.checkpoint import DamagedFileError
+from clawray.records import append_whole
 from clawray.types import Sample, Turn
 
 SAMPLES_FILE = "samples.jsonl"
@@ -127,11 +128,18 @@ def write_atomic(path: str, records: Iterable[dict]) -> None:
     of the folder. A crash leaves the old file or the new one, never a mix."""
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        for rec in records:
-            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # e.g. ENOSPC: the old file stands; no half-written temporary is left behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
@@ -153,33 +161,41 @@ class AppendFile:
         self._open()
 
     def _open(self) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._f = os.fdopen(fd, "a")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def append(self, rec: dict) -> None:
-        """Write ``rec`` as one line, flush it, and fsync it when ``fsync`` is on.
+        """Write ``rec`` as one line, whole or not at all (:func:`~clawray.records.append_whole`:
+        no torn line, nothing left in a buffer for a later write), and fsync it when ``fsync`` is on.
 
         Raises:
-            OSError: the disk refused the write (the record is then NOT acknowledged).
+            OSError: the disk refused the write (ENOSPC, ...): the record is NOT acknowledged and the
+                file is as it was before.
         """
-        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        self._f.flush()
+        if self._fd is None:
+            self._open()
+        append_whole(self._fd, (json.dumps(rec, separators=(",", ":")) + "\n").encode())
         if self.fsync:
-            os.fsync(self._f.fileno())
+            os.fsync(self._fd)
 
     def size(self) -> int:
         """The file's size in bytes."""
         return os.path.getsize(self.path)
 
     def rewrite(self, records: Iterable[dict]) -> None:
-        """Replace the file's content by ``records`` atomically (:func:`write_atomic`)."""
-        self._f.close()
-        write_atomic(self.path, records)
+        """Replace the file's content by ``records`` atomically (:func:`write_atomic`).
+
+        Raises:
+            OSError: the new file could not be written (the old one stays, and stays open).
+        """
+        write_atomic(self.path, records)  # a failure leaves the old file, still open for appends
+        self.close()
         self._open()
 
     def close(self) -> None:
-        """Close the file (appends after this raise)."""
-        self._f.close()
+        """Close the file (a later append opens it again)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 # ---------------------------------------------------------------------------------------------- samples
@@ -336,7 +352,10 @@ class SampleJournal:
         file when it is over ``compact_bytes``)."""
         self._log({"op": "forget", "step": int(step)})
         if self.compact_bytes and self.file.size() > self.compact_bytes:
-            self.file.rewrite(self.state.records())
+            try:
+                self.file.rewrite(self.state.records())
+            except OSError:  # compaction only saves space: the appended file stays valid as it is
+                pass
 
     def _log(self, rec: dict) -> None:
         self.file.append(rec)
@@ -499,7 +518,10 @@ class SessionJournal:
         self.file.append(rec)
         self.state.apply(rec)
         if op == "close" and self.compact_bytes and self.file.size() > self.compact_bytes:
-            self.file.rewrite(self.state.records())
+            try:
+                self.file.rewrite(self.state.records())
+            except OSError:  # compaction only saves space: the appended file stays valid as it is
+                pass
 
     def turns(self, turns: list[Turn], counts: dict) -> None:
         """``turns``: a request's new turns, with their indexes (durable before they are answered)."""

@@ -12,6 +12,27 @@ import os
 from typing import Any
 
 
+def append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to the file open at ``fd`` (``O_APPEND``) whole or not at all: when the disk
+    refuses part of it (ENOSPC, EIO, a quota), the file is cut back to its size before the write, so
+    a reader never meets a torn line and a later append starts on a line boundary.
+
+    Raises:
+        OSError: the write failed (nothing of ``data`` stays in the file).
+    """
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:  # the write's own error is the one to report
+            pass
+        raise
+
+
 class JsonlRecords:
     """One rotating JSONL record.
 
@@ -31,22 +52,34 @@ class JsonlRecords:
         self.path, self.max_bytes, self.keep_files = path, max_bytes, keep_files
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.rotations = 0
+        self.write_errors = 0  # rows the disk refused (each left out whole, never torn)
+        self.error: str | None = None  # the last refusal, cleared by the next row written
 
-    def append(self, row: dict[str, Any]) -> None:
-        """Write ``row`` as one JSON line (rotating first when needed)."""
+    def append(self, row: dict[str, Any]) -> bool:
+        """Write ``row`` as one JSON line (rotating first when needed); returns whether it was
+        written. A record is observability, never a reason to fail the request that made it: when the
+        disk refuses the row (ENOSPC, ...) it is left out whole (:func:`append_whole`), counted in
+        ``write_errors`` and named in ``error`` until a row is written again."""
         line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         try:
-            size = os.path.getsize(self.path)
-        except FileNotFoundError:
-            size = 0
-        if size and size + len(line) > self.max_bytes:
-            self._rotate()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+            try:
+                size = os.path.getsize(self.path)
+            except FileNotFoundError:
+                size = 0
+            if size and size + len(line) > self.max_bytes:
+                self._rotate()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                append_whole(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.write_errors += 1
+            self.error = f"{os.path.basename(self.path)}: {e.strerror or type(e).__name__}"
+            return False
+        self.error = None
+        return True
 
     def _rotate(self) -> None:
         self.rotations += 1
@@ -76,6 +109,11 @@ class TurnRecords:
         if folder:
             self.served = JsonlRecords(os.path.join(folder, "turns.jsonl"), max_bytes, keep_files)
             self.judged = JsonlRecords(os.path.join(folder, "judgments.jsonl"), max_bytes, keep_files)
+
+    def failing(self) -> tuple[int, list[str]]:
+        """``(rows the disk refused so far, the files refusing now)`` (see :meth:`JsonlRecords.append`)."""
+        files = [f for f in (self.served, self.judged) if f is not None]
+        return sum(f.write_errors for f in files), [f.error for f in files if f.error]
 
     def turn(self, turn: Any) -> None:
         """Append one served :class:`~clawray.types.Turn`."""

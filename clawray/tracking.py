@@ -18,6 +18,7 @@ from typing import Any
 
 from clawray.config import redacted
 from clawray.private import open_private, private_dir, private_tree, private_umask
+from clawray.records import append_whole
 
 
 class Tracker:
@@ -50,6 +51,7 @@ class Tracker:
     ):
         private_dir(run_dir)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.write_errors = 0  # rows the disk refused (left out whole, said on the terminal)
         kept = []
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
@@ -97,8 +99,15 @@ class Tracker:
         ``time/elapsed_s`` (wall seconds since the run started) added."""
         metrics = {**metrics, "time/elapsed_s": round(time.monotonic() - self._t0, 3)}
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        with open_private(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **row}) + "\n")
+        line = (json.dumps({"step": step, **row}) + "\n").encode()
+        try:
+            with open_private(self.path, "a") as f:
+                append_whole(f.fileno(), line)  # whole or not at all: never a torn row
+        except OSError as e:  # a full disk loses this row (counted, said), never the run
+            self.write_errors += 1
+            print(
+                f"[clawray] metrics.jsonl: step {step}'s row not written ({e.strerror or type(e).__name__})", flush=True
+            )
         if self.run is not None:
             self.run.log(metrics, step=step)
 

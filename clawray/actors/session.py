@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import Counter
 from typing import Any
 
@@ -77,6 +78,10 @@ from clawray.records import TurnRecords
 from clawray.recovery import was_restarted
 from clawray.sessions import MAX_CLOSED_REMEMBERED, Session, SessionBook
 from clawray.types import Sample, SampleMeta, Turn
+
+
+#: Seconds a sample's put is retried while the queue's journal cannot be written (a full disk).
+PUT_RETRY_S = 600.0
 
 
 class SessionTracker:
@@ -131,6 +136,7 @@ class SessionTracker:
         self.idle_timeout_s = idle_timeout_s
         self._sweeper: asyncio.Task | None = None
         self.records = TurnRecords(records_dir, records_max_bytes, records_keep)
+        self.storage_error: str | None = None  # the journal write the disk refuses now, if any
         self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
         if journal:
             self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
@@ -141,7 +147,22 @@ class SessionTracker:
     def _journal(self, op: str, **fields: Any) -> None:
         """[journal hook] Append one session-state change (no-op without a journal)."""
         if self.journal is not None:  # with the counters as they are now: a restart re-bases them on it
-            self.journal.log(op, **fields, counts=dict(self.counts))
+            self._durably(self.journal.log, op, **fields, counts=dict(self.counts))
+
+    def _durably(self, write: Any, *args: Any, **kwargs: Any) -> None:
+        """[journal hook] One journal write. A disk that refuses it (ENOSPC, ...) degrades durability,
+        never the service: the request is still answered and the state kept in memory; the refusal is
+        counted (``storage_errors``) and named in :meth:`stats` (``storage_failing``, hence ``/health``
+        degraded) until a write succeeds again. What is lost is only what a tracker restart during
+        the outage would have replayed: turns and judgements, never an acknowledged sample (the
+        queue acknowledges a sample only once its own journal line is written)."""
+        try:
+            write(*args, **kwargs)
+        except OSError as e:
+            self.counts["storage_errors"] += 1
+            self.storage_error = f"sessions journal: {e.strerror or type(e).__name__}"
+            return
+        self.storage_error = None
 
     def _start_replay(self) -> None:
         """[journal hook] Restart the judgements a previous tracker left unfinished (once, lazily: the
@@ -194,7 +215,7 @@ class SessionTracker:
             self.counts["turns_tool_parse_error"] += int(turn.tool_parse_error)
             self.records.turn(turn)
         if self.journal is not None:  # [journal hook] the indexes are durable before they are answered
-            self.journal.turns(turns, dict(self.counts))
+            self._durably(self.journal.turns, turns, dict(self.counts))
         if done:
             await self.close_session(sid)
         if self.ledger.served(max(t.policy_version for t in turns)):  # the engines moved on: flush?
@@ -298,7 +319,7 @@ class SessionTracker:
     def _launch_judge(self, s: Session, turn: Turn, next_state: list[dict]) -> None:
         judge = self.scoring.next_judge()
         if self.journal is not None:  # [journal hook] the judgement is durable before it starts
-            self.journal.judge(turn, next_state, dict(self.counts))
+            self._durably(self.journal.judge, turn, next_state, dict(self.counts))
         s.tasks.append(self._track(asyncio.ensure_future(self._journaled_judge(s, turn, next_state, judge))))
 
     async def _journaled_judge(self, s: Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
@@ -307,7 +328,7 @@ class SessionTracker:
         staleness budget says so."""
         await self._judge_and_emit(s, turn, next_state, judge)
         if self.journal is not None:
-            self.journal.judged(s, turn, dict(self.counts))
+            self._durably(self.journal.judged, s, turn, dict(self.counts))
         await self._maybe_flush(s)
 
     async def _judge_and_emit(self, s: Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
@@ -338,7 +359,21 @@ class SessionTracker:
         s.effective = True
         if s.opening:  # its group under trainer.group_by=session_prefix
             sample.info.setdefault("opening", s.opening)
-        await self.queue.put.remote([ray.put(sample)], SampleMeta.of(sample))
+        ref, meta, delay = ray.put(sample), SampleMeta.of(sample), 1.0
+        deadline = time.monotonic() + PUT_RETRY_S
+        while True:
+            try:
+                await self.queue.put.remote([ref], meta)
+                break
+            except ray.exceptions.RayTaskError as e:  # the queue's journal refused the line (a full disk)
+                if not isinstance(e.cause, OSError):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    self.counts["dropped/queue_put_failed"] += 1  # never acknowledged: not a lost sample
+                    return
+                self.counts["queue_put_retries"] += 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 30.0)
         self.counts["samples"] += 1
 
     async def pending_turn(self, session_id: str, choice: int = 0) -> Turn | None:
@@ -354,12 +389,17 @@ class SessionTracker:
         return len(self.tasks)
 
     async def stats(self) -> dict:
-        """Counters (turns, judged, samples, score/*, dropped/*) plus open sessions and judging tasks."""
+        """Counters (turns, judged, samples, score/*, dropped/*, storage_errors) plus open sessions,
+        judging tasks, ``records_write_errors`` (record rows the disk refused) and ``storage_failing``
+        (the files the disk refuses now: the sessions journal, records; ``[]`` when all is well)."""
         self._start_replay()
+        record_errors, records_failing = self.records.failing()
         out = {
             **self.counts,
             "open_sessions": len(self.book),
             "judging": len(self.tasks),
+            "records_write_errors": record_errors,
+            "storage_failing": [self.storage_error] * bool(self.storage_error) + records_failing,
             **self.ledger.stats(),
         }
         return out

@@ -340,7 +340,8 @@ class PolicyServer:
         restarting); ``judges``, ``teachers``, ``learners``: per actor ``{"name", "state"}``;
         ``queue``, ``tracker``: a state. Actor states (:func:`clawray.recovery.actor_state`): ``ok``,
         ``restarting``, ``starting``, ``dead``. 200 with ``"status": "ok"``; 503 with ``"status":
-        "degraded"`` (and ``Retry-After``) while any of them is not serving/ok."""
+        "degraded"`` (and ``Retry-After``) while any of them is not serving/ok, or while the disk
+        refuses the tracker's writes (``failing``: which files, and why)."""
         from clawray.recovery import actor_state, probe  # [recovery hook] a dead actor is a state, never a 500
 
         stats = await asyncio.gather(*(probe(e.stats.remote()) for e in self.engines))
@@ -369,8 +370,10 @@ class PolicyServer:
                 for i, a in enumerate(self.actors.get(kind) or [])
             ]
         queue = actor_state(self.actors["queue"]) if self.actors.get("queue") is not None else None
+        failing = list((tracker or {}).get("storage_failing") or [])  # e.g. "turns.jsonl: No space left on device"
         degraded = (
             tracker is None
+            or bool(failing)
             or queue not in (None, "ok")
             or any(e["state"] in ("down", "awaiting_sync") for e in engines)
             or any(a["state"] != "ok" for v in kinds.values() for a in v)
@@ -384,6 +387,8 @@ class PolicyServer:
             "open_sessions": (tracker or {}).get("open_sessions", 0),
             "counts": dict(self.counts),
         }
+        if failing:
+            body["failing"] = failing
         if queue is not None:
             body["queue"] = queue
         if degraded:

@@ -820,3 +820,21 @@ def test_a_request_the_engine_refuses_is_a_client_error_not_a_500(served):
     events = [line[6:] for line in late.text.splitlines() if line.startswith("data: ")]
     assert late.status_code == 200 and json.loads(events[-2]) == refused and events[-1] == "[DONE]"
     assert httpx.post(url, json=body, timeout=30).status_code == 200
+
+
+def test_health_says_what_the_disk_refuses(served):
+    """Issue #27.2: with the disk full, /health said "ok" while every request failed. The tracker's
+    refused writes now make /health 503 ``degraded`` with ``failing`` naming them."""
+    tracker, url = served["trackers"]["scripted"], served["root"] + "/scripted/health"
+    before = httpx.get(url, timeout=30)
+    assert "failing" not in before.json()
+    ray.get(
+        tracker.__ray_call__.remote(lambda t: setattr(t, "storage_error", "sessions journal: No space left on device"))
+    )
+    try:
+        full = httpx.get(url, timeout=30)
+    finally:
+        ray.get(tracker.__ray_call__.remote(lambda t: setattr(t, "storage_error", None)))
+    assert full.status_code == 503 and full.json()["status"] == "degraded"
+    assert full.json()["failing"] == ["sessions journal: No space left on device"]
+    assert httpx.get(url, timeout=30).status_code == before.status_code
