@@ -1,9 +1,10 @@
 """TeacherWorker (OPD): teacher log-probs of a turn's *own* response tokens under a hinted prompt.
 
 The teacher context is the turn's request messages with the hint appended to the last user message
-(OpenClaw-RL, arXiv 2603.10165, §4). It is rendered with the teacher's chat template and the turn's
-tools, and the engine scores exactly ``turn.response_ids`` after it (``prompt_logprobs`` in vLLM, a
-forward pass in ``hf``): the response is never re-tokenised from text. Log-probs are taken at the
+(OpenClaw-RL, arXiv 2603.10165, §4), built on the exact prompt ids the policy sampled from (the hint's
+tokens inserted, :meth:`TeacherWorker.teacher_prompt_ids`), and the engine scores exactly
+``turn.response_ids`` after it (``prompt_logprobs`` in vLLM, a forward pass in ``hf``): neither the
+history nor the response is ever re-tokenised from text. Log-probs are taken at the
 turn's sampling temperature, so ``teacher - rollout`` compares the same distribution family.
 """
 
@@ -30,7 +31,9 @@ def hinted_messages(
 
     ``placement="user"`` (OpenClaw-RL): appended to the last user message (to the last message when
     there is no user message; a new user message when there are no messages). ``"system"``: appended
-    to the system message, or a new leading system message holding the hint.
+    to the system message, or a new leading system message holding the hint. ``"last"``: appended to
+    the last message whatever its role (used by :meth:`TeacherWorker.teacher_prompt_ids` when the
+    last user message is followed by tool results).
 
     Raises:
         ValueError: an unknown ``placement``.
@@ -43,7 +46,10 @@ def hinted_messages(
         else:
             out.insert(0, {"role": "system", "content": text.lstrip()})
         return out
-    if placement != "user":
+    if placement == "last" and out:  # the last message, whatever its role (a tool result)
+        out[-1]["content"] = (out[-1].get("content") or "") + text
+        return out
+    if placement not in ("user", "last"):
         raise ValueError(f"hint placement must be 'user' or 'system', got {placement!r}")
     users = [i for i, m in enumerate(out) if m.get("role") == "user"]
     if users:
@@ -115,18 +121,63 @@ class TeacherWorker:
             self.vocab_size = len(self.tokenizer)
         self.scored = 0
         self.seconds = 0.0
+        self.rebuilt = 0  # teacher prompts re-rendered from messages (no insertion kept the sampled ids)
 
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
-        """Token ids of the hinted teacher prompt (generation prompt included); the hint's special-token
-        strings are removed first (:class:`clawray.chat.SpecialTokenStripper`)."""
+        """Token ids of the hinted teacher prompt: the exact ids the policy sampled from
+        (``turn.prompt_ids``: spliced earlier replies, reasoning blocks and tool calls as sampled) with
+        the hint's tokens inserted, so ``teacher - rollout`` measures the hint and nothing else.
+
+        The insertion point is where :func:`hinted_messages` puts the hint in the rendered prompt:
+        the text after it (``placement="user"``: the end of the last user message, e.g.
+        ``<|im_end|>\n<|im_start|>assistant\n``) is re-tokenised and must be the tail of
+        ``turn.prompt_ids`` (or, for ``"system"``, the text before it their head). When the last user
+        message is followed by other messages (tool results) whose rendering is not the sampled ids,
+        the hint goes into the last message instead. An empty hint gives ``turn.prompt_ids`` as they
+        are. Only when no insertion keeps the sampled ids (a turn recorded without them) is the
+        prompt re-rendered from the messages (counted in ``rebuilt``). The hint's special-token
+        strings are removed first (:class:`clawray.chat.SpecialTokenStripper`).
+        """
         hint = self.plain_hint(hint)
-        text = self.tokenizer.apply_chat_template(
-            hinted_messages(turn.messages, hint, self.template, self.placement),
-            tools=turn.tools,
-            add_generation_prompt=True,
-            tokenize=False,
+        exact = list(turn.prompt_ids)
+        if not hint.strip() and exact:
+            return exact
+        for placement in (self.placement, "last") if self.placement == "user" else (self.placement,):
+            ids = self._inserted(turn, exact, hint, placement) if exact else None
+            if ids is not None:
+                return ids
+        self.rebuilt += 1
+        return self.tokenizer.encode(
+            self._render(hinted_messages(turn.messages, hint, self.template, self.placement), turn),
+            add_special_tokens=False,
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, Any]], turn: Turn) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=turn.tools, add_generation_prompt=True, tokenize=False
+        )
+
+    def _inserted(self, turn: Turn, exact: list[int], hint: str, placement: str) -> list[int] | None:
+        """``exact`` with the hint's text inserted where ``placement`` puts it, or None when the
+        rendered text around the insertion point does not re-tokenise to ``exact``'s tail or head."""
+        plain = self._render(turn.messages, turn)
+        hinted = self._render(hinted_messages(turn.messages, hint, self.template, placement), turn)
+        p = 0
+        while p < min(len(plain), len(hinted)) and plain[p] == hinted[p]:
+            p += 1
+        s = 0
+        while s < len(plain) - p and plain[len(plain) - 1 - s] == hinted[len(hinted) - 1 - s]:
+            s += 1
+        if p + s != len(plain):  # not a pure insertion (cannot happen with hinted_messages)
+            return None
+        inserted = self.tokenizer.encode(hinted[p : len(hinted) - s], add_special_tokens=False)
+        tail = self.tokenizer.encode(plain[p:], add_special_tokens=False)
+        if tail and len(tail) < len(exact) and exact[-len(tail) :] == tail:
+            return exact[: -len(tail)] + inserted + tail
+        head = self.tokenizer.encode(plain[:p], add_special_tokens=False)
+        if head and len(head) < len(exact) and exact[: len(head)] == head:
+            return head + inserted + exact[len(head) :]
+        return None
 
     async def teacher_logprobs(self, turn: Turn, hint: str) -> list[float]:
         """Teacher log-probs (length R) of ``turn.response_ids`` after the hinted prompt."""
@@ -180,7 +231,7 @@ class TeacherWorker:
     async def get_stats(self) -> dict:
         """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``; answered in the
         ``control`` concurrency group, never behind scoring calls."""
-        return {"scored": self.scored, "seconds": self.seconds}
+        return {"scored": self.scored, "seconds": self.seconds, "prompts_rebuilt": self.rebuilt}
 
 
 def _logprob(value: object, where: str) -> float:

@@ -383,3 +383,65 @@ def test_hf_score_topk_matches_a_forward_pass(tiny_model):
     for t in range(3):
         assert ids[t][0] == int(ref[t].argmax()) and values[t] == sorted(values[t], reverse=True)
         assert values[t] == pytest.approx(ref[t, ids[t]].tolist(), abs=1e-5)
+
+
+def test_the_teacher_scores_the_exact_sampled_prompt_plus_the_hint(tiny_model):
+    """Issue #28.3: the teacher rebuilt turn t's prompt from the echoed history while the policy
+    sampled from spliced exact ids; after a reasoning block or a compact tool call the two differ and
+    that drift was in every OPD advantage. Now the teacher keeps the sampled ids and inserts only the
+    hint's tokens: an empty hint is the exact prompt, and with a hint every sampled id is kept."""
+    from clawray.actors.teacher import TeacherWorker
+    from clawray.engines.hf import HFBackend
+    from clawray.types import Turn
+
+    worker = TeacherWorker(object(), tiny_model)
+    tok = worker.tokenizer
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    p1 = enc(tok.apply_chat_template(first, tools=tools, add_generation_prompt=True, tokenize=False))
+    r1 = enc("<think>\nadd them\n</think>\n\n4") + [tok.eos_token_id]  # sampled with a reasoning block
+    second = first + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3? use the tool"}]
+    p2 = p1 + r1 + enc("\n<|im_start|>user\nand 3+3? use the tool<|im_end|>\n<|im_start|>assistant\n")  # spliced
+    r2 = enc('<tool_call>\n{"name":"calc","arguments":{"e":"3+3"}}\n</tool_call>') + [tok.eos_token_id]  # compact JSON
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "3+3"}'}}
+    third = second + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "6"},
+    ]
+    p3 = p2 + r2 + enc("\n<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    rerendered = enc(tok.apply_chat_template(third, tools=tools, add_generation_prompt=True, tokenize=False))
+    assert rerendered != p3  # the drift the old teacher scored
+    hint = "Answer with the number only."
+    for messages, prompt in [(second, p2), (third, p3)]:  # after a user message; after a tool result
+        turn = Turn(
+            session_id="s",
+            turn_index=2,
+            messages=messages,
+            response_message={"role": "assistant", "content": "6"},
+            prompt_ids=prompt,
+            response_ids=enc("6") + [tok.eos_token_id],
+            rollout_logprobs=[-1.0, -1.0],
+            policy_version=0,
+            finish_reason="stop",
+            tools=tools,
+        )
+        assert worker.teacher_prompt_ids(turn, "") == prompt  # the teacher = the policy's own prompt
+        ids = worker.teacher_prompt_ids(turn, hint)
+        k = next(i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b)  # common prefix
+        m = next(i for i, (a, b) in enumerate(zip(reversed(ids), reversed(prompt))) if a != b)  # common suffix
+        assert k + m == len(prompt)  # every sampled id kept, in order: one contiguous insertion
+        assert "[user's hint / instruction]\nAnswer with the number only." in tok.decode(ids[k : len(ids) - m])
+        assert k > len(p1) + len(r1)  # after the reasoning block (turn 1's reply) and before the end
+    assert worker.teacher_prompt_ids(Turn(**{**turn.__dict__, "messages": second, "prompt_ids": p2}), hint) == (
+        p2[:-7] + enc(f"\n\n[user's hint / instruction]\n{hint}") + p2[-7:]  # 7: <|im_end|>\n<|im_start|>assistant\n
+    )
+    assert worker.rebuilt == 0
+    # with an empty hint and the teacher = the current weights, teacher - rollout is 0 on every token
+    backend = HFBackend(tiny_model)
+    rollout = backend.score(p3, turn.response_ids)
+    teacher = backend.score(worker.teacher_prompt_ids(turn, ""), turn.response_ids)
+    assert max(abs(a - b) for a, b in zip(teacher, rollout)) < 1e-4
+    # a turn recorded without usable ids is still scored (re-rendered), and counted
+    bare = Turn(**{**turn.__dict__, "prompt_ids": [5, 6, 7]})
+    assert worker.teacher_prompt_ids(bare, hint)[-7:] == p3[-7:] and worker.rebuilt == 1
