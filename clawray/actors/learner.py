@@ -320,11 +320,17 @@ class LearnerWorker:
         return out if self.rank == 0 else {}
 
     # ------------------------------------------------------------------ training
-    def _forward(self, samples: list[Sample], model: torch.nn.Module) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of a right-padded micro-batch (``T`` = its longest sample, tokens).
+    def _forward(self, samples: list[Sample], model: torch.nn.Module) -> list[torch.Tensor]:
+        """Each sample's response logits ``[R_b, V]`` (the positions whose next token is a response
+        token) from one forward pass of the right-padded micro-batch.
 
-        Right padding with causal attention leaves every real position's logits unchanged, so one
-        sample alone and the same sample in a padded batch give the same values (up to fp rounding).
+        Only the positions from the shortest prompt's last token on are projected to the vocabulary
+        (the model's ``logits_to_keep``), the response rows of every sample are gathered in one
+        indexing op and split apart (``torch.split``: its backward is one concatenation, where a
+        slice per sample of the whole ``[B, T, V]`` logits built and summed a zero-filled full-size
+        gradient per sample). Right padding with causal attention leaves every real position's
+        logits unchanged, so one sample alone and the same sample in a padded batch give the same
+        values (up to fp rounding).
         """
         longest = max(len(s.tokens) for s in samples)
         ids = torch.zeros(len(samples), longest, dtype=torch.long)
@@ -332,10 +338,16 @@ class LearnerWorker:
         for b, s in enumerate(samples):
             ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
             mask[b, : len(s.tokens)] = 1
-        ids = ids.to(self.device)
-        if len(samples) == 1:
-            return model(input_ids=ids).logits
-        return model(input_ids=ids, attention_mask=mask.to(self.device)).logits
+        start = min(s.prompt_len for s in samples) - 1  # the first position any sample's loss reads
+        keep = torch.arange(start, longest - 1, device=self.device)
+        kwargs = {"input_ids": ids.to(self.device), "logits_to_keep": keep}
+        if len(samples) > 1:
+            kwargs["attention_mask"] = mask.to(self.device)
+        logits = model(**kwargs).logits  # [B, K, V], K = longest - 1 - start
+        rows = [torch.arange(s.prompt_len - 1 - start, len(s.tokens) - 1 - start) for s in samples]
+        batch_index = torch.cat([torch.full((len(r),), b, dtype=torch.long) for b, r in enumerate(rows)])
+        flat = logits[batch_index.to(self.device), torch.cat(rows).to(self.device)]  # [sum R_b, V]
+        return list(torch.split(flat, [len(r) for r in rows]))
 
     def _padding_pass(self) -> torch.Tensor:
         """A one-token forward whose loss is 0 (with zero gradients): FSDP2 needs every rank in every
@@ -364,9 +376,7 @@ class LearnerWorker:
                 logits_all = self._forward(samples, self.model)
                 for b, (i, s) in enumerate(zip(packs[j][p], samples)):
                     targets = torch.tensor(s.tokens[s.prompt_len :], device=self.device)
-                    out[i] = sequence_logprobs(
-                        logits_all[b, s.prompt_len - 1 : len(s.tokens) - 1], targets, s.temperature
-                    )
+                    out[i] = sequence_logprobs(logits_all[b], targets, s.temperature)
         return out
 
     def _micro_batch_loss(
@@ -407,8 +417,8 @@ class LearnerWorker:
     def _loss_inputs(
         self,
         s: Sample,
-        logits_all: torch.Tensor,
-        ref_all: torch.Tensor | None,
+        logits_all: list[torch.Tensor],
+        ref_all: list[torch.Tensor] | None,
         b: int,
         adv: float,
         norm_tokens: float,
@@ -417,13 +427,13 @@ class LearnerWorker:
         first_mini_batch: bool,
         proximal: list[torch.Tensor] | None,
     ) -> SampleLossInputs:
-        """Sample ``s`` (row ``b`` of the micro-batch's logits ``[B, T, V]``) as loss inputs (tensors on
-        the learner's device)."""
-        dev, end = self.device, len(s.tokens)
+        """Sample ``s`` (sample ``b`` of the micro-batch's response logits, :meth:`_forward`) as loss
+        inputs (tensors on the learner's device)."""
+        dev = self.device
         targets = torch.tensor(s.tokens[s.prompt_len :], device=dev)
         topk = s.teacher_topk_ids is not None
         return SampleLossInputs(
-            logits=logits_all[b, s.prompt_len - 1 : end - 1],
+            logits=logits_all[b],
             targets=targets,
             loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32, device=dev),
             rollout_logprobs=torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=dev),
@@ -439,11 +449,7 @@ class LearnerWorker:
             ),
             teacher_topk_logprobs=torch.tensor(s.teacher_topk_logprobs, device=dev) if topk else None,
             teacher_topk_ids=torch.tensor(s.teacher_topk_ids, device=dev) if topk else None,
-            ref_logprobs=(
-                None
-                if ref_all is None
-                else sequence_logprobs(ref_all[b, s.prompt_len - 1 : end - 1], targets, s.temperature)
-            ),
+            ref_logprobs=(None if ref_all is None else sequence_logprobs(ref_all[b], targets, s.temperature)),
             proximal_logprobs=None if proximal is None else proximal[b],
             # generated by exactly these weights (later mini-batches run on already-updated weights)
             fresh=first_mini_batch and s.policy_version == self.version,
