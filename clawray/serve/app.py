@@ -1059,6 +1059,8 @@ def start_policy_server(
         RuntimeError: nothing answers on ``host:port`` 30 s after the deployment (e.g. Serve was
             already running in this Ray cluster on another port: Serve keeps its first port).
         ConfigError: ``cfg`` is a mapping that does not fit :class:`~clawray.config.ServeConfig`.
+        ValueError: the model's chat template renders tools in a format the reply parser does not
+            read (:func:`clawray.serve.reply.tool_call_format`).
     """
     import httpx
 
@@ -1066,6 +1068,11 @@ def start_policy_server(
 
     cfg = section(ServeConfig, cfg)
     host, port = cfg.host, cfg.port
+    from transformers import AutoTokenizer
+
+    from clawray.serve.reply import tool_call_format
+
+    tool_call_format(AutoTokenizer.from_pretrained(model_path).chat_template)  # an unknown format: refused now
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     options: dict[str, Any] = {"num_replicas": cfg.num_replicas}

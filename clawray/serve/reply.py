@@ -358,6 +358,33 @@ def parse_reply_text(text: str, in_reasoning: bool = False, tools: bool | list |
     return parser.result
 
 
+def tool_call_format(chat_template: str | None) -> str:
+    """The tool-call format a chat template teaches its model, as this parser reads it: ``"xml"``
+    (Qwen3-Coder / Qwen3.5: ``<tool_call>`` holding ``<function=...>``), ``"hermes"`` (``<tool_call>``
+    holding JSON: Qwen2.5, clawray's SmolLM2 and tiny templates) or ``"none"`` (the template renders
+    no tools). vLLM picks a parser per model family (``--tool-call-parser``); clawray reads these two
+    and refuses any other at start-up rather than return a model's calls as text.
+
+    Raises:
+        ValueError: the template renders tools in another format (Llama 3's bare JSON, Mistral's
+            ``[TOOL_CALLS]``, ...), naming what was found.
+    """
+    template = chat_template or ""
+    if TOOL_OPEN in template:
+        return "xml" if "<function=" in template else "hermes"
+    if "tools" not in template:
+        return "none"
+    markers = [
+        m for m in ("[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<tool_calls>", "functools[") if m in template
+    ]
+    found = f" (it uses {', '.join(markers)})" if markers else ""
+    raise ValueError(
+        f"the model's chat template renders tools in a format clawray does not parse{found}: clawray reads "
+        f"tool calls in {TOOL_OPEN}...{TOOL_CLOSE} blocks (hermes JSON or Qwen3-Coder XML); use a model "
+        "or chat template of those families"
+    )
+
+
 class ReplyDecoder:
     """Response token ids -> the text a client sees: the tokenizer's special tokens are dropped
     (``<|endoftext|>``, ``<|im_start|>``, ...: vLLM's ``skip_special_tokens=True``), except the reply

@@ -290,3 +290,25 @@ def test_a_reply_cut_inside_a_multibyte_character_streams_and_answers_the_same_w
         streamed = "".join(detok.add([t]) for t in ids[:n]) + detok.finish()
         assert streamed == decode.complete(ids[:n]) == text and "\ufffd" not in streamed
     assert decode.complete([136]) == ""  # half of "é" alone
+
+
+def test_tool_call_format_of_chat_templates(tiny_model):
+    """Issue #24.4: the parser is chosen by the chat template, and a template whose tool format is
+    unknown is refused at start-up instead of returning the model's calls as text."""
+    from transformers import AutoTokenizer
+
+    from clawray.models import CHAT_TEMPLATE
+    from clawray.serve.reply import tool_call_format
+
+    assert tool_call_format(AutoTokenizer.from_pretrained(tiny_model).chat_template) == "hermes"
+    assert tool_call_format(CHAT_TEMPLATE) == "hermes"  # clawray's SmolLM2 template too
+    qwen3 = (
+        "{% for tool in tools %}{{ tool }}{% endfor %}<tool_call>\\n<function=name>\\n<parameter=x>\\n1\\n</parameter>"
+    )
+    assert tool_call_format(qwen3) == "xml"
+    assert tool_call_format("{{ messages[0].content }}") == "none" and tool_call_format(None) == "none"
+    mistral = "{% if tools %}[AVAILABLE_TOOLS]{{ tools }}{% endif %}[TOOL_CALLS]"
+    with pytest.raises(ValueError, match=r"does not parse \(it uses \[TOOL_CALLS\]\)"):
+        tool_call_format(mistral)
+    with pytest.raises(ValueError, match="hermes JSON or Qwen3-Coder XML"):
+        tool_call_format("{% if tools %}{{ tools | tojson }}{% endif %}")  # Llama 3 style bare JSON
