@@ -559,7 +559,10 @@ class PolicyServer:
         """Session binding: the first request of an explicit session id gets a fresh token (returned,
         to be sent back as ``X-Session-Token``); a later request must carry it when ``session_binding``
         is ``strict``, or under ``echo`` once the token has come back once. A wrong token is always
-        refused. At most :data:`MAX_BOUND_SESSIONS` bindings are kept (oldest forgotten first). Ids
+        refused. A session this replica has no binding for (new, or bound before a restart or a
+        resume) that arrives with a token is bound to that token: a client keeps its token across a
+        resume, and the session still belongs to its first client. At most
+        :data:`MAX_BOUND_SESSIONS` bindings are kept (oldest forgotten first). Ids
         that start with :data:`~clawray.sessions.AUTO_SESSION_PREFIX` (the server's own sessions, which
         inference may continue) are never bound; inference never continues any other session while
         binding is on.
@@ -573,6 +576,11 @@ class PolicyServer:
         if mode == "off" or not session_id or session_id.startswith(AUTO_SESSION_PREFIX):
             return None  # the server's own sessions (inference may continue them) are never bound
         entry = self.bindings.get(session_id)
+        if entry is None and given:  # a token from before a restart (a resume): the first one back keeps it
+            self.bindings[session_id] = [given, True]
+            if len(self.bindings) > MAX_BOUND_SESSIONS:
+                self.bindings.popitem(last=False)
+            return None
         if entry is None:
             token = secrets.token_urlsafe(24)
             self.bindings[session_id] = [token, False]

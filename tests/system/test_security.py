@@ -231,6 +231,17 @@ def test_inference_never_joins_a_bound_session_and_still_continues_the_servers_o
     assert health["unattributable"] >= 1 and health["sessions_inferred"] >= 1
 
 
+def test_a_token_kept_across_a_resume_still_works(secured):
+    """Issue #27.4: bindings live in the server replica; after a resume a client that kept its token
+    got 403. A session the server holds no binding for, arriving with a token, is bound to it."""
+    root, kept = secured["root"], "token-from-before-the-resume-0123456789"
+    first = _session(root, "echo", "resumed-1", kept)
+    assert first.status_code == 200 and "x-session-token" not in first.headers
+    assert _session(root, "echo", "resumed-1", kept).status_code == 200
+    assert _session(root, "echo", "resumed-1").status_code == 403  # bound to the kept token
+    assert _session(root, "echo", "resumed-1", "another").status_code == 403
+
+
 def test_session_binding_strict_and_a_failed_first_request_binds_nothing(secured):
     root = secured["root"]
     bad = httpx.post(
