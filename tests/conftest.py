@@ -18,6 +18,8 @@ for _k, _v in LOOPBACK_ENV.items():
     os.environ.setdefault(_k, _v)
 # the test cluster lives on loopback only and is torn down at the end of the session
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# the proxy's header deadline (clawray/serve/guard.py), short so a test can watch it close a connection
+os.environ.setdefault("CLAWRAY_HEADER_TIMEOUT_S", "5")
 
 
 def make_turn(session: str, history: list, reply: str, version: int = 0, tools: list | None = None):

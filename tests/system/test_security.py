@@ -154,6 +154,46 @@ def test_slow_body_gets_408_and_blocks_no_one_of_its_session(secured):
     assert status["slow"] == 408 and 1.9 <= status["slow_s"] < 6.0
 
 
+def test_unfinished_headers_are_closed_at_the_proxys_deadline(secured):
+    """Issue #27.6: connections with unfinished headers were held open forever (9,000 of them). The
+    proxy's h11 protocol now closes a connection whose headers are not complete 5 s (the test
+    cluster's ``CLAWRAY_HEADER_TIMEOUT_S``) after it opened, or after the first byte of a next
+    request on a kept-alive connection; one that sends nothing is closed too; a served keep-alive
+    connection is not cut by it."""
+    port = secured["port"]
+
+    def closed_after(first: bytes, trickle: bytes = b"") -> float:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            t0 = time.perf_counter()
+            s.sendall(first)
+            for b in trickle:  # one header byte a second: never finishes in time
+                time.sleep(1.0)
+                try:
+                    s.sendall(bytes([b]))
+                except OSError:
+                    break
+            try:
+                assert s.recv(4096) == b""  # closed, no response
+            except ConnectionResetError:
+                pass
+            return time.perf_counter() - t0
+
+    partial = b"POST /echo/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    assert 4.0 <= closed_after(partial, b"X-Slow: " + b"a" * 20) < 9.0
+    assert 4.0 <= closed_after(b"") < 9.0  # opened, never spoke
+    # a kept-alive connection: served, idle past the deadline, then a next request: still served
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        request = (
+            b"POST /echo/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY
+        )
+        s.sendall(request)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)
+        s.sendall(request)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
 def test_content_type_must_be_json(secured):
     port = secured["port"]
     assert _raw(port, b"", content_type=b"text/plain") == 415
