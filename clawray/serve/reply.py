@@ -403,7 +403,10 @@ class ReplyDecoder:
         special = set(getattr(tokenizer, "all_special_ids", None) or [])
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         special.update(i for i, tok in added.items() if getattr(tok, "special", False))
-        kept = {tokenizer.convert_tokens_to_ids(tag) for tag in self.GRAMMAR_TAGS}
+        # a tag the vocabulary lacks maps to the unknown token's id (SmolLM2: <|endoftext|>, id 0):
+        # only ids that really are a grammar tag are kept visible
+        ids = (tokenizer.convert_tokens_to_ids(tag) for tag in self.GRAMMAR_TAGS)
+        kept = {i for i in ids if i is not None and tokenizer.convert_ids_to_tokens(i) in self.GRAMMAR_TAGS}
         self.hidden: frozenset[int] = frozenset(special - kept)
 
     def __call__(self, ids: list[int]) -> str:

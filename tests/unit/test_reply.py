@@ -312,3 +312,23 @@ def test_tool_call_format_of_chat_templates(tiny_model):
         tool_call_format(mistral)
     with pytest.raises(ValueError, match="hermes JSON or Qwen3-Coder XML"):
         tool_call_format("{% if tools %}{{ tools | tojson }}{% endif %}")  # Llama 3 style bare JSON
+
+
+def test_reply_decoder_hides_the_unknown_token_when_the_grammar_tags_are_not_in_the_vocabulary():
+    """SmolLM2's vocabulary has no <think>/<tool_call>: converting them gives the unknown token's id,
+    0, which is <|endoftext|>. That id must stay hidden (it was kept visible as a 'tag')."""
+    from types import SimpleNamespace
+
+    from clawray.serve.reply import ReplyDecoder
+
+    vocab = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", 3: "hi"}
+    tok = SimpleNamespace(
+        all_special_ids=[1, 2, 0],
+        added_tokens_decoder={},
+        convert_tokens_to_ids=lambda t: next((i for i, s in vocab.items() if s == t), 0),
+        convert_ids_to_tokens=lambda i: vocab[i],
+        decode=lambda ids, skip_special_tokens=False: "".join(vocab[i] for i in ids),
+    )
+    decode = ReplyDecoder(tok)
+    assert decode.hidden == frozenset({0, 1, 2})
+    assert decode([1, 3, 0, 3, 2]) == "hihi"
