@@ -456,16 +456,9 @@ class Driver:
         return {kind: {"path": p, **opts} for kind, p in paths.items()}
 
     def _engine_kwargs(self, backend: str) -> dict:
-        ro = self.cfg.rollout
-        if backend == "vllm":
-            return {
-                "dtype": ro.dtype,
-                "max_model_len": ro.max_model_len,
-                "seed": self.cfg.seed,
-                "kv_cache_gib": ro.kv_cache_gib,
-                "gpu_memory_utilization": ro.gpu_memory_utilization,
-            }
-        return {"dtype": "float32", "seed": self.cfg.seed}
+        from clawray.engines import backend_kwargs
+
+        return backend_kwargs(self.cfg.rollout, backend, self.cfg.seed)
 
     def stop_traffic(self) -> None:
         """Stop the simulated users (waits up to 30 s for their sessions to end)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from clawray.checkpoint import engine_dtype
 from clawray.records import TurnRecords
 from clawray.sessions import SessionBook
 from clawray.types import Turn
@@ -147,6 +148,7 @@ class PolicyService:
         from omegaconf import OmegaConf
 
         from clawray.actors.rollout import RolloutEngineActor
+        from clawray.engines import backend_kwargs
         from clawray.private import private_dir
         from clawray.ray_env import init_ray
         from clawray.recovery import engine_options
@@ -157,15 +159,7 @@ class PolicyService:
         self._lock.acquire()
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
-        kwargs: dict[str, Any] = {"dtype": "float32", "seed": cfg.seed}
-        if ro.backend == "vllm":
-            kwargs = {
-                "dtype": ro.dtype,
-                "max_model_len": ro.max_model_len,
-                "seed": cfg.seed,
-                "kv_cache_gib": ro.kv_cache_gib,
-                "gpu_memory_utilization": ro.gpu_memory_utilization,
-            }
+        kwargs = backend_kwargs(ro, ro.backend, cfg.seed)  # as the job's engines: the same precision
         self.engines = [
             RolloutEngineActor.options(
                 num_cpus=ro.num_cpus,
@@ -233,7 +227,7 @@ def serve_policy(cfg: Any, stop: threading.Event | None = None) -> int:
         t0 = time.perf_counter()
         url = service.start()
         ro = cfg.rollout
-        dtype = ro.dtype if ro.backend == "vllm" else "float32"
+        dtype = engine_dtype(ro.backend, ro.dtype)
         print(
             f"[clawray] serving {service.model_dir} (policy v{service.version}) at {url} in {time.perf_counter() - t0:.1f}s: "
             f"{ro.num_engines} engine(s) ({ro.backend}, {dtype}); no learner, no judge, nothing is trained; "

@@ -31,4 +31,19 @@ def make_backend(name: str, model_path: str, **kwargs) -> Backend:
     raise ValueError(f"unknown engine backend {name!r}; expected 'hf' or 'vllm'")
 
 
-__all__ = ["Backend", "GenerateRequest", "GenerateOutput", "WeightSpec", "make_backend"]
+def backend_kwargs(rollout, backend: str, seed: int) -> dict:
+    """The :func:`make_backend` keyword arguments of a run's engine on ``backend`` from its
+    ``rollout`` config section: vLLM takes ``rollout.dtype``, ``max_model_len``, ``kv_cache_gib`` and
+    ``gpu_memory_utilization``; the hf backend always runs float32 (the learners' precision)."""
+    if backend == "vllm":
+        return {
+            "dtype": rollout.dtype,
+            "max_model_len": rollout.max_model_len,
+            "seed": seed,
+            "kv_cache_gib": rollout.kv_cache_gib,
+            "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        }
+    return {"dtype": "float32", "seed": seed}
+
+
+__all__ = ["Backend", "GenerateRequest", "GenerateOutput", "WeightSpec", "backend_kwargs", "make_backend"]
