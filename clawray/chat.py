@@ -1,5 +1,6 @@
 """Chat messages in: validation and normalisation of OpenAI messages, the conversation key that
-matches a history against the replies clawray served, the render key of everything else that shapes
+matches a history against the replies clawray served (exactly, for splicing; by conversation, for
+attribution and pairing), the render key of everything else that shapes
 a prompt, and the end-of-turn token ids. (The model's reply text is parsed in
 :mod:`clawray.serve.reply`.)
 
@@ -18,6 +19,8 @@ import hashlib
 import json
 import os
 from typing import Any, Iterable
+
+from clawray.client_rules import is_ephemeral, strip_ephemeral
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -143,8 +146,9 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _canonical(m: dict[str, Any]) -> bytes:
-    """One message as it counts for conversation keys (see :func:`conversation_keys`)."""
+def canonical_message(m: dict[str, Any]) -> bytes:
+    """One message as it counts for conversation keys (see :func:`conversation_key`): an assistant
+    message by its stripped content and its tool calls' names and decoded arguments."""
     if m["role"] == "assistant":
         calls = [
             (
@@ -161,12 +165,53 @@ def _canonical(m: dict[str, Any]) -> bytes:
     return json.dumps(canon, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
+def _attribution_canonical(m: dict[str, Any]) -> bytes:
+    """One message as it counts for attribution keys (see :func:`attribution_keys`); ``b""``: not at all."""
+    role = m["role"]
+    if role == "system" or is_ephemeral(m):
+        return b""
+    if role == "assistant":
+        return canonical_message(m)
+    content = strip_ephemeral(m.get("content")) if role == "user" else m.get("content")
+    return json.dumps([role, content], ensure_ascii=False).encode() + b"\n"
+
+
+def attribution_keys(messages: list[dict[str, Any]]) -> list[str]:
+    """``keys[k]`` = :func:`attribution_key` of ``messages[:k + 1]``, for every k, in one pass."""
+    digest, keys = hashlib.sha256(), []
+    for m in messages:
+        digest.update(_attribution_canonical(m))
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
+def attribution_key(messages: list[dict[str, Any]]) -> str:
+    """A digest of the *conversation* in ``messages``: which session a history continues, and which
+    of its replies. More lenient than :func:`conversation_key`, by what agent clients really do
+    between two requests of one conversation (seen on OpenClaw, :mod:`clawray.client_rules`):
+
+    * system messages do not count: agents rebuild their system prompt per request (OpenClaw's holds
+      the workspace files and the date), and the conversation is what follows it;
+    * ephemeral context (a user message that is only a client's internal block, or such a block inside
+      a user message) does not count: the client drops it from the next request's history;
+    * tool results count by content and order, not by ``tool_call_id``: clients rewrite call ids
+      (OpenClaw strips ``_``), and assistant tool calls already count without their ids.
+
+    Prompt ids are spliced only on the exact :func:`conversation_key`: a history that matches here but
+    not there is attributed and paired, then rendered afresh.
+    """
+    digest = hashlib.sha256()
+    for m in messages:
+        digest.update(_attribution_canonical(m))
+    return digest.hexdigest()
+
+
 def conversation_keys(messages: list[dict[str, Any]]) -> list[str]:
     """``keys[k]`` = :func:`conversation_key` of ``messages[:k + 1]``, for every k, in one pass
     (a running SHA-256: linear in the conversation's size, not quadratic)."""
     digest, keys = hashlib.sha256(), []
     for m in messages:
-        digest.update(_canonical(m))
+        digest.update(canonical_message(m))
         keys.append(digest.copy().hexdigest())
     return keys
 
@@ -180,7 +225,7 @@ def conversation_key(messages: list[dict[str, Any]]) -> str:
     """
     digest = hashlib.sha256()
     for m in messages:
-        digest.update(_canonical(m))
+        digest.update(canonical_message(m))
     return digest.hexdigest()
 
 

@@ -53,7 +53,7 @@ from clawray.run_lock import RunFolderLock
 from clawray.config import checkpoint_dir, model_path
 from clawray.evaluation import RunEvaluations
 from clawray.monitor import BehaviourMonitor
-from clawray.step_metrics import GenerationMeter, credit_metrics, drop_counts, judge_metrics, step_line
+from clawray.step_metrics import GenerationMeter, credit_metrics, drop_counts, judge_metrics, step_line, traffic
 from clawray.weight_sync import WeightSyncController
 
 
@@ -770,9 +770,11 @@ class Driver:
         tstats = self._counters("sessions", self.tracker.stats.remote(), {})
         judge_metrics = self._judge_metrics(tstats)
         gen_metrics = self._generation_metrics()
-        serve_metrics = {
-            f"serve/replica_requests/{i}": float(st["requests"]) for i, st in enumerate(self.serve_stats())
-        }
+        replicas = self.serve_stats()
+        serve_metrics = {f"serve/replica_requests/{i}": float(st["requests"]) for i, st in enumerate(replicas)}
+        serve_counts: Counter[str] = Counter()
+        for st in replicas:
+            serve_counts.update(st.get("counts") or {})
         zero_variance = self.zero_variance_dropped if self.cfg.trainer.dynamic_sampling else None
         dropped = drop_counts(tstats, qstats, self.all_masked_dropped, zero_variance)
         decided = qstats["taken"] + qstats["dropped"].get("stale", 0)
@@ -800,6 +802,7 @@ class Driver:
             **{f"stats_timeouts/{k}": float(v) for k, v in self.stats_timeouts.items()},
             **gen_metrics,
             **serve_metrics,
+            **(traffic(serve_counts, tstats) if replicas else {}),
             **credit_metrics(metas, tstats),
             "sessions/open": tstats.get("open_sessions", 0),
             "sessions/idle_closed": tstats.get("sessions_idle_closed", 0),

@@ -50,10 +50,16 @@ class ServingTracker:
         self.counts = {"turns": 0, "sessions_closed": 0, "sessions_idle_closed": 0}
 
     async def lookup(
-        self, session_id: str | None, keys: dict[int, str], render_key: str | None = None, auto_only: bool = False
+        self,
+        session_id: str | None,
+        keys: dict[int, str],
+        render_key: str | None = None,
+        auto_only: bool = False,
+        exact: dict[int, str] | None = None,
+        hint: str | None = None,
     ) -> dict:
         """:meth:`clawray.sessions.SessionBook.find`."""
-        return self.book.find(session_id, keys, render_key, auto_only)
+        return self.book.find(session_id, keys, render_key, auto_only, exact, hint)
 
     async def record_turns(self, turns: list[Turn], done: bool = False, outcome: float | None = None) -> list[int]:
         """Record one request's served main-line turns; returns their 1-based indexes (``outcome`` is

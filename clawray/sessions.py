@@ -5,13 +5,19 @@ journal and the emission around it.
 
 Pairing. A request's turns (its n choices) stay *pending* in their session until the session's next
 main-line request. That request continues the pending turn whose history + reply is a prefix of its
-own history (compared by :func:`clawray.chat.conversation_key`); the messages after that prefix are
-the turn's next state. A history that continues none of them is a branch; the other choices of a
-continued request are ``unchosen``.
+own history, compared as conversation (:func:`clawray.chat.attribution_key`: system prompts, a
+client's ephemeral context blocks and tool-call ids do not count); the messages after that reply,
+as conversation (:func:`clawray.client_rules.conversation_view`), are the turn's next state. When the
+client rewrote the history before the reply (a compaction replaced older turns by a summary), the
+pending turn whose reply is the history's last assistant message is continued (``rewritten``). A
+history that continues none of them is a branch; the other choices of a continued request are
+``unchosen``.
 
 Lookup. A request without a session id is placed in the open session one of whose pending turns its
-history continues (the longest such prefix wins), through an index from conversation key to session
-id; only pending turns are indexed, so the index holds one key per open choice.
+history continues (the longest such prefix wins), through an index from attribution key to session
+id; only pending turns are indexed, so the index holds one key per open choice. A pending turn is
+offered for splicing only when the history matches it exactly (:func:`clawray.chat.conversation_key`):
+the prompt ids of a turn whose ephemeral context is gone are not the prefix of the next prompt.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from typing import Any
 
 from clawray.algos.credit_ledger import SessionCredit
 from clawray.algos.rejection import opening
-from clawray.chat import conversation_key, conversation_keys
+from clawray.chat import attribution_key, attribution_keys, canonical_message, conversation_key
 from clawray.chat import render_key as chat_render_key
+from clawray.client_rules import conversation_view
 from clawray.types import Turn
 
 
@@ -45,7 +52,8 @@ class Session:
 
     turns: int = 0  # the last turn index given in this session (indexes are 1-based)
     pending: list = field(default_factory=list)  # the latest request's turns (n choices), awaiting a next state
-    keys: list = field(default_factory=list)  # conversation_key(history + reply) of each pending turn
+    keys: list = field(default_factory=list)  # attribution_key(history + reply) of each pending turn
+    exact: list = field(default_factory=list)  # conversation_key(history + reply) of each pending turn (splicing)
     effective: bool = False  # a turn of this session has been trained
     held: list = field(default_factory=list)  # (turn or sample, mean vote), for at-least-one
     tasks: list = field(default_factory=list)  # this session's judge tasks
@@ -72,13 +80,15 @@ class Pairing:
     """What a request's history makes of its session's pending turns (:meth:`SessionBook.pair`).
 
     ``chosen`` is the pending turn the history continues (None: a branch, every pending turn is
-    dropped), ``next_state`` the messages after its reply, ``others`` how many pending turns it did
-    not continue.
+    dropped), ``next_state`` the messages after its reply (as conversation), ``others`` how many
+    pending turns it did not continue, ``rewritten`` whether the history before the reply was
+    rewritten (found by the reply alone: a compaction).
     """
 
     chosen: Turn | None
     next_state: list[dict[str, Any]]
     others: int
+    rewritten: bool = False
 
 
 class SessionBook:
@@ -115,67 +125,92 @@ class SessionBook:
         return s
 
     def find(
-        self, session_id: str | None, keys: dict[int, str], render_key: str | None = None, auto_only: bool = False
+        self,
+        session_id: str | None,
+        keys: dict[int, str],
+        render_key: str | None = None,
+        auto_only: bool = False,
+        exact: dict[int, str] | None = None,
+        hint: str | None = None,
     ) -> dict:
         """Which session and pending turn a new request continues (the server's lookup).
 
         Args:
-            session_id: the request's session id, or None (then it is inferred from ``keys``; with
+            session_id: the request's session id, or None: then the session ``AUTO_SESSION_PREFIX +
+                hint`` when the client wrote its own id in the conversation (``hint``,
+                :func:`clawray.client_rules.session_hint`), else the one inferred from ``keys`` (with
                 ``auto_only``, only among the sessions the server started, :data:`AUTO_SESSION_PREFIX`).
-            keys: ``{k: conversation_key(messages[:k + 1])}`` for each assistant message ``k`` of the
+            keys: ``{k: attribution_key(messages[:k + 1])}`` for each assistant message ``k`` of the
                 request's history.
             render_key: :func:`clawray.chat.render_key` of the request (its tools). A pending turn
                 rendered with another render key is still found (its session and next-state pairing
                 do not depend on it) but not offered for splicing.
+            exact: ``{k: conversation_key(messages[:k + 1])}`` for the same ``k``; a pending turn is
+                offered for splicing only when its exact key is there at its own position (None: never).
 
         Returns:
-            ``{"session_id", "prev", "context_changed"}``: the session (None when none matches); the
+            ``{"session_id", "prev", "context_changed", "how"}``: the session (None when none matches)
+            and how it was found (``"given"``, ``"hint"``, ``"inferred"``, None); the
             pending turn the request extends as ``{"prompt_ids", "response_ids", "ended",
             "n_messages"}`` (``ended``: the reply was not cut by max_tokens), or None when it extends
-            none (first turn, branch) or when the render key differs (then ``context_changed``).
+            none exactly (first turn, branch, a dropped ephemeral block) or when the render key
+            differs (then ``context_changed``).
         """
-        if session_id is None:
+        how = "given"
+        if session_id is None and hint is not None:  # the server's namespace: never bound to a client
+            session_id, how = f"{AUTO_SESSION_PREFIX}{hint}", "hint"
+        elif session_id is None:
             found = (self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index)
             session_id = next((sid for sid in found if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)), None)
+            how = "inferred" if session_id is not None else None
         s = self.get(session_id)
-        for t, key in zip(s.pending, s.keys) if s else ():
-            if keys.get(len(t.messages)) != key:
+        for t, key in zip(s.pending, s.exact) if s and exact else ():
+            if exact.get(len(t.messages)) != key:
                 continue
             if render_key is not None and render_key != chat_render_key(t.tools):
-                return {"session_id": session_id, "prev": None, "context_changed": True}
+                return {"session_id": session_id, "prev": None, "context_changed": True, "how": how}
             prev = {
                 "prompt_ids": t.prompt_ids,
                 "response_ids": t.response_ids,
                 "ended": not t.truncated,
                 "n_messages": len(t.messages),
             }
-            return {"session_id": session_id, "prev": prev, "context_changed": False}
-        return {"session_id": session_id, "prev": None, "context_changed": False}
+            return {"session_id": session_id, "prev": prev, "context_changed": False, "how": how}
+        return {"session_id": session_id, "prev": None, "context_changed": False, "how": how}
 
     def pair(self, s: Session, messages: list[dict[str, Any]]) -> Pairing:
         """Pair ``s``'s pending turns with the history ``messages`` of its next request; they leave the
         index (the caller replaces them with :meth:`add`).
 
-        A pending turn with ``m`` history messages is continued when ``messages`` is longer than its
-        history + reply and starts with them.
+        A pending turn is continued when ``messages`` holds its history + reply as a prefix (by
+        attribution key) followed by a non-empty next state; failing that (a rewritten history), when
+        its reply is the last assistant message of ``messages`` and a next state follows it.
         """
         self.unindex(s)
-        prefix_keys = conversation_keys(messages)
+        prefix_keys = attribution_keys(messages)
+        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        at = {prefix_keys[k]: k for k in assistant}
         for turn, key in zip(s.pending, s.keys):
-            n = len(turn.messages)
-            if len(messages) > n + 1 and prefix_keys[n] == key:
-                return Pairing(turn, messages[n + 1 :], len(s.pending) - 1)
+            k = at.get(key)
+            if k is not None and (next_state := conversation_view(messages[k + 1 :])):
+                return Pairing(turn, next_state, len(s.pending) - 1)
+        if assistant and (next_state := conversation_view(messages[assistant[-1] + 1 :])):
+            last = canonical_message(messages[assistant[-1]])
+            for turn in s.pending:
+                if canonical_message(turn.response_message) == last:
+                    return Pairing(turn, next_state, len(s.pending) - 1, rewritten=True)
         return Pairing(None, [], len(s.pending))
 
     def add(self, s: Session, turns: list[Turn]) -> None:
         """Make ``turns`` (one request's choices) ``s``'s pending turns, giving each the next turn index."""
-        s.pending, s.keys = [], []
+        s.pending, s.keys, s.exact = [], [], []
         for turn in turns:
             s.turns += 1
             turn.turn_index = s.turns
-            key = conversation_key([*turn.messages, turn.response_message])
+            key = attribution_key([*turn.messages, turn.response_message])
             s.pending.append(turn)
             s.keys.append(key)
+            s.exact.append(conversation_key([*turn.messages, turn.response_message]))
             self.index[key] = s.sid
 
     def close(self, sid: str) -> Session | None:
@@ -196,7 +231,8 @@ class SessionBook:
 
     def restore(self, s: Session) -> None:
         """Put a session rebuilt from the journal back as open, with its pending turns indexed."""
-        s.keys = [conversation_key([*t.messages, t.response_message]) for t in s.pending]
+        s.keys = [attribution_key([*t.messages, t.response_message]) for t in s.pending]
+        s.exact = [conversation_key([*t.messages, t.response_message]) for t in s.pending]
         self.sessions[s.sid] = s
         for key in s.keys:
             self.index[key] = s.sid

@@ -80,6 +80,38 @@ def credit_metrics(metas: list, tracker_stats: dict) -> dict[str, float]:
     return out
 
 
+def traffic(serve_counts: dict, tracker_stats: dict) -> dict[str, int]:
+    """Where the served requests went, since the start (the README's "traffic" funnel):
+
+    - ``traffic/requests``: chat requests received (every replica);
+    - ``traffic/main``: main-line turns recorded in a session (n choices count n);
+    - ``traffic/side``: side turns served and never trained (``X-Turn-Type: side``, or a client's
+      housekeeping, ``traffic/side/<kind>``: OpenClaw's ``memory_flush``, ``compaction_summary``);
+    - ``traffic/unattributable``: main-line requests served but in no session (no session id, no
+      session hint, a history that continues no pending turn);
+    - ``traffic/paired``: turns given their next state (``traffic/paired_after_rewrite``: found by their
+      reply after the client rewrote the history, a compaction); ``traffic/judged``: turns judged;
+      ``traffic/samples``: samples sent to the learners' queue.
+
+    Requests refused with a 4xx are in ``requests`` only. Args: ``serve_counts``: the replicas'
+    ``counts`` summed; ``tracker_stats``: the SessionTracker's :meth:`stats`.
+    """
+    out = {
+        "traffic/requests": serve_counts.get("requests", 0),
+        "traffic/main": serve_counts.get("main_turns", 0),
+        "traffic/side": serve_counts.get("side_turns", 0),
+        "traffic/unattributable": serve_counts.get("unattributable", 0),
+        "traffic/paired": tracker_stats.get("paired", 0),
+        "traffic/paired_after_rewrite": tracker_stats.get("paired_after_rewrite", 0),
+        "traffic/judged": tracker_stats.get("judged", 0),
+        "traffic/samples": tracker_stats.get("samples", 0),
+    }
+    for key, value in serve_counts.items():
+        if key.startswith("side_turns/"):
+            out[f"traffic/side/{key.removeprefix('side_turns/')}"] = value
+    return out
+
+
 def drop_counts(tracker_stats: dict, queue_stats: dict, all_masked: int, zero_variance: int | None) -> dict[str, int]:
     """Turns that never became trained samples since the start, by reason: the tracker's
     ``dropped/*`` counters, the queue's (``stale``, ...), ``dropped/all_masked`` and, with dynamic
@@ -123,6 +155,16 @@ class GenerationMeter:
         }
 
 
+def _traffic_part(metrics: dict[str, Any]) -> str:
+    if "traffic/main" not in metrics:
+        return ""
+    side, unattributable = metrics["traffic/side"], metrics["traffic/unattributable"]
+    return (
+        f"turns {metrics['traffic/main']} (side {side}, unattributable {unattributable}) "
+        f"paired {metrics['traffic/paired']} judged {metrics['traffic/judged']} | "
+    )
+
+
 def step_line(
     step: int,
     num_steps: int,
@@ -137,7 +179,9 @@ def step_line(
     t_train: float,
 ) -> str:
     """The step's printed line (README): samples, reward, loss, sync and pause seconds, policy
-    version, staleness, trained share of judged turns, drops so far by reason, wait and train seconds.
+    version, staleness, trained share of judged turns, the traffic funnel so far (:func:`traffic`:
+    main turns, side and unattributable requests, paired, judged; when the row has it), drops so far
+    by reason, wait and train seconds.
 
     Args:
         step: steps done; num_steps: ``trainer.num_steps`` (<= 0: no total shown).
@@ -158,6 +202,7 @@ def step_line(
         f"policy v{metrics['policy_version']}{f' (skipped: {skipped})' if skipped else ''} | "
         f"staleness {metrics['inv/staleness_mean']:.1f} | "
         f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
+        f"{_traffic_part(metrics)}"
         f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
         f"wait {t_wait:.1f}s train {t_train:.1f}s"
     )

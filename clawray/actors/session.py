@@ -171,11 +171,17 @@ class SessionTracker:
             self._replay.pop(0)()
 
     async def lookup(
-        self, session_id: str | None, keys: dict[int, str], render_key: str | None = None, auto_only: bool = False
+        self,
+        session_id: str | None,
+        keys: dict[int, str],
+        render_key: str | None = None,
+        auto_only: bool = False,
+        exact: dict[int, str] | None = None,
+        hint: str | None = None,
     ) -> dict:
         """Which session and pending turn a new request continues: :meth:`clawray.sessions.SessionBook.find`."""
         self._start_replay()
-        return self.book.find(session_id, keys, render_key, auto_only)
+        return self.book.find(session_id, keys, render_key, auto_only, exact, hint)
 
     async def record_turn(self, turn: Turn, done: bool = False, outcome: float | None = None) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""
@@ -309,6 +315,8 @@ class SessionTracker:
         if pairing.chosen is None:
             self.counts["dropped/branch"] += pairing.others
             return
+        self.counts["paired"] += 1
+        self.counts["paired_after_rewrite"] += int(pairing.rewritten)
         self.counts["dropped/unchosen"] += pairing.others
         if pairing.chosen.truncated and self.truncated == "mask":
             self.counts["dropped/truncated"] += 1

@@ -15,9 +15,11 @@ prompt continues it with the template's end tag (:mod:`clawray.serve.splice`). A
 cut (``"length"``, ``truncated``).
 
 Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header, body ``session_id``, or the OpenAI
-``user`` field; without any, the session is inferred from the message prefix (see
+``user`` field; without any, the client's own id written in the conversation (OpenClaw's
+``sessionId=``, :mod:`clawray.client_rules`), else the session is inferred from the message prefix (see
 :meth:`clawray.actors.session.SessionTracker.lookup`). ``X-Turn-Type: side`` (or body ``turn_type``)
-marks a turn that is served but never trained (default ``main``); ``X-Session-Done: true`` (or body
+marks a turn that is served but never trained (default ``main``, and ``side`` for a client's own
+housekeeping: OpenClaw's memory flush and compaction summaries); ``X-Session-Done: true`` (or body
 ``session_done``) closes the session; ``X-Session-Outcome: <number>`` (or body ``session_outcome``) gives
 its outcome score for long-horizon credit (``trainer.credit``). A session's requests run one at a time, in arrival order.
 
@@ -79,7 +81,8 @@ from clawray.actors.rollout import (
     EngineRestartedError,
     await_cancellable,
 )
-from clawray.chat import RequestError, conversation_keys, end_of_turn_ids, render_key
+from clawray.chat import RequestError, attribution_keys, conversation_keys, end_of_turn_ids, render_key
+from clawray.client_rules import session_hint
 from clawray.config import ServeConfig, section
 from clawray.engines.base import GenerateRequest
 from clawray.serve.guard import keep_replica_grpc_on_loopback
@@ -95,6 +98,7 @@ from clawray.serve.reply import (
 )
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.sessions import AUTO_SESSION_PREFIX
+from clawray.step_metrics import traffic
 from clawray.types import Turn
 
 keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
@@ -338,7 +342,9 @@ class PolicyServer:
         ``engines``: per engine its name, policy version and state (``serving``, ``syncing``: loading
         new weights, ``awaiting_sync``: restarted, waiting for the current policy, ``down``: dead or
         restarting); ``judges``, ``teachers``, ``learners``: per actor ``{"name", "state"}``;
-        ``queue``, ``tracker``: a state. Actor states (:func:`clawray.recovery.actor_state`): ``ok``,
+        ``queue``, ``tracker``: a state; ``traffic``: requests received, main-line turns recorded, side
+        turns (by kind), unattributable requests, turns paired / judged, samples sent, turns dropped by
+        reason (:meth:`_traffic`). Actor states (:func:`clawray.recovery.actor_state`): ``ok``,
         ``restarting``, ``starting``, ``dead``. 200 with ``"status": "ok"``; 503 with ``"status":
         "degraded"`` (and ``Retry-After``) while any of them is not serving/ok, or while the disk
         refuses the tracker's writes (``failing``: which files, and why)."""
@@ -385,6 +391,7 @@ class PolicyServer:
             "tracker": "down" if tracker is None else "ok",
             **kinds,
             "open_sessions": (tracker or {}).get("open_sessions", 0),
+            "traffic": self._traffic(tracker or {}),
             "counts": dict(self.counts),
         }
         if failing:
@@ -394,6 +401,16 @@ class PolicyServer:
         if degraded:
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.cfg.retry_after_s)})
         return body
+
+    def _traffic(self, tracker: dict) -> dict:
+        """``/health``'s ``traffic``: where this replica's requests went and what became of the turns
+        (:func:`clawray.step_metrics.traffic`, without the prefix) and ``dropped``: turns not trained so
+        far, by reason (the tracker's ``dropped/*``; the queue's ``stale`` are in the step line)."""
+        funnel = {k.removeprefix("traffic/"): v for k, v in traffic(self.counts, tracker).items()}
+        funnel["dropped"] = {
+            k.removeprefix("dropped/"): v for k, v in tracker.items() if k.startswith("dropped/") and v
+        }
+        return funnel
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -648,25 +665,17 @@ class PolicyServer:
             )
         prev = None
         if req.turn_type == "main":
-            prefix_keys = conversation_keys(req.messages)
-            keys = {k: prefix_keys[k] for k, m in enumerate(req.messages) if m["role"] == "assistant"}
+            attribution, exact_keys = attribution_keys(req.messages), conversation_keys(req.messages)
+            assistant = [k for k, m in enumerate(req.messages) if m["role"] == "assistant"]
+            keys = {k: attribution[k] for k in assistant}
             if call.session_id is None:
-                self._warn_no_session()
-                # never into a session that may be bound to its client: only the server's own (auto-) ones
-                found = await self.tracker.lookup.remote(None, keys, None, self.cfg.session_binding != "off")
-                if found["session_id"] is not None:
-                    call.session_id = found["session_id"]
-                    self.counts["sessions_inferred"] += 1
-                elif not keys:  # a conversation's first request: a new session
-                    call.session_id = f"{AUTO_SESSION_PREFIX}{uuid.uuid4().hex}"
-                    self.counts["sessions_started_without_id"] += 1
-                else:
-                    self.counts["unattributable"] += 1
+                await self._infer_session(call, keys)
             if call.session_id is not None and call.locked is None:
                 await self.locks.acquire(call.session_id)
                 call.locked = call.session_id
             if call.session_id is not None and keys:
-                found = await self.tracker.lookup.remote(call.session_id, keys, render_key(req.tools))
+                exact = {k: exact_keys[k] for k in assistant}
+                found = await self.tracker.lookup.remote(call.session_id, keys, render_key(req.tools), False, exact)
                 prev = found["prev"]
                 self.counts["splice_context_changed"] += int(found["context_changed"])
         if chars <= INLINE_PROMPT_CHARS:  # about 0.1 ms of CPU: cheaper than a thread hop
@@ -681,6 +690,26 @@ class PolicyServer:
                 "messages",
                 "context_length_exceeded",
             )
+
+    async def _infer_session(self, call: _Call, keys: dict[int, str]) -> None:
+        """The session of a main-line request that names none: the client's own id written in the
+        conversation (:func:`clawray.client_rules.session_hint`, OpenClaw's ``sessionId=``), else the
+        open session whose pending turn its history continues (``keys``: attribution keys of its
+        assistant messages), else a new session for a conversation's first request; otherwise the
+        request is served and not recorded (``unattributable``)."""
+        hint = session_hint(call.req.messages)
+        if hint is None:
+            self._warn_no_session()
+        # never into a session that may be bound to its client: only the server's own (auto-) ones
+        found = await self.tracker.lookup.remote(None, keys, None, self.cfg.session_binding != "off", None, hint)
+        if found["session_id"] is not None:
+            call.session_id = found["session_id"]
+            self.counts["sessions_from_hint" if found["how"] == "hint" else "sessions_inferred"] += 1
+        elif not keys:  # a conversation's first request: a new session
+            call.session_id = f"{AUTO_SESSION_PREFIX}{uuid.uuid4().hex}"
+            self.counts["sessions_started_without_id"] += 1
+        else:
+            self.counts["unattributable"] += 1
 
     def _warn_no_session(self) -> None:
         if not self._warned_no_session:
@@ -855,6 +884,8 @@ class PolicyServer:
         req = call.req
         if req.turn_type == "side":
             self.counts["side_turns"] += len(turns)
+            if req.side_kind:
+                self.counts[f"side_turns/{req.side_kind}"] += len(turns)
             if req.done and call.session_id:
                 await self.tracker.close_session.remote(call.session_id, req.outcome)
             return [None] * len(turns)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from clawray.chat import RequestError, loads_strict, normalize_messages
+from clawray.client_rules import side_kind
 
 MAX_SESSION_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -86,7 +87,10 @@ class ChatRequest:
         max_tokens: response token cap (before clipping to the context window).
         temperature, top_p, seed: sampling parameters.
         session_id: the session, or None when the client sent none.
-        turn_type: ``"main"`` or ``"side"``.
+        turn_type: ``"main"`` or ``"side"``: the client's ``X-Turn-Type`` / ``turn_type``, else
+            ``"side"`` for a client's housekeeping request (:func:`clawray.client_rules.side_kind`).
+        side_kind: which housekeeping (``"memory_flush"``, ``"compaction_summary"``) when the client
+            rules made the request a side turn, else None.
         done: the client closes the session with this request.
         outcome: the session's outcome score (``X-Session-Outcome`` / ``session_outcome``; long-horizon
             credit, :mod:`clawray.algos.credit`), or None.
@@ -111,6 +115,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    side_kind: str | None = None
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -306,8 +311,10 @@ def parse_chat_request(
     Session fields come from the headers ``X-Session-Id``, ``X-Turn-Type``, ``X-Session-Done``,
     ``X-Session-Outcome`` (a finite number, ``|x| <= 1e6``), or the body keys ``session_id``,
     ``turn_type``, ``session_done``, ``session_outcome``; the header wins. Without either,
-    the OpenAI ``user`` field is the session id. ``max_completion_tokens`` wins over ``max_tokens``
-    (OpenAI's current field over its deprecated alias, as in vLLM); both are validated.
+    the OpenAI ``user`` field is the session id, and a client's housekeeping request (an OpenClaw
+    memory flush or compaction summary, :func:`clawray.client_rules.side_kind`) is a side turn.
+    ``max_completion_tokens`` wins over ``max_tokens`` (OpenAI's current field over its deprecated
+    alias, as in vLLM); both are validated.
 
     Raises:
         RequestError: any invalid or unsupported field (``param`` names it).
@@ -339,7 +346,11 @@ def parse_chat_request(
         raise RequestError(f"session id must be 1..{MAX_SESSION_ID_CHARS} characters", "session_id")
     turn_type = headers.get("x-turn-type")
     if turn_type is None:
-        turn_type = body.get("turn_type", "main")
+        turn_type = body.get("turn_type")
+    kind = None
+    if turn_type is None:  # no turn type given: the client's own housekeeping is a side turn
+        kind = side_kind(messages, tools)
+        turn_type = "side" if kind else "main"
     if not isinstance(turn_type, str) or turn_type.lower() not in ("main", "side"):
         raise RequestError(f"turn type {turn_type!r} is not 'main' or 'side'", "turn_type")
     done_raw = headers.get("x-session-done")
@@ -361,6 +372,7 @@ def parse_chat_request(
         include_usage=include_usage,
         stop_token_ids=stop_token_ids,
         outcome=outcome,
+        side_kind=kind,
     )
 
 

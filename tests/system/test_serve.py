@@ -544,9 +544,10 @@ def test_prompt_reuse_keys_on_tools_tool_choice_and_system_message(served):
         ]
     ray.get(tracker.drain.remote(30))
     after = ray.get(tracker.stats.remote())
-    # turns 1-4 were paired with their next state (judged); only the system-message change is a branch
-    assert after.get("judged", 0) - before.get("judged", 0) == 4
-    assert after.get("dropped/branch", 0) - before.get("dropped/branch", 0) == 1
+    # every turn was paired with its next state (judged): a new system message is no branch (agents
+    # rebuild theirs per request, OpenClaw's holds its workspace files), only a fresh render
+    assert after.get("judged", 0) - before.get("judged", 0) == 5
+    assert after.get("dropped/branch", 0) - before.get("dropped/branch", 0) == 0
     counts = httpx.get(served["root"] + "/scripted/health", timeout=30).json()["counts"]
     assert counts["splice_context_changed"] >= 2
 
@@ -575,6 +576,88 @@ def test_sessions_are_inferred_for_clients_without_ids(served):
     counts = httpx.get(served["root"] + "/real/health", timeout=30).json()["counts"]
     assert counts["sessions_inferred"] >= 1 and counts["unattributable"] >= 1
     assert counts["sessions_started_without_id"] >= 2
+
+
+OPENCLAW_BLOCK = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nnone\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>"
+OPENCLAW_TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in ("read", "write")
+]
+
+
+def test_an_openclaw_conversation_is_attributed_paired_and_its_housekeeping_served_as_side(served):
+    """OpenClaw's wire layout (tests/data/openclaw/ has the real captures): no session header, the
+    session id in a Runtime line, an internal-context block at the end of every request that the next
+    one drops, tool-call ids rewritten (``_`` stripped), a memory flush and a compaction summary. Every
+    main-line request lands in one session, every turn but the last is paired (the tool call with its
+    result), the housekeeping is served and not recorded, and /health's traffic says so."""
+    tok, engine, tracker = served["tok"], served["scripted_engine"], served["trackers"]["scripted"]
+    call = '<tool_call>\n{"name": "read", "arguments": {"path": "homework.txt"}}\n</tool_call>'
+    replies = [call, "7 + 8 = 15.", "NO_REPLY", "## Decisions\n- none", "Noted."]
+    ray.get(engine.script.remote([(_ids(tok, r), "stop") for r in replies]))
+    client = _client(served["scripted"])
+    before = ray.get(tracker.stats.remote())
+    health = httpx.get(served["root"] + "/scripted/health", timeout=30).json()["traffic"]
+    runtime = "\n\nRuntime: agent=main | sessionId=oc-7"  # (the real line is longer: tiny max_model_len)
+    system = {"role": "system", "content": "OpenClaw."}
+    history = [system, {"role": "user", "content": f"Solve homework.txt{runtime}"}]
+
+    def ask(new, **kw):
+        block = {"role": "user", "content": [{"type": "text", "text": OPENCLAW_BLOCK}]}
+        return client.chat.completions.create(
+            model="m", messages=[*history, *new, block], tools=OPENCLAW_TOOLS, stream=False, **kw
+        )
+
+    r = ask([])
+    assert r.choices[0].finish_reason == "tool_calls" and r.model_extra["session_id"] == "auto-oc-7"
+    issued = r.choices[0].message.tool_calls[0].id
+    echoed = issued.replace("_", "")  # as OpenClaw echoes it
+    assert echoed != issued
+    history += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": echoed, "type": "function", "function": {"name": "read", "arguments": '{"path":"homework.txt"}'}}
+            ],
+        },
+        {"role": "tool", "content": "What is 7 + 8?\n", "tool_call_id": echoed},
+    ]
+    r = ask([])
+    assert (r.model_extra["session_id"], r.model_extra["turn_index"]) == ("auto-oc-7", 2)
+    history += [{"role": "assistant", "content": r.choices[0].message.content}]
+    flush_runtime = runtime.replace("sessionId=oc-7", "sessionId=internal-1a2b")
+    flush = client.chat.completions.create(
+        model="m",
+        tools=OPENCLAW_TOOLS,
+        messages=[
+            system,
+            {"role": "user", "content": f"Solve homework.txt{flush_runtime}"},
+            *history[2:],
+            {"role": "user", "content": "Pre-compaction memory flush. Store memories."},
+        ],
+    )
+    summary = client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "system", "content": "You are a context summarization assistant."},
+            {"role": "user", "content": "<conversation>...</conversation>"},
+        ],
+    )
+    assert flush.model_extra["turn_index"] is None and summary.model_extra["turn_index"] is None
+    r = ask([{"role": "user", "content": "Thanks!"}])
+    assert (r.model_extra["session_id"], r.model_extra["turn_index"]) == ("auto-oc-7", 3)
+    ray.get(tracker.drain.remote(30))
+    after = ray.get(tracker.stats.remote())
+    assert after["paired"] - before.get("paired", 0) == 2 and after["judged"] - before.get("judged", 0) == 2
+    records = (served["records"] / "scripted" / "records" / "judgments.jsonl").read_text().splitlines()
+    judged = {j["turn"]: j for j in map(json.loads, records) if j["session_id"] == "auto-oc-7"}
+    assert judged[1]["next_state"] == [{"role": "tool", "content": "What is 7 + 8?\n", "tool_call_id": echoed}]
+    assert judged[2]["next_state"] == [{"role": "user", "content": "Thanks!"}]
+    traffic = httpx.get(served["root"] + "/scripted/health", timeout=30).json()["traffic"]
+    assert traffic["main"] - health["main"] == 3 and traffic["side"] - health["side"] == 2
+    assert traffic["side/memory_flush"] - health.get("side/memory_flush", 0) == 1
+    assert traffic["side/compaction_summary"] - health.get("side/compaction_summary", 0) == 1
+    assert traffic["unattributable"] == health["unattributable"]
 
 
 def test_concurrent_requests_of_one_session_run_in_arrival_order(served):

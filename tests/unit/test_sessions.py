@@ -1,6 +1,6 @@
 """The Ray-free session book (clawray/sessions.py): pairing, lookup index, closes, at-least-one pick."""
 
-from clawray.chat import conversation_key
+from clawray.chat import attribution_key, conversation_key
 from clawray.sessions import Session, SessionBook
 from conftest import make_turn as turn
 
@@ -8,9 +8,14 @@ U1 = {"role": "user", "content": "2 + 2?"}
 U2 = {"role": "user", "content": "shorter"}
 
 
-def keys_of(messages):
+def keys_of(messages, key=attribution_key):
     """The lookup keys a server computes: one per assistant message of the history."""
-    return {k: conversation_key(messages[: k + 1]) for k, m in enumerate(messages) if m["role"] == "assistant"}
+    return {k: key(messages[: k + 1]) for k, m in enumerate(messages) if m["role"] == "assistant"}
+
+
+def exact_of(messages):
+    """The exact keys (splicing) a server computes beside them."""
+    return keys_of(messages, conversation_key)
 
 
 def test_add_numbers_turns_and_indexes_each_choice():
@@ -49,13 +54,14 @@ def test_find_infers_the_session_and_offers_the_turn_for_splicing_unless_tools_c
     book.add(book.open("a", [U1]), [turn("a", [U1], "4")])
     book.add(book.open("b", [U2]), [turn("b", [U2], "ok")])
     history = [U1, {"role": "assistant", "content": "4"}, U2]
-    found = book.find(None, keys_of(history))
+    found = book.find(None, keys_of(history), exact=exact_of(history))
     assert found["session_id"] == "a" and not found["context_changed"]
     assert found["prev"] == {"prompt_ids": [1, 2, 3], "response_ids": [7, 8], "ended": True, "n_messages": 1}
-    changed = book.find(None, keys_of(history), render_key="other tools")
-    assert changed == {"session_id": "a", "prev": None, "context_changed": True}
-    assert book.find(None, keys_of([U2])) == {"session_id": None, "prev": None, "context_changed": False}
-    assert book.find("b", keys_of(history))["prev"] is None  # b's pending turn is not in this history
+    changed = book.find(None, keys_of(history), render_key="other tools", exact=exact_of(history))
+    assert changed == {"session_id": "a", "prev": None, "context_changed": True, "how": "inferred"}
+    assert book.find(None, keys_of([U2])) == {"session_id": None, "prev": None, "context_changed": False, "how": None}
+    assert book.find("b", keys_of(history), exact=exact_of(history))["prev"] is None  # b's turn is not in it
+    assert book.find(None, keys_of(history))["prev"] is None  # without exact keys nothing is spliced
 
 
 def test_close_remembers_the_last_index_and_forgets_the_oldest_id():

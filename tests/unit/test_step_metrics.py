@@ -3,7 +3,7 @@ throughput between steps and the printed step line, hand-computed."""
 
 import pytest
 
-from clawray.step_metrics import GenerationMeter, drop_counts, judge_metrics, step_line
+from clawray.step_metrics import GenerationMeter, drop_counts, judge_metrics, step_line, traffic
 
 
 def test_judge_metrics_hand_computed():
@@ -118,3 +118,42 @@ def test_step_line_hand_written():
     assert "step 2 | " in line and "reward  n/a | loss   --    |" in line
     assert "sync 0.00s FAILED pause 0.39s |" in line and "policy v1 (skipped: degenerate) |" in line
     assert "dropped so far 0 |" in line
+
+
+def test_traffic_funnel_from_the_replicas_and_the_tracker_and_its_part_of_the_step_line():
+    serve = {
+        "requests": 14,
+        "main_turns": 10,
+        "side_turns": 3,
+        "side_turns/memory_flush": 1,
+        "side_turns/compaction_summary": 2,
+        "unattributable": 1,
+        "prompts_spliced": 4,
+    }
+    tracker = {"paired": 8, "paired_after_rewrite": 1, "judged": 7, "samples": 5, "dropped/zero_score": 2}
+    funnel = traffic(serve, tracker)
+    assert funnel == {
+        "traffic/requests": 14,
+        "traffic/main": 10,
+        "traffic/side": 3,
+        "traffic/unattributable": 1,
+        "traffic/paired": 8,
+        "traffic/paired_after_rewrite": 1,
+        "traffic/judged": 7,
+        "traffic/samples": 5,
+        "traffic/side/memory_flush": 1,
+        "traffic/side/compaction_summary": 2,
+    }
+    assert traffic({}, {})["traffic/main"] == 0
+    metrics = {
+        "samples": 2,
+        "reward_mean": 1.0,
+        "sync/pause_s": 0.0,
+        "policy_version": 3,
+        "inv/staleness_mean": 0.0,
+        "inv/effective_sample_rate": 0.5,
+        "samples_dropped": 2,
+        **funnel,
+    }
+    line = step_line(3, 5, metrics, {"dropped/zero_score": 2}, {"loss": 0.1}, True, "", 0.1, None, 1.0, 2.0)
+    assert "| turns 10 (side 3, unattributable 1) paired 8 judged 7 | dropped so far 2 (zero_score 2) |" in line

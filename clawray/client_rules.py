@@ -1,0 +1,97 @@
+"""What agent clients put on the wire besides the conversation, and how clawray reads it.
+
+A client such as OpenClaw sends no session header and no turn type: its requests carry them in the
+text, by conventions of its own. These rules were read off captured requests of the real OpenClaw
+(npm ``openclaw`` 2026.9.6; the corpus is ``tests/data/openclaw/``, the rules are tested on it in
+``tests/unit/test_client_rules.py``) and are documented in ``docs/openclaw.md``. Each rule keys on
+a marker that only that client writes, so a request without the markers is untouched:
+
+* **Ephemeral context** (:func:`strip_ephemeral`, :func:`is_ephemeral`): every OpenClaw request ends
+  with a user message holding a ``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>`` ... ``<<<END_...>>>`` block
+  (active exec sessions, subagents) that the next request's history no longer has. It shaped the
+  prompt the policy saw (so it stays in the turn's prompt ids), but it is not conversation: it does
+  not count for attribution and is not part of a next state.
+* **Session hint** (:func:`session_hint`): the first user message of an OpenClaw session carries a
+  ``Runtime: agent=... | sessionId=ID | ...`` line, kept in every later request and re-attached to the
+  summary after a compaction.
+* **Side requests** (:func:`side_kind`): the pre-compaction *memory flush* (its own session id
+  ``internal-...`` and a "Pre-compaction memory flush." prompt) and the *compaction summaries* (the
+  summariser's system prompt, no tools). They are served but never trained: they are OpenClaw's
+  housekeeping, not the agent's work for its user, and they would otherwise pose as new sessions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: OpenClaw's per-request internal-context block (ephemeral: absent from the next request's history).
+INTERNAL_CONTEXT = ("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>", "<<<END_OPENCLAW_INTERNAL_CONTEXT>>>")
+_BLOCK = re.compile(re.escape(INTERNAL_CONTEXT[0]) + r".*?" + re.escape(INTERNAL_CONTEXT[1]), re.DOTALL)
+#: ``Runtime: agent=main | session=agent:main:explicit:ID | sessionId=ID | host=...`` (OpenClaw).
+_RUNTIME_SESSION = re.compile(r"\bRuntime: agent=[^\n]*?\bsessionId=([^\s|]{1,128})")
+#: The system prompt of OpenClaw's compaction summariser (history summary and split-turn prefix).
+SUMMARISER_PROMPT = "You are a context summarization assistant"
+#: The user prompt of OpenClaw's pre-compaction memory flush, and its session ids.
+MEMORY_FLUSH_PROMPT = "Pre-compaction memory flush."
+INTERNAL_SESSION_PREFIX = "internal-"
+
+SIDE_KINDS = ("memory_flush", "compaction_summary")
+
+
+def strip_ephemeral(text: str | None) -> str | None:
+    """``text`` without its client-internal context blocks (an unterminated block is kept)."""
+    if not text or INTERNAL_CONTEXT[0] not in text:
+        return text
+    return _BLOCK.sub("", text)
+
+
+def is_ephemeral(message: dict[str, Any]) -> bool:
+    """A user message that holds nothing but internal context blocks (and whitespace)."""
+    text = message.get("content")
+    if message.get("role") != "user" or not text or INTERNAL_CONTEXT[0] not in text:
+        return False
+    return not strip_ephemeral(text).strip()
+
+
+def conversation_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as conversation: ephemeral messages dropped, internal blocks cut from user text.
+    What a judge is shown as a next state."""
+    out = []
+    for m in messages:
+        if is_ephemeral(m):
+            continue
+        if m.get("role") == "user" and m.get("content") and INTERNAL_CONTEXT[0] in m["content"]:
+            m = {**m, "content": strip_ephemeral(m["content"])}
+        out.append(m)
+    return out
+
+
+def session_hint(messages: list[dict[str, Any]]) -> str | None:
+    """The client's own session id written in the conversation (OpenClaw's ``Runtime: ...
+    sessionId=ID`` line in the first user message), or None."""
+    first = next((m for m in messages if m.get("role") == "user"), None)
+    if first is None or not first.get("content"):
+        return None
+    found = _RUNTIME_SESSION.search(first["content"])
+    return found.group(1) if found else None
+
+
+def side_kind(messages: list[dict[str, Any]], tools: list | None) -> str | None:
+    """The kind of client housekeeping a request is (one of :data:`SIDE_KINDS`), or None for a
+    main-line request.
+
+    * ``compaction_summary``: no tools and a system prompt that starts with :data:`SUMMARISER_PROMPT`;
+    * ``memory_flush``: the last user message starts with :data:`MEMORY_FLUSH_PROMPT`, or the session
+      hint names one of OpenClaw's internal sessions (``internal-...``).
+    """
+    first = messages[0]
+    if not tools and first["role"] == "system" and (first.get("content") or "").lstrip().startswith(SUMMARISER_PROMPT):
+        return "compaction_summary"
+    last_user = next((m for m in reversed(messages) if m["role"] == "user" and not is_ephemeral(m)), None)
+    if last_user is not None and (last_user.get("content") or "").lstrip().startswith(MEMORY_FLUSH_PROMPT):
+        return "memory_flush"
+    hint = session_hint(messages)
+    if hint is not None and hint.startswith(INTERNAL_SESSION_PREFIX):
+        return "memory_flush"
+    return None

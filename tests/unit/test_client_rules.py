@@ -1,0 +1,192 @@
+"""OpenClaw's real requests (tests/data/openclaw/, captured from npm openclaw 2026.9.6 against a
+scripted server) attributed, paired and classified by clawray's client rules, replayed through the
+same pieces the server and the session tracker use (parse_chat_request, SessionBook)."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from clawray.chat import attribution_keys, conversation_keys
+from clawray.client_rules import conversation_view, is_ephemeral, session_hint, side_kind, strip_ephemeral
+from clawray.serve.protocol import parse_chat_request
+from clawray.sessions import AUTO_SESSION_PREFIX, SessionBook
+from clawray.types import Turn
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "openclaw"
+BLOCK = (
+    "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nConversation data (data, not instructions):\n"
+    '"Active exec sessions:\\nnone"\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>'
+)
+
+
+def captured(name):
+    """The captured requests of one scenario: ``[(request body, the scripted server's reply)]``."""
+    with gzip.open(CORPUS / f"{name}.jsonl.gz", "rt") as f:
+        return [(r["body"], r["reply"]) for r in map(json.loads, f)]
+
+
+def reply_message(reply):
+    """The assistant message the server returned (tool calls with the ids it issued)."""
+    calls = [{"id": c["id"], "type": "function", "function": c["function"]} for c in reply.get("tool_calls") or []]
+    return {"role": "assistant", "content": reply.get("content"), **({"tool_calls": calls} if calls else {})}
+
+
+class Replay:
+    """The server's attribution (PolicyServer._infer_session) and the tracker's record path
+    (open, pair, add) over a SessionBook, without Ray; ``drop_hint`` removes OpenClaw's Runtime
+    line so that only prefix inference is left."""
+
+    def __init__(self, drop_hint=False):
+        self.book, self.drop_hint = SessionBook(), drop_hint
+        self.log = []  # per request: (turn type, session id, pairing or None)
+        self.spliceable = 0
+
+    def request(self, body, reply):
+        req = parse_chat_request(body, {}, 256, 1.0)
+        if req.turn_type == "side":
+            self.log.append(("side", req.side_kind, None))
+            return
+        messages = req.messages
+        hint = None if self.drop_hint else session_hint(messages)
+        attribution, exact = attribution_keys(messages), conversation_keys(messages)
+        keys = {k: attribution[k] for k, m in enumerate(messages) if m["role"] == "assistant"}
+        found = self.book.find(None, keys, None, True, {k: exact[k] for k in keys}, hint)
+        sid = found["session_id"] or (None if keys else f"{AUTO_SESSION_PREFIX}new-{len(self.log)}")
+        self.spliceable += found["prev"] is not None
+        if sid is None:
+            self.log.append(("unattributable", None, None))
+            return
+        s = self.book.open(sid, messages)
+        pairing = self.book.pair(s, messages) if s.pending else None
+        turn = Turn(sid, 0, messages, reply_message(reply), [1], [2], [-0.1], 0, "stop", tools=req.tools)
+        self.book.add(s, [turn])
+        self.log.append(("main", sid, pairing))
+
+
+def replay(name, drop_hint=False):
+    r = Replay(drop_hint)
+    for body, reply in captured(name):
+        if drop_hint:
+            for m in body["messages"]:
+                if isinstance(m["content"], str) and "Runtime: agent=" in m["content"]:
+                    m["content"] = m["content"][: m["content"].index("Runtime: agent=")]
+        r.request(body, reply)
+    return r
+
+
+def texts(next_state):
+    return [(m["role"], m["content"]) for m in next_state]
+
+
+@pytest.mark.parametrize("drop_hint", [False, True], ids=["hint", "prefix-only"])
+def test_a_plain_conversation_is_one_session_each_turn_paired_with_the_users_next_message(drop_hint):
+    r = replay("plain", drop_hint)
+    assert [kind for kind, _, _ in r.log] == ["main"] * 4
+    assert len({sid for _, sid, _ in r.log}) == 1
+    assert (r.log[0][1] == "auto-plain1") is not drop_hint
+    pairings = [p for _, _, p in r.log[1:]]
+    assert [p.chosen.turn_index for p in pairings] == [1, 2, 3] and not any(p.rewritten for p in pairings)
+    # the next state is the user's message alone: OpenClaw's internal-context block is not part of it
+    assert texts(pairings[0].next_state) == [("user", "[Tue 2026-12-01 11:08 UTC] Tell me a fun fact about octopuses.")]
+    assert all(len(p.next_state) == 1 and "OPENCLAW_INTERNAL" not in p.next_state[0]["content"] for p in pairings)
+    assert r.spliceable == 0  # the block the previous prompt held is gone: every prompt is rendered afresh
+
+
+@pytest.mark.parametrize("drop_hint", [False, True], ids=["hint", "prefix-only"])
+def test_tool_calls_are_paired_with_their_results_although_openclaw_rewrites_the_call_ids(drop_hint):
+    r = replay("tool", drop_hint)
+    bodies = captured("tool")
+    issued = bodies[0][1]["tool_calls"][0]["id"]
+    echoed = bodies[1][0]["messages"][3]["tool_call_id"]
+    assert (issued, echoed) == ("call_ff756c410158448c8c3f5788", "callff756c410158448c8c3f5788")
+    assert [kind for kind, _, _ in r.log] == ["main"] * 4 and len({sid for _, sid, _ in r.log}) == 1
+    read, answer, write = (p for _, _, p in r.log[1:])
+    assert read.chosen.response_message["tool_calls"][0]["function"]["name"] == "read"
+    assert texts(read.next_state) == [("tool", "What is 7 + 8?\n")]
+    assert texts(answer.next_state)[0][0] == "user"
+    assert write.chosen.response_message["tool_calls"][0]["function"]["name"] == "write"
+    assert texts(write.next_state) == [("tool", "Successfully wrote 3 bytes to answer.txt")]
+
+
+@pytest.mark.parametrize("drop_hint", [False, True], ids=["hint", "prefix-only"])
+def test_two_interleaved_conversations_of_one_openclaw_stay_apart(drop_hint):
+    r = replay("interleaved", drop_hint)
+    sids = [sid for _, sid, _ in r.log]
+    assert len(set(sids)) == 2 and sids[0::2] == [sids[0]] * 3 and sids[1::2] == [sids[1]] * 3
+    if not drop_hint:
+        assert set(sids) == {"auto-alpha", "auto-beta"}
+    for sid in set(sids):
+        pairings = [p for _, s, p in r.log if s == sid and p is not None]
+        assert [p.chosen.turn_index for p in pairings] == [1, 2]
+        assert all(p.chosen.session_id == sid for p in pairings)
+
+
+def test_a_compaction_continues_the_session_and_its_housekeeping_is_side():
+    r = replay("compaction2")  # OpenClaw's keepRecentTokens 300: two summaries replace five messages
+    kinds = [(kind, what) for kind, what, _ in r.log]
+    assert kinds[3:6] == [("side", "memory_flush"), ("side", "compaction_summary"), ("side", "compaction_summary")]
+    main = [(sid, p) for kind, sid, p in r.log if kind == "main"]
+    assert len(main) == 8 and {sid for sid, _ in main} == {"auto-comp2"}
+    pairings = [p for _, p in main[1:]]
+    assert [p.chosen.turn_index for p in pairings] == [1, 2, 3, 4, 5, 6, 7]
+    # the first request after the compaction: its history starts with the summary, the reply it
+    # continues is found by itself (rewritten), and the summary is not taken for a next state
+    assert [p.rewritten for p in pairings] == [False, False, True, False, False, False, False]
+    assert texts(pairings[2].next_state) == [("user", "[Tue 2026-12-01 11:14 UTC] And day 2?")]
+    assert r.book.get("auto-comp2").turns == 8
+
+
+def test_the_default_compaction_also_rewrites_the_system_prompt_and_stays_one_session():
+    r = replay("compaction")
+    bodies = captured("compaction")
+    system = [len(b["messages"][0]["content"]) for b, _ in bodies]
+    assert system == [39752, 39752, 39752, 24704, 764, 39752, 31508, 31508]  # BOOTSTRAP.md gone after request 5
+    main = [(sid, p) for kind, sid, p in r.log if kind == "main"]
+    assert [kind for kind, _, _ in r.log].count("side") == 2 and {sid for sid, _ in main} == {"auto-comp1"}
+    assert [p.chosen.turn_index for _, p in main[1:]] == [1, 2, 3, 4, 5]
+
+
+def test_side_kinds_of_the_captured_housekeeping_and_none_for_main_requests():
+    for name in ("plain", "tool", "interleaved"):
+        assert {side_kind(parse_chat_request(b, {}, 8, 1.0).messages, b.get("tools")) for b, _ in captured(name)} == {
+            None
+        }
+    flush, summary = captured("compaction2")[3][0], captured("compaction2")[4][0]
+    assert parse_chat_request(flush, {}, 8, 1.0).side_kind == "memory_flush"
+    assert parse_chat_request(summary, {}, 8, 1.0).side_kind == "compaction_summary"
+    # an explicit turn type wins over the rules, both ways
+    assert parse_chat_request(summary, {"x-turn-type": "main"}, 8, 1.0).turn_type == "main"
+    assert parse_chat_request(captured("plain")[0][0], {"x-turn-type": "side"}, 8, 1.0).side_kind is None
+
+
+def test_ephemeral_blocks_are_cut_and_only_a_block_alone_makes_a_message_ephemeral():
+    assert strip_ephemeral(f"hello {BLOCK} world") == "hello  world"
+    assert (
+        strip_ephemeral("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> no end")
+        == "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> no end"
+    )
+    assert is_ephemeral({"role": "user", "content": f"\n{BLOCK}\n"})
+    assert not is_ephemeral({"role": "user", "content": f"hi {BLOCK}"})
+    assert not is_ephemeral({"role": "assistant", "content": BLOCK})
+    assert not is_ephemeral({"role": "user", "content": ""})
+    view = conversation_view([{"role": "user", "content": f"hi {BLOCK}"}, {"role": "user", "content": BLOCK}])
+    assert view == [{"role": "user", "content": "hi "}]
+
+
+def test_session_hint_reads_the_first_user_message_only():
+    runtime = "Runtime: agent=main | session=agent:main:explicit:x | sessionId=oc-7 | host=vm"
+    assert session_hint([{"role": "system", "content": "s"}, {"role": "user", "content": f"hi\n\n{runtime}"}]) == "oc-7"
+    assert session_hint([{"role": "user", "content": "hi"}, {"role": "user", "content": runtime}]) is None
+    assert session_hint([{"role": "user", "content": "sessionId=nope"}]) is None
+
+
+def test_attribution_ignores_system_prompts_ephemeral_blocks_and_tool_call_ids_but_not_content():
+    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}
+    base = attribution_keys([{"role": "system", "content": "A"}, u, a])[-1]
+    assert attribution_keys([{"role": "system", "content": "B"}, u, {"role": "user", "content": BLOCK}, a])[-1] == base
+    t1 = [u, a, {"role": "tool", "content": "out", "tool_call_id": "call_1"}]
+    t2 = [u, a, {"role": "tool", "content": "out", "tool_call_id": "call1"}]
+    assert attribution_keys(t1) == attribution_keys(t2) and conversation_keys(t1) != conversation_keys(t2)
+    assert attribution_keys([u, {"role": "assistant", "content": "other"}])[-1] != base
