@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
     p_report.add_argument("run_dir", nargs="+", help="run folders; the first gets the matrix of all of them")
     _add_eval_parser(sub)
+    _add_openclaw_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command in ("run", "serve"):  # before Ray starts: its processes inherit it (clawray/private.py)
         from clawray.config import redacted_argv
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.command == "eval":
         return _eval(ns)
+
+    if ns.command == "openclaw":
+        return _openclaw(ns)
 
     if ns.command == "serve":
         return _serve(ns)
@@ -256,6 +260,77 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clawray: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _add_openclaw_parser(sub) -> None:
+    p = sub.add_parser(
+        "openclaw",
+        help="run the real OpenClaw agent against a clawray endpoint (installs pinned Node.js 24 + OpenClaw once)",
+        description="Installs Node.js and OpenClaw (pinned, from the npm registry) into --root once, writes an "
+        "isolated OpenClaw config whose default model is the clawray endpoint, then runs `openclaw ARGS`. "
+        "Example: clawray openclaw agent --local --session-id s1 -m 'Read homework.txt and solve it'",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the clawray endpoint (default: %(default)s)")
+    p.add_argument(
+        "--api-key", default=None, help="serve.api_key of the endpoint (default: $CLAWRAY_API_KEY or 'clawray')"
+    )
+    p.add_argument("--model", default=None, help="the served model's name (default: what the endpoint reports)")
+    p.add_argument(
+        "--context-window",
+        type=int,
+        default=None,
+        help="the model's context in tokens (default: the endpoint's max_model_len, else 32768)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=4096, help="tokens per reply OpenClaw asks for (default: %(default)s)"
+    )
+    p.add_argument("--workspace", default=None, help="the agent's workspace folder (default: ROOT/workspace)")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="where Node.js, OpenClaw and its isolated home live (default: ~/.cache/clawray/openclaw)",
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the openclaw command and its arguments")
+
+
+def _openclaw(ns) -> int:
+    """``clawray openclaw``: OpenClaw's own exit status; 1 when it cannot be installed, 2 a bad
+    context window."""
+    import subprocess
+
+    from clawray import openclaw
+
+    api_key = ns.api_key or os.environ.get("CLAWRAY_API_KEY") or "clawray"
+    try:
+        claw = openclaw.install(ns.root or openclaw.DEFAULT_ROOT)
+    except openclaw.OpenClawUnavailable as e:
+        print(f"clawray: cannot install OpenClaw: {e}", file=sys.stderr)
+        return 1
+    served = openclaw.served_model(ns.url, api_key) or {}
+    model = ns.model or served.get("id") or "policy"
+    window = ns.context_window or served.get("max_model_len") or 32768
+    try:
+        path = openclaw.write_config(
+            claw,
+            ns.url,
+            model,
+            api_key,
+            window,
+            min(ns.max_tokens, window - 1),
+            ns.workspace or claw.root / "workspace",
+        )
+    except ValueError as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 2
+    if not served:
+        print(
+            f"[clawray] {ns.url} does not answer yet; OpenClaw is configured for it ({window} tokens)", file=sys.stderr
+        )
+    if not ns.args:
+        print(f"[clawray] OpenClaw {openclaw.OPENCLAW_VERSION} config: {path}")
+        print("[clawray] run it: clawray openclaw agent --local --session-id s1 -m 'hello'")
+        return 0
+    return subprocess.call(claw.command(ns.args), env=claw.environment())
 
 
 def _serve(ns) -> int:

@@ -6,6 +6,7 @@ can submit to the same cluster through its dashboard; every Ray test connects to
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -141,3 +142,64 @@ def _stop_cluster(temp_dir: str, gcs_address: str = "") -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def scripted_engine_class():
+    """Stands in for a RolloutEngine: replies with queued token ids (one token per stream item) and
+    remembers every request, so outputs and recorded tokens can be checked exactly."""
+
+    class ScriptedEngine:
+        def __init__(self):
+            self.replies, self.requests, self.delay_s = [], [], 0.0
+
+        async def script(self, replies, delay_s=0.0):
+            self.replies, self.delay_s = list(replies), delay_s
+
+        async def _next(self, request):
+            self.requests.append(request)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            ids, finish = self.replies.pop(0) if self.replies else ([1], "length")
+            if finish == "refuse":  # as RolloutEngine when Backend.add refuses the request
+                from clawray.actors.rollout import EngineRefusedError
+
+                raise EngineRefusedError(
+                    "the engine refused this request: the prompt is 255 tokens; max_model_len is 256"
+                )
+            if len(ids) > request.max_tokens:  # cut like a real engine
+                ids, finish = ids[: request.max_tokens], "length"
+            return {
+                "response_ids": ids,
+                "logprobs": [-0.01 * (i + 1) for i in range(len(ids))],
+                "finish_reason": finish,
+                "policy_version": 3,
+                "engine": "scripted",
+            }
+
+        async def generate(self, request, wait_s=None):
+            return await self._next(request)
+
+        async def generate_stream(self, request, wait_s=None):
+            if self.replies and self.replies[0][1] == "refuse-late":  # refused after the admission
+                self.replies.pop(0)
+                yield {"admitted": True}
+                self.replies.insert(0, ([], "refuse"))
+            out = await self._next(request)
+            yield {"admitted": True}
+            for t in out["response_ids"]:
+                yield {"token_ids": [t]}
+            yield {**out, "done": True}
+
+        async def seen(self):
+            return self.requests
+
+        async def stats(self):
+            return {"name": "scripted", "version": 3, "requests": len(self.requests)}
+
+        async def is_paused(self):
+            return False
+
+        async def get_version(self):
+            return 3
+
+    return ScriptedEngine

@@ -315,8 +315,9 @@ class PolicyServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Any:
-        """``GET /v1/models``: the one served policy (401 without the API key, as OpenAI; 403 for a
-        foreign browser origin or Host)."""
+        """``GET /v1/models``: the one served policy with its ``max_model_len`` (tokens of prompt +
+        reply, as vLLM reports it; agents such as OpenClaw budget their prompts on it). 401 without
+        the API key, as OpenAI; 403 for a foreign browser origin or Host."""
         try:
             self._check_origin(request)
         except RequestError as e:
@@ -331,7 +332,15 @@ class PolicyServer:
             )
         return {
             "object": "list",
-            "data": [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "clawray"}],
+            "data": [
+                {
+                    "id": self.cfg.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "clawray",
+                    "max_model_len": self.max_model_len,
+                }
+            ],
         }
 
     @app.get("/health")

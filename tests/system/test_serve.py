@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from clawray.ray_env import free_port
+from conftest import scripted_engine_class
 
 pytestmark = pytest.mark.slow
 
@@ -42,67 +43,6 @@ THINKING_TEMPLATE = (
 )
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-
-
-def _scripted_engine_class():
-    """Stands in for a RolloutEngine: replies with queued token ids (one token per stream item) and
-    remembers every request, so outputs and recorded tokens can be checked exactly."""
-
-    class ScriptedEngine:
-        def __init__(self):
-            self.replies, self.requests, self.delay_s = [], [], 0.0
-
-        async def script(self, replies, delay_s=0.0):
-            self.replies, self.delay_s = list(replies), delay_s
-
-        async def _next(self, request):
-            self.requests.append(request)
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            ids, finish = self.replies.pop(0) if self.replies else ([1], "length")
-            if finish == "refuse":  # as RolloutEngine when Backend.add refuses the request
-                from clawray.actors.rollout import EngineRefusedError
-
-                raise EngineRefusedError(
-                    "the engine refused this request: the prompt is 255 tokens; max_model_len is 256"
-                )
-            if len(ids) > request.max_tokens:  # cut like a real engine
-                ids, finish = ids[: request.max_tokens], "length"
-            return {
-                "response_ids": ids,
-                "logprobs": [-0.01 * (i + 1) for i in range(len(ids))],
-                "finish_reason": finish,
-                "policy_version": 3,
-                "engine": "scripted",
-            }
-
-        async def generate(self, request, wait_s=None):
-            return await self._next(request)
-
-        async def generate_stream(self, request, wait_s=None):
-            if self.replies and self.replies[0][1] == "refuse-late":  # refused after the admission
-                self.replies.pop(0)
-                yield {"admitted": True}
-                self.replies.insert(0, ([], "refuse"))
-            out = await self._next(request)
-            yield {"admitted": True}
-            for t in out["response_ids"]:
-                yield {"token_ids": [t]}
-            yield {**out, "done": True}
-
-        async def seen(self):
-            return self.requests
-
-        async def stats(self):
-            return {"name": "scripted", "version": 3, "requests": len(self.requests)}
-
-        async def is_paused(self):
-            return False
-
-        async def get_version(self):
-            return 3
-
-    return ScriptedEngine
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +74,7 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
         json.dump(gen, f)
 
     real_engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
-    scripted = ray.remote(_scripted_engine_class()).options(num_cpus=0).remote()
+    scripted = ray.remote(scripted_engine_class()).options(num_cpus=0).remote()
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     trackers = {}
     for name in ("real", "scripted"):

@@ -1,0 +1,141 @@
+"""The real OpenClaw agent (npm ``openclaw``, pinned in clawray.openclaw, installed once into
+~/.cache/clawray/openclaw by ``clawray openclaw``) through a clawray PolicyServer: a multi-turn
+conversation with two tool round trips (read a homework file, write the answer back), sent the way
+OpenClaw really sends it (no session header, an internal-context block per request, rewritten
+tool-call ids, 12 tools, a 40k-character system prompt).
+
+The policy is a scripted engine (exact replies, tool calls included; tests/conftest.py): what is
+under test is the wire, the attribution and the pairing, not a model's choices. Skipped, saying
+why, only where the npm registry cannot be reached and OpenClaw is not installed yet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import httpx
+import pytest
+import ray
+
+from clawray import openclaw
+from clawray.ray_env import free_port
+from conftest import scripted_engine_class
+
+pytestmark = pytest.mark.slow
+
+SESSION = "hw1"
+TURNS = [  # (what the user says, the scripted policy's replies to the requests of that turn)
+    (
+        "Read homework.txt and solve it.",
+        ['<tool_call>\n{"name": "read", "arguments": {"path": "homework.txt"}}\n</tool_call>', "7 + 8 = 15."],
+    ),
+    (
+        "Write the answer into answer.txt.",
+        ['<tool_call>\n{"name": "write", "arguments": {"path": "answer.txt", "content": "15"}}\n</tool_call>', "Done."],
+    ),
+    ("Thanks!", ["You're welcome."]),
+]
+
+
+def _registry_reachable() -> bool:
+    try:
+        return httpx.get("https://registry.npmjs.org/openclaw", timeout=15).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def claw():
+    root = os.environ.get("CLAWRAY_OPENCLAW_ROOT", str(openclaw.DEFAULT_ROOT))
+    installed = (openclaw.Path(root) / "node_modules" / "openclaw" / "openclaw.mjs").exists()
+    if not installed and not _registry_reachable():
+        pytest.skip("the npm registry (registry.npmjs.org) cannot be reached: OpenClaw cannot be installed")
+    return openclaw.install(root)
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_cluster, tiny_model, tmp_path_factory):
+    """A PolicyServer on the tiny model's tokenizer and template with a scripted engine, a feedback
+    judge and its own SessionTracker, as the job wires them; a context of 128k tokens (the tiny
+    tokenizer needs ~27k for OpenClaw's first request)."""
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.actors.queue import TrajectoryQueueActor
+    from clawray.actors.session import SessionTrackerActor
+    from clawray.config import ServeConfig
+    from clawray.serve.app import PolicyServer
+
+    tmp = tmp_path_factory.mktemp("openclaw")
+    engine = ray.remote(scripted_engine_class()).options(num_cpus=0).remote()
+    judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
+    queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
+    tracker = SessionTrackerActor.options(num_cpus=0).remote(
+        [judge], queue, records_dir=str(tmp / "records"), idle_timeout_s=600.0
+    )
+    cfg = ServeConfig(model_name="tiny", generate_timeout_s=60, api_key="", sync_wait_timeout_s=1.0)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    serve.run(
+        PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg, 131072),
+        name="openclaw",
+        route_prefix="/oc",
+    )
+    yield {
+        "url": f"http://127.0.0.1:{port}/oc/v1",
+        "engine": engine,
+        "tracker": tracker,
+        "tok": AutoTokenizer.from_pretrained(tiny_model),
+        "records": tmp / "records",
+        "tmp": tmp,
+    }
+    serve.shutdown()
+
+
+def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_judged(claw, endpoint):
+    tok, tracker = endpoint["tok"], endpoint["tracker"]
+    replies = [reply for _, rs in TURNS for reply in rs]
+    ids = [(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop") for r in replies]
+    ray.get(endpoint["engine"].script.remote(ids))
+    workspace = endpoint["tmp"] / "workspace"
+    workspace.mkdir()
+    (workspace / "homework.txt").write_text("What is 7 + 8?\n")
+    served = openclaw.served_model(endpoint["url"], "x")
+    assert served == {"id": "tiny", "object": "model", "created": 0, "owned_by": "clawray", "max_model_len": 131072}
+    openclaw.write_config(claw, endpoint["url"], "tiny", "x", 131072, 1024, workspace)
+    for message, _ in TURNS:
+        argv = claw.command(["agent", "--local", "--session-id", SESSION, "-m", message, "--json", "--timeout", "120"])
+        done = subprocess.run(argv, env=claw.environment(), capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (workspace / "answer.txt").read_text() == "15"  # OpenClaw ran the write tool the policy called
+    ray.get(tracker.drain.remote(60))
+
+    # every main-line request in one session, named by OpenClaw's own session id
+    traffic = httpx.get(endpoint["url"].removesuffix("/v1") + "/health", timeout=30).json()["traffic"]
+    assert {k: traffic[k] for k in ("requests", "main", "side", "unattributable")} == {
+        "requests": 5,
+        "main": 5,
+        "side": 0,
+        "unattributable": 0,
+    }
+    # every turn but the last paired with its next state and judged
+    assert (traffic["paired"], traffic["judged"]) == (4, 4)
+    turns = [json.loads(line) for line in (endpoint["records"] / "turns.jsonl").read_text().splitlines()]
+    assert [(t["session_id"], t["turn_index"]) for t in turns] == [(f"auto-{SESSION}", k) for k in range(1, 6)]
+    calls = [[c["function"]["name"] for c in t["response_message"].get("tool_calls") or []] for t in turns]
+    assert calls == [["read"], [], ["write"], [], []]
+    judged = {j["turn"]: j for j in map(json.loads, (endpoint["records"] / "judgments.jsonl").read_text().splitlines())}
+    assert sorted(judged) == [1, 2, 3, 4]
+    # the tool calls' next states are OpenClaw's tool results (under its rewritten call ids)
+    assert [(m["role"], m["content"]) for m in judged[1]["next_state"]] == [("tool", "What is 7 + 8?\n")]
+    assert judged[1]["next_state"][0]["tool_call_id"] == turns[0]["response_message"]["tool_calls"][0]["id"].replace(
+        "_", ""
+    )
+    assert [m["role"] for m in judged[3]["next_state"]] == ["tool"]
+    assert judged[3]["next_state"][0]["content"].startswith("Successfully wrote")
+    # a text reply's next state is the user's next message, without OpenClaw's internal context
+    (user,) = judged[2]["next_state"]
+    assert user["role"] == "user" and user["content"].endswith("Write the answer into answer.txt.")
+    assert "OPENCLAW_INTERNAL_CONTEXT" not in json.dumps([j["next_state"] for j in judged.values()])

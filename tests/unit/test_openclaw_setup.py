@@ -1,0 +1,77 @@
+"""clawray.openclaw and `clawray openclaw`: the isolated OpenClaw config, its environment, and the
+errors of an install that cannot happen (the real install and run: tests/system/test_openclaw.py)."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from clawray import openclaw
+from clawray.cli import main
+
+
+def test_write_config_points_one_provider_at_the_endpoint_with_the_models_budget(tmp_path):
+    claw = openclaw.OpenClaw(tmp_path, tmp_path / "bin" / "node", tmp_path / "openclaw.mjs")
+    path = openclaw.write_config(claw, "http://127.0.0.1:8000/v1/", "tiny", "k3y", 32768, 4096, tmp_path / "ws")
+    assert path == tmp_path / "home" / "openclaw.json" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    config = json.loads(path.read_text())
+    provider = config["models"]["providers"]["clawray"]
+    assert (provider["baseUrl"], provider["apiKey"], provider["api"]) == (
+        "http://127.0.0.1:8000/v1",
+        "k3y",
+        "openai-completions",
+    )
+    assert [(m["id"], m["contextWindow"], m["maxTokens"]) for m in provider["models"]] == [("tiny", 32768, 4096)]
+    assert config["models"]["mode"] == "replace"
+    assert config["agents"]["defaults"] == {"workspace": str(tmp_path / "ws"), "model": {"primary": "clawray/tiny"}}
+    assert (tmp_path / "ws").is_dir()
+    env = claw.environment({"PATH": "/usr/bin", "HOME": "/root"})
+    assert env["PATH"] == f"{tmp_path / 'bin'}{os.pathsep}/usr/bin"
+    assert env["HOME"] == env["OPENCLAW_HOME"] == str(tmp_path / "home")
+    assert env["OPENCLAW_CONFIG_PATH"] == str(path) and env["OPENCLAW_STATE_DIR"] == str(tmp_path / "home" / "state")
+    assert claw.command(["agent", "-m", "hi"]) == [
+        str(tmp_path / "bin" / "node"),
+        str(tmp_path / "openclaw.mjs"),
+        "agent",
+        "-m",
+        "hi",
+    ]
+
+
+@pytest.mark.parametrize("window, max_tokens", [(3999, 1000), (8192, 8192), (8192, 0)])
+def test_write_config_refuses_a_window_openclaw_refuses_or_a_reply_budget_that_does_not_fit(
+    tmp_path, window, max_tokens
+):
+    claw = openclaw.OpenClaw(tmp_path, tmp_path / "node", tmp_path / "openclaw.mjs")
+    with pytest.raises(ValueError):
+        openclaw.write_config(claw, "http://127.0.0.1:8000/v1", "m", "k", window, max_tokens, tmp_path / "ws")
+    assert not (tmp_path / "home" / "openclaw.json").exists()
+
+
+def test_install_without_npm_or_with_a_failing_npm_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(openclaw.shutil, "which", lambda name: None)
+    with pytest.raises(openclaw.OpenClawUnavailable, match="npm is not installed"):
+        openclaw.install(tmp_path / "a")
+    with pytest.raises(openclaw.OpenClawUnavailable, match="cannot run"):
+        openclaw.install(tmp_path / "b", npm=str(tmp_path / "no-npm"))
+    failing = tmp_path / "npm"
+    failing.write_text("#!/bin/sh\necho 'E404 not found' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(openclaw.OpenClawUnavailable, match=r"failed \(exit 3\):\nE404 not found"):
+        openclaw.install(tmp_path / "c", npm=str(failing))
+
+
+def test_cli_openclaw_exits_1_when_it_cannot_install_and_2_for_a_window_openclaw_refuses(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(openclaw.shutil, "which", lambda name: None)
+    assert main(["openclaw", "--root", str(tmp_path / "none"), "--url", "http://127.0.0.1:9/v1"]) == 1
+    assert "cannot install OpenClaw: npm is not installed" in capsys.readouterr().err
+    claw = openclaw.OpenClaw(tmp_path, tmp_path / "node", tmp_path / "openclaw.mjs")
+    monkeypatch.setattr(openclaw, "install", lambda root: claw)
+    argv = ["openclaw", "--root", str(tmp_path), "--url", "http://127.0.0.1:9/v1", "--context-window", "2048"]
+    assert main(argv) == 2
+    assert "at least 4000 tokens" in capsys.readouterr().err
+    assert main([*argv[:-1], "16384", "--model", "m"]) == 0  # no ARGS: configure only
+    config = json.loads((tmp_path / "home" / "openclaw.json").read_text())
+    assert config["models"]["providers"]["clawray"]["models"][0]["contextWindow"] == 16384
+    assert config["agents"]["defaults"]["workspace"] == str(tmp_path / "workspace")
