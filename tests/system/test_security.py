@@ -30,10 +30,10 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
     from clawray.actors.session import SessionTrackerActor
     from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
-    from test_serve import _scripted_engine_class
+    from conftest import scripted_engine_class
 
     tmp = tmp_path_factory.mktemp("secure")
-    engine = ray.remote(_scripted_engine_class()).options(num_cpus=0).remote()
+    engine = ray.remote(scripted_engine_class()).options(num_cpus=0).remote()
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
