@@ -72,14 +72,15 @@ def _text(content: Any, where: str) -> str | None:
                 parts.append(part["text"])
             else:
                 raise RequestError(f"{where}.content[{j}]: only text parts are supported", f"{where}.content")
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM's chat renderer joins text parts
     raise RequestError(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Validate OpenAI chat messages and return them in the form the chat template renders.
 
-    ``developer`` becomes ``system``; list content becomes its concatenated text parts; assistant
+    ``developer`` becomes ``system``; list content becomes its text parts joined by newlines (as
+    vLLM renders them: OpenClaw sends a compaction summary and its Runtime line as two parts); assistant
     ``tool_calls[].function.arguments`` given as a JSON string become the decoded object (so both
     forms render to the same prompt); an assistant's ``reasoning`` (or ``reasoning_content``) becomes
     ``reasoning_content``.

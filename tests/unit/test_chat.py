@@ -24,7 +24,7 @@ def test_normalize_developer_list_content_and_tool_call_arguments():
         ]
     )
     assert msgs[0] == {"role": "system", "content": "be brief"}
-    assert msgs[1] == {"role": "user", "content": "ab"}
+    assert msgs[1] == {"role": "user", "content": "a\nb"}  # text parts joined by newlines, as vLLM renders them
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"x": 1}}
     assert msgs[3] == {"role": "tool", "content": "1", "tool_call_id": "c1"}
 
