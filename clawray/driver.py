@@ -71,10 +71,12 @@ def ensure_model(cfg: DictConfig) -> str:
     from clawray import models
 
     print(f"[clawray] building model '{cfg.model.build}' into {path}", flush=True)
-    if cfg.model.build == "tiny":
-        models.build_tiny_model(path)
-    else:
-        models.convert_smollm2(path)
+    build = {
+        "tiny": models.build_tiny_model,
+        "smollm2": models.convert_smollm2,
+        "qwen2.5-coder-0.5b": models.convert_qwen_coder_05b,
+    }[cfg.model.build]
+    build(path)
     return path
 
 

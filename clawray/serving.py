@@ -47,7 +47,13 @@ class ServingTracker:
         self.book = SessionBook()
         self.records = TurnRecords(records_dir, records_max_bytes, records_keep)
         self.idle_timeout_s = idle_timeout_s
-        self.counts = {"turns": 0, "sessions_closed": 0, "sessions_idle_closed": 0}
+        self.counts = {
+            "turns": 0,
+            "paired": 0,
+            "paired_after_rewrite": 0,
+            "sessions_closed": 0,
+            "sessions_idle_closed": 0,
+        }
 
     async def lookup(
         self,
@@ -69,7 +75,9 @@ class ServingTracker:
             self.counts["sessions_idle_closed"] += 1
         s = self.book.open(turns[0].session_id, turns[0].messages)
         if s.pending:
-            self.book.pair(s, turns[0].messages)
+            pairing = self.book.pair(s, turns[0].messages)
+            self.counts["paired"] += pairing.chosen is not None
+            self.counts["paired_after_rewrite"] += pairing.rewritten
         self.book.add(s, turns)
         for turn in turns:
             self.records.turn(turn)
@@ -84,7 +92,8 @@ class ServingTracker:
             self.counts["sessions_closed"] += 1
 
     async def stats(self) -> dict:
-        """Counters: turns, sessions closed (by the client, idle) and open sessions."""
+        """Counters: turns, turns paired with a next state (nothing judges them), sessions closed (by
+        the client, idle) and open sessions."""
         return {**self.counts, "open_sessions": len(self.book)}
 
 

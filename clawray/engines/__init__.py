@@ -33,8 +33,9 @@ def make_backend(name: str, model_path: str, **kwargs) -> Backend:
 
 def backend_kwargs(rollout, backend: str, seed: int) -> dict:
     """The :func:`make_backend` keyword arguments of a run's engine on ``backend`` from its
-    ``rollout`` config section: vLLM takes ``rollout.dtype``, ``max_model_len``, ``kv_cache_gib`` and
-    ``gpu_memory_utilization``; the hf backend always runs float32 (the learners' precision)."""
+    ``rollout`` config section: vLLM takes ``rollout.dtype``, ``max_model_len``, ``kv_cache_gib``,
+    ``gpu_memory_utilization`` and ``prefix_caching``; the hf backend always runs float32 (the
+    learners' precision)."""
     if backend == "vllm":
         return {
             "dtype": rollout.dtype,
@@ -42,6 +43,7 @@ def backend_kwargs(rollout, backend: str, seed: int) -> dict:
             "seed": seed,
             "kv_cache_gib": rollout.kv_cache_gib,
             "gpu_memory_utilization": rollout.gpu_memory_utilization,
+            "enable_prefix_caching": rollout.prefix_caching,
         }
     return {"dtype": "float32", "seed": seed}
 

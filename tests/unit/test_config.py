@@ -343,3 +343,21 @@ def test_secret_overrides_are_masked_in_the_recorded_command_line(monkeypatch):
     finally:
         os.umask(umask)
     assert sys.argv == ["clawray", "run", "conf/rl.yaml", "serve.api_key=***", "no.such_key=1"]
+
+
+def test_engine_backend_arguments_from_the_rollout_section_and_the_openclaw_preset():
+    from clawray.engines import backend_kwargs
+
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/serve.yaml", "conf/openclaw.yaml"], [])
+    assert backend_kwargs(cfg.rollout, "vllm", 7) == {
+        "dtype": "float32",
+        "max_model_len": 32768,
+        "seed": 7,
+        "kv_cache_gib": 2.0,
+        "gpu_memory_utilization": 0.5,
+        "enable_prefix_caching": True,
+    }
+    off = load_config(["conf/rl.yaml"], ["rollout.prefix_caching=false"])
+    assert backend_kwargs(off.rollout, "vllm", 0)["enable_prefix_caching"] is False
+    assert backend_kwargs(off.rollout, "hf", 0) == {"dtype": "float32", "seed": 0}
+    assert (cfg.model.build, cfg.serve.model_name) == ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b")

@@ -1,0 +1,127 @@
+"""One real OpenClaw conversation through `clawray serve`: per-turn latency and where the requests went.
+
+Starts ``clawray serve MODEL conf/cpu.yaml conf/openclaw.yaml`` (vLLM, 32k context, prefix caching
+as asked), installs and configures the real OpenClaw against it (clawray.openclaw), sends TURNS user
+messages of one session through ``openclaw agent --local``, and prints per turn the wall seconds of
+the whole agent turn (OpenClaw's own work included) and the requests it made, then ``/health``'s
+traffic (served, main, side, unattributable, paired). ``clawray serve`` trains nothing, so nothing is
+judged here; the training job's funnel adds judged and trained (docs/openclaw.md).
+
+    PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10
+    PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 3 --no-prefix-caching
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from clawray import openclaw
+from clawray.ray_env import free_port
+
+MESSAGES = [
+    "Read homework.txt and tell me what it asks.",
+    "Solve it. Reply with just the number.",
+    "Write the answer into answer.txt.",
+    "What is in answer.txt now?",
+    "Now 9 + 6: just the number.",
+    "Add that to answer.txt on a new line.",
+    "How many lines does answer.txt have?",
+    "What was the first question I asked you?",
+    "Say thanks in one word.",
+    "Summarise what we did in one sentence.",
+]
+
+
+def _wait_healthy(root: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"clawray serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{root}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(3)
+    raise TimeoutError(f"clawray serve not healthy after {timeout_s} s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct"))
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply OpenClaw asks for")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    ns = p.parse_args()
+
+    port = free_port()
+    root, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/v1"
+    run_dir = tempfile.mkdtemp(prefix="openclaw-bench-")
+    cmd = [
+        str(Path(sys.executable).parent / "clawray"),
+        "serve",
+        ns.model,
+        "conf/cpu.yaml",
+        "conf/openclaw.yaml",
+        f"serve.port={port}",
+        f"run_dir={run_dir}",
+        f"rollout.prefix_caching={str(not ns.no_prefix_caching).lower()}",
+    ]
+    server = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        _wait_healthy(root, server, 900)
+        print(f"[bench] clawray serve healthy after {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)
+        claw = openclaw.install()
+        workspace = Path(run_dir) / "workspace"
+        served = openclaw.served_model(url, "x")
+        openclaw.write_config(claw, url, served["id"], "x", served["max_model_len"], ns.max_tokens, workspace)
+        (workspace / "homework.txt").write_text("What is 7 + 8?\n")
+        rows = []
+        for k, message in enumerate(MESSAGES[: ns.turns]):
+            before = httpx.get(f"{root}/health", timeout=30).json()["traffic"]["requests"]
+            t = time.monotonic()
+            argv = claw.command(
+                ["agent", "--local", "--session-id", "bench", "-m", message, "--json", "--timeout", "900"]
+            )
+            done = subprocess.run(argv, env=claw.environment(), capture_output=True, text=True, timeout=1200)
+            wall = time.monotonic() - t
+            after = httpx.get(f"{root}/health", timeout=30).json()["traffic"]["requests"]
+            rows.append({"turn": k + 1, "wall_s": round(wall, 1), "requests": after - before, "rc": done.returncode})
+            print(
+                f"[bench] turn {k + 1}: {wall:6.1f} s, {after - before} request(s), exit {done.returncode}", flush=True
+            )
+        traffic = httpx.get(f"{root}/health", timeout=30).json()["traffic"]
+        walls = [r["wall_s"] for r in rows]
+        result = {
+            "prefix_caching": not ns.no_prefix_caching,
+            "turns": rows,
+            "first_turn_s": walls[0],
+            "later_turns_mean_s": round(sum(walls[1:]) / max(1, len(walls) - 1), 1),
+            "traffic": traffic,
+        }
+        print(json.dumps(result, indent=1))
+        if ns.out:
+            Path(ns.out).write_text(json.dumps(result, indent=1))
+        return 0
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""How a model reads hints and writes tool calls, greedy, through its own chat template (transformers, CPU).
+
+a. hint following: 12 small sums, plain and with "[hint: reply with just the number]": replies that
+   are exactly the number;
+b. tool calls: 8 prompts that need one of three offered tools: the wrapper the model writes
+   (``<tool_call>`` tags, a fenced ```json block, bare JSON, none) and whether name and arguments are right;
+c. lenient-parser false positives: 8 ordinary prompts whose answer is JSON, the same tools offered:
+   replies that a lenient parser (a whole-reply JSON object, bare or fenced, whose "name" is an
+   offered tool and whose "arguments" is an object) would take for a tool call.
+
+    PYTHONPATH=. .venv/bin/python bench/tool_format.py --model ~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+SUMS = [(7, 7), (3, 5), (12, 9), (4, 4), (15, 27), (8, 6), (2, 9), (11, 13), (20, 22), (6, 7), (9, 9), (14, 5)]
+STRING = {"type": "string"}
+
+
+def _tool(name: str, desc: str, props: dict) -> dict:
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": schema}}
+
+
+TOOLS = [
+    _tool("read_file", "Read a file from disk", {"path": STRING}),
+    _tool("write_file", "Write content to a file", {"path": STRING, "content": STRING}),
+    _tool("get_weather", "Get the current weather for a city", {"city": STRING}),
+]
+NAMES = {t["function"]["name"] for t in TOOLS}
+CALLS = [
+    ("What's the weather in Paris right now?", "get_weather", {"city": "Paris"}),
+    ("Read the file /etc/hostname and tell me what it says.", "read_file", {"path": "/etc/hostname"}),
+    ("Please write 'hello world' to notes.txt", "write_file", {"path": "notes.txt", "content": "hello world"}),
+    ("Is it raining in Tokyo?", "get_weather", {"city": "Tokyo"}),
+    ("Show me the contents of config.yaml", "read_file", {"path": "config.yaml"}),
+    ("Save the text 'TODO: buy milk' into todo.md", "write_file", {"path": "todo.md", "content": "TODO: buy milk"}),
+    ("How hot is it in Cairo today?", "get_weather", {"city": "Cairo"}),
+    ("Open src/main.py and show it to me.", "read_file", {"path": "src/main.py"}),
+]
+ORDINARY = [
+    "Show me an example JSON object for a user with name and age.",
+    "Format this as JSON: name Alice, age 30, city Berlin.",
+    "Give me a JSON example of a function call with a name and arguments.",
+    "What does a JSON object describing a file with a path and content look like? Just show the JSON.",
+    "Convert to JSON: the weather in London is 15 degrees and cloudy.",
+    "Write a JSON config with keys host and port.",
+    "Return only a JSON array of three fruit names.",
+    "How would I represent {name: read_file, path: a.txt} as valid JSON?",
+]
+
+
+def wrapper(text: str) -> tuple[str, list]:
+    """The tool-call wrapper of a reply and the JSON values inside it."""
+    s = text.strip()
+    if blobs := re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", s, re.S):
+        kind = "tool_call_tags"
+    elif blobs := re.findall(r"```(?:json)?\s*(.*?)```", s, re.S):
+        kind = "json_fence"
+    elif s.startswith("{"):
+        kind, blobs = "bare_json", [s]
+    else:
+        return "none", []
+    values = []
+    for blob in blobs:
+        try:
+            values.append(json.loads(blob))
+        except ValueError:
+            values.append(None)
+    return kind, values
+
+
+def lenient_call(text: str) -> bool:
+    kind, values = wrapper(text)
+    whole = text.strip()
+    if kind == "bare_json" or (kind == "json_fence" and whole.startswith("```") and whole.endswith("```")):
+        return any(
+            isinstance(v, dict) and v.get("name") in NAMES and isinstance(v.get("arguments"), dict) for v in values
+        )
+    return False
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct"))
+    ns = p.parse_args()
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(ns.model)
+    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=torch.float32).eval()
+
+    def reply(text: str, tools: list | None = None, max_new: int = 96) -> str:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}],
+            tools=tools,
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+        return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    exact = lambda r, n: r.strip().rstrip(".") == str(n)  # noqa: E731
+    plain = sum(exact(reply(f"What is {x} + {y}?", max_new=48), x + y) for x, y in SUMS)
+    hinted = sum(
+        exact(reply(f"What is {x} + {y}? [hint: reply with just the number]", max_new=48), x + y) for x, y in SUMS
+    )
+    print(f"a. just the number: plain {plain}/{len(SUMS)}, with the hint {hinted}/{len(SUMS)}")
+    kinds, right = [], 0
+    for text, name, args in CALLS:
+        kind, values = wrapper(reply(text, TOOLS))
+        call = values[0] if values and isinstance(values[0], dict) else {}
+        kinds.append(kind)
+        right += call.get("name") == name and call.get("arguments") == args
+    print(f"b. tool calls: wrappers {kinds}; name and arguments right {right}/{len(CALLS)}")
+    false = [lenient_call(reply(text, TOOLS, 128)) for text in ORDINARY]
+    print(f"c. ordinary JSON replies a lenient parser takes for a tool call: {sum(false)}/{len(ORDINARY)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
