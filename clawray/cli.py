@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+import time
 
 
 def _add_eval_parser(sub) -> None:
@@ -239,12 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"clawray: config error: {e}", file=sys.stderr)
         return 2
-    import signal
-
     from clawray.driver import run
+    from clawray.interrupt import BoundedStop
 
-    # SIGTERM (kill, a job stop) unwinds like Ctrl-C, so the driver shuts Serve and Ray down cleanly
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and SIGTERM (kill, a job stop) unwind the job, so the driver shuts Serve and Ray down
+    # cleanly, within trainer.shutdown_timeout_s (a second signal exits at once)
+    stopper = BoundedStop(cfg.trainer.shutdown_timeout_s).install()
     from clawray.console import capture
 
     log_path = os.path.join(cfg.run_dir, "job.log")
@@ -254,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         with capture(log_path, verbose=ns.verbose):
             run(cfg)
     except KeyboardInterrupt:
-        print("clawray: interrupted; shut down cleanly", file=sys.stderr)
+        took = f" in {time.monotonic() - stopper.first_at:.1f} s" if stopper.first_at is not None else ""
+        print(f"clawray: interrupted; shut down cleanly{took}", file=sys.stderr)
         return 130
     except (TimeoutError, FileNotFoundError) as e:
         print(f"clawray: {type(e).__name__}: {e}", file=sys.stderr)

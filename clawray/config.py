@@ -452,6 +452,9 @@ class TrainerConfig:
     num_steps: int = num(3, ge=0, special={-1: "until interrupted"})
     # give up waiting for a batch after this long
     batch_timeout_s: float = num(900.0, ge=0.0, note="0 = wait forever")
+    # Ctrl-C/SIGTERM: the job exits within this many seconds, with its at-exit checkpoint when it
+    # fits (else at once, the journal keeping every acknowledged sample; see clawray.interrupt)
+    shutdown_timeout_s: float = num(300.0, gt=0.0)
     # a one-signed batch (all rewards of one sign): subtract a running reward baseline ("baseline"),
     # skip the update ("skip"), or train on raw rewards ("none", OpenClaw-RL)
     degenerate_batches: str = choice("baseline", "skip", "none")

@@ -227,7 +227,7 @@ class Driver:
         if algorithm.needs_teacher and cfg.opd.teacher.startswith(("http://", "https://")):
             endpoint = {"base_url": cfg.opd.teacher, "model": cfg.opd.teacher_model, "api_key": cfg.opd.teacher_api_key}
             teacher = TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
-                None, path, cfg.opd.hint_template, endpoint, cfg.opd.hint_placement
+                None, path, cfg.opd.hint_template, endpoint, cfg.opd.hint_placement, cfg.opd.teacher_timeout_s
             )
             self.teachers = [teacher]
             ray.get(teacher.check_endpoint.remote(path))  # the same tokenizer, or an error naming the difference
@@ -252,7 +252,7 @@ class Driver:
             self.teacher_engine = teacher_engine
             self.teachers = [
                 TeacherWorkerActor.options(num_cpus=0, **RESTART_RETRY).remote(
-                    teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement
+                    teacher_engine, path, cfg.opd.hint_template, None, cfg.opd.hint_placement, cfg.opd.teacher_timeout_s
                 )
             ]
         self.tracker = SessionTrackerActor.options(num_cpus=0, **RESTART).remote(
@@ -603,6 +603,7 @@ class Driver:
             timeout,
             cfg.trainer.max_batch_size,
             desc=f"step {self.steps_done + 1}/{cfg.trainer.num_steps}: samples",
+            why=self.lagging,
         )
         if batch is None:
             raise TimeoutError(
@@ -1026,6 +1027,26 @@ class Driver:
             return self._last_counters.get(name, default)
         self._last_counters[name] = value
         return value
+
+    def lagging(self) -> list[str]:
+        """``"judge-0 failing: <reason>"`` for each judge or teacher whose model is slow or failing
+        (:meth:`clawray.actors.judge.JudgeWorker.health`), in role order; a worker that does not
+        answer within :data:`STATS_TIMEOUT_S` (restarting) is left out: the actor checks cover it."""
+        named = [(f"judge-{i}", j) for i, j in enumerate(self.judges)]
+        named += [(f"teacher-{i}", t) for i, t in enumerate(self.teachers)]
+        refs = [actor.health.remote() for _, actor in named]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATS_TIMEOUT_S) if refs else ([], [])
+        out = []
+        for (name, _), ref in zip(named, refs):
+            if ref not in ready:
+                continue
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            if report.get("state", "ok") != "ok":
+                out.append(f"{name} {report['state']}: {report['reason']}")
+        return out
 
     def _judge_metrics(self, tracker_stats: dict) -> dict[str, float]:
         """:func:`judge_metrics` over this run's judge and teacher workers."""

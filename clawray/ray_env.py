@@ -45,7 +45,7 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
     cluster (``"auto"`` or ``host:port``).
 
     Idempotent: does nothing when Ray is already initialised in this process (e.g. inside a Ray job).
-    A Python SIGTERM handler installed before the call stays installed.
+    Python SIGINT/SIGTERM handlers installed before the call stay installed.
     """
     import ray
 
@@ -62,7 +62,7 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
         import ray._private.ray_constants as ray_constants
 
         ray_constants.ENABLE_RAY_CLUSTER = False
-    on_term = signal.getsignal(signal.SIGTERM)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
@@ -76,10 +76,12 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
             log_to_driver=True,
             _node_ip_address="127.0.0.1",
         )
-    # ray.init installs its own C++ SIGTERM handler (it kills the process at once); put back a
-    # Python handler set before (the CLI's: unwind like Ctrl-C, so shutdown and checkpoint run)
-    if callable(on_term) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_term)
+    # ray.init installs its own C++ SIGTERM handler (it kills the process at once); put back the
+    # Python handlers set before (the CLI's: unwind like Ctrl-C within a deadline, clawray.interrupt)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            if callable(handler):
+                signal.signal(sig, handler)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -240,11 +240,14 @@ def wait_batch(
     max_batch_size: int,
     poll_s: float = 5.0,
     desc: str | None = None,
+    why: Any = None,
 ) -> dict | None:
     """:meth:`TrajectoryQueue.get_batch`, in slices of ``poll_s`` seconds with :func:`check_actors`
     between them. Returns the batch, or None after ``timeout_s`` (None = no limit). ``desc``: a
     terminal progress bar (:func:`clawray.console.progress`) of the queued samples out of
-    ``batch_size`` while the wait lasts more than one slice.
+    ``batch_size`` while the wait lasts more than one slice. ``why``: a callable giving the reasons
+    samples may not come (``["judge-0 failing: ..."]``, e.g. :meth:`clawray.driver.Driver.lagging`),
+    asked after each empty slice; a line is printed whenever they change (and once when they clear).
 
     Raises:
         ActorLost: an actor died for good while waiting.
@@ -256,7 +259,7 @@ def wait_batch(
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with contextlib.ExitStack() as stack:
-        bar = None
+        bar, reasons = None, []
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -267,6 +270,13 @@ def wait_batch(
                 return batch
             check_actors(driver)
             resync_restarted_engines(driver)
+            if why is not None:
+                now = list(why())
+                if now != reasons:
+                    label = desc or "waiting for samples"
+                    said = "; ".join(now) if now else "every judge and teacher keeps up again"
+                    print(f"[clawray] {label}: {said}", flush=True)
+                    reasons = now
             if desc is not None:
                 if bar is None:
                     bar = stack.enter_context(progress(total=batch_size, desc=desc, unit="sample"))

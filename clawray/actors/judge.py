@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 
+from clawray.actors.call_health import CallHealth
 from clawray.algos.feedback import feedback_score, message_text
 from clawray.chat import SpecialTokenStripper, end_of_turn_ids
 from clawray.config import JudgeConfig, section
@@ -313,6 +314,8 @@ class JudgeWorker:
         self.engine = engine
         self.stats: Counter[str] = Counter()
         self.semaphore = asyncio.Semaphore(cfg.concurrency)
+        # a judgement's own bound is (1 + retries) calls of timeout_s each; twice that is slow
+        self.calls = CallHealth("judgements", 2 * (1 + int(cfg.retries)) * float(cfg.timeout_s))
         if self.backend == "engine":
             from transformers import AutoTokenizer
 
@@ -336,9 +339,10 @@ class JudgeWorker:
             votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
         else:
             messages = build_prm_messages(turn, next_state, self.cfg.context_messages)
-            raw = await asyncio.gather(
-                *(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
-            )
+            with self.calls.work():
+                raw = await asyncio.gather(
+                    *(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
+                )
             votes = [parse_score(r) for r in raw]
         score, counts = majority_vote(votes)
         self.stats["turns"] += 1
@@ -358,7 +362,8 @@ class JudgeWorker:
             votes, raw = [session_feedback_score(messages)], [json.dumps(messages[-2:])[:500]]
         else:
             prompt = build_session_messages(messages)
-            raw = await asyncio.gather(*(self._ask(prompt, f"session/{session_id}/{i}") for i in range(self.cfg.m)))
+            with self.calls.work():
+                raw = await asyncio.gather(*(self._ask(prompt, f"session/{session_id}/{i}") for i in range(self.cfg.m)))
             votes = [parse_score(r) for r in raw]
         score, counts = majority_vote(votes)
         self.stats["sessions"] += 1
@@ -378,9 +383,10 @@ class JudgeWorker:
             raw = [json.dumps(next_state)[:500]]
         else:
             messages = build_hint_messages(turn, next_state, self.cfg.context_messages)
-            raw = await asyncio.gather(
-                *(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
-            )
+            with self.calls.work():
+                raw = await asyncio.gather(
+                    *(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
+                )
             votes = [parse_hint(r) for r in raw]
         result = accept_hint(votes, accept, min_chars)
         result.raw = list(raw)
@@ -404,9 +410,14 @@ class JudgeWorker:
                     answer = await asyncio.wait_for(
                         self._ask_once(messages, f"{seed_key}/{attempt}"), timeout=self.cfg.timeout_s
                     )
+                    self.calls.call_ended()
                     return answer[-MAX_ANSWER_CHARS:]
                 except Exception as e:
                     self.stats["failed_calls"] += 1
+                    timed_out = isinstance(e, asyncio.TimeoutError)
+                    self.calls.call_ended(
+                        f"{type(e).__name__}{f' after {self.cfg.timeout_s:g} s' if timed_out else ''}"
+                    )
                     text = f"<judge call failed: {type(e).__name__}: {e}>"
         self.stats["failed_votes"] += 1
         return text
@@ -450,6 +461,12 @@ class JudgeWorker:
         never queued behind judge calls (a slow judge endpoint held thousands of them, and the
         driver's metrics waited behind them)."""
         return dict(self.stats)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def health(self) -> dict:
+        """Whether the judge's model keeps up: :meth:`clawray.actors.call_health.CallHealth.report`
+        (``state`` ok/slow/failing and the ``reason``); in the ``control`` group, never behind work."""
+        return self.calls.report()
 
 
 JudgeWorkerActor = ray.remote(concurrency_groups=CONTROL_GROUPS)(JudgeWorker)

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from clawray.actors.call_health import CallHealth
 from clawray.chat import SpecialTokenStripper
 from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
@@ -94,6 +95,8 @@ class TeacherWorker:
         placement: where the hint goes: ``"user"`` (the last user message) or ``"system"``.
         endpoint: ``{"base_url", "model", "api_key"}`` of a vLLM OpenAI-compatible server that scores
             instead of an engine (see :class:`clawray.engines.endpoint.EndpointScorer`; T = 1 only).
+        slow_after_s: seconds a score may wait before :meth:`health` says ``slow`` (the tracker's
+            ``opd.teacher_timeout_s``).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class TeacherWorker:
         template: str = DEFAULT_HINT_TEMPLATE,
         endpoint: dict | None = None,
         placement: str = "user",
+        slow_after_s: float = 300.0,
     ):
         from transformers import AutoConfig, AutoTokenizer
 
@@ -122,6 +126,7 @@ class TeacherWorker:
         self.scored = 0
         self.seconds = 0.0
         self.rebuilt = 0  # teacher prompts re-rendered from messages (no insertion kept the sampled ids)
+        self.calls = CallHealth("teacher scores", slow_after_s)
 
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
         """Token ids of the hinted teacher prompt: the exact ids the policy sampled from
@@ -183,7 +188,7 @@ class TeacherWorker:
         """Teacher log-probs (length R) of ``turn.response_ids`` after the hinted prompt."""
         t0 = time.perf_counter()
         args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), turn.temperature)
-        logprobs = await (self.scorer.score(*args) if self.scorer else self.engine.score.remote(*args))
+        logprobs = await self._call(self.scorer.score(*args) if self.scorer else self.engine.score.remote(*args))
         self.seconds += time.perf_counter() - t0
         if len(logprobs) != len(turn.response_ids):
             raise RuntimeError(f"teacher returned {len(logprobs)} log-probs for {len(turn.response_ids)} tokens")
@@ -196,7 +201,9 @@ class TeacherWorker:
         hinted prompt (top-k distillation, the SDFT/SDPO variant)."""
         t0 = time.perf_counter()
         args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), k, turn.temperature)
-        values, ids = await (self.scorer.score_topk(*args) if self.scorer else self.engine.score_topk.remote(*args))
+        values, ids = await self._call(
+            self.scorer.score_topk(*args) if self.scorer else self.engine.score_topk.remote(*args)
+        )
         self.seconds += time.perf_counter() - t0
         if len(ids) != len(turn.response_ids) or len(values) != len(ids):
             raise RuntimeError(
@@ -216,6 +223,18 @@ class TeacherWorker:
         self.scored += 1
         return values, ids
 
+    async def _call(self, call: Any) -> Any:
+        """``await call`` (the engine's or endpoint's scoring), its time and outcome kept for
+        :meth:`health`."""
+        with self.calls.work():
+            try:
+                out = await call
+            except Exception as e:
+                self.calls.call_ended(type(e).__name__)
+                raise
+        self.calls.call_ended()
+        return out
+
     async def check_endpoint(self, policy_path: str) -> None:
         """Start-up check of an endpoint teacher's tokenizer against the policy's.
 
@@ -232,6 +251,12 @@ class TeacherWorker:
         """``{"scored": turns scored, "seconds": total teacher-scoring wall time}``; answered in the
         ``control`` concurrency group, never behind scoring calls."""
         return {"scored": self.scored, "seconds": self.seconds, "prompts_rebuilt": self.rebuilt}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def health(self) -> dict:
+        """Whether the teacher keeps up: :meth:`clawray.actors.call_health.CallHealth.report` (scores
+        waiting longer than ``slow_after_s`` are ``slow``); in the ``control`` group."""
+        return self.calls.report()
 
 
 def _logprob(value: object, where: str) -> float:

@@ -354,7 +354,9 @@ class PolicyServer:
         ``queue``, ``tracker``: a state; ``traffic``: requests received, main-line turns recorded, side
         turns (by kind), unattributable requests, turns paired / judged, samples sent, turns dropped by
         reason (:meth:`_traffic`). Actor states (:func:`clawray.recovery.actor_state`): ``ok``,
-        ``restarting``, ``starting``, ``dead``. 200 with ``"status": "ok"``; 503 with ``"status":
+        ``restarting``, ``starting``, ``dead``; a live judge or teacher whose model lags is ``slow``,
+        one whose calls fail is ``failing``, each with a ``reason``
+        (:class:`clawray.actors.call_health.CallHealth`). 200 with ``"status": "ok"``; 503 with ``"status":
         "degraded"`` (and ``Retry-After``) while any of them is not serving/ok, or while the disk
         refuses the tracker's writes (``failing``: which files, and why)."""
         from clawray.recovery import actor_state, probe  # [recovery hook] a dead actor is a state, never a 500
@@ -384,6 +386,16 @@ class PolicyServer:
                 {"name": f"{prefix}-{i}" if kind != "learners" else f"{prefix} {i}", "state": actor_state(a)}
                 for i, a in enumerate(self.actors.get(kind) or [])
             ]
+        # a live judge or teacher whose model lags or fails is "slow"/"failing", with the reason
+        live = [
+            (entry, actor)
+            for kind in ("judges", "teachers")
+            for entry, actor in zip(kinds[kind], self.actors.get(kind) or [])
+            if entry["state"] == "ok"
+        ]
+        for (entry, _), report in zip(live, await asyncio.gather(*(probe(a.health.remote()) for _, a in live))):
+            if report and report.get("state", "ok") != "ok":
+                entry.update(state=report["state"], reason=report["reason"])
         queue = actor_state(self.actors["queue"]) if self.actors.get("queue") is not None else None
         failing = list((tracker or {}).get("storage_failing") or [])  # e.g. "turns.jsonl: No space left on device"
         degraded = (

@@ -861,3 +861,62 @@ def test_health_says_what_the_disk_refuses(served):
     assert full.status_code == 503 and full.json()["status"] == "degraded"
     assert full.json()["failing"] == ["sessions journal: No space left on device"]
     assert httpx.get(url, timeout=30).status_code == before.status_code
+
+
+def test_health_names_a_judge_whose_model_fails(served):
+    """Issue #24.6: a judge endpoint that timed out on every call left /health "ok" while no sample
+    reached the learner. A live judge whose last calls failed is now ``failing`` with the reason, and
+    /health is 503 ``degraded``; with the judge gone from the list it is as before."""
+    import socket
+
+    from ray import serve
+
+    from clawray.actors.judge import JudgeWorkerActor
+    from clawray.types import Turn
+
+    turn = Turn(
+        "s",
+        1,
+        [{"role": "user", "content": "1+2?"}],
+        {"role": "assistant", "content": "3"},
+        [1, 2],
+        [3],
+        [-0.1],
+        0,
+        "stop",
+    )
+    url = served["root"] + "/scripted/health"
+    before = httpx.get(url, timeout=30)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts nothing: every call waits for the judge's timeout
+    judge = JudgeWorkerActor.options(num_cpus=0).remote(
+        {
+            "backend": "openai",
+            "m": 1,
+            "base_url": f"http://127.0.0.1:{silent.getsockname()[1]}/v1",
+            "api_key": "x",
+            "model": "judge",
+            "timeout_s": 0.2,
+            "retries": 0,
+        }
+    )
+    handle = serve.get_app_handle("scripted")
+    try:
+        votes = ray.get([judge.judge.remote(turn, [{"role": "user", "content": "ok?"}]) for _ in range(3)])
+        assert [v.votes for v in votes] == [[None]] * 3
+        handle.set_actors.remote("judges", [judge]).result()
+        r = httpx.get(url, timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "degraded"
+        assert r.json()["judges"] == [
+            {
+                "name": "judge-0",
+                "state": "failing",
+                "reason": "3 of the last 3 calls in 120 s failed (last: TimeoutError after 0.2 s)",
+            }
+        ]
+    finally:
+        handle.set_actors.remote("judges", []).result()
+        ray.kill(judge)
+        silent.close()
+    assert httpx.get(url, timeout=30).status_code == before.status_code

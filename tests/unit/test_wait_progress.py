@@ -64,3 +64,24 @@ def test_wait_batch_without_desc_shows_nothing(monkeypatch):
     monkeypatch.setattr("clawray.console.progress", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a bar")))
     assert recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01) == {"refs": []}
     assert queue.sizes == [1, 3]  # no stats call either
+
+
+def test_wait_batch_says_why_samples_do_not_come_when_the_reasons_change(monkeypatch, capsys):
+    """Issue #24.6: with a judge model that fails, the run waited silently. The driver's ``lagging``
+    reasons are asked after each empty slice; a line is printed when they change and when they clear."""
+    queue = _Queue()
+    queue.gets = [None, None, None, None, {"refs": ["r"]}]
+    driver = _driver(monkeypatch, queue)
+    said = [
+        [],
+        ["judge-0 failing: 3 of the last 3 calls in 120 s failed (last: TimeoutError after 5 s)"],
+        ["judge-0 failing: 3 of the last 3 calls in 120 s failed (last: TimeoutError after 5 s)"],
+        [],
+    ]
+    assert recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01, why=lambda: said.pop(0)) == {"refs": ["r"]}
+    assert said == []
+    assert capsys.readouterr().out.splitlines() == [
+        "[clawray] waiting for samples: judge-0 failing: 3 of the last 3 calls in 120 s failed "
+        "(last: TimeoutError after 5 s)",
+        "[clawray] waiting for samples: every judge and teacher keeps up again",
+    ]
