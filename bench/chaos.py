@@ -16,6 +16,21 @@ actor's process, then measure
   checkpoint + steps after the resume), lost (acknowledged, never trained) and trained twice; both
   must be 0.
 
+Faults other than a kill (issue #27), audited the same way:
+
+* ``second-run``: a fresh run started in the live run's folder must be ``refused`` (one line naming
+  the owner) with nothing of the live run's journal or checkpoints gone, and the live run must go
+  on (a step, ``/health`` 200);
+* ``disk-full``: for 20 s every append under the run folder (sample and session journals, turn
+  records, metrics) fails with ENOSPC in the queue, the tracker and the driver; ``/health`` while
+  it lasts (503 expected), then ``recovered`` = a step and ``/health`` 200 once the disk has room;
+* ``damaged-files``: a 3-step run, then its newest checkpoint's weights cut in half and a torn last
+  line in the sample journal; the resume must fall back to the older checkpoint;
+* ``slow-judge``: ``clawray run`` in a subprocess with a PRM judge endpoint answering in 20 s
+  (timeout 5 s, 1 retry, m = 3) for 60 s, then in 0.2 s: ``/health`` while slow (503 naming the
+  judge expected), seconds from the fast endpoint to the next update, then SIGINT: ``stopped`` =
+  exit code 130 with the at-exit checkpoint, in ``sigint_s`` seconds.
+
 Usage: ``python bench/chaos.py [--kinds engine,judge,...] [--model DIR] [--out DIR]`` (about 3-4
 minutes per kind on 2 CPU cores). The last lines are the table.
 """
@@ -41,10 +56,15 @@ from clawray.config import load_config  # noqa: E402
 from clawray.journal import read_records  # noqa: E402
 from clawray.ray_env import free_port  # noqa: E402
 
-KINDS = ["engine", "judge", "teacher", "queue", "tracker", "learner", "learner-rebuild", "driver"]
+KILLS = ["engine", "judge", "teacher", "queue", "tracker", "learner", "learner-rebuild", "driver"]
+# faults other than a kill (issue #27): a second run started in a live run's folder, the run
+# folder's disk refusing every write for a while, damaged files at resume, a slow judge endpoint
+# (and Ctrl-C while it is slow)
+FAULTS = ["second-run", "disk-full", "damaged-files", "slow-judge"]
+KINDS = KILLS + FAULTS
 # what each kind must end in: Ray restarts it (or the driver rebuilds the learners), or the run stops
-# with one line and resume=true continues
-EXPECTED = {"learner": "stopped", "driver": "stopped"}
+# with one line and resume=true continues; a second run is refused and the live one goes on
+EXPECTED = {"learner": "stopped", "driver": "stopped", "second-run": "refused", "slow-judge": "stopped"}
 
 
 def passed(row: dict) -> bool:
@@ -121,6 +141,10 @@ def one(kind: str, model: str, root: str) -> dict:
     run_dir = os.path.join(root, kind)
     if kind == "driver":
         return audit(kind, model, run_dir, kill_driver(model, run_dir))
+    if kind == "slow-judge":
+        return audit(kind, model, run_dir, slow_judge(model, run_dir))
+    if kind == "damaged-files":
+        return audit(kind, model, run_dir, damaged_files(model, run_dir))
     restarts = ["learner.max_restarts=1"] if kind == "learner-rebuild" else []
     d = Driver(
         config(
@@ -145,13 +169,21 @@ def one(kind: str, model: str, root: str) -> dict:
         runner.start()
         while d.steps_done < 1 and runner.is_alive():
             time.sleep(0.2)
-        actor = target(d, kind)
-        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
         steps_at_kill = d.steps_done
-        t_kill = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        time.sleep(1.0)
-        result["health_after_kill"] = health(d)[0]
+        if kind == "second-run":
+            result.update(second_run(d, model, run_dir))
+            t_kill = time.monotonic()
+        elif kind == "disk-full":
+            result.update(disk_full(d, run_dir))
+            t_kill = time.monotonic()  # the disk has room again: recovered counts from here
+            steps_at_kill = d.steps_done
+        else:
+            actor = target(d, kind)
+            pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+            t_kill = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(1.0)
+            result["health_after_kill"] = health(d)[0]
         outcome = None
         while time.monotonic() - t_kill < 300:
             if not runner.is_alive():
@@ -163,6 +195,8 @@ def one(kind: str, model: str, root: str) -> dict:
                 break
             time.sleep(0.5)
         result["outcome"], result["detail"] = outcome or ("stalled", "no step and no stop in 300 s")
+        if kind == "second-run" and result["outcome"] == "recovered" and result.pop("refused", False):
+            result["outcome"] = "refused"  # refused, and the live run went on with a step and /health 200
         result["seconds"] = round(time.monotonic() - t_kill, 1)
         if runner.is_alive():  # end the run after the step in progress
             from omegaconf import read_write
@@ -225,6 +259,258 @@ def kill_driver(model: str, run_dir: str) -> dict:
     return result
 
 
+def second_run(d, model: str, run_dir: str) -> dict:
+    """Start a fresh run (a new Driver's setup) in the live run's folder: it must be refused with
+    one line naming the owner, and change nothing there (journal, checkpoints)."""
+    from clawray.driver import Driver
+    from clawray.run_lock import RunFolderInUse
+
+    def snapshot() -> dict:
+        out = {}
+        for sub in ("journal", "checkpoints"):
+            for dirpath, _, files in os.walk(os.path.join(run_dir, sub)):
+                for name in files:
+                    out[os.path.join(dirpath, name)] = os.path.getsize(os.path.join(dirpath, name))
+        return out
+
+    before = snapshot()
+    second = Driver(config(model, run_dir, "second-run", ["trainer.num_steps=-1"]))
+    t0 = time.monotonic()
+    try:
+        second.setup()
+        second.close()
+        return {"refused": False, "health_after_kill": health(d)[0], "detail_second": "the second run started"}
+    except RunFolderInUse as e:
+        after = snapshot()
+        # the live run only appends (and adds checkpoints): nothing it had may be gone or shorter
+        kept = all(after.get(p, -1) >= n for p, n in before.items())
+        print(f"[chaos] second run refused in {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return {"refused": kept, "health_after_kill": health(d)[0]}
+
+
+def _enospc(root: str, on: bool) -> None:
+    """In this process: every ``os.write`` to a file under ``root`` fails with ENOSPC (``on``), or
+    writes again. clawray's journals, records and metrics append through ``os.write``
+    (:func:`clawray.records.append_whole`); checkpoint files are written by torch/safetensors and
+    are not refused here."""
+    import errno
+
+    real = getattr(os, "_chaos_real_write", None) or os.write
+    os._chaos_real_write = real
+    if not on:
+        os.write = real
+        return
+
+    def write(fd, data):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if path.startswith(root):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    os.write = write
+
+
+def disk_full(d, run_dir: str, seconds: float = 20.0) -> dict:
+    """The run folder's disk refuses every append of the tracker (records, session journal), the
+    queue (sample journal) and the driver (metrics) for ``seconds``; ``/health`` is read while it
+    lasts (503 with ``failing`` expected once the tracker met it)."""
+    root = os.path.realpath(run_dir)
+    actors = [d.tracker, d.queue]
+    ray.get([a.__ray_call__.remote(lambda self: _enospc(root, True)) for a in actors])
+    _enospc(root, True)
+    codes, failing = [], []
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            code, body = health(d)
+            codes.append(code)
+            failing = body.get("failing") or failing
+            time.sleep(2.0)
+    finally:
+        _enospc(root, False)
+        ray.get([a.__ray_call__.remote(lambda self: _enospc(root, False)) for a in actors])
+    print(f"[chaos] disk full for {seconds:.0f}s: /health {sorted(set(codes))}, failing {failing}", flush=True)
+    return {"health_after_kill": max(codes) if codes else -1, "steps_while_full": d.steps_done}
+
+
+def damaged_files(model: str, run_dir: str) -> dict:
+    """A run with a checkpoint per step stops after 3 steps; then its newest checkpoint's
+    ``model.safetensors`` is cut in half and the sample journal gets a torn last line (a write a
+    crash cut short: never acknowledged). The resume (:func:`audit`) must fall back to the older
+    checkpoint and say so, and lose nothing acknowledged."""
+    from clawray.checkpoint import latest_checkpoint
+    from clawray.driver import Driver
+
+    d = Driver(config(model, run_dir, "damaged-files", ["trainer.batch_size=2", "trainer.num_steps=3"]))
+    try:
+        d.run()
+    finally:
+        d.close()
+    newest = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    weights = os.path.join(newest, "model", "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with open(os.path.join(run_dir, "journal", "samples.jsonl"), "ab") as f:
+        f.write(b'{"op":"ack","seq":99999,"sample":{"session_id":"torn"')
+    return {
+        "kind": "damaged-files",
+        "outcome": "recovered",
+        "detail": f"cut {os.path.relpath(weights, run_dir)} in half; torn last journal line",
+        "seconds": "-",
+        "health_after_kill": "-",
+    }
+
+
+class SlowJudge:
+    """An OpenAI-compatible judge endpoint on loopback that answers ``\\boxed{1}`` after ``delay``
+    seconds (a thread per request); ``delay`` can be changed while it serves."""
+
+    def __init__(self, delay: float):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.delay = delay
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(judge.delay)
+                body = json.dumps(
+                    {
+                        "id": "j",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": "judge",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "\\boxed{1}"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    }
+                ).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the judge gave up on this call (its timeout)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def slow_judge(model: str, run_dir: str, slow_s: float = 60.0) -> dict:
+    """``clawray run`` in a subprocess whose PRM judge (``judge.backend=openai``, timeout 5 s, 1 retry,
+    m = 3) answers in 20 s: every vote times out. ``/health`` is read while it is slow (503 naming
+    the judge expected); after ``slow_s`` the endpoint answers in 0.2 s and the seconds to the next
+    update are ``seconds`` (recovered). Then SIGINT: the seconds to the process's exit, its code
+    (130) and whether the at-exit checkpoint was written are ``sigint_s``, ``exit_code``, ``at_exit_ckpt``."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    judge = SlowJudge(delay=20.0)
+    port = free_port()
+    cfg = config(
+        model,
+        run_dir,
+        "slow-judge",
+        [
+            "trainer.batch_size=2",
+            "trainer.num_steps=-1",
+            "ray.num_cpus=2",
+            f"serve.port={port}",
+            "judge.backend=openai",
+            f"judge.base_url={judge.url}",
+            "judge.model=judge",
+            "judge.api_key=x",
+            "judge.timeout_s=5",
+            "judge.retries=1",
+            "judge.m=3",
+            "checkpoint.every_steps=0",
+        ],
+    )
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "..", "slow-judge.yaml")
+    OmegaConf.save(cfg, path)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    log = open(os.path.join(run_dir, "..", "slow-judge.log"), "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    url = f"http://127.0.0.1:{port}/health"
+    result: dict = {"kind": "slow-judge"}
+
+    def steps() -> int:
+        try:
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                return sum(1 for line in f if line.strip())
+        except OSError:
+            return 0
+
+    try:
+        states = Counter()
+        t0 = None
+        while proc.poll() is None and (t0 is None or time.monotonic() - t0 < slow_s):
+            try:
+                r = httpx.get(url, timeout=10)
+            except httpx.HTTPError:
+                time.sleep(1.0)
+                continue
+            t0 = t0 or time.monotonic()
+            judges = r.json().get("judges") or [{}]
+            states[f"{r.status_code} {judges[0].get('state')}"] += 1
+            result["judge_reason"] = judges[0].get("reason") or result.get("judge_reason")
+            time.sleep(2.0)
+        result["health_after_kill"] = "/".join(sorted(states))
+        result["steps_while_slow"] = steps()
+        judge.delay = 0.2
+        t_fast, before = time.monotonic(), steps()
+        while proc.poll() is None and steps() == before and time.monotonic() - t_fast < 300:
+            time.sleep(0.5)
+        result["seconds"] = round(time.monotonic() - t_fast, 1) if steps() > before else "-"
+        result["recovered"] = steps() > before
+        t_int = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        try:
+            result["exit_code"] = proc.wait(600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            result["exit_code"] = "killed"
+        result["sigint_s"] = round(time.monotonic() - t_int, 1)
+        result["at_exit_ckpt"] = _latest(run_dir) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        judge.close()
+    ok = result["recovered"] and result["exit_code"] == 130 and result["at_exit_ckpt"]
+    result.update(
+        outcome="stopped" if ok else "failed",
+        detail=f"SIGINT: exit {result['exit_code']} in {result['sigint_s']}s, at-exit checkpoint "
+        f"{result['at_exit_ckpt']}; judge: {result.get('judge_reason')}",
+    )
+    return result
+
+
 def _latest(run_dir: str):
     from clawray.checkpoint import latest_checkpoint
 
@@ -234,10 +520,11 @@ def _latest(run_dir: str):
 def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
     """Resume the run (no traffic) until its queue is empty; add acknowledged / trained / lost /
     trained twice (audit by ``(session_id, turn_index)``) and the seconds of the resume to ``result``."""
-    from clawray.checkpoint import latest_checkpoint
+    from clawray.checkpoint import latest_intact_checkpoint
     from clawray.driver import Driver
 
-    ckpt = latest_checkpoint(os.path.join(run_dir, "checkpoints"))  # None: died before its first checkpoint
+    # None: died before its first checkpoint; a damaged newest one is passed over, as the resume does
+    ckpt = latest_intact_checkpoint(os.path.join(run_dir, "checkpoints"), report=lambda line: None)
     steps = json.load(open(os.path.join(ckpt, "driver.json")))["steps_done"] if ckpt else 0
     before_acked, before_trained = acked(run_dir), trained_until(run_dir, steps)
 

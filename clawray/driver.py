@@ -104,6 +104,8 @@ class Driver:
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self._owns_ray = False
+        self._serve_started = False  # only a driver that started Serve shuts it down
+        self.journal_waits = 0  # sample-journal marks that waited for the disk (ENOSPC)
         self.guard = DegenerateBatchGuard(cfg.trainer.degenerate_batches, cfg.trainer.baseline_momentum)
         self.entropy = EntropyController(
             cfg.learner.entropy_coef,
@@ -314,6 +316,7 @@ class Driver:
             "learners": self.learners.workers,
             "queue": self.queue,
         }  # [recovery hook] their states in /health
+        self._serve_started = True
         self.base_url = start_policy_server(
             path, self.engines, self.tracker, OmegaConf.to_object(cfg.serve), ro.max_model_len, actors
         )
@@ -366,7 +369,8 @@ class Driver:
         """
         steps = self._checkpoint_steps()
         self.learners.shutdown()
-        ray.get(self.queue.rewind.remote(steps))  # the in-flight batch and later steps' samples are queued again
+        # the in-flight batch and later steps' samples are queued again
+        self._journal_mark(lambda: self.queue.rewind.remote(steps), "the learners' rewind")
         self._in_flight = None
         for _ in range(min(self._trained_since_ckpt, len(self.trained_samples))):
             self.trained_samples.pop()
@@ -441,8 +445,8 @@ class Driver:
                     resume_step = json.load(f)["steps_done"]
                 if path != latest_checkpoint(self.checkpoint_dir):
                     print(
-                        f"[clawray] resume from step {resume_step}: the batches trained after it that the "
-                        "journal already forgot (consumed before the damaged checkpoint) are not trained again",
+                        f"[clawray] resume from step {resume_step}: the samples trained after it are queued "
+                        "again (the journal keeps them until a newer checkpoint is not the only one kept)",
                         flush=True,
                     )
             elif os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE)):
@@ -691,7 +695,8 @@ class Driver:
                 self._in_flight["counted"] = True
         # [journal hook] the batch is consumed by this step (a resume from an older checkpoint replays it);
         # it stays in flight until the step is complete (see step)
-        ray.get(self.queue.consumed.remote(self._in_flight["seqs"], self.steps_done + 1, not skipped))
+        seqs, step = self._in_flight["seqs"], self.steps_done + 1
+        self._journal_mark(lambda: self.queue.consumed.remote(seqs, step, not skipped), f"step {step}'s batch")
         return train, skipped
 
     def _sync(self, next_version: int, skipped: str) -> tuple[float, str | None, dict[str, float]]:
@@ -906,7 +911,10 @@ class Driver:
                 if not self._in_flight.get("counted"):
                     samples_trained += len(self._in_flight["metas"])
                     self.trained_samples.extend((m.session_id, m.turn_index) for m in self._in_flight["metas"])
-                ray.get(self.queue.consumed.remote(self._in_flight["seqs"], steps_done, True))  # [journal hook]
+                seqs = self._in_flight["seqs"]
+                self._journal_mark(
+                    lambda: self.queue.consumed.remote(seqs, steps_done, True), f"step {steps_done}'s batch"
+                )
             else:  # not trained: unconsumed in the journal, so a resume queues it again
                 queued += len(self._in_flight["metas"])
         state = {
@@ -933,7 +941,7 @@ class Driver:
         write_manifest(tmp)  # every file's size and CRC-32: a resume verifies them (about 1 s per GB)
         commit_checkpoint(tmp, final, self.cfg.checkpoint.keep_last)
         self._trained_since_ckpt = 0  # [recovery hook] a learner rebuild starts from here
-        ray.get(self.queue.forget.remote(steps_done))  # [journal hook]
+        self._forget_covered(steps_done)  # [journal hook]
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
         self.last_checkpoint = {
@@ -950,6 +958,56 @@ class Driver:
             flush=True,
         )
         return final
+
+    def _forget_covered(self, steps_done: int) -> None:
+        """[journal hook] Let the sample journal drop what no kept checkpoint can need: the samples
+        consumed up to the previous kept checkpoint's step (``steps_done``, this one's, when
+        ``checkpoint.keep_last`` is 1 or it is the only one). A resume that falls back from a damaged
+        newest checkpoint to the previous one then still finds every sample trained after it. A disk
+        that refuses the mark only leaves the journal longer (said)."""
+        from clawray.checkpoint import list_checkpoints
+
+        step = steps_done
+        kept = list_checkpoints(self.checkpoint_dir)
+        if self.cfg.checkpoint.keep_last != 1 and len(kept) >= 2:
+            try:
+                with open(os.path.join(kept[-2], "driver.json")) as f:
+                    step = min(step, int(json.load(f)["steps_done"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                return  # the previous checkpoint is unreadable: forget nothing
+        try:
+            ray.get(self.queue.forget.remote(step))
+        except OSError as e:  # a RayTaskError(OSError) from the queue's journal write
+            print(
+                f"[clawray] sample journal: steps <= {step} not marked covered ({_os_error_text(e)}); kept", flush=True
+            )
+
+    def _journal_mark(self, call: Any, what: str) -> None:
+        """``ray.get(call())`` of a sample-journal mark (consumed, rewind), retried every
+        :data:`JOURNAL_RETRY_S` seconds while the disk refuses it (ENOSPC: a ``RayTaskError(OSError)``):
+        the loop waits for room rather than skip a mark, which would train its samples again after a
+        resume. Requests are still served meanwhile; said once, and once when it is written.
+
+        Raises:
+            Exception: any other failure of the call.
+        """
+        waited = 0.0
+        while True:
+            try:
+                ray.get(call())
+                break
+            except OSError as e:
+                if waited == 0.0:
+                    print(
+                        f"[clawray] sample journal: {what} cannot be recorded ({_os_error_text(e)}); "
+                        f"training waits for the disk, retrying every {JOURNAL_RETRY_S:g} s",
+                        flush=True,
+                    )
+                time.sleep(JOURNAL_RETRY_S)
+                waited += JOURNAL_RETRY_S
+        if waited:
+            self.journal_waits += 1
+            print(f"[clawray] sample journal: {what} recorded after {waited:.0f} s", flush=True)
 
     def _checkpoint_marker(self, queue_state: dict) -> tuple:
         """What a checkpoint would capture: the same marker twice means nothing changed in between."""
@@ -1105,13 +1163,19 @@ class Driver:
             "steps": self.steps_done,
             "skipped_steps": self.skipped_steps,
             "loop_seconds": round(seconds, 1),
-            "engine_versions": ray.get([e.get_version.remote() for e in self.engines]),
-            "engines": ray.get([e.stats.remote() for e in self.engines]),
-            "queue": ray.get(self.queue.stats.remote()),
+            # every read bounded (_counters): a summary at Ctrl-C never waits behind a wedged component
+            "engine_versions": self._counters(
+                "engine_versions", [e.get_version.remote() for e in self.engines], [None] * len(self.engines)
+            ),
+            "engines": self._counters("engines", [e.stats.remote() for e in self.engines], [{}] * len(self.engines)),
+            "queue": self._counters("queue", self.queue.stats.remote(), {}),
             "sessions": self._counters("sessions", self.tracker.stats.remote(), {}),
             "judges": self._counters("judges", [j.get_stats.remote() for j in self.judges], [{}] * len(self.judges)),
             "stats_timeouts": dict(self.stats_timeouts),
-            "sim_user": ray.get(self.sim.get_stats.remote()) if self.sim else getattr(self, "sim_stats", {}),
+            "journal_waits": self.journal_waits,
+            "sim_user": self._counters("sim_user", self.sim.get_stats.remote(), {})
+            if self.sim
+            else getattr(self, "sim_stats", {}),
             "samples_trained": self.samples_trained,
             "eval": [{k: v for k, v in r.items() if k != "replies"} for r in self.eval_results],
         }
@@ -1169,10 +1233,11 @@ class Driver:
             self.tracking.finish()
         if not ray_up:
             return
-        try:
-            shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line
-        except Exception:
-            pass
+        if self._serve_started:  # a run refused at start-up (its folder in use) leaves another's Serve alone
+            try:
+                shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line
+            except Exception:
+                pass
         for actor in (
             getattr(self, "engines", [])
             + getattr(self, "judges", [])
@@ -1199,6 +1264,15 @@ class Driver:
 
 #: Seconds the driver waits for a component's counters (metrics, summary) before it uses the last ones.
 STATS_TIMEOUT_S = 10.0
+#: Seconds between two tries of a sample-journal mark the disk refused.
+JOURNAL_RETRY_S = 5.0
+
+
+def _os_error_text(e: OSError) -> str:
+    """``"No space left on device"``: the OS's words for ``e``, also when ``e`` is a Ray task error
+    wrapping the actor's OSError (whose own text is the remote traceback)."""
+    cause = getattr(e, "cause", None) or e
+    return getattr(cause, "strerror", None) or str(cause).splitlines()[0]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

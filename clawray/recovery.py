@@ -229,6 +229,9 @@ class RestartCounters:
         return out
 
 
+#: Seconds between two lines about the same lagging judges/teachers while the driver waits.
+WAIT_REASON_EVERY_S = 60.0
+
 ENGINE_COUNTERS = ("tokens", "gen_seconds", "requests", "cancelled", "errors", "interrupted")
 
 
@@ -247,7 +250,9 @@ def wait_batch(
     terminal progress bar (:func:`clawray.console.progress`) of the queued samples out of
     ``batch_size`` while the wait lasts more than one slice. ``why``: a callable giving the reasons
     samples may not come (``["judge-0 failing: ..."]``, e.g. :meth:`clawray.driver.Driver.lagging`),
-    asked after each empty slice; a line is printed whenever they change (and once when they clear).
+    asked after each empty slice; a line is printed when the lagging set (the text before each
+    reason's first ``:``) changes, every :data:`WAIT_REASON_EVERY_S` seconds while it lasts, and once
+    when it clears.
 
     Raises:
         ActorLost: an actor died for good while waiting.
@@ -259,7 +264,7 @@ def wait_batch(
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with contextlib.ExitStack() as stack:
-        bar, reasons = None, []
+        bar, said, said_at = None, [], 0.0
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -272,11 +277,11 @@ def wait_batch(
             resync_restarted_engines(driver)
             if why is not None:
                 now = list(why())
-                if now != reasons:
-                    label = desc or "waiting for samples"
-                    said = "; ".join(now) if now else "every judge and teacher keeps up again"
-                    print(f"[clawray] {label}: {said}", flush=True)
-                    reasons = now
+                keys = [r.split(":", 1)[0] for r in now]
+                if keys != said or (now and time.monotonic() - said_at >= WAIT_REASON_EVERY_S):
+                    text = "; ".join(now) if now else "every judge and teacher keeps up again"
+                    print(f"[clawray] {desc or 'waiting for samples'}: {text}", flush=True)
+                    said, said_at = keys, time.monotonic()
             if desc is not None:
                 if bar is None:
                     bar = stack.enter_context(progress(total=batch_size, desc=desc, unit="sample"))

@@ -133,3 +133,68 @@ def test_the_tracker_answers_and_says_what_fails_while_the_disk_is_full(tmp_path
     assert after["storage_failing"] == [] and after["turns"] == 3
     turns = [json.loads(x)["session_id"] for x in open(tmp_path / "records" / "turns.jsonl")]
     assert turns == ["a", "c"]
+
+
+def test_the_driver_waits_for_the_disk_to_record_a_consumed_batch(monkeypatch, capsys):
+    """bench/chaos.py disk-full: the queue's journal refused step 2's ``consumed`` mark and the
+    RayTaskError(OSError) ended the run. The driver now retries the mark until it is written (a
+    skipped mark would train the batch again after a resume)."""
+    from types import SimpleNamespace
+
+    import clawray.driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "JOURNAL_RETRY_S", 0.01)
+    monkeypatch.setattr(driver_mod.ray, "get", lambda v: v)
+    tries = []
+
+    def mark():
+        tries.append(1)
+        if len(tries) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return None
+
+    d = SimpleNamespace(journal_waits=0)
+    driver_mod.Driver._journal_mark(d, mark, "step 2's batch")
+    assert len(tries) == 3 and d.journal_waits == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "[clawray] sample journal: step 2's batch cannot be recorded (No space left on device); training "
+        "waits for the disk, retrying every 0.01 s",
+        "[clawray] sample journal: step 2's batch recorded after 0 s",
+    ]
+
+    def broken():
+        raise ValueError("not a disk error")
+
+    with pytest.raises(ValueError):
+        driver_mod.Driver._journal_mark(d, broken, "x")
+
+
+@pytest.mark.parametrize(
+    "keep_last, checkpoints, forgets",
+    [
+        (2, [1, 3], [1]),  # the previous kept checkpoint (step 1) may still be resumed from
+        (0, [1, 3, 5], [3]),
+        (1, [3], [3]),  # nothing older is kept: the newest covers it all
+        (2, [3], [3]),  # the first checkpoint
+    ],
+)
+def test_the_journal_forgets_only_what_no_kept_checkpoint_needs(tmp_path, monkeypatch, keep_last, checkpoints, forgets):
+    """bench/chaos.py damaged-files lost 7 acknowledged samples: the journal let go of the batches up to
+    the newest checkpoint's step, so a fallback to the older one could not queue them again."""
+    from types import SimpleNamespace
+
+    import clawray.driver as driver_mod
+
+    monkeypatch.setattr(driver_mod.ray, "get", lambda v: v)
+    for i, step in enumerate(checkpoints):
+        folder = tmp_path / f"ckpt-{i + 1:06d}"
+        folder.mkdir()
+        (folder / "driver.json").write_text(json.dumps({"steps_done": step}))
+    forgot = []
+    d = SimpleNamespace(
+        checkpoint_dir=str(tmp_path),
+        cfg=SimpleNamespace(checkpoint=SimpleNamespace(keep_last=keep_last)),
+        queue=SimpleNamespace(forget=SimpleNamespace(remote=forgot.append)),
+    )
+    driver_mod.Driver._forget_covered(d, checkpoints[-1])
+    assert forgot == forgets

@@ -55,11 +55,19 @@ def test_a_killed_owner_frees_the_folder(tmp_path):
     lock.release()
 
 
-def test_a_driver_in_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path, tiny_model):
+def test_a_driver_in_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path, tiny_model, monkeypatch):
     """The issue's input: a fresh run started in the folder of a live one deleted its journal. Now
-    setup stops at the lock: the live run's journal and checkpoints are byte-identical after it."""
+    setup stops at the lock: the live run's journal and checkpoints are byte-identical after it. On a
+    Ray cluster the live run shares (bench/chaos.py's second-run: one process), the refused run's
+    shutdown used to stop the live run's Serve: it stops only what it started."""
+    import clawray.serve.shutdown
+    from clawray import driver as driver_module
     from clawray.driver import Driver
     from conftest import tiny_run_config
+
+    stopped = []
+    monkeypatch.setattr(clawray.serve.shutdown, "shutdown_serve", lambda: stopped.append("serve"))
+    monkeypatch.setattr(driver_module.ray, "is_initialized", lambda: True)  # the live run's Ray
 
     run_dir = tmp_path / "run"
     (run_dir / "journal").mkdir(parents=True)
@@ -78,3 +86,4 @@ def test_a_driver_in_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path,
         proc.wait()
     assert journal.read_text() == '{"seq": 1}\n'
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["ckpt-000001"]
+    assert stopped == []

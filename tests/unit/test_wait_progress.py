@@ -70,12 +70,13 @@ def test_wait_batch_says_why_samples_do_not_come_when_the_reasons_change(monkeyp
     """Issue #24.6: with a judge model that fails, the run waited silently. The driver's ``lagging``
     reasons are asked after each empty slice; a line is printed when they change and when they clear."""
     queue = _Queue()
-    queue.gets = [None, None, None, None, {"refs": ["r"]}]
+    queue.gets = [None, None, None, None, None, {"refs": ["r"]}]
     driver = _driver(monkeypatch, queue)
     said = [
         [],
         ["judge-0 failing: 3 of the last 3 calls in 120 s failed (last: TimeoutError after 5 s)"],
-        ["judge-0 failing: 3 of the last 3 calls in 120 s failed (last: TimeoutError after 5 s)"],
+        ["judge-0 failing: 4 of the last 4 calls in 120 s failed (last: TimeoutError after 5 s)"],  # not again
+        ["judge-0 failing: 5 of the last 5 calls in 120 s failed (last: TimeoutError after 5 s)"],
         [],
     ]
     assert recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01, why=lambda: said.pop(0)) == {"refs": ["r"]}
