@@ -131,7 +131,9 @@ def acked(run_dir: str) -> set:
 def trained_until(run_dir: str, step: int) -> list:
     recs = read_records(os.path.join(run_dir, "journal", "samples.jsonl"))
     by_seq = {r["seq"]: (r["sample"]["session_id"], r["sample"]["turn_index"]) for r in recs if r["op"] == "ack"}
-    return [by_seq[q] for r in recs if r["op"] == "consume" and r["trained"] and r["step"] <= step for q in r["seqs"]]
+    # a sequence number twice (an exit checkpoint re-marking the batch its step had marked) is one training
+    seqs = {q for r in recs if r["op"] == "consume" and r["trained"] and r["step"] <= step for q in r["seqs"]}
+    return [by_seq[q] for q in sorted(seqs)]
 
 
 def one(kind: str, model: str, root: str) -> dict:

@@ -697,6 +697,7 @@ class Driver:
         # it stays in flight until the step is complete (see step)
         seqs, step = self._in_flight["seqs"], self.steps_done + 1
         self._journal_mark(lambda: self.queue.consumed.remote(seqs, step, not skipped), f"step {step}'s batch")
+        self._in_flight["marked"] = True  # an exit checkpoint during this step's sync need not mark it again
         return train, skipped
 
     def _sync(self, next_version: int, skipped: str) -> tuple[float, str | None, dict[str, float]]:
@@ -911,10 +912,11 @@ class Driver:
                 if not self._in_flight.get("counted"):
                     samples_trained += len(self._in_flight["metas"])
                     self.trained_samples.extend((m.session_id, m.turn_index) for m in self._in_flight["metas"])
-                seqs = self._in_flight["seqs"]
-                self._journal_mark(
-                    lambda: self.queue.consumed.remote(seqs, steps_done, True), f"step {steps_done}'s batch"
-                )
+                if not self._in_flight.get("marked"):
+                    seqs = self._in_flight["seqs"]
+                    self._journal_mark(
+                        lambda: self.queue.consumed.remote(seqs, steps_done, True), f"step {steps_done}'s batch"
+                    )
             else:  # not trained: unconsumed in the journal, so a resume queues it again
                 queued += len(self._in_flight["metas"])
         state = {

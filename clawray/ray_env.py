@@ -20,7 +20,10 @@ import os
 import socket
 from typing import Any
 
-from clawray.serve.guard import PROXY_CALLBACK_ENV
+#: Ray Serve runs the Starlette middlewares this callable returns around its HTTP proxy: clawray's
+#: HeaderGuard (:func:`clawray.serve.guard.proxy_middlewares`, named by its import path so this
+#: bottom-layer module imports nothing from the serving layer).
+PROXY_CALLBACK_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "clawray.serve.guard.proxy_middlewares"}
 
 # Ray otherwise binds to the machine's first non-loopback address even when asked for 127.0.0.1
 # (notes/env-feasibility.md, "Pitfalls"); clawray serves and trains on loopback by default.

@@ -7,7 +7,7 @@ Why in the proxy: Ray Serve's proxy decodes, as UTF-8 and before any deployment 
 (``ray/serve/_private/proxy.py``, ``http_util.py``; Ray 2.60); one non-UTF-8 byte there is an HTTP 500.
 Its uvicorn server (h11) also accepts a 1 MiB header value and thousands of headers. Serve runs the
 Starlette middlewares returned by the callable named in ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``
-around its proxy app; :data:`PROXY_CALLBACK_ENV` names :func:`proxy_middlewares`, and
+around its proxy app; :data:`clawray.ray_env.PROXY_CALLBACK_ENV` names :func:`proxy_middlewares`, and
 :func:`clawray.ray_env.init_ray` (and the test cluster) set it before Ray starts, so the proxy process
 inherits it. A cluster started by hand needs it in the environment of ``ray start`` on every node.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-PROXY_CALLBACK_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "clawray.serve.guard.proxy_middlewares"}
 MAX_HEADERS = 100  # header lines per request
 MAX_HEADER_BYTES = 16 * 1024  # bytes of one header line (name + value)
 MAX_HEADERS_TOTAL_BYTES = 64 * 1024  # bytes of all header lines together
