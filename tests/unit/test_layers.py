@@ -28,6 +28,7 @@ LAYERS = {
     # 1: the RL itself, and the config schema that names its algorithms
     "clawray.algos": 1,
     "clawray.config": 1,
+    "clawray.promotion": 1,
     # 2: building blocks that know the config and the algorithms, not Ray's actors
     "clawray.engines": 2,
     "clawray.envs": 2,

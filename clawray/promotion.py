@@ -1,0 +1,129 @@
+"""The promotion gate's decision rule: is a candidate policy version worse than the promoted one?
+
+A probe scores both versions on the same held-out items with the same seeds, so the results are
+*paired*: item i gives the candidate's score ``c_i`` and the promoted version's ``p_i`` (each in
+[0, 1]; 0/1 for a check that passes or fails). The rule (:func:`decide`):
+
+* **floor**: the candidate's mean score below ``floor`` is rejected outright;
+* **significant drop**: an exact one-sided **sign test** on the pairs that differ - for 0/1 scores
+  this is the exact (binomial) **McNemar test** (McNemar 1947; Fagerland, Lydersen & Laake 2013,
+  "The McNemar test for binary matched-pairs data", BMC Med. Res. Methodol. 13:91). With ``b`` pairs
+  where the candidate scored lower and ``c`` where it scored higher, under "no difference" ``b`` is
+  Binomial(b + c, 1/2); the p-value of "the candidate is worse" is ``P(X >= b)``. The candidate is
+  rejected when that p-value is below ``alpha`` *and* its mean score is below the promoted one's by
+  more than ``margin`` (a drop smaller than the margin is tolerated, however sure);
+* else it is promoted: a wobble that is not significant is not a reason to hold back an update.
+
+The paired mean difference and its 95% interval (normal approximation, ``mean +- 1.96 sd / sqrt(n)``)
+are reported beside the decision; the decision itself uses only the exact test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Decision:
+    """A gate decision on paired probe results.
+
+    Attributes:
+        promote: True to promote the candidate.
+        reason: one line: why (the figures it rests on).
+        n: paired items.
+        candidate_mean, promoted_mean: mean scores in [0, 1].
+        delta: ``candidate_mean - promoted_mean``.
+        delta_ci: the 95% interval of ``delta`` (normal approximation of the paired differences).
+        worse, better: pairs where the candidate scored lower / higher (ties left out).
+        p_worse: the exact one-sided sign-test p-value of "the candidate is worse".
+    """
+
+    promote: bool
+    reason: str
+    n: int
+    candidate_mean: float
+    promoted_mean: float
+    delta: float
+    delta_ci: tuple[float, float]
+    worse: int
+    better: int
+    p_worse: float
+
+
+def sign_test_p(worse: int, better: int) -> float:
+    """``P(X >= worse)`` for ``X ~ Binomial(worse + better, 1/2)``: the exact one-sided p-value that
+    the candidate is worse, from the pairs that differ (1.0 when none differ).
+
+    Raises:
+        ValueError: a negative count.
+    """
+    if worse < 0 or better < 0:
+        raise ValueError(f"pair counts must be >= 0, got worse={worse}, better={better}")
+    n = worse + better
+    if n == 0:
+        return 1.0
+    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n
+
+
+def decide(
+    candidate: Sequence[float],
+    promoted: Sequence[float],
+    margin: float = 0.05,
+    alpha: float = 0.05,
+    floor: float = 0.0,
+) -> Decision:
+    """Promote or reject a candidate from paired probe scores (see the module docstring).
+
+    Args:
+        candidate: the candidate's score per probe item, each in [0, 1].
+        promoted: the promoted version's score on the same items, same order.
+        margin: the largest drop in mean score tolerated (absolute, e.g. 0.05 = 5 points).
+        alpha: the sign test's level.
+        floor: the least mean score a candidate may have (0 = none).
+
+    Raises:
+        ValueError: no items, different lengths, a score outside [0, 1], or a margin, alpha or floor
+            outside its range.
+    """
+    n = len(candidate)
+    if n == 0 or n != len(promoted):
+        raise ValueError(f"paired probe results need the same number (> 0) of items, got {n} and {len(promoted)}")
+    if any(not 0.0 <= float(x) <= 1.0 for x in (*candidate, *promoted)):
+        raise ValueError("probe scores must be in [0, 1]")
+    if not (0.0 <= margin <= 1.0 and 0.0 < alpha < 1.0 and 0.0 <= floor <= 1.0):
+        raise ValueError(f"need 0 <= margin <= 1, 0 < alpha < 1, 0 <= floor <= 1; got {margin}, {alpha}, {floor}")
+    diffs = [float(c) - float(p) for c, p in zip(candidate, promoted)]
+    cand, prom = sum(map(float, candidate)) / n, sum(map(float, promoted)) / n
+    delta = sum(diffs) / n
+    sd = math.sqrt(sum((d - delta) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(n)
+    worse, better = sum(d < 0 for d in diffs), sum(d > 0 for d in diffs)
+    p = sign_test_p(worse, better)
+    figures = (
+        f"candidate {cand:.3f} vs promoted {prom:.3f} on {n} items (delta {delta:+.3f} "
+        f"[{delta - half:+.3f}, {delta + half:+.3f}]; worse on {worse}, better on {better}, p = {p:.3g})"
+    )
+    if cand < floor:
+        promote, why = False, f"below the floor {floor:.3f}"
+    elif p < alpha and delta < -margin:
+        promote, why = False, f"significantly worse (sign test p < {alpha:g}) by more than the margin {margin:.3f}"
+    elif delta < -margin:
+        promote, why = True, f"a drop beyond the margin {margin:.3f} but not significant (p >= {alpha:g})"
+    elif p < alpha:
+        promote, why = True, f"significantly worse but within the margin {margin:.3f}"
+    else:
+        promote, why = True, "no significant drop"
+    return Decision(
+        promote=promote,
+        reason=f"{'promoted' if promote else 'rejected'}: {why}: {figures}",
+        n=n,
+        candidate_mean=cand,
+        promoted_mean=prom,
+        delta=delta,
+        delta_ci=(delta - half, delta + half),
+        worse=worse,
+        better=better,
+        p_worse=p,
+    )

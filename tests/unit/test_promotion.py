@@ -1,0 +1,70 @@
+"""The promotion gate's decision rule (issue #26) on hand-made paired probe results: promote on a wobble
+that is not significant, reject on a significant drop beyond the margin, reject below the floor."""
+
+import math
+
+import pytest
+
+from clawray.promotion import decide, sign_test_p
+
+
+def _pairs(both_right, worse, better, both_wrong):
+    """0/1 scores: (candidate, promoted) pairs of the four McNemar cells."""
+    cells = [(1, 1)] * both_right + [(0, 1)] * worse + [(1, 0)] * better + [(0, 0)] * both_wrong
+    return [c for c, _ in cells], [p for _, p in cells]
+
+
+def test_sign_test_p_is_the_exact_binomial_tail():
+    assert sign_test_p(3, 1) == 5 / 16  # (C(4,3) + C(4,4)) / 2^4
+    assert sign_test_p(8, 0) == 1 / 256
+    assert sign_test_p(0, 5) == 1.0 and sign_test_p(0, 0) == 1.0
+    assert sign_test_p(6, 4) == pytest.approx(386 / 1024)  # C(10,6..10) = 210+120+45+10+1
+    with pytest.raises(ValueError):
+        sign_test_p(-1, 2)
+
+
+def test_a_wobble_that_is_not_significant_is_promoted():
+    cand, prom = _pairs(9, 3, 1, 7)  # candidate 10/20, promoted 12/20
+    d = decide(cand, prom, margin=0.05, alpha=0.05)
+    assert d.promote and (d.worse, d.better, d.p_worse) == (3, 1, 5 / 16)
+    assert (d.candidate_mean, d.promoted_mean, d.delta) == (0.5, 0.6, pytest.approx(-0.1))
+    assert d.reason.startswith("promoted: a drop beyond the margin 0.050 but not significant (p >= 0.05)")
+
+
+def test_a_significant_drop_beyond_the_margin_is_rejected():
+    cand, prom = _pairs(4, 8, 0, 8)  # candidate 4/20, promoted 12/20: worse on 8, better on none
+    d = decide(cand, prom, margin=0.05, alpha=0.05)
+    assert not d.promote and d.p_worse == 1 / 256 and d.delta == pytest.approx(-0.4)
+    assert d.reason == (
+        "rejected: significantly worse (sign test p < 0.05) by more than the margin 0.050: candidate 0.200 vs "
+        "promoted 0.600 on 20 items (delta -0.400 [-0.620, -0.180]; worse on 8, better on 0, p = 0.00391)"
+    )
+    sd = math.sqrt((8 * (-1 + 0.4) ** 2 + 12 * 0.4**2) / 19)
+    assert d.delta_ci == pytest.approx((-0.4 - 1.96 * sd / math.sqrt(20), -0.4 + 1.96 * sd / math.sqrt(20)))
+
+
+def test_a_significant_drop_within_the_margin_is_promoted():
+    cand, prom = _pairs(100, 9, 0, 91)  # 200 items, delta -0.045, p = 2^-9
+    d = decide(cand, prom, margin=0.05, alpha=0.05)
+    assert d.promote and d.p_worse == 1 / 512 and "within the margin" in d.reason
+
+
+def test_below_the_floor_is_rejected_even_when_better():
+    cand, prom = _pairs(1, 0, 1, 18)  # candidate 2/20 = 0.1, promoted 1/20
+    d = decide(cand, prom, floor=0.2)
+    assert not d.promote and d.reason.startswith("rejected: below the floor 0.200")
+    assert decide(cand, prom, floor=0.1).promote  # at the floor is not below it
+
+
+def test_graded_scores_are_paired_by_sign():
+    d = decide([0.5, 0.5, 1.0, 0.25], [0.5, 1.0, 0.75, 0.25], margin=0.0)
+    assert (d.worse, d.better) == (1, 1) and d.delta == pytest.approx(-0.0625) and d.promote
+
+
+@pytest.mark.parametrize(
+    "cand, prom, kw",
+    [([], [], {}), ([1], [1, 0], {}), ([1.5], [1], {}), ([1], [1], {"alpha": 0.0}), ([1], [1], {"margin": -0.1})],
+)
+def test_bad_input_is_a_clear_error(cand, prom, kw):
+    with pytest.raises(ValueError):
+        decide(cand, prom, **kw)
