@@ -175,6 +175,55 @@ def engine_dtype(backend: str, dtype: str) -> str:
     return dtype if backend == "vllm" else "float32"
 
 
+#: vLLM's dtype names, as one name per precision ("auto" follows the model folder: unknown here).
+_DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def learner_compute_dtype(num_gpus: float) -> str:
+    """The precision the learners compute log-probs in: bfloat16 on CUDA (FSDP2 mixed precision over
+    fp32 master weights, :class:`clawray.actors.learner.LearnerWorker`), float32 on CPU."""
+    return "bfloat16" if num_gpus > 0 else "float32"
+
+
+def precision_mismatch(cfg) -> str | None:
+    """A line saying that the rollout engine samples in another precision than the learners compute
+    in, or None when they agree (or the engine's is ``auto``: the model folder's). Measured on the CPU
+    demo (``conf/rl.yaml conf/cpu.yaml``, seed 0): a bfloat16 vLLM engine against float32 learners
+    gave ``inv/logprob_mismatch_kl`` 2.4e-3 and importance ratios up to 6.4, and solved 22.7% -> 29.6%
+    (CIs overlap) where the float32 engine reached 22.2% -> 34.3% (CIs disjoint) on the same main; the
+    bfloat16 run clipped 6-17% of its tokens against 1-4% (``inv/clip_frac``)."""
+    engine = _DTYPE_NAMES.get(engine_dtype(str(cfg.rollout.backend), str(cfg.rollout.dtype)))
+    learner = learner_compute_dtype(float(cfg.learner.num_gpus))
+    if engine is None or engine == learner:
+        return None
+    return (
+        f"precision: the rollout engine samples in {engine} and the learners compute in {learner}, so the "
+        f"rollout log-probs are off-policy for the learner (the CPU demo with a bfloat16 engine: "
+        f"logprob_mismatch_kl 2.4e-3, ratios up to 6.4, +6.9 points solved instead of +12.0); "
+        f"rollout.dtype={learner} makes them agree"
+    )
+
+
+def prefix_cache_warning(cfg) -> str | None:
+    """A line for a *training* run whose vLLM engines keep a prefix cache, or None. Measured on the CPU
+    demo (``conf/rl.yaml conf/cpu.yaml``, seed 0, one run each on the same main): with the cache
+    22.2% -> 34.3% solved, without it 22.2% -> 74.5% (a fresh ``clawray eval`` of the first run's
+    checkpoint: 34.7%, so its weights, not its engine, were worse). Serving without training
+    (``clawray serve``) changes no weights and is not concerned."""
+    if str(cfg.rollout.backend) != "vllm" or not bool(cfg.rollout.prefix_caching):
+        return None
+    return (
+        "rollout.prefix_caching is on while training: on the CPU demo it cost most of the gain (34.3% "
+        "solved after 20 updates instead of 74.5%; cause not found yet); rollout.prefix_caching=false to train"
+    )
+
+
 def policy_card(cfg, version: int, steps_done: int) -> dict:
     """What a model folder needs to be served and evaluated as the job did: its policy version, the
     precision it was trained in (the learners' fp32 master weights) and sampled/judged in (the

@@ -45,6 +45,8 @@ from clawray.checkpoint import (
     latest_intact_checkpoint,
     new_checkpoint_dirs,
     policy_card,
+    precision_mismatch,
+    prefix_cache_warning,
     write_manifest,
     write_policy_card,
 )
@@ -341,6 +343,10 @@ class Driver:
             f"{cfg.learner.num_workers} learner(s), judge={cfg.judge.backend}, serving {self.base_url}",
             flush=True,
         )
+        # said loudly: each cost most of the CPU demo's gain
+        for warning in (precision_mismatch(cfg), prefix_cache_warning(cfg) if cfg.trainer.num_steps != 0 else None):
+            if warning is not None:
+                print(f"[clawray] WARNING {warning}", flush=True)
 
     def _learner_group(self):
         """A new :class:`~clawray.actors.learner.LearnerGroup` on the initial policy (its own
