@@ -211,13 +211,30 @@ def one(kind: str, model: str, root: str) -> dict:
     return audit(kind, model, run_dir, result)
 
 
+def start_job(cfg, run_dir: str, name: str):
+    """``clawray run`` of ``cfg`` in a subprocess with its own local Ray (``RAY_ADDRESS`` unset), its
+    config and output beside ``run_dir`` (``NAME.yaml``, ``NAME.log``); returns ``(process, log file)``."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "..", f"{name}.yaml")
+    OmegaConf.save(cfg, path)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    log = open(os.path.join(run_dir, "..", f"{name}.log"), "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    return proc, log
+
+
 def kill_driver(model: str, run_dir: str) -> dict:
     """``clawray run`` in a subprocess (its own local Ray, which dies with it); SIGKILL its process tree
     once a checkpoint exists and fewer samples than one batch are queued."""
-    import subprocess
 
     import psutil
-    from omegaconf import OmegaConf
 
     from clawray.journal import SampleState
 
@@ -227,15 +244,7 @@ def kill_driver(model: str, run_dir: str) -> dict:
         "driver",
         ["trainer.batch_size=4", "trainer.max_batch_size=64", "trainer.num_steps=-1", "ray.num_cpus=2"],
     )
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "..", "driver.yaml")
-    OmegaConf.save(cfg, path)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    log = open(os.path.join(run_dir, "..", "driver.log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
+    proc, log = start_job(cfg, run_dir, "driver")
     t0 = time.monotonic()
     result: dict = {"kind": "driver", "health_after_kill": "-"}
     try:
@@ -426,8 +435,6 @@ def slow_judge(model: str, run_dir: str, slow_s: float = 60.0) -> dict:
     (130) and whether the at-exit checkpoint was written are ``sigint_s``, ``exit_code``, ``at_exit_ckpt``."""
     import subprocess
 
-    from omegaconf import OmegaConf
-
     judge = SlowJudge(delay=20.0)
     port = free_port()
     cfg = config(
@@ -449,15 +456,7 @@ def slow_judge(model: str, run_dir: str, slow_s: float = 60.0) -> dict:
             "checkpoint.every_steps=0",
         ],
     )
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "..", "slow-judge.yaml")
-    OmegaConf.save(cfg, path)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    log = open(os.path.join(run_dir, "..", "slow-judge.log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clawray.cli", "run", path], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
+    proc, log = start_job(cfg, run_dir, "slow-judge")
     url = f"http://127.0.0.1:{port}/health"
     result: dict = {"kind": "slow-judge"}
 
