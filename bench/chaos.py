@@ -32,7 +32,9 @@ Faults other than a kill (issue #27), audited the same way:
   exit code 130 with the at-exit checkpoint, in ``sigint_s`` seconds.
 
 Usage: ``python bench/chaos.py [--kinds engine,judge,...] [--model DIR] [--out DIR]`` (about 3-4
-minutes per kind on 2 CPU cores). The last lines are the table.
+minutes per kind on 2 CPU cores). Kill kinds joined by ``+`` (``teacher+queue+tracker``, as
+``tests/system/test_chaos.py`` runs them) are killed one after another in one run, each once the
+previous one recovered, and audited once. The last lines are the table.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def passed(row: dict) -> bool:
 
 
 def config(model: str, run_dir: str, kind: str, overrides: list[str]):
-    algo = ["trainer.algo=opd", "opd.teacher=frozen"] if kind == "teacher" else []
+    algo = ["trainer.algo=opd", "opd.teacher=frozen", "opd.premise_check=none"] if "teacher" in kind.split("+") else []
     return load_config(
         ["conf/rl.yaml", "conf/cpu.yaml"],
         [
@@ -137,8 +139,9 @@ def trained_until(run_dir: str, step: int) -> list:
 
 
 def one(kind: str, model: str, root: str) -> dict:
+    """Run ``kind`` (one of :data:`KINDS`, or kill kinds joined by ``+``: killed one after another in
+    one run, each after the previous one recovered) and audit it; returns its table row."""
     from clawray.driver import Driver
-    from clawray.recovery import ActorLost
 
     run_dir = os.path.join(root, kind)
     if kind == "driver":
@@ -179,24 +182,26 @@ def one(kind: str, model: str, root: str) -> dict:
             result.update(disk_full(d, run_dir))
             t_kill = time.monotonic()  # the disk has room again: recovered counts from here
             steps_at_kill = d.steps_done
-        else:
-            actor = target(d, kind)
-            pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-            t_kill = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            time.sleep(1.0)
-            result["health_after_kill"] = health(d)[0]
         outcome = None
-        while time.monotonic() - t_kill < 300:
-            if not runner.is_alive():
-                err = errors[0] if errors else None
-                outcome = ("stopped", str(err)) if isinstance(err, ActorLost) else ("failed", repr(err))
-                break
-            if d.steps_done > steps_at_kill and health(d)[0] == 200:
-                outcome = ("recovered", "")
-                break
-            time.sleep(0.5)
-        result["outcome"], result["detail"] = outcome or ("stalled", "no step and no stop in 300 s")
+        if kind not in ("second-run", "disk-full"):  # "a+b": kill a, await a step and /health 200, kill b
+            names = kind.split("+")
+            for k, killed in enumerate(names):
+                actor = target(d, killed)
+                pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+                t_kill = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(1.0)
+                result["health_after_kill"] = health(d)[0]
+                if k + 1 < len(names):
+                    outcome = wait_outcome(d, runner, errors, steps_at_kill, t_kill)
+                    result[f"{killed}_outcome"] = outcome[0]
+                    result[f"{killed}_seconds"] = round(time.monotonic() - t_kill, 1)
+                    if outcome[0] != "recovered":
+                        break
+                    steps_at_kill = d.steps_done
+        if outcome is None or outcome[0] == "recovered":
+            outcome = wait_outcome(d, runner, errors, steps_at_kill, t_kill)
+        result["outcome"], result["detail"] = outcome
         if kind == "second-run" and result["outcome"] == "recovered" and result.pop("refused", False):
             result["outcome"] = "refused"  # refused, and the live run went on with a step and /health 200
         result["seconds"] = round(time.monotonic() - t_kill, 1)
@@ -209,6 +214,22 @@ def one(kind: str, model: str, root: str) -> dict:
     finally:
         d.close()
     return audit(kind, model, run_dir, result)
+
+
+def wait_outcome(d, runner, errors: list, steps_at_kill: int, t_kill: float) -> tuple[str, str]:
+    """``("recovered", "")`` once a step after ``steps_at_kill`` completed and ``/health`` is 200,
+    ``("stopped", line)`` when the run ended with :class:`~clawray.recovery.ActorLost`, ``("failed",
+    repr)`` on any other end, ``("stalled", ...)`` after 300 s of neither."""
+    from clawray.recovery import ActorLost
+
+    while time.monotonic() - t_kill < 300:
+        if not runner.is_alive():
+            err = errors[0] if errors else None
+            return ("stopped", str(err)) if isinstance(err, ActorLost) else ("failed", repr(err))
+        if d.steps_done > steps_at_kill and health(d)[0] == 200:
+            return "recovered", ""
+        time.sleep(0.5)
+    return "stalled", "no step and no stop in 300 s"
 
 
 def start_job(cfg, run_dir: str, name: str):

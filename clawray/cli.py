@@ -259,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RuntimeError as e:  # an actor died, the folder is taken, a file is damaged: one line, no traceback
         from clawray.checkpoint import DamagedFileError
+        from clawray.premise import PremiseRefused
         from clawray.recovery import ActorLost
         from clawray.run_lock import RunFolderInUse
 
-        if not isinstance(e, (ActorLost, RunFolderInUse, DamagedFileError)):
+        if not isinstance(e, (ActorLost, RunFolderInUse, DamagedFileError, PremiseRefused)):
             raise
         print(f"clawray: {e}", file=sys.stderr)
         return 1

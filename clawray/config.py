@@ -275,6 +275,12 @@ class OPDConfig:
     topk: int = num(50, ge=1)
     w_rl: float = num(1.0, ge=0.0)  # Combine: weight of the reward term
     w_opd: float = num(1.0, ge=0.0)  # weight of the teacher term
+    # before training, whether the teacher does better at the user's check with the user's hint than
+    # without (clawray.premise): "warn" = say so when it does not; "refuse" = stop the run unless it
+    # measurably does; "none" = no probe
+    premise_check: str = choice("warn", "refuse", "none")
+    premise_prompts: int = num(16, ge=1)  # eval-split tasks the probe samples (corrected ones are probed)
+    premise_follow_n: int = num(4, ge=1)  # the teacher's replies per probed task, with the hint and without
 
 
 @dataclass
@@ -502,9 +508,10 @@ class EnvConfig:
     enabled: bool = True
     # the environment (task set, preference, the user's check): "arith" (word problems at `level`,
     # "one short sentence, no markdown"), "sums" (x + y, "the number only"), "brief" (one-digit sums,
-    # "the number only" checked as right and at most 8 words: the CPU demo), or the seed's GSM8K
+    # "the number only" checked as right and at most 8 words: the CPU demo), "terse" (x + y asked plainly,
+    # the number alone wanted but said only in the correction: OPD's task), or the seed's GSM8K
     # users "student" / "teacher" (read `data_path`); see clawray.envs
-    name: str = choice("arith", "sums", "brief", "student", "teacher")
+    name: str = choice("arith", "sums", "brief", "terse", "student", "teacher")
     concurrency: int = num(4, ge=1)  # sessions in flight
     level: int = num(3, ge=1, le=3)  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
     # student/teacher: a local GSM8K-style JSON list or JSONL of {"question", "ground_truth_answer"}

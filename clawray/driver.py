@@ -347,6 +347,39 @@ class Driver:
         for warning in (precision_mismatch(cfg), prefix_cache_warning(cfg) if cfg.trainer.num_steps != 0 else None):
             if warning is not None:
                 print(f"[clawray] WARNING {warning}", flush=True)
+        self.premise = None  # OPD's premise, probed before training (clawray.premise)
+        fresh = self.steps_done == 0 and cfg.trainer.num_steps != 0 and cfg.env.enabled
+        if algorithm.needs_teacher and cfg.opd.premise_check != "none" and fresh:
+            self._check_premise()
+
+    def _check_premise(self) -> None:
+        """Probe whether the teacher does better at the user's check with the user's hint than
+        without (:func:`clawray.premise.probe_actors`) and say it; a probe that fails is said and the
+        run goes on.
+
+        Raises:
+            PremiseRefused: the premise is not shown and ``opd.premise_check`` is ``refuse``.
+        """
+        from clawray.premise import PremiseRefused, premise_action, probe_actors, teacher_name
+
+        cfg = self.cfg
+        # the teacher's own replies: a frozen or live teacher is the initial policy before step 1, which
+        # rollout engine 0 samples fastest; a path teacher has its own engine; an endpoint only scores
+        sampler = self.engines[0] if cfg.opd.teacher in ("frozen", "live") else self.teacher_engine
+        try:
+            self.premise = probe_actors(
+                cfg, self.model_path, self.engines[0], self.judges[0], self.teachers[0], sampler
+            )
+        except Exception as e:  # the probe is advice: it never ends a run by failing
+            print(f"[clawray] OPD premise check failed: {type(e).__name__}: {e}", flush=True)
+            return
+        level, text = premise_action(
+            self.premise, cfg.opd.premise_check, teacher_name(cfg.opd.teacher, self.model_path)
+        )
+        if level == "refuse":
+            raise PremiseRefused(text)
+        print(f"[clawray] {'WARNING ' if level == 'warn' else ''}{text}", flush=True)
+        self.tracking.log({**self.premise.metrics(), "policy_version": self.version}, step=self.steps_done)
 
     def _learner_group(self):
         """A new :class:`~clawray.actors.learner.LearnerGroup` on the initial policy (its own

@@ -7,7 +7,7 @@ from typing import Any
 
 from clawray.envs.base import SPLITS, Environment, Problem, split_of
 
-ENVIRONMENTS = ("arith", "sums", "brief", "student", "teacher")
+ENVIRONMENTS = ("arith", "sums", "brief", "terse", "student", "teacher")
 
 
 def make_env(name: str, level: int = 3, data_path: str = "") -> Environment:
@@ -31,6 +31,10 @@ def make_env(name: str, level: int = 3, data_path: str = "") -> Environment:
         from clawray.envs.brief import BriefEnv
 
         return BriefEnv()
+    if name == "terse":
+        from clawray.envs.terse import TerseEnv
+
+        return TerseEnv()
     if name in ("student", "teacher"):
         from clawray.envs.gsm8k import StudentEnv, TeacherEnv
 

@@ -175,6 +175,10 @@ class ArithEnv(Environment):
             "has_answer": has_answer,
         }
 
+    def preferred_reply(self, task: Problem) -> str:
+        """One plain sentence with the answer: "The answer is 12."."""
+        return f"The answer is {task.answer}."
+
     def feedback(self, task: Problem, reply: str) -> tuple[str, bool]:
         """:func:`feedback`."""
         return feedback(reply, task)

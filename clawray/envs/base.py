@@ -87,6 +87,12 @@ class Environment:
         """The simulated user's next message and ``grade(task, reply)["solved"]``."""
         raise NotImplementedError
 
+    def preferred_reply(self, task: Problem) -> str | None:
+        """One reply the simulated user accepts (``grade`` says solved): the reply a hint should make
+        more likely, read by the OPD premise check (:mod:`clawray.premise`); None when the
+        environment names none (then the check is not measured)."""
+        return None
+
     # ---------------------------------------------------------------- shared logic
     def split(self, task: Problem) -> str:
         """``"train"`` or ``"eval"`` (see :func:`split_of`)."""

@@ -77,6 +77,10 @@ class BriefEnv(Environment):
             "number_only": _NUMBER_ONLY.fullmatch(reply) is not None,
         }
 
+    def preferred_reply(self, task: Problem) -> str:
+        """The number alone: "7"."""
+        return str(task.answer)
+
     def feedback(self, task: Problem, reply: str) -> tuple[str, bool]:
         """The user's next message from :meth:`grade` and whether the task is solved. A correction
         names the right answer and the wanted form (the number alone): information the reply

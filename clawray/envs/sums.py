@@ -48,6 +48,10 @@ class SumsEnv(Environment):
         number_only = _NUMBER_ONLY.fullmatch(reply) is not None
         return {"solved": correct and number_only, "correct": correct, "number_only": number_only}
 
+    def preferred_reply(self, task: Problem) -> str:
+        """The number alone: "7"."""
+        return str(task.answer)
+
     def feedback(self, task: Problem, reply: str) -> tuple[str, bool]:
         """The user's next message from :meth:`grade` and whether the task is solved."""
         g = self.grade(task, reply)

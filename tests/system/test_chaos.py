@@ -583,14 +583,14 @@ def _chaos_bench():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["teacher", "queue", "tracker"])
-def test_killed_teacher_queue_or_tracker_is_restarted_and_nothing_is_lost(ray_cluster, tiny_model, tmp_path, kind):
-    """The kill matrix's other restartable kinds (bench/chaos.py: SIGKILL after the first step, then
-    stop, resume and audit by (session_id, turn_index)): Ray restarts the actor, a later step completes
-    with /health 200, and every acknowledged sample is trained exactly once."""
+def test_killed_teacher_queue_and_tracker_are_restarted_in_turn_and_nothing_is_lost(ray_cluster, tiny_model, tmp_path):
+    """The kill matrix's other restartable kinds, one after another in one run (bench/chaos.py
+    ``teacher+queue+tracker``: SIGKILL after the first step; each next kill once a later step completed
+    with /health 200; then stop, resume and audit by (session_id, turn_index)): Ray restarts each
+    actor, and every acknowledged sample is trained exactly once."""
     chaos = _chaos_bench()
-    row = chaos.one(kind, tiny_model, str(tmp_path))
-    print(f"\nkill -9 {kind}: {row}")
-    assert row["outcome"] == "recovered", row
+    row = chaos.one("teacher+queue+tracker", tiny_model, str(tmp_path))
+    print(f"\nkill -9 teacher, then queue, then tracker: {row}")
+    assert (row["teacher_outcome"], row["queue_outcome"], row["outcome"]) == ("recovered",) * 3, row
     assert row["acknowledged"] > 0 and row["lost"] == 0 and row["trained_twice"] == 0, row
     assert chaos.passed(row)

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     "preset, extra",
     [
-        ("conf/opd.yaml", []),
-        ("conf/combine.yaml", []),
-        ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8"]),
-        ("conf/opd.yaml", ["opd.teacher=live"]),
+        ("conf/opd.yaml", ["opd.premise_check=warn"]),  # the premise probe runs, says, and training goes on
+        ("conf/combine.yaml", ["opd.premise_check=none"]),
+        ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8", "opd.premise_check=none"]),
+        ("conf/opd.yaml", ["opd.teacher=live", "opd.premise_check=none"]),
     ],
 )
 def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
@@ -56,7 +56,13 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
         else:
             assert any(k.startswith("dispatch/") for k in sessions)
         metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-        assert [m["policy_version"] for m in metrics] == [1, 2]
+        probed = "opd.premise_check=warn" in extra
+        assert [m["policy_version"] for m in metrics] == ([0, 1, 2] if probed else [1, 2])
+        if probed:  # the probe's row: the brief task's 16 held-out prompts, the tiny teacher sampled
+            assert d.premise.probed == 16 and d.premise.verdict in ("informative", "inconclusive", "anti-informative")
+            assert metrics[0]["step"] == 0 and metrics[0]["premise/items"] == len(d.premise.items) >= 4
+            assert 0 <= metrics[0]["premise/solved_hinted"] <= 1
+            metrics = metrics[1:]
         last = metrics[-1]
         assert 0 < last["judge/hint_acceptance_rate"] <= 1 and last["judge/mean_hint_chars"] > cfg.opd.min_hint_chars
         assert last["teacher/scored"] >= 1 and last["timing/teacher_scoring_s"] > 0

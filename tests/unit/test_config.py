@@ -207,8 +207,8 @@ def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
     assert (
-        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 24
-    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode
+        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 25
+    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode + opd.premise_check
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice
@@ -361,3 +361,15 @@ def test_engine_backend_arguments_from_the_rollout_section_and_the_openclaw_pres
     assert backend_kwargs(off.rollout, "vllm", 0)["enable_prefix_caching"] is False
     assert backend_kwargs(off.rollout, "hf", 0) == {"dtype": "float32", "seed": 0}
     assert (cfg.model.build, cfg.serve.model_name) == ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b")
+
+
+def test_the_qwen_opd_preset_probes_its_premise_and_refuses_without_it():
+    cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/opd.yaml", "conf/qwen-cpu.yaml"], [])
+    assert (cfg.model.build, cfg.env.name, cfg.trainer.algo) == ("qwen2.5-coder-0.5b", "terse", "opd")
+    assert (cfg.opd.premise_check, cfg.opd.premise_prompts, cfg.opd.premise_follow_n) == ("refuse", 16, 4)
+    assert load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/combine.yaml"], []).opd.premise_check == "refuse"
+    assert load_config(["conf/rl.yaml"], []).opd.premise_check == "warn"  # the library says, never stops
+    assert load_config(["conf/rl.yaml"], ["opd.premise_check=none"]).opd.premise_check == "none"
+    for value in ("maybe", "off"):  # YAML reads a bare off as False: "none" is the word
+        with pytest.raises(ConfigError, match="premise_check"):
+            load_config(["conf/rl.yaml"], [f"opd.premise_check={value}"])

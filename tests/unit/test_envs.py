@@ -147,7 +147,7 @@ def test_arith_env_wraps_the_old_check():
 
 
 def test_unknown_environment():
-    assert ENVIRONMENTS == ("arith", "sums", "brief", "student", "teacher")
+    assert ENVIRONMENTS == ("arith", "sums", "brief", "terse", "student", "teacher")
     with pytest.raises(ValueError, match="unknown environment"):
         make_env("chess")
     with pytest.raises(ValueError, match="unknown problem level"):
@@ -165,3 +165,33 @@ def test_env_from_config_takes_the_env_section_with_the_schema_defaults():
     assert env_from_config(OmegaConf.structured(EnvConfig(name="sums"))).name == "sums"  # an omegaconf node
     with pytest.raises(ConfigError, match="nmae"):  # a misspelt key is an error, not the arith default
         env_from_config({"nmae": "sums"})
+
+
+def test_terse_asks_plainly_and_says_the_preference_only_when_correcting():
+    env = make_env("terse")
+    task = env.prompts("eval", 0)[0]
+    assert env.opening(task) == [{"role": "user", "content": task.question}]  # no stated preference
+    assert env.feedback(task, str(task.answer)) == ("Correct, thanks! That is exactly what I wanted.", True)
+    said, solved = env.feedback(task, f"{task.question[8:-1]} equals {task.answer}.")
+    assert not solved and "please redo it as just the number, no words, no equation" in said
+    assert env.grade(task, f"The answer is {task.answer}.") == {"solved": False, "correct": True, "number_only": False}
+    assert [t.question for t in env.prompts("eval", 3)] == [t.question for t in make_env("sums").prompts("eval", 3)]
+
+
+@pytest.mark.parametrize("name, level", [("arith", 1), ("arith", 3), ("sums", 3), ("brief", 3), ("terse", 3)])
+def test_every_correction_reads_as_a_complaint_and_every_acceptance_as_praise(name, level):
+    """The ``feedback`` judge scores the next state by its words: a correction it read as praise or
+    as nothing would never be trained (no hint in OPD, a wrong sign in Binary RL)."""
+    from clawray.algos.feedback import user_text_sign
+
+    env = make_env(name, level)
+    for task in env.prompts("eval", 0)[:10]:
+        for reply in (
+            "no idea",
+            f"The result: {task.answer + 1}",
+            f"**{task.answer}**\n\n- so the sum is {task.answer}",
+        ):
+            said, solved = env.feedback(task, reply)
+            assert not solved and user_text_sign(said) == -1, (reply, said)
+        said, solved = env.feedback(task, env.preferred_reply(task))
+        assert solved and user_text_sign(said) == 1, said

@@ -51,6 +51,7 @@ LAYERS = {
     "clawray.journal": 3,
     "clawray.recovery": 3,
     "clawray.evaluation": 3,
+    "clawray.premise": 3,
     "clawray.monitor": 3,
     # 4: the Ray actors
     "clawray.actors": 4,
