@@ -649,10 +649,24 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
     if cfg is _schema():
         cfg = copy.deepcopy(cfg)
     for key, f, _ in schema_fields():
-        _check_field(key, f, OmegaConf.select(cfg, key))
+        value = OmegaConf.select(cfg, key)
+        if (word := _yaml_boolean_word(f, value)) is not None:
+            OmegaConf.update(cfg, key, word)
+            value = word
+        _check_field(key, f, value)
     _check_cross_fields(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _yaml_boolean_word(f: dataclasses.Field, value: Any) -> str | None:
+    """The choice a bare YAML ``off``/``on`` meant: YAML 1.1 reads them as booleans, which reach a
+    string field as ``"False"``/``"True"``; None when ``value`` is not such a word or the field has
+    no such choice (``serve.session_binding=off`` is ``"off"``)."""
+    word = (
+        {"False": "off", "True": "on", False: "off", True: "on"}.get(value) if isinstance(value, (str, bool)) else None
+    )
+    return word if word is not None and word in f.metadata.get("choices", ()) else None
 
 
 def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:

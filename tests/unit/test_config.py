@@ -373,3 +373,12 @@ def test_the_qwen_opd_preset_probes_its_premise_and_refuses_without_it():
     for value in ("maybe", "off"):  # YAML reads a bare off as False: "none" is the word
         with pytest.raises(ConfigError, match="premise_check"):
             load_config(["conf/rl.yaml"], [f"opd.premise_check={value}"])
+
+
+def test_a_bare_yaml_off_is_the_choice_off_where_a_field_has_it(tmp_path):
+    """YAML 1.1 reads ``off`` as False (it reached the field as "False" and was refused)."""
+    assert load_config(["conf/rl.yaml"], ["serve.session_binding=off"]).serve.session_binding == "off"
+    preset = tmp_path / "p.yaml"
+    preset.write_text("serve:\n  session_binding: off\n")
+    assert load_config(["conf/rl.yaml", str(preset)], []).serve.session_binding == "off"
+    assert load_config(["conf/rl.yaml"], ["serve.session_binding=strict"]).serve.session_binding == "strict"
