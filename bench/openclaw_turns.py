@@ -9,6 +9,10 @@ judged here; the training job's funnel adds judged and trained (docs/openclaw.md
 
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 3 --no-prefix-caching
+    PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10 --tags-only   # serve.untagged_tool_calls off
+
+It also prints the tool calls the policy made (from the served turns' records) and what OpenClaw
+left in ``answer.txt``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -61,6 +66,8 @@ def main() -> int:
     p.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct"))
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tags-only", action="store_true", help="serve.untagged_tool_calls=false")
+    p.add_argument("--lean", action="store_true", help="OpenClaw's lean config (clawray.openclaw.write_config)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply OpenClaw asks for")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     ns = p.parse_args()
@@ -77,6 +84,7 @@ def main() -> int:
         f"serve.port={port}",
         f"run_dir={run_dir}",
         f"rollout.prefix_caching={str(not ns.no_prefix_caching).lower()}",
+        f"serve.untagged_tool_calls={str(not ns.tags_only).lower()}",
     ]
     server = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -86,14 +94,19 @@ def main() -> int:
         claw = openclaw.install()
         workspace = Path(run_dir) / "workspace"
         served = openclaw.served_model(url, "x")
-        openclaw.write_config(claw, url, served["id"], "x", served["max_model_len"], ns.max_tokens, workspace)
+        openclaw.write_config(
+            claw, url, served["id"], "x", served["max_model_len"], ns.max_tokens, workspace, lean=ns.lean
+        )
         (workspace / "homework.txt").write_text("What is 7 + 8?\n")
+        # OpenClaw keeps its sessions in its home (shared by every run): a fresh id starts a fresh
+        # conversation instead of continuing the previous bench's
+        session = f"bench-{uuid.uuid4().hex[:8]}"
         rows = []
         for k, message in enumerate(MESSAGES[: ns.turns]):
             before = httpx.get(f"{root}/health", timeout=30).json()["traffic"]["requests"]
             t = time.monotonic()
             argv = claw.command(
-                ["agent", "--local", "--session-id", "bench", "-m", message, "--json", "--timeout", "900"]
+                ["agent", "--local", "--session-id", session, "-m", message, "--json", "--timeout", "900"]
             )
             done = subprocess.run(argv, env=claw.environment(), capture_output=True, text=True, timeout=1200)
             wall = time.monotonic() - t
@@ -104,8 +117,25 @@ def main() -> int:
             )
         traffic = httpx.get(f"{root}/health", timeout=30).json()["traffic"]
         walls = [r["wall_s"] for r in rows]
+        records = Path(run_dir) / "records" / "turns.jsonl"
+        turns = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
+        calls = [
+            [c["function"]["name"] for c in t["response_message"].get("tool_calls") or []]
+            for t in turns
+            if t.get("kind", "main") == "main"
+        ]
+        answer = workspace / "answer.txt"
         result = {
             "prefix_caching": not ns.no_prefix_caching,
+            "untagged_tool_calls": not ns.tags_only,
+            "lean": ns.lean,
+            "prompt_tokens": [len(t["prompt_ids"]) for t in turns if "prompt_ids" in t],
+            "tool_calls": {
+                "requests_with_calls": sum(bool(c) for c in calls),
+                "recorded_turns": len(calls),
+                "names": sorted({n for c in calls for n in c}),
+            },
+            "answer_txt": answer.read_text() if answer.exists() else None,
             "turns": rows,
             "first_turn_s": walls[0],
             "later_turns_mean_s": round(sum(walls[1:]) / max(1, len(walls) - 1), 1),

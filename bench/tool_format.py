@@ -2,11 +2,13 @@
 
 a. hint following: 12 small sums, plain and with "[hint: reply with just the number]": replies that
    are exactly the number;
-b. tool calls: 8 prompts that need one of three offered tools: the wrapper the model writes
-   (``<tool_call>`` tags, a fenced ```json block, bare JSON, none) and whether name and arguments are right;
-c. lenient-parser false positives: 8 ordinary prompts whose answer is JSON, the same tools offered:
-   replies that a lenient parser (a whole-reply JSON object, bare or fenced, whose "name" is an
-   offered tool and whose "arguments" is an object) would take for a tool call.
+b. tool calls: 8 prompts that need one of three offered tools, plain and with a hint that asks for
+   ``<tool_call>`` tags: the wrapper the model writes (``<tool_call>`` tags, a fenced ```json block,
+   bare JSON, none), and how many of the plain replies clawray's parser reads as the right call with
+   ``serve.untagged_tool_calls`` on (:func:`clawray.serve.reply.untagged_tool_calls`) and off;
+c. false positives: 16 ordinary prompts whose answer is JSON, the same tools offered: replies the
+   parser reads as a tool call (with the option on), and replies a lenient rule (any whole-reply
+   JSON object whose "name" is an offered tool and whose "arguments" is an object) would.
 
     PYTHONPATH=. .venv/bin/python bench/tool_format.py --model ~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct
 """
@@ -52,7 +54,16 @@ ORDINARY = [
     "Write a JSON config with keys host and port.",
     "Return only a JSON array of three fruit names.",
     "How would I represent {name: read_file, path: a.txt} as valid JSON?",
+    "Give me a JSON object with the fields title and year for the movie Alien (1979).",
+    "Write a package.json with a name and a version field.",
+    "Describe a 2D point (x 3, y 4) as a JSON object.",
+    "Show a JSON array of two users, each with an id and an email.",
+    "What would an API error response look like in JSON, with code and message?",
+    "Encode a shopping list (eggs, bread) as JSON.",
+    "Give me the JSON for a weather report: city Paris, temperature 21, sky clear.",
+    "Make a JSON object mapping three colour names to hex codes.",
 ]
+TAG_HINT = '[hint: call the tool by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>, nothing else]'
 
 
 def wrapper(text: str) -> tuple[str, list]:
@@ -89,6 +100,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from clawray.serve.reply import parse_reply_text
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct"))
     ns = p.parse_args()
@@ -114,15 +127,32 @@ def main() -> int:
         exact(reply(f"What is {x} + {y}? [hint: reply with just the number]", max_new=48), x + y) for x, y in SUMS
     )
     print(f"a. just the number: plain {plain}/{len(SUMS)}, with the hint {hinted}/{len(SUMS)}")
-    kinds, right = [], 0
+    kinds, hinted_kinds, right, read, read_off = [], [], 0, 0, 0
     for text, name, args in CALLS:
-        kind, values = wrapper(reply(text, TOOLS))
+        r = reply(text, TOOLS)
+        kind, values = wrapper(r)
         call = values[0] if values and isinstance(values[0], dict) else {}
         kinds.append(kind)
         right += call.get("name") == name and call.get("arguments") == args
+        for untagged in (True, False):
+            calls = parse_reply_text(r, tools=TOOLS, untagged=untagged).tool_calls
+            ok = len(calls) == 1 and calls[0]["function"]["name"] == name
+            ok = ok and json.loads(calls[0]["function"]["arguments"]) == args
+            read, read_off = read + (ok and untagged), read_off + (ok and not untagged)
+        hinted_kinds.append(wrapper(reply(f"{text} {TAG_HINT}", TOOLS))[0])
     print(f"b. tool calls: wrappers {kinds}; name and arguments right {right}/{len(CALLS)}")
-    false = [lenient_call(reply(text, TOOLS, 128)) for text in ORDINARY]
-    print(f"c. ordinary JSON replies a lenient parser takes for a tool call: {sum(false)}/{len(ORDINARY)}")
+    print(f"   with a hint asking for <tool_call> tags: wrappers {hinted_kinds}")
+    print(f"   read as the right call: untagged_tool_calls on {read}/{len(CALLS)}, off {read_off}/{len(CALLS)}")
+    replies = [reply(text, TOOLS, 128) for text in ORDINARY]
+    parsed = sum(bool(parse_reply_text(r, tools=TOOLS, untagged=True).tool_calls) for r in replies)
+    lenient = sum(lenient_call(r) for r in replies)
+    print(
+        f"c. ordinary JSON replies read as a tool call: untagged_tool_calls {parsed}/{len(ORDINARY)}, "
+        f"a lenient rule {lenient}/{len(ORDINARY)}"
+    )
+    for text, r in zip(ORDINARY, replies):
+        if lenient_call(r):
+            print(f"   lenient: {text!r} -> {r.strip()[:100]!r}")
     return 0
 
 

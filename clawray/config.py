@@ -218,6 +218,10 @@ class ServeConfig:
     # request; "echo": once a request carried it, every later one must (403 otherwise); "strict": every
     # later request must carry it; "off": no tokens (README, "Reliability and security")
     session_binding: str = choice("echo", "strict", "off")
+    # also read a reply that is nothing but a tool call written without <tool_call> tags (bare JSON or
+    # one fenced json block) whose name and arguments fit an offered tool: Qwen2.5-Coder-0.5B writes
+    # its calls so (clawray.serve.reply.untagged_tool_calls; README, "Tool calls")
+    untagged_tool_calls: bool = False
 
     @property
     def max_body_bytes(self) -> int:

@@ -120,12 +120,16 @@ class Driver:
         self.behaviour = EntropyController(
             0.0, cfg.learner.behaviour_floor, cfg.learner.entropy_coef_lr, cfg.learner.entropy_coef_max
         )
-        self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.behaviour)  # every monitor.every_steps
+        self.monitor = BehaviourMonitor(
+            cfg.monitor, cfg.env, self.behaviour, cfg.serve.untagged_tool_calls
+        )  # every monitor.every_steps
         self.model_path = cfg.model.path  # the policy's HF folder; setup resolves it (a build, a conversion)
         self.all_masked_dropped = 0
         self.zero_variance_dropped = 0  # samples rejected by dynamic sampling (trainer.dynamic_sampling)
         self.samples_trained = 0  # samples that reached an optimizer step (all-masked and skipped ones not)
-        self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir)  # before, every eval.every_steps, after
+        self.evals = RunEvaluations(
+            cfg.eval, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls
+        )  # before, every eval.every_steps, after
         self.eval_results = self.evals.results  # {"when", "step", "policy_version", "metrics", ...} each
         self.skipped_steps: dict[str, int] = {}
         self.checkpoint_failures = 0  # periodic checkpoints the disk refused (the run goes on)
@@ -1362,6 +1366,7 @@ def eval_command(cfg: DictConfig, model: str) -> str:
         f"{clawray_command()} eval {model} --env {env.name} --level {env.level}{data} --n {ev.n} "
         f"--num-prompts {ev.num_prompts} --temperature {ev.temperature} --seed {ev.seed} "
         f"--max-tokens {env.max_tokens} --backend {ro.backend} --dtype {engine_dtype(ro.backend, ro.dtype)}"
+        + (" --untagged-tool-calls" if cfg.serve.untagged_tool_calls else "")
     )
 
 

@@ -109,6 +109,7 @@ class Evaluator:
         seed: orders the split's prompts and seeds each sample.
         max_tokens: most response tokens per sample.
         split: ``"eval"`` (held out) or ``"train"``.
+        untagged_tool_calls: parse replies as the server does with ``serve.untagged_tool_calls``.
 
     Raises:
         ValueError: ``n`` < 1, ``num_prompts`` < 0, or a split with no prompts.
@@ -125,11 +126,13 @@ class Evaluator:
         seed: int = 0,
         max_tokens: int = 96,
         split: str = "eval",
+        untagged_tool_calls: bool = False,
     ):
         if n < 1 or num_prompts < 0 or max_tokens < 1:
             raise ValueError(f"need n >= 1, num_prompts >= 0, max_tokens >= 1; got {n}, {num_prompts}, {max_tokens}")
         self.env, self.tokenizer = env, tokenizer
         self.n, self.temperature, self.seed, self.max_tokens, self.split = n, temperature, seed, max_tokens, split
+        self.untagged_tool_calls = untagged_tool_calls
         tasks = env.prompts(split, seed)
         self.tasks: list[Problem] = tasks[:num_prompts] if num_prompts else tasks
         if not self.tasks:
@@ -165,7 +168,8 @@ class Evaluator:
         from clawray.serve.reply import parse_reply_text
 
         body = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_ids else response_ids
-        return parse_reply_text(self.reply_text.complete(body), tools=self.env.tools or True).message()
+        text = self.reply_text.complete(body)
+        return parse_reply_text(text, tools=self.env.tools or True, untagged=self.untagged_tool_calls).message()
 
     def run(self, generate: Callable[[list[GenerateRequest]], list[Any]], chunk: int = 0) -> dict[str, Any]:
         """Generate with ``generate(requests) -> outputs`` (each a ``GenerateOutput`` or a dict with
@@ -258,10 +262,12 @@ class RunEvaluations:
             ``temperature``, ``seed``).
         env_cfg: the ``env`` config section (the environment and its ``max_tokens``).
         run_dir: the run folder.
+        untagged_tool_calls: ``serve.untagged_tool_calls`` (replies are parsed as served).
     """
 
-    def __init__(self, eval_cfg: Any, env_cfg: Any, run_dir: str):
+    def __init__(self, eval_cfg: Any, env_cfg: Any, run_dir: str, untagged_tool_calls: bool = False):
         self.cfg, self.env_cfg, self.run_dir = eval_cfg, env_cfg, run_dir
+        self.untagged_tool_calls = untagged_tool_calls
         self.results: list[dict[str, Any]] = []  # {"when", "step", "policy_version", "metrics", ...} each
         self._evaluator: Evaluator | None = None
 
@@ -330,5 +336,6 @@ class RunEvaluations:
                 seed=ev.seed,
                 max_tokens=env.max_tokens,
                 split="eval",
+                untagged_tool_calls=self.untagged_tool_calls,
             )
         return self._evaluator

@@ -48,6 +48,7 @@ class BehaviourProbe:
         prompts: ``[P]`` chat message lists; tools: the tool definitions rendered with them, or None.
         k: replies per prompt (>= 2); max_tokens: per reply; seed: see the module docstring;
         ngram: n of the self-similarity n-grams.
+        untagged_tool_calls: parse replies as the server does with ``serve.untagged_tool_calls``.
     """
 
     def __init__(
@@ -59,11 +60,13 @@ class BehaviourProbe:
         max_tokens: int = 64,
         seed: int = 0,
         ngram: int = 2,
+        untagged_tool_calls: bool = False,
     ):
         if k < 2 or not prompts:
             raise ValueError(f"the probe needs k >= 2 and at least one prompt, got k={k}, {len(prompts)} prompts")
         self.tokenizer, self.prompts, self.tools = tokenizer, prompts, tools
         self.k, self.max_tokens, self.seed, self.ngram = k, max_tokens, seed, ngram
+        self.untagged_tool_calls = untagged_tool_calls
         self.stop_ids = [tokenizer.convert_tokens_to_ids(tokenizer.eos_token)]
 
     def requests(self) -> list[GenerateRequest]:
@@ -97,7 +100,10 @@ class BehaviourProbe:
         for out in outs:
             ids = list(out["response_ids"] if isinstance(out, dict) else out.response_ids)
             body = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
-            messages.append(parse_reply_text(reply_text.complete(body), tools=self.tools or True).message())
+            text = reply_text.complete(body)
+            messages.append(
+                parse_reply_text(text, tools=self.tools or True, untagged=self.untagged_tool_calls).message()
+            )
         replies = [messages[i * self.k : (i + 1) * self.k] for i in range(len(self.prompts))]
         return behaviour_stats(replies, self.ngram)
 
@@ -110,10 +116,12 @@ class BehaviourMonitor:
     Args:
         mon_cfg: the ``monitor`` config section; env_cfg: the ``env`` section (the probe prompts).
         controller: the behaviour controller (checkpointed by the driver).
+        untagged_tool_calls: ``serve.untagged_tool_calls`` (replies are parsed as served).
     """
 
-    def __init__(self, mon_cfg: Any, env_cfg: Any, controller: Any):
+    def __init__(self, mon_cfg: Any, env_cfg: Any, controller: Any, untagged_tool_calls: bool = False):
         self.cfg, self.env_cfg, self.controller = mon_cfg, env_cfg, controller
+        self.untagged_tool_calls = untagged_tool_calls
         self._probe: BehaviourProbe | None = None
 
     def maybe_probe(self, steps_done: int, model_path: str, generate: Callable) -> dict[str, float]:
@@ -157,5 +165,6 @@ class BehaviourMonitor:
                 mon.max_tokens,
                 mon.seed,
                 mon.ngram,
+                self.untagged_tool_calls,
             )
         return self._probe

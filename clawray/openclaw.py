@@ -125,6 +125,10 @@ def install(root: Path | str = DEFAULT_ROOT, npm: str | None = None) -> OpenClaw
     return found
 
 
+#: the tools a lean config keeps: the file and shell work of the seed's homework scenario
+LEAN_TOOLS = ("read", "write", "exec")
+
+
 def write_config(
     claw: OpenClaw,
     base_url: str,
@@ -133,11 +137,17 @@ def write_config(
     context_window: int,
     max_tokens: int,
     workspace: Path | str,
+    lean: bool = False,
 ) -> Path:
     """Write OpenClaw's isolated config: the ``clawray`` provider (OpenAI chat completions at
     ``base_url``, e.g. ``http://127.0.0.1:8000/v1``) serving ``model`` with ``context_window``
     tokens and ``max_tokens`` per reply, as the agent's default model, working in ``workspace``.
     Returns the config's path (0600: it holds the API key).
+
+    ``lean``: OpenClaw's own knobs for a small local model (docs: gateway/local-models,
+    config-agents/workspace-and-bootstrap, config-tools/tool-policy): no bootstrap files written or
+    injected (``skipBootstrap``, ``contextInjection: never``), no skills, and only the tools
+    :data:`LEAN_TOOLS` with their schemas sent directly (``tools.allow``, ``toolSearch: false``).
 
     Raises:
         ValueError: ``context_window`` below :data:`MIN_CONTEXT_WINDOW` (OpenClaw refuses it) or
@@ -158,7 +168,7 @@ def write_config(
         "contextWindow": context_window,
         "maxTokens": max_tokens,
     }
-    config = {
+    config: dict = {
         "models": {
             "mode": "replace",
             "providers": {
@@ -174,6 +184,9 @@ def write_config(
             "defaults": {"workspace": str(Path(workspace).resolve()), "model": {"primary": f"{PROVIDER}/{model}"}}
         },
     }
+    if lean:
+        config["agents"]["defaults"].update(skipBootstrap=True, contextInjection="never", skills=[])
+        config["tools"] = {"allow": list(LEAN_TOOLS), "toolSearch": False}
     claw.home.mkdir(parents=True, exist_ok=True, mode=0o700)
     Path(workspace).mkdir(parents=True, exist_ok=True)
     fd = os.open(claw.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

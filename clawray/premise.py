@@ -205,6 +205,7 @@ class PremiseCheck:
             teacher scores at ``temperature`` too, as it scores live turns).
         follow_n: the teacher's replies per hinted turn, with the hint and without.
         alpha, min_items: of :func:`verdict`.
+        untagged_tool_calls: parse replies as the server does with ``serve.untagged_tool_calls``.
 
     Raises:
         ValueError: ``num_prompts`` or ``follow_n`` < 1 (and :class:`~clawray.evaluation.Evaluator`'s errors).
@@ -221,6 +222,7 @@ class PremiseCheck:
         follow_n: int = 4,
         alpha: float = 0.05,
         min_items: int = 4,
+        untagged_tool_calls: bool = False,
     ):
         if num_prompts < 1 or follow_n < 1:
             raise ValueError(f"the premise probe needs num_prompts, follow_n >= 1, got {num_prompts}, {follow_n}")
@@ -235,6 +237,7 @@ class PremiseCheck:
             seed=seed,
             max_tokens=max_tokens,
             split="eval",
+            untagged_tool_calls=untagged_tool_calls,
         )
 
     def run(
@@ -383,6 +386,7 @@ def probe_actors(
         seed=env.seed,
         max_tokens=env.max_tokens,
         follow_n=opd.premise_follow_n,
+        untagged_tool_calls=cfg.serve.untagged_tool_calls,
     )
 
     def generate_on(actor: Any) -> Callable[[list[GenerateRequest]], list[Any]]:

@@ -87,6 +87,27 @@ def init_ray(address: str = "", num_cpus: int = 0) -> None:
                 signal.signal(sig, handler)
 
 
+def actor_death_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a Ray call that mean its actor died: ``RayActorError`` (``ActorDiedError``,
+    ``ActorUnavailableError``, ...) and ``OutOfMemoryError`` (Ray's memory monitor killed the worker
+    that ran the call; its actor is dead or restarting, like any other death)."""
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
+
+
+def death_reason(e: BaseException) -> str:
+    """How an actor died, in words, from the error of a call to it."""
+    import ray
+
+    chain: BaseException | None = e
+    while chain is not None:
+        if isinstance(chain, ray.exceptions.OutOfMemoryError):
+            return "killed by Ray's memory monitor, out of host memory"
+        chain = chain.__cause__ or chain.__context__
+    return "killed or crashed"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` (default: this machine's loopback) that is free right now."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

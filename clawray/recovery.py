@@ -3,7 +3,7 @@
 Design: every actor the Driver owns has a role name (``rollout-0``, ``learner rank 1``, ``judge-0``,
 ``teacher-0``, ``session tracker``, ``trajectory queue``...). When a Ray call fails because an actor
 died (:class:`ray.exceptions.RayActorError`, including ``ActorDiedError`` and
-``ActorUnavailableError``), :func:`actor_lost` turns it into :class:`ActorLost`, whose message names the
+``ActorUnavailableError``, or ``OutOfMemoryError``: Ray's memory monitor killed it), :func:`actor_lost` turns it into :class:`ActorLost`, whose message names the
 role (never the actor id, pid or Ray namespace) and says what survives: the samples and the session
 state are in the journal (:mod:`clawray.journal`), so ``resume=true`` continues from the last
 checkpoint with nothing acknowledged lost.
@@ -29,6 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+
+from clawray.ray_env import actor_death_errors, death_reason
 
 
 class ActorLost(RuntimeError):
@@ -80,14 +82,14 @@ def actor_lost(driver: Any, exc: BaseException) -> ActorLost | None:
     """
     seen = exc
     while seen is not None:
-        if isinstance(seen, ray.exceptions.RayActorError):
+        if isinstance(seen, actor_death_errors()):
             roles = actor_roles(driver)
             actor_id = getattr(seen, "actor_id", None)
             role, kind = roles.get(actor_id, ("", "actor")) if actor_id else ("", "actor")
             if not role:
                 role = _first_dead(roles) or "unknown"
                 kind = next((k for r, k in roles.values() if r == role), "actor")
-            return ActorLost(role, kind, "killed or crashed")
+            return ActorLost(role, kind, death_reason(seen))
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -167,11 +169,11 @@ def check_actors(driver: Any, timeout_s: float = 10.0) -> None:
             ray.get(ref)
         except ray.exceptions.ActorUnavailableError:
             continue
-        except ray.exceptions.RayActorError:
+        except actor_death_errors() as e:
             # a call in flight when a restartable actor died fails too (no task retries): ask again
             if not _alive_after_restart(handles[refs[ref]], timeout_s):
                 role, kind = roles[refs[ref]]
-                raise ActorLost(role, kind, "killed or crashed") from None
+                raise ActorLost(role, kind, death_reason(e)) from None
 
 
 def _alive_after_restart(actor: Any, timeout_s: float) -> bool:
@@ -188,7 +190,7 @@ def _alive_after_restart(actor: Any, timeout_s: float) -> bool:
             time.sleep(0.5)
         except ray.exceptions.GetTimeoutError:
             return True
-        except ray.exceptions.RayActorError:
+        except actor_death_errors():
             return False
     return True
 
@@ -343,8 +345,8 @@ def learner_lost(driver: Any, exc: BaseException) -> "ActorLost | None":
     for i, w in enumerate(workers):  # the actor table may lag the death by a moment: ask each rank
         try:
             ray.get(w.__ray_ready__.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            return ActorLost(f"learner rank {i}", "learner", "killed or crashed")
+        except actor_death_errors() as e:
+            return ActorLost(f"learner rank {i}", "learner", death_reason(e))
         except ray.exceptions.GetTimeoutError:
             continue
     lost = actor_lost(driver, exc)
@@ -416,7 +418,7 @@ def step_or_recover(driver: Any) -> None:
             raise
         driver.learner_restarts += 1
         rebuild_learners(driver, lost)
-    except ray.exceptions.RayActorError as e:
+    except actor_death_errors() as e:
         lost = actor_lost(driver, e)
         if lost is not None and lost.kind == "learner" and driver.learner_restarts < driver.cfg.learner.max_restarts:
             driver.learner_restarts += 1

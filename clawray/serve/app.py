@@ -85,6 +85,7 @@ from clawray.chat import RequestError, attribution_keys, conversation_keys, end_
 from clawray.client_rules import session_hint
 from clawray.config import ServeConfig, section
 from clawray.engines.base import GenerateRequest
+from clawray.ray_env import actor_death_errors
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.routing import DOWN, UP, choose_engine, engine_state
@@ -227,8 +228,9 @@ class _NoEngineUp(RuntimeError):
     """Every rollout engine is down, restarting or awaiting its re-sync."""
 
 
-# an engine call failing with one of these means the engine (not the request) is unavailable
-_ENGINE_DOWN = (ray.exceptions.RayActorError, EngineRestartedError)
+# an engine call failing with one of these means the engine (not the request) is unavailable: it died
+# (also when Ray's memory monitor killed it: OutOfMemoryError) or was restarted and awaits its re-sync
+_ENGINE_DOWN = (*actor_death_errors(), EngineRestartedError)
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -936,7 +938,10 @@ class PolicyServer:
     async def _complete(self, call: _Call) -> JSONResponse:
         outs = await self._on_engine(call, lambda engine: self._generate_all(call, engine))
         texts = [self.reply_text.complete(self._body_ids(call, o["response_ids"])) for o in outs]
-        parsed = [parse_reply_text(text, call.in_reasoning, tools=call.req.tools) for text in texts]
+        parsed = [
+            parse_reply_text(text, call.in_reasoning, tools=call.req.tools, untagged=self.cfg.untagged_tool_calls)
+            for text in texts
+        ]
         turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
         completion = sum(len(o["response_ids"]) for o in outs)
@@ -1018,7 +1023,9 @@ class PolicyServer:
                     yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": value})
 
         detoks = [IncrementalDetokenizer(self.reply_text) for _ in range(n)]
-        parsers = [ReplyParser(call.in_reasoning, tools=req.tools) for _ in range(n)]
+        parsers = [
+            ReplyParser(call.in_reasoning, tools=req.tools, untagged=self.cfg.untagged_tool_calls) for _ in range(n)
+        ]
         outs: list[dict | None] = [None] * n
         merged: asyncio.Queue = asyncio.Queue()
 

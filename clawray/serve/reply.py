@@ -29,6 +29,13 @@ Reply grammar (hermes / Qwen conventions)::
 * Tool-call blocks are parsed only when the request offered tools (``tools`` given and
   ``tool_choice`` not ``"none"``, as vLLM): otherwise a ``<tool_call>`` block is plain content, so a
   client that offered no tool never receives a tool call.
+* Untagged calls (``untagged=True``, ``serve.untagged_tool_calls``): Qwen2.5-Coder-0.5B-Instruct
+  writes its calls as bare JSON or one fenced ```json block and never inside ``<tool_call>`` tags,
+  not even when a hint asks for the tags (0 of 8 prompts either way, ``bench/tool_format.py``). With
+  the option on, a reply whose whole content (outside a think block) is one such call, or a JSON list
+  of them, is a tool call when every call fits an offered tool (:func:`untagged_tool_calls`); any
+  other reply is content, unflagged. Streaming holds back a reply that starts with ``{``, ``[`` or
+  a code fence until it ends, since only the whole reply decides.
 """
 
 from __future__ import annotations
@@ -204,6 +211,92 @@ def parse_tool_block(body: str, types: dict[str, dict[str, Any]] | None = None) 
     return calls
 
 
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.DOTALL)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether a decoded JSON value has the JSON-schema type ``kind`` (a type name, a list of them,
+    or None for any); ``True`` is no integer here, as in JSON schema."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if None in kinds or any(k not in _JSON_TYPES and k != "null" for k in kinds):
+        return True
+    if value is None:
+        return "null" in kinds
+    if isinstance(value, bool):
+        return "boolean" in kinds
+    return any(isinstance(value, _JSON_TYPES[k]) for k in kinds if k in _JSON_TYPES)
+
+
+def tool_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """``{tool name: its JSON-schema parameters object}`` of an OpenAI ``tools`` list."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            out[fn["name"]] = params if isinstance(params, dict) else {}
+    return out
+
+
+def untagged_tool_calls(text: str, schemas: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The tool calls of a reply written without ``<tool_call>`` tags, or None when it is not one.
+
+    A call is read only when the whole text (stripped) is one JSON value, bare or as the only thing
+    in a fenced ```json (or plain ```) block, and that value is a call object or a non-empty list of
+    them. A call object has exactly the keys ``name`` and ``arguments`` (or ``parameters``);
+    ``name`` is an offered tool; ``arguments`` is an object holding every ``required`` parameter of
+    that tool's schema, no parameter the schema does not list (when it lists any), and values of the
+    schema's types. Anything else (prose around the JSON, an example object, a call to a tool that
+    was not offered, arguments of the wrong shape) is content. Measured on Qwen2.5-Coder-0.5B, greedy,
+    three tools offered (``bench/tool_format.py``): 5 of 8 tool requests become the right call (0 of 8
+    with tags only); of 16 requests for ordinary JSON, 4 replies are a valid call of an offered tool
+    ("the JSON for a weather report: city Paris" -> ``get_weather(city=Paris)``: the model chose the
+    tool, and the tool's result is then the turn's next state), where a rule without the schema
+    checks would take 6.
+
+    Args:
+        text: the reply's content (no think block).
+        schemas: :func:`tool_schemas` of the request's tools.
+
+    Returns:
+        ``[{"name": str, "arguments": dict}, ...]`` or None.
+    """
+    body = text.strip()
+    if fence := _FENCE.fullmatch(body):
+        body = fence.group(1).strip()
+    if not body or body[0] not in "{[":
+        return None
+    try:
+        value = STRICT_JSON.decode(body)
+    except (ValueError, RecursionError):
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for obj in items:
+        if not isinstance(obj, dict) or len(obj) != 2 or "name" not in obj:
+            return None
+        args = obj.get("arguments", obj.get("parameters"))
+        schema = schemas.get(obj["name"]) if isinstance(obj["name"], str) else None
+        if schema is None or not isinstance(args, dict):
+            return None
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        if any(key not in args for key in required) or (props and any(key not in props for key in args)):
+            return None
+        if not all(_fits(v, props[k].get("type")) for k, v in args.items() if isinstance(props.get(k), dict)):
+            return None
+        calls.append({"name": obj["name"], "arguments": args})
+    return calls or None
+
+
 class ReplyParser:
     """Splits a reply into reasoning, content and tool calls as its text arrives.
 
@@ -217,13 +310,20 @@ class ReplyParser:
         make_id: tool-call id factory (tests pass a deterministic one).
         tools: the request's tools (an OpenAI ``tools`` list, whose schemas type XML parameter
             values) or a bool; when falsy, ``<tool_call>`` blocks are content.
+        untagged: also read a whole reply that is a call without tags (:func:`untagged_tool_calls`;
+            needs ``tools`` as a list, whose schemas it checks).
     """
 
     def __init__(
-        self, in_reasoning: bool = False, make_id: Callable[[], str] | None = None, tools: bool | list | None = True
+        self,
+        in_reasoning: bool = False,
+        make_id: Callable[[], str] | None = None,
+        tools: bool | list | None = True,
+        untagged: bool = False,
     ):
         self.tools = bool(tools)
         self.types = tool_parameter_types(tools) if isinstance(tools, list) else {}
+        self.schemas = tool_schemas(tools) if untagged and isinstance(tools, list) else {}
         self.state = "reasoning" if in_reasoning else "start"
         self.make_id = make_id or (lambda: f"call_{uuid.uuid4().hex[:24]}")
         self.pending = ""  # text not yet classified (a possible partial tag, or the undecided start)
@@ -248,6 +348,16 @@ class ReplyParser:
                     self.result.reasoning_content = ""
                 else:
                     self.state = "content"
+            elif self.state == "content" and self.schemas and not self.content_started:
+                head = self.pending.lstrip()
+                if not head or "```".startswith(head):  # undecided: nothing yet, or a partial fence
+                    break
+                if head[0] in "{[" or head.startswith("```"):  # maybe a call: only the whole reply tells
+                    self.state = "untagged"
+                    continue
+                self.schemas = {}  # plain content: parse on as without the option
+            elif self.state == "untagged":
+                break  # held until finish()
             elif self.state == "reasoning":
                 end = self._emit_until(THINK_CLOSE, self._reasoning, out)
                 if end < 0:
@@ -269,6 +379,14 @@ class ReplyParser:
     def finish(self) -> list[tuple[str, Any]]:
         """Flush: classify what is left, parse the tool-call blocks; returns the last deltas."""
         out: list[tuple[str, Any]] = []
+        if self.state == "untagged" or (self.state == "content" and self.schemas and not self.content_started):
+            if calls := untagged_tool_calls(self.pending, self.schemas):
+                self.pending = ""
+                self._emit_calls(calls, out)
+                self.result.content = None
+                return out
+            self.state, self.schemas = "content", {}
+            out += self.feed("")  # not a call: the held text is parsed as any reply's
         rest, self.pending = self.pending, ""
         if self.state == "reasoning":
             self._reasoning(rest, out)
@@ -306,6 +424,9 @@ class ReplyParser:
             self._content_text(buf, out)
             return
         self._content_text("".join(outside), out)
+        self._emit_calls(calls, out)
+
+    def _emit_calls(self, calls: list[dict[str, Any]], out: list) -> None:
         for i, call in enumerate(calls):
             tc = {
                 "id": self.make_id(),
@@ -350,9 +471,11 @@ class ReplyParser:
         out.append(("content", piece))
 
 
-def parse_reply_text(text: str, in_reasoning: bool = False, tools: bool | list | None = True) -> ParsedReply:
+def parse_reply_text(
+    text: str, in_reasoning: bool = False, tools: bool | list | None = True, untagged: bool = False
+) -> ParsedReply:
     """Parse a whole reply at once (the non-streamed path); see :class:`ReplyParser`."""
-    parser = ReplyParser(in_reasoning, tools=tools)
+    parser = ReplyParser(in_reasoning, tools=tools, untagged=untagged)
     parser.feed(text)
     parser.finish()
     return parser.result

@@ -130,6 +130,8 @@ def _reason(e: BaseException) -> str:
     """A one-line cause of a failed Ray call (the remote exception, not Ray's traceback wrapper)."""
     if isinstance(e, ray.exceptions.GetTimeoutError):
         return "timed out"
+    if isinstance(e, ray.exceptions.OutOfMemoryError):
+        return "actor killed by Ray's memory monitor, out of host memory"
     if isinstance(e, ray.exceptions.RayActorError):
         return "actor died or is unreachable"
     cause = getattr(e, "cause", None) or e

@@ -1,6 +1,7 @@
 """The real OpenClaw agent (npm ``openclaw``, pinned in clawray.openclaw, installed once into
 ~/.cache/clawray/openclaw by ``clawray openclaw``) through a clawray PolicyServer: a multi-turn
-conversation with two tool round trips (read a homework file, write the answer back), sent the way
+conversation with two tool round trips (read a homework file, write the answer back; the second call
+written without tags, as Qwen2.5-Coder-0.5B writes calls), sent the way
 OpenClaw really sends it (no session header, an internal-context block per request, rewritten
 tool-call ids, 12 tools, a 40k-character system prompt).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 
 import httpx
 import pytest
@@ -24,7 +26,9 @@ from conftest import scripted_engine_class
 
 pytestmark = pytest.mark.slow
 
-SESSION = "hw1"
+# OpenClaw keeps sessions in its home, shared by every run on this machine: a fresh id per run, or a
+# second run would continue the first one's conversation
+SESSION = f"hw-{uuid.uuid4().hex[:8]}"
 TURNS = [  # (what the user says, the scripted policy's replies to the requests of that turn)
     (
         "Read homework.txt and solve it.",
@@ -32,7 +36,9 @@ TURNS = [  # (what the user says, the scripted policy's replies to the requests 
     ),
     (
         "Write the answer into answer.txt.",
-        ['<tool_call>\n{"name": "write", "arguments": {"path": "answer.txt", "content": "15"}}\n</tool_call>', "Done."],
+        # written as Qwen2.5-Coder-0.5B writes its calls: a fenced json block without <tool_call> tags
+        # (read as a call with serve.untagged_tool_calls, as conf/openclaw.yaml sets it)
+        ['```json\n{"name": "write", "arguments": {"path": "answer.txt", "content": "15"}}\n```', "Done."],
     ),
     ("Thanks!", ["You're welcome."]),
 ]
@@ -75,7 +81,9 @@ def endpoint(ray_cluster, tiny_model, tmp_path_factory):
     tracker = SessionTrackerActor.options(num_cpus=0).remote(
         [judge], queue, records_dir=str(tmp / "records"), idle_timeout_s=600.0
     )
-    cfg = ServeConfig(model_name="tiny", generate_timeout_s=60, api_key="", sync_wait_timeout_s=1.0)
+    cfg = ServeConfig(
+        model_name="tiny", generate_timeout_s=60, api_key="", sync_wait_timeout_s=1.0, untagged_tool_calls=True
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     serve.run(
@@ -90,6 +98,8 @@ def endpoint(ray_cluster, tiny_model, tmp_path_factory):
         "tok": AutoTokenizer.from_pretrained(tiny_model),
         "records": tmp / "records",
         "tmp": tmp,
+        "queue": queue,
+        "model": tiny_model,
     }
     serve.shutdown()
 
@@ -139,3 +149,40 @@ def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_jud
     (user,) = judged[2]["next_state"]
     assert user["role"] == "user" and user["content"].endswith("Write the answer into answer.txt.")
     assert "OPENCLAW_INTERNAL_CONTEXT" not in json.dumps([j["next_state"] for j in judged.values()])
+
+
+def test_the_conversations_samples_train_on_the_learner(claw, endpoint):
+    """The conversation above sent 3 samples to the queue, the untagged tool call among them; the
+    job's learner takes that one through a train step (a 27k-token OpenClaw prompt on the tiny
+    model; one sample keeps the test short)."""
+    from clawray.actors.learner import LearnerGroup
+    from clawray.ray_env import free_port
+
+    tok = endpoint["tok"]
+    traffic = httpx.get(endpoint["url"].removesuffix("/v1") + "/health", timeout=30).json()["traffic"]
+    if traffic["requests"] == 0:
+        pytest.skip("the conversation test did not run")
+    assert traffic["samples"] == 3
+    batch = ray.get(endpoint["queue"].get_batch.remote(3, 1, 30.0))
+    samples = ray.get(batch["refs"])
+    by_turn = {s.turn_index: (s, ref) for s, ref in zip(samples, batch["refs"])}
+    # turn 2's next state (the user's next request) says nothing of it: the feedback judge gives no score
+    assert sorted(by_turn) == [1, 3, 4] and all(s.session_id == f"auto-{SESSION}" for s in samples)
+    assert [by_turn[k][0].reward for k in (1, 3, 4)] == [1.0, 1.0, 1.0]
+    # the untagged write call is trained as the tokens the policy sampled (the fenced block, end id)
+    write, ref = by_turn[3]
+    assert tok.decode(write.tokens[write.prompt_len :]) == TURNS[1][1][0] + tok.eos_token
+    assert write.prompt_len > 20_000 and write.loss_mask == [1] * (len(write.tokens) - write.prompt_len)
+    group = LearnerGroup(
+        endpoint["model"],
+        dict(num_workers=1, num_cpus=0.1, torch_threads=1, lr=1e-3, eps=0.2, eps_high=0.28, dist_timeout_s=60),
+        free_port(),
+    )
+    try:
+        m = group.train_step([ref], version=1)
+    finally:
+        group.shutdown()
+    assert (m["num_samples"], m["num_tokens"]) == (1, len(write.loss_mask))
+    assert m["inv/effective_token_rate"] == 1.0 and m["skipped"] == 0.0 and m["grad_norm"] > 0
+    # advantage +1 on every token and no ratio above 1 + eps: the PPO loss is minus the mean ratio
+    assert m["inv/ratio_max"] < 1.2 and m["loss"] == pytest.approx(-m["inv/ratio_mean"], rel=1e-5)

@@ -54,6 +54,9 @@ def test_closing_lines_name_the_model_and_commands_with_paths_that_paste():
         ["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x", "rollout.backend=hf", "rollout.dtype=bfloat16"]
     )
     assert closing_lines(hf, ckpt)[2].endswith("--backend hf --dtype float32")  # hf engines run float32
+    # replies parsed as served: a job that reads untagged tool calls evaluates with them read too
+    untagged = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x", "serve.untagged_tool_calls=true"])
+    assert closing_lines(untagged, ckpt)[2] == lines[2] + " --untagged-tool-calls"
 
 
 def test_eval_precision_defaults_to_the_checkpoints_own_and_warns_otherwise(tmp_path):

@@ -39,6 +39,21 @@ def test_write_config_points_one_provider_at_the_endpoint_with_the_models_budget
     ]
 
 
+def test_a_lean_config_keeps_three_tools_and_no_bootstrap_files_or_skills(tmp_path, monkeypatch):
+    """OpenClaw's own knobs for a small model: 7k characters of system prompt and 4 tool schemas
+    instead of 40k and 12 (bench/openclaw_turns.py --lean)."""
+    claw = openclaw.OpenClaw(tmp_path, tmp_path / "node", tmp_path / "openclaw.mjs")
+    path = openclaw.write_config(claw, "http://h:1/v1", "m", "k", 32768, 64, tmp_path / "ws", lean=True)
+    config = json.loads(path.read_text())
+    assert config["tools"] == {"allow": ["read", "write", "exec"], "toolSearch": False}
+    defaults = config["agents"]["defaults"]
+    assert (defaults["skipBootstrap"], defaults["contextInjection"], defaults["skills"]) == (True, "never", [])
+    path.unlink()
+    monkeypatch.setattr(openclaw, "install", lambda root: claw)  # `clawray openclaw --lean` writes the same
+    assert main(["openclaw", "--url", "http://127.0.0.1:9/v1", "--model", "m", "--api-key", "k", "--lean"]) == 0
+    assert json.loads(path.read_text())["tools"] == config["tools"]
+
+
 @pytest.mark.parametrize("window, max_tokens", [(3999, 1000), (8192, 8192), (8192, 0)])
 def test_write_config_refuses_a_window_openclaw_refuses_or_a_reply_budget_that_does_not_fit(
     tmp_path, window, max_tokens

@@ -332,3 +332,109 @@ def test_reply_decoder_hides_the_unknown_token_when_the_grammar_tags_are_not_in_
     decode = ReplyDecoder(tok)
     assert decode.hidden == frozenset({0, 1, 2})
     assert decode([1, 3, 0, 3, 2]) == "hihi"
+
+
+# ---------------------------------------------------------------- untagged tool calls (serve.untagged_tool_calls)
+_STR = {"type": "string"}
+_UNTAGGED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "parameters": {"type": "object", "properties": {"path": _STR}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "exec",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": _STR, "timeout": {"type": "integer"}},
+                "required": ["command"],
+            },
+        },
+    },
+]
+_READ = {"name": "read_file", "arguments": {"path": "homework.txt"}}
+
+
+def _untagged(text: str, cuts: list[int], untagged: bool = True):
+    parser = ReplyParser(make_id=_ids(), tools=_UNTAGGED_TOOLS, untagged=untagged)
+    events = []
+    bounds = [0, *sorted(cuts), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        events += parser.feed(text[a:b])
+    events += parser.finish()
+    return events, parser.result
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        # what Qwen2.5-Coder-0.5B writes: bare JSON, a fenced json block, a plain fence, a list
+        (json.dumps(_READ), [_READ]),
+        ("```json\n" + json.dumps(_READ) + "\n```", [_READ]),
+        ("\n```\n" + json.dumps(_READ) + "\n```\n", [_READ]),
+        ('<think>need the file</think>\n{"name": "read_file", "parameters": {"path": "homework.txt"}}', [_READ]),
+        (
+            json.dumps([_READ, {"name": "exec", "arguments": {"command": "ls", "timeout": 5}}]),
+            [_READ, {"name": "exec", "arguments": {"command": "ls", "timeout": 5}}],
+        ),
+        # content: prose around it, a tool not offered, a missing required or unknown parameter, a wrong
+        # type (an integer timeout given as 5.5, a bool as a string), a third key, an example object
+        ("Here is the call: " + json.dumps(_READ), None),
+        (json.dumps(_READ) + "\nDone.", None),
+        ('{"name": "write_file", "arguments": {"path": "a"}}', None),
+        ('{"name": "read_file", "arguments": {}}', None),
+        ('{"name": "read_file", "arguments": {"path": "a", "mode": "r"}}', None),
+        ('{"name": "exec", "arguments": {"command": "ls", "timeout": 5.5}}', None),
+        ('{"name": "exec", "arguments": {"command": true}}', None),
+        ('{"name": "read_file", "arguments": {"path": "a"}, "id": 1}', None),
+        ('{"name": "read_file", "path": "a.txt"}', None),
+        ('{"user": "Alice", "age": 30}', None),
+        ("```python\nprint(1)\n```", None),
+        ("[1, 2, 3]", None),
+        ('{"name": "read_file", "arguments": {"path": "a"}', None),  # cut: not JSON
+    ],
+)
+def test_untagged_tool_calls_read_only_a_whole_reply_that_fits_an_offered_tool(text, calls):
+    """With the option on, a reply that is one call (or a list) without tags and fits the offered
+    tools' schemas is a tool call; anything else is the reply's content, unflagged; every chunking
+    agrees, and with the option off the same reply is always content."""
+    _, whole = _untagged(text, [])
+    got = [
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in whole.tool_calls
+    ]
+    assert got == (calls or [])
+    visible = text.split("</think>")[-1].strip()
+    assert whole.content == (None if calls else visible)
+    assert not whole.tool_parse_error
+    rng = random.Random(1)
+    for _ in range(25):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        events, result = _untagged(text, cuts)
+        assert result == whole, cuts
+        streamed = "".join(v for k, v in events if k == "content")
+        assert streamed == (whole.content or "")
+        assert [v for k, v in events if k == "tool_call"] == [
+            dict(index=i, **c) for i, c in enumerate(whole.tool_calls)
+        ]
+    off = parse_reply_text(text, tools=_UNTAGGED_TOOLS)
+    assert off.tool_calls == [] and off.content == visible
+
+
+def test_untagged_tool_calls_stream_plain_content_at_once_and_need_offered_tools():
+    """A reply that cannot be a call (it starts with prose) streams as it comes; without offered
+    tools (or with tool_choice none, which offers none) a bare call object is content."""
+    parser = ReplyParser(make_id=_ids(), tools=_UNTAGGED_TOOLS, untagged=True)
+    assert parser.feed("Sure") == [("content", "Sure")]
+    assert parser.feed(', {"name": "x"}') == [("content", ', {"name": "x"}')]
+    held = ReplyParser(make_id=_ids(), tools=_UNTAGGED_TOOLS, untagged=True)
+    assert held.feed('{"name": "read_file", ') == []  # may be a call: held until the reply ends
+    for tools in (None, True):
+        result = parse_reply_text(json.dumps(_READ), tools=tools, untagged=True)
+        assert result.tool_calls == [] and result.content == json.dumps(_READ)
+    # tagged calls parse as before with the option on
+    tagged = parse_reply_text("<tool_call>" + json.dumps(_READ) + "</tool_call>", tools=_UNTAGGED_TOOLS, untagged=True)
+    assert [c["function"]["name"] for c in tagged.tool_calls] == ["read_file"]
