@@ -85,6 +85,7 @@ def main() -> int:
         f"run_dir={run_dir}",
         f"rollout.prefix_caching={str(not ns.no_prefix_caching).lower()}",
         f"serve.untagged_tool_calls={str(not ns.tags_only).lower()}",
+        f"serve.model_name={Path(ns.model).name}",
     ]
     server = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

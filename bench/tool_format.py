@@ -100,10 +100,9 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clawray.serve.reply import parse_reply_text
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=os.path.expanduser("~/.cache/clawray/models/qwen2.5-coder-0.5b-instruct"))
+    p.add_argument("--parts", default="abc", help="which measurements to run (default abc)")
     ns = p.parse_args()
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(ns.model)
@@ -122,11 +121,22 @@ def main() -> int:
         return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
     exact = lambda r, n: r.strip().rstrip(".") == str(n)  # noqa: E731
-    plain = sum(exact(reply(f"What is {x} + {y}?", max_new=48), x + y) for x, y in SUMS)
-    hinted = sum(
-        exact(reply(f"What is {x} + {y}? [hint: reply with just the number]", max_new=48), x + y) for x, y in SUMS
-    )
-    print(f"a. just the number: plain {plain}/{len(SUMS)}, with the hint {hinted}/{len(SUMS)}")
+    if "a" in ns.parts:
+        plain = sum(exact(reply(f"What is {x} + {y}?", max_new=48), x + y) for x, y in SUMS)
+        hinted = sum(
+            exact(reply(f"What is {x} + {y}? [hint: reply with just the number]", max_new=48), x + y) for x, y in SUMS
+        )
+        print(f"a. just the number: plain {plain}/{len(SUMS)}, with the hint {hinted}/{len(SUMS)}")
+    if "b" in ns.parts:
+        tool_calls(reply)
+    if "c" in ns.parts:
+        false_positives(reply)
+    return 0
+
+
+def tool_calls(reply) -> None:
+    from clawray.serve.reply import parse_reply_text
+
     kinds, hinted_kinds, right, read, read_off = [], [], 0, 0, 0
     for text, name, args in CALLS:
         r = reply(text, TOOLS)
@@ -143,6 +153,11 @@ def main() -> int:
     print(f"b. tool calls: wrappers {kinds}; name and arguments right {right}/{len(CALLS)}")
     print(f"   with a hint asking for <tool_call> tags: wrappers {hinted_kinds}")
     print(f"   read as the right call: untagged_tool_calls on {read}/{len(CALLS)}, off {read_off}/{len(CALLS)}")
+
+
+def false_positives(reply) -> None:
+    from clawray.serve.reply import parse_reply_text
+
     replies = [reply(text, TOOLS, 128) for text in ORDINARY]
     parsed = sum(bool(parse_reply_text(r, tools=TOOLS, untagged=True).tool_calls) for r in replies)
     lenient = sum(lenient_call(r) for r in replies)
@@ -153,7 +168,6 @@ def main() -> int:
     for text, r in zip(ORDINARY, replies):
         if lenient_call(r):
             print(f"   lenient: {text!r} -> {r.strip()[:100]!r}")
-    return 0
 
 
 if __name__ == "__main__":

