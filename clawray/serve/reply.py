@@ -114,16 +114,24 @@ _XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 
 
+def tool_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """``{tool name: its JSON-schema parameters object}`` of an OpenAI ``tools`` list."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            out[fn["name"]] = params if isinstance(params, dict) else {}
+    return out
+
+
 def tool_parameter_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
     """``{tool name: {parameter: JSON-schema type}}`` of an OpenAI ``tools`` list (a type may be a
     list of types, as JSON schema allows; a parameter without one maps to None)."""
     out: dict[str, dict[str, Any]] = {}
-    for tool in tools or []:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            continue
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        out[fn["name"]] = {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()}
+    for name, params in tool_schemas(tools).items():
+        props = params.get("properties") or {}
+        out[name] = {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()}
     return out
 
 
@@ -233,17 +241,6 @@ def _fits(value: Any, kind: Any) -> bool:
     if isinstance(value, bool):
         return "boolean" in kinds
     return any(isinstance(value, _JSON_TYPES[k]) for k in kinds if k in _JSON_TYPES)
-
-
-def tool_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
-    """``{tool name: its JSON-schema parameters object}`` of an OpenAI ``tools`` list."""
-    out: dict[str, dict[str, Any]] = {}
-    for tool in tools or []:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            params = fn.get("parameters")
-            out[fn["name"]] = params if isinstance(params, dict) else {}
-    return out
 
 
 def untagged_tool_calls(text: str, schemas: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
