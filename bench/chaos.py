@@ -107,13 +107,13 @@ def config(model: str, run_dir: str, kind: str, overrides: list[str]):
 
 def target(d, kind: str):
     return {
-        "engine": lambda: d.engines[0],
-        "judge": lambda: d.judges[0],
-        "queue": lambda: d.queue,
-        "tracker": lambda: d.tracker,
-        "learner": lambda: d.learners.workers[1],
-        "teacher": lambda: d.teachers[0],
-        "learner-rebuild": lambda: d.learners.workers[1],
+        "engine": lambda: d.actors.engines[0],
+        "judge": lambda: d.actors.judges[0],
+        "queue": lambda: d.actors.queue,
+        "tracker": lambda: d.actors.tracker,
+        "learner": lambda: d.actors.learners.workers[1],
+        "teacher": lambda: d.actors.teachers[0],
+        "learner-rebuild": lambda: d.actors.learners.workers[1],
     }[kind]()
 
 
@@ -350,7 +350,7 @@ def disk_full(d, run_dir: str, seconds: float = 20.0) -> dict:
     queue (sample journal) and the driver (metrics) for ``seconds``; ``/health`` is read while it
     lasts (503 with ``failing`` expected once the tracker met it)."""
     root = os.path.realpath(run_dir)
-    actors = [d.tracker, d.queue]
+    actors = [d.actors.tracker, d.actors.queue]
     ray.get([a.__ray_call__.remote(lambda self: _enospc(root, True)) for a in actors])
     _enospc(root, True)
     codes, failing = [], []
@@ -568,11 +568,11 @@ def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
     d2.setup()
     result["resume_s"] = round(time.monotonic() - t_resume, 1)
     try:
-        ray.get(d2.tracker.drain.remote(120))
-        while ray.get(d2.queue.stats.remote())["size"] > 0:
+        ray.get(d2.actors.tracker.drain.remote(120))
+        while ray.get(d2.actors.queue.stats.remote())["size"] > 0:
             d2.step()
-        after = list(d2.trained_samples)
-        stale = ray.get(d2.queue.stats.remote())["dropped"].get("stale", 0)
+        after = list(d2.state.trained_samples)
+        stale = ray.get(d2.actors.queue.stats.remote())["dropped"].get("stale", 0)
     finally:
         d2.close()
     all_acked = before_acked | acked(run_dir)

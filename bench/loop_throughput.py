@@ -67,13 +67,13 @@ def run_mode(mode: str, args, model: str) -> dict:
     d = Driver(cfg)
     try:
         d.setup()
-        d.start_traffic()
+        d.users.start(d.base_url)
         for _ in range(args.warmup):
             d.step()
-        t0, n0 = time.perf_counter(), d.samples_trained
+        t0, n0 = time.perf_counter(), d.state.samples_trained
         rows = [d.step() for _ in range(args.steps)]
-        seconds, samples = time.perf_counter() - t0, d.samples_trained - n0
-        d.stop_traffic()
+        seconds, samples = time.perf_counter() - t0, d.state.samples_trained - n0
+        d.users.stop()
     finally:
         d.shutdown()
     return {

@@ -3,7 +3,7 @@
 A checkpoint is written into a hidden temporary folder (``.tmp-ckpt-NNNNNN-PID``) and renamed to
 ``ckpt-NNNNNN`` only once every part is on disk; then the ``latest`` file (replaced atomically) names
 it. A crash mid-write leaves a temporary folder that is ignored (and removed by the next commit),
-never a broken ``latest``. Contents (see ``Driver.save_checkpoint`` and
+never a broken ``latest``. Contents (see :meth:`clawray.resume.Checkpoints.save` and
 ``LearnerWorker.save_checkpoint``): ``model/`` (HF folder), ``train_state/`` (sharded optimizer and
 weights), ``learner.pkl``, ``rng/``, ``queue.pkl`` (queued, untrained samples) and ``driver.json``.
 With ``checkpoint.save_optimizer=false`` there is no ``train_state/`` (``driver.json`` has

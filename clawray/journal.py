@@ -548,30 +548,38 @@ class SessionJournal:
         )
 
 
-def restore_tracker(tracker: Any) -> list:
-    """Rebuild a SessionTracker's sessions from its journal's state.
+@dataclasses.dataclass
+class RestoredSessions:
+    """What a session journal's state restores (:func:`restore_sessions`), for the SessionTracker
+    to apply through its own methods.
 
-    Args:
-        tracker: the :class:`~clawray.actors.session.SessionTracker` (its ``journal`` is loaded); its
-            open sessions go back into its :class:`~clawray.sessions.SessionBook`.
-
-    Returns:
-        callables that restart the unfinished judgements and the at-least-one finalisation of closed
-        sessions; the tracker calls them once its event loop runs.
+    Attributes:
+        open: the sessions still open, to go back into the tracker's book.
+        closed: closed sessions whose finalisation must run (at least once).
+        jobs: ``(session, turn, next_state)`` of each judgement that had not ended.
+        closed_turns: ``{session id: turns}`` of the sessions closed and remembered.
+        credits: every restored session's :class:`~clawray.algos.credit.SessionCredit`.
     """
-    import asyncio
 
+    open: list
+    closed: list
+    jobs: list
+    closed_turns: dict
+    credits: list
+
+
+def restore_sessions(state: Any) -> RestoredSessions:
+    """The sessions of a loaded :class:`SessionJournal`'s ``state``: each rebuilt as a
+    :class:`~clawray.sessions.Session` (its pending turns, held samples and credit), and each
+    unfinished judgement with its session (a stand-in session when its own was forgotten: closed,
+    nothing held)."""
     from clawray.sessions import Session
 
-    state = tracker.journal.state
-    tracker.counts.update(state.counts)  # the counters continue: never silently back at zero
-    tracker.book.closed_turns.update(state.closed_turns)
     by_sid: dict[str, Any] = {}
     for sid, rec in state.sessions.items():
-        pending = [Turn(**t) for t in rec.pending]
-        s = Session(
+        by_sid[sid] = Session(
             turns=rec.turns,
-            pending=pending,
+            pending=[Turn(**t) for t in rec.pending],
             effective=rec.effective,
             held=[(Sample(**t) if "tokens" in t else Turn(**t), m) for t, m in rec.held],
             sid=sid,
@@ -579,27 +587,16 @@ def restore_tracker(tracker: Any) -> list:
                 waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome, transcript=rec.transcript
             ),
         )
-        tracker.ledger.restored(s.credit)
-        by_sid[sid] = s
-        if not rec.closed:
-            tracker.book.restore(s)
-    actions = []
+    credits = [s.credit for s in by_sid.values()]
+    jobs = []
     for (sid, _), (turn, next_state) in state.jobs.items():
-        s = by_sid.get(sid)
-        if s is None:  # its session was forgotten (closed, nothing held): judge it on a stand-in
-            s = by_sid[sid] = Session(turns=turn["turn_index"], sid=sid)
-        actions.append(lambda s=s, t=Turn(**turn), ns=next_state: _relaunch(tracker, s, t, ns))
-    for sid, rec in state.sessions.items():
-        if rec.closed:
-            s = by_sid[sid]
-            actions.append(lambda s=s: tracker._track(asyncio.ensure_future(tracker._finalize(s))))
-    tracker.counts["journal/replayed_judgements"] += len(state.jobs)
-    tracker.counts["journal/restored_sessions"] += sum(not r.closed for r in state.sessions.values())
-    return actions
-
-
-def _relaunch(tracker: Any, s: Any, turn: Turn, next_state: list) -> None:
-    import asyncio
-
-    judge = tracker.scoring.next_judge()
-    s.tasks.append(tracker._track(asyncio.ensure_future(tracker._journaled_judge(s, turn, next_state, judge))))
+        if sid not in by_sid:  # its session was forgotten (closed, nothing held): judge it on a stand-in
+            by_sid[sid] = Session(turns=turn["turn_index"], sid=sid)
+        jobs.append((by_sid[sid], Turn(**turn), next_state))
+    return RestoredSessions(
+        open=[by_sid[sid] for sid, rec in state.sessions.items() if not rec.closed],
+        closed=[by_sid[sid] for sid, rec in state.sessions.items() if rec.closed],
+        jobs=jobs,
+        closed_turns=dict(state.closed_turns),
+        credits=credits,
+    )

@@ -8,8 +8,11 @@ denominator is zero are left out or NaN, never a division by zero.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+import time
+from collections import deque
+from typing import Any, Iterator
 
 
 def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tracker_stats: dict) -> dict[str, float]:
@@ -124,6 +127,66 @@ def drop_counts(tracker_stats: dict, queue_stats: dict, all_masked: int, zero_va
     return dropped
 
 
+def step_row(
+    state: Any,
+    batch: dict,
+    metas: list,
+    adv: Any,
+    skipped: str,
+    train: dict,
+    queue_stats: dict,
+    tracker_stats: dict,
+    dropped: dict[str, int],
+    gathered: dict[str, float],
+    entropy_coef: float,
+) -> dict[str, Any]:
+    """The step's metrics row (see README) from values the loop gathered.
+
+    Args:
+        state: the loop's state after the step (:class:`clawray.resume.LoopState`).
+        batch: the batch taken (its ``staleness`` per sample, the all-masked ones included).
+        metas: the kept samples' :class:`~clawray.types.SampleMeta`.
+        adv: the batch's :class:`~clawray.algos.advantages.BatchAdvantages`.
+        skipped: ``""`` or why the batch was not trained.
+        train: the learners' metrics (``{}`` when skipped before training).
+        queue_stats, tracker_stats: the queue's and the session tracker's counters.
+        dropped: :func:`drop_counts`.
+        gathered: the judge, generation, serve, traffic and timing figures, added as they are.
+        entropy_coef: the entropy-bonus coefficient of the next update.
+
+    ``inv/effective_sample_rate`` = samples trained / samples whose fate the queue decided (taken by
+    the learner or dropped as stale); queued ones are not counted yet, all-masked samples and
+    skipped steps count as taken, not trained. ``reward_mean`` is NaN when no sample carries a reward
+    (pure OPD), never a 0.
+    """
+    decided = queue_stats["taken"] + queue_stats["dropped"].get("stale", 0)
+    rewarded = adv.rewarded
+    return {
+        "policy_version": state.version,
+        "samples": len(metas),
+        "reward_mean": sum(float(metas[i].reward) for i in rewarded) / len(rewarded) if rewarded else math.nan,
+        "skipped": skipped or "no",
+        **{k: v for k, v in train.items() if k not in ("skipped", "train_s")},
+        "inv/nonzero_reward_frac": adv.signal["nonzero_reward_frac"],
+        "inv/reward_std": adv.signal["reward_std"],
+        "inv/degenerate_batches": state.guard.degenerate_batches,
+        "inv/baseline": state.guard.baseline,
+        "inv/entropy_coef": entropy_coef,
+        "inv/staleness_mean": sum(batch["staleness"]) / len(batch["staleness"]),
+        "inv/staleness_max": max(batch["staleness"]),
+        "inv/effective_sample_rate": state.samples_trained / decided if decided else math.nan,
+        **{f"inv/dropped_samples/{k.removeprefix('dropped/')}": v for k, v in dropped.items()},
+        **credit_metrics(metas, tracker_stats),
+        "sessions/open": tracker_stats.get("open_sessions", 0),
+        "sessions/idle_closed": tracker_stats.get("sessions_idle_closed", 0),
+        "samples_in": queue_stats["put"],
+        "samples_taken": queue_stats["taken"],
+        "samples_trained": state.samples_trained,
+        "samples_dropped": sum(dropped.values()),
+        **gathered,
+    }
+
+
 class GenerationMeter:
     """Rollout tokens and throughput between two steps, from the engines' cumulative counters."""
 
@@ -206,3 +269,22 @@ def step_line(
         f"dropped so far {metrics['samples_dropped']}{f' ({reasons})' if reasons else ''} | "
         f"wait {t_wait:.1f}s train {t_train:.1f}s"
     )
+
+
+class Timeline:
+    """Seconds of the loop's phases: :meth:`phase` times a block into :attr:`seconds`; a kept
+    phase's wall-clock ``(name, start, end)`` (``time.time()``) is appended to :attr:`spans`."""
+
+    def __init__(self, maxlen: int = 4096):
+        self.spans: deque[tuple[str, float, float]] = deque(maxlen=maxlen)
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, keep: bool = False) -> Iterator[None]:
+        t0, w0 = time.perf_counter(), time.time()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - t0
+            if keep:
+                self.spans.append((name, w0, time.time()))

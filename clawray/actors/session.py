@@ -73,7 +73,7 @@ import ray
 from clawray.actors.scoring import ScorerPool
 from clawray.algos.algorithm import make_algorithm
 from clawray.algos.credit_ledger import CreditLedger
-from clawray.journal import SessionJournal, restore_tracker
+from clawray.journal import RestoredSessions, SessionJournal, restore_sessions
 from clawray.records import TurnRecords
 from clawray.recovery import was_restarted
 from clawray.sessions import MAX_CLOSED_REMEMBERED, Session, SessionBook
@@ -140,7 +140,7 @@ class SessionTracker:
         self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
         if journal:
             self.journal = SessionJournal(max_closed=MAX_CLOSED_REMEMBERED, **journal)
-            self._replay = restore_tracker(self)
+            self._replay = self._restore(self.journal.state, restore_sessions(self.journal.state))
             if was_restarted():  # [recovery hook] Ray restarted this actor (its counters continue from the journal)
                 self.counts["restarts"] += 1
 
@@ -163,6 +163,32 @@ class SessionTracker:
             self.storage_error = f"sessions journal: {e.strerror or type(e).__name__}"
             return
         self.storage_error = None
+
+    def _restore(self, state: Any, restored: RestoredSessions) -> list:
+        """[journal hook] Apply what the journal restored: the counters continue (never silently back
+        at zero), open sessions go back into the book, credits into the ledger. Returns the callables
+        that restart the unfinished judgements and the at-least-once finalisation of closed sessions
+        (:meth:`_start_replay` runs them once the event loop runs)."""
+        self.counts.update(state.counts)
+        self.book.closed_turns.update(restored.closed_turns)
+        for credit in restored.credits:
+            self.ledger.restored(credit)
+        for session in restored.open:
+            self.book.restore(session)
+        actions: list = []
+        for session, turn, next_state in restored.jobs:
+            actions.append(lambda s=session, t=turn, ns=next_state: self._relaunch(s, t, ns))
+        for session in restored.closed:
+            actions.append(lambda s=session: self._track(asyncio.ensure_future(self._finalize(s))))
+        self.counts["journal/replayed_judgements"] += len(restored.jobs)
+        self.counts["journal/restored_sessions"] += len(restored.open)
+        return actions
+
+    def _relaunch(self, session: Session, turn: Turn, next_state: list) -> None:
+        """[journal hook] Judge again a restored turn whose judgement had not ended."""
+        judge = self.scoring.next_judge()
+        job = self._journaled_judge(session, turn, next_state, judge)
+        session.tasks.append(self._track(asyncio.ensure_future(job)))
 
     def _start_replay(self) -> None:
         """[journal hook] Restart the judgements a previous tracker left unfinished (once, lazily: the

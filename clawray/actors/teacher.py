@@ -11,6 +11,7 @@ turn's sampling temperature, so ``teacher - rollout`` compares the same distribu
 from __future__ import annotations
 
 import copy
+import os
 import math
 import time
 from typing import Any
@@ -271,3 +272,60 @@ def _logprob(value: object, where: str) -> float:
 
 
 TeacherWorkerActor = ray.remote(concurrency_groups=CONTROL_GROUPS)(TeacherWorker)
+
+
+def build_teachers(
+    opd: Any, policy_path: str, live_engine: Any, judge_engine: Any, frozen_engine: Any
+) -> tuple[Any, list]:
+    """The teacher of an algorithm that needs one (``Algorithm.needs_teacher``), from ``opd.teacher``:
+    ``frozen`` (the initial policy on its own engine, or on ``judge_engine`` when that is given: the
+    same frozen model on the same backend), ``live`` (rollout engine ``live_engine``), a model folder
+    (same tokenizer, checked) or an ``http(s)://`` OpenAI endpoint (no engine; its tokenizer checked).
+
+    Args:
+        opd: the ``opd`` config section.
+        policy_path: the policy's HF folder.
+        live_engine: rollout engine 0's handle.
+        judge_engine: the frozen judge engine to share, or None.
+        frozen_engine: ``(backend, path, name) -> handle`` that starts a frozen engine.
+
+    Returns:
+        ``(teacher engine or None, [TeacherWorkerActor])``.
+
+    Raises:
+        ValueError: a teacher folder or endpoint whose tokenizer differs from the policy's.
+    """
+    from clawray.recovery import RESTART_RETRY
+
+    options = {"num_cpus": 0, **RESTART_RETRY}
+    args = (policy_path, opd.hint_template)
+    if opd.teacher.startswith(("http://", "https://")):
+        endpoint = {"base_url": opd.teacher, "model": opd.teacher_model, "api_key": opd.teacher_api_key}
+        teacher = TeacherWorkerActor.options(**options).remote(
+            None, *args, endpoint, opd.hint_placement, opd.teacher_timeout_s
+        )
+        ray.get(teacher.check_endpoint.remote(policy_path))  # the same tokenizer, or an error naming the difference
+        return None, [teacher]
+    if opd.teacher == "live":
+        engine = live_engine
+    elif opd.teacher == "frozen":
+        engine = judge_engine or frozen_engine(opd.teacher_backend, policy_path, "teacher-engine")
+    else:
+        teacher_path = os.path.abspath(os.path.expanduser(opd.teacher))
+        check_same_tokenizer(policy_path, teacher_path)
+        engine = frozen_engine(opd.teacher_backend, teacher_path, "teacher-engine")
+    teacher = TeacherWorkerActor.options(**options).remote(
+        engine, *args, None, opd.hint_placement, opd.teacher_timeout_s
+    )
+    return engine, [teacher]
+
+
+def tracker_opd_options(opd: Any) -> dict:
+    """The session tracker's OPD options from the ``opd`` section: hint acceptance, the shortest
+    hint, the teacher's top-k (0 unless ``opd.loss`` is ``topk``) and its timeout."""
+    return {
+        "accept": opd.accept,
+        "min_hint_chars": opd.min_hint_chars,
+        "topk": opd.topk if opd.loss == "topk" else 0,
+        "teacher_timeout_s": opd.teacher_timeout_s,
+    }

@@ -322,6 +322,12 @@ class WeightSyncController:
         m.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in result.get("versions", {}).items()})
         return m
 
+    @staticmethod
+    def idle_metrics() -> dict[str, float]:
+        """The step metrics of a step that synced nothing (a skipped step, every engine up to date): zeros."""
+        keys = ("timing/weight_sync_s", "sync/bytes", "sync/gbytes_per_s", "sync/gather_s", "sync/send_s")
+        return dict.fromkeys(keys + ("sync/load_s_max", "sync/pause_s", "sync/interrupted_requests"), 0.0)
+
     def close(self) -> None:
         """Drop the mailbox actor (the members' transports go with their actors)."""
         if self._mailbox is not None:

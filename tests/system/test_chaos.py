@@ -158,7 +158,7 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
             last[r["sid"]] = r["turns"][0]
         continued = None
         for sid, t in last.items():
-            if ray.get(d2.tracker.pending_turn.remote(sid)) is not None:
+            if ray.get(d2.actors.tracker.pending_turn.remote(sid)) is not None:
                 continued = (sid, t["turn_index"])
                 body = {
                     "model": d2.cfg.serve.model_name,
@@ -172,10 +172,10 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
                 r = httpx.post(d2.base_url + "/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=120)
                 assert r.status_code == 200, r.text
                 break
-        ray.get(d2.tracker.drain.remote(120))  # replayed and new judgements end before the step
+        ray.get(d2.actors.tracker.drain.remote(120))  # replayed and new judgements end before the step
         summary = d2.run()
         queue = summary["queue"]
-        trained_after = list(d2.trained_samples)
+        trained_after = list(d2.state.trained_samples)
     finally:
         d2.close()
     acked = set(acked_before) | set(_acked(_journal_state(run_dir)))
@@ -220,7 +220,7 @@ def _kill_inside_train_step(d, step, rank=1):
     model's whole step took under 50 ms, so a kill 50 ms later landed in the weight sync); returns a
     dict that says whether the step was still running at the kill, no rank done (``inside``), and
     when (``t``)."""
-    workers, orig, seen = d.learners.workers, d.learners.train_step, {"inside": None, "t": None}
+    workers, orig, seen = d.actors.learners.workers, d.actors.learners.train_step, {"inside": None, "t": None}
     pid = ray.get(workers[rank].__ray_call__.remote(lambda self: os.getpid()))
 
     def train_step(refs, version, advantages=None, entropy_coef=0.0):
@@ -232,7 +232,7 @@ def _kill_inside_train_step(d, step, rank=1):
         os.kill(pid, signal.SIGKILL)
         return ray.get(calls)[0]
 
-    d.learners.train_step = train_step
+    d.actors.learners.train_step = train_step
     return seen
 
 
@@ -258,7 +258,7 @@ def _run_until_a_learner_dies(tiny_model, run_dir, step: int, num_steps: int):
     try:
         seen = _kill_inside_train_step(d, step=step)
         for i in range(4):
-            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
+            ray.get(d.actors.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         runner.join(300)
@@ -283,16 +283,16 @@ def test_learner_killed_inside_train_step_stops_with_one_line_and_resume_trains_
     assert seen["inside"] is True, seen
     assert isinstance(err, ActorLost) and err.role == "learner rank 1" and err.kind == "learner", repr(err)
     assert "\n" not in str(err) and "ActorID" not in str(err)
-    first = list(d.trained_samples)
+    first = list(d.state.trained_samples)
     assert sorted(first) == [("L0", 1), ("L1", 1)]
 
     d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=_LEARNER_KILL + ["resume=true", "trainer.num_steps=2"]))
     d2.setup()
     try:
         assert (d2.version, d2.steps_done) == (1, 1)
-        assert ray.get(d2.queue.stats.remote())["replayed"] == 2
+        assert ray.get(d2.actors.queue.stats.remote())["replayed"] == 2
         d2.run()
-        second = list(d2.trained_samples)
+        second = list(d2.state.trained_samples)
     finally:
         d2.close()
     assert sorted(first + second) == [(f"L{i}", 1) for i in range(4)]
@@ -316,15 +316,15 @@ def test_learner_killed_before_the_first_checkpoint_resumes_from_the_initial_pol
     assert isinstance(err, ActorLost) and err.role == "learner rank 1", repr(err)
     from clawray.checkpoint import latest_checkpoint
 
-    assert not list(d.trained_samples) and latest_checkpoint(d.checkpoint_dir) is None
+    assert not list(d.state.trained_samples) and latest_checkpoint(d.checkpoints.dir) is None
 
     d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=_LEARNER_KILL + ["resume=true", "trainer.num_steps=2"]))
     d2.setup()
     try:
         assert (d2.version, d2.steps_done) == (0, 0)
-        assert ray.get(d2.queue.stats.remote())["replayed"] == 4
+        assert ray.get(d2.actors.queue.stats.remote())["replayed"] == 4
         d2.run()
-        trained = list(d2.trained_samples)
+        trained = list(d2.state.trained_samples)
     finally:
         d2.close()
     assert sorted(trained) == [(f"L{i}", 1) for i in range(4)]
@@ -356,24 +356,24 @@ def test_learner_killed_inside_train_step_is_rebuilt_from_the_checkpoint(ray_clu
     d.setup()
     errors = []
     try:
-        old = [w._actor_id.hex() for w in d.learners.workers]
+        old = [w._actor_id.hex() for w in d.actors.learners.workers]
         seen = _kill_inside_train_step(d, step=2)
         for i in range(6):
-            ray.get(d.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
+            ray.get(d.actors.queue.put.remote([ray.put(_learner_sample(i))], SampleMeta.of(_learner_sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         runner.join(400)
         assert not runner.is_alive()
         health = httpx.get(d.base_url.removesuffix("/v1") + "/health", timeout=30)
-        new = [w._actor_id.hex() for w in d.learners.workers]
-        versions = d.engine_versions()
+        new = [w._actor_id.hex() for w in d.actors.learners.workers]
+        versions = d.actors.weight_sync.engine_versions()
     finally:
         d.close()
     assert seen["inside"] is True, seen
     assert errors == [None], errors
-    assert d.learner_restarts == 1 and not set(old) & set(new)
+    assert d.state.learner_restarts == 1 and not set(old) & set(new)
     assert (d.steps_done, d.version) == (3, 3) and versions == {"rollout-0": 3}
-    assert sorted(d.trained_samples) == [(f"L{i}", 1) for i in range(6)]  # L2, L3 once, after the rebuild
+    assert sorted(d.state.trained_samples) == [(f"L{i}", 1) for i in range(6)]  # L2, L3 once, after the rebuild
     assert health.status_code == 200 and [w["state"] for w in health.json()["learners"]] == ["ok", "ok"], health.text
 
 
@@ -447,14 +447,14 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         h = [{"role": "user", "content": "What is 2 + 2?"}]
         r1 = chat(h, "J")
         assert r1.status_code == 200, r1.text
-        pid = ray.get(d.judges[0].__ray_call__.remote(lambda self: os.getpid()))
+        pid = ray.get(d.actors.judges[0].__ray_call__.remote(lambda self: os.getpid()))
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         h2 = h + [r1.json()["choices"][0]["message"], {"role": "user", "content": "Correct, thanks!"}]
         assert chat(h2, "J").status_code == 200
-        ray.get(d.tracker.drain.remote(120))
+        ray.get(d.actors.tracker.drain.remote(120))
         judge_s = time.monotonic() - t_kill
-        stats = ray.get(d.tracker.stats.remote())
+        stats = ray.get(d.actors.tracker.stats.remote())
         assert stats.get("samples") == 1 and not stats.get("dropped/judge_error"), stats
         health = httpx.get(root + "/health", timeout=30)
         assert health.status_code == 200, health.text
@@ -462,13 +462,13 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         assert [w["state"] for w in health.json()["learners"]] == ["ok", "ok"] and health.json()["queue"] == "ok"
 
         for i in range(2):  # step 1 trains these (with J's sample the queue holds 3: it takes 2)
-            ray.get(d.queue.put.remote([ray.put(sample(i))], SampleMeta.of(sample(i))))
+            ray.get(d.actors.queue.put.remote([ray.put(sample(i))], SampleMeta.of(sample(i))))
         runner = threading.Thread(target=lambda: errors.append(_catch(d.run)))
         runner.start()
         while d.steps_done < 1 and runner.is_alive():
             time.sleep(0.2)
-        assert d.version == 1 and d.engine_versions() == {"rollout-0": 1, "rollout-1": 1}
-        pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        assert d.version == 1 and d.actors.weight_sync.engine_versions() == {"rollout-0": 1, "rollout-1": 1}
+        pid = ray.get(d.actors.engines[0].__ray_call__.remote(lambda self: os.getpid()))
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         time.sleep(1)
@@ -480,7 +480,7 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         sid = _session_on(0, 2)  # a session of the dead engine: served by rollout-1, at the current policy
         r = chat([{"role": "user", "content": "hi"}], sid)
         assert r.status_code == 200 and r.json()["policy_version"] == 1, r.text
-        engine_id = d.engines[0]._actor_id.hex()
+        engine_id = d.actors.engines[0]._actor_id.hex()
         assert engine_id not in health.text and str(pid) not in health.text
         while time.monotonic() - t_kill < 180:  # restarted by Ray, re-synced by the driver's batch wait
             if httpx.get(root + "/health", timeout=30).status_code == 200:
@@ -490,13 +490,15 @@ def test_kill_judge_recovers_then_killed_engine_is_restarted_resynced_and_routed
         health = httpx.get(root + "/health", timeout=30)
         assert health.status_code == 200, health.text
         assert [(e["state"], e["policy_version"]) for e in health.json()["engines"]] == [("serving", 1), ("serving", 1)]
-        new_pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        new_pid = ray.get(d.actors.engines[0].__ray_call__.remote(lambda self: os.getpid()))
         assert new_pid != pid
-        st = ray.get(d.engines[0].stats.remote())
+        st = ray.get(d.actors.engines[0].stats.remote())
         assert st["loads"] == 1 and not st["awaiting_sync"]  # the restarted engine loaded v1 once, then served
         r = chat([{"role": "user", "content": "hi again"}], sid)
         assert r.status_code == 200 and r.json()["policy_version"] == 1, r.text
-        ray.get(d.queue.put.remote([ray.put(sample(2))], SampleMeta.of(sample(2))))  # step 2 (J's sample + this one)
+        ray.get(
+            d.actors.queue.put.remote([ray.put(sample(2))], SampleMeta.of(sample(2)))
+        )  # step 2 (J's sample + this one)
         runner.join(240)
         assert not runner.is_alive()
     finally:
@@ -543,7 +545,7 @@ def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cl
     runner = threading.Thread(target=lambda: _catch(d.run), daemon=True)
     try:
         runner.start()  # the driver waits for a batch: it re-syncs restarted engines between polls
-        pid = ray.get(d.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        pid = ray.get(d.actors.engines[0].__ray_call__.remote(lambda self: os.getpid()))
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         time.sleep(1)
@@ -555,7 +557,7 @@ def test_killed_single_engine_answers_503_with_retry_after_until_resynced(ray_cl
                 break
             assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
             assert r.json()["error"]["code"] == "service_unavailable"
-            assert d.engines[0]._actor_id.hex() not in r.text and str(pid) not in r.text
+            assert d.actors.engines[0]._actor_id.hex() not in r.text and str(pid) not in r.text
             assert "namespace" not in r.text.lower()
             time.sleep(0.5)
         recover_s = time.monotonic() - t_kill

@@ -86,20 +86,22 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     try:
         put = [_sample(i) for i in range(6)]
         for s in put[:3]:
-            ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
+            ray.get(d.actors.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
         long_sample = _sample(99, n_resp=30)  # 33 tokens > the 32-token micro-batch budget
-        assert ray.get(d.queue.put.remote([ray.put(long_sample)])) == 3  # no metadata: fetched, measured, rejected
+        assert (
+            ray.get(d.actors.queue.put.remote([ray.put(long_sample)])) == 3
+        )  # no metadata: fetched, measured, rejected
         for s in put[3:]:
-            ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
+            ray.get(d.actors.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
         summary = d.run()
         assert summary["policy_version"] == 2 and summary["queue"]["dropped"] == {"too_long": 1}
         assert d.history[-1]["inv/dropped_samples/too_long"] == 1
         step_s = [m["timing/step_s"] for m in d.history]
-        periodic = dict(d.last_checkpoint)
+        periodic = dict(d.checkpoints.last)
         wandb_id = d.tracking.run_id
     finally:
         d.close()  # stop: nothing changed since the step-2 checkpoint, which holds s4, s5 (queued, untrained)
-    first = list(d.trained_samples)
+    first = list(d.state.trained_samples)
     assert sorted(first) == [(f"s{i}", 1) for i in range(4)]
 
     root = str(run_dir / "checkpoints")
@@ -153,13 +155,13 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true"]))
     d2.setup()
     try:
-        assert d2.version == 2 and d2.steps_done == 2 and d2.samples_trained == 4
+        assert d2.version == 2 and d2.steps_done == 2 and d2.state.samples_trained == 4
         assert d2.tracking.run_id == wandb_id  # one wandb history across the stop
-        assert ray.get([e.get_version.remote() for e in d2.engines]) == [2]  # engines synced to the checkpoint
-        stats = ray.get(d2.queue.stats.remote())
+        assert ray.get([e.get_version.remote() for e in d2.actors.engines]) == [2]  # engines synced to the checkpoint
+        stats = ray.get(d2.actors.queue.stats.remote())
         assert (stats["size"], stats["dropped"], stats["put"], stats["taken"]) == (2, {"too_long": 1}, 6, 4)
         # the engine serves exactly the checkpoint's weights
-        scored = ray.get(d2.engines[0].score.remote(prompt, response))
+        scored = ray.get(d2.actors.engines[0].score.remote(prompt, response))
         assert scored == pytest.approx(expected, abs=1e-5)
         summary = d2.run()
         assert summary["policy_version"] == 3 and summary["steps"] == 3
@@ -169,9 +171,9 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         # a stop in the middle of a step: the batch taken from the queue but not trained goes back
         late = [_sample(i, version=3) for i in (6, 7)]
         for s in late:
-            ray.get(d2.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
-        batch = ray.get(d2.queue.get_batch.remote(2, 4, 10))
-        d2._in_flight = {"next_version": 4, "metas": batch["meta"], "seqs": batch["seqs"]}
+            ray.get(d2.actors.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
+        batch = ray.get(d2.actors.queue.get_batch.remote(2, 4, 10))
+        d2.state.in_flight = {"next_version": 4, "metas": batch["meta"], "seqs": batch["seqs"]}
     finally:
         d2.close()
     last = latest_checkpoint(root)
@@ -187,7 +189,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     assert (queued.put, queued.taken) == (8, 6)
     state = json.load(open(os.path.join(last, "driver.json")))
     assert (state["version"], state["steps_done"], state["queued_samples"]) == (3, 3, 2)
-    second = list(d2.trained_samples)
+    second = list(d2.state.trained_samples)
     assert sorted(second) == [("s4", 1), ("s5", 1)]
     ids_out = first + second
     assert sorted(ids_out) == sorted((s.session_id, 1) for s in put) and len(set(ids_out)) == len(ids_out)
@@ -242,7 +244,7 @@ def test_resume_falls_back_from_a_truncated_checkpoint_to_the_older_one(ray_clus
     d.setup()
     try:
         for s in (_sample(i) for i in range(4)):
-            ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
+            ray.get(d.actors.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
         assert d.run()["policy_version"] == 2
     finally:
         d.close()
@@ -256,10 +258,10 @@ def test_resume_falls_back_from_a_truncated_checkpoint_to_the_older_one(ray_clus
     d2.setup()
     try:
         assert (d2.version, d2.steps_done) == (1, 1)
-        assert ray.get([e.get_version.remote() for e in d2.engines]) == [1]
+        assert ray.get([e.get_version.remote() for e in d2.actors.engines]) == [1]
         # bench/chaos.py damaged-files lost them: the journal had let go of step 2's batch when the
         # (now damaged) checkpoint of step 2 was written; it keeps what the older checkpoint needs
-        assert ray.get(d2.queue.stats.remote())["size"] == 2
+        assert ray.get(d2.actors.queue.stats.remote())["size"] == 2
     finally:
         d2.shutdown()
     out = capsys.readouterr().out

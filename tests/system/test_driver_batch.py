@@ -116,15 +116,15 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
         trained.append((refs, version, advantages))
         return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1}
 
-    d.queue = Actor(
+    d.actors.queue = Actor(
         get_batch=lambda *a: batch,
         stats=lambda: {"size": 0, "put": 4, "taken": 4, "dropped": {}},
         consumed=lambda seqs, step, ok: None,
     )
-    d.tracker = Actor(stats=lambda: {"open_sessions": 0})
-    d.engines, d.judges, d.teachers = [], [], []
-    d.learners = type("Learners", (), {"train_step": staticmethod(train_step)})()
-    d.weight_sync = type(
+    d.actors.tracker = Actor(stats=lambda: {"open_sessions": 0})
+    d.actors.engines, d.actors.judges, d.actors.teachers = [], [], []
+    d.actors.learners = type("Learners", (), {"train_step": staticmethod(train_step)})()
+    d.actors.weight_sync = type(
         "Sync",
         (),
         {"behind": False, "failures": 0, "engine_versions": lambda self: {}, "sync": lambda self, v: _sync_result(v)},
@@ -142,8 +142,8 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     assert m["samples"] == 3 and m["reward_mean"] == pytest.approx(1 / 3) and m["skipped"] == "no"
     assert m["inv/staleness_mean"] == 1.0 and m["inv/dropped_samples/all_masked"] == 1
     assert m["inv/effective_sample_rate"] == pytest.approx(3 / 4) and not math.isnan(m["loss"])
-    assert list(d.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1 and logged == [1]
-    assert ("consumed", ([1, 2, 3, 4], 1, True)) in d.queue.calls  # the whole batch, B included
+    assert list(d.state.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1 and logged == [1]
+    assert ("consumed", ([1, 2, 3, 4], 1, True)) in d.actors.queue.calls  # the whole batch, B included
     assert len(gets) >= 3  # the batch, the queue's and the tracker's stats went through the counted get
 
 

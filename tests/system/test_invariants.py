@@ -39,7 +39,9 @@ def feed(d, rewards, seed=0):
     prompt = [1, 40, 41, 42, 2, 1, 43]
     for i, r in enumerate(rewards):
         out = ray.get(
-            d.engines[0].generate.remote(GenerateRequest(prompt, max_tokens=8, temperature=1.0, seed=seed * 100 + i))
+            d.actors.engines[0].generate.remote(
+                GenerateRequest(prompt, max_tokens=8, temperature=1.0, seed=seed * 100 + i)
+            )
         )
         s = Sample(
             tokens=prompt + out["response_ids"],
@@ -49,7 +51,7 @@ def feed(d, rewards, seed=0):
             reward=r,
             policy_version=out["policy_version"],
         )
-        ray.get(d.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
+        ray.get(d.actors.queue.put.remote([ray.put(s)], SampleMeta.of(s)))
 
 
 def test_lr0_mismatch_stays_flat_and_tiny(driver):
@@ -66,14 +68,14 @@ def test_lr0_mismatch_stays_flat_and_tiny(driver):
 
 
 def test_degenerate_stream_is_counted_and_handled(driver):
-    before = driver.guard.degenerate_batches
-    driver.guard = DegenerateBatchGuard("skip")
+    before = driver.state.guard.degenerate_batches
+    driver.state.guard = DegenerateBatchGuard("skip")
     version = driver.version
     feed(driver, [1.0, 1.0], seed=7)
     m = driver.step()
     assert m["skipped"] == "degenerate" and m["policy_version"] == version  # no update, no sync
     assert m["inv/degenerate_batches"] == 1 and m["inv/nonzero_reward_frac"] == 1.0
-    driver.guard = DegenerateBatchGuard("baseline", momentum=0.5, degenerate_batches=before)
+    driver.state.guard = DegenerateBatchGuard("baseline", momentum=0.5, degenerate_batches=before)
     for k, expected_baseline in enumerate([0.5, 0.75]):
         feed(driver, [1.0, 1.0], seed=8 + k)
         m = driver.step()
@@ -84,7 +86,7 @@ def test_degenerate_stream_is_counted_and_handled(driver):
 
 def test_entropy_floor_raises_the_coefficient(driver):
     # the tiny model's entropy is about log(1024) = 6.9 nats; a floor of 100 is never reached
-    driver.entropy = EntropyController(coef=0.0, floor=100.0, lr=1e-4, max_coef=1.0)
+    driver.state.entropy = EntropyController(coef=0.0, floor=100.0, lr=1e-4, max_coef=1.0)
     coefs = []
     for k in range(3):
         feed(driver, [1.0, -1.0], seed=20 + k)

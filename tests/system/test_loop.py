@@ -8,7 +8,8 @@ import httpx
 import pytest
 import ray
 
-from clawray.driver import Driver, eval_change_lines
+from clawray.closing import eval_change_lines
+from clawray.driver import Driver
 from clawray.envs import make_env
 from conftest import tiny_run_config
 
@@ -55,7 +56,7 @@ def test_openai_client_models_and_a_main_turn(driver):
 
     client = OpenAI(base_url=driver.base_url, api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["clawray-policy"]
-    before = ray.get(driver.tracker.stats.remote()).get("turns", 0)
+    before = ray.get(driver.actors.tracker.stats.remote()).get("turns", 0)
     r = client.chat.completions.create(
         model="clawray-policy",
         messages=[{"role": "user", "content": "1+1?"}],
@@ -72,7 +73,7 @@ def test_openai_client_models_and_a_main_turn(driver):
         extra_headers={"X-Session-Id": "probe", "X-Turn-Type": "side"},
     )
     assert side.model_extra["turn_index"] is None
-    assert ray.get(driver.tracker.stats.remote())["turns"] == before + 1  # the side turn is not recorded
+    assert ray.get(driver.actors.tracker.stats.remote())["turns"] == before + 1  # the side turn is not recorded
 
 
 @pytest.mark.parametrize(
@@ -93,13 +94,13 @@ def test_openai_client_models_and_a_main_turn(driver):
     ],
 )
 def test_bad_input_is_400_with_openai_error_and_records_nothing(driver, body, raw, param):
-    before = ray.get(driver.tracker.stats.remote()).get("turns", 0)
+    before = ray.get(driver.actors.tracker.stats.remote()).get("turns", 0)
     r = chat(driver, body, {"X-Session-Id": "bad"}, raw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and err["message"]
-    assert ray.get(driver.tracker.stats.remote()).get("turns", 0) == before
+    assert ray.get(driver.actors.tracker.stats.remote()).get("turns", 0) == before
     ok = chat(driver, {"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2})
     assert ok.status_code == 200  # the server keeps serving
 
@@ -188,12 +189,12 @@ def test_the_printed_eval_command_reproduces_the_jobs_last_evaluation(driver, tm
 
     from clawray.checkpoint import read_policy_card
     from clawray.cli import main
-    from clawray.driver import closing_lines
+    from clawray.closing import closing_lines
 
-    path = driver.save_checkpoint()
+    path = driver.checkpoints.save()
     card = read_policy_card(os.path.join(path, "model"))
     assert card["policy_version"] == 2 and card["engine"] == {"backend": "hf", "dtype": "float32"}
-    line = next(x for x in closing_lines(driver.cfg, driver.last_checkpoint) if x.startswith("evaluate it: "))
+    line = next(x for x in closing_lines(driver.cfg, driver.checkpoints.last) if x.startswith("evaluate it: "))
     argv = shlex.split(line.removeprefix("evaluate it: "))
     assert argv[1:3] == ["eval", os.path.join(path, "model")] and "--dtype" in argv
     out = str(tmp_path / "eval.json")
@@ -300,7 +301,7 @@ def test_tool_calls_out_and_exact_recorded_tokens(driver, tiny_model):
 def test_requests_during_a_weight_sync_wait_instead_of_failing(driver):
     import threading
 
-    engines = driver.engines
+    engines = driver.actors.engines
     ray.get([e.pause.remote() for e in engines])
     result = {}
     t = threading.Thread(
@@ -336,7 +337,7 @@ def test_engine_and_openai_judges_call_real_models(driver):
     )
     base = {"m": 3, "temperature": 0.6, "max_tokens": 8, "timeout_s": 60.0, "api_key": "x"}
     engine_judge = JudgeWorker(
-        {**base, "backend": "engine"}, engine=driver.engines[0], tokenizer_path=driver.model_path
+        {**base, "backend": "engine"}, engine=driver.actors.engines[0], tokenizer_path=driver.model_path
     )
     openai_judge = JudgeWorker({**base, "backend": "openai", "base_url": driver.base_url, "model": "clawray-policy"})
     for judge in (engine_judge, openai_judge):

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from clawray.driver import Driver
+from clawray.run_stats import serve_stats
 from conftest import tiny_run_config
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,7 @@ def _body_sessions_on_both_replicas(d) -> dict[str, str]:
         sid, field = f"body-{i}", "user" if i % 3 == 2 else "session_id"
         messages = [{"role": "user", "content": f"What is {i} + 1?"}]
         sent[sid] = (field, messages + [chat(sid, field, messages)])
-        stats = d.serve_stats(session_ids=True)
+        stats = serve_stats(session_ids=True)
         if i >= 2 and all(any(s.startswith("body-") for s in st["session_ids"]) for st in stats):
             break
     for sid, (field, messages) in sent.items():
@@ -107,23 +108,23 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
     try:
         d.setup()
         body_sessions = _body_sessions_on_both_replicas(d)
-        assert [_actor_ip(w) for w in d.learners.workers] == ["127.0.0.2", "127.0.0.2"]
-        assert _actor_ip(d.engines[0]) == "127.0.0.3"
-        host, port = d.learners.rendezvous
+        assert [_actor_ip(w) for w in d.actors.learners.workers] == ["127.0.0.2", "127.0.0.2"]
+        assert _actor_ip(d.actors.engines[0]) == "127.0.0.3"
+        host, port = d.actors.learners.rendezvous
         assert host == "127.0.0.2" and port > 0
-        assert ray.get(d.learners.workers[1].__ray_call__.remote(lambda w: w.master_address)) == (host, port)
-        assert d.weight_sync.transport == "collective" and d.weight_sync.rendezvous[0] == "127.0.0.2"
+        assert ray.get(d.actors.learners.workers[1].__ray_call__.remote(lambda w: w.master_address)) == (host, port)
+        assert d.actors.weight_sync.transport == "collective" and d.actors.weight_sync.rendezvous[0] == "127.0.0.2"
         out = capsys.readouterr().out
         assert (
             f"[clawray] placement: learners on 127.0.0.2 x2 (rendezvous 127.0.0.2:{port}), engines on 127.0.0.3 x1; "
-            f"weight sync collective at 127.0.0.2:{d.weight_sync.rendezvous[1]}"
+            f"weight sync collective at 127.0.0.2:{d.actors.weight_sync.rendezvous[1]}"
         ) in out
         summary = d.run()
         assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]
         lines = [json.loads(line) for line in open(f"{d.run_dir}/metrics.jsonl")]
         assert [m["policy_version"] for m in lines] == [1, 2] and all(m["sync/ok"] == 1.0 for m in lines)
-        assert d.weight_sync.rendezvous[0] == "127.0.0.2"
-        replicas = d.serve_stats(session_ids=True)
+        assert d.actors.weight_sync.rendezvous[0] == "127.0.0.2"
+        replicas = serve_stats(session_ids=True)
         assert len(replicas) == 2 and all(st["requests"] > 0 and st["sessions"] > 0 for st in replicas), replicas
         on = [set(st["session_ids"]) for st in replicas]
         assert not on[0] & on[1], on  # no session reached both replicas

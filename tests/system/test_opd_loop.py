@@ -40,9 +40,9 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
     try:
         d.setup()
         if "opd.teacher=live" in extra:  # self-distillation: the teacher is the synced rollout engine
-            assert d.teacher_engine is d.engines[0]
+            assert d.actors.teacher_engine is d.actors.engines[0]
         else:
-            assert d.teacher_engine is not None and d.teacher_engine not in d.engines
+            assert d.actors.teacher_engine is not None and d.actors.teacher_engine not in d.actors.engines
         summary = d.run()
         algo = cfg.trainer.algo
         assert summary["policy_version"] == 2 and summary["engine_versions"] == [2]

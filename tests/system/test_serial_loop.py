@@ -28,14 +28,14 @@ def test_serial_loop_never_generates_while_it_trains_or_syncs(ray_cluster, tiny_
     d = Driver(cfg)
     try:
         d.setup()
-        d.start_traffic()
+        d.users.start(d.base_url)
         rows = [d.step() for _ in range(cfg.trainer.num_steps)]
-        sim = d.sim
+        sim = d.users.pool
         requests = ray.get(sim.request_log.remote())
-        d.stop_traffic()
+        d.users.stop()
     finally:
         d.shutdown()
-    phases = list(d.timeline)
+    phases = list(d.timeline.spans)
     assert [p for p, _, _ in phases] == ["train", "sync"] * 2
     assert d.version == 2, [r["skipped"] for r in rows]
     assert len(requests) >= 2 * cfg.trainer.batch_size, requests  # at least two batches' worth of turns

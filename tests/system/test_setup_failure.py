@@ -29,7 +29,7 @@ def test_driver_setup_failure_releases_actors_and_resources(ray_cluster, tiny_mo
     d = Driver(cfg)
     with pytest.raises(RuntimeError, match=r"learner rank \d of 2 failed to start: .*no_such"):
         d.setup()
-    assert d.engines and d.queue is not None  # it failed part-way, after creating actors
+    assert d.actors.engines and d.actors.queue is not None  # it failed part-way, after creating actors
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (
         _alive_actors(ray_cluster) - before_actors or ray.available_resources().get("CPU", 0.0) < before_cpus

@@ -26,6 +26,19 @@ class _Actor:
     __ray_ready__ = _Ready()
 
 
+class _Actors:
+    """A run's actors (:class:`clawray.run_actors.RunActors`' roles and handles): one engine, ``a1``."""
+
+    def __init__(self, roles):
+        self._roles = roles
+
+    def roles(self):
+        return self._roles
+
+    def all(self):
+        return [_Actor()] if self._roles else []
+
+
 def _raise(exc):
     def get(*args, **kwargs):
         raise exc
@@ -44,12 +57,10 @@ def test_oom_is_an_actor_death_with_its_own_reason():
 
 def test_check_actors_names_an_engine_the_memory_monitor_killed(monkeypatch):
     """The ping of a dead engine fails with OutOfMemoryError and so does the retry: one ActorLost line."""
-    monkeypatch.setattr(recovery, "actor_roles", lambda d: {"a1": ("rollout-0", "engine")})
-    monkeypatch.setattr(recovery, "_all_actors", lambda d: [_Actor()])
     monkeypatch.setattr(recovery.ray, "wait", lambda refs, **kw: (refs, []))
     monkeypatch.setattr(recovery.ray, "get", _raise(OOM))
     with pytest.raises(recovery.ActorLost) as lost:
-        recovery.check_actors(object(), timeout_s=1.0)
+        recovery.check_actors(_Actors({"a1": ("rollout-0", "engine")}), timeout_s=1.0)
     assert (lost.value.role, lost.value.kind) == ("rollout-0", "engine")
     assert "rollout-0" in str(lost.value) and "memory monitor" in str(lost.value)
     assert "\n" not in str(lost.value)
@@ -64,19 +75,16 @@ def test_check_actors_lets_an_engine_ray_restarted_after_oom_go_on(monkeypatch):
         if a is not None:
             raise a
 
-    monkeypatch.setattr(recovery, "actor_roles", lambda d: {"a1": ("rollout-0", "engine")})
-    monkeypatch.setattr(recovery, "_all_actors", lambda d: [_Actor()])
     monkeypatch.setattr(recovery.ray, "wait", lambda refs, **kw: (refs, []))
     monkeypatch.setattr(recovery.ray, "get", get)
-    recovery.check_actors(object(), timeout_s=1.0)
+    recovery.check_actors(_Actors({"a1": ("rollout-0", "engine")}), timeout_s=1.0)
 
 
 def test_actor_lost_reads_an_oom_in_the_cause_chain(monkeypatch):
-    monkeypatch.setattr(recovery, "actor_roles", lambda d: {"a1": ("judge-0", "judge")})
     monkeypatch.setattr(recovery, "_first_dead", lambda roles: "judge-0")
     wrapped = RuntimeError("judge call failed")
     wrapped.__cause__ = OOM
-    lost = recovery.actor_lost(object(), wrapped)
+    lost = recovery.actor_lost(_Actors({"a1": ("judge-0", "judge")}), wrapped)
     assert (lost.role, lost.kind) == ("judge-0", "judge")
     assert str(lost).startswith("the judge-0 actor died (killed by Ray's memory monitor, out of host memory);")
-    assert recovery.actor_lost(object(), ValueError("not a death")) is None
+    assert recovery.actor_lost(_Actors({}), ValueError("not a death")) is None

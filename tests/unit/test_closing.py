@@ -6,7 +6,8 @@ import os
 import pytest
 
 from clawray.config import load_config
-from clawray.driver import closing_lines, exit_checkpoint_needed
+from clawray.closing import closing_lines
+from clawray.resume import exit_checkpoint_needed
 
 
 def test_exit_checkpoint_only_for_a_new_policy():
@@ -25,7 +26,7 @@ def test_closing_lines_name_the_model_and_commands_with_paths_that_paste():
     import os
     import sys
 
-    from clawray.driver import clawray_command
+    from clawray.closing import clawray_command
 
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["run_dir=runs/x"])
     ckpt = {"path": "runs/x/checkpoints/ckpt-000001", "version": 3, "bytes": 2.5 * 2**30}

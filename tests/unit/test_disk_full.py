@@ -141,10 +141,10 @@ def test_the_driver_waits_for_the_disk_to_record_a_consumed_batch(monkeypatch, c
     skipped mark would train the batch again after a resume)."""
     from types import SimpleNamespace
 
-    import clawray.driver as driver_mod
+    import clawray.resume as resume
 
-    monkeypatch.setattr(driver_mod, "JOURNAL_RETRY_S", 0.01)
-    monkeypatch.setattr(driver_mod.ray, "get", lambda v: v)
+    monkeypatch.setattr(resume, "JOURNAL_RETRY_S", 0.01)
+    monkeypatch.setattr(resume.ray, "get", lambda v: v)
     tries = []
 
     def mark():
@@ -154,7 +154,7 @@ def test_the_driver_waits_for_the_disk_to_record_a_consumed_batch(monkeypatch, c
         return None
 
     d = SimpleNamespace(journal_waits=0)
-    driver_mod.Driver._journal_mark(d, mark, "step 2's batch")
+    resume.Checkpoints.mark(d, mark, "step 2's batch")
     assert len(tries) == 3 and d.journal_waits == 1
     assert capsys.readouterr().out.splitlines() == [
         "[clawray] sample journal: step 2's batch cannot be recorded (No space left on device); training "
@@ -166,7 +166,7 @@ def test_the_driver_waits_for_the_disk_to_record_a_consumed_batch(monkeypatch, c
         raise ValueError("not a disk error")
 
     with pytest.raises(ValueError):
-        driver_mod.Driver._journal_mark(d, broken, "x")
+        resume.Checkpoints.mark(d, broken, "x")
 
 
 @pytest.mark.parametrize(
@@ -183,18 +183,18 @@ def test_the_journal_forgets_only_what_no_kept_checkpoint_needs(tmp_path, monkey
     the newest checkpoint's step, so a fallback to the older one could not queue them again."""
     from types import SimpleNamespace
 
-    import clawray.driver as driver_mod
+    import clawray.resume as resume
 
-    monkeypatch.setattr(driver_mod.ray, "get", lambda v: v)
+    monkeypatch.setattr(resume.ray, "get", lambda v: v)
     for i, step in enumerate(checkpoints):
         folder = tmp_path / f"ckpt-{i + 1:06d}"
         folder.mkdir()
         (folder / "driver.json").write_text(json.dumps({"steps_done": step}))
     forgot = []
     d = SimpleNamespace(
-        checkpoint_dir=str(tmp_path),
+        dir=str(tmp_path),
         cfg=SimpleNamespace(checkpoint=SimpleNamespace(keep_last=keep_last)),
-        queue=SimpleNamespace(forget=SimpleNamespace(remote=forgot.append)),
+        actors=SimpleNamespace(queue=SimpleNamespace(forget=SimpleNamespace(remote=forgot.append))),
     )
-    driver_mod.Driver._forget_covered(d, checkpoints[-1])
+    resume.Checkpoints.forget_covered(d, checkpoints[-1])
     assert forgot == forgets

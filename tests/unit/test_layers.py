@@ -53,6 +53,12 @@ LAYERS = {
     "clawray.evaluation": 3,
     "clawray.premise": 3,
     "clawray.monitor": 3,
+    "clawray.run_actors": 3,
+    "clawray.run_stats": 3,
+    "clawray.resume": 3,
+    "clawray.closing": 3,
+    "clawray.batching": 3,
+    "clawray.traffic": 3,
     # 4: the Ray actors
     "clawray.actors": 4,
     # 5: the Serve deployment
@@ -60,6 +66,7 @@ LAYERS = {
     "clawray.serve.app": 5,
     # 6: what wires a run
     "clawray.driver": 6,
+    "clawray.build": 6,
     "clawray.serving": 6,
     # 7: the command line
     "clawray.cli": 7,

@@ -1,14 +1,15 @@
-"""Groups and DAPO dynamic sampling (clawray.algos.rejection, Driver._fill_dynamic), GRPO over them."""
+"""Groups and DAPO dynamic sampling (clawray.algos.rejection, clawray.batching.fill_dynamic), GRPO over them."""
 
 import pytest
 import torch
 
-from clawray import driver as driver_mod
+from clawray import batching
 from clawray import step_metrics
 from clawray.algos.advantages import batch_advantages
 from clawray.algos.invariants import DegenerateBatchGuard
 from clawray.algos.rejection import group_keys, opening, zero_variance
 from clawray.config import load_config
+from clawray.resume import LoopState
 from clawray.types import Sample, SampleMeta
 
 
@@ -64,15 +65,15 @@ def _batch(metas):
     }
 
 
-def _driver(monkeypatch, takes, **trainer):
+def _fill(monkeypatch, takes, **trainer):
+    """``(fill(batch, next_version), the loop state, the sizes asked of the queue)``."""
     cfg = load_config(
         [], ["trainer.dynamic_sampling=true", "trainer.batch_size=4"] + [f"trainer.{k}={v}" for k, v in trainer.items()]
     )
-    d = driver_mod.Driver.__new__(driver_mod.Driver)
-    d.cfg, d.zero_variance_dropped = cfg, 0
+    state = LoopState.from_config(cfg)
     calls = []
 
-    def wait_batch(driver, batch_size, next_version, timeout, max_batch_size):
+    def wait_batch(actors, version, batch_size, next_version, timeout, max_batch_size):
         calls.append(batch_size)
         if not takes:
             return None
@@ -81,25 +82,29 @@ def _driver(monkeypatch, takes, **trainer):
     def no_fetch(refs):
         raise AssertionError(f"the driver fetched {refs}")  # dynamic sampling decides on metadata only
 
-    monkeypatch.setattr("clawray.recovery.wait_batch", wait_batch)
-    monkeypatch.setattr(driver_mod.ray, "get", no_fetch)
-    return d, calls
+    monkeypatch.setattr(batching, "wait_batch", wait_batch)
+    monkeypatch.setattr(batching.ray, "get", no_fetch)
+    return (
+        lambda batch, next_version: batching.fill_dynamic(cfg.trainer, None, state, batch, next_version),
+        state,
+        calls,
+    )
 
 
 def test_dynamic_sampling_refills_until_enough_samples_have_variance(monkeypatch):
     first = [_meta(1, 1.0), _meta(1, 1.0), _meta(2, 1.0), _meta(2, -1.0)]
-    d, calls = _driver(monkeypatch, [[_meta(3, 0.5), _meta(3, -0.5)]], dynamic_sampling_wait_s=30)
-    batch, rejected = d._fill_dynamic(_batch(first), 1)
+    fill, state, calls = _fill(monkeypatch, [[_meta(3, 0.5), _meta(3, -0.5)]], dynamic_sampling_wait_s=30)
+    batch, rejected = fill(_batch(first), 1)
     assert rejected == {0, 1} and len(batch["meta"]) == len(batch["refs"]) == 6 and calls == [1]  # one refill
-    assert batch["seqs"] == [0, 1, 2, 3, 0, 1] and d.zero_variance_dropped == 2
+    assert batch["seqs"] == [0, 1, 2, 3, 0, 1] and state.zero_variance_dropped == 2
 
 
 def test_dynamic_sampling_stops_at_the_wait_limit(monkeypatch):
     first = [_meta(1, 1.0), _meta(2, -1.0), _meta(3, 1.0), _meta(3, -1.0)]
-    d, calls = _driver(monkeypatch, [], dynamic_sampling_wait_s=0)
-    batch, rejected = d._fill_dynamic(_batch(first), 1)
+    fill, state, calls = _fill(monkeypatch, [], dynamic_sampling_wait_s=0)
+    batch, rejected = fill(_batch(first), 1)
     assert rejected == {0, 1} and len(batch["meta"]) == 4 and calls == []  # no wait: trains the 2 it has
-    assert d.zero_variance_dropped == 2
+    assert state.zero_variance_dropped == 2
 
 
 def test_credit_metrics_of_a_batch():
@@ -168,7 +173,7 @@ def test_resample_mode_asks_each_problem_n_times_and_grpo_gets_groups_of_n(tiny_
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         sample = Sample(list(ids) + [5, 6], len(ids), [1, 1], [-1.0, -1.0], r, 0, session_id=sid, turn_index=1)
         metas.append(SampleMeta.of(sample))
-    keys = driver_mod.sample_groups(metas, "prompt")
+    keys = batching.sample_groups(metas, "prompt")
     sizes = sorted(keys.count(k) for k in set(keys))
     assert sizes == [n] * (12 // n)
     adv = group_advantages(torch.tensor(rewards), torch.tensor([sorted(set(keys)).index(k) for k in keys]))

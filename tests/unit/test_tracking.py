@@ -111,7 +111,7 @@ def test_checkpoints_are_private_whatever_the_writers_umask(tmp_path):
         os.makedirs(os.path.join(tmp, "model"))
         with open(os.path.join(tmp, "model", "weights.bin"), "w") as f:  # as a learner with umask 022 writes
             f.write("w")
-        private_tree(tmp)  # Driver.save_checkpoint does this before the commit
+        private_tree(tmp)  # Checkpoints.save does this before the commit
         commit_checkpoint(tmp, final)
     finally:
         os.umask(old)

@@ -36,10 +36,10 @@ class _Remote:  # queue.get_batch.remote(...) -> the value itself; ray.get is th
 
 
 def _driver(monkeypatch, queue):
-    """A driver whose queue is ``queue``, with ray.get and the actor checks stubbed out."""
+    """A run's actors whose queue is ``queue``, with ray.get and the actor checks stubbed out."""
     monkeypatch.setattr(recovery.ray, "get", lambda v: v)
     monkeypatch.setattr(recovery, "check_actors", lambda d: None)
-    monkeypatch.setattr(recovery, "resync_restarted_engines", lambda d: [])
+    monkeypatch.setattr(recovery, "resync_restarted_engines", lambda a, v: [])
     return type(
         "D", (), {"queue": type("Q", (), {"get_batch": _Remote(queue.get_batch), "stats": _Remote(queue.stats)})()}
     )()
@@ -51,7 +51,7 @@ def test_wait_batch_shows_queued_samples_out_of_the_batch(monkeypatch):
     monkeypatch.setattr(
         "clawray.console.progress", lambda total, desc, unit: bars.append(_Bar(total, desc, unit)) or bars[-1]
     )
-    batch = recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01, desc="step 1/20: samples")
+    batch = recovery.wait_batch(driver, 0, 4, 1, None, 0, poll_s=0.01, desc="step 1/20: samples")
     assert batch == {"refs": ["r"] * 4}
     assert len(bars) == 1 and (bars[0].total, bars[0].desc, bars[0].unit) == (4, "step 1/20: samples", "sample")
     assert bars[0].shown == [1, 3]  # one bar, updated at each empty poll
@@ -62,7 +62,7 @@ def test_wait_batch_without_desc_shows_nothing(monkeypatch):
     queue.gets = [None, {"refs": []}]
     driver = _driver(monkeypatch, queue)
     monkeypatch.setattr("clawray.console.progress", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a bar")))
-    assert recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01) == {"refs": []}
+    assert recovery.wait_batch(driver, 0, 4, 1, None, 0, poll_s=0.01) == {"refs": []}
     assert queue.sizes == [1, 3]  # no stats call either
 
 
@@ -79,7 +79,7 @@ def test_wait_batch_says_why_samples_do_not_come_when_the_reasons_change(monkeyp
         ["judge-0 failing: 5 of the last 5 calls in 120 s failed (last: TimeoutError after 5 s)"],
         [],
     ]
-    assert recovery.wait_batch(driver, 4, 1, None, 0, poll_s=0.01, why=lambda: said.pop(0)) == {"refs": ["r"]}
+    assert recovery.wait_batch(driver, 0, 4, 1, None, 0, poll_s=0.01, why=lambda: said.pop(0)) == {"refs": ["r"]}
     assert said == []
     assert capsys.readouterr().out.splitlines() == [
         "[clawray] waiting for samples: judge-0 failing: 3 of the last 3 calls in 120 s failed "
