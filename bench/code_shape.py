@@ -1,5 +1,6 @@
 """The shape of clawray's code (issue #25's figures): lines per module, the longest classes and
-functions, functions over the 80-line limit, and components that take the Driver (``driver: Any``).
+functions, functions over the 80-line limit, components that take the Driver (``driver: Any``) and
+imports of another module's private (``_``) names.
 
 Usage: ``python bench/code_shape.py [--top N]``; counts physical lines (docstrings and comments
 included) of ``clawray/``; a function's length is its ``def`` line to its last line.
@@ -38,6 +39,24 @@ def shapes() -> tuple[dict[str, int], list[tuple[int, str]], list[tuple[int, str
     return files, sorted(classes, reverse=True), sorted(functions, reverse=True), takes_driver
 
 
+def private_imports() -> list[str]:
+    """``"file:line name from module"`` of every ``from clawray.x import _name``."""
+    out = []
+    for folder, _, names in os.walk(ROOT):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("clawray"):
+                        out += [
+                            f"{rel}:{node.lineno} {a.name} from {node.module}"
+                            for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")
+                        ]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=10)
@@ -56,6 +75,10 @@ def main() -> int:
     print(f"\nlongest functions ({len(over)} over {LIMITS['function']} lines)")
     for n, name in functions[: args.top]:
         print(f"  {n:6d}  {name}")
+    private = private_imports()
+    print(f"\nimports of another module's private names: {len(private)}")
+    for line in private:
+        print(f"          {line}")
     print(f"\nfunctions outside driver.py that take the driver: {len(takes_driver)}")
     for name in takes_driver:
         print(f"          {name}")

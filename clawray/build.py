@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from clawray.algos.algorithm import algorithm_class
+from clawray.algos.algorithm import OPDOptions, algorithm_class
 from clawray.config import model_path
 from clawray.run_actors import RunActors
 
@@ -34,13 +34,7 @@ def ensure_model(cfg: DictConfig) -> str:
     from clawray import models
 
     print(f"[clawray] building model '{cfg.model.build}' into {path}", flush=True)
-    build = {
-        "tiny": models.build_tiny_model,
-        "smollm2": models.convert_smollm2,
-        "qwen2.5-coder-0.5b": models.convert_qwen_coder_05b,
-        "qwen2.5-coder-1.5b": models.convert_qwen_coder_15b,
-    }[cfg.model.build]
-    build(path)
+    models.BUILDERS[cfg.model.build](path)
     return path
 
 
@@ -77,7 +71,7 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
-    from clawray.actors.teacher import build_teachers, tracker_opd_options
+    from clawray.actors.teacher import build_teachers
     from clawray.console import wait_with_progress
     from clawray.recovery import RESTART, RESTART_RETRY, engine_options
 
@@ -114,7 +108,7 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
         teachers=actors.teachers,
         idle_timeout_s=cfg.session.idle_timeout_s,
         truncated=cfg.session.truncated,
-        opd=tracker_opd_options(cfg.opd),
+        opd=OPDOptions.from_config(cfg.opd),
         records_dir=os.path.join(os.path.abspath(cfg.run_dir), "records") if cfg.records.enabled else None,
         records_max_bytes=int(cfg.records.max_mb * 2**20),
         records_keep=cfg.records.keep_files,
@@ -163,16 +157,8 @@ def connect_weight_sync(cfg: DictConfig, actors: RunActors) -> None:
     from clawray.weight_sync import WeightSyncController
 
     plan = ray.get(actors.engines[0].weight_specs.remote())
-    actors.weight_sync = WeightSyncController(
-        actors.learner_workers,
-        actors.engines,
-        [f"rollout-{i}" for i in range(len(actors.engines))],
-        plan,
-        transport=cfg.sync.transport,
-        bucket_bytes=cfg.sync.bucket_mb << 20,
-        timeout_s=cfg.sync.timeout_s,
-        mode=cfg.sync.mode,
-    )
+    names = [f"rollout-{i}" for i in range(len(actors.engines))]
+    actors.weight_sync = WeightSyncController.from_config(cfg.sync, actors.learner_workers, actors.engines, names, plan)
     actors.weight_sync.connect(check_plan=True)
 
 

@@ -18,7 +18,7 @@ import re
 import shutil
 import zlib
 
-from clawray.private import open_private, private_dir
+from clawray.file_modes import open_private, private_dir
 
 _NAME = re.compile(r"^ckpt-(\d{6})$")
 

@@ -154,11 +154,33 @@ def _eval(ns) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawray.ray_env import apply_loopback_env
-
     """Entry point of the ``clawray`` command; returns the exit status (0 ok, 1 run failed,
     2 bad config, 130 interrupted)."""
+    from clawray.ray_env import apply_loopback_env
+
     apply_loopback_env()  # before anything imports ray: Ray reads these at import time
+    ns = _parser().parse_args(argv)
+    if ns.command in ("run", "serve"):  # before Ray starts: its processes inherit it (clawray/file_modes.py)
+        from clawray.config import redacted_argv
+        from clawray.file_modes import private_umask
+
+        private_umask()
+        sys.argv[:] = redacted_argv(sys.argv)  # wandb records sys.argv: no api key in the run's files
+    commands = {
+        "eval": _eval,
+        "openclaw": _openclaw,
+        "serve": _serve,
+        "report": _report,
+        "model": _model,
+        "run": _run,
+    }
+    return commands[ns.command](ns)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``clawray`` command line: ``run``, ``serve``, ``model``, ``report``, ``eval``, ``openclaw``."""
+    from clawray.models import BUILDERS
+
     parser = argparse.ArgumentParser(prog="clawray", description="online RL of LLM agents on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a training job")
@@ -183,57 +205,45 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_serve.add_argument("--verbose", "-v", action="store_true", help="show engine/Ray output here")
     p_model = sub.add_parser("model", help="build a local model folder")
-    p_model.add_argument("kind", choices=["tiny", "smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    p_model.add_argument("kind", choices=list(BUILDERS))
     p_model.add_argument("dir")
     p_report = sub.add_parser("report", help="plot the four invariants of a run folder")
     p_report.add_argument("run_dir", nargs="+", help="run folders; the first gets the matrix of all of them")
     _add_eval_parser(sub)
     _add_openclaw_parser(sub)
-    ns = parser.parse_args(argv)
-    if ns.command in ("run", "serve"):  # before Ray starts: its processes inherit it (clawray/private.py)
-        from clawray.config import redacted_argv
-        from clawray.private import private_umask
+    return parser
 
-        private_umask()
-        sys.argv[:] = redacted_argv(sys.argv)  # wandb records sys.argv: no api key in the run's files
 
-    if ns.command == "eval":
-        return _eval(ns)
+def _report(ns: argparse.Namespace) -> int:
+    """``clawray report RUN_DIR...``: the invariant plots and matrix; 1 when a folder cannot be read."""
+    from clawray.report import write_reports
 
-    if ns.command == "openclaw":
-        return _openclaw(ns)
+    try:
+        for path in write_reports(ns.run_dir):
+            print(path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 1
+    return 0
 
-    if ns.command == "serve":
-        return _serve(ns)
 
-    if ns.command == "report":
-        from clawray.report import write_reports
+def _model(ns: argparse.Namespace) -> int:
+    """``clawray model KIND DIR``: build a model folder; 1 when its source is missing or broken."""
+    from clawray.models import BUILDERS
 
-        try:
-            for path in write_reports(ns.run_dir):
-                print(path)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"clawray: {e}", file=sys.stderr)
-            return 1
-        return 0
+    try:
+        path = BUILDERS[ns.kind](ns.dir)
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
-    if ns.command == "model":
-        from clawray import models
 
-        build = {
-            "tiny": models.build_tiny_model,
-            "smollm2": models.convert_smollm2,
-            "qwen2.5-coder-0.5b": models.convert_qwen_coder_05b,
-            "qwen2.5-coder-1.5b": models.convert_qwen_coder_15b,
-        }[ns.kind]
-        try:
-            path = build(ns.dir)
-        except (FileNotFoundError, RuntimeError) as e:
-            print(f"clawray: {e}", file=sys.stderr)
-            return 1
-        print(path)
-        return 0
-
+def _run(ns: argparse.Namespace) -> int:
+    """``clawray run CONFIG... KEY=VALUE...``: a training job; 2 for a bad config, 1 when it failed
+    in a way said in one line (an actor died, the folder is taken, a damaged file, a refused
+    premise, no batch in time, a missing file), 130 when interrupted."""
     from clawray.config import ConfigError, load_config
 
     files = [a for a in ns.args if "=" not in a]
@@ -243,14 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"clawray: config error: {e}", file=sys.stderr)
         return 2
+    from clawray.console import capture
     from clawray.driver import run
     from clawray.interrupt import BoundedStop
 
     # Ctrl-C and SIGTERM (kill, a job stop) unwind the job, so the driver shuts Serve and Ray down
     # cleanly, within trainer.shutdown_timeout_s (a second signal exits at once)
     stopper = BoundedStop(cfg.trainer.shutdown_timeout_s).install()
-    from clawray.console import capture
-
     log_path = os.path.join(cfg.run_dir, "job.log")
     if not ns.verbose:
         print(f"[clawray] engine/Ray/wandb output goes to {log_path} (--verbose shows it here)", flush=True)

@@ -758,19 +758,16 @@ VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k log-probs 
 def _check_topk_teacher(cfg: DictConfig) -> None:
     """Top-k distillation on a vLLM teacher engine needs ``opd.topk`` <= vLLM's ``max_logprobs``
     (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
-    opd = cfg.opd
-    if (
-        not algorithm_class(cfg.trainer.algo).needs_teacher
-        or opd.loss != "topk"
-        or opd.teacher.startswith(("http://", "https://"))
-    ):
+    opd, algorithm = cfg.opd, algorithm_class(cfg.trainer.algo)
+    topk = algorithm.needs_teacher and algorithm.term(opd.loss) == "topk_kl"
+    if not topk or opd.teacher.startswith(("http://", "https://")):
         return
     backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
     if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
         where = "rollout.backend" if opd.teacher == "live" else "opd.teacher_backend"
         raise ConfigError(
             f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
-            f"returns ({where}=vllm, opd.loss=topk)"
+            f"returns ({where}=vllm, trainer.algo={cfg.trainer.algo}, opd.loss={opd.loss})"
         )
 
 

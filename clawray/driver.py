@@ -36,7 +36,7 @@ from clawray.checkpoint import precision_mismatch, prefix_cache_warning
 from clawray.closing import closing_lines, eval_change_lines
 from clawray.evaluation import RunEvaluations
 from clawray.monitor import BehaviourMonitor
-from clawray.private import open_private, private_dir
+from clawray.file_modes import open_private, private_dir
 from clawray.batching import sample_groups, take_batch
 from clawray.recovery import ActorLost, actor_lost, learner_lost, recovery_for, restarted_engines
 from clawray.resume import Checkpoints, LoopState

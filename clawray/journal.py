@@ -570,10 +570,10 @@ class RestoredSessions:
 
 def restore_sessions(state: Any) -> RestoredSessions:
     """The sessions of a loaded :class:`SessionJournal`'s ``state``: each rebuilt as a
-    :class:`~clawray.sessions.Session` (its pending turns, held samples and credit), and each
+    :class:`~clawray.session_book.Session` (its pending turns, held samples and credit), and each
     unfinished judgement with its session (a stand-in session when its own was forgotten: closed,
     nothing held)."""
-    from clawray.sessions import Session
+    from clawray.session_book import Session
 
     by_sid: dict[str, Any] = {}
     for sid, rec in state.sessions.items():

@@ -33,6 +33,7 @@ __all__ = [
     "convert_smollm2",
     "convert_qwen_coder_05b",
     "convert_qwen_coder_15b",
+    "BUILDERS",
 ]
 
 # --------------------------------------------------------------------------------------------------
@@ -703,3 +704,13 @@ def convert_qwen_coder_15b(out_dir: str | os.PathLike, cache_dir: str | os.PathL
         as :func:`convert_qwen_coder_05b`.
     """
     return _convert_qwen_coder(QWEN_CODER_15B, out_dir, cache_dir)
+
+
+#: ``model.build`` / ``clawray model KIND``: the function that builds each kind into a folder
+#: (``builder(out_dir) -> out_dir``).
+BUILDERS = {
+    "tiny": build_tiny_model,
+    "smollm2": convert_smollm2,
+    "qwen2.5-coder-0.5b": convert_qwen_coder_05b,
+    "qwen2.5-coder-1.5b": convert_qwen_coder_15b,
+}

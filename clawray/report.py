@@ -249,7 +249,7 @@ def matrix_row(rows: list[dict], config: dict[str, Any]) -> dict[str, tuple[str,
     if adv:
         mean_nz = sum(nz) / len(nz) if nz else math.nan
         mean_adv = sum(adv) / len(adv)
-        ok = mean_adv >= T["adv_std_min"] and (algo == "opd" or mean_nz >= T["nonzero_reward_frac_min"])
+        ok = mean_adv >= T["adv_std_min"] and (not _with_reward(algo) or mean_nz >= T["nonzero_reward_frac_min"])
         cell("signal", (f"non-zero {mean_nz:.2f}, adv std {mean_adv:.3g}", ok))
     else:
         cell("signal", None)
@@ -434,3 +434,14 @@ def write_report(run_dir: str) -> list[str]:
         f.write("\n".join(lines) + "\n")
     written.append(path)
     return written
+
+
+def _with_reward(algo: str) -> bool:
+    """Whether the samples of ``trainer.algo`` = ``algo`` carry a reward (pure OPD's do not); True for
+    a name this version does not know (a run of an older or newer clawray)."""
+    from clawray.algos.algorithm import algorithm_class
+
+    try:
+        return algorithm_class(algo).with_reward
+    except ValueError:
+        return True

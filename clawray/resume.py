@@ -37,7 +37,7 @@ from clawray.checkpoint import (
     write_policy_card,
 )
 from clawray.config import checkpoint_dir
-from clawray.private import private_tree
+from clawray.file_modes import private_tree
 from clawray.recovery import ActorLost
 from clawray.run_actors import RunActors
 

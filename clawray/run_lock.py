@@ -16,7 +16,7 @@ import os
 import socket
 import time
 
-from clawray.private import FILE_MODE
+from clawray.file_modes import FILE_MODE
 
 LOCK_FILE = ".clawray.lock"
 

@@ -23,12 +23,12 @@ import ray
 
 from clawray.checkpoint import engine_dtype
 from clawray.records import TurnRecords
-from clawray.sessions import SessionBook
+from clawray.session_book import SessionBook
 from clawray.types import Turn
 
 
 class ServingTracker:
-    """The session tracker of plain serving: :class:`~clawray.sessions.SessionBook` bookkeeping (the
+    """The session tracker of plain serving: :class:`~clawray.session_book.SessionBook` bookkeeping (the
     server's lookup and turn indexes) and turn records; nothing is judged or queued.
 
     Args:
@@ -64,7 +64,7 @@ class ServingTracker:
         exact: dict[int, str] | None = None,
         hint: str | None = None,
     ) -> dict:
-        """:meth:`clawray.sessions.SessionBook.find`."""
+        """:meth:`clawray.session_book.SessionBook.find`."""
         return self.book.find(session_id, keys, render_key, auto_only, exact, hint)
 
     async def record_turns(self, turns: list[Turn], done: bool = False, outcome: float | None = None) -> list[int]:
@@ -164,7 +164,7 @@ class PolicyService:
 
         from clawray.actors.rollout import RolloutEngineActor
         from clawray.engines import backend_kwargs
-        from clawray.private import private_dir
+        from clawray.file_modes import private_dir
         from clawray.ray_env import init_ray
         from clawray.recovery import engine_options
         from clawray.serve.app import start_policy_server

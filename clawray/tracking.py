@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from clawray.config import redacted
-from clawray.private import open_private, private_dir, private_tree, private_umask
+from clawray.file_modes import open_private, private_dir, private_tree, private_umask
 from clawray.records import append_whole
 
 

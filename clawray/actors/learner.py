@@ -28,6 +28,8 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 import os
@@ -220,29 +222,7 @@ class LearnerWorker:
         model.config.use_cache = False
         if cfg.activation_checkpointing:
             checkpoint_layers(self._hf_model(model).model.layers)
-        lora = cfg.lora
-        self.lora_rank = lora.rank
-        self._lora_scalings: dict[str, float] = {}
-        self._lora_fan_in_fan_out: set[str] = set()
-        if self.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-            from peft.tuners.lora import LoraLayer
-
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=self.lora_rank,
-                    lora_alpha=float(lora.alpha),
-                    lora_dropout=float(lora.dropout),
-                    target_modules=list(lora.target_modules),
-                    bias="none",
-                ),
-            )
-            for name, module in model.named_modules():
-                if isinstance(module, LoraLayer) and "default" in module.scaling:
-                    self._lora_scalings[name] = float(module.scaling["default"])
-                    if getattr(module, "fan_in_fan_out", False):
-                        self._lora_fan_in_fan_out.add(name)
+        model = self._with_lora(model)
         mesh = init_device_mesh(self.device.type, (world_size,))
         shard_kwargs: dict = {"mesh": mesh}
         if self.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
@@ -256,6 +236,48 @@ class LearnerWorker:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self._build_optimizer(loss_weights)
+        self.version = 0
+        self._transport = None
+        self.skipped_steps = 0
+        self.optimizer_steps = 0
+
+    def _with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` wrapped with LoRA adapters (``lora.rank`` > 0, peft), else ``model``; records
+        each adapter's scaling and fan-in/fan-out layout for the merged weights sent to the engines."""
+        lora = self.cfg.lora
+        self.lora_rank = lora.rank
+        self._lora_scalings: dict[str, float] = {}
+        self._lora_fan_in_fan_out: set[str] = set()
+        if self.lora_rank <= 0:
+            return model
+        from peft import LoraConfig, get_peft_model
+        from peft.tuners.lora import LoraLayer
+
+        config = LoraConfig(
+            r=self.lora_rank,
+            lora_alpha=float(lora.alpha),
+            lora_dropout=float(lora.dropout),
+            target_modules=list(lora.target_modules),
+            bias="none",
+        )
+        model = get_peft_model(model, config)
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer) and "default" in module.scaling:
+                self._lora_scalings[name] = float(module.scaling["default"])
+                if getattr(module, "fan_in_fan_out", False):
+                    self._lora_fan_in_fan_out.add(name)
+        return model
+
+    def _build_optimizer(self, loss_weights: dict | None) -> None:
+        """AdamW over the trainable parameters, the learning-rate schedule and the loss settings
+        (PPO clip, KL, aggregation; ``loss_weights``: the algorithm's ``w_rl``, ``w_opd``,
+        ``opd_adv_clip``).
+
+        Raises:
+            ValueError: a learning-rate schedule that :func:`lr_factor` refuses.
+        """
+        cfg = self.cfg
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
@@ -276,10 +298,6 @@ class LearnerWorker:
             w_opd=weights["w_opd"],
             opd_adv_clip=weights["opd_adv_clip"] or None,
         )
-        self.version = 0
-        self._transport = None
-        self.skipped_steps = 0
-        self.optimizer_steps = 0
 
     @staticmethod
     def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -491,9 +509,52 @@ class LearnerWorker:
             ``inv/logprob_mismatch_kl`` (fresh samples of the first mini-batch only, same weights on
             both sides; nan when there are none), ``inv/effective_token_rate``.
         """
+        t0 = time.perf_counter()
+        plan = self._plan(sample_refs, advantages)
+        self.model.eval()  # never train mode: dropout would make the log-probs stochastic
+        proximal = None
+        if self.loss_settings.proximal and plan.num_mini > 1:
+            proximal = self._proximal_logprobs(plan.fetched, plan.packs, plan.passes)
+        per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
+        grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
+        no_gradient = 0  # mini-batches without a loss token or with an all-zero gradient: no optimizer step
+        for j in range(plan.num_mini):
+            outcome = self._mini_batch(plan, j, entropy_coef, proximal if j > 0 else None, per_sample)
+            if outcome == "no_gradient":
+                no_gradient += 1
+            elif outcome != "nonfinite":
+                grad_norms.append(outcome)
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer_steps += 1
+                steps_taken += 1
+        skipped = steps_taken == 0
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.version = version
+        counts = plan.counts
+        return {
+            **self._reduce_loss_metrics(per_sample, plan.num_mini),
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+            "lr": lr,
+            "micro_batches": float(plan.passes.sum().item()),
+            # share of the micro-batches' padded [B, T] token slots that are padding (all ranks)
+            "perf/padding_frac": 1.0 - float(counts[:, 3].sum()) / max(float(counts[:, 2].sum()), 1.0),
+            "optimizer_steps": float(steps_taken),
+            "no_gradient_mini_batches": float(no_gradient),
+            "skipped": float(skipped),
+            "train_s": time.perf_counter() - t0,
+        }
+
+    def _plan(self, sample_refs: list, advantages: list[float] | None) -> "_StepPlan":
+        """Fetch this rank's share of the batch and pack it: ``steps_per_batch`` contiguous
+        mini-batches, each rank taking every ``world_size``-th sample of each, packed into
+        micro-batches (:func:`pack_micro_batches`); the all-reduced counts of every mini-batch and the
+        most micro-batches any rank runs in it (the others run padding passes). Collective."""
         import torch.distributed as dist
 
-        t0 = time.perf_counter()
         cfg, n = self.cfg, self.world_size
         total = len(sample_refs)
         num_mini = max(1, min(cfg.steps_per_batch, total))
@@ -524,76 +585,52 @@ class LearnerWorker:
         dist.all_reduce(counts)
         passes = torch.tensor([len(p) for p in packs], dtype=torch.int64)
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        return _StepPlan(num_mini, fetched, adv_of, packs, counts, passes)
 
-        self.model.eval()  # never train mode: dropout would make the log-probs stochastic
-        proximal = None
-        if self.loss_settings.proximal and num_mini > 1:
-            proximal = self._proximal_logprobs(fetched, packs, passes)
-        per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
-        grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
-        no_gradient = 0  # mini-batches without a loss token or with an all-zero gradient: no optimizer step
-        for j in range(num_mini):
-            if counts[j, 0].item() == 0:  # no loss token on any rank (counts is all-reduced: all ranks agree)
-                no_gradient += 1  # AdamW would still decay the weights and move its moments: not a step
-                continue
-            norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
+    def _mini_batch(
+        self, plan: "_StepPlan", j: int, entropy_coef: float, proximal: dict | None, per_sample: list
+    ) -> float | str:
+        """Accumulate mini-batch ``j``'s gradient over its micro-batches (padding passes where this
+        rank has fewer) and clip it; appends the samples' loss metrics to ``per_sample``. Returns the
+        gradient norm (before clipping) when the optimizer may step, ``"no_gradient"`` (no loss token
+        on any rank, or an all-zero gradient: AdamW would still decay the weights and move its
+        moments) or ``"nonfinite"`` (a non-finite loss or gradient on any rank); the gradient is
+        cleared in both cases. Collective: every rank reaches the same answer."""
+        import torch.distributed as dist
+
+        counts, n = plan.counts, self.world_size
+        if counts[j, 0].item() == 0:  # no loss token on any rank (counts is all-reduced: all ranks agree)
+            return "no_gradient"
+        norm_tokens, norm_seqs = max(counts[j, 0].item(), 1.0) / n, max(counts[j, 1].item(), 1.0) / n
+        self.optimizer.zero_grad(set_to_none=True)
+        nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-batch
+        for p in range(int(plan.passes[j])):
+            if p < len(plan.packs[j]):
+                group = plan.packs[j][p]
+                samples, advs = [plan.fetched[i] for i in group], [plan.adv_of[i] for i in group]
+                anchors = [proximal[i] for i in group] if proximal is not None else None
+                loss, metrics = self._micro_batch_loss(
+                    samples, advs, norm_tokens, norm_seqs, entropy_coef, j == 0, anchors
+                )
+                per_sample += metrics
+            else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
+                loss = self._padding_pass()
+            bad = ~torch.isfinite(loss)
+            nonfinite += bad
+            # a non-finite loss backpropagates as zero (the mini-batch is skipped anyway)
+            torch.where(bad, torch.nan_to_num(loss) * 0.0, loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        nonfinite = nonfinite.reshape(1).cpu()  # one host copy per mini-batch (gloo reduces on the CPU)
+        dist.all_reduce(nonfinite)
+        if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
             self.optimizer.zero_grad(set_to_none=True)
-            nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-batch
-            for p in range(int(passes[j])):
-                if p < len(packs[j]):
-                    group = packs[j][p]
-                    anchors = [proximal[i] for i in group] if proximal is not None and j > 0 else None
-                    loss, metrics = self._micro_batch_loss(
-                        [fetched[i] for i in group],
-                        [adv_of[i] for i in group],
-                        norm_tokens,
-                        norm_seqs,
-                        entropy_coef,
-                        j == 0,
-                        anchors,
-                    )
-                    per_sample += metrics
-                else:  # padding pass: FSDP2 needs every rank in every collective; contributes zero grad
-                    loss = self._padding_pass()
-                bad = ~torch.isfinite(loss)
-                nonfinite += bad
-                # a non-finite loss backpropagates as zero (the mini-batch is skipped below anyway)
-                torch.where(bad, torch.nan_to_num(loss) * 0.0, loss).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            nonfinite = nonfinite.reshape(1).cpu()  # one host copy per mini-batch (gloo reduces on the CPU)
-            dist.all_reduce(nonfinite)
-            if nonfinite.item() > 0 or not torch.isfinite(grad_norm).item():
-                self.optimizer.zero_grad(set_to_none=True)
-                continue
-            if grad_norm.item() == 0.0:  # e.g. every advantage 0 and no KL/entropy term: nothing to learn
-                no_gradient += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                continue
-            grad_norms.append(float(grad_norm.item()))
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer_steps += 1
-            steps_taken += 1
-        skipped = steps_taken == 0
-        if skipped:
-            self.skipped_steps += 1
-        else:
-            self.version = version
-        return {
-            **self._reduce_loss_metrics(per_sample, num_mini),
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-            "lr": lr,
-            "micro_batches": float(passes.sum().item()),
-            # share of the micro-batches' padded [B, T] token slots that are padding (all ranks)
-            "perf/padding_frac": 1.0 - float(counts[:, 3].sum()) / max(float(counts[:, 2].sum()), 1.0),
-            "optimizer_steps": float(steps_taken),
-            "no_gradient_mini_batches": float(no_gradient),
-            "skipped": float(skipped),
-            "train_s": time.perf_counter() - t0,
-        }
+            return "nonfinite"
+        if grad_norm.item() == 0.0:  # e.g. every advantage 0 and no KL/entropy term: nothing to learn
+            self.optimizer.zero_grad(set_to_none=True)
+            return "no_gradient"
+        return float(grad_norm.item())
 
     def _reduce_loss_metrics(self, per_sample: list[dict[str, torch.Tensor]], num_mini: int) -> dict[str, float]:
         """:func:`clawray.algos.losses.batch_loss_metrics` over every rank's samples. Collective: one
@@ -847,3 +884,25 @@ class LearnerGroup:
     def sync_weights(self, version: int) -> list:
         """Refs of every rank's :meth:`LearnerWorker.sync_weights`; rank 0's result is first."""
         return [w.sync_weights.remote(version) for w in self.workers]
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """One rank's share of a train step (:meth:`LearnerWorker._plan`).
+
+    Attributes:
+        num_mini: mini-batches (optimizer steps at most).
+        fetched: ``{batch index: Sample}`` of this rank's samples.
+        adv_of: ``{batch index: advantage}``.
+        packs: per mini-batch, this rank's micro-batches as lists of batch indexes.
+        counts: ``[num_mini, 4]`` float64, all-reduced: loss tokens, samples, padded ``[B, T]`` slots,
+            real tokens.
+        passes: ``[num_mini]`` int64: the most micro-batches any rank runs in each mini-batch.
+    """
+
+    num_mini: int
+    fetched: dict
+    adv_of: dict
+    packs: list
+    counts: torch.Tensor
+    passes: torch.Tensor

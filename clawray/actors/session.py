@@ -5,25 +5,21 @@ request (a user reply, or several tool results kept together). When that request
 contain turn t's response at the expected place, the turn is counted as a ``branch`` and not trained
 (instead of being paired with the wrong next state).
 
-Binary RL (arXiv 2603.10165 §3, with clawray's fixes):
-  * score +1/-1 -> a sample with that reward on every response token;
-  * score 0 -> dropped (``zero_score``), except the at-least-one rule: when a session closes
-    without any trained turn, its *best-signed* 0-scored turn (largest |mean of valid votes|, e.g.
-    votes [0, 0, 1] -> 1/3) is promoted with that mean as its reward, so a leaning vote still gives
-    a gradient (OpenClaw-RL promotes the first one with reward 0, a gradient no-op). A promoted turn
+What a judged turn becomes (a sample, a held 0-score turn, a drop reason) is decided by the run's
+:class:`~clawray.algos.algorithm.Algorithm` (Binary RL, OPD, Combine: their rules live there). The
+tracker owns the rules around it:
+  * the at-least-one rule: when a session closes without any trained turn, its *best-signed* held
+    turn (largest |mean of valid votes|, e.g. votes [0, 0, 1] -> 1/3) is promoted with that mean as
+    its reward (OpenClaw-RL promotes the first one with reward 0, a gradient no-op); a promoted turn
     whose votes average 0 trains with reward 0, which the driver's degenerate-batch baseline turns
     into a real advantage;
-  * every vote invalid -> ``unscored``, dropped (unlike a neutral 0);
   * the last turn of a closed session has no next state -> ``no_next_state``, dropped. A session is
     closed by ``X-Session-Done`` or after ``idle_timeout_s`` without a request (its memory is freed);
   * a reply cut by ``max_tokens`` (``truncated``) is not judged when ``truncated="mask"``
     (``dropped/truncated``); with ``"keep"`` it is judged and trained like any other;
   * a request with ``n`` choices records n turns with the same prompt; the next request continues
-    one of them (the one whose reply its history holds), the others are ``dropped/unchosen``.
-
-What a judged turn becomes (a sample, a held 0-score turn, a drop reason) is decided by the run's
-:class:`~clawray.algos.algorithm.Algorithm` (Binary RL above, OPD, Combine); the tracker keeps the
-sessions, the pairing, the at-least-one rule, the records and the emission into the queue.
+    one of them (the one whose reply its history holds), the others are ``dropped/unchosen``;
+  * the sessions, the pairing, the records and the emission into the queue.
 
 The tracker also answers the server's :meth:`SessionTracker.lookup`: which open session a history
 continues (for clients that send no session id) and which pending turn it extends (for splicing).
@@ -71,12 +67,12 @@ from typing import Any
 import ray
 
 from clawray.actors.scoring import ScorerPool
-from clawray.algos.algorithm import make_algorithm
+from clawray.algos.algorithm import OPDOptions, make_algorithm
 from clawray.algos.credit_ledger import CreditLedger
 from clawray.journal import RestoredSessions, SessionJournal, restore_sessions
 from clawray.records import TurnRecords
 from clawray.recovery import was_restarted
-from clawray.sessions import MAX_CLOSED_REMEMBERED, Session, SessionBook
+from clawray.session_book import MAX_CLOSED_REMEMBERED, Session, SessionBook
 from clawray.types import Sample, SampleMeta, Turn
 
 
@@ -93,7 +89,9 @@ class SessionTracker:
         at_least_one: apply the at-least-one rule.
         records_dir: when set, served turns go to ``records_dir/turns.jsonl`` and judge results to
             ``records_dir/judgments.jsonl`` (rotated at ``records_max_bytes``, ``records_keep`` kept).
-        algo: ``"rl"``, ``"opd"`` or ``"combine"``; teachers and ``opd`` serve the last two.
+        algo: a registered algorithm (``trainer.algo``: ``"rl"``, ``"opd"``, ``"combine"``, ...);
+            ``teachers`` and ``opd`` (:class:`~clawray.algos.algorithm.OPDOptions`) serve those that
+            need a teacher.
         idle_timeout_s: close sessions idle this long (seconds); 0 = never.
         truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
         journal: ``{"path", "fsync", "compact_bytes"}`` of the session journal, or None (not durable).
@@ -114,7 +112,7 @@ class SessionTracker:
         records_dir: str | None = None,
         algo: str = "rl",
         teachers: list | None = None,
-        opd: dict | None = None,
+        opd: OPDOptions | None = None,
         idle_timeout_s: float = 0.0,
         truncated: str = "keep",
         records_max_bytes: int = 64 << 20,
@@ -205,7 +203,7 @@ class SessionTracker:
         exact: dict[int, str] | None = None,
         hint: str | None = None,
     ) -> dict:
-        """Which session and pending turn a new request continues: :meth:`clawray.sessions.SessionBook.find`."""
+        """Which session and pending turn a new request continues: :meth:`clawray.session_book.SessionBook.find`."""
         self._start_replay()
         return self.book.find(session_id, keys, render_key, auto_only, exact, hint)
 

@@ -318,14 +318,3 @@ def build_teachers(
         engine, *args, None, opd.hint_placement, opd.teacher_timeout_s
     )
     return engine, [teacher]
-
-
-def tracker_opd_options(opd: Any) -> dict:
-    """The session tracker's OPD options from the ``opd`` section: hint acceptance, the shortest
-    hint, the teacher's top-k (0 unless ``opd.loss`` is ``topk``) and its timeout."""
-    return {
-        "accept": opd.accept,
-        "min_hint_chars": opd.min_hint_chars,
-        "topk": opd.topk if opd.loss == "topk" else 0,
-        "teacher_timeout_s": opd.teacher_timeout_s,
-    }

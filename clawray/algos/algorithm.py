@@ -8,7 +8,9 @@ for the at-least-one rule, or a drop reason. The judge and the teacher reach it 
 the at-least-one rule, the records and the emission into the queue.
 
 What each algorithm needs from the run is declared on its class (``needs_teacher``, ``judge_calls``,
-:meth:`Algorithm.loss_weights`), so the driver builds teachers only for the algorithms that use them.
+``with_reward``, the learner loss term its samples train, :meth:`Algorithm.term`, and
+:meth:`Algorithm.loss_weights`), so the run builds teachers only for the algorithms that use them
+(:func:`clawray.actors.teacher.build_teachers`) and asks the teacher for what the term needs.
 A new variant is one subclass registered with :func:`register` (see ``docs/architecture.md``).
 
 Invariants:
@@ -35,6 +37,33 @@ TeacherFn = Callable[[Turn, str], Awaitable[list]]
 """``teacher_logprobs(turn, hint) -> [R]`` teacher log-probs of the turn's response ids."""
 TeacherTopkFn = Callable[[Turn, str, int], Awaitable[tuple]]
 """``teacher_topk(turn, hint, k) -> ([R, k] log-probs, [R, k] ids)``."""
+
+
+@dataclass(frozen=True)
+class OPDOptions:
+    """The distillation options of an algorithm with a teacher (the ``opd`` config section's part
+    that scores turns).
+
+    Attributes:
+        accept: ``"any"`` or ``"majority"`` of the hint votes (``opd.accept``).
+        min_hint_chars: shorter hints are not accepted (``opd.min_hint_chars``).
+        loss: ``opd.loss``: ``"advantage"`` (``A_t = teacher - rollout`` in the PPO loss) or ``"topk"``
+            (top-k reverse KL), for algorithms whose term depends on it (:meth:`Algorithm.term`).
+        topk: k of top-k distillation (``opd.topk``), asked of the teacher only when the term is
+            ``topk_kl``.
+        teacher_timeout_s: seconds to wait for the teacher (``opd.teacher_timeout_s``).
+    """
+
+    accept: str = "any"
+    min_hint_chars: int = 10
+    loss: str = "advantage"
+    topk: int = 50
+    teacher_timeout_s: float = 300.0
+
+    @classmethod
+    def from_config(cls, opd: Any) -> "OPDOptions":
+        """The options of an ``opd`` config section (:class:`~clawray.config.OPDConfig`)."""
+        return cls(opd.accept, opd.min_hint_chars, opd.loss, opd.topk, opd.teacher_timeout_s)
 
 
 @dataclass
@@ -81,11 +110,23 @@ class Algorithm:
         name: the ``trainer.algo`` value and each sample's ``kind``.
         needs_teacher: the run must build at least one teacher (``opd.teacher``).
         judge_calls: which judge calls it makes (``"judge"``: PRM score votes; ``"hint"``: hint votes).
+        with_reward: its samples carry a reward (pure OPD's do not).
+        loss_term: the learner term its samples train (:meth:`term`): ``"ppo"``, the PPO clip loss on
+            the token advantage (:func:`clawray.algos.losses.ppo_clip_loss`), or ``"topk_kl"``, the top-k
+            reverse KL to the teacher (:func:`clawray.algos.losses.topk_reverse_kl`), which replaces it.
     """
 
     name: ClassVar[str] = ""
     needs_teacher: ClassVar[bool] = False
     judge_calls: ClassVar[tuple[str, ...]] = ("judge",)
+    with_reward: ClassVar[bool] = True
+    loss_term: ClassVar[str] = "ppo"
+
+    @classmethod
+    def term(cls, loss: str = "advantage") -> str:
+        """The learner loss term of this algorithm's samples under ``opd.loss`` = ``loss``:
+        :attr:`loss_term` unless a subclass lets ``opd.loss`` choose."""
+        return cls.loss_term
 
     async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
         """The verdict for ``turn``; adds its counters (``judged``, ``score/*``, ...) to ``counts``.
@@ -114,13 +155,12 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
-def make_algorithm(name: str, opd: dict | None = None) -> Algorithm:
+def make_algorithm(name: str, opd: OPDOptions | None = None) -> Algorithm:
     """The algorithm registered as ``name`` (``trainer.algo``), built with its options.
 
     Args:
         name: ``"rl"``, ``"opd"``, ``"combine"`` or another registered name.
-        opd: the distillation options (``accept``, ``min_hint_chars``, ``topk``, ``teacher_timeout_s``);
-            ignored by algorithms without a teacher.
+        opd: the distillation options (defaults when None); ignored by algorithms without a teacher.
 
     Raises:
         ValueError: no algorithm has that name.
@@ -128,7 +168,7 @@ def make_algorithm(name: str, opd: dict | None = None) -> Algorithm:
     if name not in REGISTRY:
         raise ValueError(f"unknown algorithm {name!r}; expected one of {sorted(REGISTRY)}")
     cls = REGISTRY[name]
-    return cls(**(opd or {})) if cls.needs_teacher else cls()
+    return cls(opd or OPDOptions()) if cls.needs_teacher else cls()
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
@@ -194,25 +234,30 @@ class OPD(Algorithm):
     """On-policy distillation from hindsight hints (OpenClaw-RL §4).
 
     The hint judge extracts a hint from the next state; the teacher scores the turn's own response
-    ids under the hinted prompt (log-probs, or its top-k when ``topk > 0``). No accepted hint ->
-    ``no_hint``; a teacher that fails or gives no answer within ``teacher_timeout_s`` (counted
-    ``teacher_errors``) -> ``teacher_error``. The samples carry no reward.
+    ids under the hinted prompt: its log-probs (term ``ppo``: ``A_t = teacher - rollout``), or its
+    top-k (term ``topk_kl``, with ``opd.loss: topk``). No accepted hint -> ``no_hint``; a teacher that
+    fails or gives no answer within ``teacher_timeout_s`` (counted ``teacher_errors``) ->
+    ``teacher_error``. The samples carry no reward.
 
     Args:
-        accept: ``"any"`` or ``"majority"`` of the hint votes (``opd.accept``).
-        min_hint_chars: shorter hints are not accepted.
-        topk: > 0: top-k distillation with this k; 0: token log-probs.
-        teacher_timeout_s: seconds to wait for the teacher.
+        options: :class:`OPDOptions`; ``topk`` is asked of the teacher only when :meth:`term` is
+            ``topk_kl`` (else ``self.topk`` is 0: token log-probs).
     """
 
     name = "opd"
     needs_teacher = True
     judge_calls = ("hint",)
-    with_reward: ClassVar[bool] = False
+    with_reward = False
 
-    def __init__(self, accept: str = "any", min_hint_chars: int = 10, topk: int = 0, teacher_timeout_s: float = 300.0):
-        self.accept, self.min_hint_chars = accept, min_hint_chars
-        self.topk, self.teacher_timeout_s = topk, teacher_timeout_s
+    @classmethod
+    def term(cls, loss: str = "advantage") -> str:
+        """``topk_kl`` under ``opd.loss: topk``, else :attr:`loss_term`."""
+        return "topk_kl" if loss == "topk" else cls.loss_term
+
+    def __init__(self, options: OPDOptions | None = None):
+        o = options or OPDOptions()
+        self.accept, self.min_hint_chars, self.teacher_timeout_s = o.accept, o.min_hint_chars, o.teacher_timeout_s
+        self.topk = o.topk if self.term(o.loss) == "topk_kl" else 0
 
     async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
         """Dispatch (OpenClaw-RL §4-5, with the hint and eval votes run concurrently):
@@ -289,3 +334,17 @@ class Combine(OPD):
     @classmethod
     def loss_weights(cls, w_rl: float, w_opd: float) -> tuple[float, float]:
         return w_rl, w_opd
+
+
+@register
+class OPDTopK(OPD):
+    """OPD whose samples always train the top-k reverse KL to the hinted teacher (SDFT/SDPO-style
+    distillation, :func:`clawray.algos.losses.topk_reverse_kl`) with ``opd.topk`` ids per token,
+    whatever ``opd.loss`` says: ``trainer.algo=opd_topk`` is ``trainer.algo=opd opd.loss=topk``."""
+
+    name = "opd_topk"
+    loss_term = "topk_kl"
+
+    @classmethod
+    def term(cls, loss: str = "advantage") -> str:
+        return cls.loss_term

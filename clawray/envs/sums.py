@@ -18,7 +18,7 @@ PREFERENCE = "Reply with the number only."
 LOW, HIGH = 1, 25  # operand range, inclusive
 
 _NUMBER_ONLY = re.compile(r"\s*-?\d+\.?\s*")
-_NUMBER = re.compile(r"-?\d+")
+NUMBER = re.compile(r"-?\d+")
 
 
 class SumsEnv(Environment):
@@ -43,7 +43,7 @@ class SumsEnv(Environment):
 
     def grade(self, task: Problem, reply: str) -> dict[str, bool]:
         """``{"solved", "correct", "number_only"}``."""
-        numbers = _NUMBER.findall(reply)
+        numbers = NUMBER.findall(reply)
         correct = bool(numbers) and int(numbers[-1]) == task.answer
         number_only = _NUMBER_ONLY.fullmatch(reply) is not None
         return {"solved": correct and number_only, "correct": correct, "number_only": number_only}
@@ -59,6 +59,6 @@ class SumsEnv(Environment):
             return "Correct, thanks! That is exactly what I wanted.", True
         if g["correct"]:
             return "The number is right, but I asked for the number only. Please redo it with just the number.", False
-        if not _NUMBER.search(reply):
+        if not NUMBER.search(reply):
             return "I can't find the answer in that. Please try again with just the number.", False
         return "That's wrong. Please try again, with just the number.", False

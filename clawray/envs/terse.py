@@ -12,7 +12,7 @@ such a hint). No tool is offered.
 from __future__ import annotations
 
 from clawray.envs.base import Problem
-from clawray.envs.sums import _NUMBER, SumsEnv
+from clawray.envs.sums import NUMBER, SumsEnv
 
 
 class TerseEnv(SumsEnv):
@@ -29,6 +29,6 @@ class TerseEnv(SumsEnv):
             return "Correct, thanks! That is exactly what I wanted.", True
         if g["correct"]:
             return "That's not what I asked for: please redo it as just the number, no words, no equation.", False
-        if not _NUMBER.search(reply):
+        if not NUMBER.search(reply):
             return "I can't find the answer in that. Please redo it as just the number, no words, no equation.", False
         return "That's wrong. Please redo it as just the number, no words, no equation.", False

@@ -30,24 +30,10 @@ the engine refuses (:class:`~clawray.actors.rollout.EngineRefusedError`: it does
 comes in-band.
 
 Hostile clients (README, "Reliability and security"): header bytes and sizes are refused in Serve's proxy
-(:mod:`clawray.serve.guard`). Here, in this order: a browser ``Origin`` outside ``allowed_origins`` or,
-when bound to loopback, a ``Host`` that is not a loopback name or the bound host (DNS rebinding) gets
-403; a missing or wrong API key 401; a body that is not ``application/json`` 415; a body not complete
-within ``body_timeout_s`` 408, so a slow client holds no session lock: the lock of a session is taken
-only after its body has arrived. Session binding (``session_binding``): a session's first request gets a
-fresh ``X-Session-Token``; a later request with another token, or (``strict``, or ``echo`` once the token
-came back) without one, gets 403.
-
-Engine choice (:func:`clawray.serve.routing.choose_engine`): a session sticks to its engine (prefix-cache
-locality) unless that engine is down, paused while others serve, or carries more than ``engine_slack``
-requests more than the least loaded engine; a new session takes the least loaded engine. Each replica
-polls the engines' states and queue depths every ``engine_poll_s`` seconds.
-
-Engine failures (:mod:`clawray.recovery`): an engine that is dead, restarting or restarted but not yet
-re-synced (:class:`~clawray.actors.rollout.EngineRestartedError`) is marked down and the request goes to
-the next engine the chooser picks; a watcher clears the mark once the engine serves again. Only when no
-engine is up does a request get 503 with ``Retry-After``; error bodies never carry actor ids, pids or Ray
-namespaces.
+(:mod:`clawray.serve.guard`); origin, Host, API key, content type, body size and deadline and session
+binding are checked here before any session lock is taken (:mod:`clawray.serve.admission`). Engine
+choice and fail-over: :mod:`clawray.serve.engine_pool`; the SSE writer: :mod:`clawray.serve.sse`;
+errors: :mod:`clawray.serve.errors`; ``/health``: :mod:`clawray.serve.health`.
 
 Replicas (``serve.num_replicas``): every request of a session reaches the same replica
 (:mod:`clawray.serve.routing`), so the session lock, its binding token and its engine are one replica's
@@ -59,14 +45,12 @@ every replica by :meth:`PolicyServer.set_actors` through ``DeploymentHandle.broa
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import secrets
 import time
 import uuid
-from collections import Counter, OrderedDict
-from typing import Any, AsyncIterator, Iterator
+from collections import Counter
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -74,72 +58,30 @@ import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clawray.actors.rollout import (
-    EngineError,
-    EnginePausedError,
-    EngineRefusedError,
-    EngineRestartedError,
-    await_cancellable,
-)
+from clawray.actors.rollout import await_cancellable
 from clawray.chat import RequestError, attribution_keys, conversation_keys, end_of_turn_ids, render_key
 from clawray.client_rules import session_hint
 from clawray.config import ServeConfig, section
-from clawray.engines.base import GenerateRequest
-from clawray.ray_env import actor_death_errors
+from clawray.serve.admission import Admission, SessionLocks
+from clawray.serve.call import Call
+from clawray.serve.engine_pool import EnginePool
+from clawray.serve.errors import answer_error, error_response, unauthorized
 from clawray.serve.guard import keep_replica_grpc_on_loopback
+from clawray.serve.health import health_body
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
-from clawray.serve.routing import DOWN, UP, choose_engine, engine_state
-from clawray.serve.reply import (
-    THINK_OPEN,
-    IncrementalDetokenizer,
-    ParsedReply,
-    ReplyDecoder,
-    ReplyParser,
-    parse_reply_text,
-)
+from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
-from clawray.sessions import AUTO_SESSION_PREFIX
-from clawray.step_metrics import traffic
+from clawray.serve.sse import StreamContext, cancel_streams, next_item, sse_events
+from clawray.session_book import AUTO_SESSION_PREFIX
 from clawray.types import Turn
 
 keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
 app = FastAPI(title="clawray policy server", docs_url=None, redoc_url=None, openapi_url=None)
 logger = logging.getLogger("ray.serve")
 MAX_CHARS_PER_TOKEN = 128  # no tokenizer token is longer: a prompt with more characters cannot fit
-# the HTTP status of each RequestError code that is not a plain 400
-ERROR_STATUS = {
-    "body_too_large": 413,
-    "body_timeout": 408,
-    "unsupported_media_type": 415,
-    "forbidden_origin": 403,
-    "forbidden_host": 403,
-    "session_token": 403,
-}
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 # prompts of at most this many characters (message contents + tool calls) are rendered and tokenised
 # on the event loop (tens of microseconds); longer ones in a worker thread
 INLINE_PROMPT_CHARS = 4096
-MAX_BOUND_SESSIONS = 100_000  # session tokens kept; the oldest binding is forgotten beyond this
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str = "invalid_request",
-    err_type: str = "invalid_request_error",
-    headers: dict | None = None,
-) -> JSONResponse:
-    """An OpenAI-style error body (:func:`error_body`) with ``status``."""
-    return JSONResponse(status_code=status, headers=headers, content=error_body(message, param, code, err_type))
-
-
-def error_body(
-    message: str, param: str | None = None, code: str = "invalid_request", err_type: str = "invalid_request_error"
-) -> dict:
-    """The OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` (an HTTP error's body,
-    or a stream's in-band error event)."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -151,86 +93,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         None,
         "not_found" if exc.status_code == 404 else "invalid_request",
     )
-
-
-async def _next(stream: Any) -> dict:
-    """The next item of a Ray streaming generator (``StopAsyncIteration`` at its end)."""
-    return await (await stream.__anext__())
-
-
-def _refusal(error: EngineRefusedError) -> str:
-    """The refusal's own message (``"the engine refused this request: <reason>"``), without the remote
-    traceback a Ray task error adds to ``str()``."""
-    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
-    return str(cause.args[0]) if cause.args else str(cause)
-
-
-def _mixed_versions(out: dict) -> list[int] | None:
-    """An engine reply's per-token policy versions when more than one version sampled it (a partial
-    rollout), else None (every token is from ``out["policy_version"]``)."""
-    versions = out.get("token_versions") or []
-    return list(versions) if len(set(versions)) > 1 else None
-
-
-def _cancel_streams(streams: list) -> None:
-    """Cancel engine streams (``ray.cancel``; a finished one is left alone): their generation stops."""
-    for stream in streams:
-        try:
-            ray.cancel(stream)
-        except Exception:  # already finished or its actor is gone: nothing left to stop
-            pass
-
-
-class _SessionLocks:
-    """One FIFO lock per session id, so a session's requests run in arrival order; an entry lives
-    only while a request of its session holds or awaits it."""
-
-    def __init__(self):
-        self._locks: dict[str, list] = {}  # session id -> [asyncio.Lock, holders + waiters]
-
-    async def acquire(self, session_id: str) -> None:
-        entry = self._locks.setdefault(session_id, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            await entry[0].acquire()
-        except BaseException:  # cancelled while waiting (the client left): not a holder
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._locks[session_id]
-            raise
-
-    def release(self, session_id: str) -> None:
-        entry = self._locks[session_id]
-        entry[0].release()
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._locks[session_id]
-
-    def __len__(self) -> int:
-        return len(self._locks)
-
-
-class _Call:
-    """One request on its way through the server: the parsed request, its session and prompt."""
-
-    def __init__(self, req: ChatRequest, locked: str | None):
-        self.req = req
-        self.session_id = req.session_id
-        self.locked = locked  # the session whose lock this request holds
-        self.prompt_ids: list[int] = []
-        self.spliced = False
-        self.in_reasoning = False
-        self.end_ids: list[int] = []  # the ids that end this request's replies (end_of_turn_ids)
-        self.new_token: str | None = None  # the session's token, on its first request only
-
-
-class _NoEngineUp(RuntimeError):
-    """Every rollout engine is down, restarting or awaiting its re-sync."""
-
-
-# an engine call failing with one of these means the engine (not the request) is unavailable: it died
-# (also when Ray's memory monitor killed it: OutOfMemoryError) or was restarted and awaits its re-sync
-_ENGINE_DOWN = (*actor_death_errors(), EngineRestartedError)
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -273,21 +135,15 @@ class PolicyServer:
         self.reply_text = ReplyDecoder(self.tokenizer)  # ids -> client text (no <|im_start|>, <|endoftext|>)
         self.engines, self.tracker = engines, tracker
         self.cfg = section(ServeConfig, cfg)
-        self.max_model_len, self.engine_poll_s = max_model_len, engine_poll_s
+        self.max_model_len = max_model_len
         self.stop_text = self.tokenizer.eos_token  # the end tag the chat template renders after a reply
         self.end_ids = end_of_turn_ids(model_path, self.tokenizer)
-        self.locks = _SessionLocks()
-        self.bindings: OrderedDict[str, list] = OrderedDict()  # session id -> [token, token came back]
         self.counts: Counter[str] = Counter()
+        self.admission = Admission(self.cfg, self.counts)
+        self.locks = SessionLocks()
+        self.pool = EnginePool(engines, self.cfg.engine_slack, self.cfg.retry_after_s, self.counts, engine_poll_s)
         self._warned_no_session = False
         self.actors: dict = dict(actors or {})
-        self._down: dict[int, asyncio.Task] = {}  # engine index -> watcher that clears the mark
-        n = len(engines)
-        self._states = [UP] * n  # per engine, from the last poll (routing.engine_state)
-        self._loads = [0] * n  # per engine, its queue depth at the last poll (all replicas' requests)
-        self._sent = [0] * n  # per engine, generations this replica started since the last poll
-        self._homes: OrderedDict[str, int] = OrderedDict()  # session id -> its engine (LRU)
-        self._poller: asyncio.Task | None = None
 
     def set_actors(self, kind: str, handles: Any) -> None:
         """Replace the handles ``/health`` reports for ``kind`` (``"learners"`` after a rebuild); the
@@ -296,10 +152,11 @@ class PolicyServer:
 
     async def stats(self, session_ids: bool = False) -> dict:
         """This replica's counters: ``replica`` (Serve's replica id), ``requests`` (chat requests
-        received), ``sessions`` (sessions it chose an engine for, at most :data:`MAX_BOUND_SESSIONS`
-        kept), ``engine_choices`` (per engine, sessions whose engine it is now), ``counts`` (every
-        counter of ``/health``) and, with ``session_ids``, the ids of those sessions (sorted). Async: it
-        runs on the replica's event loop, where the session map changes, never in a thread."""
+        received), ``sessions`` (sessions it chose an engine for, at most
+        :data:`~clawray.serve.engine_pool.MAX_HOMES` kept), ``engine_choices`` (per engine, sessions
+        whose engine it is now), ``counts`` (every counter of ``/health``) and, with ``session_ids``,
+        the ids of those sessions (sorted). Async: it runs on the replica's event loop, where the
+        session map changes, never in a thread."""
         try:
             replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a Serve replica (unit tests)
@@ -307,12 +164,12 @@ class PolicyServer:
         body = {
             "replica": replica,
             "requests": self.counts["requests"],
-            "sessions": len(self._homes),
-            "engine_choices": [sum(1 for e in self._homes.values() if e == i) for i in range(len(self.engines))],
+            "sessions": len(self.pool.homes),
+            "engine_choices": self.pool.choices(),
             "counts": dict(self.counts),
         }
         if session_ids:
-            body["session_ids"] = sorted(self._homes)
+            body["session_ids"] = sorted(self.pool.homes)
         return body
 
     @app.get("/v1/models")
@@ -320,18 +177,9 @@ class PolicyServer:
         """``GET /v1/models``: the one served policy with its ``max_model_len`` (tokens of prompt +
         reply, as vLLM reports it; agents such as OpenClaw budget their prompts on it). 401 without
         the API key, as OpenAI; 403 for a foreign browser origin or Host."""
-        try:
-            self._check_origin(request)
-        except RequestError as e:
-            return error_response(403, str(e), None, e.code, "permission_error")
-        if not self._authorized(request):
-            return error_response(
-                401,
-                "missing or invalid API key (Authorization: Bearer ...)",
-                None,
-                "invalid_api_key",
-                "authentication_error",
-            )
+        refused = self._refuse(request)
+        if refused is not None:
+            return refused
         return {
             "object": "list",
             "data": [
@@ -355,317 +203,78 @@ class PolicyServer:
         restarting); ``judges``, ``teachers``, ``learners``: per actor ``{"name", "state"}``;
         ``queue``, ``tracker``: a state; ``traffic``: requests received, main-line turns recorded, side
         turns (by kind), unattributable requests, turns paired / judged, samples sent, turns dropped by
-        reason (:meth:`_traffic`). Actor states (:func:`clawray.recovery.actor_state`): ``ok``,
-        ``restarting``, ``starting``, ``dead``; a live judge or teacher whose model lags is ``slow``,
-        one whose calls fail is ``failing``, each with a ``reason``
-        (:class:`clawray.actors.call_health.CallHealth`). 200 with ``"status": "ok"``; 503 with ``"status":
+        reason (:func:`clawray.serve.health.traffic_funnel`). Actor states: see
+        :func:`clawray.serve.health.health_body`. 200 with ``"status": "ok"``; 503 with ``"status":
         "degraded"`` (and ``Retry-After``) while any of them is not serving/ok, or while the disk
         refuses the tracker's writes (``failing``: which files, and why)."""
-        from clawray.recovery import actor_state, probe  # [recovery hook] a dead actor is a state, never a 500
-
-        stats = await asyncio.gather(*(probe(e.stats.remote()) for e in self.engines))
-        paused = await asyncio.gather(*(probe(e.is_paused.remote()) for e in self.engines))
-        engines = []
-        for i, (st, p) in enumerate(zip(stats, paused)):
-            if st is None or p is None:
-                engines.append({"name": f"rollout-{i}", "policy_version": None, "state": "down"})
-            else:
-                state = "awaiting_sync" if st.get("awaiting_sync") else "syncing" if p else "serving"
-                engines.append(
-                    {
-                        "name": st["name"],
-                        "policy_version": st["version"],
-                        "state": state,
-                        "requests": st["requests"],
-                        "cancelled": st.get("cancelled", 0),
-                        "errors": st.get("errors", 0),
-                    }
-                )
-        tracker = await probe(self.tracker.stats.remote())
-        kinds = {}
-        for kind, prefix in (("judges", "judge"), ("teachers", "teacher"), ("learners", "learner rank")):
-            kinds[kind] = [
-                {"name": f"{prefix}-{i}" if kind != "learners" else f"{prefix} {i}", "state": actor_state(a)}
-                for i, a in enumerate(self.actors.get(kind) or [])
-            ]
-        # a live judge or teacher whose model lags or fails is "slow"/"failing", with the reason
-        live = [
-            (entry, actor)
-            for kind in ("judges", "teachers")
-            for entry, actor in zip(kinds[kind], self.actors.get(kind) or [])
-            if entry["state"] == "ok"
-        ]
-        for (entry, _), report in zip(live, await asyncio.gather(*(probe(a.health.remote()) for _, a in live))):
-            if report and report.get("state", "ok") != "ok":
-                entry.update(state=report["state"], reason=report["reason"])
-        queue = actor_state(self.actors["queue"]) if self.actors.get("queue") is not None else None
-        failing = list((tracker or {}).get("storage_failing") or [])  # e.g. "turns.jsonl: No space left on device"
-        degraded = (
-            tracker is None
-            or bool(failing)
-            or queue not in (None, "ok")
-            or any(e["state"] in ("down", "awaiting_sync") for e in engines)
-            or any(a["state"] != "ok" for v in kinds.values() for a in v)
-        )
-        body = {
-            "status": "degraded" if degraded else "ok",
-            "policy_versions": [e["policy_version"] for e in engines],
-            "engines": engines,
-            "tracker": "down" if tracker is None else "ok",
-            **kinds,
-            "open_sessions": (tracker or {}).get("open_sessions", 0),
-            "traffic": self._traffic(tracker or {}),
-            "counts": dict(self.counts),
-        }
-        if failing:
-            body["failing"] = failing
-        if queue is not None:
-            body["queue"] = queue
+        body, degraded = await health_body(self.engines, self.tracker, self.actors, self.counts)
         if degraded:
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.cfg.retry_after_s)})
         return body
-
-    def _traffic(self, tracker: dict) -> dict:
-        """``/health``'s ``traffic``: where this replica's requests went and what became of the turns
-        (:func:`clawray.step_metrics.traffic`, without the prefix) and ``dropped``: turns not trained so
-        far, by reason (the tracker's ``dropped/*``; the queue's ``stale`` are in the step line)."""
-        funnel = {k.removeprefix("traffic/"): v for k, v in traffic(self.counts, tracker).items()}
-        funnel["dropped"] = {
-            k.removeprefix("dropped/"): v for k, v in tracker.items() if k.startswith("dropped/") and v
-        }
-        return funnel
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``, plain or streamed (SSE). 403 for a foreign browser origin, Host
         or session token, 401 without the configured API key, 415 for a body that is not JSON, 408 for a
-        body that outlasts ``body_timeout_s``, 400/413 for client errors (400 ``request_refused`` when the engine refuses the request), 503 (with ``Retry-After``) while a weight sync outlasts
+        body that outlasts ``body_timeout_s``, 400/413 for client errors (400 ``request_refused`` when
+        the engine refuses the request), 503 (with ``Retry-After``) while a weight sync outlasts
         ``sync_wait_timeout_s`` or when the engine does not answer within ``generate_timeout_s``,
-        500 only for a server-side fault. Ray Serve's proxy echoes the client's ``X-Request-Id``."""
+        500 only for a server-side fault (:func:`clawray.serve.errors.answer_error`). Ray Serve's
+        proxy echoes the client's ``X-Request-Id``."""
         self.counts["requests"] += 1
-        try:
-            self._check_origin(request)
-        except RequestError as e:
-            self.counts["forbidden"] += 1
-            return error_response(403, str(e), None, e.code, "permission_error")
-        if not self._authorized(request):
-            self.counts["unauthorized"] += 1
-            return error_response(
-                401,
-                "missing or invalid API key (Authorization: Bearer ...)",
-                None,
-                "invalid_api_key",
-                "authentication_error",
-            )
-        locked: str | None = None  # the session whose lock this request holds
-        call: _Call | None = None
+        refused = self._refuse(request, count=True)
+        if refused is not None:
+            return refused
+        call: Call | None = None
+        locked = token = None  # the session whose lock this request holds; its new binding token
         streaming = answered = False
-        token: str | None = None
         try:
-            self._check_content_type(request)
-            raw = await self._read_body(request)  # the whole body, under a deadline, before any lock
+            self.admission.check_content_type(request)
+            raw = await self.admission.read_body(request)  # the whole body, under a deadline, before any lock
+            cfg = self.cfg
             req = parse_chat_request(
-                decode_body(raw),
-                request.headers,
-                self.cfg.default_max_tokens,
-                self.cfg.default_temperature,
-                self.cfg.max_n,
+                decode_body(raw), request.headers, cfg.default_max_tokens, cfg.default_temperature, cfg.max_n
             )
-            token = self._bind_session(req.session_id, request.headers.get("x-session-token"))
+            token = self.admission.bind_session(req.session_id, request.headers.get("x-session-token"))
             if req.session_id:  # then a session's requests queue in the order their bodies arrived
                 await self.locks.acquire(req.session_id)
                 locked = req.session_id
-            call = _Call(req, locked)
+            call = Call(req, locked)
             call.new_token = token
             await self._prepare(call)
-            if req.stream:
-                response = await self._stream(call)
-                streaming = answered = True  # the stream releases the lock when it ends
-                return response
-            response = await self._complete(call)
-            answered = True
+            response = await (self._stream(call) if req.stream else self._complete(call))
+            streaming, answered = req.stream, True  # a stream releases the lock when it ends
             return response
-        except RequestError as e:
-            self.counts["rejected"] += 1
-            status = ERROR_STATUS.get(e.code, 400)
-            return error_response(
-                status,
-                str(e),
-                e.param,
-                e.code,
-                "permission_error" if status == 403 else "invalid_request_error",
-                headers={"Connection": "close"} if status == 408 else None,
-            )
-        except EnginePausedError:
-            self.counts["sync_wait_timeouts"] += 1
-            return error_response(
-                503,
-                "the policy is being updated; retry shortly",
-                None,
-                "engine_syncing",
-                "server_error",
-                headers={"Retry-After": str(self.cfg.retry_after_s)},
-            )
-        except asyncio.TimeoutError:
-            self.counts["engine_timeouts"] += 1
-            return error_response(
-                503,
-                "the policy engine did not answer in time",
-                None,
-                "engine_timeout",
-                "server_error",
-                headers={"Retry-After": str(self.cfg.retry_after_s)},
-            )
         except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
             # the client hung up: Serve cancels this handler and (recursively) its engine calls
             self.counts["cancelled"] += 1
             logger.info("chat completion cancelled: the client disconnected")
             raise asyncio.CancelledError() from None
-        except (_NoEngineUp, ray.exceptions.RayActorError):  # [recovery hook] no engine up, or the tracker down
-            self.counts["actor_unavailable"] += 1
-            logger.warning("chat completion refused: no engine is up, or the session tracker is restarting")
-            return error_response(
-                503,
-                "the service is recovering from a failure; retry shortly",
-                None,
-                "service_unavailable",
-                "server_error",
-                headers={"Retry-After": str(self.cfg.retry_after_s)},
-            )
-        except EngineRefusedError as e:  # the request does not fit the engine: the client's error
-            self.counts["rejected"] += 1
-            return error_response(400, _refusal(e), None, "request_refused", "invalid_request_error")
-        except EngineError as e:  # the engine failed on this request alone; it goes on serving
-            self.counts["engine_errors"] += 1
-            logger.warning("chat completion failed in the engine: %s", e)
-            return error_response(500, "the policy engine failed on this request", None, "engine_error", "server_error")
-        except Exception:  # a server-side fault: logged, reported in OpenAI form without internals
-            self.counts["internal_errors"] += 1
-            logger.exception("chat completion failed")
-            return error_response(500, "internal server error", None, "internal_error", "server_error")
+        except Exception as e:  # an OpenAI-style answer, never internals
+            return answer_error(e, self.counts, self.cfg.retry_after_s)
         finally:
             locked = call.locked if call is not None else locked
             if locked and not streaming:
                 self.locks.release(locked)
             if token and not answered:  # the client never got the token: the session stays unbound
-                self.bindings.pop(req.session_id, None)
+                self.admission.unbind(req.session_id)
 
     # ------------------------------------------------------------------ request plumbing
-    def _authorized(self, request: Request) -> bool:
-        key = self.cfg.api_key
-        if not key:
-            return True
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        return hmac.compare_digest(token.encode(), key.encode())  # constant time
-
-    def _check_origin(self, request: Request) -> None:
-        """Refuse what a web page in the user's browser could send: an ``Origin`` header not in
-        ``allowed_origins`` (browsers send it on every cross-origin and every POST request; other
-        clients do not), and, when the server is bound to loopback, a ``Host`` that is neither a
-        loopback name nor the bound host (a DNS-rebinding page reaches 127.0.0.1 under its own name).
-
-        Raises:
-            RequestError: code ``forbidden_origin`` or ``forbidden_host`` (HTTP 403).
-        """
-        origin = request.headers.get("origin")
-        allowed = self.cfg.allowed_origins
-        if origin is not None and "*" not in allowed and origin.rstrip("/") not in [o.rstrip("/") for o in allowed]:
-            raise RequestError(
-                f"browser origin {origin[:200]!r} is not allowed (serve.allowed_origins)", None, "forbidden_origin"
-            )
-        bound = self.cfg.host
-        if bound in LOOPBACK_HOSTS:
-            host = request.headers.get("host", "")
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # drop the port
-            if name.lower() not in LOOPBACK_HOSTS | {bound}:
-                raise RequestError(
-                    f"Host {host[:200]!r} is not a loopback name (the server is bound to {bound})",
-                    None,
-                    "forbidden_host",
-                )
-
-    @staticmethod
-    def _check_content_type(request: Request) -> None:
-        """Raises RequestError ``unsupported_media_type`` (HTTP 415) unless the body is declared
-        ``application/json`` (parameters such as ``charset=utf-8`` allowed)."""
-        declared = request.headers.get("content-type", "")
-        if declared.split(";", 1)[0].strip().lower() != "application/json":
-            raise RequestError(
-                f"Content-Type must be application/json, not {declared[:100]!r}", None, "unsupported_media_type"
-            )
-
-    def _bind_session(self, session_id: str | None, given: str | None) -> str | None:
-        """Session binding: the first request of an explicit session id gets a fresh token (returned,
-        to be sent back as ``X-Session-Token``); a later request must carry it when ``session_binding``
-        is ``strict``, or under ``echo`` once the token has come back once. A wrong token is always
-        refused. A session this replica has no binding for (new, or bound before a restart or a
-        resume) that arrives with a token is bound to that token: a client keeps its token across a
-        resume, and the session still belongs to its first client. At most
-        :data:`MAX_BOUND_SESSIONS` bindings are kept (oldest forgotten first). Ids
-        that start with :data:`~clawray.sessions.AUTO_SESSION_PREFIX` (the server's own sessions, which
-        inference may continue) are never bound; inference never continues any other session while
-        binding is on.
-
-        Returns: the new token for a session's first request, else None.
-
-        Raises:
-            RequestError: code ``session_token`` (HTTP 403).
-        """
-        mode = self.cfg.session_binding
-        if mode == "off" or not session_id or session_id.startswith(AUTO_SESSION_PREFIX):
-            return None  # the server's own sessions (inference may continue them) are never bound
-        entry = self.bindings.get(session_id)
-        if entry is None and given:  # a token from before a restart (a resume): the first one back keeps it
-            self.bindings[session_id] = [given, True]
-            if len(self.bindings) > MAX_BOUND_SESSIONS:
-                self.bindings.popitem(last=False)
-            return None
-        if entry is None:
-            token = secrets.token_urlsafe(24)
-            self.bindings[session_id] = [token, False]
-            if len(self.bindings) > MAX_BOUND_SESSIONS:
-                self.bindings.popitem(last=False)
-            return token
-        if given is not None:
-            if not hmac.compare_digest(given.encode(), entry[0].encode()):
-                raise RequestError("X-Session-Token does not match this session's token", None, "session_token")
-            entry[1] = True
-            return None
-        if mode == "strict" or entry[1]:
-            raise RequestError(
-                "this session is bound to another client: send its X-Session-Token", None, "session_token"
-            )
+    def _refuse(self, request: Request, count: bool = False) -> Response | None:
+        """403 for a foreign browser origin or Host, 401 without the API key (counted as ``forbidden``
+        / ``unauthorized`` when ``count``); None when the request may go on
+        (:class:`~clawray.serve.admission.Admission`)."""
+        try:
+            self.admission.check_origin(request)
+        except RequestError as e:
+            self.counts["forbidden"] += int(count)
+            return error_response(403, str(e), None, e.code, "permission_error")
+        if not self.admission.authorized(request):
+            self.counts["unauthorized"] += int(count)
+            return unauthorized()
         return None
 
-    async def _read_body(self, request: Request) -> bytes:
-        """The whole request body within ``body_timeout_s`` seconds.
-
-        Raises:
-            RequestError: ``body_too_large`` (413) over ``max_body_bytes``; ``body_timeout`` (408) late.
-        """
-        try:
-            return await asyncio.wait_for(self._read_body_unbounded(request), timeout=self.cfg.body_timeout_s)
-        except asyncio.TimeoutError:
-            self.counts["body_timeouts"] += 1
-            raise RequestError(
-                f"the request body did not arrive within {self.cfg.body_timeout_s} s", None, "body_timeout"
-            ) from None
-
-    async def _read_body_unbounded(self, request: Request) -> bytes:
-        limit = self.cfg.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(f"request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(f"request body exceeds the limit of {limit} bytes", None, "body_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def _prepare(self, call: _Call) -> None:
+    async def _prepare(self, call: Call) -> None:
         """Resolve the session (explicit, inferred or new), take its lock, build the prompt ids.
 
         Raises:
@@ -714,7 +323,7 @@ class PolicyServer:
                 "context_length_exceeded",
             )
 
-    async def _infer_session(self, call: _Call, keys: dict[int, str]) -> None:
+    async def _infer_session(self, call: Call, keys: dict[int, str]) -> None:
         """The session of a main-line request that names none: the client's own id written in the
         conversation (:func:`clawray.client_rules.session_hint`, OpenClaw's ``sessionId=``), else the
         open session whose pending turn its history continues (``keys``: attribution keys of its
@@ -769,140 +378,7 @@ class PolicyServer:
         text = self._render(req.messages, req.tools, True)
         return self.tokenizer.encode(text, add_special_tokens=False), False
 
-    @staticmethod
-    def _token_header(call: _Call) -> dict:
-        return {"X-Session-Token": call.new_token} if call.new_token else {}
-
-    def _engine(self, call: _Call) -> Any:
-        """The request's engine (:func:`~clawray.serve.routing.choose_engine`): the polled states with
-        the engines marked down here (see :meth:`_mark_down`) as down, the polled queue depths plus
-        the generations this replica started since the poll; remembered as the session's engine.
-
-        Raises:
-            _NoEngineUp: every engine is down.
-        """
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.ensure_future(self._poll_engines())
-        n, key = len(self.engines), call.session_id
-        # [recovery hook] route around an engine that is down (its session moves to another one)
-        states = [DOWN if i in self._down else self._states[i] for i in range(n)]
-        loads = [self._loads[i] + self._sent[i] for i in range(n)]
-        try:
-            index = choose_engine(key, states, loads, self._homes.get(key) if key else None, self.cfg.engine_slack)
-        except ValueError:
-            raise _NoEngineUp("no rollout engine is up") from None
-        if key:
-            self._homes[key] = index
-            self._homes.move_to_end(key)
-            if len(self._homes) > MAX_BOUND_SESSIONS:
-                self._homes.popitem(last=False)
-        self._sent[index] += call.req.n
-        call.engine_index = index
-        return self.engines[index]
-
-    async def _poll_engines(self) -> None:
-        """Every ``engine_poll_s`` seconds: each engine's state and queue depth from its ``stats()``. A
-        dead or restarting engine (a Ray actor error) is down; one that does not answer within 5 s (a
-        busy host) keeps its previous state and load."""
-
-        async def poll(i: int) -> None:
-            try:
-                st = await asyncio.wait_for(self.engines[i].stats.remote(), 5.0)
-            except asyncio.TimeoutError:
-                return
-            except ray.exceptions.RayError:
-                st = None
-            self._states[i], self._loads[i] = engine_state(st), (st or {}).get("in_flight", 0)
-
-        while True:
-            before = list(self._sent)  # generations started while the poll runs stay counted
-            await asyncio.gather(*(poll(i) for i in range(len(self.engines))))
-            self._sent = [now - then for now, then in zip(self._sent, before)]
-            await asyncio.sleep(self.engine_poll_s)
-
-    def _mark_down(self, index: int) -> None:
-        """[recovery hook] Skip engine ``index`` until it serves again: a watcher polls its stats
-        every ``retry_after_s`` / 2 seconds and clears the mark once it answers without
-        ``awaiting_sync`` (Ray restarted it and the driver re-synced the current policy)."""
-        if index not in self._down:
-            logger.warning("rollout-%d is down or awaiting its re-sync: routing its sessions to the next engine", index)
-            self._down[index] = asyncio.ensure_future(self._watch(index))
-
-    async def _watch(self, index: int) -> None:
-        from clawray.recovery import probe
-
-        try:
-            while True:
-                await asyncio.sleep(max(0.2, self.cfg.retry_after_s / 2))
-                st = await probe(self.engines[index].stats.remote(), 5.0)
-                if st is not None and not st.get("awaiting_sync"):
-                    return
-        finally:
-            self._down.pop(index, None)
-
-    async def _on_engine(self, call: _Call, attempt: Any) -> Any:
-        """Run ``attempt(engine)`` on the session's engine; when that engine is down (dead,
-        restarting or awaiting its re-sync) mark it and try the next live one.
-
-        Raises:
-            _NoEngineUp: no engine is up (the caller answers 503 with ``Retry-After``).
-        """
-        for _ in range(len(self.engines)):
-            engine = self._engine(call)
-            try:
-                return await attempt(engine)
-            except _ENGINE_DOWN:
-                self.counts["engine_failovers"] += 1
-                self._mark_down(call.engine_index)
-        raise _NoEngineUp("no rollout engine is up")
-
-    def _generate_requests(self, call: _Call) -> list[GenerateRequest]:
-        req = call.req
-        max_tokens = min(req.max_tokens, self.max_model_len - len(call.prompt_ids))
-        return [
-            GenerateRequest(
-                prompt_ids=call.prompt_ids,
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                stop_token_ids=call.end_ids,
-                seed=None if req.seed is None else req.seed + i,
-            )
-            for i in range(req.n)
-        ]
-
-    @staticmethod
-    def _ended(call: _Call, response_ids: list[int]) -> bool:
-        """The reply ends with an end-of-turn id (the engine stopped on it), not cut at a length."""
-        return bool(response_ids) and response_ids[-1] in call.end_ids
-
-    def _body_ids(self, call: _Call, response_ids: list[int]) -> list[int]:
-        """The reply's ids the client sees: without the end-of-turn id that ended it."""
-        return response_ids[:-1] if self._ended(call, response_ids) else response_ids
-
-    def _turn(self, call: _Call, out: dict, parsed: ParsedReply) -> Turn:
-        req = call.req
-        ended = self._ended(call, out["response_ids"])
-        finish = "tool_calls" if parsed.tool_calls else "stop" if ended else "length"
-        return Turn(
-            session_id=call.session_id,
-            turn_index=0,
-            messages=req.messages,
-            response_message=parsed.message(),
-            prompt_ids=call.prompt_ids,
-            response_ids=out["response_ids"],
-            rollout_logprobs=out["logprobs"],
-            policy_version=out["policy_version"],
-            finish_reason=finish,
-            temperature=req.temperature,
-            tools=req.tools,
-            truncated=not ended,
-            tool_parse_error=parsed.tool_parse_error,
-            spliced=call.spliced,
-            token_versions=_mixed_versions(out),
-        )
-
-    async def _record(self, call: _Call, turns: list[Turn]) -> list[int | None]:
+    async def _record(self, call: Call, turns: list[Turn]) -> list[int | None]:
         """Record main-line turns with the tracker; returns their indexes (None when not recorded)."""
         req = call.req
         if req.turn_type == "side":
@@ -918,14 +394,17 @@ class PolicyServer:
         return await self.tracker.record_turns.remote(turns, req.done, req.outcome)
 
     # ------------------------------------------------------------------ plain answers
-    async def _generate_all(self, call: _Call, engine: Any) -> list[dict]:
+    async def _generate_all(self, call: Call, engine: Any) -> list[dict]:
         wait_s = self.cfg.sync_wait_timeout_s
         # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
         # no gathered exception is left unretrieved; a client that hangs up (or the timeout) cancels
         # the engine calls (await_cancellable), which stops their generation
         outs = await asyncio.wait_for(
             asyncio.gather(
-                *(await_cancellable(engine.generate.remote(g, wait_s)) for g in self._generate_requests(call)),
+                *(
+                    await_cancellable(engine.generate.remote(g, wait_s))
+                    for g in call.generate_requests(self.max_model_len)
+                ),
                 return_exceptions=True,
             ),
             timeout=self.cfg.generate_timeout_s,
@@ -935,14 +414,14 @@ class PolicyServer:
                 raise out
         return outs
 
-    async def _complete(self, call: _Call) -> JSONResponse:
-        outs = await self._on_engine(call, lambda engine: self._generate_all(call, engine))
-        texts = [self.reply_text.complete(self._body_ids(call, o["response_ids"])) for o in outs]
+    async def _complete(self, call: Call) -> JSONResponse:
+        outs = await self.pool.run(call.session_id, call.req.n, lambda engine: self._generate_all(call, engine))
+        texts = [self.reply_text.complete(call.body_ids(o["response_ids"])) for o in outs]
         parsed = [
             parse_reply_text(text, call.in_reasoning, tools=call.req.tools, untagged=self.cfg.untagged_tool_calls)
             for text in texts
         ]
-        turns = [self._turn(call, o, p) for o, p in zip(outs, parsed)]
+        turns = [call.turn(o, p) for o, p in zip(outs, parsed)]
         indexes = await self._record(call, turns)
         completion = sum(len(o["response_ids"]) for o in outs)
         version = outs[0]["policy_version"]
@@ -966,147 +445,46 @@ class PolicyServer:
         }
         if call.req.n > 1:
             payload["turn_indexes"] = indexes
-        return JSONResponse(payload, headers={"X-Policy-Version": str(version), **self._token_header(call)})
+        return JSONResponse(payload, headers={"X-Policy-Version": str(version), **call.token_header()})
 
     # ------------------------------------------------------------------ streamed answers
-    async def _stream(self, call: _Call) -> StreamingResponse:
+    async def _stream(self, call: Call) -> StreamingResponse:
         """Start the engine streams (one per choice) and answer with SSE once the engine admitted
         them all (so a sync timeout is still a 503, not a broken stream; an engine that is down before
-        admitting is replaced by the next live one, see :meth:`_on_engine`)."""
-        streams = await self._on_engine(call, lambda engine: self._admitted_streams(call, engine))
+        admitting is replaced by the next live one, :meth:`~clawray.serve.engine_pool.EnginePool.run`)."""
+        streams = await self.pool.run(call.session_id, call.req.n, lambda engine: self._admitted_streams(call, engine))
+
+        async def record(outs: list[dict], parsed: list[ParsedReply]) -> list[tuple[str, int | None]]:
+            turns = [call.turn(o, p) for o, p in zip(outs, parsed)]
+            return list(zip([t.finish_reason for t in turns], await self._record(call, turns)))
+
+        ctx = StreamContext(
+            model=self.cfg.model_name,
+            timeout_s=self.cfg.generate_timeout_s,
+            untagged=self.cfg.untagged_tool_calls,
+            reply_text=self.reply_text,
+            counts=self.counts,
+            record=record,
+            release=lambda: self.locks.release(call.locked) if call.locked else None,
+        )
         return StreamingResponse(
-            self._sse(call, streams),
+            sse_events(call, streams, ctx),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **self._token_header(call)},
+            headers={"Cache-Control": "no-cache", **call.token_header()},
         )
 
-    async def _admitted_streams(self, call: _Call, engine: Any) -> list:
+    async def _admitted_streams(self, call: Call, engine: Any) -> list:
         wait_s = self.cfg.sync_wait_timeout_s
-        streams = [engine.generate_stream.remote(g, wait_s) for g in self._generate_requests(call)]
+        streams = [engine.generate_stream.remote(g, wait_s) for g in call.generate_requests(self.max_model_len)]
         # each stream's first item is {"admitted": True}
         try:
-            await asyncio.wait_for(asyncio.gather(*(_next(s) for s in streams)), timeout=self.cfg.generate_timeout_s)
+            await asyncio.wait_for(
+                asyncio.gather(*(next_item(s) for s in streams)), timeout=self.cfg.generate_timeout_s
+            )
         except BaseException:  # refused, timed out or the client hung up: stop every stream in the engine
-            _cancel_streams(streams)
+            cancel_streams(streams)
             raise
         return streams
-
-    async def _sse(self, call: _Call, streams: list) -> AsyncIterator[str]:
-        """The event stream: per choice a role delta, reasoning/content/tool-call deltas as its tokens
-        arrive (text on UTF-8 character boundaries; choices interleave, each chunk names its
-        ``index``), then every choice's finish chunk, the usage chunk when asked, ``[DONE]``. The
-        turns are recorded before the finish chunks, so the client's next request finds them."""
-        req, n = call.req, len(streams)
-        base = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": req.model or self.cfg.model_name,
-        }
-        usage_field = {"usage": None} if req.include_usage else {}
-        timeout = self.cfg.generate_timeout_s
-
-        def chunk(i: int, delta: dict, finish: str | None = None, **extra: Any) -> str:
-            body = {
-                **base,
-                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}],
-                **usage_field,
-                **extra,
-            }
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        def deltas(i: int, events: list) -> Iterator[str]:
-            for kind, value in events:
-                if kind == "tool_call":
-                    yield chunk(i, {"tool_calls": [value]})
-                else:
-                    yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": value})
-
-        detoks = [IncrementalDetokenizer(self.reply_text) for _ in range(n)]
-        parsers = [
-            ReplyParser(call.in_reasoning, tools=req.tools, untagged=self.cfg.untagged_tool_calls) for _ in range(n)
-        ]
-        outs: list[dict | None] = [None] * n
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: Any) -> None:  # one engine stream into the merged queue
-            try:
-                while True:
-                    item = await asyncio.wait_for(_next(stream), timeout=timeout)
-                    merged.put_nowait((i, item, None))
-                    if item.get("done"):
-                        return
-            except Exception as e:
-                merged.put_nowait((i, None, e))
-
-        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        completed = False
-        try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            remaining = n
-            while remaining:
-                i, item, error = await merged.get()
-                if error is not None:
-                    raise error
-                if item.get("done"):
-                    outs[i], remaining = item, remaining - 1
-                    events = parsers[i].feed(detoks[i].finish()) + parsers[i].finish()
-                else:
-                    events = parsers[i].feed(detoks[i].add([t for t in item["token_ids"] if t not in call.end_ids]))
-                for text in deltas(i, events):
-                    yield text
-            turns = [self._turn(call, outs[i], parsers[i].result) for i in range(n)]
-            indexes = await self._record(call, turns)  # before [DONE]: the client's next request sees them
-            for i, (turn, index) in enumerate(zip(turns, indexes)):
-                yield chunk(
-                    i,
-                    {},
-                    turn.finish_reason,
-                    session_id=call.session_id,
-                    turn_index=index,
-                    policy_version=outs[i]["policy_version"],
-                )
-            if req.include_usage:
-                n_prompt, n_completion = len(call.prompt_ids), sum(len(o["response_ids"]) for o in outs)
-                usage = {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": n_completion,
-                    "total_tokens": n_prompt + n_completion,
-                }
-                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-            completed = True
-            self.counts["streams"] += 1
-        except (asyncio.CancelledError, GeneratorExit, ray.exceptions.TaskCancelledError) as e:
-            # the client hung up: nothing is recorded, the engine streams are stopped (finally)
-            self.counts["cancelled"] += 1
-            logger.info("stream cancelled: the client disconnected")
-            if isinstance(e, ray.exceptions.TaskCancelledError):
-                raise asyncio.CancelledError() from None
-            raise
-        except Exception as e:  # headers are sent: report in-band (no internals), never a broken connection
-            if isinstance(e, EngineRefusedError):  # the request does not fit the engine: the client's error
-                self.counts["rejected"] += 1
-                err = error_body(_refusal(e), None, "request_refused", "invalid_request_error")
-            elif isinstance(e, EngineError):
-                self.counts["engine_errors"] += 1
-                logger.warning("stream failed in the engine: %s", e)
-                err = error_body("the policy engine failed on this request", None, "engine_error", "server_error")
-            else:
-                self.counts["stream_errors"] += 1
-                logger.exception("stream failed")
-                err = error_body("internal server error", None, "internal_error", "server_error")
-            yield f"data: {json.dumps(err)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            for p in pumps:
-                p.cancel()
-            if not completed:
-                self.counts["streams_not_completed"] += 1
-                _cancel_streams(streams)
-            if call.locked:
-                self.locks.release(call.locked)
 
 
 def start_policy_server(

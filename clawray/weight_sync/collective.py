@@ -19,7 +19,7 @@ import torch.distributed as dist
 from clawray.engines.base import WeightSpec
 from clawray.ray_env import tcp_store, use_node_gloo
 from clawray.weight_sync.plan import WeightSyncError, check_plan
-from clawray.weight_sync.transport import _ABORT, _HEADER_LEN, _OK, SyncHeader, WeightTransport, _Abort
+from clawray.weight_sync.transport import ABORT, HEADER_LEN, OK, SyncHeader, WeightTransport, Abort
 
 
 class CollectiveTransport(WeightTransport):
@@ -101,17 +101,17 @@ class CollectiveTransport(WeightTransport):
         t0 = time.perf_counter()
         try:
             check_plan(self.plan, state)
-            status = _OK
+            status = OK
         except WeightSyncError:
-            status = _ABORT  # receivers are told, and fail fast instead of waiting for buckets
-        header = self._header(version, status)
+            status = ABORT  # receivers are told, and fail fast instead of waiting for buckets
+        header = self.header(version, status)
         if self._meta_sent:
             header.meta_nbytes = 0
         self._bcast(header.to_tensor().to(self.device))
         if header.meta_nbytes:
             self._bcast(torch.frombuffer(bytearray(self.meta), dtype=torch.uint8).to(self.device))
             self._meta_sent = True
-        if status == _ABORT:
+        if status == ABORT:
             check_plan(self.plan, state)  # raises the reason
         if not self._pack_bufs:
             most = max((b.numel * b.dtype.itemsize for b in self.buckets if len(b.specs) > 1), default=0)
@@ -134,7 +134,7 @@ class CollectiveTransport(WeightTransport):
         return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
 
     def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        header_t = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        header_t = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._bcast(header_t)
         header = SyncHeader.from_tensor(header_t.cpu())
         if header.meta_nbytes:
@@ -146,8 +146,8 @@ class CollectiveTransport(WeightTransport):
             raise WeightSyncError("the sender's plan never arrived (this receiver missed the group's first sync)")
         try:
             self._check_header(header, self._sender_meta, expected_version)
-        except _Abort as e:
-            if header.status != _ABORT:  # drain the sender's buckets so the group stays in step
+        except Abort as e:
+            if header.status != ABORT:  # drain the sender's buckets so the group stays in step
                 for numel, dtype in e.layout:
                     self._bcast(torch.empty(numel, dtype=dtype, device=self.device))
             raise WeightSyncError(str(e)) from None

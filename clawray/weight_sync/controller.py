@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from clawray.engines.base import WeightSpec
-from clawray.weight_sync.mailbox import WeightMailboxActor, _reason
+from clawray.weight_sync.mailbox import WeightMailboxActor, abort_reason
 from clawray.weight_sync.plan import WeightSyncError
 from clawray.weight_sync.transport import TransportSpec
 
@@ -33,7 +33,7 @@ def _collect(named: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], d
         try:
             results[name] = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - every member failure is reported by name
-            errors[name] = _reason(e)
+            errors[name] = abort_reason(e)
     return results, errors
 
 
@@ -76,6 +76,27 @@ class WeightSyncController:
     Raises:
         ValueError: an unknown ``transport`` or ``mode``.
     """
+
+    @classmethod
+    def from_config(
+        cls, sync: Any, senders: list, engines: list, names: list[str], plan: list[WeightSpec]
+    ) -> "WeightSyncController":
+        """A controller configured by the ``sync`` section (:class:`~clawray.config.SyncConfig`:
+        ``transport``, ``bucket_mb``, ``timeout_s``, ``mode``).
+
+        Raises:
+            ValueError: an unknown transport or mode.
+        """
+        return cls(
+            senders,
+            engines,
+            names,
+            plan,
+            transport=sync.transport,
+            bucket_bytes=sync.bucket_mb << 20,
+            timeout_s=sync.timeout_s,
+            mode=sync.mode,
+        )
 
     def __init__(
         self,
@@ -186,7 +207,7 @@ class WeightSyncController:
                 raise _group_error(str(e), {"sync group": str(e)}) from None
             except ray.exceptions.RayError as e:
                 raise _group_error(
-                    f"locating the sync group's members failed: {_reason(e)}", {"sync group": _reason(e)}
+                    f"locating the sync group's members failed: {abort_reason(e)}", {"sync group": abort_reason(e)}
                 ) from None
         if self.spec.kind == "collective":
             results, errors = _collect({"learner-0": self.senders[0].sync_rendezvous.remote(self.host)}, self.timeout_s)

@@ -12,9 +12,9 @@ import ray
 import torch
 
 from clawray.engines.base import WeightSpec
-from clawray.weight_sync.mailbox import _check_state_or_abort, _reason
-from clawray.weight_sync.plan import WeightSyncError, _numel
-from clawray.weight_sync.transport import _ABORT, _WITHDRAWN, SyncHeader, WeightTransport, _Abort
+from clawray.weight_sync.mailbox import check_state_or_abort, abort_reason
+from clawray.weight_sync.plan import WeightSyncError, numel
+from clawray.weight_sync.transport import ABORT, WITHDRAWN, SyncHeader, WeightTransport, Abort
 
 
 # Buffers of closed ipc senders, by (plan digest, device): the next sender of the same plan in this
@@ -80,7 +80,7 @@ class IpcTransport(WeightTransport):
         self.mailbox = mailbox
         self.device = torch.device(device)
         self.name = name or f"rank {rank}"
-        self._seq = 0
+        self.seq = 0
         self._bufs: list[torch.Tensor] = []  # sender: one shared flat buffer per bucket
         self._held: list[torch.Tensor] = []  # receiver: the mapped buffers of the last receive
         self._pending: int | None = None  # receiver: seq of a received sync not yet acked
@@ -94,7 +94,7 @@ class IpcTransport(WeightTransport):
                 ray.get(mailbox.join.remote(rank, self.name), timeout=timeout_s)
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
                 raise WeightSyncError(
-                    f"{self.name}: could not register with the weight mailbox: {_reason(e)}"
+                    f"{self.name}: could not register with the weight mailbox: {abort_reason(e)}"
                 ) from None
 
     # ------------------------------------------------------------------ sender
@@ -122,14 +122,14 @@ class IpcTransport(WeightTransport):
 
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
-        self._seq += 1
-        _check_state_or_abort(self, state, version)
+        self.seq += 1
+        check_state_or_abort(self, state, version)
         nbytes = 0
         bufs = self._buffers()
         for bucket, buf in zip(self.buckets, bufs):
             offset = 0
             for spec in bucket.specs:
-                n = _numel(spec.shape)
+                n = numel(spec.shape)
                 buf[offset : offset + n].copy_(state[spec.name].detach().reshape(-1))
                 offset += n
             nbytes += buf.numel() * buf.element_size()
@@ -138,15 +138,15 @@ class IpcTransport(WeightTransport):
         ranks = list(range(1, self.world_size))
         handles = [[bytes(ForkingPickler.dumps(buf)) for buf in bufs] for _ in ranks]
         ray.get(
-            self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, handles), timeout=self.timeout_s
+            self.mailbox.post.remote(self.seq, vars(self.header(version)), self.meta, handles), timeout=self.timeout_s
         )
-        acks = ray.get(self.mailbox.wait_acks.remote(self._seq, ranks, self.timeout_s), timeout=self.timeout_s + 30)
+        acks = ray.get(self.mailbox.wait_acks.remote(self.seq, ranks, self.timeout_s), timeout=self.timeout_s + 30)
         missing = [r for r in ranks if r not in acks]
         if missing:
             names = ray.get(self.mailbox.names.remote(), timeout=30)
             who = ", ".join(f"{names[r]} (rank {r})" if r in names else f"rank {r}" for r in missing)
             raise WeightSyncError(
-                f"sync #{self._seq} to v{version}: no ack from {who} within {self.timeout_s:g}s; the sync is withdrawn"
+                f"sync #{self.seq} to v{version}: no ack from {who} within {self.timeout_s:g}s; the sync is withdrawn"
             )
         return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
 
@@ -155,7 +155,7 @@ class IpcTransport(WeightTransport):
         try:
             return ray.get(self.mailbox.ack.remote(seq, self.rank, ok, note), timeout=self.timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
-            raise WeightSyncError(f"ack of sync #{seq} failed: {_reason(e)}") from None
+            raise WeightSyncError(f"ack of sync #{seq} failed: {abort_reason(e)}") from None
 
     def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """See :meth:`WeightTransport.receive`. The yielded tensors are the sender's buffers (read
@@ -167,21 +167,21 @@ class IpcTransport(WeightTransport):
 
         if self._pending is not None:  # the previous sync was never acked: release it first
             self.done(ok=False)
-        self._seq += 1
-        seq = self._seq
+        self.seq += 1
+        seq = self.seq
         try:
             header, meta, handles = ray.get(self.mailbox.fetch.remote(seq, self.timeout_s), timeout=self.timeout_s + 5)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, TimeoutError) as e:
             raise WeightSyncError(f"no sync #{seq} posted within {self.timeout_s:g}s: {e!r}") from None
-        if header.get("status") == _WITHDRAWN:
+        if header.get("status") == WITHDRAWN:
             raise WeightSyncError(
                 f"the sender withdrew sync #{seq} to v{header['version']} (it stopped waiting "
                 "for acks) before this receiver fetched it"
             )
         try:
             self._check_header(SyncHeader(**header), meta, expected_version)
-        except _Abort as e:
-            if header.get("status") != _ABORT:
+        except Abort as e:
+            if header.get("status") != ABORT:
                 self._ack(seq, False, "rejected")
             raise WeightSyncError(str(e)) from None
         try:

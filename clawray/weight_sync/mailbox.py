@@ -14,7 +14,7 @@ import ray
 import torch
 
 from clawray.weight_sync.plan import WeightSyncError, check_plan
-from clawray.weight_sync.transport import _ABORT, _WITHDRAWN
+from clawray.weight_sync.transport import ABORT, WITHDRAWN
 
 
 class WeightMailbox:
@@ -63,7 +63,7 @@ class WeightMailbox:
         sender had already withdrawn that sync (its buffers may have been reused)."""
         async with self._cond:
             post = self._posts.get(seq)
-            if post is None or post[0].get("status") == _WITHDRAWN:
+            if post is None or post[0].get("status") == WITHDRAWN:
                 return False
             self._acks.setdefault(seq, {})[rank] = (bool(ok), note)
             self._cond.notify_all()
@@ -87,7 +87,7 @@ class WeightMailbox:
             acks = dict(self._acks.get(seq, {}))
             if not complete() and seq in self._posts:
                 header, meta, _ = self._posts[seq]
-                self._posts[seq] = ({**header, "status": _WITHDRAWN}, meta, [])
+                self._posts[seq] = ({**header, "status": WITHDRAWN}, meta, [])
                 self._cond.notify_all()
             return acks
 
@@ -108,7 +108,7 @@ class WeightMailbox:
 WeightMailboxActor = ray.remote(WeightMailbox)
 
 
-def _check_state_or_abort(transport: Any, state: dict[str, torch.Tensor], version: int) -> None:
+def check_state_or_abort(transport: Any, state: dict[str, torch.Tensor], version: int) -> None:
     """Sender side of a mailbox transport (``object_store``, ``ipc``): check ``state`` against the plan;
     on a mismatch post an abort header for this sync (receivers fail fast instead of waiting out
     the timeout), then raise.
@@ -120,13 +120,13 @@ def _check_state_or_abort(transport: Any, state: dict[str, torch.Tensor], versio
         check_plan(transport.plan, state)
     except WeightSyncError:
         ray.get(
-            transport.mailbox.post.remote(transport._seq, vars(transport._header(version, _ABORT)), transport.meta, []),
+            transport.mailbox.post.remote(transport.seq, vars(transport.header(version, ABORT)), transport.meta, []),
             timeout=transport.timeout_s,
         )
         raise
 
 
-def _reason(e: BaseException) -> str:
+def abort_reason(e: BaseException) -> str:
     """A one-line cause of a failed Ray call (the remote exception, not Ray's traceback wrapper)."""
     if isinstance(e, ray.exceptions.GetTimeoutError):
         return "timed out"

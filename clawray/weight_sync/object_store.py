@@ -10,9 +10,9 @@ import ray
 import torch
 
 from clawray.engines.base import WeightSpec
-from clawray.weight_sync.mailbox import _check_state_or_abort
+from clawray.weight_sync.mailbox import check_state_or_abort
 from clawray.weight_sync.plan import WeightSyncError
-from clawray.weight_sync.transport import SyncHeader, WeightTransport, _Abort
+from clawray.weight_sync.transport import SyncHeader, WeightTransport, Abort
 
 
 class ObjectStoreTransport(WeightTransport):
@@ -29,37 +29,35 @@ class ObjectStoreTransport(WeightTransport):
     def __init__(self, rank: int, plan: list[WeightSpec], bucket_bytes: int, timeout_s: float, mailbox):
         super().__init__(rank, plan, bucket_bytes, timeout_s)
         self.mailbox = mailbox
-        self._seq = 0
+        self.seq = 0
         self._live: list = []  # the sender keeps its last sync's objects alive
 
     def send(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
-        self._seq += 1
-        _check_state_or_abort(self, state, version)
+        self.seq += 1
+        check_state_or_abort(self, state, version)
         cpu = torch.device("cpu")
         refs, nbytes = [], 0
         for bucket in self.buckets:
             flat = self._pack(bucket, state, cpu)
             nbytes += flat.numel() * flat.element_size()
             refs.append(ray.put(flat))
-        ray.get(
-            self.mailbox.post.remote(self._seq, vars(self._header(version)), self.meta, refs), timeout=self.timeout_s
-        )
+        ray.get(self.mailbox.post.remote(self.seq, vars(self.header(version)), self.meta, refs), timeout=self.timeout_s)
         self._live = refs
         return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
 
     def receive(self, expected_version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        self._seq += 1
+        self.seq += 1
         try:
             header, meta, refs = ray.get(
-                self.mailbox.fetch.remote(self._seq, self.timeout_s), timeout=self.timeout_s + 5
+                self.mailbox.fetch.remote(self.seq, self.timeout_s), timeout=self.timeout_s + 5
             )
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, TimeoutError) as e:
-            raise WeightSyncError(f"no sync #{self._seq} posted within {self.timeout_s:g}s: {e!r}") from None
+            raise WeightSyncError(f"no sync #{self.seq} posted within {self.timeout_s:g}s: {e!r}") from None
         try:
             self._check_header(SyncHeader(**header), meta, expected_version)
-        except _Abort as e:
+        except Abort as e:
             raise WeightSyncError(str(e)) from None
         return self._receive_buckets(refs)
 

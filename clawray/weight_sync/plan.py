@@ -37,10 +37,10 @@ class Bucket:
     @property
     def numel(self) -> int:
         """Elements in the flat bucket."""
-        return sum(_numel(s.shape) for s in self.specs)
+        return sum(numel(s.shape) for s in self.specs)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -54,7 +54,7 @@ def plan_buckets(plan: list[WeightSpec], bucket_bytes: int) -> list[Bucket]:
     size = 0
     for spec in plan:
         dtype = _dtype(spec.dtype)
-        nbytes = _numel(spec.shape) * dtype.itemsize
+        nbytes = numel(spec.shape) * dtype.itemsize
         if current and (_dtype(current[0].dtype) != dtype or size + nbytes > bucket_bytes):
             buckets.append(Bucket(current, _dtype(current[0].dtype)))
             current, size = [], 0

@@ -25,7 +25,7 @@ from clawray.engines.base import WeightSpec
 from clawray.weight_sync.plan import (
     Bucket,
     WeightSyncError,
-    _numel,
+    numel,
     decode_plan,
     encode_plan,
     plan_buckets,
@@ -35,8 +35,8 @@ from clawray.weight_sync.plan import (
 
 TRANSPORTS = ("collective", "object_store", "ipc")
 _MAGIC = 0x5C1A_0001  # first header word: a sender speaking another header layout fails loudly
-_HEADER_LEN = 7  # magic, version, n_tensors, n_buckets, digest, meta_nbytes, status
-_OK, _ABORT, _WITHDRAWN = 0, 1, 2  # header status; _WITHDRAWN: the ipc sender gave up waiting for acks
+HEADER_LEN = 7  # magic, version, n_tensors, n_buckets, digest, meta_nbytes, status
+OK, ABORT, WITHDRAWN = 0, 1, 2  # header status; WITHDRAWN: the ipc sender gave up waiting for acks
 
 
 @dataclass
@@ -85,7 +85,7 @@ class SyncHeader:
     n_buckets: int
     digest: int
     meta_nbytes: int
-    status: int = _OK
+    status: int = OK
 
     def to_tensor(self) -> torch.Tensor:
         """``int64[7]`` for a collective."""
@@ -168,14 +168,14 @@ class WeightTransport(abc.ABC):
         """
 
     # shared by both transports
-    def _header(self, version: int, status: int = _OK) -> SyncHeader:
+    def header(self, version: int, status: int = OK) -> SyncHeader:
         return SyncHeader(version, len(self.plan), len(self.buckets), self.digest, len(self.meta), status)
 
     def _check_header(self, header: SyncHeader, meta: bytes, expected_version: int) -> list[tuple[int, torch.dtype]]:
-        """The sender's bucket layout; raises :class:`_Abort` (carrying it) when the sync must not be loaded."""
+        """The sender's bucket layout; raises :class:`Abort` (carrying it) when the sync must not be loaded."""
         _, layout = decode_plan(meta)
-        if header.status == _ABORT:
-            raise _Abort(
+        if header.status == ABORT:
+            raise Abort(
                 layout,
                 f"the sender aborted the sync to v{header.version} (its state does not fit "
                 "the plan; see the learner's error)",
@@ -187,7 +187,7 @@ class WeightTransport(abc.ABC):
         if header.version != expected_version:
             problems.append(f"version {header.version} != expected {expected_version}")
         if problems:
-            raise _Abort(
+            raise Abort(
                 layout,
                 f"sync header rejected before loading: {'; '.join(problems)} "
                 f"(tensors {header.n_tensors} vs {len(self.plan)}, "
@@ -216,12 +216,12 @@ class WeightTransport(abc.ABC):
     def _views(self, bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         offset = 0
         for spec in bucket.specs:
-            n = _numel(spec.shape)
+            n = numel(spec.shape)
             yield spec.name, flat[offset : offset + n].view(spec.shape)
             offset += n
 
 
-class _Abort(WeightSyncError):
+class Abort(WeightSyncError):
     """A rejected header; carries the sender's bucket layout so the receiver can drain the sync."""
 
     def __init__(self, layout: list[tuple[int, torch.dtype]], message: str):

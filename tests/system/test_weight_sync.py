@@ -277,7 +277,7 @@ def test_object_store_transport_roundtrips_bit_exactly_and_checks_metadata(ray_c
             r2.receive(version)
     # a sync that never comes: the receiver gives up after its timeout instead of hanging
     r3 = ObjectStoreTransport(1, plan, 100, 1.0, mailbox)
-    r3._seq = 10
+    r3.seq = 10
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match="no sync #11 posted within 1s"):
         r3.receive(5)

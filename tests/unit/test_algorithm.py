@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from clawray.actors.judge import HintResult, JudgeResult
-from clawray.algos.algorithm import REGISTRY, Algorithm, Scorers, algorithm_class, make_algorithm
+from clawray.algos.algorithm import REGISTRY, Algorithm, OPDOptions, Scorers, algorithm_class, make_algorithm
 from clawray.types import Turn
 
 
@@ -84,7 +84,7 @@ def test_unanimous_rl_trains_only_undisputed_scores():
 
 
 def test_opd_and_combine_verdicts():
-    opd, combine = make_algorithm("opd", {"topk": 0}), make_algorithm("combine")
+    opd, combine = make_algorithm("opd", OPDOptions(topk=2)), make_algorithm("combine")  # opd.loss advantage: no top-k
     v, counts = _score(opd)
     assert (v.sample.kind, v.sample.reward, v.sample.teacher_logprobs) == ("opd", None, [-0.1, -0.2, -0.3])
     assert counts == {"judged": 1, "hints_accepted": 1, "dispatch/hint": 1}
@@ -95,12 +95,32 @@ def test_opd_and_combine_verdicts():
     assert counts["teacher_errors"] == 1 and v.extra["teacher_error"] == "RuntimeError('teacher died')"
     v, _ = _score(combine, score=0, hint=None)
     assert v.drop == "no_signal"
-    v, _ = _score(make_algorithm("opd", {"topk": 2}))
+    v, _ = _score(make_algorithm("opd", OPDOptions(loss="topk", topk=2)))
     assert v.sample.teacher_topk_ids == [[5, 5]] * 3 and v.sample.teacher_logprobs is None
 
 
+def test_opd_topk_is_a_variant_that_only_touches_algos():
+    """Issue #25: an OPD variant with another loss term is one registered subclass. ``opd_topk``
+    asks the teacher for its top-k whatever ``opd.loss`` says, and the config check reads its term."""
+    algo = make_algorithm("opd_topk", OPDOptions(loss="advantage", topk=2))
+    assert (algo.topk, algo.term(), algorithm_class("opd").term("topk"), algorithm_class("opd").term()) == (
+        2,
+        "topk_kl",
+        "topk_kl",
+        "ppo",
+    )
+    v, counts = _score(algo)
+    assert (v.sample.kind, v.sample.reward, v.sample.teacher_logprobs) == ("opd_topk", None, None)
+    assert v.sample.teacher_topk_ids == [[5, 5]] * 3 and counts["hints_accepted"] == 1
+    assert [algorithm_class(n).with_reward for n in ("rl", "opd", "opd_topk", "combine")] == [True, False, False, True]
+    from clawray.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"opd\.topk=21 exceeds 20.*trainer\.algo=opd_topk"):
+        load_config([], ["trainer.algo=opd_topk", "opd.topk=21", "opd.teacher_backend=vllm"])
+
+
 def test_registry_declares_what_a_run_needs():
-    assert sorted(REGISTRY) == ["combine", "opd", "rl", "rl_unanimous"]
+    assert sorted(REGISTRY) == ["combine", "opd", "opd_topk", "rl", "rl_unanimous"]
     assert [algorithm_class(n).needs_teacher for n in ("rl", "opd", "combine")] == [False, True, True]
     assert make_algorithm("rl").loss_weights(0.3, 2.0) == (1.0, 2.0)
     assert make_algorithm("combine").loss_weights(0.3, 2.0) == (0.3, 2.0)

@@ -11,7 +11,7 @@ import pytest
 from clawray.chat import attribution_keys, conversation_keys
 from clawray.client_rules import conversation_view, is_ephemeral, session_hint, side_kind, strip_ephemeral
 from clawray.serve.protocol import parse_chat_request
-from clawray.sessions import AUTO_SESSION_PREFIX, SessionBook
+from clawray.session_book import AUTO_SESSION_PREFIX, SessionBook
 from clawray.types import Turn
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "openclaw"

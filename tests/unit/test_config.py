@@ -2,6 +2,8 @@ import math
 import typing
 
 import pytest
+
+from clawray.algos.algorithm import REGISTRY
 from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
@@ -172,7 +174,7 @@ def _select(cfg, key):
         ("rollout.num_cpus=0.00005", "rollout.num_cpus=5e-05 is out of range: must be >= 0 in steps of 0.0001"),
         ("env.temperature=2.5", "env.temperature=2.5 is out of range: must be in [0.0, 2.0]"),
         ("learner.tis_cap=0.5", "learner.tis_cap=0.5 is out of range: must be >= 1.0 or 0.0 (none)"),
-        ("trainer.algo=ppo", "trainer.algo='ppo' is not one of ['rl', 'rl_unanimous', 'opd', 'combine']"),
+        ("trainer.algo=ppo", f"trainer.algo='ppo' is not one of {list(REGISTRY)}"),  # every registered one
     ],
 )
 def test_range_messages(override, message):

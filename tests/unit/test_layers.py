@@ -17,7 +17,7 @@ LAYERS = {
     # 0: no clawray imports but these
     "clawray": 0,
     "clawray.types": 0,
-    "clawray.private": 0,
+    "clawray.file_modes": 0,
     "clawray.console": 0,
     "clawray.records": 0,
     "clawray.client_rules": 0,
@@ -42,7 +42,7 @@ LAYERS = {
     "clawray.run_lock": 2,
     "clawray.placement": 2,
     "clawray.tracking": 2,
-    "clawray.sessions": 2,
+    "clawray.session_book": 2,
     "clawray.models": 2,
     "clawray.report": 2,
     "clawray.openclaw": 2,
@@ -162,3 +162,15 @@ def test_the_proxy_callback_named_by_ray_env_is_the_guard():
 
     module, _, name = PROXY_CALLBACK_ENV["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"].rpartition(".")
     assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Issue #25: what one module uses of another is public (``from clawray.x import _y`` is a
+    back-door; the weight-sync transports shared ``_Abort``, ``_numel``, ``_reason``...)."""
+    private = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "clawray":
+                bad = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private += [f"{module} imports {name} from {node.module}" for name in bad]
+    assert private == []

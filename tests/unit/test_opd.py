@@ -8,6 +8,7 @@ from clawray.actors import session as session_mod
 from clawray.actors.judge import HintResult, JudgeResult, JudgeWorker, accept_hint, feedback_hint, parse_hint
 from clawray.actors.session import SessionTracker
 from clawray.actors.teacher import TeacherWorker, hinted_messages
+from clawray.algos.algorithm import OPDOptions
 from clawray.types import SampleMeta, Turn
 
 
@@ -317,7 +318,12 @@ def test_a_failing_teacher_never_gives_zero_teacher_logprobs(algo, failure, tmp_
     )
     queue = FakeQueue()
     tracker = SessionTracker(
-        [judge], queue, algo=algo, teachers=[BrokenTeacher()], records_dir=str(tmp_path), opd={"teacher_timeout_s": 0.2}
+        [judge],
+        queue,
+        algo=algo,
+        teachers=[BrokenTeacher()],
+        records_dir=str(tmp_path),
+        opd=OPDOptions(teacher_timeout_s=0.2),
     )
     stats = _run(tracker, ["hint+score", "hint only"])
     got = [(s.turn_index, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items]

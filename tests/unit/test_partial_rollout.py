@@ -131,7 +131,7 @@ def _turn(versions: list[int]) -> Turn:
 def test_staleness_of_a_partial_rollout_counts_from_its_oldest_token():
     """Tokens sampled by v0 and v1: trained into v2 its staleness is 2 (not 1), so a cap of 1 drops it."""
     from clawray.actors.queue import TrajectoryQueue
-    from clawray.serve.app import _mixed_versions
+    from clawray.serve.call import mixed_versions as _mixed_versions
 
     out = {"response_ids": [20, 21, 22, 23], "token_versions": [0, 0, 1, 1], "policy_version": 0}
     assert _mixed_versions(out) == [0, 0, 1, 1]

@@ -103,7 +103,7 @@ def test_run_folder_metrics_and_wandb_files_are_private(tmp_path, monkeypatch):
 
 def test_checkpoints_are_private_whatever_the_writers_umask(tmp_path):
     from clawray.checkpoint import commit_checkpoint, new_checkpoint_dirs
-    from clawray.private import private_tree
+    from clawray.file_modes import private_tree
 
     old = os.umask(0o022)
     try:

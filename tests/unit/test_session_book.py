@@ -1,7 +1,7 @@
-"""The Ray-free session book (clawray/sessions.py): pairing, lookup index, closes, at-least-one pick."""
+"""The Ray-free session book (clawray/session_book.py): pairing, lookup index, closes, at-least-one pick."""
 
 from clawray.chat import attribution_key, conversation_key
-from clawray.sessions import Session, SessionBook
+from clawray.session_book import Session, SessionBook
 from conftest import make_turn as turn
 
 U1 = {"role": "user", "content": "2 + 2?"}
