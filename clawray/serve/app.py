@@ -267,10 +267,12 @@ class PolicyServer:
         try:
             self.admission.check_origin(request)
         except RequestError as e:
-            self.counts["forbidden"] += int(count)
+            if count:
+                self.counts["forbidden"] += 1
             return error_response(403, str(e), None, e.code, "permission_error")
         if not self.admission.authorized(request):
-            self.counts["unauthorized"] += int(count)
+            if count:
+                self.counts["unauthorized"] += 1
             return unauthorized()
         return None
 

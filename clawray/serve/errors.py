@@ -6,6 +6,7 @@ Owns: the mapping from an exception to its status, code and counter. Must not: d
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 
@@ -81,7 +82,7 @@ def answer_error(e: Exception, counts: Counter, retry_after_s: int) -> JSONRespo
         counts["sync_wait_timeouts"] += 1
         msg = "the policy is being updated; retry shortly"
         return error_response(503, msg, None, "engine_syncing", "server_error", headers=busy)
-    if isinstance(e, TimeoutError):  # asyncio.TimeoutError is TimeoutError
+    if isinstance(e, asyncio.TimeoutError):  # the engine did not answer within generate_timeout_s
         counts["engine_timeouts"] += 1
         msg = "the policy engine did not answer in time"
         return error_response(503, msg, None, "engine_timeout", "server_error", headers=busy)
