@@ -81,11 +81,11 @@ class RunStats:
         """:func:`~clawray.step_metrics.judge_metrics` over the run's judge and teacher workers
         (totals across their restarts)."""
         judges, teachers, rebase = self.actors.judges, self.actors.teachers, self.restarts.rebase
-        judge_stats = self.read("judges", [j.get_stats.remote() for j in judges], [{}] * len(judges))
         teacher_stats = None
-        if teachers:
+        if teachers:  # {} for a teacher that never answered yet (killed before its first read)
             raw = self.read("teachers", [t.get_stats.remote() for t in teachers], [{}] * len(teachers))
             teacher_stats = [rebase(f"teacher-{i}", st, st) for i, st in enumerate(raw)]
+        judge_stats = self.read("judges", [j.get_stats.remote() for j in judges], [{}] * len(judges))
         return judge_metrics(
             [rebase(f"judge-{i}", st, st) for i, st in enumerate(judge_stats)], teacher_stats, tracker_stats
         )

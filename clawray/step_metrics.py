@@ -54,8 +54,9 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
         if key in tracker_stats:
             out[key] = tracker_stats[key]
     if teacher_stats is not None:
-        out["timing/teacher_scoring_s"] = sum(t["seconds"] for t in teacher_stats)
-        out["teacher/scored"] = sum(t["scored"] for t in teacher_stats)
+        # a teacher whose counters never answered yet (killed, restarting) is {}: it adds nothing
+        out["timing/teacher_scoring_s"] = sum(t.get("seconds", 0.0) for t in teacher_stats)
+        out["teacher/scored"] = sum(t.get("scored", 0) for t in teacher_stats)
         out["teacher/errors"] = tracker_stats.get("teacher_errors", 0)
     out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
     return out

@@ -52,6 +52,13 @@ def test_judge_metrics_hand_computed():
     assert judge_metrics([{}], None, {}) == {}
     nan = judge_metrics([{"turns": 1, "votes": 3, "invalid_votes": 3}], None, {})["judge/agreement_rate"]
     assert nan != nan
+    # a teacher killed before its counters first answered reads as {} (run_stats' default): the step
+    # goes on (it raised KeyError('seconds') and ended bench/chaos.py's teacher+queue+tracker run)
+    assert judge_metrics([{}], [{}, {"seconds": 0.5, "scored": 2}], {"teacher_errors": 1}) == {
+        "timing/teacher_scoring_s": 0.5,
+        "teacher/scored": 2,
+        "teacher/errors": 1,
+    }
 
 
 def test_drop_counts_merge_tracker_queue_and_driver_reasons():
