@@ -105,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(1)
     path = args.model
     if not path:
-        from clawray.models import build_tiny_model
+        from clawray.model_folders import build_tiny_model
 
         path = build_tiny_model(tempfile.mkdtemp(prefix="clawray-tiny-"), seed=args.seed)
     tok = AutoTokenizer.from_pretrained(path)

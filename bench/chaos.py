@@ -597,7 +597,7 @@ def main() -> int:
     root = args.out or tempfile.mkdtemp(prefix="clawray-chaos-")
     model = args.model
     if not model:
-        from clawray.models import build_tiny_model
+        from clawray.model_folders import build_tiny_model
 
         model = build_tiny_model(os.path.join(root, "tiny"))
     from clawray.ray_env import init_ray

@@ -333,14 +333,14 @@ def start_server(body_timeout_s: float) -> int:
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
-    from clawray.models import build_tiny_model
+    from clawray.model_folders import build_tiny_model
     from clawray.ray_env import free_port, init_ray
     from clawray.config import ServeConfig
     from clawray.serve.app import start_policy_server
 
     model = build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     init_ray("", 2)
-    engine = RolloutEngineActor.options(num_cpus=0.5).remote("hf", model, "rollout-0", 1)
+    engine = RolloutEngineActor.options(num_cpus=0.5).remote(model, {"backend": "hf", "torch_threads": 1})
     ray.get(engine.ready.remote())
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     tracker = SessionTrackerActor.options(num_cpus=0).remote(

@@ -122,7 +122,7 @@ def main() -> None:
     import ray
     from transformers import AutoConfig
 
-    from clawray.models import build_tiny_model
+    from clawray.model_folders import build_tiny_model
     from clawray.ray_env import init_ray
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))

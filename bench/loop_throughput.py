@@ -104,7 +104,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("RAY_ADDRESS", "local")  # a fresh Ray per mode, never a cluster already running here
 
-    from clawray.models import build_tiny_model
+    from clawray.model_folders import build_tiny_model
 
     model = os.path.expanduser(args.model) if args.model else build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     results = {}

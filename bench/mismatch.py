@@ -41,8 +41,9 @@ LEARNER = dict(
 
 
 def run(model: str, backend: str, dtype: str, steps: int = 5, batch: int = 4, max_tokens: int = 32) -> list[dict]:
-    kwargs = {"dtype": dtype, "max_model_len": 1024, "kv_cache_gib": 0.5} if backend == "vllm" else {"dtype": dtype}
-    engine = RolloutEngineActor.options(num_cpus=0.5).remote(backend, model, "bench", 2, 16, kwargs)
+    rollout = {"backend": backend, "torch_threads": 2, "dtype": dtype, "max_model_len": 1024, "kv_cache_gib": 0.5}
+    hf_dtype = {"dtype": dtype} if backend == "hf" else None  # the hf backend runs float32 unless told
+    engine = RolloutEngineActor.options(num_cpus=0.5).remote(model, rollout, name="bench", engine_kwargs=hf_dtype)
     learners = None
     try:
         learners = LearnerGroup(model, LEARNER, free_port())
@@ -103,7 +104,7 @@ def main() -> int:
     args = parser.parse_args()
     init_ray(num_cpus=os.cpu_count())
     if args.tiny:
-        from clawray.models import build_tiny_model
+        from clawray.model_folders import build_tiny_model
 
         model = build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
         configs = [("hf", "float32"), ("vllm", "float32"), ("vllm", "bfloat16")]

@@ -212,7 +212,7 @@ def main() -> int:
 
         engine = HFBackend(args.model, seed=0)
     tok = __import__("transformers").AutoTokenizer.from_pretrained(args.model)
-    teachers = {p: TeacherWorker(engine, args.model, placement=p) for p in placements}  # production prompts
+    teachers = {p: TeacherWorker(engine, args.model, {"hint_placement": p}) for p in placements}  # production prompts
     hint_judge = JudgeWorker({"backend": "feedback", "m": 1})
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
     max_tokens = {"fact": 32, "markdown": 96}
@@ -266,10 +266,10 @@ def main() -> int:
                     print(f"| {i} | {placement} | no reply to correct in {args.tries} | | | | | | |")
                     continue
                 flags = offending(turn, prompt)
-                delta = [t - r for t, r in zip(engine.score(hinted, turn.response_ids, 1.0), turn.logprobs)]
+                delta = [t - r for t, r in zip(engine.logprobs(hinted, turn.response_ids, 1.0), turn.logprobs)]
                 first = flags.index(True)
                 neutral = teachers[placement].teacher_prompt_ids(asked, NEUTRAL)
-                neutral_first = engine.score(neutral, turn.response_ids, 1.0)[first] - turn.logprobs[first]
+                neutral_first = engine.logprobs(neutral, turn.response_ids, 1.0)[first] - turn.logprobs[first]
                 print(f"| {i} | {placement} | {tallies[placement].add(delta, flags, neutral_first)} |", flush=True)
                 if args.show:
                     pieces = [tok.decode([t]) for t in turn.response_ids]

@@ -173,7 +173,7 @@ def main() -> None:
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
     from clawray.envs.arith import make_problems
-    from clawray.models import build_tiny_model
+    from clawray.model_folders import build_tiny_model
     from clawray.ray_env import free_port, init_ray
     from clawray.config import ServeConfig
     from clawray.serve.app import start_policy_server
@@ -189,8 +189,14 @@ def main() -> None:
         )
         for q in questions
     ]
-    kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.5} if args.backend == "vllm" else {}
-    engine = RolloutEngineActor.options(num_cpus=0.5).remote(args.backend, model, "rollout-0", 2, 16, kwargs)
+    rollout = {
+        "backend": args.backend,
+        "torch_threads": 2,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "kv_cache_gib": 0.5,
+    }
+    engine = RolloutEngineActor.options(num_cpus=0.5).remote(model, rollout)
     ray.get(engine.ready.remote())
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     tracker = SessionTrackerActor.options(num_cpus=0).remote(

@@ -77,8 +77,14 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     from clawray.engines.base import GenerateRequest
     from clawray.weight_sync import WeightSyncController
 
-    kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.5} if args.backend == "vllm" else {}
-    engine = RolloutEngineActor.options(num_cpus=0.5).remote(args.backend, model, "rollout-0", 2, 16, kwargs)
+    rollout = {
+        "backend": args.backend,
+        "torch_threads": 2,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "kv_cache_gib": 0.5,
+    }
+    engine = RolloutEngineActor.options(num_cpus=0.5).remote(model, rollout)
     sender = ray.remote(_Sender).options(num_cpus=0.1).remote(model)
     await engine.ready.remote()
     plan = await engine.weight_specs.remote()
@@ -164,7 +170,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from clawray.envs.arith import make_problems
-    from clawray.models import build_tiny_model
+    from clawray.model_folders import build_tiny_model
     from clawray.ray_env import init_ray
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))

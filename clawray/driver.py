@@ -118,7 +118,7 @@ class Driver:
         from clawray import build
         from clawray.ray_env import init_ray
         from clawray.serve.app import start_policy_server
-        from clawray.tracking import Tracker
+        from clawray.metrics_log import MetricsLog
 
         cfg, t0 = self.cfg, time.perf_counter()
         private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
@@ -144,10 +144,10 @@ class Driver:
         resume_step = self.state.steps_done if cfg.resume else None
         run_id = self.state.wandb_run_id  # a resumed run continues the checkpoint's wandb run
         config = OmegaConf.to_container(cfg, resolve=True)
-        self.tracking = Tracker(
+        self.metrics = MetricsLog(
             self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, config, resume_step, run_id
         )
-        self.state.wandb_run_id = self.tracking.run_id
+        self.state.wandb_run_id = self.metrics.run_id
         self._ready = True
         print(build.ready_line(cfg, self.actors, time.perf_counter() - t0, self.base_url), flush=True)
         # said loudly: each cost most of the CPU demo's gain
@@ -158,7 +158,7 @@ class Driver:
         if algorithm_class(cfg.trainer.algo).needs_teacher and cfg.opd.premise_check != "none" and fresh:
             self.premise = build.check_premise(cfg, self.model_path, self.actors)
             if self.premise is not None:
-                self.tracking.log({**self.premise.metrics(), "policy_version": self.version}, step=self.steps_done)
+                self.metrics.log({**self.premise.metrics(), "policy_version": self.version}, step=self.steps_done)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, when: str) -> dict[str, Any] | None:
@@ -176,7 +176,7 @@ class Driver:
         if not self.cfg.eval.enabled:
             return None
         return self.evals.run(
-            when, self.steps_done, self.version, self.model_path, self._engine0_generate, self.tracking.log
+            when, self.steps_done, self.version, self.model_path, self._engine0_generate, self.metrics.log
         )
 
     def _engine0_generate(self, requests: list) -> list[dict]:
@@ -328,9 +328,7 @@ class Driver:
         """Append the row to the history, log it (wandb, ``metrics.jsonl``) and print the step's line
         (:func:`~clawray.step_metrics.step_line`)."""
         self.history.append(metrics)
-        self.tracking.log(
-            {k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done
-        )
+        self.metrics.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done)
         s = self.timeline.seconds
         args = (metrics, dropped, train, rewarded, skipped, sync_s, sync_error, s["wait_batch"], s["train"])
         print(step_line(self.steps_done, self.cfg.trainer.num_steps, *args), flush=True)
@@ -431,7 +429,7 @@ class Driver:
             if ray_up:
                 self.users.stop()
             if hasattr(self, "tracking"):
-                self.tracking.finish()
+                self.metrics.finish()
             if ray_up and self._serve_started:  # a run refused at start-up leaves another's Serve alone
                 try:
                     shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line

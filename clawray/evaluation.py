@@ -7,7 +7,7 @@ Protocol: the first ``num_prompts`` tasks of ``env.prompts(split, seed)``; each 
 message is rendered with the model folder's chat template (and the environment's tools) exactly as
 the policy server renders a first turn; ``n`` replies are sampled per prompt at ``temperature``
 with per-sample seeds fixed by ``(seed, prompt index, sample index)``, so evaluations of two
-policies are paired. The FIRST reply is scored with ``env.score`` (the simulated user's own check);
+policies are paired. The FIRST reply is scored with ``env.check`` (the simulated user's own check);
 each success measure gets its mean and a 95% Wilson score interval over all ``prompts x n``
 samples (samples of one prompt are not independent, so the interval is somewhat narrow when the
 success rate varies a lot between prompts).
@@ -201,7 +201,7 @@ class Evaluator:
                 versions.add(get("policy_version"))
             task = self.tasks[k // self.n]
             msg = self.reply_message(list(get("response_ids")))
-            s = self.env.score(task, [*self.env.opening(task), msg])
+            s = self.env.check(task, [*self.env.opening(task), msg])
             scores.append(s)
             replies.append({"question": task.question, "reply": msg.get("content"), "scores": s})
         return {

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from clawray.checkpoint import engine_dtype
+from clawray.config import ClawrayConfig, section
 from clawray.records import TurnRecords
 from clawray.session_book import SessionBook
 from clawray.types import Turn
@@ -32,21 +33,17 @@ class ServingTracker:
     server's lookup and turn indexes) and turn records; nothing is judged or queued.
 
     Args:
+        cfg: the run's config (:class:`~clawray.config.ClawrayConfig`, or a mapping of the keys that
+            differ from its defaults): ``session.idle_timeout_s`` (sessions without a request for this
+            long are closed; 0 = never), ``records.max_mb`` and ``keep_files`` (the records' rotation).
         records_dir: where ``turns.jsonl`` goes, or None for no records.
-        idle_timeout_s: sessions without a request for this long are closed (> 0).
-        records_max_bytes, records_keep: the records' rotation.
     """
 
-    def __init__(
-        self,
-        records_dir: str | None = None,
-        idle_timeout_s: float = 1800.0,
-        records_max_bytes: int = 64 << 20,
-        records_keep: int = 5,
-    ):
+    def __init__(self, cfg: Any = None, records_dir: str | None = None):
+        cfg = section(ClawrayConfig, cfg or {})
         self.book = SessionBook()
-        self.records = TurnRecords(records_dir, records_max_bytes, records_keep)
-        self.idle_timeout_s = idle_timeout_s
+        self.records = TurnRecords(records_dir, int(cfg.records.max_mb * 2**20), cfg.records.keep_files)
+        self.idle_timeout_s = cfg.session.idle_timeout_s
         self.counts = {
             "turns": 0,
             "paired": 0,
@@ -70,7 +67,7 @@ class ServingTracker:
     async def record_turns(self, turns: list[Turn], done: bool = False, outcome: float | None = None) -> list[int]:
         """Record one request's served main-line turns; returns their 1-based indexes (``outcome`` is
         accepted and ignored: nothing is trained)."""
-        for sid in self.book.idle(self.idle_timeout_s):
+        for sid in self.book.idle(self.idle_timeout_s) if self.idle_timeout_s > 0 else ():  # 0 = never
             self.book.close(sid)
             self.counts["sessions_idle_closed"] += 1
         s = self.book.open(turns[0].session_id, turns[0].messages)
@@ -163,7 +160,6 @@ class PolicyService:
         from omegaconf import OmegaConf
 
         from clawray.actors.rollout import RolloutEngineActor
-        from clawray.engines import backend_kwargs
         from clawray.file_modes import private_dir
         from clawray.ray_env import init_ray
         from clawray.recovery import engine_options
@@ -174,32 +170,19 @@ class PolicyService:
         self._lock.acquire()
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
-        kwargs = backend_kwargs(ro, ro.backend, cfg.seed)  # as the job's engines: the same precision
+        rollout = OmegaConf.to_object(ro)  # as the job's engines: the same precision
         self.engines = [
             RolloutEngineActor.options(
                 num_cpus=ro.num_cpus,
                 num_gpus=ro.num_gpus,
                 resources=dict(ro.resources) or None,
                 **engine_options(ro.max_restarts),
-            ).remote(
-                ro.backend,
-                self.model_dir,
-                f"rollout-{i}",
-                ro.torch_threads,
-                ro.max_batch_size,
-                kwargs,
-                version=self.version,
-            )
+            ).remote(self.model_dir, rollout, name=f"rollout-{i}", seed=cfg.seed, version=self.version)
             for i in range(ro.num_engines)
         ]
         ray.get([e.ready.remote() for e in self.engines])
         records = os.path.join(self.run_dir, "records") if cfg.records.enabled else None
-        self.tracker = ServingTrackerActor.options(num_cpus=0).remote(
-            records,
-            cfg.session.idle_timeout_s,
-            int(cfg.records.max_mb * 2**20),
-            cfg.records.keep_files,
-        )
+        self.tracker = ServingTrackerActor.options(num_cpus=0).remote(OmegaConf.to_object(cfg), records)
         self.base_url = start_policy_server(
             self.model_dir, self.engines, self.tracker, OmegaConf.to_object(cfg.serve), ro.max_model_len
         )

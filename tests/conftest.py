@@ -23,6 +23,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("CLAWRAY_HEADER_TIMEOUT_S", "5")
 
 
+#: The server tests' SessionTracker config: sessions stay open 10 minutes, truncated replies are not trained.
+MASKED_SESSIONS = {"session": {"idle_timeout_s": 600.0, "truncated": "mask"}}
+
+
 def make_turn(session: str, history: list, reply: str, version: int = 0, tools: list | None = None):
     """A served main-line turn for session tests: prompt ids [1, 2, 3], response ids [7, 8] with
     log-probs [-0.5, -0.25], policy ``version``, the reply as the assistant message (index assigned
@@ -70,8 +74,8 @@ def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """Path of the tiny Qwen-style model + BPE tokenizer (clawray.models.build_tiny_model)."""
-    from clawray.models import build_tiny_model
+    """Path of the tiny Qwen-style model + BPE tokenizer (clawray.model_folders.build_tiny_model)."""
+    from clawray.model_folders import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
 

@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import ray
 
+from clawray.config import RolloutConfig, section
+from clawray.engines import backend_kwargs
 from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
 
 if TYPE_CHECKING:
@@ -187,29 +189,41 @@ class RolloutEngine:
     """An inference engine with a policy version.
 
     Args:
-        backend: ``"hf"`` or ``"vllm"``.
         model_path: local HF folder.
+        rollout: the ``rollout`` config section (:class:`~clawray.config.RolloutConfig`, or a mapping
+            of the keys that differ from its defaults): ``backend``, ``torch_threads`` (intra-op
+            threads of the engine thread; Ray sets 1 by default), ``max_batch_size`` (most requests in
+            one engine step) and the backend's own options (:func:`clawray.engines.backend_kwargs`).
+        backend: another backend than ``rollout.backend`` (a frozen judge or teacher engine's).
         name: engine name used in logs and errors (e.g. ``"rollout-0"``).
-        torch_threads: intra-op threads for the engine thread (Ray sets 1 by default).
-        max_batch_size: most generation requests run together in one engine step.
-        backend_kwargs: passed to the backend constructor (dtype, max_model_len, ...).
+        seed: the engine's seed (the run's ``seed``).
+        engine_kwargs: backend options beyond the section's, over them (tests and benches: vLLM's
+            chunked prefill, an hf engine in bf16).
         resync_on_restart: a policy engine: when Ray restarts the actor, generation raises
             :class:`EngineRestartedError` until the first weight load (frozen judge/teacher engines: False).
         version: the policy version of ``model_path``'s weights (0: the initial policy; ``clawray
             serve`` of a checkpoint passes its version, so replies carry it).
+
+    Raises:
+        ValueError: ``rollout.max_batch_size`` below 1.
+        ConfigError: a key the section does not have.
     """
 
     def __init__(
         self,
-        backend: str,
         model_path: str,
+        rollout: Any = None,
+        *,
+        backend: str | None = None,
         name: str = "rollout-0",
-        torch_threads: int = 2,
-        max_batch_size: int = 16,
-        backend_kwargs: dict | None = None,
+        seed: int = 0,
+        engine_kwargs: dict | None = None,
         resync_on_restart: bool = False,
         version: int = 0,
     ):
+        rollout = section(RolloutConfig, rollout or {})
+        backend = backend or rollout.backend
+        max_batch_size = rollout.max_batch_size
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.name = name
@@ -245,7 +259,12 @@ class RolloutEngine:
         self._closing = False  # shutdown() was called: generate calls fail instead of waiting for a resume
         self._thread = threading.Thread(
             target=self._run,
-            args=(backend, model_path, torch_threads, backend_kwargs or {}),
+            args=(
+                backend,
+                model_path,
+                rollout.torch_threads,
+                {**backend_kwargs(rollout, backend, seed), **(engine_kwargs or {})},
+            ),
             daemon=True,
             name=f"{name}-engine",
         )
@@ -617,15 +636,15 @@ class RolloutEngine:
                 job.cancelled = True
             self._in_flight -= 1
 
-    async def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+    async def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` given ``prompt_ids`` (teacher path)."""
-        return await self._call(lambda: self._backend.score(prompt_ids, response_ids, temperature))
+        return await self._call(lambda: self._backend.logprobs(prompt_ids, response_ids, temperature))
 
-    async def score_topk(
+    async def topk_logprobs(
         self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
     ) -> tuple[list[list[float]], list[list[int]]]:
         """Top-``k`` log-probs and ids (``[R][k]``) at each response position (top-k teacher path)."""
-        return await self._call(lambda: self._backend.score_topk(prompt_ids, response_ids, k, temperature))
+        return await self._call(lambda: self._backend.topk_logprobs(prompt_ids, response_ids, k, temperature))
 
     async def weight_specs(self) -> list[WeightSpec]:
         """The weights this engine loads, in sync order."""

@@ -59,6 +59,7 @@ judge (again) or reuses its answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections import Counter
@@ -66,9 +67,10 @@ from typing import Any
 
 import ray
 
-from clawray.actors.scoring import ScorerPool
-from clawray.algos.algorithm import OPDOptions, make_algorithm
+from clawray.actors.worker_pool import WorkerPool
+from clawray.algos.algorithm import make_algorithm
 from clawray.algos.credit_ledger import CreditLedger
+from clawray.config import ClawrayConfig, section
 from clawray.journal import RestoredSessions, SessionJournal, restore_sessions
 from clawray.records import TurnRecords
 from clawray.recovery import was_restarted
@@ -86,54 +88,57 @@ class SessionTracker:
     Args:
         judges: JudgeWorker actor handles (used round-robin).
         queue: TrajectoryQueue actor handle.
-        at_least_one: apply the at-least-one rule.
+        cfg: the run's config (:class:`~clawray.config.ClawrayConfig`, or a mapping of the keys that
+            differ from its defaults). The tracker reads ``trainer.algo`` (a registered algorithm;
+            ``opd.*`` for those that need a teacher), ``trainer.credit``, ``gamma``,
+            ``outcome_turn_weight``, ``outcome_judge`` and ``shaping``, ``queue.max_staleness``,
+            ``session.idle_timeout_s`` and ``truncated``, ``records.max_mb`` and ``keep_files``.
+        teachers: TeacherWorker actor handles, for an algorithm that needs a teacher.
         records_dir: when set, served turns go to ``records_dir/turns.jsonl`` and judge results to
-            ``records_dir/judgments.jsonl`` (rotated at ``records_max_bytes``, ``records_keep`` kept).
-        algo: a registered algorithm (``trainer.algo``: ``"rl"``, ``"opd"``, ``"combine"``, ...);
-            ``teachers`` and ``opd`` (:class:`~clawray.algos.algorithm.OPDOptions`) serve those that
-            need a teacher.
-        idle_timeout_s: close sessions idle this long (seconds); 0 = never.
-        truncated: ``"keep"`` (truncated turns train like others) or ``"mask"`` (not trained, counted).
+            ``records_dir/judgments.jsonl`` (rotated at ``records.max_mb``, ``records.keep_files`` kept).
         journal: ``{"path", "fsync", "compact_bytes"}`` of the session journal, or None (not durable).
-        credit: ``{"mode", "gamma", "outcome_turn_weight", "max_staleness", "outcome_judge"}``
-            (``trainer.credit``, ``trainer.gamma``, ``trainer.outcome_turn_weight``,
-            ``queue.max_staleness``, ``trainer.outcome_judge``); None = ``turn``.
-        shaping: ``{term: weight}`` of the dense shaping terms (``trainer.shaping``; weight 0 = off).
+        at_least_one: apply the at-least-one rule.
 
     Raises:
         ValueError: an unknown credit mode or shaping term, or an algorithm without its teachers.
+        ConfigError: a key the config schema does not have, or a value of the wrong type.
     """
 
     def __init__(
         self,
         judges: list,
         queue: Any,
-        at_least_one: bool = True,
-        records_dir: str | None = None,
-        algo: str = "rl",
+        cfg: Any = None,
+        *,
         teachers: list | None = None,
-        opd: OPDOptions | None = None,
-        idle_timeout_s: float = 0.0,
-        truncated: str = "keep",
-        records_max_bytes: int = 64 << 20,
-        records_keep: int = 5,
+        records_dir: str | None = None,
         journal: dict | None = None,
-        credit: dict | None = None,
-        shaping: dict | None = None,
+        at_least_one: bool = True,
     ):
+        cfg = section(ClawrayConfig, cfg or {})
+        trainer = cfg.trainer
         self.queue = queue
         self.counts: Counter[str] = Counter()
-        self.ledger = CreditLedger(**(credit or {}), shaping=shaping, counts=self.counts, journal=self._journal)
-        self.algorithm, self.scoring = make_algorithm(algo, opd), ScorerPool(judges, teachers)
-        if self.algorithm.needs_teacher and not self.scoring.teachers:
-            raise ValueError(f"algo {algo!r} needs at least one TeacherWorker")
+        self.ledger = CreditLedger(
+            trainer.credit,
+            trainer.gamma,
+            trainer.outcome_turn_weight,
+            cfg.queue.max_staleness,
+            trainer.outcome_judge,
+            shaping=dataclasses.asdict(trainer.shaping),
+            counts=self.counts,
+            journal=self._journal,
+        )
+        self.algorithm, self.workers = make_algorithm(trainer.algo, cfg.opd), WorkerPool(judges, teachers)
+        if self.algorithm.needs_teacher and not self.workers.teachers:
+            raise ValueError(f"algo {trainer.algo!r} needs at least one TeacherWorker")
         self.at_least_one = at_least_one
         self.book = SessionBook(MAX_CLOSED_REMEMBERED)  # sessions, pairing, the pending-turn index
-        self.truncated = truncated
+        self.truncated = cfg.session.truncated
         self.tasks: set[asyncio.Task] = set()
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s = cfg.session.idle_timeout_s
         self._sweeper: asyncio.Task | None = None
-        self.records = TurnRecords(records_dir, records_max_bytes, records_keep)
+        self.records = TurnRecords(records_dir, int(cfg.records.max_mb * 2**20), cfg.records.keep_files)
         self.storage_error: str | None = None  # the journal write the disk refuses now, if any
         self.journal, self._replay = None, []  # [journal hook] clawray.journal.SessionJournal
         if journal:
@@ -184,7 +189,7 @@ class SessionTracker:
 
     def _relaunch(self, session: Session, turn: Turn, next_state: list) -> None:
         """[journal hook] Judge again a restored turn whose judgement had not ended."""
-        judge = self.scoring.next_judge()
+        judge = self.workers.next_judge()
         job = self._journaled_judge(session, turn, next_state, judge)
         session.tasks.append(self._track(asyncio.ensure_future(job)))
 
@@ -257,7 +262,7 @@ class SessionTracker:
         """Ask one judge worker for the whole session's score and make it the session's outcome; an
         answer without a valid vote or a failed call leaves the outcome unset (counted)."""
         try:
-            result = await self.scoring.next_judge().judge_session.remote(s.credit.transcript, s.sid)
+            result = await self.workers.next_judge().judge_session.remote(s.credit.transcript, s.sid)
         except Exception as e:  # a dead or failing judge worker: no outcome, never a dead tracker
             self.counts["credit/outcome_judge_errors"] += 1
             self.counts[f"credit/outcome_judge_errors/{type(e).__name__}"] += 1
@@ -349,7 +354,7 @@ class SessionTracker:
         self._launch_judge(s, pairing.chosen, pairing.next_state)
 
     def _launch_judge(self, s: Session, turn: Turn, next_state: list[dict]) -> None:
-        judge = self.scoring.next_judge()
+        judge = self.workers.next_judge()
         if self.journal is not None:  # [journal hook] the judgement is durable before it starts
             self._durably(self.journal.judge, turn, next_state, dict(self.counts))
         s.tasks.append(self._track(asyncio.ensure_future(self._journaled_judge(s, turn, next_state, judge))))
@@ -364,9 +369,9 @@ class SessionTracker:
         await self._maybe_flush(s)
 
     async def _judge_and_emit(self, s: Session, turn: Turn, next_state: list[dict], judge: Any) -> None:
-        """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.score`), then
+        """Have the algorithm judge ``turn`` (:meth:`clawray.algos.algorithm.Algorithm.verdict`), then
         count, record, shape its reward, and emit, hold or keep it waiting for its return."""
-        verdict = await self.algorithm.score(turn, next_state, self.scoring.scorers(judge), self.counts)
+        verdict = await self.algorithm.verdict(turn, next_state, self.workers.calls(judge), self.counts)
         if verdict.drop is not None:
             self.counts[f"dropped/{verdict.drop}"] += 1
         self.records.judgement(turn, next_state, verdict.result, verdict.record_note, **verdict.extra)

@@ -20,10 +20,11 @@ import ray
 
 from clawray.actors.call_health import CallHealth
 from clawray.chat import SpecialTokenStripper
+from clawray.config import OPDConfig, section
 from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
 
-DEFAULT_HINT_TEMPLATE = "\n\n[user's hint / instruction]\n{hint}"
+DEFAULT_HINT_TEMPLATE = OPDConfig.hint_template  # the schema's default (opd.hint_template)
 
 
 def hinted_messages(
@@ -90,35 +91,33 @@ class TeacherWorker:
 
     Args:
         engine: RolloutEngine actor handle of the teacher (frozen initial policy by default), or None
-            with ``endpoint``.
+            for an endpoint teacher.
         tokenizer_path: the teacher's tokenizer folder; its vocabulary must equal the policy's.
-        template: how the hint is appended (``{hint}`` is replaced).
-        placement: where the hint goes: ``"user"`` (the last user message) or ``"system"``.
-        endpoint: ``{"base_url", "model", "api_key"}`` of a vLLM OpenAI-compatible server that scores
-            instead of an engine (see :class:`clawray.engines.endpoint.EndpointScorer`; T = 1 only).
-        slow_after_s: seconds a score may wait before :meth:`health` says ``slow`` (the tracker's
-            ``opd.teacher_timeout_s``).
+        opd: the ``opd`` config section (:class:`~clawray.config.OPDConfig`, or a mapping of the keys
+            that differ from its defaults): ``hint_template`` (``{hint}`` is replaced),
+            ``hint_placement`` (``"user"``: the last user message; ``"system"``),
+            ``teacher_timeout_s`` (a score waiting longer makes :meth:`health` say ``slow``) and, with
+            no engine, the endpoint: ``teacher`` (an ``http(s)://`` base URL of a vLLM
+            OpenAI-compatible server, :class:`clawray.engines.endpoint.EndpointTeacher`; T = 1 only),
+            ``teacher_model`` and ``teacher_api_key``.
+
+    Raises:
+        ValueError: no engine and ``opd.teacher`` is not an http(s) URL.
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        tokenizer_path: str,
-        template: str = DEFAULT_HINT_TEMPLATE,
-        endpoint: dict | None = None,
-        placement: str = "user",
-        slow_after_s: float = 300.0,
-    ):
+    def __init__(self, engine: Any, tokenizer_path: str, opd: Any = None):
         from transformers import AutoConfig, AutoTokenizer
 
-        from clawray.engines.endpoint import EndpointScorer
+        from clawray.engines.endpoint import EndpointTeacher
 
-        if (engine is None) == (endpoint is None):
-            raise ValueError("a TeacherWorker needs exactly one of an engine and an endpoint")
-        self.engine = engine
-        self.scorer = EndpointScorer(**endpoint) if endpoint is not None else None
+        opd = section(OPDConfig, opd or {})
+        self.engine, self.endpoint = engine, None
+        if engine is None:
+            if not opd.teacher.startswith(("http://", "https://")):
+                raise ValueError("a TeacherWorker needs an engine, or opd.teacher as an http(s):// endpoint")
+            self.endpoint = EndpointTeacher(opd.teacher, opd.teacher_model, opd.teacher_api_key)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.template, self.placement = template, placement
+        self.template, self.placement = opd.hint_template, opd.hint_placement
         self.plain_hint = SpecialTokenStripper(self.tokenizer)  # a hint cannot forge turns in the prompt
         try:
             self.vocab_size = int(AutoConfig.from_pretrained(tokenizer_path).vocab_size)
@@ -127,7 +126,7 @@ class TeacherWorker:
         self.scored = 0
         self.seconds = 0.0
         self.rebuilt = 0  # teacher prompts re-rendered from messages (no insertion kept the sampled ids)
-        self.calls = CallHealth("teacher scores", slow_after_s)
+        self.calls = CallHealth("teacher scores", opd.teacher_timeout_s)
 
     def teacher_prompt_ids(self, turn: Turn, hint: str) -> list[int]:
         """Token ids of the hinted teacher prompt: the exact ids the policy sampled from
@@ -189,7 +188,9 @@ class TeacherWorker:
         """Teacher log-probs (length R) of ``turn.response_ids`` after the hinted prompt."""
         t0 = time.perf_counter()
         args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), turn.temperature)
-        logprobs = await self._call(self.scorer.score(*args) if self.scorer else self.engine.score.remote(*args))
+        logprobs = await self._call(
+            self.endpoint.logprobs(*args) if self.endpoint else self.engine.logprobs.remote(*args)
+        )
         self.seconds += time.perf_counter() - t0
         if len(logprobs) != len(turn.response_ids):
             raise RuntimeError(f"teacher returned {len(logprobs)} log-probs for {len(turn.response_ids)} tokens")
@@ -203,7 +204,7 @@ class TeacherWorker:
         t0 = time.perf_counter()
         args = (self.teacher_prompt_ids(turn, hint), list(turn.response_ids), k, turn.temperature)
         values, ids = await self._call(
-            self.scorer.score_topk(*args) if self.scorer else self.engine.score_topk.remote(*args)
+            self.endpoint.topk_logprobs(*args) if self.endpoint else self.engine.topk_logprobs.remote(*args)
         )
         self.seconds += time.perf_counter() - t0
         if len(ids) != len(turn.response_ids) or len(values) != len(ids):
@@ -244,8 +245,8 @@ class TeacherWorker:
         """
         from clawray.engines.endpoint import check_endpoint_tokenizer
 
-        if self.scorer is not None:
-            await check_endpoint_tokenizer(policy_path, self.scorer)
+        if self.endpoint is not None:
+            await check_endpoint_tokenizer(policy_path, self.endpoint)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def get_stats(self) -> dict:
@@ -256,7 +257,7 @@ class TeacherWorker:
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def health(self) -> dict:
         """Whether the teacher keeps up: :meth:`clawray.actors.call_health.CallHealth.report` (scores
-        waiting longer than ``slow_after_s`` are ``slow``); in the ``control`` group."""
+        waiting longer than ``opd.teacher_timeout_s`` are ``slow``); in the ``control`` group."""
         return self.calls.report()
 
 
@@ -298,12 +299,9 @@ def build_teachers(
     from clawray.recovery import RESTART_RETRY
 
     options = {"num_cpus": 0, **RESTART_RETRY}
-    args = (policy_path, opd.hint_template)
+    opd = section(OPDConfig, opd)  # the typed section the TeacherWorker receives
     if opd.teacher.startswith(("http://", "https://")):
-        endpoint = {"base_url": opd.teacher, "model": opd.teacher_model, "api_key": opd.teacher_api_key}
-        teacher = TeacherWorkerActor.options(**options).remote(
-            None, *args, endpoint, opd.hint_placement, opd.teacher_timeout_s
-        )
+        teacher = TeacherWorkerActor.options(**options).remote(None, policy_path, opd)
         ray.get(teacher.check_endpoint.remote(policy_path))  # the same tokenizer, or an error naming the difference
         return None, [teacher]
     if opd.teacher == "live":
@@ -314,7 +312,5 @@ def build_teachers(
         teacher_path = os.path.abspath(os.path.expanduser(opd.teacher))
         check_same_tokenizer(policy_path, teacher_path)
         engine = frozen_engine(opd.teacher_backend, teacher_path, "teacher-engine")
-    teacher = TeacherWorkerActor.options(**options).remote(
-        engine, *args, None, opd.hint_placement, opd.teacher_timeout_s
-    )
+    teacher = TeacherWorkerActor.options(**options).remote(engine, policy_path, opd)
     return engine, [teacher]

@@ -3,7 +3,7 @@
 An :class:`Algorithm` takes a main-line turn and its next state (the messages that followed it)
 and returns a :class:`Verdict`: a :class:`~clawray.types.Sample` to train on, a 0-score turn to hold
 for the at-least-one rule, or a drop reason. The judge and the teacher reach it as async callables
-(:class:`Scorers`), so this module imports no Ray and is tested with plain fakes; the
+(:class:`WorkerCalls`), so this module imports no Ray and is tested with plain fakes; the
 :class:`~clawray.actors.session.SessionTracker` keeps the sessions, the pairing with next states,
 the at-least-one rule, the records and the emission into the queue.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar, Protocol
 
 from clawray.types import Sample, Turn
 
@@ -39,35 +39,19 @@ TeacherTopkFn = Callable[[Turn, str, int], Awaitable[tuple]]
 """``teacher_topk(turn, hint, k) -> ([R, k] log-probs, [R, k] ids)``."""
 
 
-@dataclass(frozen=True)
-class OPDOptions:
-    """The distillation options of an algorithm with a teacher (the ``opd`` config section's part
-    that scores turns).
+class OPDSection(Protocol):
+    """What an algorithm with a teacher reads of the ``opd`` config section
+    (:class:`~clawray.config.OPDConfig`, whose fields hold the defaults; this module imports no config)."""
 
-    Attributes:
-        accept: ``"any"`` or ``"majority"`` of the hint votes (``opd.accept``).
-        min_hint_chars: shorter hints are not accepted (``opd.min_hint_chars``).
-        loss: ``opd.loss``: ``"advantage"`` (``A_t = teacher - rollout`` in the PPO loss) or ``"topk"``
-            (top-k reverse KL), for algorithms whose term depends on it (:meth:`Algorithm.term`).
-        topk: k of top-k distillation (``opd.topk``), asked of the teacher only when the term is
-            ``topk_kl``.
-        teacher_timeout_s: seconds to wait for the teacher (``opd.teacher_timeout_s``).
-    """
-
-    accept: str = "any"
-    min_hint_chars: int = 10
-    loss: str = "advantage"
-    topk: int = 50
-    teacher_timeout_s: float = 300.0
-
-    @classmethod
-    def from_config(cls, opd: Any) -> "OPDOptions":
-        """The options of an ``opd`` config section (:class:`~clawray.config.OPDConfig`)."""
-        return cls(opd.accept, opd.min_hint_chars, opd.loss, opd.topk, opd.teacher_timeout_s)
+    accept: str  # "any" or "majority" of the hint votes
+    min_hint_chars: int  # shorter hints are not accepted
+    loss: str  # "advantage" or "topk": the term of algorithms whose term depends on it (Algorithm.term)
+    topk: int  # k of top-k distillation, asked of the teacher only when the term is topk_kl
+    teacher_timeout_s: float  # seconds to wait for the teacher
 
 
 @dataclass
-class Scorers:
+class WorkerCalls:
     """The judge and teacher calls an algorithm may make for one turn (async callables; the tracker
     binds them to its JudgeWorker / TeacherWorker actors, tests to plain fakes)."""
 
@@ -128,7 +112,7 @@ class Algorithm:
         :attr:`loss_term` unless a subclass lets ``opd.loss`` choose."""
         return cls.loss_term
 
-    async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
+    async def verdict(self, turn: Turn, next_state: list[dict], calls: WorkerCalls, counts: Counter) -> Verdict:
         """The verdict for ``turn``; adds its counters (``judged``, ``score/*``, ...) to ``counts``.
 
         Never raises for a failing judge or teacher: that is a drop reason.
@@ -155,20 +139,24 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
-def make_algorithm(name: str, opd: OPDOptions | None = None) -> Algorithm:
+def make_algorithm(name: str, opd: OPDSection | None = None) -> Algorithm:
     """The algorithm registered as ``name`` (``trainer.algo``), built with its options.
 
     Args:
         name: ``"rl"``, ``"opd"``, ``"combine"`` or another registered name.
-        opd: the distillation options (defaults when None); ignored by algorithms without a teacher.
+        opd: the ``opd`` config section (:class:`OPDSection`); ignored by algorithms without a teacher.
 
     Raises:
-        ValueError: no algorithm has that name.
+        ValueError: no algorithm has that name, or one that needs a teacher got no ``opd`` section.
     """
     if name not in REGISTRY:
         raise ValueError(f"unknown algorithm {name!r}; expected one of {sorted(REGISTRY)}")
     cls = REGISTRY[name]
-    return cls(opd or OPDOptions()) if cls.needs_teacher else cls()
+    if not cls.needs_teacher:
+        return cls()
+    if opd is None:
+        raise ValueError(f"algorithm {name!r} needs a teacher: pass its opd config section")
+    return cls(opd)
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
@@ -192,9 +180,9 @@ class BinaryRL(Algorithm):
 
     name = "rl"
 
-    async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
+    async def verdict(self, turn: Turn, next_state: list[dict], calls: WorkerCalls, counts: Counter) -> Verdict:
         try:
-            result = await scorers.judge(turn, next_state)
+            result = await calls.judge(turn, next_state)
         except Exception as e:  # a dead judge loses the turn, not the tracker
             return Verdict(drop="judge_error", note=f"judge error: {e!r}")
         counts["judged"] += 1
@@ -240,8 +228,8 @@ class OPD(Algorithm):
     ``teacher_error``. The samples carry no reward.
 
     Args:
-        options: :class:`OPDOptions`; ``topk`` is asked of the teacher only when :meth:`term` is
-            ``topk_kl`` (else ``self.topk`` is 0: token log-probs).
+        opd: the ``opd`` config section (:class:`OPDSection`); ``topk`` is asked of the teacher only
+            when :meth:`term` is ``topk_kl`` (else ``self.topk`` is 0: token log-probs).
     """
 
     name = "opd"
@@ -254,12 +242,11 @@ class OPD(Algorithm):
         """``topk_kl`` under ``opd.loss: topk``, else :attr:`loss_term`."""
         return "topk_kl" if loss == "topk" else cls.loss_term
 
-    def __init__(self, options: OPDOptions | None = None):
-        o = options or OPDOptions()
-        self.accept, self.min_hint_chars, self.teacher_timeout_s = o.accept, o.min_hint_chars, o.teacher_timeout_s
-        self.topk = o.topk if self.term(o.loss) == "topk_kl" else 0
+    def __init__(self, opd: OPDSection):
+        self.accept, self.min_hint_chars, self.teacher_timeout_s = opd.accept, opd.min_hint_chars, opd.teacher_timeout_s
+        self.topk = opd.topk if self.term(opd.loss) == "topk_kl" else 0
 
-    async def score(self, turn: Turn, next_state: list[dict], scorers: Scorers, counts: Counter) -> Verdict:
+    async def verdict(self, turn: Turn, next_state: list[dict], calls: WorkerCalls, counts: Counter) -> Verdict:
         """Dispatch (OpenClaw-RL §4-5, with the hint and eval votes run concurrently):
 
         | hint accepted | score ±1 | sample                                     |
@@ -275,10 +262,10 @@ class OPD(Algorithm):
         """
         combine = self.with_reward
         try:
-            calls = [scorers.hint(turn, next_state, self.accept, self.min_hint_chars)]
+            asked = [calls.hint(turn, next_state, self.accept, self.min_hint_chars)]
             if combine:
-                calls.append(scorers.judge(turn, next_state))
-            results = await asyncio.gather(*calls)
+                asked.append(calls.judge(turn, next_state))
+            results = await asyncio.gather(*asked)
         except Exception as e:  # a dead judge loses the turn, not the tracker
             return Verdict(drop="judge_error", note=f"judge error: {e!r}")
         hint = results[0].hint
@@ -292,7 +279,7 @@ class OPD(Algorithm):
         teacher, topk, failure = None, None, {}
         if hint is not None:
             try:
-                answer = await self._ask_teacher(turn, hint, scorers)
+                answer = await self._ask_teacher(turn, hint, calls)
                 topk, teacher = (answer, None) if self.topk > 0 else (None, answer)
             except Exception as e:  # never zeros in place of teacher log-probs
                 counts["teacher_errors"] += 1
@@ -309,13 +296,13 @@ class OPD(Algorithm):
             sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
         return Verdict(sample=sample, result=results[-1], extra={"hint": hint, **failure})
 
-    async def _ask_teacher(self, turn: Turn, hint: str, scorers: Scorers) -> Any:
+    async def _ask_teacher(self, turn: Turn, hint: str, calls: WorkerCalls) -> Any:
         """The teacher's answer within ``teacher_timeout_s``.
 
         Raises:
             TimeoutError: no answer in time; whatever the teacher raised.
         """
-        call = scorers.teacher_topk(turn, hint, self.topk) if self.topk > 0 else scorers.teacher_logprobs(turn, hint)
+        call = calls.teacher_topk(turn, hint, self.topk) if self.topk > 0 else calls.teacher_logprobs(turn, hint)
         try:
             return await asyncio.wait_for(call, self.teacher_timeout_s)
         except asyncio.TimeoutError:

@@ -169,10 +169,10 @@ class Backend(Protocol):
     ) -> list[GenerateOutput]:
         """:func:`run_batch` on this backend."""
 
-    def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+    def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of the given response ids after the given prompt (teacher path)."""
 
-    def score_topk(
+    def topk_logprobs(
         self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
     ) -> tuple[list[list[float]], list[list[int]]]:
         """Top-k log-probs and ids (``[R][k]``, descending) at each response position (top-k teacher)."""

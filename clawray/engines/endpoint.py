@@ -24,7 +24,7 @@ class EndpointError(RuntimeError):
     """The endpoint refused a request or answered in an unexpected shape."""
 
 
-class EndpointScorer:
+class EndpointTeacher:
     """Teacher scoring through a vLLM OpenAI-compatible server.
 
     Args:
@@ -98,7 +98,7 @@ class EndpointScorer:
             raise EndpointError(f"expected {len(response_ids)} prompt_logprobs rows, got {len(rows)}")
         return rows
 
-    async def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+    async def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` after ``prompt_ids`` (natural log, T = 1).
 
         Raises:
@@ -108,13 +108,13 @@ class EndpointScorer:
         rows = await self._prompt_logprobs(prompt_ids, response_ids, 0, temperature)
         return [float(row[str(tok)]["logprob"]) for row, tok in zip(rows, response_ids)]
 
-    async def score_topk(
+    async def topk_logprobs(
         self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
     ) -> tuple[list[list[float]], list[list[int]]]:
         """Top-``k`` log-probs and ids (``[R][k]``, descending) at each response position (T = 1).
 
         Raises:
-            as :meth:`score`.
+            as :meth:`logprobs`.
         """
         rows = await self._prompt_logprobs(prompt_ids, response_ids, k, temperature)
         values, ids = [], []
@@ -125,7 +125,7 @@ class EndpointScorer:
         return values, ids
 
 
-async def check_endpoint_tokenizer(policy_path: str, scorer: EndpointScorer) -> None:
+async def check_endpoint_tokenizer(policy_path: str, endpoint: EndpointTeacher) -> None:
     """The endpoint's tokenizer must equal the policy's: teacher log-probs are read at policy token ids.
 
     Compares the server's tokenisation of probe texts (a rendered chat with a tool call, Unicode,
@@ -157,7 +157,7 @@ async def check_endpoint_tokenizer(policy_path: str, scorer: EndpointScorer) -> 
     )
     probes = [chat, "héllo wörld ✓ 漢字 🙂", "0123456789 3.14159 -42", " ".join(tok.all_special_tokens)]
     for text in probes:
-        ours, theirs = tok.encode(text, add_special_tokens=False), await scorer.tokenize(text)
+        ours, theirs = tok.encode(text, add_special_tokens=False), await endpoint.tokenize(text)
         if ours != theirs:
             first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             raise ValueError(
@@ -165,5 +165,5 @@ async def check_endpoint_tokenizer(policy_path: str, scorer: EndpointScorer) -> 
                 f"{first} is {theirs[first : first + 1]} there, {ours[first : first + 1]} here"
             )
     last = len(tok) - 1
-    if await scorer.detokenize([last]) != tok.decode([last]):
+    if await endpoint.detokenize([last]) != tok.decode([last]):
         raise ValueError(f"the teacher endpoint decodes token {last} differently from the policy's tokenizer")

@@ -122,7 +122,7 @@ class HFBackend(SteppedBackend):
         return out
 
     @torch.inference_mode()
-    def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+    def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` after ``prompt_ids`` from one forward pass."""
         if not prompt_ids or not response_ids:
             raise ValueError("score needs a non-empty prompt and response")
@@ -131,12 +131,12 @@ class HFBackend(SteppedBackend):
         return sequence_logprobs(logits, ids[0, len(prompt_ids) :], temperature).tolist()
 
     @torch.inference_mode()
-    def score_topk(
+    def topk_logprobs(
         self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
     ) -> tuple[list[list[float]], list[list[int]]]:
         """The top-``k`` log-probs and ids at each response position (``[R][k]`` each, descending)."""
         if not prompt_ids or not response_ids:
-            raise ValueError("score_topk needs a non-empty prompt and response")
+            raise ValueError("topk_logprobs needs a non-empty prompt and response")
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
         t = temperature if temperature > 0 else 1.0

@@ -5,7 +5,7 @@ How the log-prob convention of :mod:`clawray.engines.base` is met:
 * Sampled tokens: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax
   of the logits after temperature *and* top-p. For ``top_p == 1`` that is exactly
   ``log_softmax(logits / T)`` (greedy rows use T = 1). For ``top_p < 1`` vLLM renormalises over the
-  nucleus, so those requests are re-scored with :meth:`VLLMBackend.score` (one extra prefill each).
+  nucleus, so those requests are re-scored with :meth:`VLLMBackend.logprobs` (one extra prefill each).
   ``raw_logprobs`` would ignore T; no vLLM mode gives "T applied, top-p not applied".
 * Teacher scoring uses ``prompt_logprobs``, which vLLM always computes from the raw logits (no T,
   whatever ``logprobs_mode``). For ``T != 1`` the model's final logit scale
@@ -136,7 +136,7 @@ class VLLMBackend(SteppedBackend):
         engine_kwargs.setdefault("generation_config", "vllm")  # nothing from generation_config.json
         self.model_path = model_path
         self.max_model_len = max_model_len
-        self._score_len = max_model_len  # longest prompt + response that score() takes (see the module doc)
+        self._score_len = max_model_len  # longest prompt + response that logprobs() takes (see the module doc)
 
         def make_llm(engine_len: int):
             kwargs = dict(engine_kwargs)
@@ -271,7 +271,7 @@ class VLLMBackend(SteppedBackend):
             self._rescore.clear()
         return out
 
-    def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+    def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs ``log_softmax(logits / T)[y_t]`` of ``response_ids`` after ``prompt_ids`` (T = 1 if 0).
 
         Returns a list of length R = len(response_ids), natural log units.
@@ -281,7 +281,7 @@ class VLLMBackend(SteppedBackend):
         """
         return self._score_batch([(list(prompt_ids), list(response_ids))], temperature)[0]
 
-    def score_topk(
+    def topk_logprobs(
         self, prompt_ids: list[int], response_ids: list[int], k: int, temperature: float = 1.0
     ) -> tuple[list[list[float]], list[list[int]]]:
         """The top-``k`` log-probs and ids at each response position (``[R][k]`` each, descending),
@@ -291,7 +291,7 @@ class VLLMBackend(SteppedBackend):
 
         prompt, response = list(prompt_ids), list(response_ids)
         if not prompt:
-            raise ValueError("score_topk needs a non-empty prompt")
+            raise ValueError("topk_logprobs needs a non-empty prompt")
         self._check_score_len([(prompt, response)])
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
         with self._logit_temperature(temperature if temperature > 0 else 1.0):

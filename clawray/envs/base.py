@@ -6,7 +6,7 @@ An :class:`Environment` owns three things that must agree:
   question text (:func:`split_of`: SHA-256 of a fixed salt + the text), so the train and eval
   splits never overlap, whatever the seed, the process or the machine; the seed only orders (and,
   for generated task sets, selects) the tasks.
-- ``score(task, messages)``: the success measures of the conversation's FIRST assistant reply
+- ``check(task, messages)``: the success measures of the conversation's FIRST assistant reply
   (``{name: bool | float in [0, 1]}``), the simulated user's own check.
 - ``feedback(task, reply)``: the simulated user's next message and whether the task is solved;
   it is derived from the same check (``solved`` is ``score``'s ``"solved"``), so what the judge
@@ -146,7 +146,7 @@ class Environment:
                 seen[task.question] = task
         return list(seen.values())
 
-    def score(self, task: Problem, messages: list[dict[str, Any]]) -> dict[str, bool]:
+    def check(self, task: Problem, messages: list[dict[str, Any]]) -> dict[str, bool]:
         """The success measures of the first assistant reply in ``messages`` (the simulated user's
         check, :meth:`grade`); a conversation without one (or a pure tool call) scores the empty
         reply."""

@@ -138,16 +138,20 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     from clawray.actors.rollout import RolloutEngineActor
 
     vllm_engine = RolloutEngineActor.options(num_cpus=0.25).remote(
-        "vllm",
         os.path.join(ckpt, "model"),
-        "export-check",
-        1,
-        4,
-        {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.1},
+        {
+            "backend": "vllm",
+            "torch_threads": 1,
+            "max_batch_size": 4,
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_gib": 0.1,
+        },
+        name="export-check",
     )
     try:
         ray.get(vllm_engine.ready.remote())
-        assert ray.get(vllm_engine.score.remote(prompt, response)) == pytest.approx(expected, abs=1e-4)
+        assert ray.get(vllm_engine.logprobs.remote(prompt, response)) == pytest.approx(expected, abs=1e-4)
     finally:
         ray.kill(vllm_engine)
 
@@ -161,7 +165,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         stats = ray.get(d2.actors.queue.stats.remote())
         assert (stats["size"], stats["dropped"], stats["put"], stats["taken"]) == (2, {"too_long": 1}, 6, 4)
         # the engine serves exactly the checkpoint's weights
-        scored = ray.get(d2.actors.engines[0].score.remote(prompt, response))
+        scored = ray.get(d2.actors.engines[0].logprobs.remote(prompt, response))
         assert scored == pytest.approx(expected, abs=1e-5)
         summary = d2.run()
         assert summary["policy_version"] == 3 and summary["steps"] == 3

@@ -100,7 +100,7 @@ def test_top_p_samples_only_inside_the_nucleus(engine):
     out = engine.generate([GenerateRequest(PROMPT, max_tokens=8, temperature=1.0, top_p=0.05, seed=5)])[0]
     # recorded log-probs: the full softmax at T, not renormalised over the nucleus
     torch.testing.assert_close(
-        torch.tensor(out.logprobs), torch.tensor(engine.score(PROMPT, out.response_ids, 1.0)), atol=1e-5, rtol=0
+        torch.tensor(out.logprobs), torch.tensor(engine.logprobs(PROMPT, out.response_ids, 1.0)), atol=1e-5, rtol=0
     )
 
 
@@ -132,7 +132,10 @@ def test_a_hostile_generation_config_changes_nothing(hostile_engine):
     assert len({tuple(o.response_ids) for o in outs}) == 6
     for o in outs:
         torch.testing.assert_close(
-            torch.tensor(o.logprobs), torch.tensor(hostile_engine.score(PROMPT, o.response_ids, 1.0)), atol=1e-5, rtol=0
+            torch.tensor(o.logprobs),
+            torch.tensor(hostile_engine.logprobs(PROMPT, o.response_ids, 1.0)),
+            atol=1e-5,
+            rtol=0,
         )
     probs = _probs(hostile_engine, PROMPT)
     assert _chi2_equal_mass_bins(probs, _first_tokens(hostile_engine, N_SAMPLES, temperature=1.0)) < CHI2_9DOF_P001

@@ -123,7 +123,7 @@ def test_stop_token_is_kept(env):
 def test_score_matches_hf(env, temperature):
     backend, hf, _ = env
     prompt, response = [3, 4, 5, 6, 7], [100, 200, 300, 42, 7, 7]
-    got = torch.tensor(backend.score(prompt, response, temperature=temperature))
+    got = torch.tensor(backend.logprobs(prompt, response, temperature=temperature))
     torch.testing.assert_close(got, _hf_logprobs(hf, prompt, response, temperature), atol=ATOL, rtol=0)
 
 
@@ -160,7 +160,7 @@ def test_load_weights_changes_and_restores(env):
 def test_score_topk_matches_hf(env, temperature):
     backend, hf, _ = env
     prompt, response = [3, 4, 5, 6, 7], [100, 200, 300, 42]
-    values, ids = backend.score_topk(prompt, response, k=5, temperature=temperature)
+    values, ids = backend.topk_logprobs(prompt, response, k=5, temperature=temperature)
     ids_t = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = hf(input_ids=ids_t).logits[0, len(prompt) - 1 : -1].float()
@@ -344,12 +344,12 @@ def test_a_top_p_reply_that_fills_the_context_is_rescored_and_scoring_reaches_ma
         ref = _hf_logprobs(hf, prompt, out.response_ids, 1.5)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
     response = cut[0].response_ids
-    got = torch.tensor(backend.score(prompt, response, temperature=1.0))  # the teacher path: 512 tokens
+    got = torch.tensor(backend.logprobs(prompt, response, temperature=1.0))  # the teacher path: 512 tokens
     torch.testing.assert_close(got, _hf_logprobs(hf, prompt, response, 1.0), atol=ATOL, rtol=0)
     with pytest.raises(ValueError):
         backend.generate([GenerateRequest(prompt + response, max_tokens=1, temperature=0.0)])
     with pytest.raises(ValueError):
-        backend.score(prompt, response + [5])
+        backend.logprobs(prompt, response + [5])
 
 
 def test_at_the_models_own_maximum_a_top_p_reply_stops_one_token_early_and_is_rescored(env):
@@ -368,4 +368,4 @@ def test_at_the_models_own_maximum_a_top_p_reply_stops_one_token_early_and_is_re
         ref = _hf_logprobs(hf, prompt, out.response_ids, 1.5)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="scores at most 1023"):
-        backend.score(prompt, [5] * 6)
+        backend.logprobs(prompt, [5] * 6)

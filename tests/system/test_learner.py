@@ -317,7 +317,9 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
     )
     refs = [ray.put(s) for s in (rl, opd, combine, topk)]
     group = LearnerGroup(tiny_model, cfg, free_port())
-    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-lora", 1, 8, {})
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote(
+        tiny_model, {"backend": "hf", "torch_threads": 1, "max_batch_size": 8}, name="rollout-lora"
+    )
     resumed = None
     try:
         ray.get(engine.ready.remote())
@@ -343,7 +345,7 @@ def test_lora_rl_opd_topk_adapters_only_merged_sync_and_schedule(ray_cluster, ti
         merged = ray.get([w.state_dict.remote() for w in group.workers])[0]
         ray.get(group.sync_weights(2) + [engine.receive_weights.remote(2)])
         prompt, response = [5, 6, 7, 8], [21, 22, 23]
-        scored = ray.get(engine.score.remote(prompt, response))
+        scored = ray.get(engine.logprobs.remote(prompt, response))
 
         ckpt = tmp_path / "ckpt"
         ckpt.mkdir()

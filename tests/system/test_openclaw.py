@@ -79,7 +79,7 @@ def endpoint(ray_cluster, tiny_model, tmp_path_factory):
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
     tracker = SessionTrackerActor.options(num_cpus=0).remote(
-        [judge], queue, records_dir=str(tmp / "records"), idle_timeout_s=600.0
+        [judge], queue, {"session": {"idle_timeout_s": 600.0}}, records_dir=str(tmp / "records")
     )
     cfg = ServeConfig(
         model_name="tiny", generate_timeout_s=60, api_key="", sync_wait_timeout_s=1.0, untagged_tool_calls=True

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from clawray.ray_env import free_port
+from conftest import MASKED_SESSIONS
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
     for mode in ("echo", "strict"):
         queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
-            [judge], queue, records_dir=str(tmp / mode), idle_timeout_s=600.0, truncated="mask"
+            [judge], queue, MASKED_SESSIONS, records_dir=str(tmp / mode)
         )
         cfg = ServeConfig(
             model_name="tiny",
@@ -348,7 +349,9 @@ def test_every_listening_socket_is_on_loopback(ray_cluster, tiny_model):
     from clawray.actors.rollout import RolloutEngineActor
     from test_learner_sync import LEARNER, _sync_group
 
-    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1, 8, {})
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote(
+        tiny_model, {"backend": "hf", "torch_threads": 1, "max_batch_size": 8}
+    )
     learners = LearnerGroup(tiny_model, LEARNER, free_port())
     try:
         plan = ray.get(engine.weight_specs.remote())

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from clawray.ray_env import free_port
-from conftest import scripted_engine_class
+from conftest import MASKED_SESSIONS, scripted_engine_class
 
 pytestmark = pytest.mark.slow
 
@@ -73,14 +73,14 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
     with open(gen_path, "w") as f:
         json.dump(gen, f)
 
-    real_engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
+    real_engine = RolloutEngineActor.options(num_cpus=0.25).remote(tiny_model, {"backend": "hf", "torch_threads": 1})
     scripted = ray.remote(scripted_engine_class()).options(num_cpus=0).remote()
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     trackers = {}
     for name in ("real", "scripted"):
         queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
         trackers[name] = SessionTrackerActor.options(num_cpus=0).remote(
-            [judge], queue, records_dir=str(tmp / name / "records"), idle_timeout_s=600.0, truncated="mask"
+            [judge], queue, MASKED_SESSIONS, records_dir=str(tmp / name / "records")
         )
     ray.get(real_engine.ready.remote())
     cfg = ServeConfig(

@@ -13,6 +13,7 @@ import ray
 
 from clawray.engines.base import GenerateOutput, GenerateRequest, SteppedBackend, StepOutput
 from clawray.ray_env import free_port
+from conftest import MASKED_SESSIONS
 
 LONG = 1900  # tokens a hung-up client asked for
 
@@ -41,11 +42,11 @@ def server(serve_root, tiny_model, tmp_path_factory):
     from clawray.serve.app import PolicyServer
 
     tmp = tmp_path_factory.mktemp("serve_engine")
-    engine = RolloutEngineActor.options(num_cpus=0.25).remote("hf", tiny_model, "rollout-0", 1)
+    engine = RolloutEngineActor.options(num_cpus=0.25).remote(tiny_model, {"backend": "hf", "torch_threads": 1})
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
     queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
     tracker = SessionTrackerActor.options(num_cpus=0).remote(
-        [judge], queue, records_dir=str(tmp / "records"), idle_timeout_s=600.0, truncated="mask"
+        [judge], queue, MASKED_SESSIONS, records_dir=str(tmp / "records")
     )
     ray.get(engine.ready.remote())
     cfg = ServeConfig(
@@ -175,7 +176,7 @@ def test_a_failing_request_fails_alone_and_the_engine_goes_on(monkeypatch):
     monkeypatch.setattr(engines, "make_backend", lambda *a, **k: _FlakyBackend())
 
     async def scenario():
-        engine = RolloutEngine("fake", "nowhere", max_batch_size=8)
+        engine = RolloutEngine("nowhere", {"max_batch_size": 8}, backend="fake")
         await engine.ready()
         await engine.pause()  # queue all three so they share one batch
         calls = [
@@ -210,7 +211,7 @@ def test_queued_cancelled_requests_never_start(monkeypatch):
     monkeypatch.setattr(engines, "make_backend", lambda *a, **k: Recorder())
 
     async def scenario():
-        engine = RolloutEngine("fake", "nowhere")
+        engine = RolloutEngine("nowhere", backend="fake")
         await engine.ready()
         gate = threading.Event()
         blocker = asyncio.ensure_future(engine._call(gate.wait))  # holds the engine thread
@@ -244,7 +245,7 @@ def vllm_servers(serve_root, tmp_path_factory):
     from clawray.actors.queue import TrajectoryQueueActor
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
-    from clawray.models import CHAT_TEMPLATE
+    from clawray.model_folders import CHAT_TEMPLATE
     from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
 
@@ -253,16 +254,14 @@ def vllm_servers(serve_root, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
-    base_kwargs = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.25}
+    rollout = {"backend": "vllm", "torch_threads": 1, "dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.25}
     engines = {
-        "default": RolloutEngineActor.options(num_cpus=0.25).remote("vllm", path, "vllm-default", 1, 16, base_kwargs),
+        "default": RolloutEngineActor.options(num_cpus=0.25).remote(path, rollout, name="vllm-default"),
         "chunked": RolloutEngineActor.options(num_cpus=0.25).remote(
-            "vllm",
             path,
-            "vllm-chunked",
-            1,
-            16,
-            {**base_kwargs, "enable_chunked_prefill": True, "max_num_batched_tokens": 256, "max_num_seqs": 16},
+            rollout,
+            name="vllm-chunked",
+            engine_kwargs={"enable_chunked_prefill": True, "max_num_batched_tokens": 256, "max_num_seqs": 16},
         ),
     }
     ray.get([e.ready.remote() for e in engines.values()])
@@ -283,9 +282,8 @@ def vllm_servers(serve_root, tmp_path_factory):
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
             [judge],
             TrajectoryQueueActor.options(num_cpus=0).remote(2),
+            MASKED_SESSIONS,
             records_dir=str(tmp_path_factory.mktemp(name)),
-            idle_timeout_s=600.0,
-            truncated="mask",
         )
         serve.run(
             PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(path, [engine], tracker, cfg, max_model_len),

@@ -76,7 +76,7 @@ def test_endpoint_teacher_scores_the_exact_ids_like_the_local_engine(vllm_server
     from clawray.engines.hf import HFBackend
     from clawray.types import Turn
 
-    teacher = TeacherWorker(None, tiny_model, endpoint={"base_url": vllm_server, "model": "", "api_key": "x"})
+    teacher = TeacherWorker(None, tiny_model, {"teacher": vllm_server, "teacher_api_key": "x"})
     turn = Turn(
         session_id="s",
         turn_index=1,
@@ -93,20 +93,20 @@ def test_endpoint_teacher_scores_the_exact_ids_like_the_local_engine(vllm_server
 
     async def run():
         await teacher.check_endpoint(tiny_model)  # identical tokenizer: passes
-        await check_endpoint_tokenizer(tiny_model, teacher.scorer)
+        await check_endpoint_tokenizer(tiny_model, teacher.endpoint)
         return (
             await teacher.teacher_logprobs(turn, hint),
             await teacher.teacher_topk(turn, hint, 5),
-            teacher.scorer.model,
+            teacher.endpoint.model,
         )
 
     logprobs, (top_values, top_ids), model = asyncio.run(run())
     assert model == "tiny-teacher"
     local = HFBackend(tiny_model)
     prompt = teacher.teacher_prompt_ids(turn, hint)
-    expected = local.score(prompt, turn.response_ids)
+    expected = local.logprobs(prompt, turn.response_ids)
     assert len(logprobs) == 4 and max(abs(a - b) for a, b in zip(logprobs, expected)) < 1e-4
-    exp_values, exp_ids = local.score_topk(prompt, turn.response_ids, 5)
+    exp_values, exp_ids = local.topk_logprobs(prompt, turn.response_ids, 5)
     assert top_ids == exp_ids
     assert max(abs(a - b) for row, erow in zip(top_values, exp_values) for a, b in zip(row, erow)) < 1e-4
     # a turn sampled at T != 1 cannot be scored by an endpoint (raw-logit prompt_logprobs): an error, not a bias
@@ -125,6 +125,6 @@ def test_endpoint_with_another_tokenizer_is_refused_at_start(vllm_server, tiny_m
     tok = AutoTokenizer.from_pretrained(other)
     tok.add_tokens(["<extra_policy_token>"], special_tokens=True)
     tok.save_pretrained(other)
-    teacher = TeacherWorker(None, str(other), endpoint={"base_url": vllm_server, "model": "tiny-teacher"})
+    teacher = TeacherWorker(None, str(other), {"teacher": vllm_server, "teacher_model": "tiny-teacher"})
     with pytest.raises(ValueError, match="differs from the policy's|decodes token"):
         asyncio.run(teacher.check_endpoint(str(other)))

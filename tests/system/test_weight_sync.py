@@ -173,7 +173,7 @@ def test_engine_rejects_a_mismatched_sync_without_touching_its_weights(tiny_mode
 
     from clawray.actors.rollout import RolloutEngine
 
-    engine = RolloutEngine("hf", tiny_model, "rollout-7", 1)
+    engine = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 1}, name="rollout-7")
     try:
         loop = asyncio.new_event_loop()
         assert loop.run_until_complete(engine.ready()) == {"name": "rollout-7", "version": 0}

@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 
 from clawray.actors.judge import HintResult, JudgeResult
-from clawray.algos.algorithm import REGISTRY, Algorithm, OPDOptions, Scorers, algorithm_class, make_algorithm
+from clawray.algos.algorithm import REGISTRY, Algorithm, WorkerCalls, algorithm_class, make_algorithm
+from clawray.config import OPDConfig
 from clawray.types import Turn
 
 
@@ -24,7 +25,7 @@ def _turn():
     )
 
 
-def _scorers(score=1, votes=(1,), hint="Say just the number.", teacher=(-0.1, -0.2, -0.3), fail=None):
+def _calls(score=1, votes=(1,), hint="Say just the number.", teacher=(-0.1, -0.2, -0.3), fail=None):
     async def judge(turn, next_state):
         if fail == "judge":
             raise RuntimeError("judge died")
@@ -41,12 +42,12 @@ def _scorers(score=1, votes=(1,), hint="Say just the number.", teacher=(-0.1, -0
     async def teacher_topk(turn, h, k):
         return [[-0.1] * k] * 3, [[5] * k] * 3
 
-    return Scorers(judge=judge, hint=hint_fn, teacher_logprobs=teacher_logprobs, teacher_topk=teacher_topk)
+    return WorkerCalls(judge=judge, hint=hint_fn, teacher_logprobs=teacher_logprobs, teacher_topk=teacher_topk)
 
 
 def _score(algo, **kw):
     counts = Counter()
-    verdict = asyncio.run(algo.score(_turn(), [{"role": "user", "content": "ok"}], _scorers(**kw), counts))
+    verdict = asyncio.run(algo.verdict(_turn(), [{"role": "user", "content": "ok"}], _calls(**kw), counts))
     return verdict, counts
 
 
@@ -84,7 +85,10 @@ def test_unanimous_rl_trains_only_undisputed_scores():
 
 
 def test_opd_and_combine_verdicts():
-    opd, combine = make_algorithm("opd", OPDOptions(topk=2)), make_algorithm("combine")  # opd.loss advantage: no top-k
+    opd, combine = (
+        make_algorithm("opd", OPDConfig(topk=2)),
+        make_algorithm("combine", OPDConfig()),
+    )  # opd.loss advantage: no top-k
     v, counts = _score(opd)
     assert (v.sample.kind, v.sample.reward, v.sample.teacher_logprobs) == ("opd", None, [-0.1, -0.2, -0.3])
     assert counts == {"judged": 1, "hints_accepted": 1, "dispatch/hint": 1}
@@ -95,14 +99,14 @@ def test_opd_and_combine_verdicts():
     assert counts["teacher_errors"] == 1 and v.extra["teacher_error"] == "RuntimeError('teacher died')"
     v, _ = _score(combine, score=0, hint=None)
     assert v.drop == "no_signal"
-    v, _ = _score(make_algorithm("opd", OPDOptions(loss="topk", topk=2)))
+    v, _ = _score(make_algorithm("opd", OPDConfig(loss="topk", topk=2)))
     assert v.sample.teacher_topk_ids == [[5, 5]] * 3 and v.sample.teacher_logprobs is None
 
 
 def test_opd_topk_is_a_variant_that_only_touches_algos():
     """Issue #25: an OPD variant with another loss term is one registered subclass. ``opd_topk``
     asks the teacher for its top-k whatever ``opd.loss`` says, and the config check reads its term."""
-    algo = make_algorithm("opd_topk", OPDOptions(loss="advantage", topk=2))
+    algo = make_algorithm("opd_topk", OPDConfig(loss="advantage", topk=2))
     assert (algo.topk, algo.term(), algorithm_class("opd").term("topk"), algorithm_class("opd").term()) == (
         2,
         "topk_kl",
@@ -123,7 +127,9 @@ def test_registry_declares_what_a_run_needs():
     assert sorted(REGISTRY) == ["combine", "opd", "opd_topk", "rl", "rl_unanimous"]
     assert [algorithm_class(n).needs_teacher for n in ("rl", "opd", "combine")] == [False, True, True]
     assert make_algorithm("rl").loss_weights(0.3, 2.0) == (1.0, 2.0)
-    assert make_algorithm("combine").loss_weights(0.3, 2.0) == (0.3, 2.0)
+    assert make_algorithm("combine", OPDConfig()).loss_weights(0.3, 2.0) == (0.3, 2.0)
+    with pytest.raises(ValueError, match="'opd' needs a teacher: pass its opd config section"):
+        make_algorithm("opd")
     with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
         make_algorithm("ppo")
     assert issubclass(REGISTRY["combine"], Algorithm)

@@ -83,7 +83,7 @@ def engine(monkeypatch):
 
     backend = LockstepBackend()
     monkeypatch.setattr(clawray.engines, "make_backend", lambda *a, **k: backend)
-    eng = RolloutEngine("fake", "unused", "rollout-0", max_batch_size=4)
+    eng = RolloutEngine("unused", {"max_batch_size": 4}, backend="fake")
     yield eng, backend
     eng._jobs.put(None)
 
@@ -468,7 +468,7 @@ def test_an_interrupt_waits_for_a_pending_rescore_which_returns_its_reply_before
 
     backend = RescoreBackend()
     monkeypatch.setattr(clawray.engines, "make_backend", lambda *a, **k: backend)
-    eng = RolloutEngine("fake", "unused", "rollout-0", max_batch_size=4)
+    eng = RolloutEngine("unused", {"max_batch_size": 4}, backend="fake")
 
     async def scenario():
         await eng.ready()
@@ -493,7 +493,7 @@ def test_an_interrupt_waits_for_a_pending_rescore_which_returns_its_reply_before
 
 def test_max_batch_size_below_one_is_refused():
     with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
-        RolloutEngine("fake", "unused", max_batch_size=0)  # before: an engine thread spinning forever
+        RolloutEngine("unused", {"max_batch_size": 0}, backend="fake")  # before: an engine thread spinning forever
 
 
 def test_shutdown_while_paused_fails_the_calls_waiting_for_the_resume(engine):

@@ -191,13 +191,15 @@ def session(sid, feedbacks, version=0):
     return turns
 
 
-def credit(mode, gamma=0.9, max_staleness=4, w=0.0):
-    return {"mode": mode, "gamma": gamma, "outcome_turn_weight": w, "max_staleness": max_staleness}
+def credit(mode, gamma=0.9, max_staleness=4, w=0.0, outcome_judge=False, **session):
+    """The tracker's config: ``trainer.credit`` and its options, ``queue.max_staleness``, ``session.*``."""
+    trainer = {"credit": mode, "gamma": gamma, "outcome_turn_weight": w, "outcome_judge": outcome_judge}
+    return {"trainer": trainer, "queue": {"max_staleness": max_staleness}, "session": session}
 
 
 def test_discounted_turns_wait_for_the_close_then_train_on_their_returns():
     judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
-    tracker = SessionTracker([judge], queue, credit=credit("discounted"))
+    tracker = SessionTracker([judge], queue, credit("discounted"))
 
     async def scenario():
         *turns, last = session("s", ["meh", "meh", "good"])
@@ -224,7 +226,7 @@ def test_discounted_turns_wait_for_the_close_then_train_on_their_returns():
 
 def test_a_session_closed_by_the_idle_timeout_releases_its_returns():
     judge, queue = FakeJudge({"good": 1, "bad": -1}), FakeQueue()
-    tracker = SessionTracker([judge], queue, idle_timeout_s=10.0, credit=credit("discounted", gamma=0.5))
+    tracker = SessionTracker([judge], queue, credit("discounted", gamma=0.5, idle_timeout_s=10.0))
 
     async def scenario():
         for t in session("idle", ["bad", "good"]):  # 3 turns; the third has no next state
@@ -244,7 +246,7 @@ def test_a_session_closed_by_the_idle_timeout_releases_its_returns():
 
 def test_the_staleness_budget_flushes_waiting_turns_before_the_session_ends():
     judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
-    tracker = SessionTracker([judge], queue, credit=credit("discounted", max_staleness=2))
+    tracker = SessionTracker([judge], queue, credit("discounted", max_staleness=2))
 
     async def scenario():
         t1, t2, t3 = session("long", ["meh", "good"], version=0)
@@ -272,7 +274,7 @@ def test_the_staleness_budget_flushes_waiting_turns_before_the_session_ends():
 
 def test_outcome_header_spreads_over_the_session():
     judge, queue = FakeJudge({"meh": 0, "good": 1, "bad": -1}), FakeQueue()
-    tracker = SessionTracker([judge], queue, credit=credit("outcome", gamma=0.9, w=1.0))
+    tracker = SessionTracker([judge], queue, credit("outcome", gamma=0.9, w=1.0))
 
     async def scenario():
         *turns, last = session("o", ["good", "meh", "bad"])
@@ -293,7 +295,7 @@ def test_outcome_header_spreads_over_the_session():
 
 def test_shaping_penalises_a_truncated_reply_in_turn_mode():
     judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
-    tracker = SessionTracker([judge], queue, shaping={"truncated": 0.5, "tool_parse_error": 0.0})
+    tracker = SessionTracker([judge], queue, {"trainer": {"shaping": {"truncated": 0.5, "tool_parse_error": 0.0}}})
 
     async def scenario():
         t1, t2, t3 = session("sh", ["good", "meh"])
@@ -319,14 +321,14 @@ def test_waiting_turns_survive_a_tracker_restart(tmp_path):
     t1, t2, t3, t4 = session("j", ["meh", "good", "good"])
 
     async def first():
-        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path}, credit=credit("discounted"))
+        tracker = SessionTracker([judge], FakeQueue(), credit("discounted"), journal={"path": path})
         for t in (t1, t2, t3):
             await tracker.record_turn(t)
         await tracker.drain()
         return (await tracker.stats())["credit/turns_waiting"]
 
     async def second(queue):
-        tracker = SessionTracker([judge], queue, journal={"path": path}, credit=credit("discounted"))
+        tracker = SessionTracker([judge], queue, credit("discounted"), journal={"path": path})
         restored = (await tracker.stats())["credit/turns_waiting"]
         await tracker.record_turn(t4, done=True)
         await tracker.drain()
@@ -397,7 +399,7 @@ def run_session(tracker, sid, feedbacks, close="done", outcome=None, version=0):
 
 def test_the_outcome_judge_scores_the_whole_session_once_and_spreads_it():
     judge, queue = session_judge(["So it worked. \\boxed{1}", "no verdict here", "\\boxed{1}"]), FakeQueue()
-    tracker = SessionTracker([judge], queue, credit={**credit("outcome", gamma=0.9), "outcome_judge": True})
+    tracker = SessionTracker([judge], queue, credit("outcome", gamma=0.9, outcome_judge=True))
     stats = run_session(tracker, "oj", [RIGHT, "meh", WRONG])
     # turn scores r = [1, 0, -1] (the fallback O would be -1); the judge's votes [1, invalid, 1] -> O = 1,
     # spread gamma^(3-t): [0.81, 0.9, 1.0] (outcome_turn_weight 0)
@@ -419,7 +421,7 @@ def test_the_outcome_judge_scores_the_whole_session_once_and_spreads_it():
 def test_malformed_or_failed_outcome_judge_falls_back_to_the_last_turn_score():
     bad = session_judge(["\\boxed{2}", "\\boxed{1} and then \\boxed{yes}"])  # both invalid votes
     q1 = FakeQueue()
-    t1 = SessionTracker([bad], q1, credit={**credit("outcome", gamma=0.5), "outcome_judge": True})
+    t1 = SessionTracker([bad], q1, credit("outcome", gamma=0.5, outcome_judge=True))
     stats = run_session(t1, "bad", [WRONG, RIGHT])
     # no valid vote: no outcome; O = the last judged turn's score r_2 = 1, spread [0.5, 1]
     assert [(s.turn_index, s.reward) for s, _ in q1.items] == [(1, 0.5), (2, 1.0)]
@@ -428,7 +430,7 @@ def test_malformed_or_failed_outcome_judge_falls_back_to_the_last_turn_score():
     dead = session_judge([RuntimeError("judge down")])
     dead.worker.cfg.retries = 0
     q2 = FakeQueue()
-    t2 = SessionTracker([dead], q2, credit={**credit("outcome", gamma=0.5), "outcome_judge": True})
+    t2 = SessionTracker([dead], q2, credit("outcome", gamma=0.5, outcome_judge=True))
     run_session(t2, "dead", [WRONG, RIGHT])
     assert [(s.turn_index, s.reward) for s, _ in q2.items] == [(1, 0.5), (2, 1.0)]
     assert dead.worker.stats["failed_calls"] == 1 and dead.worker.stats["session_invalid_votes"] == 1
@@ -442,7 +444,7 @@ def test_malformed_or_failed_outcome_judge_falls_back_to_the_last_turn_score():
                 raise RuntimeError("actor died")
 
     q3 = FakeQueue()
-    t3 = SessionTracker([Broken()], q3, credit={**credit("outcome", gamma=0.5), "outcome_judge": True})
+    t3 = SessionTracker([Broken()], q3, credit("outcome", gamma=0.5, outcome_judge=True))
     stats = run_session(t3, "broken", [WRONG, RIGHT])
     assert [(s.turn_index, s.reward) for s, _ in q3.items] == [(1, 0.5), (2, 1.0)]
     assert stats["credit/outcome_judge_errors"] == 1
@@ -450,7 +452,7 @@ def test_malformed_or_failed_outcome_judge_falls_back_to_the_last_turn_score():
 
 def test_an_explicit_outcome_wins_and_an_idle_close_is_judged():
     judge, queue = session_judge(["\\boxed{-1}"]), FakeQueue()
-    tracker = SessionTracker([judge], queue, credit={**credit("outcome", gamma=0.9), "outcome_judge": True})
+    tracker = SessionTracker([judge], queue, credit("outcome", gamma=0.9, outcome_judge=True))
     run_session(tracker, "explicit", [RIGHT, RIGHT], outcome=1.0)
     assert judge.worker.prompts == []  # X-Session-Outcome given: the judge is not asked
     assert [s.reward for s, _ in queue.items] == [pytest.approx(0.9), 1.0]
@@ -458,9 +460,7 @@ def test_an_explicit_outcome_wins_and_an_idle_close_is_judged():
     fb = FakeJudge({RIGHT: 1, WRONG: -1})
     fb.judge_session = _Remote(JudgeWorker({"backend": "feedback"}).judge_session)
     q2 = FakeQueue()
-    t2 = SessionTracker(
-        [fb], q2, idle_timeout_s=10.0, credit={**credit("discounted", gamma=0.5), "outcome_judge": True}
-    )
+    t2 = SessionTracker([fb], q2, credit("discounted", gamma=0.5, outcome_judge=True, idle_timeout_s=10.0))
     stats = run_session(t2, "idle", [RIGHT, WRONG], close="idle")
     # r = [1, -1]; the judged outcome -1 (the last user message: WRONG) is a terminal reward on turn 2:
     # G_2 = -1 - 1 = -2, G_1 = 1 + 0.5 * -2 = 0 (a zero return of a scored turn: dropped)
@@ -471,9 +471,7 @@ def test_an_explicit_outcome_wins_and_an_idle_close_is_judged():
 
 def test_the_outcome_judge_only_credits_the_segment_still_waiting_at_the_close():
     judge, queue = session_judge(["\\boxed{-1}"]), FakeQueue()
-    tracker = SessionTracker(
-        [judge], queue, credit={**credit("outcome", gamma=0.9, max_staleness=2, w=1.0), "outcome_judge": True}
-    )
+    tracker = SessionTracker([judge], queue, credit("outcome", gamma=0.9, max_staleness=2, w=1.0, outcome_judge=True))
 
     async def scenario():
         t1, t2, t3 = session("st", [RIGHT, RIGHT], version=0)
@@ -500,12 +498,12 @@ def test_the_judged_outcome_survives_a_tracker_restart_between_close_and_release
     from clawray.journal import prepare_journals
 
     path = prepare_journals(str(tmp_path), None)["sessions"]
-    cfg = {**credit("outcome", gamma=0.9), "outcome_judge": True}
+    cfg = credit("outcome", gamma=0.9, outcome_judge=True)
 
     async def first():
         hang = FakeJudge({RIGHT: 1, WRONG: -1})
         hang.judge_session = _Remote(lambda *a: asyncio.sleep(3600))  # dies before the judge answers
-        tracker = SessionTracker([hang], FakeQueue(), journal={"path": path}, credit=cfg)
+        tracker = SessionTracker([hang], FakeQueue(), cfg, journal={"path": path})
         turns = session("r", [WRONG, WRONG])
         for t in turns[:-1]:
             await tracker.record_turn(t)
@@ -517,7 +515,7 @@ def test_the_judged_outcome_survives_a_tracker_restart_between_close_and_release
     judge, queue = session_judge(["\\boxed{1}"]), FakeQueue()
 
     async def second():
-        tracker = SessionTracker([judge], queue, journal={"path": path}, credit=cfg)
+        tracker = SessionTracker([judge], queue, cfg, journal={"path": path})
         for _ in range(3):
             await tracker.drain()
 

@@ -89,9 +89,9 @@ def test_a_sample_the_journal_cannot_write_is_not_acknowledged_and_the_next_one_
 
 
 def test_metrics_rows_the_disk_refuses_do_not_end_the_run(tmp_path, monkeypatch, capsys):
-    from clawray.tracking import Tracker
+    from clawray.metrics_log import MetricsLog
 
-    t = Tracker(str(tmp_path), "disabled", "p", "", {})
+    t = MetricsLog(str(tmp_path), "disabled", "p", "", {})
     t.log({"loss": 1.0}, step=1)
     monkeypatch.setattr(records_mod.os, "write", FullDisk(10))
     t.log({"loss": 2.0}, step=2)  # used to raise out of Driver.step and end the run

@@ -120,7 +120,7 @@ def test_sums_check_feedback_and_score_agree():
             {"role": "user", "content": text},
             {"role": "assistant", "content": "44"},
         ]
-        assert env.score(task, msgs) == env.grade(task, reply)  # only the FIRST reply counts
+        assert env.check(task, msgs) == env.grade(task, reply)  # only the FIRST reply counts
     assert env.opening(task) == [{"role": "user", "content": "What is 21 + 23? Reply with the number only."}]
     assert env.tools is None
 
@@ -141,7 +141,7 @@ def test_arith_env_wraps_the_old_check():
         assert env.feedback(task, reply) == feedback(reply, task)
     # a pure tool call as the first reply has no text: unsolved
     assert (
-        env.score(task, env.opening(task) + [{"role": "assistant", "content": None, "tool_calls": []}])["solved"]
+        env.check(task, env.opening(task) + [{"role": "assistant", "content": None, "tool_calls": []}])["solved"]
         is False
     )
 

@@ -41,9 +41,9 @@ LAYERS = {
     "clawray.checkpoint": 2,
     "clawray.run_lock": 2,
     "clawray.placement": 2,
-    "clawray.tracking": 2,
+    "clawray.metrics_log": 2,
     "clawray.session_book": 2,
-    "clawray.models": 2,
+    "clawray.model_folders": 2,
     "clawray.report": 2,
     "clawray.openclaw": 2,
     # 3: what the actors are made of

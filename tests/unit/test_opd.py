@@ -8,7 +8,6 @@ from clawray.actors import session as session_mod
 from clawray.actors.judge import HintResult, JudgeResult, JudgeWorker, accept_hint, feedback_hint, parse_hint
 from clawray.actors.session import SessionTracker
 from clawray.actors.teacher import TeacherWorker, hinted_messages
-from clawray.algos.algorithm import OPDOptions
 from clawray.types import SampleMeta, Turn
 
 
@@ -117,8 +116,8 @@ def test_teacher_worker_scores_the_exact_response_ids(tiny_model):
         pass
 
     engine = Engine()
-    engine.score = _Remote(score)
-    worker = TeacherWorker(engine, tiny_model, "\n\n[hint] {hint}")
+    engine.logprobs = _Remote(score)
+    worker = TeacherWorker(engine, tiny_model, {"hint_template": "\n\n[hint] {hint}"})
     turn = _turn()
     turn.temperature = 0.7
     lp = asyncio.run(worker.teacher_logprobs(turn, "answer in one sentence"))
@@ -141,15 +140,15 @@ def test_teacher_worker_refuses_bad_logprobs_and_strips_special_tokens_from_hint
     async def score(prompt_ids, response_ids, temperature):
         return answers.pop(0)
 
-    async def score_topk(prompt_ids, response_ids, k, temperature):
+    async def topk_logprobs(prompt_ids, response_ids, k, temperature):
         return answers.pop(0)
 
     class Engine:
         pass
 
     engine = Engine()
-    engine.score, engine.score_topk = _Remote(score), _Remote(score_topk)
-    worker = TeacherWorker(engine, tiny_model, "\n\n[hint] {hint}")
+    engine.logprobs, engine.topk_logprobs = _Remote(score), _Remote(topk_logprobs)
+    worker = TeacherWorker(engine, tiny_model, {"hint_template": "\n\n[hint] {hint}"})
     turn = _turn()
     for bad, message in [
         ([-0.5, float("nan"), -1.0], "nan at position 1"),
@@ -239,7 +238,7 @@ def test_combine_dispatch_all_four_cases():
         scores={"hint+score": -1, "score only": 1},
     )
     queue = FakeQueue()
-    tracker = SessionTracker([judge], queue, algo="combine", teachers=[FakeTeacher()])
+    tracker = SessionTracker([judge], queue, {"trainer": {"algo": "combine"}}, teachers=[FakeTeacher()])
     stats = _run(tracker, ["hint+score", "hint only", "score only", "nothing"])
     got = sorted((s.turn_index, s.kind, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items)
     assert got == [
@@ -290,7 +289,9 @@ def test_combine_runs_hint_and_eval_votes_concurrently_within_the_worker_limit(t
     judge = Engine()
     judge.hint, judge.judge = _Remote(worker.hint), _Remote(worker.judge)
     queue = FakeQueue()
-    stats = _run(SessionTracker([judge], queue, algo="combine", teachers=[FakeTeacher()]), ["wrong, just 5"])
+    stats = _run(
+        SessionTracker([judge], queue, {"trainer": {"algo": "combine"}}, teachers=[FakeTeacher()]), ["wrong, just 5"]
+    )
     assert len(seen) == 4 and max(seen) == peak
     (sample,) = queue.items
     assert (sample.kind, sample.reward, sample.teacher_logprobs) == ("combine", 1.0, [-0.5] * 3)
@@ -320,10 +321,9 @@ def test_a_failing_teacher_never_gives_zero_teacher_logprobs(algo, failure, tmp_
     tracker = SessionTracker(
         [judge],
         queue,
-        algo=algo,
+        {"trainer": {"algo": algo}, "opd": {"teacher_timeout_s": 0.2}},
         teachers=[BrokenTeacher()],
         records_dir=str(tmp_path),
-        opd=OPDOptions(teacher_timeout_s=0.2),
     )
     stats = _run(tracker, ["hint+score", "hint only"])
     got = [(s.turn_index, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items]
@@ -346,7 +346,7 @@ def test_a_failing_teacher_never_gives_zero_teacher_logprobs(algo, failure, tmp_
 def test_opd_keeps_only_hinted_turns():
     judge = FakeJudge(hints={"fix": "Answer with just the number."}, scores={})
     queue = FakeQueue()
-    tracker = SessionTracker([judge], queue, algo="opd", teachers=[FakeTeacher()])
+    tracker = SessionTracker([judge], queue, {"trainer": {"algo": "opd"}}, teachers=[FakeTeacher()])
     stats = _run(tracker, ["fix", "thanks"])
     assert [(s.turn_index, s.kind, s.reward, s.teacher_logprobs) for s in queue.items] == [(1, "opd", None, [-0.5] * 3)]
     assert stats["dropped/no_hint"] == 1 and stats["hints_accepted"] == 1
@@ -354,7 +354,7 @@ def test_opd_keeps_only_hinted_turns():
 
 def test_opd_needs_a_teacher():
     with pytest.raises(ValueError, match="TeacherWorker"):
-        SessionTracker([], None, algo="opd")
+        SessionTracker([], None, {"trainer": {"algo": "opd"}})
 
 
 def test_teacher_tokenizer_must_match(tiny_model, tmp_path):
@@ -381,7 +381,7 @@ def test_hf_score_topk_matches_a_forward_pass(tiny_model):
 
     engine = HFBackend(tiny_model)
     prompt, response = [5, 6, 7, 8], [9, 10, 11]
-    values, ids = engine.score_topk(prompt, response, k=4, temperature=0.7)
+    values, ids = engine.topk_logprobs(prompt, response, k=4, temperature=0.7)
     assert len(values) == len(ids) == 3 and all(len(v) == 4 for v in values)
     with torch.no_grad():
         logits = engine.model(input_ids=torch.tensor([prompt + response])).logits[0, 3:-1]
@@ -445,8 +445,8 @@ def test_the_teacher_scores_the_exact_sampled_prompt_plus_the_hint(tiny_model):
     assert worker.rebuilt == 0
     # with an empty hint and the teacher = the current weights, teacher - rollout is 0 on every token
     backend = HFBackend(tiny_model)
-    rollout = backend.score(p3, turn.response_ids)
-    teacher = backend.score(worker.teacher_prompt_ids(turn, ""), turn.response_ids)
+    rollout = backend.logprobs(p3, turn.response_ids)
+    teacher = backend.logprobs(worker.teacher_prompt_ids(turn, ""), turn.response_ids)
     assert max(abs(a - b) for a, b in zip(teacher, rollout)) < 1e-4
     # a turn recorded without usable ids is still scored (re-rendered), and counted
     bare = Turn(**{**turn.__dict__, "prompt_ids": [5, 6, 7]})

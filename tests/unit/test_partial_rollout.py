@@ -36,7 +36,7 @@ class _LocalTransport:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = RolloutEngine("hf", tiny_model, "rollout-0", torch_threads=1)
+    eng = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 1})
     loop = asyncio.new_event_loop()
     loop.run_until_complete(eng.ready())
     yield eng, loop
@@ -48,7 +48,7 @@ def _score(engine: RolloutEngine, state: dict, prompt: list[int], response: list
     """Log-probs of ``response`` after ``prompt`` under ``state`` (one forward pass, T = 1)."""
     backend = engine._backend
     backend.model.load_state_dict(state)
-    return torch.tensor(backend.score(prompt, response, 1.0))
+    return torch.tensor(backend.logprobs(prompt, response, 1.0))
 
 
 def test_a_sync_interrupts_a_long_generation_which_continues_on_the_new_weights(engine):
@@ -220,6 +220,6 @@ def test_weight_specs_asked_before_the_backend_loaded_waits_for_it(monkeypatch):
             return ["w0", "w1"]
 
     monkeypatch.setattr(clawray.engines, "make_backend", lambda *a, **k: SlowBackend())
-    eng = RolloutEngine("hf", "unused", "rollout-x", torch_threads=1)
+    eng = RolloutEngine("unused", {"backend": "hf", "torch_threads": 1}, name="rollout-x")
     assert not loaded.is_set()
     assert asyncio.run(eng.weight_specs()) == ["w0", "w1"] and loaded.is_set()

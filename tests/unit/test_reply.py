@@ -297,7 +297,7 @@ def test_tool_call_format_of_chat_templates(tiny_model):
     unknown is refused at start-up instead of returning the model's calls as text."""
     from transformers import AutoTokenizer
 
-    from clawray.models import CHAT_TEMPLATE
+    from clawray.model_folders import CHAT_TEMPLATE
     from clawray.serve.reply import tool_call_format
 
     assert tool_call_format(AutoTokenizer.from_pretrained(tiny_model).chat_template) == "hermes"

@@ -233,17 +233,17 @@ def test_eval_plot_against_steps_and_wall_minutes(tmp_path, monkeypatch):
 def test_tracker_rows_carry_elapsed_seconds_continued_on_resume(tmp_path, monkeypatch):
     import time as _time
 
-    from clawray.tracking import Tracker
+    from clawray.metrics_log import MetricsLog
 
     now = [1000.0]
     monkeypatch.setattr(_time, "monotonic", lambda: now[0])
-    t = Tracker(str(tmp_path), "disabled")
+    t = MetricsLog(str(tmp_path), "disabled")
     now[0] = 1012.5
     t.log({"loss": 1.0}, step=1)
     now[0] = 1020.0
     t.log({"loss": 2.0}, step=2)
     now[0] = 5000.0  # a resume from step 1 continues from that row's 12.5 s
-    r = Tracker(str(tmp_path), "disabled", resume_step=1)
+    r = MetricsLog(str(tmp_path), "disabled", resume_step=1)
     now[0] = 5003.0
     r.log({"loss": 3.0}, step=2)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -143,7 +143,7 @@ def test_idle_sessions_close_and_free_memory():
     import time
 
     judge, queue = FakeJudge({"good": 1}), FakeQueue()
-    tracker = SessionTracker([judge], queue, idle_timeout_s=10.0)
+    tracker = SessionTracker([judge], queue, {"session": {"idle_timeout_s": 10.0}})
 
     async def scenario():
         h = [{"role": "user", "content": "q"}]

@@ -1,6 +1,6 @@
 """Metrics: wandb (offline by default) plus a ``metrics.jsonl`` in the run folder.
 
-A resumed run continues the same wandb run: the driver stores :attr:`Tracker.run_id` in each
+A resumed run continues the same wandb run: the driver stores :attr:`MetricsLog.run_id` in each
 checkpoint's ``driver.json`` and passes it back (``run_id``), and wandb reopens that id with
 ``resume="allow"``. Online this appends to the one history. Offline, wandb writes a second
 ``offline-run-*-<id>`` folder with the same id; ``wandb sync`` uploads the folders of one id in order
@@ -21,7 +21,7 @@ from clawray.file_modes import open_private, private_dir, private_tree, private_
 from clawray.records import append_whole
 
 
-class Tracker:
+class MetricsLog:
     """Logs one dict of scalars per policy update.
 
     Args:

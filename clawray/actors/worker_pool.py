@@ -1,7 +1,7 @@
 """Round-robin dispatch of the SessionTracker's judgements to its judge and teacher actors.
 
 The algorithm (:mod:`clawray.algos.algorithm`) sees the judge and the teacher as async callables
-(:class:`~clawray.algos.algorithm.Scorers`); this module binds them to JudgeWorker and TeacherWorker
+(:class:`~clawray.algos.algorithm.WorkerCalls`); this module binds them to JudgeWorker and TeacherWorker
 actor handles (``judge.judge.remote``, ``teacher.teacher_logprobs.remote``, ...), so the tracker never
 names an actor method. Invariant: judges are taken in turn, one per judgement, in the order the
 judgements are launched; the teacher is picked when it is asked, by the same counter.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from clawray.algos.algorithm import Scorers
+from clawray.algos.algorithm import WorkerCalls
 
 
-class ScorerPool:
+class WorkerPool:
     """The tracker's judges and teachers.
 
     Args:
@@ -32,9 +32,9 @@ class ScorerPool:
         self._rr += 1
         return judge
 
-    def scorers(self, judge: Any) -> Scorers:
+    def calls(self, judge: Any) -> WorkerCalls:
         """``judge``'s calls and the teachers' (round-robin, picked when the teacher is asked)."""
-        return Scorers(
+        return WorkerCalls(
             judge=getattr(getattr(judge, "judge", None), "remote", None),
             hint=getattr(getattr(judge, "hint", None), "remote", None),
             teacher_logprobs=lambda turn, hint: self._teacher().teacher_logprobs.remote(turn, hint),

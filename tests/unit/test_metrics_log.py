@@ -1,4 +1,4 @@
-"""The Tracker: a resumed run continues its wandb run (offline here), metrics.jsonl keeps the rows up
+"""The MetricsLog: a resumed run continues its wandb run (offline here), metrics.jsonl keeps the rows up
 to the checkpoint, and secrets never reach the wandb files."""
 
 import glob
@@ -6,7 +6,7 @@ import json
 import os
 
 from clawray.config import load_config
-from clawray.tracking import Tracker
+from clawray.metrics_log import MetricsLog
 
 
 def _offline_folders(run_dir) -> list[str]:
@@ -29,7 +29,7 @@ def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypa
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(cfg, resolve=True)
-    first = Tracker(run_dir, "offline", "clawray-test", config=config)
+    first = MetricsLog(run_dir, "offline", "clawray-test", config=config)
     run_id = first.run_id
     assert isinstance(run_id, str) and len(run_id) >= 8
     for step in (1, 2, 3):
@@ -38,7 +38,7 @@ def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypa
     assert first.run_id == run_id  # still known after finish: an exit checkpoint stores it
 
     # resume from a checkpoint taken at step 2, with the id it stored
-    second = Tracker(run_dir, "offline", "clawray-test", config=config, resume_step=2, run_id=run_id)
+    second = MetricsLog(run_dir, "offline", "clawray-test", config=config, resume_step=2, run_id=run_id)
     assert second.run_id == run_id
     second.log({"loss": 3.5}, step=3)
     second.finish()
@@ -49,7 +49,7 @@ def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypa
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.5)]
 
     # a fresh run (no id) is a new wandb run
-    third = Tracker(run_dir, "offline", "clawray-test", config=config)
+    third = MetricsLog(run_dir, "offline", "clawray-test", config=config)
     assert third.run_id != run_id
     third.finish()
 
@@ -65,7 +65,7 @@ def test_resume_continues_the_wandb_run_and_keeps_secrets_out(tmp_path, monkeypa
 
 
 def test_disabled_tracker_has_no_run_id(tmp_path):
-    t = Tracker(str(tmp_path), "disabled")
+    t = MetricsLog(str(tmp_path), "disabled")
     t.log({"x": 1.0}, step=1)
     assert t.run_id is None
     t.finish()
@@ -89,7 +89,7 @@ def test_run_folder_metrics_and_wandb_files_are_private(tmp_path, monkeypatch):
     old = os.umask(0o022)  # a permissive umask: the modes must not depend on it
     try:
         run_dir = str(tmp_path / "run")
-        tracker = Tracker(run_dir, "offline", "clawray-test", config={"a": 1})
+        tracker = MetricsLog(run_dir, "offline", "clawray-test", config={"a": 1})
         tracker.log({"loss": 1.0}, step=1)
         tracker.finish()
     finally:

