@@ -1,16 +1,17 @@
 """Chat messages in: validation and normalisation of OpenAI messages, the conversation key that
 matches a history against the replies clawray served (exactly, for splicing; by conversation, for
 attribution and pairing), the render key of everything else that shapes
-a prompt, and the end-of-turn token ids. (The model's reply text is parsed in
-:mod:`clawray.serve.reply`.)
+a prompt, and the end-of-turn token ids.
 
-The prompt itself is always rendered by the tokenizer's own chat template; nothing here builds
-prompt text.
+Owns: what a valid message is (else :class:`RequestError`), the conversation, attribution and render
+keys, strict JSON, the end-of-turn ids and the special-token strings cut from text clawray places in a
+prompt. Must not: build prompt text (the tokenizer's own chat template renders every prompt), parse the
+model's reply (:mod:`clawray.serve.reply`) or import Ray.
 
 End of turn: :func:`end_of_turn_ids` is the one definition of the ids that end a reply (the
 tokenizer's eos, every ``eos_token_id`` of the model folder's generation config, and a request's own
-stop ids). The server passes them to the engine as its stop list and uses the same set to strip the
-reply's last id from what the client sees, to set ``finish_reason`` and to splice the next prompt.
+stop ids). The server's uses of them (the engine's stop list, ``finish_reason``, the ids the client
+sees) are :class:`clawray.serve.call.Call`'s; the next prompt's splice is :mod:`clawray.serve.splice`'s.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Checkpoint folders: atomic commit, the ``latest`` pointer and pruning.
 
+Owns: the folder names (``ckpt-NNNNNN``, ``.tmp-ckpt-*``, ``latest``), the atomic commit, pruning, the
+manifest and its check, the policy card (``model/clawray.json``) and the precision and prefix-cache
+warnings. Must not: write the learners' files (:mod:`clawray.actors.learner_checkpoint`) or
+``driver.json`` (:mod:`clawray.resume`), or import Ray or torch.
+
 A checkpoint is written into a hidden temporary folder (``.tmp-ckpt-NNNNNN-PID``) and renamed to
-``ckpt-NNNNNN`` only once every part is on disk; then the ``latest`` file (replaced atomically) names
-it. A crash mid-write leaves a temporary folder that is ignored (and removed by the next commit),
-never a broken ``latest``. Contents (see :meth:`clawray.resume.Checkpoints.save` and
-``LearnerWorker.save_checkpoint``): ``model/`` (HF folder), ``train_state/`` (sharded optimizer and
-weights), ``learner.pkl``, ``rng/``, ``queue.pkl`` (queued, untrained samples) and ``driver.json``.
-With ``checkpoint.save_optimizer=false`` there is no ``train_state/`` (``driver.json`` has
-``"resumable": false``): the model folder serves and evaluates, a resume refuses it.
+``ckpt-NNNNNN`` only once every part is on disk, :data:`MANIFEST` (every file's size and CRC-32) last;
+then the ``latest`` file (replaced atomically) names it. A crash mid-write leaves a temporary folder
+that is ignored (and removed when the next checkpoint starts), never a broken ``latest``. The learners'
+files, and what a model-only checkpoint (``checkpoint.save_optimizer=false``) can do, are listed in
+:mod:`clawray.actors.learner_checkpoint`.
 """
 
 from __future__ import annotations

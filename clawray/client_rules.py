@@ -1,5 +1,10 @@
 """What agent clients put on the wire besides the conversation, and how clawray reads it.
 
+Owns: the markers each client writes (OpenClaw's internal-context blocks, ``sessionId=`` line,
+memory-flush and summariser prompts) and what each means. Must not: act on them (:mod:`clawray.chat`,
+:mod:`clawray.serve.protocol`, :mod:`clawray.serve.app` and the session book do) or import Ray or
+another clawray module: these are pure functions of messages.
+
 A client such as OpenClaw sends no session header and no turn type: its requests carry them in the
 text, by conventions of its own. These rules were read off captured requests of the real OpenClaw
 (npm ``openclaw`` 2026.9.6; the corpus is ``tests/data/openclaw/``, the rules are tested on it in

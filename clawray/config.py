@@ -1,5 +1,10 @@
 """The typed configuration schema and its loader.
 
+Owns: every key, its default and valid set (:func:`num`, :func:`choice`), the rules that relate
+several keys and which values are secret (:func:`redacted`, :func:`redacted_argv`). Must not: start
+anything, write a file or import Ray or torch; what a value does is decided by the component that
+reads its section (:func:`section`).
+
 A run is configured by one or more YAML files (merged left to right) and ``key=value`` overrides,
 all merged onto the structured schema :class:`ClawrayConfig` with omegaconf. Unknown keys and values
 of the wrong type are errors that name the key (:class:`ConfigError`).

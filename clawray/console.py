@@ -1,5 +1,10 @@
 """What a job prints: clawray's own lines on the terminal, everything else in the run's log file.
 
+Owns: descriptors 1 and 2 of the driver process while :func:`capture` runs, which lines are
+clawray's own (:func:`is_own_line`), the log file's content and the progress bars. Must not: decide
+what is said (its callers print; this only routes it) or import Ray at module level (only
+:func:`wait_with_progress` uses it).
+
 Design: :func:`capture` points file descriptors 1 and 2 of the driver process at a pipe (``os.dup2``),
 so every byte written there lands in one place, whatever wrote it: Python ``print`` and logging,
 Ray's relay of its workers' output (``log_to_driver``), wandb, C libraries, and child processes

@@ -1,5 +1,10 @@
 """Evaluation: an environment's held-out prompts through an engine, first-turn success with 95% CIs.
 
+Owns: the protocol below (prompts, seeds, first-reply scoring, Wilson intervals), when the main job
+evaluates (:class:`RunEvaluations`) and its ``eval.json``. Must not: start or choose an engine (it takes
+a ``generate`` callable), parse a reply otherwise than the server does (:mod:`clawray.serve.reply`) or
+end a training run (a failed evaluation is printed).
+
 Used by ``clawray eval`` (a model or checkpoint folder on its own engine) and by the main job (its
 rollout engine 0, which serves the current policy, so no extra engine is loaded).
 

@@ -2,6 +2,9 @@
 records (:mod:`clawray.records`), so other users of the machine cannot read conversations, weights,
 metrics or the wandb files.
 
+Owns: the modes (0700, 0600) and the umask 077. Must not: choose what is private or when: its callers
+do (the CLI, the driver, checkpoints, the metrics log, the run lock, ``clawray serve``).
+
 Two layers: ``clawray run`` sets the umask 077 before Ray starts (:func:`private_umask`), so every
 process of a local run (driver, Ray workers, the wandb service) creates private files; and the driver
 tightens what it owns explicitly (:func:`private_dir`, :func:`open_private`, :func:`private_tree` on each

@@ -1,12 +1,15 @@
 """Ctrl-C and SIGTERM end a job within a bounded time.
 
+Owns: the CLI process's SIGINT/SIGTERM handling: the first signal's ``KeyboardInterrupt``, the deadline
+(``trainer.shutdown_timeout_s``) and the forced exit with 130. Must not: shut anything down itself: the
+driver's unwinding writes the checkpoint and stops Serve and Ray.
+
 The first SIGINT/SIGTERM unwinds the job as Ctrl-C does (a ``KeyboardInterrupt`` in the main thread:
 the driver writes its at-exit checkpoint, shuts Serve and Ray down and prints its closing lines) and
 arms a deadline of ``trainer.shutdown_timeout_s`` seconds. Past the deadline, or at a second signal,
 the process exits at once with 130, after one line that says so. Nothing acknowledged is lost either
-way: every acknowledged sample and the session state are in the journal before the client got its
-answer (:mod:`clawray.journal`), so ``resume=true`` continues from the last checkpoint. The local Ray
-a job started goes with it (Ray's reaper process stops the cluster when its driver exits).
+way (:mod:`clawray.journal`): ``resume=true`` continues from the last checkpoint. The local Ray a job
+started goes with it (Ray's reaper process stops the cluster when its driver exits).
 """
 
 from __future__ import annotations

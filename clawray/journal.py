@@ -1,5 +1,10 @@
 """Durable journals: nothing acknowledged is lost, whatever process dies.
 
+Owns: the two journals' records, their durability (the fsync policy), replay, compaction and the
+at-most-once acknowledgement per ``(session_id, turn_index)``. Must not: import Ray or decide a
+sample's or a turn's fate: each file's one writer (the queue, the tracker) decides; the journal
+records and replays.
+
 Two append-only JSON-lines files live in ``{run_dir}/journal/``:
 
 * ``samples.jsonl`` (written by the TrajectoryQueue actor, :class:`SampleJournal`): a sample is

@@ -1,5 +1,9 @@
 """Metrics: wandb (offline by default) plus a ``metrics.jsonl`` in the run folder.
 
+Owns: the run's wandb run (its id, mode and resume), ``metrics.jsonl`` (strict JSON rows, cut back to
+the checkpoint's step on resume) and ``config.json``. Must not: compute a metric (the row is
+:mod:`clawray.step_metrics`'s) or end the run over a row the disk refused (it is counted and said).
+
 A resumed run continues the same wandb run: the driver stores :attr:`MetricsLog.run_id` in each
 checkpoint's ``driver.json`` and passes it back (``run_id``), and wandb reopens that id with
 ``resume="allow"``. Online this appends to the one history. Offline, wandb writes a second

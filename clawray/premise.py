@@ -1,5 +1,9 @@
 """OPD's premise check: with the user's hint, does the teacher do what the user wanted?
 
+Owns: the probe below, its verdict and what each ``opd.premise_check`` mode does with it
+(:func:`premise_action`). Must not: train, stop the run itself (:mod:`clawray.build` raises
+:class:`PremiseRefused`) or implement the sign test (:func:`clawray.promotion.sign_test_p`).
+
 On-policy distillation pulls the policy towards the teacher reading a hindsight hint
 (``A_t = teacher_logprob_t - rollout_logprob_t``, OpenClaw-RL, arXiv 2603.10165, §4; on-policy it is
 a reverse KL to the hinted teacher, Agarwal et al. 2024, arXiv 2306.13649). That can only teach when

@@ -1,5 +1,9 @@
 """The promotion gate's decision rule: is a candidate policy version worse than the promoted one?
 
+Owns: the gate's decision rule and its exact sign test (:func:`sign_test_p`, which the premise check
+also uses). Must not: probe, hold state or import beyond the standard library: :func:`decide` is a
+pure function of the paired scores.
+
 A probe scores both versions on the same held-out items with the same seeds, so the results are
 *paired*: item i gives the candidate's score ``c_i`` and the promoted version's ``p_i`` (each in
 [0, 1]; 0/1 for a check that passes or fails). The rule (:func:`decide`):

@@ -1,5 +1,10 @@
 """Start or join Ray the way clawray needs it: loopback only, no token-auth surprises.
 
+Owns: how clawray starts or joins Ray (loopback environment, a new local instance, the signal handlers
+kept), the actors' control concurrency group, where torch.distributed's sockets bind and what counts as
+an actor's death. Must not: import Ray, torch or a clawray module at module level: the CLI sets the
+loopback environment before anything imports Ray, and the Serve proxy's guard is named by import path.
+
 Also where torch.distributed's own sockets bind (rendezvous TCPStore servers and gloo pairs), which
 torch otherwise opens on every interface (a TCPStore server listens on ``::``) or on the address the
 host name resolves to: :func:`tcp_store`, :func:`reserve_rendezvous` and :func:`use_node_gloo`.

@@ -1,5 +1,10 @@
 """Append-only JSONL records with size-based rotation.
 
+Owns: rotation, the whole-or-nothing append (:func:`append_whole`, which the journals and the metrics
+log use too) and the ``judgments.jsonl`` rows (a ``turns.jsonl`` row is
+:meth:`~clawray.types.Turn.record`'s). Must not: fsync or promise durability (:mod:`clawray.journal`
+does) or fail the request that made a record: a refused row is counted and left out whole.
+
 A record file is only ever appended to; when a row would grow it past ``max_bytes`` the file is
 rotated (``name`` -> ``name.1`` -> ``name.2`` ...; the oldest beyond ``keep_files`` is deleted) and
 a fresh one is started. Files are created with mode 0600: they hold users' conversations.

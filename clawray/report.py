@@ -1,6 +1,10 @@
 """``clawray report RUN_DIR``: the evaluation curve, then one PNG per training invariant, plus a
 summary table.
 
+Owns: the plots, the per-step conventions below, :data:`THRESHOLDS` and the matrix's verdicts. Must
+not: touch a live run or Ray: it reads ``metrics.jsonl`` and ``config.json`` and writes only
+``RUN_DIR/report/``.
+
 Reads ``RUN_DIR/metrics.jsonl`` (written by the driver: one training row per step, plus one
 evaluation row, with ``eval/*`` keys, per evaluation; both carry the step number, so an evaluation
 after step k shares k with step k's training row) and ``RUN_DIR/config.json`` (the run's config,

@@ -1,5 +1,8 @@
 """The run folder's owner: one clawray run per run folder, enforced with an exclusive lock.
 
+Owns: ``RUN_DIR/.clawray.lock``, its owner record and the refusal (:class:`RunFolderInUse`). Must
+not: wait for the lock (a taken folder is refused at once) or touch anything else in the run folder.
+
 A second run started in the folder of a live run used to delete that run's journal, prune its
 checkpoints and lose acknowledged samples. The driver now takes ``RUN_DIR/.clawray.lock`` with
 ``flock(LOCK_EX | LOCK_NB)`` before it touches anything in the folder and holds it until it shuts

@@ -1,5 +1,9 @@
 """``clawray serve``: serve a trained policy as it is, with no learner, judge or checkpoint.
 
+Owns: the life of ``clawray serve`` (run folder lock, Ray, engines, :class:`ServingTracker`,
+endpoint, all stopped at a signal), the overrides read from a policy card and the serving tracker.
+Must not: judge, train, queue samples, sync weights or write a checkpoint.
+
 Training (``clawray run``) serves the policy it is changing; a user who wants to use or A/B the
 trained agent needs the same endpoint on fixed weights. :func:`serve_policy` starts the rollout
 engines on a model folder (a checkpoint's ``model/``), the :class:`~clawray.serve.app.PolicyServer`

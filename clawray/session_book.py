@@ -1,17 +1,18 @@
 """The session book: open sessions, their pending turns, the pairing of a turn with its next state,
-and the at-least-one choice. Plain Python (no Ray, no asyncio): the
-:class:`~clawray.actors.session.SessionTracker` actor owns one book and adds the judging, the
-journal and the emission around it.
+and the at-least-one choice.
+
+Owns: the open sessions, the index of their pending turns, the pairing and lookup rules below and the
+at-least-one pick (:meth:`Session.promote_best`). Must not: import Ray or asyncio, judge, journal or
+emit a sample: the :class:`~clawray.actors.session.SessionTracker` actor owns one book and adds those.
 
 Pairing. A request's turns (its n choices) stay *pending* in their session until the session's next
-main-line request. That request continues the pending turn whose history + reply is a prefix of its
-own history, compared as conversation (:func:`clawray.chat.attribution_key`: system prompts, a
-client's ephemeral context blocks and tool-call ids do not count); the messages after that reply,
-as conversation (:func:`clawray.client_rules.conversation_view`), are the turn's next state. When the
-client rewrote the history before the reply (a compaction replaced older turns by a summary), the
-pending turn whose reply is the history's last assistant message is continued (``rewritten``). A
-history that continues none of them is a branch; the other choices of a continued request are
-``unchosen``.
+main-line request. That request continues the pending turn whose history + reply is a prefix of its own
+history, compared as conversation (what counts is :func:`clawray.chat.attribution_key`'s); the messages
+after that reply, as conversation (:func:`clawray.client_rules.conversation_view`), are the turn's next
+state. When the client rewrote the history before the reply (a compaction replaced older turns by a
+summary), the pending turn whose reply is the history's last assistant message is continued
+(``rewritten``). A history that continues none of them is a branch; the other choices of a continued
+request are ``unchosen``.
 
 Lookup. A request without a session id is placed in the open session one of whose pending turns its
 history continues (the longest such prefix wins), through an index from attribution key to session

@@ -1,9 +1,13 @@
 """One training step's metrics row and its printed line (pure functions of what the driver gathered).
 
-The driver collects the counters of its actors (queue, session tracker, judges, teachers, rollout
-engines) and of the step; this module turns them into the ``metrics.jsonl`` / wandb row and the
-``[clawray] step ...`` line (see README). Cumulative counters stay cumulative; rates whose
-denominator is zero are left out or NaN, never a division by zero.
+Owns: the row's keys and the step line, how counters become figures (cumulative counters stay
+cumulative; a rate whose denominator is zero is left out or NaN, never a division by zero), the
+generation meter and the phase timeline. Must not: read an actor (:mod:`clawray.run_stats` gathers the
+counters, with a deadline) or write the row (:mod:`clawray.metrics_log`).
+
+The counters are those of the actors (queue, session tracker, judges, teachers, rollout engines) and
+of the step; the row goes to ``metrics.jsonl`` / wandb, the ``[clawray] step ...`` line to the
+terminal (see README).
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """The records that flow through clawray: a served :class:`Turn`, a training :class:`Sample`, and the
 :class:`SampleMeta` the queue carries beside each sample's object ref (what the driver reads; only the
-learners fetch the payload)."""
+learners fetch the payload).
+
+Owns: the fields of these records, a sample's shape checks (every per-token list has R entries) and a
+turn's ``turns.jsonl`` row. Must not: import Ray, torch or another clawray module: they cross every
+actor boundary.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """How a judge or teacher worker's dependency is doing: work waiting on it and its recent calls.
 
+Owns: a dependency's state (``ok``/``slow``/``failing``) and its reason, from the work in flight and the
+outcomes of recent calls, and the thresholds (:data:`FAILING_MIN_CALLS`, the window). Must not: import Ray,
+call or retry the dependency (the worker does), or decide the HTTP answer (:mod:`clawray.serve.health`).
+
 A judge endpoint that answers in 20 s against a 5 s timeout, or thousands of judgements queued behind
 a slow one, used to leave ``/health`` at "ok" while no sample reached the learner. Each worker keeps a
 :class:`CallHealth`; its :meth:`CallHealth.report` (answered in the worker's ``control`` concurrency

@@ -1,12 +1,16 @@
 """JudgeWorker (Binary RL): scores a turn from its next state with m PRM votes and a majority.
 
+Owns: the judge prompts, the parsing of a vote or a hint, the majority and hint-acceptance rules, and the
+judge calls' concurrency, timeout and retries. Must not: decide what a score makes of a turn
+(:mod:`clawray.algos.algorithm`), pair turns with next states (the SessionTracker), or define the
+``feedback`` grammar (:mod:`clawray.algos.feedback`).
+
 Backends:
   * ``engine``: a frozen copy of the initial policy on its own RolloutEngine, prompted to reason
     and answer ``\\boxed{1}``, ``\\boxed{-1}`` or ``\\boxed{0}`` (OpenClaw-RL's PRM, arXiv 2603.10165).
   * ``openai``: the same prompt sent to any OpenAI-compatible endpoint.
-  * ``feedback``: reads explicit signals in the next state by a documented grammar (user
-    complaints and praise; tool results by their structure, exit code or failure words; see
-    :mod:`clawray.algos.feedback` and ``docs/feedback.md``); deterministic, so it casts one vote.
+  * ``feedback``: reads explicit signals in the next state (:mod:`clawray.algos.feedback` owns the
+    grammar, ``docs/feedback.md``); deterministic, so it casts one vote.
 
 Besides the per-turn score, :meth:`JudgeWorker.judge_session` scores a whole closed session once
 (``trainer.outcome_judge``, long-horizon credit): the same m votes and majority over a transcript of

@@ -1,5 +1,10 @@
 """LearnerGroup: N LearnerWorker actors forming one torch.distributed group, the model under FSDP2.
 
+Owns: the policy's weights, optimizer, scheduler and version, the split of a batch over mini-batches, ranks
+and micro-batches, and when an optimizer step is skipped. Must not: choose a batch's samples or advantages
+(the driver, :mod:`clawray.batching`), define the loss (:mod:`clawray.algos.losses`), decide when weights
+sync (:mod:`clawray.weight_sync`) or commit a checkpoint folder (:mod:`clawray.checkpoint`).
+
 Each call of :meth:`LearnerWorker.train_step` consumes one batch of :class:`~clawray.types.Sample`
 refs and takes ``steps_per_batch`` optimizer steps (the batch splits into that many contiguous
 mini-batches). In a mini-batch, rank ``r`` trains samples ``r, r + N, ...``, packed into padded

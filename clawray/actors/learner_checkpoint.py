@@ -1,8 +1,11 @@
 """A learner group's part of a checkpoint: the HF model folder, the sharded train state, RNG, counters.
 
+Owns: the layout of the learner's files inside a checkpoint folder (below), writing and restoring them.
+Must not: import Ray, commit, point ``latest`` at or prune the folder (:mod:`clawray.checkpoint`), or
+apply the scheduler state and counters it loads (the worker does).
+
 :class:`~clawray.actors.learner.LearnerWorker` calls these from its thin ``save``,
-``save_checkpoint`` and ``load_checkpoint`` actor methods; the folder itself (atomic commit, the
-``latest`` pointer, pruning) is :mod:`clawray.checkpoint`'s. Layout inside a checkpoint folder:
+``save_checkpoint`` and ``load_checkpoint`` actor methods. Layout inside a checkpoint folder:
 
 * ``model/``: an HF folder of the full (LoRA-merged) float32 weights, plus the initial folder's
   tokenizer, chat template and generation config (it serves and evaluates as it is);

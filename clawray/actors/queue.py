@@ -1,5 +1,10 @@
 """TrajectoryQueue: samples stream from the session tracker to the learner through the object store.
 
+Owns: the queued refs and their metadata, the ``stale`` and ``too_long`` drops, which fresh samples a batch
+takes and in what order, and when a ``put`` is acknowledged. Must not: decide on a batch beyond freshness
+(:mod:`clawray.batching`), fetch a sample except to journal it or compute its metadata, or define the
+journal's format (:mod:`clawray.journal`).
+
 Samples stay in the Ray object store; the queue holds only their ``ObjectRef`` and, beside it, the
 sample's :class:`~clawray.types.SampleMeta` (policy version, reward, token counts, prompt key, origin).
 A batch hands both to the driver, which decides on the batch (all-masked samples, advantages, metrics)

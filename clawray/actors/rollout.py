@@ -1,5 +1,10 @@
 """RolloutEngine: one inference engine (``hf`` or ``vllm``) as an async Ray actor.
 
+Owns: the engine thread and its FIFO of jobs, admission and pausing, parking and continuing interrupted
+generations, per-request failure isolation, and the engine's policy version. Must not: sample or score
+tokens itself (the backend, :mod:`clawray.engines`), decide when weights sync
+(:class:`~clawray.weight_sync.WeightSyncController`), or know sessions and samples.
+
 The backend is owned by a single engine thread that takes jobs in FIFO order: generation requests,
 teacher scoring and weight loads. Generation is continuously batched: the thread steps the backend
 (:meth:`clawray.engines.base.Backend.step`) and, between steps, adds newly queued requests to the

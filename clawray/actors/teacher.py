@@ -1,5 +1,9 @@
 """TeacherWorker (OPD): teacher log-probs of a turn's *own* response tokens under a hinted prompt.
 
+Owns: the hinted teacher prompt ids, the checks on what a teacher returns, the tokenizer-identity check and
+which teacher a run builds (:func:`build_teachers`). Must not: extract the hint (the judge's hint votes),
+decide what a failed teacher does to a turn (:mod:`clawray.algos.algorithm`), or re-tokenise a response.
+
 The teacher context is the turn's request messages with the hint appended to the last user message
 (OpenClaw-RL, arXiv 2603.10165, §4), built on the exact prompt ids the policy sampled from (the hint's
 tokens inserted, :meth:`TeacherWorker.teacher_prompt_ids`), and the engine scores exactly

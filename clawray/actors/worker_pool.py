@@ -1,5 +1,8 @@
 """Round-robin dispatch of the SessionTracker's judgements to its judge and teacher actors.
 
+Owns: the binding of :class:`~clawray.algos.algorithm.WorkerCalls` to actor handles and the round-robin
+counter. Must not: import Ray, await a call, or decide a verdict (:mod:`clawray.algos.algorithm`).
+
 The algorithm (:mod:`clawray.algos.algorithm`) sees the judge and the teacher as async callables
 (:class:`~clawray.algos.algorithm.WorkerCalls`); this module binds them to JudgeWorker and TeacherWorker
 actor handles (``judge.judge.remote``, ``teacher.teacher_logprobs.remote``, ...), so the tracker never

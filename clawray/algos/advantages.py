@@ -1,5 +1,9 @@
 """Advantage estimators.
 
+Owns: the estimators (binary, baseline, GRPO, OPD, Combine) and :func:`batch_advantages`'s order (guard,
+then estimator). Must not: import Ray or fetch samples, hold the guard's rule or state
+(:mod:`clawray.algos.invariants`), or form the groups (:mod:`clawray.algos.rejection`).
+
 All functions take and return ``torch.Tensor`` on the same device; shapes are ``[B]`` (one value
 per sample) and ``[B, T]`` (one value per response token, right-padded, with a 0/1 ``loss_mask``).
 """

@@ -1,11 +1,14 @@
 """The algorithms: what turns one judged turn into a training sample (Binary RL, OPD, Combine).
 
+Owns: each algorithm's verdict rules, what it needs from the run, and the registry (:func:`register`).
+Must not: import Ray or the config, name an actor method, or keep the sessions, the pairing with next
+states, the at-least-one rule, the records or the emission into the queue (the
+:class:`~clawray.actors.session.SessionTracker`'s).
+
 An :class:`Algorithm` takes a main-line turn and its next state (the messages that followed it)
 and returns a :class:`Verdict`: a :class:`~clawray.types.Sample` to train on, a 0-score turn to hold
 for the at-least-one rule, or a drop reason. The judge and the teacher reach it as async callables
-(:class:`WorkerCalls`), so this module imports no Ray and is tested with plain fakes; the
-:class:`~clawray.actors.session.SessionTracker` keeps the sessions, the pairing with next states,
-the at-least-one rule, the records and the emission into the queue.
+(:class:`WorkerCalls`), so it is tested with plain fakes.
 
 What each algorithm needs from the run is declared on its class (``needs_teacher``, ``judge_calls``,
 ``with_reward``, the learner loss term its samples train, :meth:`Algorithm.term`, and

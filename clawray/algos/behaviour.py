@@ -1,9 +1,12 @@
 """Behaviour-level diversity: token entropy is not behaviour diversity (pure functions, no Ray).
 
+Owns: the behaviour signature and the diversity measures below. Must not: sample the probe replies or
+feed the behaviour controller (:mod:`clawray.monitor` does).
+
 A policy can keep a high per-token entropy while every reply follows one strategy (the support of
-its *behaviour* distribution collapses while the token distribution still looks wide). The monitor
-samples K replies at temperature 1 for each of P fixed probe prompts and measures, per prompt, then
-averaged over the prompts:
+its *behaviour* distribution collapses while the token distribution still looks wide). Of the K replies
+to each of P fixed probe prompts (sampled at temperature 1), the measures, per prompt, then averaged
+over the prompts:
 
 * ``inv/behaviour_distinct`` = (number of distinct behaviour signatures) / K, in [1/K, 1];
 * ``inv/behaviour_entropy`` = Shannon entropy (nats) of the signatures' empirical distribution,

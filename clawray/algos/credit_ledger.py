@@ -1,5 +1,10 @@
 """The credit ledger: judged turns waiting for their session's return (no Ray; the SessionTracker's).
 
+Owns: every session's waiting turns, when they are released (the close, or the staleness budget), the
+shaping of a judged turn's reward and ``dropped/zero_return``. Must not: compute returns
+(:mod:`clawray.algos.credit`), or emit a sample, apply the at-least-one rule or write the journal itself
+(the tracker's callables do).
+
 :mod:`clawray.algos.credit` says what each judged turn's return *is* (pure functions); this module
 keeps the state that decides *when* it is computed, for ``trainer.credit`` ``discounted`` and
 ``outcome``: a judged turn that carries a reward does not go to the queue at once but *waits* in its

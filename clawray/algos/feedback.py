@@ -1,5 +1,8 @@
 """The ``feedback`` judge's grammar: the sign of a next state, read from explicit signals.
 
+Owns: the grammar (which words and structures are signals, in which order) and a next state's score.
+Must not: import Ray, cast votes or take a majority (:mod:`clawray.actors.judge`).
+
 A next state is the messages that followed a turn (the user's reply, or the tool results). Each
 message is read by its source; the table of realistic next states with both signs and the traps is
 in ``docs/feedback.md`` and ``tests/unit/test_feedback.py``.

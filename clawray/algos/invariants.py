@@ -1,5 +1,9 @@
 """The four training invariants of agentic RL as metrics and guards (pure functions and small state).
 
+Owns: the invariants' formulas and the guards' rules and state (:class:`DegenerateBatchGuard`'s baseline,
+:class:`EntropyController`'s coefficient). Must not: import Ray, log metrics, or persist the guards
+(:mod:`clawray.resume` keeps them in the loop state).
+
 1. policy entropy does not collapse      -> :func:`masked_quantile`, :class:`EntropyController`
 2. the learning signal is non-degenerate -> :func:`signal_stats`, :class:`DegenerateBatchGuard`
 3. the on-policy gap stays bounded       -> :func:`logprob_mismatch_kl` (+ staleness cap, clip, TIS)

@@ -1,5 +1,9 @@
 """Policy losses and their aggregation.
 
+Owns: the per-token losses (PPO clip, KL, top-k reverse KL, entropy), their aggregation, and one sample's
+loss and metrics. Must not: import Ray, fetch samples or run collectives (the learner reduces across
+ranks), or choose a sample's scalar advantage (:mod:`clawray.algos.advantages`, by the driver).
+
 Shapes: per-token tensors share one shape, ``[N]`` or ``[B, T]``; ``loss_mask`` is 0/1. Log-probs
 are natural-log probabilities of the sampled response tokens. Every loss returns per-token values;
 :func:`aggregate` turns them into the scalar that is minimised.

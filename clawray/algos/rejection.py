@@ -1,5 +1,8 @@
 """Groups and rejection sampling, to keep the advantage's variance (pure functions, no Ray).
 
+Owns: each sample's group (``trainer.group_by``) and which rewarded samples sit in a zero-variance group.
+Must not: take from the queue or wait (:mod:`clawray.batching` rejects and refills).
+
 ``trainer.group_by`` says which samples of a batch form one group (for ``trainer.advantage: grpo``
 and for dynamic sampling):
 

@@ -1,4 +1,8 @@
-"""Learning-rate schedules: linear warmup, then constant or cosine decay to a floor."""
+"""Learning-rate schedules: linear warmup, then constant or cosine decay to a floor.
+
+Owns: the factor of the base learning rate at an optimizer step (:func:`lr_factor`). Must not: hold an
+optimizer or a scheduler (the learner's ``LambdaLR`` calls it), or import Ray or torch.
+"""
 
 from __future__ import annotations
 

@@ -1,15 +1,19 @@
 """Dense reward shaping: small pure functions of one served turn, named in ``trainer.shaping``.
 
+Owns: the terms (:data:`TERMS`) and each one's signed contribution (:func:`shaping_terms`). Must not:
+import Ray, call a judge, or add them to a reward (:meth:`~clawray.algos.credit_ledger.CreditLedger.shape`
+does that).
+
 Each term maps a :class:`~clawray.types.Turn` to a value in [0, 1] (1 = the fault is present); the
 run's config gives each a weight, and a judged turn's reward becomes
 ``r_t + sum_i (-weight_i * term_i(turn))`` (a penalty; a negative weight turns a term into a bonus)
 before credit assignment (:mod:`clawray.algos.credit`). Each applied term is kept on the sample
 (``info["shaping"][name]``, the signed contribution) and logged per step as
 ``reward/shaping/<name>`` (its batch mean). Terms only read the turn (its response message, its
-``truncated``/``tool_parse_error`` flags, its request history), so they need no Ray and no judge.
+``truncated``/``tool_parse_error`` flags, its request history).
 
-Shaping applies to turns that carry a reward (Binary RL and Combine; pure OPD samples have none).
-A 0-scored turn that a term penalises trains on the penalty (it is no longer a neutral turn).
+Which turns are shaped is :meth:`~clawray.algos.credit_ledger.CreditLedger.shape`'s rule (those with a
+reward, not pure OPD samples; a penalised 0-scored turn trains on the penalty).
 
 Terms:
   * ``tool_parse_error``: the reply held a ``<tool_call>`` block that was not a valid tool call (hermes JSON or Qwen3-Coder XML).

@@ -1,5 +1,8 @@
 """Inference backends that a RolloutEngine actor drives (``hf`` and ``vllm``).
 
+Owns: the backend names (:func:`make_backend`) and a run's backend options (:func:`backend_kwargs`).
+Must not: import Ray, or a backend's library (transformers, vLLM) at import time.
+
 Each backend is a plain Python object owned by exactly one thread of the RolloutEngine actor; it
 never sees Ray. Backends are imported lazily by :func:`make_backend` so that a CPU install without
 vLLM still works with ``hf``.

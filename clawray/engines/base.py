@@ -1,5 +1,9 @@
 """The one interface every inference backend implements.
 
+Owns: the log-prob and sampling conventions, the :class:`Backend` protocol and its request and output
+types, :func:`sample_next_token` and :func:`run_batch`. Must not: import Ray, load a model, or know the
+RolloutEngine's thread and jobs (:mod:`clawray.actors.rollout`).
+
 Log-prob convention (used by rollout, teacher scoring and the learner alike): the log-prob of token
 ``y_t`` is ``log_softmax(logits_t / T)[y_t]`` where ``T`` is the sampling temperature of the request
 (``T = 1`` when the request is greedy, ``temperature == 0``). No top-p/top-k renormalisation is

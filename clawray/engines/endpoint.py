@@ -1,5 +1,9 @@
 """A remote teacher: scoring given token ids on a vLLM OpenAI-compatible server.
 
+Owns: the HTTP exchange with the teacher's server and the check that its tokenizer is the policy's.
+Must not: import Ray, build the hinted prompt (:mod:`clawray.actors.teacher`), or generate: it is not a
+:class:`~clawray.engines.base.Backend`.
+
 OPD's teacher must score the *exact* response token ids the rollout produced. The plain OpenAI API
 cannot (it takes text, and returns log-probs only of what it samples), but vLLM's server can: a
 ``POST /v1/completions`` whose ``prompt`` is a list of token ids, with ``prompt_logprobs`` = k, returns

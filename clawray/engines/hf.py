@@ -1,5 +1,8 @@
 """The ``hf`` backend: a transformers causal LM with its own sampling loop; the fast test path.
 
+Owns: the model in this process and its sampling loop. Must not: import Ray, call ``model.generate``, or
+take sampling defaults from the model folder (only its eos ids).
+
 The loop (one forward per token with the KV cache, then :func:`clawray.engines.base.sample_next_token`,
 one request at a time in the order they were added: a step samples one token of the oldest request)
 replaces ``model.generate`` on purpose: ``generate`` merges in library defaults (``top_k=50``) and the

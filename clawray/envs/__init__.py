@@ -1,5 +1,9 @@
 """Environments (task sets with disjoint train/eval splits and a simulated user's check) and the
-simulated users that drive the policy endpoint like a real agent client would."""
+simulated users that drive the policy endpoint like a real agent client would.
+
+Owns: the environment names (:data:`ENVIRONMENTS`, :func:`make_env`). Must not: import Ray or the
+simulated user (:mod:`clawray.envs.sim_user`, a Ray actor, is imported by :mod:`clawray.traffic`).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Arithmetic word problems generated from a seed (no data set is downloaded), and the ``arith``
 environment: the user asks one and states a preference (one short sentence, no markdown); a reply
 solves it when its answer is right and it has no markdown. A calculator tool is offered.
+
+Owns: the problem generator, the preference, the check and the feedback, and the calculator tool (its
+schema and a safe evaluation of its expression). Must not: import Ray, send requests (the simulated user
+calls :func:`calculator`), or decide the split (:mod:`clawray.envs.base`).
 """
 
 from __future__ import annotations

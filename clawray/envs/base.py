@@ -1,5 +1,9 @@
 """Environments: a task set with disjoint train/eval splits, a simulated user's check, and its feedback.
 
+Owns: the :class:`Environment` contract (below), the split rule (:func:`split_of`) and drawing the tasks
+of one split. Must not: import Ray, send requests to the policy (:mod:`clawray.envs.sim_user` does), or
+read data files (an environment's own, e.g. :mod:`clawray.envs.gsm8k`).
+
 An :class:`Environment` owns three things that must agree:
 
 - ``prompts(split, seed)``: the tasks of one split. The split of a task is a pure function of its
@@ -9,7 +13,7 @@ An :class:`Environment` owns three things that must agree:
 - ``check(task, messages)``: the success measures of the conversation's FIRST assistant reply
   (``{name: bool | float in [0, 1]}``), the simulated user's own check.
 - ``feedback(task, reply)``: the simulated user's next message and whether the task is solved;
-  it is derived from the same check (``solved`` is ``score``'s ``"solved"``), so what the judge
+  it is derived from the same check (``solved`` is ``grade``'s ``"solved"``), so what the judge
   reads and what the evaluation measures cannot drift apart.
 
 The simulated user (:mod:`clawray.envs.sim_user`) draws its tasks with :meth:`Environment.sample`

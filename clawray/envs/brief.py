@@ -1,5 +1,8 @@
 """The ``brief`` environment: the CPU demo's preference, a short reply to a small sum.
 
+Owns: the task set and its phrasings, the check (:data:`MAX_WORDS`) and the feedback. Must not: import
+Ray, send requests, or decide the split (:mod:`clawray.envs.base`).
+
 The user asks a one-digit sum in one of six phrasings ("What is 3 + 4?", "Add 3 and 4.", ...;
 x, y in 1..9: 486 distinct questions, about 97 of them in the eval split) and says "Reply with
 the number only." The check is lenient about the form and strict about the length: a reply solves

@@ -1,5 +1,9 @@
 """The seed's personalisation scenario on GSM8K-style problems: a ``student`` and a ``teacher``.
 
+Owns: reading the items of ``env.data_path``, the two users' checks, phrase lists and feedback, and the
+pupil's answers. Must not: import Ray, download anything, send requests, or decide the split
+(:func:`clawray.envs.base.split_of`).
+
 Both environments read a local JSON file (a list of objects) or JSONL file (one object a line)
 named by ``env.data_path``; each item has ``question`` (text) and ``ground_truth_answer`` (an
 integer, as a number or a string such as ``"1,200"``). Nothing is downloaded. The items are split

@@ -1,5 +1,9 @@
 """A simulated user: multi-turn sessions through the official ``openai`` client.
 
+Owns: the users' threads and sessions (the ``X-Session-*`` headers, the executed tool calls), the
+hold/release gate and the request log. Must not: grade a reply or phrase the feedback (the
+environment's), draw from the eval split, or reach the policy other than through its OpenAI endpoint.
+
 The user asks a task of the environment ``env.name`` (:mod:`clawray.envs`; ``arith`` at
 ``env.level`` by default), drawn from its TRAIN split only, and states the environment's
 preference. After each reply it gives the environment's feedback in plain words ("Correct,

@@ -1,5 +1,8 @@
 """The ``sums`` environment: the demo's "just the number" preference.
 
+Owns: the task set, the preference, the check and the feedback. Must not: import Ray, send requests, or
+decide the split (:mod:`clawray.envs.base`).
+
 The user asks "What is x + y?" (x, y in 1..25: 625 distinct questions, about 125 of them in the
 eval split) and says "Reply with the number only." A reply solves the task when it is the right
 number and nothing else (optionally a final period, surrounding whitespace). SmolLM2-135M-Instruct

@@ -1,5 +1,8 @@
 """The ``terse`` environment: a preference the user states only when correcting (OPD's case).
 
+Owns: the feedback that states the preference (the tasks and the check are :mod:`clawray.envs.sums`'s).
+Must not: import Ray, send requests, or decide the split (:mod:`clawray.envs.base`).
+
 The user asks "What is x + y?" (x, y in 1..25, as :mod:`clawray.envs.sums`) and says nothing about
 the form; the user wants the number alone, and says so in the correction. A reply solves the task
 when it is the right number and nothing else. An instruction-tuned model answers in a sentence

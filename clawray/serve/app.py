@@ -1,5 +1,10 @@
 """PolicyServer: the OpenAI-compatible chat endpoint, a Ray Serve deployment with a FastAPI ingress.
 
+Owns: the routes, the order of a request's handling (admission, session, lock, prompt ids, engine,
+record, answer), how a request that names no session finds one, the prompt ids (spliced or rendered
+afresh) and the replica's counters. Must not: validate a body (:mod:`clawray.serve.protocol`), choose
+an engine (:mod:`clawray.serve.engine_pool`) or keep a session's turns (the SessionTracker does).
+
 Routes: ``POST /v1/chat/completions`` (plain or SSE-streamed; ``tools`` in, ``tool_calls`` out,
 ``<think>`` out as ``reasoning_content``; ``n`` choices), ``GET /v1/models``, ``GET /health``. Each
 request becomes prompt token ids -- the tokenizer's own chat template, with the previous turn's exact
@@ -7,27 +12,21 @@ tokens spliced in (:mod:`clawray.serve.splice`) -- and goes to a RolloutEngine; 
 recorded with the exact prompt and response token ids and the engine's log-probs (the response text
 is never re-tokenised).
 
-End of turn: every id of :func:`clawray.chat.end_of_turn_ids` (tokenizer eos, the generation
-config's eos list, the request's ``stop_token_ids``) is the engine's stop list; a reply whose last id
-is one of them has ``finish_reason`` ``"stop"`` (``"tool_calls"`` when it holds a call), that id is
-kept in the recorded ``response_ids`` but never shown to the client (plain or streamed), and the next
-prompt continues it with the template's end tag (:mod:`clawray.serve.splice`). Any other reply was
-cut (``"length"``, ``truncated``).
+End of turn: every id of :func:`clawray.chat.end_of_turn_ids` is the engine's stop list; the finish
+reason and the ids the client sees are :class:`clawray.serve.call.Call`'s, the next prompt's
+continuation :mod:`clawray.serve.splice`'s.
 
-Session protocol (as OpenClaw-RL's proxy): ``X-Session-Id`` header, body ``session_id``, or the OpenAI
-``user`` field; without any, the client's own id written in the conversation (OpenClaw's
-``sessionId=``, :mod:`clawray.client_rules`), else the session is inferred from the message prefix (see
-:meth:`clawray.actors.session.SessionTracker.lookup`). ``X-Turn-Type: side`` (or body ``turn_type``)
-marks a turn that is served but never trained (default ``main``, and ``side`` for a client's own
-housekeeping: OpenClaw's memory flush and compaction summaries); ``X-Session-Done: true`` (or body
-``session_done``) closes the session; ``X-Session-Outcome: <number>`` (or body ``session_outcome``) gives
-its outcome score for long-horizon credit (``trainer.credit``). A session's requests run one at a time, in arrival order.
+Sessions (as OpenClaw-RL's proxy): the session id, ``X-Turn-Type: side``, ``X-Session-Done`` and
+``X-Session-Outcome`` (or their body fields) are read by :func:`clawray.serve.protocol.parse_chat_request`.
+A main-line request that names no session gets the client's own id written in the conversation
+(:func:`clawray.client_rules.session_hint`), else the open session its history continues
+(:meth:`clawray.actors.session.SessionTracker.lookup`), else a new one for a conversation's first
+request; any other is served and not recorded. A side turn is served but never trained;
+``X-Session-Done`` closes the session, with its ``X-Session-Outcome`` for ``trainer.credit``. A
+session's requests run one at a time, in arrival order.
 
-Every client error is an HTTP 4xx with an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}``; nothing is recorded for a rejected request. A request
-the engine refuses (:class:`~clawray.actors.rollout.EngineRefusedError`: it does not fit the engine) is a
-400 ``request_refused`` with the engine's reason; on a stream whose headers were already sent, that error
-comes in-band.
+Every client error is an HTTP 4xx with an OpenAI-style body (:mod:`clawray.serve.errors`; in-band on a
+stream whose headers were already sent); nothing is recorded for a rejected request.
 
 Hostile clients (README, "Reliability and security"): header bytes and sizes are refused in Serve's proxy
 (:mod:`clawray.serve.guard`); origin, Host, API key, content type, body size and deadline and session

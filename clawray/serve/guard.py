@@ -1,6 +1,10 @@
 """HeaderGuard: an ASGI layer inside Ray Serve's HTTP proxy that refuses hostile header blocks with a 4xx
 before the proxy itself reads them.
 
+Owns: the header limits below, the proxy's middleware list (:func:`proxy_middlewares`), its header-read
+deadline (:func:`limit_header_time`) and a local replica's gRPC bind to loopback. Must not: check what
+depends on the run's config (origin, Host, API key, content type, body: :mod:`clawray.serve.admission`).
+
 Why in the proxy: Ray Serve's proxy decodes, as UTF-8 and before any deployment code runs, the values of
 ``X-Session-Id`` (also spelt ``x_session_id``), ``X-Request-Id``, ``serve_multiplexed_model_id`` (also
 ``serve-multiplexed-model-id``), ``X-Request-Timeout-Seconds`` and ``X-Request-Disconnect-Disabled``
@@ -18,8 +22,7 @@ Invariants (per HTTP request, checked on the raw header bytes, before anything e
   * every header value is valid UTF-8 (RFC 9110 allows only visible ASCII; UTF-8 is the lenient
     superset the proxy can read), else 400.
 The answer has the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}`` and closes
-the connection. Body deadlines, content types and origins depend on the run's config and are checked in
-the deployment (:mod:`clawray.serve.app`).
+the connection.
 """
 
 from __future__ import annotations

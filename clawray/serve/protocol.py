@@ -1,5 +1,10 @@
 """Parsing and validation of ``POST /v1/chat/completions`` requests.
 
+Owns: which body fields and values are accepted (:data:`BODY_KEYS`; the rest ``unsupported``), their
+aliases and limits, and how a request names its session, turn type, end and outcome. Must not: touch a
+tokenizer, an engine or session state, or import Ray: a body and its headers become a
+:class:`ChatRequest` or a :class:`~clawray.chat.RequestError`.
+
 Everything the client sends is checked here, before any engine work: a bad value raises
 :class:`~clawray.chat.RequestError` naming the field (HTTP 400). No field is silently ignored: a
 field that is not in :data:`BODY_KEYS` (a misspelling, an OpenAI field clawray does not implement

@@ -1,5 +1,9 @@
 """The model's reply, token by token: incremental detokenisation and the reply parser.
 
+Owns: the reply grammar below, the incremental detokeniser and the one parser of streamed and plain
+replies (the evaluation and the monitor use it too). Must not: talk to an engine or the client (the
+SSE writer is :mod:`clawray.serve.sse`), turn text into ids or import Ray.
+
 One code path serves streamed and non-streamed answers: a non-streamed reply is the same parser fed
 the whole text at once, so for a fixed sample the merged stream deltas equal the non-streamed message
 by construction (and ``tests/unit/test_reply.py`` checks that every chunking gives the same result).

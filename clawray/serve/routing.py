@@ -1,5 +1,10 @@
 """Serve at scale: session-affine routing to PolicyServer replicas, and the choice of a rollout engine.
 
+Owns: the session-affine router's config, the body peek that gives a body-named session its routing
+header (:data:`PEEK_MAX_BYTES`, :data:`PEEK_TIMEOUT_S`) and the engine choice rule (:func:`choose_engine`).
+Must not: poll or call an engine, or import Ray: the states and loads it chooses from are
+:mod:`clawray.serve.engine_pool`'s.
+
 **Replicas.** With ``serve.num_replicas`` > 1 every request of a session must reach the same replica:
 a session's lock (its requests run one at a time, in arrival order), its session-binding token and its
 engine stickiness live in that replica. clawray uses Ray Serve's own request router API: the PolicyServer
@@ -29,8 +34,8 @@ that are down (dead, restarting, awaiting their re-sync) and prefers engines tha
 weight sync in progress); among those it keeps a session on its engine (prefix-cache locality) unless
 that engine carries more than ``slack`` requests more than the least loaded one; else (and for a new
 session) it takes the least loaded, ties broken by ``crc32(session id)`` so that a session's first
-choice is stable. Each replica learns states and loads by polling the engines' ``stats`` (every engine,
-every replica: no replica depends on another for it), and counts the requests it sent since the poll.
+choice is stable. Each replica polls every engine itself (:mod:`clawray.serve.engine_pool`), so no
+replica depends on another for it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Shut Ray Serve down without an error-looking line.
 
+Owns: how clawray stops Ray Serve (:func:`shutdown_serve`). Must not: stop Ray or any actor other
+than Serve's, or raise when no Serve instance runs.
+
 ``serve.shutdown()`` calls ``ServeController.graceful_shutdown(wait=True)``: a task that waits until
 the controller kills itself (``ray.kill``). The controller is created with infinite task retries,
 so its raylet then logs "Task ServeController.graceful_shutdown failed. There are infinite retries

@@ -1,5 +1,9 @@
 """Prompt ids without re-tokenisation drift: splice the previous turn's exact tokens into the new prompt.
 
+Owns: the splice rule, the template suffix it appends (:func:`splice_suffix`) and when it refuses
+(:class:`SpliceError`). Must not: tokenise or look up the previous turn: it takes a ``render``
+callable; :mod:`clawray.serve.app` assembles the ids and renders afresh on a :class:`SpliceError`.
+
 Re-rendering a conversation with the chat template does not always give back the tokens the engine
 produced for an earlier reply: thinking templates drop ``<think>`` blocks from earlier turns, tool-call
 JSON is re-serialised, and a BPE may merge the reply's text differently. If turn t+1's prompt ids are

@@ -1,5 +1,7 @@
 """Learner -> rollout weight transport: flat, versioned buckets behind one small interface.
 
+Must not: hold code of its own: it only re-exports the parts below.
+
 One file per part, imported in this order (each imports only the ones above it):
 
 * ``plan.py``: the ordered weight plan, its buckets, digest and wire metadata, ``WeightSyncError``.

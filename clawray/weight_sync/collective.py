@@ -1,5 +1,9 @@
 """The collective transport: the weights are broadcast from rank 0 over a process group of their own.
 
+Owns: the sync group's process group and its rendezvous (a TCPStore rank 0 hosts), the overlapped
+bucket broadcast and the ``broken`` state after a failed collective. Must not: use the default or the
+learners' FSDP group, or know another transport (:mod:`clawray.weight_sync.factory` does).
+
 The group (gloo on CPU, NCCL on GPU) is separate from the learners' FSDP group and is built from a
 TCPStore rendezvous that rank 0 hosts. Buckets are broadcast from rank 0, with the packing of the
 next bucket overlapped with the broadcast of the current one. A failed or timed-out collective

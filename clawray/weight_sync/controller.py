@@ -1,5 +1,10 @@
 """The driver's side of weight sync: :class:`WeightSyncController`.
 
+Owns: the group's generations, the pause and resume around each sync and its deadline, the names of
+the failed members, the rebuild after a failure and the sync's step metrics. Must not: pack or move a
+weight (each member's transport does, inside its actor) or decide when to sync (:mod:`clawray.driver`,
+:mod:`clawray.resume`, :mod:`clawray.recovery`).
+
 It builds the group (one :class:`~clawray.weight_sync.transport.TransportSpec` per generation, a new
 rendezvous port or an emptied mailbox each time), pauses the engines, runs one sync under
 ``timeout_s``, always resumes the engines, names the engines that failed and rebuilds the group before

@@ -1,7 +1,8 @@
 """Build one end of a transport from a :class:`~clawray.weight_sync.transport.TransportSpec`.
 
-The only module that knows every implementation, so the implementation files import the interface and
-never each other (no import loop).
+Owns: the mapping from a spec's ``kind`` to its implementation (the only module that knows them all,
+so they import the interface and never each other: no import loop) and the ipc sender's device. Must
+not: build a spec or choose the transport (:class:`~clawray.weight_sync.controller.WeightSyncController`).
 """
 
 from __future__ import annotations

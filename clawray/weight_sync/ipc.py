@@ -1,7 +1,13 @@
 """The ipc transport, same host only: rank 0 packs the buckets into buffers on its own device and posts
 *handles* to them (CUDA IPC on GPU, shared-memory files on CPU) through the mailbox; receivers map the
 buffers (no copy), load from them and ack. The colocated path for one GPU, where two processes cannot
-form an NCCL group. See :class:`IpcTransport` for the handles and their pitfalls."""
+form an NCCL group. See :class:`IpcTransport` for the handles and their pitfalls.
+
+Owns: the handles, the sender's buffers (taken over by the next sender of the same plan in the
+process), the acks and the withdrawal of a sync not acked in time. Must not: be built across hosts
+(:func:`clawray.placement.resolve_transport` refuses it) or copy the weights: receivers read the
+sender's buffers.
+"""
 
 from __future__ import annotations
 

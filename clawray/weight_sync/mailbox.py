@@ -1,9 +1,12 @@
 """The weight mailbox: the Ray actor through which the object-store and ipc transports post each sync.
 
+Owns: the posts (the newest two of a generation), the receivers' names and acks, the sender-side check
+and abort of both mailbox transports and :func:`abort_reason`. Must not: pack, send or load a weight
+(the transports do) or know a process group.
+
 The sender posts the header, the plan bytes and the bucket refs (ipc: per-receiver handle lists) under
 a sequence number 1, 2, ...; receivers fetch by number, and the ipc receivers register their names and
-ack each sync here. Also the sender-side abort shared by both mailbox transports and the one-line
-cause of a failed Ray call.
+ack each sync here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The object-store transport, the naive baseline: rank 0 ``ray.put``\\ s the flat buckets and posts
-their refs to the :class:`~clawray.weight_sync.mailbox.WeightMailbox`; receivers ``ray.get`` them."""
+their refs to the :class:`~clawray.weight_sync.mailbox.WeightMailbox`; receivers ``ray.get`` them.
+
+Owns: the put and get of the flat buckets, and the sender's hold on the last sync's objects. Must not:
+know another transport or keep an older sync's objects alive.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
 """The weight plan: the ordered :class:`~clawray.engines.base.WeightSpec` list both ends of a sync agree
 on, its flat buckets, and its metadata on the wire.
 
+Owns: the plan's order, its buckets, its digest and wire form, :func:`plan_diff` and
+:class:`WeightSyncError`. Must not: call Ray or a process group (pure torch) or move a weight.
+
 The plan is cut into flat *buckets* of at most ``bucket_bytes`` (one dtype per bucket; a larger tensor
 gets a bucket of its own), so a sync costs one transfer per bucket, not one per tensor. On the wire a
 plan is a 64-bit digest of its ordered ``(name, shape, dtype)`` rows (in every sync header) and, where
 a receiver lacks it, compact JSON (:func:`encode_plan`); :func:`plan_diff` names the differences when
-two digests disagree. Pure torch: no Ray, no process group.
+two digests disagree.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The transport interface: one sender (learner rank 0), one receiver per rollout engine.
 
+Owns: the interface, the header's layout (:data:`HEADER_LEN` ``int64`` words, a magic first) and its
+check before any weight is yielded, bucket packing and :class:`TransportSpec`. Must not: call Ray or
+import an implementation (:mod:`clawray.weight_sync.factory` knows them).
+
 A :class:`WeightTransport` has one sender (``rank == 0``) and one receiver per RolloutEngine (ranks
 ``1..W-1``). Both sides hold the same plan (:mod:`clawray.weight_sync.plan`) before the first sync.
 Every sync starts with a :class:`SyncHeader`: the policy version, the plan's size and the plan's
