@@ -50,8 +50,8 @@ def frozen_engine(cfg: DictConfig, backend: str, path: str, name: str) -> Any:
 
 def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: RunActors) -> None:
     """Create the queue, the rollout engines, the judges (and their frozen engine), the teachers
-    (OPD/Combine, :func:`clawray.actors.teacher.build_teachers`), the session tracker and the learner
-    group on ``actors``, then wait until every engine is ready (a progress line).
+    (OPD/Combine, :func:`clawray.actors.teacher.build_teachers`) and the session tracker on
+    ``actors``, without waiting for them (:func:`start_learners` follows).
 
     Args:
         cfg: the run's config.
@@ -64,7 +64,6 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.actors.session import SessionTrackerActor
     from clawray.actors.teacher import build_teachers
-    from clawray.console import wait_with_progress
     from clawray.recovery import RESTART, RESTART_RETRY, engine_options
 
     ro = cfg.rollout
@@ -101,14 +100,27 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
         records_dir=os.path.join(os.path.abspath(cfg.run_dir), "records") if cfg.records.enabled else None,
         journal=journals["sessions"],
     )
-    actors.learners = learner_group(cfg, path)
+
+
+def start_learners(cfg: DictConfig, path: str, actors: RunActors) -> None:
+    """Start the learner group on ``actors`` (:func:`learner_group`: it returns once every rank holds
+    its shard), then wait until every engine of :func:`build_actors` is ready (a progress line).
+
+    Args:
+        cfg: the run's config.
+        path: the policy's HF folder.
+        actors: the run's actors, engines created.
+    """
+    from clawray.console import wait_with_progress
+
     aux = [e for e in dict.fromkeys([actors.judge_engine, actors.teacher_engine]) if e is not None]
     aux = [e for e in aux if e not in actors.engines]
     print(
-        f"[clawray] starting {len(actors.engines) + len(aux)} engine(s) ({ro.backend}) and "
+        f"[clawray] starting {len(actors.engines) + len(aux)} engine(s) ({cfg.rollout.backend}) and "
         f"{cfg.learner.num_workers} learner(s)",
         flush=True,
     )
+    actors.learners = learner_group(cfg, path)
     wait_with_progress([e.ready.remote() for e in actors.engines + aux], "engines ready", "engine")
 
 
@@ -124,6 +136,33 @@ def learner_group(cfg: DictConfig, path: str) -> Any:
         OmegaConf.to_object(cfg.learner),
         loss_weights={"w_rl": w_rl, "w_opd": w_opd, "opd_adv_clip": cfg.opd.adv_clip},
     )
+
+
+def deploy_server(cfg: DictConfig, path: str, actors: RunActors) -> str:
+    """Submit the PolicyServer (``serve.*``) on the run's engines and tracker, without waiting
+    (:func:`clawray.serve.app.deploy_policy_server`); returns its base URL (``.../v1``)."""
+    from clawray.serve.app import deploy_policy_server
+
+    serve_cfg = OmegaConf.to_object(cfg.serve)
+    return deploy_policy_server(
+        path, actors.engines, actors.tracker, serve_cfg, cfg.rollout.max_model_len, actors.health_handles()
+    )
+
+
+def await_server(base_url: str, actors: RunActors) -> None:
+    """Wait until the server answers (:func:`clawray.serve.app.wait_policy_server`), then give every
+    replica the learner ranks for ``/health`` (it may have been deployed before they existed).
+
+    Raises:
+        RuntimeError: the deployment failed or never answered.
+    """
+    from ray import serve
+
+    from clawray.serve.app import APP_NAME, wait_policy_server
+
+    wait_policy_server(base_url)
+    handle = serve.get_app_handle(APP_NAME)
+    handle.broadcast("set_actors", "learners", actors.learner_workers).results(timeout_s=30)
 
 
 def connect_weight_sync(cfg: DictConfig, actors: RunActors) -> None:

@@ -116,9 +116,8 @@ class Driver:
 
     def _setup(self) -> None:
         from clawray import build
-        from clawray.ray_env import init_ray
-        from clawray.serve.app import start_policy_server
         from clawray.metrics_log import MetricsLog
+        from clawray.ray_env import init_ray
 
         cfg, t0 = self.cfg, time.perf_counter()
         private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
@@ -128,19 +127,17 @@ class Driver:
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
         journals = self.checkpoints.prepare_journals()
         build.build_actors(cfg, self.model_path, journals, self.actors)
+        if not cfg.resume:  # the server's replicas start while the learners do (a resume serves once restored)
+            self._serve_started = True  # Serve is shut down with the run from here on
+            self.base_url = build.deploy_server(cfg, self.model_path, self.actors)
+        build.start_learners(cfg, self.model_path, self.actors)
         build.connect_weight_sync(cfg, self.actors)
         print(build.placement_line(self.actors), flush=True)
         if cfg.resume:
             self.checkpoints.restore()
-        self._serve_started = True
-        self.base_url = start_policy_server(
-            self.model_path,
-            self.actors.engines,
-            self.actors.tracker,
-            OmegaConf.to_object(cfg.serve),
-            cfg.rollout.max_model_len,
-            self.actors.health_handles(),
-        )
+            self._serve_started = True
+            self.base_url = build.deploy_server(cfg, self.model_path, self.actors)
+        build.await_server(self.base_url, self.actors)
         resume_step = self.state.steps_done if cfg.resume else None
         run_id = self.state.wandb_run_id  # a resumed run continues the checkpoint's wandb run
         config = OmegaConf.to_container(cfg, resolve=True)
@@ -161,6 +158,7 @@ class Driver:
                 self.metrics.log({**self.premise.metrics(), "policy_version": self.version}, step=self.steps_done)
 
     # ------------------------------------------------------------------ evaluation
+
     def evaluate(self, when: str) -> dict[str, Any] | None:
         """Evaluate the current policy on the environment's eval split (``eval.*``,
         :class:`~clawray.evaluation.RunEvaluations`) through rollout engine 0, which serves the current

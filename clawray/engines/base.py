@@ -29,9 +29,10 @@ the tokens it had.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a token is drawn: the server imports these types without it
+    import torch
 
 
 @dataclass
@@ -97,6 +98,8 @@ def sample_next_token(
     Returns:
         ``(token_id, logprob)``: ``logprob = log_softmax(logits / T)[token_id]`` (natural log).
     """
+    import torch
+
     logits = logits.float()
     if temperature <= 0:
         tok = int(logits.argmax())

@@ -98,7 +98,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
         assert d.history[-1]["inv/dropped_samples/too_long"] == 1
         step_s = [m["timing/step_s"] for m in d.history]
         periodic = dict(d.checkpoints.last)
-        wandb_id = d.tracking.run_id
+        wandb_id = d.metrics.run_id
     finally:
         d.close()  # stop: nothing changed since the step-2 checkpoint, which holds s4, s5 (queued, untrained)
     first = list(d.state.trained_samples)
@@ -160,7 +160,7 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     d2.setup()
     try:
         assert d2.version == 2 and d2.steps_done == 2 and d2.state.samples_trained == 4
-        assert d2.tracking.run_id == wandb_id  # one wandb history across the stop
+        assert d2.metrics.run_id == wandb_id  # one wandb history across the stop
         assert ray.get([e.get_version.remote() for e in d2.actors.engines]) == [2]  # engines synced to the checkpoint
         stats = ray.get(d2.actors.queue.stats.remote())
         assert (stats["size"], stats["dropped"], stats["put"], stats["taken"]) == (2, {"too_long": 1}, 6, 4)

@@ -21,6 +21,7 @@ def test_discounted_credit_and_behaviour_monitor_in_the_loop(ray_cluster, tiny_m
         presets=["conf/credit.yaml"],
         overrides=[
             "trainer.num_steps=2",
+            "learner.num_workers=1",  # FSDP across ranks is the learner and chaos tests' (a setup costs 7 s less)
             "trainer.batch_timeout_s=300",
             "env.concurrency=2",
             "env.max_tokens=12",

@@ -130,7 +130,7 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
         {"behind": False, "failures": 0, "engine_versions": lambda self: {}, "sync": lambda self, v: _sync_result(v)},
     )()
     logged = []
-    d.tracking = type("Tracking", (), {"log": lambda self, m, step: logged.append(step)})()
+    d.metrics = type("Tracking", (), {"log": lambda self, m, step: logged.append(step)})()
     gets = []
     monkeypatch.setattr(ray, "get", counting_get(gets))
 

@@ -157,7 +157,7 @@ def test_load_weights_changes_and_restores(env):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_score_topk_matches_hf(env, temperature):
+def test_topk_logprobs_matches_hf(env, temperature):
     backend, hf, _ = env
     prompt, response = [3, 4, 5, 6, 7], [100, 200, 300, 42]
     values, ids = backend.topk_logprobs(prompt, response, k=5, temperature=temperature)

@@ -28,6 +28,7 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
         overrides=extra
         + [
             "trainer.num_steps=2",
+            "learner.num_workers=1",  # FSDP across ranks is the learner and chaos tests' (a setup costs 7 s less)
             "trainer.batch_timeout_s=180",
             "env.concurrency=2",
             "env.max_tokens=12",

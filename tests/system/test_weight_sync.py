@@ -455,7 +455,12 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
     learner = ray.remote(FakeLearner).options(num_cpus=0.2).remote(tiny_model)
     engine_cls = ray.remote(FaultyEngine)
     names = ["rollout-0", "rollout-1"]
-    engines = [engine_cls.options(num_cpus=0.2).remote("hf", tiny_model, n, 1, 8, {}) for n in names]
+    engines = [
+        engine_cls.options(num_cpus=0.2).remote(
+            tiny_model, {"backend": "hf", "torch_threads": 1, "max_batch_size": 8}, name=n
+        )
+        for n in names
+    ]
     ctl = None
     try:
         ray.get([e.ready.remote() for e in engines] + [learner.ready.remote()])

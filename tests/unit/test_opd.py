@@ -374,7 +374,7 @@ def test_teacher_tokenizer_must_match(tiny_model, tmp_path):
         check_same_tokenizer(tiny_model, str(other))
 
 
-def test_hf_score_topk_matches_a_forward_pass(tiny_model):
+def test_hf_topk_logprobs_matches_a_forward_pass(tiny_model):
     import torch
 
     from clawray.engines.hf import HFBackend
