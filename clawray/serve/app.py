@@ -538,7 +538,8 @@ def deploy_policy_server(
 
 
 def wait_policy_server(base_url: str, timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
-    """Wait until the deployed PolicyServer answers ``GET /health`` with 200 at ``base_url``.
+    """Wait until the deployed PolicyServer runs (every replica up: session-affine routing needs the
+    whole replica set before the first request) and answers ``GET /health`` with 200 at ``base_url``.
 
     Raises:
         RuntimeError: the deployment failed (Serve's message: e.g. a replica's constructor raised);
@@ -550,22 +551,22 @@ def wait_policy_server(base_url: str, timeout_s: float = DEPLOY_TIMEOUT_S) -> No
     health, start = base_url.removesuffix("/v1") + "/health", time.monotonic()
     running_since = None
     while True:
-        try:
-            if httpx.get(health, timeout=10.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
         state = serve.status().applications.get(APP_NAME)
         status = str(getattr(state, "status", ""))
         if status.endswith("DEPLOY_FAILED"):
             raise RuntimeError(f"the policy server failed to deploy: {state.message}")
-        if status.endswith("RUNNING") and running_since is None:
-            running_since = time.monotonic()
-        if running_since is not None and time.monotonic() - running_since > 30.0:
-            raise RuntimeError(
-                f"the policy server does not answer at {health}; is Ray Serve already running "
-                "in this cluster on another port? (Serve keeps the port it first started on)"
-            )
+        if status.endswith("RUNNING"):
+            running_since = time.monotonic() if running_since is None else running_since
+            try:
+                if httpx.get(health, timeout=10.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - running_since > 30.0:
+                raise RuntimeError(
+                    f"the policy server does not answer at {health}; is Ray Serve already running "
+                    "in this cluster on another port? (Serve keeps the port it first started on)"
+                )
         if time.monotonic() - start > timeout_s:
             raise RuntimeError(f"the policy server is not running {timeout_s:g} s after its deployment ({status})")
         time.sleep(0.5)
