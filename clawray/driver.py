@@ -81,6 +81,7 @@ class Driver:
         self.base_url = ""
         self.users = SimUsers(cfg)  # env.enabled
         self.premise: Any = None  # OPD's premise, probed before training (clawray.premise)
+        self.metrics: Any = None  # the run's MetricsLog (metrics.jsonl, wandb), opened by setup
         self._owns_ray = False
         self._serve_started = False  # only a driver that started Serve shuts it down
         self._shut_down = False
@@ -426,7 +427,7 @@ class Driver:
             ray_up = ray.is_initialized()  # False when setup failed before Ray started
             if ray_up:
                 self.users.stop()
-            if hasattr(self, "tracking"):
+            if self.metrics is not None:  # the wandb run ends; its files become the user's only
                 self.metrics.finish()
             if ray_up and self._serve_started:  # a run refused at start-up leaves another's Serve alone
                 try:
