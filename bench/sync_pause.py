@@ -61,6 +61,9 @@ class _Sender:
             self.transport.close()
         self.transport = make_transport(spec, 0)
 
+    def stage_weights(self, version: int) -> dict:
+        return {"gather_s": 0.0}  # nothing to gather: only the engine side of a sync is measured
+
     def sync_weights(self, version: int) -> dict:
         state = {k: v + 1e-3 * version if v.is_floating_point() else v for k, v in self.base.items()}
         stats = self.transport.send(state, version)

@@ -244,6 +244,7 @@ class LearnerWorker:
         self._build_optimizer(loss_weights)
         self.version = 0
         self._transport = None
+        self._staged: tuple[int, dict | None] | None = None  # (version, rank 0's full weights): stage_weights
         self.skipped_steps = 0
         self.optimizer_steps = 0
 
@@ -515,6 +516,7 @@ class LearnerWorker:
             both sides; nan when there are none), ``inv/effective_token_rate``.
         """
         t0 = time.perf_counter()
+        self._staged = None  # the step changes the weights
         plan = self._plan(sample_refs, advantages)
         self.model.eval()  # never train mode: dropout would make the log-probs stochastic
         proximal = None
@@ -687,19 +689,38 @@ class LearnerWorker:
             self._transport = None
         self._transport = make_transport(spec, 0)
 
-    def sync_weights(self, version: int) -> dict:
-        """Gather the full weights (every rank) and broadcast them from rank 0 stamped ``version``.
+    def stage_weights(self, version: int) -> dict:
+        """Gather the full weights (every rank, collective) for the sync to ``version`` ahead of it,
+        while the engines still serve; rank 0 keeps them for :meth:`sync_weights`, which then only
+        sends. A train step or a checkpoint load drops them.
 
         Returns:
-            on rank 0 ``{"bytes", "gather_s", "send_s"}``; ``{}`` on other ranks.
+            on rank 0 ``{"gather_s"}``; ``{}`` on other ranks.
         """
         t0 = time.perf_counter()
         state = self._full_state_dict()
-        t1 = time.perf_counter()
+        self._staged = (version, state if self.rank == 0 else None)
+        return {"gather_s": time.perf_counter() - t0} if self.rank == 0 else {}
+
+    def sync_weights(self, version: int) -> dict:
+        """Broadcast the full weights from rank 0 stamped ``version``: those :meth:`stage_weights`
+        gathered for ``version``, else gathered now (every rank).
+
+        Returns:
+            on rank 0 ``{"bytes", "gather_s", "send_s"}`` (``gather_s`` 0 when staged); ``{}`` on
+            other ranks.
+        """
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == version:
+            state, gather_s = staged[1], 0.0
+        else:
+            t0 = time.perf_counter()
+            state = self._full_state_dict()
+            gather_s = time.perf_counter() - t0
         if self.rank != 0:
             return {}
         stats = self._transport.send(state, version)
-        return {"bytes": stats["bytes"], "gather_s": t1 - t0, "send_s": stats["seconds"]}
+        return {"bytes": stats["bytes"], "gather_s": gather_s, "send_s": stats["seconds"]}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
@@ -745,6 +766,7 @@ class LearnerWorker:
             FileNotFoundError: ``path`` lacks ``train_state/`` or ``learner.pkl``.
             ValueError: the checkpoint was made with a different LoRA rank.
         """
+        self._staged = None  # gathered from the weights this replaces
         hf = self._hf_model(self.model)
         meta = load_learner_state(path, self.model, hf, self.optimizer, self.rank, self.lora_rank)
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -885,6 +907,10 @@ class LearnerGroup:
     def init_weight_sender(self, spec: TransportSpec, check: bool = True) -> list:
         """Refs of every rank's :meth:`LearnerWorker.init_weight_sender` (run with the receivers)."""
         return [w.init_weight_sender.remote(spec, check) for w in self.workers]
+
+    def stage_weights(self, version: int) -> list:
+        """Refs of every rank's :meth:`LearnerWorker.stage_weights`; rank 0's result is first."""
+        return [w.stage_weights.remote(version) for w in self.workers]
 
     def sync_weights(self, version: int) -> list:
         """Refs of every rank's :meth:`LearnerWorker.sync_weights`; rank 0's result is first."""

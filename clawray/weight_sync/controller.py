@@ -55,9 +55,10 @@ class WeightSyncController:
 
     Args:
         senders: learner actor handles, rank 0 first. Each has ``ready()``,
-            ``init_weight_sender(spec, check)`` and ``sync_weights(version)`` returning ``{"bytes",
-            "gather_s", "send_s"}`` on rank 0 (every rank is called: the full state dict is gathered
-            collectively); rank 0 also has ``sync_rendezvous(host)`` (binds the collective's rendezvous
+            ``init_weight_sender(spec, check)``, ``stage_weights(version)`` (gathers the full state
+            dict ahead of the pause; ``{"gather_s"}`` on rank 0) and ``sync_weights(version)``
+            returning ``{"bytes", "gather_s", "send_s"}`` on rank 0 (every rank is called for both:
+            the gather is collective); rank 0 also has ``sync_rendezvous(host)`` (binds the collective's rendezvous
             on its node, returns ``(host, port)``).
         engines: RolloutEngine actor handles (receivers ``1..len(engines)``); each has
             ``init_weight_receiver(rank, spec)``, ``receive_weights(version)``, ``pause``, ``resume``.
@@ -226,15 +227,17 @@ class WeightSyncController:
         return f"{what} failed on {', '.join(parts)}"
 
     def sync(self, version: int) -> dict[str, Any]:
-        """Pause the engines, send the learner's weights stamped ``version``, load them, resume.
+        """Have the learners gather their full weights (the engines still serve), then pause the
+        engines, send the weights stamped ``version``, load them, resume: a pause covers the transfer
+        and the load only (the gather was 60% of the CPU demo's pauses: 1.05 s of 1.76 s).
 
         Never raises for a member's failure and never leaves an engine paused: the result says what
         happened, and the next call rebuilds the group first and sends its (newer) weights to every
         engine, so lagging engines catch up.
 
         Returns:
-            ``ok`` (bool), ``version``, ``seconds`` (pause -> resume, wall), ``bytes`` (payload sent
-            once), ``gather_s``, ``send_s``, ``receive_s`` and ``load_s`` (``{engine: seconds}``),
+            ``ok`` (bool), ``version``, ``seconds`` (gather -> resume, wall), ``bytes`` (payload sent
+            once), ``gather_s`` (learner rank 0's, before the pause), ``send_s``, ``receive_s`` and ``load_s`` (``{engine: seconds}``),
             ``failed`` (names of the members that failed, engines first), ``error`` (one line naming
             them and the cause, or None), ``rebuild_s`` (seconds spent rebuilding the group first, 0
             when it was in step), ``versions`` (``{engine: policy version or None}`` afterwards),
@@ -265,6 +268,15 @@ class WeightSyncController:
                 self.rebuilds += 1
             except WeightSyncError as e:
                 return self._finish(out, t0, getattr(e, "errors", None) or {"sync group": str(e)}, str(e))
+        # the learners gather the full weights while the engines still serve: a pause covers only
+        # the transfer and the load
+        t_stage = time.perf_counter()
+        staged, errors = _collect(
+            {n: s.stage_weights.remote(version) for n, s in zip(self._member_names(), self.senders)}, self.timeout_s
+        )
+        if errors:
+            return self._finish(out, t0, errors, self._describe(f"gathering the weights for v{version}", errors))
+        out["gather_s"] = float(staged.get("learner-0", {}).get("gather_s", 0.0))
         t_sync = time.perf_counter()
         interrupt = self.mode == "interrupt"  # [sync.mode]
         _, pause_errors = _collect({n: e.pause.remote(interrupt) for n, e in zip(self.names, self.engines)}, 30.0)
@@ -280,7 +292,7 @@ class WeightSyncController:
         sent = results.get("learner-0", {})
         out.update(
             bytes=float(sent.get("bytes", 0.0)),
-            gather_s=float(sent.get("gather_s", 0.0)),
+            gather_s=out["gather_s"] + float(sent.get("gather_s", 0.0)),
             send_s=float(sent.get("send_s", 0.0)),
         )
         for n in self.names:
@@ -288,7 +300,7 @@ class WeightSyncController:
                 out["receive_s"][n] = results[n]["receive_s"]
                 out["load_s"][n] = results[n]["load_s"]
                 out["interrupted"] += int(results[n].get("interrupted", 0))  # [sync.mode]
-        out["seconds"] = time.perf_counter() - t_sync
+        out["seconds"] = time.perf_counter() - t_stage
         error = self._describe(f"weight sync to v{version}", errors) if errors else None
         return self._finish(out, t0, errors, error)
 

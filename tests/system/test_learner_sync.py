@@ -97,8 +97,12 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         )
         assert 0 < m["inv/entropy_min"] <= m["inv/entropy_p10"] <= m["inv/entropy"]
 
+        # the weights are gathered ahead of the sync (the engines still serve), then only sent
+        staged = ray.get(learners.stage_weights(1))
+        assert staged[0]["gather_s"] > 0 and staged[1:] == [{}] * (len(staged) - 1)
         results = ray.get(learners.sync_weights(1) + [engine.receive_weights.remote(1)])
         assert results[0]["bytes"] == sum(4 * torch.Size(sp.shape).numel() for sp in plan)
+        assert results[0]["gather_s"] == 0.0  # sent what was staged
         assert results[-1]["version"] == 1 and ray.get(engine.get_version.remote()) == 1
         assert ray.get(engine.generate.remote(GenerateRequest(prompt, max_tokens=2, seed=0)))["policy_version"] == 1
 
@@ -113,6 +117,16 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         m2 = learners.train_step(refs, version=2)
         assert m2["inv/ratio_mean"] != pytest.approx(1.0, abs=1e-4)
         assert math.isnan(m2["inv/logprob_mismatch_kl"])  # no sample was made by the v1 weights
+
+        # weights staged before a train step are stale after it, whatever their version: the sync
+        # gathers the weights the step made
+        ray.get(learners.stage_weights(3))
+        learners.train_step(refs, version=3)
+        results = ray.get(learners.sync_weights(3) + [engine.receive_weights.remote(3)])
+        assert results[0]["gather_s"] > 0
+        ray.get([w.save.remote(str(tmp_path / "v3")) for w in learners.workers])
+        after = ray.get(engine.logprobs.remote(prompt, response))
+        assert after == pytest.approx(_reference_logprobs(str(tmp_path / "v3"), prompt, response), abs=1e-5)
     finally:
         ray.kill(engine)
         learners.shutdown()

@@ -427,7 +427,21 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
                 self.transport.close()
             self.transport = make_transport(spec, 0)
 
+        def watch(self, engines):
+            self.engines, self.seen = engines, []
+
+        def _paused(self):
+            return [ray.get(e.stats.remote(), timeout=30)["paused"] for e in self.engines]
+
+        def stage_weights(self, version):
+            self.seen.append(("stage", version, self._paused()))
+            return {"gather_s": 0.0}
+
+        def seen_pauses(self):
+            return self.seen
+
         def sync_weights(self, version):
+            self.seen.append(("sync", version, self._paused()))
             stats = self.transport.send(self.state(version), version)
             return {"bytes": stats["bytes"], "gather_s": 0.0, "send_s": stats["seconds"]}
 
@@ -465,6 +479,7 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
     try:
         ray.get([e.ready.remote() for e in engines] + [learner.ready.remote()])
         plan = ray.get(engines[0].weight_specs.remote())
+        ray.get(learner.watch.remote(engines))
         ctl = WeightSyncController(
             [learner], engines, names, plan, transport=transport, bucket_bytes=1 << 20, timeout_s=4.0
         )
@@ -503,6 +518,11 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
         assert m["engine_version/rollout-0"] == 2 and m["engine_version/rollout-1"] == 2
         assert m["timing/weight_sync_s"] == r2["seconds"] > 0
         assert 0 < m["sync/pause_s"] <= r2["seconds"] and m["sync/interrupted_requests"] == 0.0  # nothing ran
+        # the learner stages (gathers) the weights while the engines serve; they pause only to receive
+        assert [e for e in ray.get(learner.seen_pauses.remote()) if e[1] == 2] == [
+            ("stage", 2, [False, False]),
+            ("sync", 2, [True, True]),
+        ]
 
         # 3) rollout-1's engine thread is busy past the deadline: the sync returns in bounded time,
         #    names rollout-1 as timed out, and leaves no engine paused
