@@ -198,6 +198,7 @@ def placement_line(actors: RunActors) -> str:
     host, port = actors.learners.rendezvous
     sync = actors.weight_sync
     where = sync.transport + (f" at {sync.rendezvous[0]}:{sync.rendezvous[1]}" if sync.rendezvous else "")
+    where += f" ({sync.note})" if sync.note else ""
     return (
         f"[clawray] placement: learners on {hosts('learner-')} (rendezvous {host}:{port}), engines on "
         f"{hosts('rollout-')}; weight sync {where}"

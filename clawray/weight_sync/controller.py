@@ -125,6 +125,7 @@ class WeightSyncController:
         self.requested = transport  # [placement] "auto" is resolved into spec.kind at each connect
         self.host = host
         self.rendezvous: tuple[str, int] | None = None  # the collective's published (host, port)
+        self.note = ""  # why auto did not pick ipc on one host (no room in /dev/shm), for the placement line
         # raises ValueError for an unknown transport; host, port and mailbox are set per group generation
         self.spec = TransportSpec(
             kind="collective" if transport == "auto" else transport,
@@ -199,16 +200,25 @@ class WeightSyncController:
         Raises:
             WeightSyncError: a forced ``ipc`` with an engine on another host, or rank 0 could not bind.
         """
-        from clawray.placement import actor_locations, resolve_transport
+        from clawray.placement import IPC_SHM_ROOM, actor_locations, resolve_transport, shm_free_bytes
+        from clawray.weight_sync.plan import plan_bytes
 
         self.rendezvous = None
+        self.note = ""
         if self.requested in ("auto", "ipc"):
             try:
                 where = actor_locations(
                     dict(zip(["learner-0", *self.names], [self.senders[0], *self.engines])), self.timeout_s
                 )
                 sender = where.pop("learner-0")
-                self.spec = dataclasses.replace(self.spec, kind=resolve_transport(self.requested, sender, where))
+                shm_free = None
+                if self.requested == "auto" and not sender[1]:  # on CPU ipc's buffers live in /dev/shm
+                    shm_free = ray.get(self.senders[0].__ray_call__.remote(shm_free_bytes), timeout=self.timeout_s)
+                payload = plan_bytes(self.spec.plan)
+                kind = resolve_transport(self.requested, sender, where, shm_free, payload)
+                if kind != resolve_transport(self.requested, sender, where):  # ipc but for /dev/shm's room
+                    self.note = f"auto: /dev/shm has {shm_free >> 20} MiB free, ipc needs {int(IPC_SHM_ROOM * payload) >> 20} MiB"
+                self.spec = dataclasses.replace(self.spec, kind=kind)
             except ValueError as e:
                 raise _group_error(str(e), {"sync group": str(e)}) from None
             except ray.exceptions.RayError as e:

@@ -50,6 +50,11 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def plan_bytes(plan: list[WeightSpec]) -> int:
+    """Bytes of one copy of every planned tensor (in the plan's dtypes)."""
+    return sum(numel(s.shape) * _dtype(s.dtype).itemsize for s in plan)
+
+
 def plan_buckets(plan: list[WeightSpec], bucket_bytes: int) -> list[Bucket]:
     """Split ``plan`` into buckets of at most ``bucket_bytes`` bytes (a larger tensor gets its own)."""
     buckets: list[Bucket] = []

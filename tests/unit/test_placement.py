@@ -22,6 +22,19 @@ def test_auto_is_ipc_on_one_host_and_collective_across_hosts():
     assert resolve_transport("ipc", a, {"rollout-0": a}) == "ipc"
 
 
+def test_auto_on_cpu_is_ipc_only_with_room_in_dev_shm():
+    """On CPU ipc keeps one packed copy of the weights in /dev/shm (Docker's default is 64 MiB):
+    auto takes it only with 1.5 x the weights free there; a GPU sender's buffers are on the GPU."""
+    a, smol = ("10.0.0.5", CPU), 538_060_032  # SmolLM2-135M in float32
+    assert resolve_transport("auto", a, {"rollout-0": a}, shm_free=64 << 20, payload=smol) == "collective"
+    assert resolve_transport("auto", a, {"rollout-0": a}, shm_free=int(1.5 * smol) - 1, payload=smol) == "collective"
+    assert resolve_transport("auto", a, {"rollout-0": a}, shm_free=int(1.5 * smol), payload=smol) == "ipc"
+    assert resolve_transport("auto", a, {"rollout-0": a}, shm_free=None, payload=smol) == "ipc"  # unknown: as before
+    gpu = ("10.0.0.5", ("0",))
+    assert resolve_transport("auto", gpu, {"rollout-0": gpu}, shm_free=64 << 20, payload=smol) == "ipc"
+    assert resolve_transport("ipc", a, {"rollout-0": a}, shm_free=0, payload=smol) == "ipc"  # forced: as asked
+
+
 def test_auto_on_gpu_is_ipc_only_for_engines_on_the_senders_gpu():
     """CUDA IPC handles open only on a device the receiver sees (Ray shows each actor its own GPUs)."""
     sender = ("10.0.0.5", ("0",))
