@@ -442,8 +442,10 @@ class ShapingConfig:
 
 @dataclass
 class MonitorConfig:
-    """Behaviour-level diversity monitor (clawray.algos.behaviour): every ``every_steps`` steps, K
-    replies at temperature 1 for each of P fixed probe prompts from the current policy (engine 0)."""
+    """The probes of the invariants. Behaviour-level diversity (clawray.algos.behaviour): every
+    ``every_steps`` steps, K replies at temperature 1 for each of P fixed probe prompts from the
+    current policy (engine 0). The on-policy gap (clawray.mismatch_probe): after each weight sync one
+    short reply of engine 0, scored by the learners at the same version."""
 
     every_steps: int = num(0, ge=0, le=10**6, note="0 = off")
     num_prompts: int = num(8, ge=1, le=10**4)  # P: probe prompts (the env's train split, fixed seed)
@@ -453,6 +455,13 @@ class MonitorConfig:
     seed: int = num(0, **_SEED)
     # a JSONL file of probe prompts ({"messages": [...]} per line); "" = the environment's train prompts
     probe_file: str = ""
+    # inv/logprob_mismatch_kl at every policy version: after each sync engine 0 samples this many
+    # tokens to the prompt of the batch's shortest sample (at most its last mismatch_probe_prompt_tokens)
+    # and the next train step scores them before its update (one no-grad forward per rank)
+    mismatch_probe_tokens: int = num(16, ge=0, le=4096, note="0 = off: fresh samples only")
+    mismatch_probe_prompt_tokens: int = num(256, ge=1, le=10**6)
+    # the most a train step waits for the probe's reply (then it is dropped, counted)
+    mismatch_probe_wait_s: float = num(10.0, ge=0.0, le=3600.0)
 
 
 @dataclass

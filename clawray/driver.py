@@ -35,6 +35,7 @@ from clawray.algos.algorithm import algorithm_class
 from clawray.checkpoint import precision_mismatch, prefix_cache_warning
 from clawray.closing import closing_lines, eval_change_lines
 from clawray.evaluation import RunEvaluations
+from clawray.mismatch_probe import MismatchProbe
 from clawray.monitor import BehaviourMonitor
 from clawray.file_modes import open_private, private_dir
 from clawray.batching import sample_groups, take_batch
@@ -74,6 +75,7 @@ class Driver:
         self.stats = RunStats(self.actors)
         self.history: list[dict[str, Any]] = []
         self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.state.behaviour, cfg.serve.untagged_tool_calls)
+        self.probe = MismatchProbe(cfg.monitor)  # inv/logprob_mismatch_kl at every version
         self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
         self.eval_results = self.evals.results
         self.model_path = cfg.model.path  # the policy's HF folder; setup resolves it (a build, a conversion)
@@ -214,7 +216,7 @@ class Driver:
             with clock.phase("train", keep=True):
                 train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
             with clock.phase("sync", keep=True):
-                sync_s, sync_error, sync_metrics = self._sync(next_version, skipped)
+                sync_s, sync_error, sync_metrics = self._sync(next_version, skipped, refs, metas)
         finally:
             self.users.release()
         if not skipped:
@@ -264,13 +266,19 @@ class Driver:
         st, train = self.state, {}
         if not skipped:
             coef = st.entropy_coef(self.cfg.learner.entropy_coef_max)
+            probe = self.probe.take(st.version)
             try:
-                train = self.actors.learners.train_step(refs, next_version, advantages, coef)
+                train = self.actors.learners.train_step(
+                    refs, next_version, advantages, coef, probe=probe, probe_wait_s=self.probe.wait_s
+                )
             except ray.exceptions.RayError as e:
                 lost = learner_lost(self.actors, e)
                 if lost is None:
                     raise
                 raise lost from None
+            if probe is not None:
+                self.probe.record(train)
+            train = {**train, **self.probe.metrics()}
             if train["skipped"]:  # no optimizer step: a non-finite loss, or no gradient at all
                 skipped = "no_gradient" if train.get("no_gradient_mini_batches", 0) > 0 else "nonfinite"
             else:
@@ -283,9 +291,13 @@ class Driver:
         st.in_flight["marked"] = True  # an exit checkpoint during this step's sync need not mark it again
         return train, skipped
 
-    def _sync(self, next_version: int, skipped: str) -> tuple[float, str | None, dict[str, float]]:
+    def _sync(
+        self, next_version: int, skipped: str, refs: list, metas: list
+    ) -> tuple[float, str | None, dict[str, float]]:
         """Broadcast the weights after a trained step (or a skipped one while an engine is behind);
-        returns ``(seconds, error or None, sync metrics)``.
+        returns ``(seconds, error or None, sync metrics)``. After a sync that reached every engine,
+        engine 0 samples the on-policy-gap probe (:class:`~clawray.mismatch_probe.MismatchProbe`) to
+        the prompt of one of the batch's samples (``refs``, ``metas``).
 
         ``timing/weight_sync_s`` = the whole sync (a group rebuild included); ``sync/pause_s`` = pause
         -> resume of the engines: gather, broadcast and load, plus, with ``sync.mode: drain``, the
@@ -302,7 +314,9 @@ class Driver:
             result = sync.resync(version) if restarted else sync.sync(version)
             sync_s = result["seconds"]
             sync_metrics.update(WeightSyncController.metrics(result, sync.failures))
-            if not result["ok"]:
+            if result["ok"] and self.actors.engines:
+                self.probe.launch(self.actors.engines[0], refs, metas, version, self.model_path)
+            else:
                 sync_error = result["error"]
                 print(
                     f"[clawray] {sync_error}; engines resumed at versions {result['versions']}; the sync group "

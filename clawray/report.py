@@ -26,7 +26,7 @@ run's own figures and a verdict, ✓ (holds) or ● (at risk), against :data:`TH
 |---|---|---|
 | entropy | ``inv/entropy`` first -> last | last >= 0.5 x first, and >= ``learner.entropy_floor`` |
 | signal | mean ``inv/nonzero_reward_frac``, mean ``inv/adv_std`` | adv std >= 0.05 and (a mode with rewards) non-zero fraction >= 0.5 |
-| on-policy gap | max ``inv/logprob_mismatch_kl``, mean ``inv/clip_frac`` | KL <= 0.01 and clip fraction <= 0.2 |
+| on-policy gap | max ``inv/logprob_mismatch_kl`` (and at how many steps it was measured), mean ``inv/clip_frac`` | KL <= 0.01 and clip fraction <= 0.2 |
 | effective samples | mean ``inv/effective_token_rate`` | >= 0.5 |
 | behaviour | ``inv/behaviour_entropy`` first -> last (when the monitor ran) | last >= 0.5 x first, and >= ``learner.behaviour_floor`` |
 
@@ -264,7 +264,7 @@ def matrix_row(rows: list[dict], config: dict[str, Any]) -> dict[str, tuple[str,
         cell(
             "on_policy_gap",
             (
-                f"KL max {max_kl:.2g}, clip {mean_clip:.3f}",
+                f"KL max {max_kl:.2g} ({len(kl)} of {len(train)} steps), clip {mean_clip:.3f}",
                 max_kl <= T["mismatch_kl_max"] and mean_clip <= T["clip_frac_max"],
             ),
         )

@@ -480,7 +480,13 @@ class LearnerWorker:
         )
 
     def train_step(
-        self, sample_refs: list, version: int, advantages: list[float] | None = None, entropy_coef: float = 0.0
+        self,
+        sample_refs: list,
+        version: int,
+        advantages: list[float] | None = None,
+        entropy_coef: float = 0.0,
+        probe: list | None = None,
+        probe_wait_s: float = 0.0,
     ) -> dict:
         """``steps_per_batch`` optimizer steps on a batch; the step produces policy ``version``.
 
@@ -498,6 +504,14 @@ class LearnerWorker:
             version: the policy version the updated weights will carry.
             advantages: one scalar per sample (after the driver's guards), or None for raw rewards.
             entropy_coef: the entropy-bonus coefficient for this step.
+            probe: ``[ObjectRef]`` of a reply the engines sample from the weights this step starts
+                from (:class:`~clawray.mismatch_probe.MismatchProbe`; in a list, so that Ray does not
+                wait for it before the step). It is awaited after the first mini-batch's backward, at
+                most ``probe_wait_s`` seconds, and scored before the first optimizer step (one no-grad
+                forward on every rank) into ``inv/logprob_mismatch_kl``; skipped when it is not
+                ready on every rank, failed, or holds a token of another version than this
+                learner's. Trains nothing.
+            probe_wait_s: see ``probe``; the wait is ``timing/probe_wait_s``.
 
         Returns:
             metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl`` (means over mini-batches),
@@ -512,13 +526,16 @@ class LearnerWorker:
             carries no gradient, so such a step leaves the weights bit-identical) and the invariants
             ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
             ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``, ``inv/is_weight_mean``,
-            ``inv/logprob_mismatch_kl`` (fresh samples of the first mini-batch only, same weights on
-            both sides; nan when there are none), ``inv/effective_token_rate``.
+            ``inv/logprob_mismatch_kl`` (the probe's tokens and those of fresh samples of the first
+            mini-batch: same weights on both sides; nan when there are none) over
+            ``inv/mismatch_tokens`` tokens (``inv/mismatch_probe_tokens`` of them the probe's),
+            ``inv/effective_token_rate``.
         """
         t0 = time.perf_counter()
         self._staged = None  # the step changes the weights
         plan = self._plan(sample_refs, advantages)
         self.model.eval()  # never train mode: dropout would make the log-probs stochastic
+        probe_sums, probe_waited = (0.0, 0.0), 0.0
         proximal = None
         if self.loss_settings.proximal and plan.num_mini > 1:
             proximal = self._proximal_logprobs(plan.fetched, plan.packs, plan.passes)
@@ -527,6 +544,8 @@ class LearnerWorker:
         no_gradient = 0  # mini-batches without a loss token or with an all-zero gradient: no optimizer step
         for j in range(plan.num_mini):
             outcome = self._mini_batch(plan, j, entropy_coef, proximal if j > 0 else None, per_sample)
+            if j == 0:  # the weights are still the ones the probe was sampled from
+                probe_sums, probe_waited = self._probe_mismatch(probe, probe_wait_s)
             if outcome == "no_gradient":
                 no_gradient += 1
             elif outcome != "nonfinite":
@@ -543,7 +562,7 @@ class LearnerWorker:
             self.version = version
         counts = plan.counts
         return {
-            **self._reduce_loss_metrics(per_sample, plan.num_mini),
+            **self._reduce_loss_metrics(per_sample, plan.num_mini, probe_sums),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "lr": lr,
             "micro_batches": float(plan.passes.sum().item()),
@@ -553,6 +572,7 @@ class LearnerWorker:
             "no_gradient_mini_batches": float(no_gradient),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
+            "timing/probe_wait_s": probe_waited,
         }
 
     def _plan(self, sample_refs: list, advantages: list[float] | None) -> "_StepPlan":
@@ -639,25 +659,67 @@ class LearnerWorker:
             return "no_gradient"
         return float(grad_norm.item())
 
-    def _reduce_loss_metrics(self, per_sample: list[dict[str, torch.Tensor]], num_mini: int) -> dict[str, float]:
-        """:func:`clawray.algos.losses.batch_loss_metrics` over every rank's samples. Collective: one
-        host copy of the summed metrics per step, a sum and a max all-reduce and an entropy all-gather."""
+    @torch.no_grad()
+    def _probe_mismatch(self, probe: list | None, wait_s: float) -> tuple[tuple[float, float], float]:
+        """``((sum of k3 terms, tokens), seconds waited)``: the mismatch between the probe's rollout
+        log-probs and these weights' (:func:`~clawray.algos.invariants.mismatch_kl_sum`, at the
+        probe's temperature), counted on rank 0. Collective: the ranks agree (a MIN all-reduce) on
+        whether every one of them holds a valid probe, then each runs the forward (FSDP2 gathers in
+        it); ``(0, 0)`` when not."""
         import torch.distributed as dist
 
-        sums = torch.zeros(len(SUM_METRICS), dtype=torch.float64)
+        from clawray.algos.invariants import mismatch_kl_sum
+
+        t0, sample = time.perf_counter(), None
+        if probe:
+            ready, _ = ray.wait(list(probe), timeout=wait_s)
+            if ready:
+                try:
+                    sample = ray.get(ready[0])
+                except ray.exceptions.RayError:  # the engine failed or restarted: no probe this step
+                    sample = None
+        waited = time.perf_counter() - t0
+        versions = [] if sample is None else (sample.token_versions or [sample.policy_version])
+        valid = torch.tensor([float(sample is not None and all(v == self.version for v in versions))])
+        dist.all_reduce(valid, op=dist.ReduceOp.MIN)
+        if valid.item() == 0.0:
+            return (0.0, 0.0), waited
+        logits = self._forward([sample], self.model)[0]
+        targets = torch.tensor(sample.tokens[sample.prompt_len :], device=self.device)
+        learner = sequence_logprobs(logits, targets, sample.temperature)
+        if self.rank != 0:
+            return (0.0, 0.0), waited
+        rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float32, device=self.device)
+        return (float(mismatch_kl_sum(rollout, learner, torch.ones_like(rollout))), float(sample.response_len)), waited
+
+    def _reduce_loss_metrics(
+        self, per_sample: list[dict[str, torch.Tensor]], num_mini: int, probe: tuple[float, float] = (0.0, 0.0)
+    ) -> dict[str, float]:
+        """:func:`clawray.algos.losses.batch_loss_metrics` over every rank's samples, the probe's
+        mismatch sums (:meth:`_probe_mismatch`) added. Collective: one host copy of the summed
+        metrics per step, a sum and a max all-reduce and an entropy all-gather."""
+        import torch.distributed as dist
+
+        sums = torch.zeros(len(SUM_METRICS) + 1, dtype=torch.float64)
         ratio_max = torch.zeros(1, dtype=torch.float64)
         mine = torch.zeros(0, dtype=torch.float64)
         if per_sample:
-            sums = torch.stack([sum(m[k] for m in per_sample) for k in SUM_METRICS]).cpu()
+            sums[:-1] = torch.stack([sum(m[k] for m in per_sample) for k in SUM_METRICS]).cpu()
             ratio_max = torch.stack([m["ratio_max"] for m in per_sample]).max().reshape(1).cpu()
             mine = torch.cat([m["token_entropy"] for m in per_sample]).cpu()
+        sums[SUM_METRICS.index("mismatch_kl_sum")] += probe[0]
+        sums[SUM_METRICS.index("mismatch_tokens")] += probe[1]
+        sums[-1] = probe[1]
         dist.all_reduce(sums)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
-        return batch_loss_metrics(
+        out = batch_loss_metrics(
             dict(zip(SUM_METRICS, sums.tolist())), ratio_max.item(), torch.cat(gathered), self.world_size, num_mini
         )
+        out["inv/mismatch_tokens"] = float(sums[SUM_METRICS.index("mismatch_tokens")])
+        out["inv/mismatch_probe_tokens"] = float(sums[-1])
+        return out
 
     # ------------------------------------------------------------------ weight sync
     def sync_rendezvous(self, host: str = "") -> tuple[str, int]:
@@ -899,10 +961,17 @@ class LearnerGroup:
             self.placement_group = None
 
     def train_step(
-        self, sample_refs: list, version: int, advantages: list[float] | None = None, entropy_coef: float = 0.0
+        self,
+        sample_refs: list,
+        version: int,
+        advantages: list[float] | None = None,
+        entropy_coef: float = 0.0,
+        probe: list | None = None,
+        probe_wait_s: float = 0.0,
     ) -> dict:
         """Run one optimizer step on every rank (see :meth:`LearnerWorker.train_step`); returns rank 0's metrics."""
-        return ray.get([w.train_step.remote(sample_refs, version, advantages, entropy_coef) for w in self.workers])[0]
+        args = (sample_refs, version, advantages, entropy_coef, probe, probe_wait_s)
+        return ray.get([w.train_step.remote(*args) for w in self.workers])[0]
 
     def init_weight_sender(self, spec: TransportSpec, check: bool = True) -> list:
         """Refs of every rank's :meth:`LearnerWorker.init_weight_sender` (run with the receivers)."""

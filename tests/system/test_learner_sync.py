@@ -1,6 +1,8 @@
 """LearnerGroup (FSDP2 over 2 gloo ranks) -> weight broadcast -> RolloutEngine, on the tiny model."""
 
+import dataclasses
 import math
+import time
 
 import pytest
 import ray
@@ -8,9 +10,11 @@ import torch
 
 from clawray.actors.learner import LearnerGroup
 from clawray.actors.rollout import RolloutEngineActor
+from clawray.config import MonitorConfig
 from clawray.engines.base import GenerateRequest
+from clawray.mismatch_probe import MismatchProbe
 from clawray.ray_env import free_port
-from clawray.types import Sample
+from clawray.types import Sample, SampleMeta
 from clawray.weight_sync import TransportSpec
 
 pytestmark = pytest.mark.slow
@@ -113,16 +117,44 @@ def test_train_step_and_sync_hf(ray_cluster, tiny_model, tmp_path):
         assert after == pytest.approx(_reference_logprobs(str(tmp_path / "v1"), prompt, response), abs=1e-5)
         assert max(abs(a - b) for a, b in zip(after, ref)) > 1e-3  # and they did change
 
+        # engines and learners now hold v1: the on-policy-gap probe samples a reply from the engine
+        # (to the shortest sample's prompt, as the driver does after a sync) ...
+        probe = MismatchProbe(MonitorConfig(mismatch_probe_tokens=5))
+        metas = [SampleMeta.of(s) for s in ray.get(refs)]
+        probe.launch(engine, refs, metas, version=1, model_path=tiny_model)
+        assert probe.take(learner_version=2) is None  # launched at v1: never handed to a v2 learner
+        probe.launch(engine, refs, metas, version=1, model_path=tiny_model)
+        handed = probe.take(learner_version=1)
+        assert probe.take(learner_version=1) is None  # taken once
+        reply = ray.get(handed[0])
+        assert reply.policy_version == 1 and reply.tokens[: reply.prompt_len] == prompt
+        assert 1 <= reply.response_len <= 5 and reply.token_versions == [1] * reply.response_len
+        # ... and the next step scores it before its first optimizer step. With the probe's rollout
+        # log-probs lowered by 0.1 nats, log r = learner - rollout = 0.1 on every token when the
+        # learner's own log-probs equal the engine's (same weights, both fp32): k3 = e^0.1 - 1 - 0.1
+        shifted = dataclasses.replace(reply, rollout_logprobs=[lp - 0.1 for lp in reply.rollout_logprobs])
         # a second step trains on the now-stale samples: the ratio departs from 1 and is clipped
-        m2 = learners.train_step(refs, version=2)
+        m2 = learners.train_step(refs, version=2, probe=[ray.put(shifted)], probe_wait_s=30)
         assert m2["inv/ratio_mean"] != pytest.approx(1.0, abs=1e-4)
-        assert math.isnan(m2["inv/logprob_mismatch_kl"])  # no sample was made by the v1 weights
+        # no sample was made by the v1 weights: the probe's tokens are the only ones measured
+        assert m2["inv/mismatch_probe_tokens"] == m2["inv/mismatch_tokens"] == reply.response_len
+        assert m2["inv/logprob_mismatch_kl"] == pytest.approx(math.exp(0.1) - 1 - 0.1, abs=1e-6)
+        probe.record(m2)
+        assert (probe.launched, probe.used, probe.dropped) == (2, 1, 1)
+        # a probe of another version than the learner's (v2 now) is not scored, nor one not ready in time
+        m_stale = learners.train_step(refs, version=3, probe=handed, probe_wait_s=30)
+        assert math.isnan(m_stale["inv/logprob_mismatch_kl"]) and m_stale["inv/mismatch_probe_tokens"] == 0
+        late = ray.remote(num_cpus=0)(lambda: time.sleep(60)).remote()  # never ready in time
+        m_late = learners.train_step(refs, version=4, probe=[late], probe_wait_s=0.5)
+        assert m_late["inv/mismatch_probe_tokens"] == 0
+        assert 0.5 <= m_late["timing/probe_wait_s"] < 5
+        ray.cancel(late, force=True)
 
         # weights staged before a train step are stale after it, whatever their version: the sync
         # gathers the weights the step made
-        ray.get(learners.stage_weights(3))
-        learners.train_step(refs, version=3)
-        results = ray.get(learners.sync_weights(3) + [engine.receive_weights.remote(3)])
+        ray.get(learners.stage_weights(5))
+        learners.train_step(refs, version=5)
+        results = ray.get(learners.sync_weights(5) + [engine.receive_weights.remote(5)])
         assert results[0]["gather_s"] > 0
         ray.get([w.save.remote(str(tmp_path / "v3")) for w in learners.workers])
         after = ray.get(engine.logprobs.remote(prompt, response))

@@ -150,6 +150,10 @@ def test_loop_trains_syncs_and_serves_the_new_version(driver):
             assert key in m
     # the first update trains on samples made by v0 with v0 weights: on-policy, same numerics (hf fp32)
     assert lines[0]["inv/staleness_max"] == 1 and lines[0]["inv/logprob_mismatch_kl"] < 1e-9
+    # from the second update on, the mismatch comes (also) from the probe engine 0 sampled after the
+    # previous sync (clawray.mismatch_probe): measured at every version, whatever the staleness
+    assert lines[0]["inv/mismatch_probe_tokens"] == 0 and 1 <= lines[1]["inv/mismatch_probe_tokens"] <= 16
+    assert lines[1]["inv/logprob_mismatch_kl"] < 1e-9 and lines[1]["inv/mismatch_probes_dropped"] == 0
     r = chat(
         driver,
         {"messages": [{"role": "user", "content": "after the update"}], "max_tokens": 2},

@@ -188,7 +188,10 @@ def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
         "effective_samples": "✓",
         "behaviour": "–",
     }
-    assert r1["signal"][0] == "non-zero 0.75, adv std 0.8" and r1["on_policy_gap"][0] == "KL max 0.002, clip 0.050"
+    assert (
+        r1["signal"][0] == "non-zero 0.75, adv std 0.8"
+        and r1["on_policy_gap"][0] == "KL max 0.002 (2 of 2 steps), clip 0.050"
+    )
     # opd: 0.9 is under the floor 1.0; no rewards is fine for OPD; KL 0.05 > 0.01 and clip 0.2 mean;
     # rate 0.4 < 0.5; behaviour entropy 1.0 -> 0.4 < 0.5 x 1.0
     assert {c: v for c, (_, v) in r2.items()} == {
@@ -198,6 +201,8 @@ def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
         "effective_samples": "●",
         "behaviour": "●",
     }
+    # the opd run measured the mismatch at one step of two
+    assert r2["on_policy_gap"][0] == "KL max 0.05 (1 of 2 steps), clip 0.200"
     lines = matrix_markdown(table)
     assert lines[0] == "| mode | run | entropy | signal | on_policy_gap | effective_samples | behaviour |"
     assert lines[2].startswith("| rl | rl | ✓ 2 → 1.2 |")
