@@ -416,11 +416,12 @@ class LearnerConfig:
 class SyncConfig:
     """Learner -> rollout weight broadcast."""
 
-    # "collective" (gloo on CPU, NCCL on GPU) | "object_store" (naive baseline) | "ipc" (same host only:
-    # CUDA IPC handles on GPU, shared-memory files on CPU; the one-GPU colocated path; refused when an
-    # engine runs on another host) | "auto" (ipc when every engine shares learner rank 0's host,
-    # else collective; decided again at each group rebuild)
-    transport: str = choice("collective", "object_store", "ipc", "auto")
+    # "auto" (ipc when every engine shares learner rank 0's host and, on CPU, its /dev/shm has room
+    # for the weights, else collective; decided again at each group rebuild; the placement line says
+    # which) | "collective" (gloo on CPU, NCCL on GPU) | "ipc" (same host only: CUDA IPC handles on
+    # GPU, shared-memory files on CPU; the one-GPU colocated path; refused when an engine runs on
+    # another host) | "object_store" (naive baseline)
+    transport: str = choice("auto", "collective", "ipc", "object_store")
     bucket_mb: int = num(64, ge=1)  # flat bucket size, MiB
     # deadline of one sync and of each collective in it; a failed sync rebuilds the group
     timeout_s: float = num(120.0, gt=0.0)

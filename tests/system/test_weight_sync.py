@@ -359,7 +359,8 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
 def test_sync_config_transport_choice():
     from clawray.config import ConfigError, load_config
 
-    assert load_config().sync.transport == "collective"
+    assert load_config().sync.transport == "auto"
+    assert load_config(overrides=["sync.transport=collective"]).sync.transport == "collective"
     assert load_config(overrides=["sync.transport=object_store"]).sync.transport == "object_store"
     assert load_config(overrides=["sync.transport=ipc"]).sync.transport == "ipc"
     with pytest.raises(ConfigError, match="sync.transport='nccl' is not one of"):
