@@ -13,12 +13,15 @@ overhead <= 5% at 16 sessions.
 
     python bench/serve_overhead.py                         # tiny model, hf engine
     python bench/serve_overhead.py --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm
+    python bench/serve_overhead.py --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm \
+        --concurrency 16 --rounds 8 --raw        # and vLLM's own engine on the same requests
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -113,6 +116,51 @@ async def _endpoint(base_url: str, questions: list[str], sessions: int, rounds: 
     return latencies, tokens, time.perf_counter() - t0
 
 
+def _raw_llm(model: str, rollout: dict, max_num_seqs: int):
+    """vLLM's own in-process engine with the options clawray's vllm backend gives it (fp32, no chunked
+    prefill on CPU, ``generation_config="vllm"``, eager), batching continuously up to
+    ``max_num_seqs`` requests: the limit the serving paths are measured against."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from vllm import LLM
+
+    torch.set_num_threads(rollout["torch_threads"])
+    return LLM(
+        model=model,
+        tokenizer=model,
+        dtype=rollout["dtype"],
+        max_model_len=rollout["max_model_len"],
+        kv_cache_memory_bytes=int(rollout["kv_cache_gib"] * 2**30),
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=2048,
+        max_num_seqs=max_num_seqs,
+        generation_config="vllm",
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+        seed=0,
+    )
+
+
+def _raw(llm, prompts: list[list[int]], sessions: int, rounds: int, max_tokens: int, stop: list[int]):
+    """The same C x R requests (prompts, seeds, sampling) as :func:`_direct`, all handed to
+    ``llm.generate`` at once (at most ``max_num_seqs`` = C run together). Latency per request is not
+    defined here (one call); returns ``(None, tokens, wall seconds)``."""
+    from vllm import SamplingParams
+
+    inputs, params = [], []
+    for s in range(sessions):
+        for r in range(rounds):
+            inputs.append({"prompt_token_ids": prompts[(s * rounds + r) % len(prompts)]})
+            params.append(
+                SamplingParams(
+                    temperature=1.0, max_tokens=max_tokens, stop_token_ids=stop, seed=1000 * s + r, logprobs=0
+                )
+            )
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    return None, sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+
 def _start_bare_server(engine, model: str) -> None:
     """Deploy, next to clawray's endpoint (same Serve proxy and port), the least an OpenAI chat endpoint
     on Ray Serve does: FastAPI ingress, chat template + tokenize, one engine call, detokenize, the
@@ -163,6 +211,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--rounds", type=int, default=4, help="requests per session")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--raw",
+        action="store_true",
+        help="vllm: also run vLLM's own engine in this process on the largest concurrency's requests "
+        "(max_num_seqs = that concurrency) and print endpoint / raw throughput",
+    )
     args = ap.parse_args()
 
     from ray import serve
@@ -242,6 +296,18 @@ def main() -> None:
                 f"{c:>8} {path:>9} {len(lat):>8} {rows[path][0]:>8.3f} {rows[path][1]:>8.3f} {rows[path][2]:>9.1f} "
                 f"{batch:>10.1f}"
             )
+        if args.raw and args.backend == "vllm" and c == max(int(x) for x in args.concurrency.split(",")):
+            llm = _raw_llm(model, rollout, c)
+            _raw(llm, prompts, 2, 1, 8, stop)  # warm up
+            _, toks, wall = _raw(llm, prompts, c, args.rounds, args.max_tokens, stop)
+            rows["raw"] = (math.nan, math.nan, toks / wall, toks)
+            print(f"{c:>8} {'raw':>9} {c * args.rounds:>8} {'':>8} {'':>8} {toks / wall:>9.1f} {'':>10}")
+            for path in ("direct", "endpoint"):
+                print(
+                    f"{c:>8} {path + '/raw':>9} throughput {rows[path][2] / rows['raw'][2]:.3f}x of vLLM's own "
+                    f"engine ({rows[path][3]} vs {toks} tokens)"
+                )
+            del llm
         for path, ms in cpu.items():
             print(f"{c:>8} {path:>9} cpu ms/request: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
         # bare/dir: Ray Serve's own cost; endpoint/bare: clawray's; endpoint/dir (last): the target's figure
