@@ -314,8 +314,9 @@ class Driver:
             result = sync.resync(version) if restarted else sync.sync(version)
             sync_s = result["seconds"]
             sync_metrics.update(WeightSyncController.metrics(result, sync.failures))
-            if result["ok"] and self.actors.engines:
-                self.probe.launch(self.actors.engines[0], refs, metas, version, self.model_path)
+            if result["ok"]:
+                if self.actors.engines:
+                    self.probe.launch(self.actors.engines[0], refs, metas, version, self.model_path)
             else:
                 sync_error = result["error"]
                 print(

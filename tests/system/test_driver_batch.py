@@ -82,7 +82,7 @@ def _sample(name, prompt, reward, trainable=True):
 
 
 @pytest.mark.parametrize("estimator, expected", [("binary", [1.0, -1.0, 1.0]), ("grpo", [1.0, -1.0, 0.0])])
-def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_path, estimator, expected):
+def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_path, capsys, estimator, expected):
     # A, B (all-masked) and C share a prompt, D has its own
     samples = [
         _sample("A", [1, 2, 3], 1.0),
@@ -145,6 +145,7 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     assert list(d.state.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1 and logged == [1]
     assert ("consumed", ([1, 2, 3, 4], 1, True)) in d.actors.queue.calls  # the whole batch, B included
     assert len(gets) >= 3  # the batch, the queue's and the tracker's stats went through the counted get
+    assert "engines resumed" not in capsys.readouterr().out  # the sync succeeded: no failure is told
 
 
 def _sync_result(version):
