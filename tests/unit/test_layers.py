@@ -53,6 +53,7 @@ LAYERS = {
     "clawray.evaluation": 3,
     "clawray.premise": 3,
     "clawray.monitor": 3,
+    "clawray.mismatch_probe": 3,
     "clawray.run_actors": 3,
     "clawray.run_stats": 3,
     "clawray.resume": 3,
