@@ -73,7 +73,7 @@ class MismatchProbe:
         self.prompt_tokens = int(monitor.mismatch_probe_prompt_tokens)
         self.wait_s = float(monitor.mismatch_probe_wait_s)
         self.seed = int(monitor.seed)
-        self.stop_ids: list[int] | None = None  # the policy's end-of-sequence id, read at the first launch
+        self.stop_ids: list[int] | None = None  # the policy's end-of-turn ids, read at the first launch
         self.launched = self.used = self.dropped = 0
         self._pending: Any = None  # ObjectRef of _probe_reply's Sample | None
         self._version = -1  # the version the pending probe was launched at
@@ -124,9 +124,10 @@ class MismatchProbe:
             self.dropped += 1
 
     def _stop_ids(self, model_path: str) -> list[int]:
-        if self.stop_ids is None:
+        if self.stop_ids is None:  # the ids that end a reply, as the server stops on them
             from transformers import AutoTokenizer
 
-            eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
-            self.stop_ids = [] if eos is None else [int(eos)]
+            from clawray.chat import end_of_turn_ids
+
+            self.stop_ids = end_of_turn_ids(model_path, AutoTokenizer.from_pretrained(model_path))
         return self.stop_ids
