@@ -478,7 +478,8 @@ def batch_loss_metrics(
     ``num_tokens``, ``num_samples``; the invariants ``inv/entropy`` (token mean, nats),
     ``inv/entropy_p10`` (:func:`~clawray.algos.invariants.masked_quantile`), ``inv/entropy_min``,
     ``inv/adv_std`` (token population std), ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``,
-    ``inv/is_weight_mean``, ``inv/logprob_mismatch_kl`` (fresh samples only; nan without any) and
+    ``inv/is_weight_mean``, ``inv/logprob_mismatch_kl`` (the summed ``mismatch_*`` terms: fresh samples
+    and the learner's mismatch probe; nan without any) and
     ``inv/effective_token_rate``. Means over tokens divide by ``max(tokens, 1)``.
     """
     from clawray.algos.invariants import masked_quantile
