@@ -85,7 +85,9 @@ class Driver:
         self.premise: Any = None  # OPD's premise, probed before training (clawray.premise)
         self.metrics: Any = None  # the run's MetricsLog (metrics.jsonl, wandb), opened by setup
         self._owns_ray = False
-        self._serve_started = False  # only a driver that started Serve shuts it down
+        # None until the server is deployed; then whether this run started Serve (it stops all of Serve
+        # at shutdown) or found it running (it deletes only its app: another's Serve keeps running)
+        self._serve_owned: bool | None = None
         self._shut_down = False
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
         self._lost: ActorLost | None = None  # the actor whose death ended the loop
@@ -131,15 +133,13 @@ class Driver:
         journals = self.checkpoints.prepare_journals()
         build.build_actors(cfg, self.model_path, journals, self.actors)
         if not cfg.resume:  # the server's replicas start while the learners do (a resume serves once restored)
-            self._serve_started = True  # Serve is shut down with the run from here on
-            self.base_url = build.deploy_server(cfg, self.model_path, self.actors)
+            self._deploy_server()
         build.start_learners(cfg, self.model_path, self.actors)
         build.connect_weight_sync(cfg, self.actors)
         print(build.placement_line(self.actors), flush=True)
         if cfg.resume:
             self.checkpoints.restore()
-            self._serve_started = True
-            self.base_url = build.deploy_server(cfg, self.model_path, self.actors)
+            self._deploy_server()
         build.await_server(self.base_url, self.actors)
         resume_step = self.state.steps_done if cfg.resume else None
         run_id = self.state.wandb_run_id  # a resumed run continues the checkpoint's wandb run
@@ -159,6 +159,13 @@ class Driver:
             self.premise = build.check_premise(cfg, self.model_path, self.actors)
             if self.premise is not None:
                 self.metrics.log({**self.premise.metrics(), "policy_version": self.version}, step=self.steps_done)
+
+    def _deploy_server(self) -> None:
+        from clawray import build
+        from clawray.serve.instance import serve_running
+
+        self._serve_owned = not serve_running()  # decided before the deploy: the server is stopped from here on
+        self.base_url = build.deploy_server(self.cfg, self.model_path, self.actors)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -436,7 +443,8 @@ class Driver:
         if self._shut_down:
             return
         self._shut_down = True
-        from clawray.serve.shutdown import shutdown_serve
+        from clawray.serve.app import APP_NAME
+        from clawray.serve.instance import release_serve
 
         try:
             ray_up = ray.is_initialized()  # False when setup failed before Ray started
@@ -444,9 +452,9 @@ class Driver:
                 self.users.stop()
             if self.metrics is not None:  # the wandb run ends; its files become the user's only
                 self.metrics.finish()
-            if ray_up and self._serve_started:  # a run refused at start-up leaves another's Serve alone
+            if ray_up and self._serve_owned is not None:  # a run refused at start-up leaves another's Serve alone
                 try:
-                    shutdown_serve()  # serve.shutdown() without its "graceful_shutdown failed" line
+                    release_serve(APP_NAME, self._serve_owned)
                 except Exception:  # noqa: BLE001 - the actors must still be released
                     pass
             if ray_up:

@@ -145,6 +145,7 @@ class PolicyService:
         self.base_url = ""
         self._lock = RunFolderLock(self.run_dir)
         self._owns_ray = False
+        self._serve_owned: bool | None = None  # set at deploy: whether this started Serve (see release_serve)
 
     def start(self) -> str:
         """Start Ray (local unless ``ray.address``), the engines, the tracker and the endpoint;
@@ -168,6 +169,7 @@ class PolicyService:
         from clawray.ray_env import init_ray
         from clawray.recovery import engine_options
         from clawray.serve.app import start_policy_server
+        from clawray.serve.instance import serve_running
 
         cfg, ro = self.cfg, self.cfg.rollout
         private_dir(self.run_dir)
@@ -187,6 +189,7 @@ class PolicyService:
         ray.get([e.ready.remote() for e in self.engines])
         records = os.path.join(self.run_dir, "records") if cfg.records.enabled else None
         self.tracker = ServingTrackerActor.options(num_cpus=0).remote(OmegaConf.to_object(cfg), records)
+        self._serve_owned = not serve_running()  # found running: only this app is stopped at the end
         self.base_url = start_policy_server(
             self.model_dir, self.engines, self.tracker, OmegaConf.to_object(cfg.serve), ro.max_model_len
         )
@@ -195,12 +198,15 @@ class PolicyService:
     def stop(self) -> None:
         """Stop the endpoint, the actors and (when this started it) Ray; release the run folder.
         Idempotent."""
-        from clawray.serve.shutdown import shutdown_serve
+        from clawray.serve.app import APP_NAME
+        from clawray.serve.instance import release_serve
 
         try:
             if ray.is_initialized():
                 try:
-                    shutdown_serve()
+                    if self._serve_owned is not None:
+                        owned, self._serve_owned = self._serve_owned, None
+                        release_serve(APP_NAME, owned)
                 except Exception:  # noqa: BLE001 - the rest must still be released
                     pass
                 for actor in [*self.engines, self.tracker]:

@@ -1,7 +1,10 @@
 """Shared fixtures: the tiny model (built once) and one local Ray head node for the whole session.
 
 The head node is started with ``ray start --head`` (not ``ray.init``) so that the job-submission test
-can submit to the same cluster through its dashboard; every Ray test connects to it.
+can submit to the same cluster through its dashboard; every Ray test connects to it. Ray Serve runs
+in it for the whole session on :data:`SERVE_PORT` (Serve keeps the address it first started on):
+each run deploys its app into it and deletes only that app at its end, as on a shared cluster
+(a Serve start and stop per run cost ~8 s on 2 cores); a run on a cluster of its own uses another port.
 """
 
 from __future__ import annotations
@@ -21,6 +24,19 @@ for _k, _v in LOOPBACK_ENV.items():
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # the proxy's header deadline (clawray/serve/guard.py), short so a test can watch it close a connection
 os.environ.setdefault("CLAWRAY_HEADER_TIMEOUT_S", "5")
+
+
+#: The port of the session cluster's Ray Serve HTTP proxy (:func:`shared_serve`).
+SERVE_PORT = free_port()
+
+
+def shared_serve() -> str:
+    """The session cluster's Ray Serve on 127.0.0.1::data:`SERVE_PORT` (started again if a test
+    stopped it); returns its root URL. A test's apps are deleted by name at its end, never Serve."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT}, logging_config={"enable_access_log": False})
+    return f"http://127.0.0.1:{SERVE_PORT}"
 
 
 #: The server tests' SessionTracker config: sessions stay open 10 minutes, truncated replies are not trained.
@@ -49,7 +65,7 @@ def make_turn(session: str, history: list, reply: str, version: int = 0, tools: 
 
 def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
     """A run config for the whole loop on the tiny model on 2 CPU cores: hf engine, feedback judge,
-    batches of 2, no evaluation (tests that want it turn it on), a free serve port, conf/rl.yaml's
+    batches of 2, no evaluation (tests that want it turn it on), the session's Serve port, conf/rl.yaml's
     staleness cap (2; cpu.yaml raises it for SmolLM2's slower learners); ``overrides`` (``key=value``)
     come last."""
     from clawray.config import load_config
@@ -64,7 +80,7 @@ def tiny_run_config(tiny_model: str, run_dir, presets=(), overrides=()):
             "judge.backend=feedback",
             "trainer.batch_size=2",
             f"run_dir={run_dir}",
-            f"serve.port={free_port()}",
+            f"serve.port={SERVE_PORT}",
             "eval.enabled=false",
             "queue.max_staleness=2",
             *overrides,
@@ -82,7 +98,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """A 2-CPU Ray head node on 127.0.0.1; yields ``{"address", "dashboard"}``."""
+    """A 2-CPU Ray head node on 127.0.0.1 with Ray Serve on :data:`SERVE_PORT`; yields
+    ``{"address", "dashboard"}``."""
     import ray
 
     port, dash = free_port(), free_port()
@@ -114,6 +131,7 @@ def ray_cluster(tmp_path_factory):
     )
     try:
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        shared_serve()
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
     finally:
         ray.shutdown()

@@ -97,7 +97,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     )
 
 
-@serve.deployment(max_ongoing_requests=256)
+# a stopping replica checks for requests still in flight every 0.25 s (Serve's default sleeps 2 s before
+# the first check, so every stop took 2 s more); in-flight requests still finish (Serve's 20 s timeout)
+@serve.deployment(max_ongoing_requests=256, graceful_shutdown_wait_loop_s=0.25)
 @serve.ingress(app)
 class PolicyServer:
     """The endpoint.
@@ -510,14 +512,23 @@ def deploy_policy_server(
         ConfigError: ``cfg`` is a mapping that does not fit :class:`~clawray.config.ServeConfig`.
         ValueError: the model's chat template renders tools in a format the reply parser does not
             read (:func:`clawray.serve.reply.tool_call_format`).
+        RuntimeError: Ray Serve already runs in the cluster on another host or port.
     """
     from transformers import AutoTokenizer
 
+    from clawray.serve.instance import serve_http_address
     from clawray.serve.reply import tool_call_format
     from clawray.serve.routing import router_config
 
     cfg = section(ServeConfig, cfg)
     tool_call_format(AutoTokenizer.from_pretrained(model_path).chat_template)  # an unknown format: refused now
+    running = serve_http_address()
+    if running is not None and running != (cfg.host, cfg.port):
+        raise RuntimeError(
+            f"Ray Serve already runs in this Ray cluster with its HTTP proxy on {running[0]}:{running[1]} "
+            f"(it keeps the address it first started on), not on serve.host={cfg.host} serve.port={cfg.port}: "
+            f"set serve.host={running[0]} serve.port={running[1]}, or use a cluster without Serve"
+        )
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"enable_access_log": False})
     options: dict[str, Any] = {"num_replicas": cfg.num_replicas}

@@ -29,7 +29,8 @@ import ray
 
 from clawray.journal import SampleState, read_records
 from clawray.types import SampleMeta
-from conftest import tiny_run_config
+from clawray.ray_env import free_port
+from conftest import SERVE_PORT, tiny_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +96,7 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
             "env.enabled=true",
             "env.concurrency=2",
             "ray.num_cpus=2",
+            f"serve.port={free_port()}",  # its own local Ray: the session's Serve holds SERVE_PORT
         ],
     )
     from omegaconf import OmegaConf
@@ -594,7 +596,12 @@ def test_killed_teacher_queue_and_tracker_are_restarted_in_turn_and_nothing_is_l
     with /health 200; then stop, resume and audit by (session_id, turn_index)): Ray restarts each
     actor, and every acknowledged sample is trained exactly once."""
     chaos = _chaos_bench()
-    row = chaos.one("teacher+queue+tracker", tiny_model, str(tmp_path), overrides=("learner.num_workers=1",))
+    row = chaos.one(
+        "teacher+queue+tracker",
+        tiny_model,
+        str(tmp_path),
+        overrides=("learner.num_workers=1", f"serve.port={SERVE_PORT}"),
+    )
     print(f"\nkill -9 teacher, then queue, then tracker: {row}")
     assert (row["teacher_outcome"], row["queue_outcome"], row["outcome"]) == ("recovered",) * 3, row
     assert row["acknowledged"] > 0 and row["lost"] == 0 and row["trained_twice"] == 0, row

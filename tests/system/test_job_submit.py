@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clawray.ray_env import free_port
+from conftest import SERVE_PORT
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_submit_script_runs_a_short_job(ray_cluster, tiny_model, tmp_path):
         "env.max_tokens=16",
         "env.max_turns=2",
         "wandb.mode=disabled",
-        f"serve.port={free_port()}",
+        f"serve.port={SERVE_PORT}",  # the cluster's Serve: the job deploys into it
         "trainer.max_batch_size=2",
         "eval.enabled=false",
         f"run_dir={run_dir}",

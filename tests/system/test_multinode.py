@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from clawray.driver import Driver
+from clawray.ray_env import free_port
 from clawray.run_stats import serve_stats
 from conftest import tiny_run_config
 
@@ -100,6 +101,7 @@ def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, t
             "env.max_tokens=16",
             "env.max_turns=2",
             "wandb.mode=disabled",
+            f"serve.port={free_port()}",  # a cluster of its own: the session's Serve holds SERVE_PORT
             "serve.num_replicas=2",
             "serve.resources={serve_node: 1}",
         ],
@@ -154,6 +156,7 @@ def test_forced_ipc_across_hosts_is_refused_naming_the_engine(three_nodes, tiny_
             "learner.num_workers=1",
             "env.enabled=false",
             "wandb.mode=disabled",
+            f"serve.port={free_port()}",  # a cluster of its own: the session's Serve holds SERVE_PORT
         ],
     )
     d = Driver(cfg)

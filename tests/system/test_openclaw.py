@@ -21,8 +21,7 @@ import pytest
 import ray
 
 from clawray import openclaw
-from clawray.ray_env import free_port
-from conftest import scripted_engine_class
+from conftest import SERVE_PORT, scripted_engine_class, shared_serve
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +83,8 @@ def endpoint(ray_cluster, tiny_model, tmp_path_factory):
     cfg = ServeConfig(
         model_name="tiny", generate_timeout_s=60, api_key="", sync_wait_timeout_s=1.0, untagged_tool_calls=True
     )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    port = SERVE_PORT
+    shared_serve()
     serve.run(
         PolicyServer.options(ray_actor_options={"num_cpus": 0}).bind(tiny_model, [engine], tracker, cfg, 131072),
         name="openclaw",
@@ -101,7 +100,7 @@ def endpoint(ray_cluster, tiny_model, tmp_path_factory):
         "queue": queue,
         "model": tiny_model,
     }
-    serve.shutdown()
+    serve.delete("openclaw")
 
 
 def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_judged(claw, endpoint):

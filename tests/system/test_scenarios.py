@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import tiny_run_config
+from conftest import SERVE_PORT, tiny_run_config
 from test_gsm8k_env import GSM8K
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.isfile(GSM8K), reason=f"{GSM8K} is absent")]
@@ -44,8 +44,6 @@ def _cpu_overrides(tiny_model, run_dir):
 
 
 def test_student_preset_through_the_cli(ray_cluster, tiny_model, tmp_path):
-    from clawray.ray_env import free_port
-
     run_dir = tmp_path / "student"
     cmd = [
         sys.executable,
@@ -56,7 +54,7 @@ def test_student_preset_through_the_cli(ray_cluster, tiny_model, tmp_path):
         "conf/student.yaml",
         *_cpu_overrides(tiny_model, run_dir),
         f"ray.address={ray_cluster['address']}",
-        f"serve.port={free_port()}",
+        f"serve.port={SERVE_PORT}",  # the cluster's Serve: the job deploys into it
     ]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -31,13 +31,13 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
     from clawray.actors.session import SessionTrackerActor
     from clawray.config import ServeConfig
     from clawray.serve.app import PolicyServer
-    from conftest import scripted_engine_class
+    from conftest import SERVE_PORT, scripted_engine_class, shared_serve
 
     tmp = tmp_path_factory.mktemp("secure")
     engine = ray.remote(scripted_engine_class()).options(num_cpus=0).remote()
     judge = JudgeWorkerActor.options(num_cpus=0).remote({"backend": "feedback", "m": 1})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    shared_serve()
+    port = SERVE_PORT
     for mode in ("echo", "strict"):
         queue = TrajectoryQueueActor.options(num_cpus=0).remote(2)
         tracker = SessionTrackerActor.options(num_cpus=0).remote(
@@ -67,7 +67,8 @@ def secured(ray_cluster, tiny_model, tmp_path_factory):
             route_prefix=f"/{mode}",
         )
     yield {"port": port, "root": f"http://127.0.0.1:{port}", "engine": engine, "model": tiny_model}
-    serve.shutdown()
+    for mode in ("echo", "strict"):
+        serve.delete(mode)
 
 
 def _raw(

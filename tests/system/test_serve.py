@@ -17,8 +17,7 @@ import openai
 import pytest
 import ray
 
-from clawray.ray_env import free_port
-from conftest import MASKED_SESSIONS, scripted_engine_class
+from conftest import MASKED_SESSIONS, scripted_engine_class, shared_serve
 
 pytestmark = pytest.mark.slow
 
@@ -95,8 +94,7 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
         max_n=4,
     )
     max_model_len = 256
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    root = shared_serve()
     opts = {"ray_actor_options": {"num_cpus": 0}}
     serve.run(
         PolicyServer.options(**opts).bind(tiny_model, [real_engine], trackers["real"], cfg, max_model_len),
@@ -108,7 +106,6 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
         name="scripted",
         route_prefix="/scripted",
     )
-    root = f"http://127.0.0.1:{port}"
     yield {
         "root": root,
         "real": f"{root}/real/v1",
@@ -119,7 +116,8 @@ def served(ray_cluster, tiny_model, tmp_path_factory):
         "tok": tok,
         "records": tmp,
     }
-    serve.shutdown()
+    serve.delete("real")
+    serve.delete("scripted")
     ray.kill(real_engine)
 
 

@@ -12,21 +12,15 @@ import pytest
 import ray
 
 from clawray.engines.base import GenerateOutput, GenerateRequest, SteppedBackend, StepOutput
-from clawray.ray_env import free_port
-from conftest import MASKED_SESSIONS
+from conftest import MASKED_SESSIONS, shared_serve
 
 LONG = 1900  # tokens a hung-up client asked for
 
 
 @pytest.fixture(scope="module")
 def serve_root(ray_cluster):
-    """Ray Serve on a free port for this module's apps (Serve keeps the port it first started on)."""
-    from ray import serve
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    """The session's Ray Serve (conftest.shared_serve) for this module's apps; each test deletes its own."""
+    return shared_serve()
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,12 @@ import openai
 import pytest
 import ray
 
+from ray import serve
+
 from clawray.checkpoint import write_policy_card
-from clawray.ray_env import free_port
+from clawray.serve.app import APP_NAME
+from clawray.serve.instance import serve_running
+from conftest import SERVE_PORT, shared_serve
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +34,7 @@ def test_serve_a_checkpoint_at_its_version_without_training(ray_cluster, tiny_mo
     write_policy_card(model, {"policy_version": 7, "engine": {"backend": "hf", "dtype": "float32"}})
     assert serving_overrides(model) == [f"model.path={model}", "rollout.backend=hf", "rollout.dtype=float32"]
     run_dir = tmp_path / "serve"
-    port = free_port()
+    port = SERVE_PORT  # the session's Serve: the server deploys into it and deletes only its app
     cfg = load_config(
         ["conf/rl.yaml", "conf/cpu.yaml"],
         [
@@ -81,4 +85,28 @@ def test_serve_a_checkpoint_at_its_version_without_training(ray_cluster, tiny_mo
     lock.acquire()  # released at the stop
     lock.release()
     assert ray.is_initialized()  # the test's cluster: not this server's to stop
+    # it deployed into the cluster's running Serve: it deleted its app and left Serve running
+    assert serve_running() and APP_NAME not in serve.status().applications
     assert PolicyService(cfg).version == 7
+
+
+def test_a_deploy_where_serve_runs_on_another_port_is_refused_at_once(ray_cluster, tiny_model):
+    """Serve keeps the address it first started on: a run asking for another port is refused before
+    anything is deployed, naming the running address and the settings that reach it (before, the
+    run waited 30 s for an answer that could not come)."""
+    from clawray.config import ServeConfig
+    from clawray.ray_env import free_port
+    from clawray.serve.app import deploy_policy_server
+
+    shared_serve()
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        deploy_policy_server(tiny_model, [], None, ServeConfig(port=port), 256)
+    assert time.monotonic() - t0 < 10
+    assert str(err.value) == (
+        f"Ray Serve already runs in this Ray cluster with its HTTP proxy on 127.0.0.1:{SERVE_PORT} (it keeps "
+        f"the address it first started on), not on serve.host=127.0.0.1 serve.port={port}: set "
+        f"serve.host=127.0.0.1 serve.port={SERVE_PORT}, or use a cluster without Serve"
+    )
+    assert APP_NAME not in serve.status().applications

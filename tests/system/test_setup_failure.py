@@ -4,9 +4,12 @@ import time
 
 import pytest
 import ray
+from ray import serve
 from ray.util.state import list_actors
 
 from clawray.driver import Driver
+from clawray.serve.app import APP_NAME
+from clawray.serve.instance import serve_running
 from conftest import tiny_run_config
 
 
@@ -37,4 +40,6 @@ def test_driver_setup_failure_releases_actors_and_resources(ray_cluster, tiny_mo
         time.sleep(0.5)
     assert _alive_actors(ray_cluster) - before_actors == set()
     assert ray.available_resources().get("CPU", 0.0) >= before_cpus
+    # the cluster's Serve was running before: the run deleted its app and left Serve running
+    assert serve_running() and APP_NAME not in serve.status().applications
     d.close()  # a second shutdown is a no-op

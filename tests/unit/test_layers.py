@@ -37,7 +37,7 @@ LAYERS = {
     "clawray.serve.routing": 2,
     "clawray.serve.guard": 2,
     "clawray.serve.splice": 2,
-    "clawray.serve.shutdown": 2,
+    "clawray.serve.instance": 2,
     "clawray.checkpoint": 2,
     "clawray.run_lock": 2,
     "clawray.placement": 2,

@@ -60,13 +60,13 @@ def test_a_driver_in_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path,
     setup stops at the lock: the live run's journal and checkpoints are byte-identical after it. On a
     Ray cluster the live run shares (bench/chaos.py's second-run: one process), the refused run's
     shutdown used to stop the live run's Serve: it stops only what it started."""
-    import clawray.serve.shutdown
+    import clawray.serve.instance
     from clawray import driver as driver_module
     from clawray.driver import Driver
     from conftest import tiny_run_config
 
     stopped = []
-    monkeypatch.setattr(clawray.serve.shutdown, "shutdown_serve", lambda: stopped.append("serve"))
+    monkeypatch.setattr(clawray.serve.instance, "shutdown_serve", lambda: stopped.append("serve"))
     monkeypatch.setattr(driver_module.ray, "is_initialized", lambda: True)  # the live run's Ray
 
     run_dir = tmp_path / "run"
