@@ -44,6 +44,7 @@ from clawray.resume import Checkpoints, LoopState
 from clawray.run_actors import RunActors
 from clawray.run_lock import RunFolderLock
 from clawray.run_stats import RunStats
+from clawray.serve.instance import APP_NAME, ServeLease
 from clawray.traffic import SimUsers
 from clawray.step_metrics import Timeline, step_line
 from clawray.weight_sync import WeightSyncController
@@ -85,9 +86,7 @@ class Driver:
         self.premise: Any = None  # OPD's premise, probed before training (clawray.premise)
         self.metrics: Any = None  # the run's MetricsLog (metrics.jsonl, wandb), opened by setup
         self._owns_ray = False
-        # None until the server is deployed; then whether this run started Serve (it stops all of Serve
-        # at shutdown) or found it running (it deletes only its app: another's Serve keeps running)
-        self._serve_owned: bool | None = None
+        self.serve = ServeLease(APP_NAME)  # stops all of Serve at shutdown only if this run started it
         self._shut_down = False
         self._ready = False  # setup (and a resume) completed: only then may an exit checkpoint be written
         self._lost: ActorLost | None = None  # the actor whose death ended the loop
@@ -132,14 +131,15 @@ class Driver:
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
         journals = self.checkpoints.prepare_journals()
         build.build_actors(cfg, self.model_path, journals, self.actors)
+        deploy = lambda: build.deploy_server(cfg, self.model_path, self.actors)  # noqa: E731
         if not cfg.resume:  # the server's replicas start while the learners do (a resume serves once restored)
-            self._deploy_server()
+            self.base_url = self.serve.deploy(deploy)
         build.start_learners(cfg, self.model_path, self.actors)
         build.connect_weight_sync(cfg, self.actors)
         print(build.placement_line(self.actors), flush=True)
         if cfg.resume:
             self.checkpoints.restore()
-            self._deploy_server()
+            self.base_url = self.serve.deploy(deploy)
         build.await_server(self.base_url, self.actors)
         resume_step = self.state.steps_done if cfg.resume else None
         run_id = self.state.wandb_run_id  # a resumed run continues the checkpoint's wandb run
@@ -159,13 +159,6 @@ class Driver:
             self.premise = build.check_premise(cfg, self.model_path, self.actors)
             if self.premise is not None:
                 self.metrics.log({**self.premise.metrics(), "policy_version": self.version}, step=self.steps_done)
-
-    def _deploy_server(self) -> None:
-        from clawray import build
-        from clawray.serve.instance import serve_running
-
-        self._serve_owned = not serve_running()  # decided before the deploy: the server is stopped from here on
-        self.base_url = build.deploy_server(self.cfg, self.model_path, self.actors)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -234,8 +227,7 @@ class Driver:
         st.steps_done += 1
         behaviour = self._monitor_behaviour()
         st.in_flight = None  # the step is complete (trained, or decided against)
-        s = clock.seconds
-        timing = {"timing/wait_batch_s": s["wait_batch"], "timing/hold_s": s["hold"], "timing/train_s": s["train"]}
+        timing = {f"timing/{k}_s": clock.seconds[k] for k in ("wait_batch", "hold", "train")}
         # the row is ready before the checkpoint commits, so a driver killed right after the commit
         # loses no row of a checkpointed step (the serve/queue/tracker stats calls take a while)
         coef = st.entropy_coef(self.cfg.learner.entropy_coef_max)
@@ -243,12 +235,9 @@ class Driver:
             st, batch, metas, adv, skipped, train, {**timing, **sync_metrics}, coef, tr.dynamic_sampling
         )
         metrics["timing/step_s"] = time.perf_counter() - t0
-        ckpt_s = self.checkpoints.periodic()
-        metrics["timing/checkpoint_s"] = ckpt_s
+        metrics["timing/checkpoint_s"] = ckpt_s = self.checkpoints.periodic()
         metrics["timing/step_s"] += ckpt_s
-        metrics.update(behaviour)
-        if sync_error:
-            metrics["sync_error"] = sync_error
+        metrics.update(behaviour, **({"sync_error": sync_error} if sync_error else {}))
         self._log_step(metrics, dropped, bool(adv.rewarded), train, skipped, sync_s, sync_error)
         return metrics
 
@@ -443,18 +432,15 @@ class Driver:
         if self._shut_down:
             return
         self._shut_down = True
-        from clawray.serve.app import APP_NAME
-        from clawray.serve.instance import release_serve
-
         try:
             ray_up = ray.is_initialized()  # False when setup failed before Ray started
             if ray_up:
                 self.users.stop()
             if self.metrics is not None:  # the wandb run ends; its files become the user's only
                 self.metrics.finish()
-            if ray_up and self._serve_owned is not None:  # a run refused at start-up leaves another's Serve alone
+            if ray_up:
                 try:
-                    release_serve(APP_NAME, self._serve_owned)
+                    self.serve.release()
                 except Exception:  # noqa: BLE001 - the actors must still be released
                     pass
             if ray_up:

@@ -40,6 +40,7 @@ from clawray.config import checkpoint_dir
 from clawray.file_modes import private_tree
 from clawray.recovery import ActorLost
 from clawray.run_actors import RunActors
+from clawray.serve.instance import APP_NAME
 
 #: Seconds between two tries of a sample-journal mark the disk refused.
 JOURNAL_RETRY_S = 5.0
@@ -282,7 +283,7 @@ class Checkpoints:
         try:  # /health reports the new ranks: every replica answers /health, each gets the new list
             from ray import serve
 
-            handle = serve.get_app_handle("clawray")  # clawray.serve.app.APP_NAME
+            handle = serve.get_app_handle(APP_NAME)
             handle.broadcast("set_actors", "learners", self.actors.learner_workers).results(timeout_s=30)
         except Exception as e:  # noqa: BLE001 - /health then shows the old ranks as dead: degraded, not wrong
             print(f"[clawray] /health keeps the old learner list ({type(e).__name__})", flush=True)

@@ -28,6 +28,7 @@ import ray
 from clawray.checkpoint import engine_dtype
 from clawray.config import ClawrayConfig, section
 from clawray.records import TurnRecords
+from clawray.serve.instance import APP_NAME, ServeLease
 from clawray.session_book import SessionBook
 from clawray.types import Turn
 
@@ -145,7 +146,7 @@ class PolicyService:
         self.base_url = ""
         self._lock = RunFolderLock(self.run_dir)
         self._owns_ray = False
-        self._serve_owned: bool | None = None  # set at deploy: whether this started Serve (see release_serve)
+        self.serve = ServeLease(APP_NAME)  # stops all of Serve at the end only if this started it
 
     def start(self) -> str:
         """Start Ray (local unless ``ray.address``), the engines, the tracker and the endpoint;
@@ -169,7 +170,6 @@ class PolicyService:
         from clawray.ray_env import init_ray
         from clawray.recovery import engine_options
         from clawray.serve.app import start_policy_server
-        from clawray.serve.instance import serve_running
 
         cfg, ro = self.cfg, self.cfg.rollout
         private_dir(self.run_dir)
@@ -189,24 +189,19 @@ class PolicyService:
         ray.get([e.ready.remote() for e in self.engines])
         records = os.path.join(self.run_dir, "records") if cfg.records.enabled else None
         self.tracker = ServingTrackerActor.options(num_cpus=0).remote(OmegaConf.to_object(cfg), records)
-        self._serve_owned = not serve_running()  # found running: only this app is stopped at the end
-        self.base_url = start_policy_server(
-            self.model_dir, self.engines, self.tracker, OmegaConf.to_object(cfg.serve), ro.max_model_len
+        serve_cfg = OmegaConf.to_object(cfg.serve)
+        self.base_url = self.serve.deploy(
+            lambda: start_policy_server(self.model_dir, self.engines, self.tracker, serve_cfg, ro.max_model_len)
         )
         return self.base_url
 
     def stop(self) -> None:
         """Stop the endpoint, the actors and (when this started it) Ray; release the run folder.
         Idempotent."""
-        from clawray.serve.app import APP_NAME
-        from clawray.serve.instance import release_serve
-
         try:
             if ray.is_initialized():
                 try:
-                    if self._serve_owned is not None:
-                        owned, self._serve_owned = self._serve_owned, None
-                        release_serve(APP_NAME, owned)
+                    self.serve.release()
                 except Exception:  # noqa: BLE001 - the rest must still be released
                     pass
                 for actor in [*self.engines, self.tracker]:

@@ -491,56 +491,46 @@ class LearnerWorker:
         """``steps_per_batch`` optimizer steps on a batch; the step produces policy ``version``.
 
         The batch splits into ``steps_per_batch`` contiguous mini-batches (one optimizer step each,
-        gradient-norm clipped at ``grad_clip``, learning rate from the schedule). Inside a
-        mini-batch each rank packs its samples into micro-batches (:func:`pack_micro_batches`) and
-        accumulates their gradients; the per-sample loss is described in :meth:`_micro_batch_loss`,
-        normalised by the mini-batch's global token (or sequence) count, so packing does not change
-        the loss or the gradient. With ``ratio_anchor: proximal`` and two or more mini-batches, the
-        proximal log-probs of mini-batches 2.. are computed first, before any optimizer step
-        (:meth:`_proximal_logprobs`, one no-grad forward per such sample).
+        gradient-norm clipped at ``grad_clip``, learning rate from the schedule); each rank packs its
+        share into micro-batches (:func:`pack_micro_batches`) and accumulates their gradients. The
+        per-sample loss (:meth:`_micro_batch_loss`) is normalised by the mini-batch's global token (or
+        sequence) count: packing changes neither loss nor gradient. With ``ratio_anchor: proximal``
+        and two or more mini-batches, the proximal log-probs of mini-batches 2.. are computed before
+        any optimizer step (:meth:`_proximal_logprobs`, a no-grad forward per such sample).
 
         Args:
             sample_refs: the whole batch's ``ObjectRef[Sample]`` list (each rank takes its share).
             version: the policy version the updated weights will carry.
             advantages: one scalar per sample (after the driver's guards), or None for raw rewards.
             entropy_coef: the entropy-bonus coefficient for this step.
-            probe: ``[ObjectRef]`` of a reply the engines sample from the weights this step starts
-                from (:class:`~clawray.mismatch_probe.MismatchProbe`; in a list, so that Ray does not
-                wait for it before the step). It is awaited after the first mini-batch's backward, at
-                most ``probe_wait_s`` seconds, and scored before the first optimizer step (one no-grad
-                forward on every rank) into ``inv/logprob_mismatch_kl``; skipped when it is not
-                ready on every rank, failed, or holds a token of another version than this
-                learner's. Trains nothing.
-            probe_wait_s: see ``probe``; the wait is ``timing/probe_wait_s``.
+            probe: ``[ObjectRef]`` (a list: Ray does not wait for it) of a reply the engines sampled
+                from this step's starting weights (:class:`~clawray.mismatch_probe.MismatchProbe`),
+                awaited after the first mini-batch's backward (at most ``probe_wait_s`` s, logged as
+                ``timing/probe_wait_s``) and scored before the first optimizer step (a no-grad forward
+                per rank); skipped unless ready and of this learner's version on every rank.
 
         Returns:
-            metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl`` (means over mini-batches),
-            ``grad_norm`` (mean over mini-batches, before clipping), ``lr`` (of the last optimizer
-            step), ``num_tokens``, ``num_samples``, ``micro_batches`` (forward/backward passes per
-            rank, padding included), ``perf/padding_frac`` (padding tokens / padded ``[B, T]`` slots of
-            every micro-batch on every rank; padding passes not counted), ``optimizer_steps``,
-            ``skipped`` (1 when no optimizer step was
-            taken: a non-finite loss or gradient skips its mini-batch, and so does one without a
-            loss token on any rank or with an all-zero gradient, counted in
-            ``no_gradient_mini_batches``: AdamW's weight decay and moments never act on a step that
-            carries no gradient, so such a step leaves the weights bit-identical) and the invariants
-            ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``, ``inv/adv_std``,
-            ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``, ``inv/is_weight_mean``,
-            ``inv/logprob_mismatch_kl`` (the probe's tokens and those of fresh samples of the first
-            mini-batch: same weights on both sides; nan when there are none) over
-            ``inv/mismatch_tokens`` tokens (``inv/mismatch_probe_tokens`` of them the probe's),
-            ``inv/effective_token_rate``.
+            metrics reduced over ranks: ``loss``, ``pg_loss``, ``kl`` and ``grad_norm`` (means over
+            mini-batches, before clipping), ``lr`` (of the last optimizer step), ``num_tokens``,
+            ``num_samples``, ``micro_batches`` (passes per rank), ``perf/padding_frac`` (padding /
+            padded ``[B, T]`` slots), ``optimizer_steps``, ``skipped`` (1: no optimizer step; a
+            non-finite loss or gradient skips its mini-batch, and so does one without a loss token or
+            with an all-zero gradient, ``no_gradient_mini_batches``: the weights stay bit-identical)
+            and the invariants ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``,
+            ``inv/adv_std``, ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``,
+            ``inv/is_weight_mean``, ``inv/effective_token_rate`` and ``inv/logprob_mismatch_kl`` (the
+            probe's tokens and the first mini-batch's fresh samples': same weights on both sides;
+            nan without any) over ``inv/mismatch_tokens`` (``inv/mismatch_probe_tokens`` the probe's).
         """
         t0 = time.perf_counter()
         self._staged = None  # the step changes the weights
         plan = self._plan(sample_refs, advantages)
         self.model.eval()  # never train mode: dropout would make the log-probs stochastic
-        probe_sums, probe_waited = (0.0, 0.0), 0.0
-        proximal = None
+        probe_sums, probe_waited, proximal = (0.0, 0.0), 0.0, None  # proximal: mini-batches 2.. (see above)
         if self.loss_settings.proximal and plan.num_mini > 1:
             proximal = self._proximal_logprobs(plan.fetched, plan.packs, plan.passes)
         per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
-        grad_norms, steps_taken, lr = [], 0, self.optimizer.param_groups[0]["lr"]
+        grad_norms, lr = [], self.optimizer.param_groups[0]["lr"]
         no_gradient = 0  # mini-batches without a loss token or with an all-zero gradient: no optimizer step
         for j in range(plan.num_mini):
             outcome = self._mini_batch(plan, j, entropy_coef, proximal if j > 0 else None, per_sample)
@@ -548,32 +538,35 @@ class LearnerWorker:
                 probe_sums, probe_waited = self._probe_mismatch(probe, probe_wait_s)
             if outcome == "no_gradient":
                 no_gradient += 1
-            elif outcome != "nonfinite":
+            elif outcome != "nonfinite":  # a finite gradient norm: the mini-batch's optimizer step
                 grad_norms.append(outcome)
-                lr = self.optimizer.param_groups[0]["lr"]
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer_steps += 1
-                steps_taken += 1
-        skipped = steps_taken == 0
+                lr = self._optimizer_step()
+        skipped = not grad_norms
         if skipped:
             self.skipped_steps += 1
         else:
             self.version = version
-        counts = plan.counts
+        counts = plan.counts  # per mini-batch, over all ranks: [..., padded [B, T] slots, real tokens]
         return {
             **self._reduce_loss_metrics(per_sample, plan.num_mini, probe_sums),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "lr": lr,
             "micro_batches": float(plan.passes.sum().item()),
-            # share of the micro-batches' padded [B, T] token slots that are padding (all ranks)
             "perf/padding_frac": 1.0 - float(counts[:, 3].sum()) / max(float(counts[:, 2].sum()), 1.0),
-            "optimizer_steps": float(steps_taken),
+            "optimizer_steps": float(len(grad_norms)),
             "no_gradient_mini_batches": float(no_gradient),
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
             "timing/probe_wait_s": probe_waited,
         }
+
+    def _optimizer_step(self) -> float:
+        """One AdamW step and one learning-rate schedule step; returns the learning rate it used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        return lr
 
     def _plan(self, sample_refs: list, advantages: list[float] | None) -> "_StepPlan":
         """Fetch this rank's share of the batch and pack it: ``steps_per_batch`` contiguous

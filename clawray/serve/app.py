@@ -67,6 +67,7 @@ from clawray.serve.engine_pool import EnginePool
 from clawray.serve.errors import answer_error, error_response, unauthorized
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.health import health_body
+from clawray.serve.instance import APP_NAME, check_serve_address
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
@@ -81,7 +82,6 @@ MAX_CHARS_PER_TOKEN = 128  # no tokenizer token is longer: a prompt with more ch
 # prompts of at most this many characters (message contents + tool calls) are rendered and tokenised
 # on the event loop (tens of microseconds); longer ones in a worker thread
 INLINE_PROMPT_CHARS = 4096
-APP_NAME = "clawray"  # the Serve application's name (clawray.resume reaches the replicas by it)
 # seconds a deployment may take to run (its replicas start while a driver builds its learners)
 DEPLOY_TIMEOUT_S = 300.0
 
@@ -97,8 +97,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     )
 
 
-# a stopping replica checks for requests still in flight every 0.25 s (Serve's default sleeps 2 s before
-# the first check, so every stop took 2 s more); in-flight requests still finish (Serve's 20 s timeout)
+# a stopping replica looks for requests in flight every 0.25 s (Serve's default waits 2 s before looking)
 @serve.deployment(max_ongoing_requests=256, graceful_shutdown_wait_loop_s=0.25)
 @serve.ingress(app)
 class PolicyServer:
@@ -516,19 +515,12 @@ def deploy_policy_server(
     """
     from transformers import AutoTokenizer
 
-    from clawray.serve.instance import serve_http_address
     from clawray.serve.reply import tool_call_format
     from clawray.serve.routing import router_config
 
     cfg = section(ServeConfig, cfg)
     tool_call_format(AutoTokenizer.from_pretrained(model_path).chat_template)  # an unknown format: refused now
-    running = serve_http_address()
-    if running is not None and running != (cfg.host, cfg.port):
-        raise RuntimeError(
-            f"Ray Serve already runs in this Ray cluster with its HTTP proxy on {running[0]}:{running[1]} "
-            f"(it keeps the address it first started on), not on serve.host={cfg.host} serve.port={cfg.port}: "
-            f"set serve.host={running[0]} serve.port={running[1]}, or use a cluster without Serve"
-        )
+    check_serve_address(cfg.host, cfg.port)  # Serve keeps its first address: another one is refused now
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"enable_access_log": False})
     options: dict[str, Any] = {"num_replicas": cfg.num_replicas}

@@ -1,10 +1,10 @@
 """The Ray Serve instance a run deploys into: whether it already runs and where it listens, and
 stopping what the run started (all of Serve when the run started it, else only its app).
 
-Owns: :func:`serve_running`, :func:`serve_http_address`, :func:`release_serve`, :func:`shutdown_serve`.
-Must not: stop Ray or any actor other than Serve's, stop a
-Serve instance (and the other applications in it) that the run found running, or raise when no
-Serve instance runs.
+Owns: :class:`ServeLease` (a run's deploy and release), :func:`serve_running`,
+:func:`serve_http_address`, :func:`check_serve_address`, :func:`release_serve`, :func:`shutdown_serve`. Must not: stop Ray or any actor other than Serve's,
+stop a Serve instance (and the other applications in it) that the run found running, or raise when
+no Serve instance runs.
 
 ``serve.shutdown()`` calls ``ServeController.graceful_shutdown(wait=True)``: a task that waits until
 the controller kills itself (``ray.kill``). The controller is created with infinite task retries,
@@ -19,6 +19,11 @@ Serve's deployments, proxies and controller end exactly as with ``serve.shutdown
 from __future__ import annotations
 
 import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+APP_NAME = "clawray"  # the policy server's Serve application (clawray.resume reaches the replicas by it)
 
 
 def _controller():
@@ -54,6 +59,22 @@ def serve_http_address() -> tuple[str, int] | None:
     return str(http.host), int(http.port)
 
 
+def check_serve_address(host: str, port: int) -> None:
+    """Refuse a deploy on ``host:port`` when Serve already runs in the cluster on another address
+    (it keeps the one it first started on: the deploy would never be reachable there).
+
+    Raises:
+        RuntimeError: naming the running address and the settings that reach it.
+    """
+    running = serve_http_address()
+    if running is not None and running != (host, port):
+        raise RuntimeError(
+            f"Ray Serve already runs in this Ray cluster with its HTTP proxy on {running[0]}:{running[1]} "
+            f"(it keeps the address it first started on), not on serve.host={host} serve.port={port}: "
+            f"set serve.host={running[0]} serve.port={running[1]}, or use a cluster without Serve"
+        )
+
+
 def release_serve(app_name: str, owned: bool) -> None:
     """Stop what a run put into Serve: all of Serve when the run started it (``owned``,
     :func:`shutdown_serve`), else only its application ``app_name`` (``serve.delete``: the instance,
@@ -67,6 +88,28 @@ def release_serve(app_name: str, owned: bool) -> None:
         serve.delete(app_name)
     except Exception:  # noqa: BLE001 - already gone, or Serve stopped meanwhile
         pass
+
+
+class ServeLease:
+    """A run's hold on Ray Serve: :meth:`deploy` notes whether Serve already ran (before deploying),
+    :meth:`release` stops what the run started (:func:`release_serve`), once; a run that never
+    deployed releases nothing (a run refused at start-up leaves another's Serve alone)."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self.owned: bool | None = None  # None: nothing deployed (or already released)
+
+    def deploy(self, deploy: Callable[[], T]) -> T:
+        """Call ``deploy`` (which starts Serve if needed and submits the app); returns its result. The
+        lease holds from before the call, so a deploy that fails part-way is still released."""
+        self.owned = not serve_running()
+        return deploy()
+
+    def release(self) -> None:
+        """Stop what :meth:`deploy` put into Serve; a no-op before a deploy and after a release."""
+        owned, self.owned = self.owned, None
+        if owned is not None:
+            release_serve(self.app_name, owned)
 
 
 def shutdown_serve(timeout_s: float = 30.0) -> None:
