@@ -13,7 +13,8 @@ runs to its length), waits until they all stream, then lets a short request (``-
 TTFT is the time from the arrival to the first streamed token (seconds, this process's clock, through
 the RolloutEngine actor's ``generate_stream``). Trials alternate between the two modes. Prints the
 p50 and p99 (nearest rank; with N trials per mode the p99 is the largest of them) of each mode and the
-continuous / static ratios.
+continuous / static ratios. Meaningful with ``--backend vllm``: the hf engine samples its requests one
+at a time (oldest first), so with it the long replies have mostly ended before the last one streams.
 
     python bench/ttft.py                                   # tiny model, hf engine
     python bench/ttft.py --model ~/.cache/clawray/models/smollm2-135m-instruct --backend vllm
@@ -111,8 +112,9 @@ def main() -> None:
     short = GenerateRequest(prompt_ids=prompt(questions[-1]), max_tokens=args.short_tokens, temperature=1.0, seed=99)
 
     async def run() -> dict[str, list[float]]:
+        await asyncio.gather(*(_stream(engine, r) for r in longs))  # warm-up
         t0 = time.perf_counter()
-        await asyncio.gather(*(_stream(engine, r) for r in longs))  # warm-up, and the batch's length
+        await asyncio.gather(*(_stream(engine, r) for r in longs))  # the long batch's length, warm
         batch_s = time.perf_counter() - t0
         print(
             f"model={model} backend={args.backend} long={args.long}x{args.long_tokens} tokens "
