@@ -26,6 +26,7 @@ The last line is the ratio clawray 1 rank / plain (target >= 0.9) and the 2-rank
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (conf/cpu.yaml: 1)")
     ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
     import ray
@@ -148,6 +150,9 @@ def main() -> None:
     if 1 in rates and 2 in rates:
         line += f"; 2 ranks / 1 rank = {rates[2] / rates[1]:.2f}"
     print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens_per_step": tokens, "plain_tokens_per_s": plain, "ranks_tokens_per_s": rates}, f)
 
 
 if __name__ == "__main__":

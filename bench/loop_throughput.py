@@ -26,6 +26,7 @@ their wall seconds x 60. The last line is the ratio async / serial (target >= 1.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -101,6 +102,7 @@ def main() -> int:
         "--preset", default=CPU_PRESET, help="resources preset merged after conf/rl.yaml (conf/gpu.yaml: one GPU)"
     )
     ap.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
+    ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
     os.environ.setdefault("RAY_ADDRESS", "local")  # a fresh Ray per mode, never a cluster already running here
 
@@ -120,6 +122,9 @@ def main() -> int:
     if "serial" in results and "async" in results:
         ratio = results["async"]["per_min"] / results["serial"]["per_min"]
         print(f"async / serial samples trained per minute: {ratio:.2f}x (target >= 1.8x on SmolLM2)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import statistics
@@ -217,6 +218,7 @@ def main() -> None:
         help="vllm: also run vLLM's own engine in this process on the largest concurrency's requests "
         "(max_num_seqs = that concurrency) and print endpoint / raw throughput",
     )
+    ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
     from ray import serve
@@ -278,6 +280,7 @@ def main() -> None:
     asyncio.run(_direct(engine, prompts, 2, 1, 8, stop))  # warm up both paths
     asyncio.run(_endpoint(base_url, questions, 2, 1, 8, "warm"))
     asyncio.run(_endpoint(bare_url, questions, 2, 1, 8, "warm"))
+    report = {}  # {sessions: {path: figures}}, for --json
     for c in [int(x) for x in args.concurrency.split(",")]:
         rows, cpu = {}, {}
         for path in ("direct", "bare", "endpoint"):
@@ -308,6 +311,9 @@ def main() -> None:
                     f"engine ({rows[path][3]} vs {toks} tokens)"
                 )
             del llm
+        report[c] = {
+            p: {"mean_s": m, "p50_s": p50, "tokens_per_s": t, "tokens": n} for p, (m, p50, t, n) in rows.items()
+        }
         for path, ms in cpu.items():
             print(f"{c:>8} {path:>9} cpu ms/request: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
         # bare/dir: Ray Serve's own cost; endpoint/bare: clawray's; endpoint/dir (last): the target's figure
@@ -323,6 +329,9 @@ def main() -> None:
                 f"latency overhead {100 * (em / bm - 1):+.1f}%, throughput overhead {100 * (bt / et - 1):+.1f}% "
                 f"({same})"
             )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f)
     serve.shutdown()
     ray.shutdown()
 

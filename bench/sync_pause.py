@@ -24,6 +24,7 @@ p99 added latency (interrupt) / mean (transfer + load); target <= 1.5.
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import os
 import random
@@ -168,6 +169,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=6.0, help="seconds between syncs")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of traffic before the first sync")
     ap.add_argument("--modes", default="drain,interrupt")
+    ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -207,6 +209,9 @@ def main() -> None:
         )
     for mode, r in rows.items():
         print(f"{mode}: p99 added latency / (transfer + load) = {r['p99'] / r['transfer_load_s']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
     ray.shutdown()
 
 

@@ -23,6 +23,7 @@ at a time (oldest first), so with it the long replies have mostly ended before t
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import math
 import os
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=128)
     ap.add_argument("--short-tokens", type=int, default=8)
     ap.add_argument("--trials", type=int, default=10, help="per mode")
+    ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -142,6 +144,12 @@ def main() -> None:
         f"continuous/static: p50 {percentile(c, 0.5) / percentile(s, 0.5):.3f}x, "
         f"p99 {percentile(c, 0.99) / percentile(s, 0.99):.3f}x"
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {m: {"p50_s": percentile(v, 0.5), "p99_s": percentile(v, 0.99), "n": len(v)} for m, v in ttft.items()},
+                f,
+            )
     ray.shutdown()
 
 

@@ -25,6 +25,7 @@ Usage: ``PYTHONPATH=. python bench/weight_sync.py [--reps 3] [--bucket-mb 64] [-
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -196,6 +197,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--only", default="tiny,smollm2,synthetic-1gb")
+    ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args(argv)
 
     from clawray.model_folders import build_tiny_model
@@ -244,6 +246,9 @@ def main(argv=None) -> None:
             f"| {r['per_tensor'] / r['clawray']:.2f}x | {r['object_store'] / r['clawray']:.2f}x "
             f"| {r['clawray'] / r['ipc']:.2f}x |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
     ray.shutdown()
 
 

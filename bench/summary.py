@@ -1,0 +1,267 @@
+"""One table of clawray's performance figures (issue #29): runs the benches, each in its own process,
+and prints per measure its target, its figure and the ratio to its limit (the plain loop, the raw
+engine, static batches, ...). README's "Performance" section is this table.
+
+    PYTHONPATH=. python bench/summary.py                                   # tiny model, hf engine (~7 min)
+    PYTHONPATH=. python bench/summary.py --model ~/.cache/clawray/models/smollm2-135m-instruct \\
+        --backend vllm                                                     # README's figures (~25 min)
+    PYTHONPATH=. python bench/summary.py --only learner,ttft --out figures.json
+
+Each bench is run as ``python bench/<name>.py <its args> --json <file>`` (the commands are printed, so
+any row can be re-run alone); a bench that fails is a row saying so, and the exit status is 1. A
+ratio is figure / limit, so ``met`` reads against the target's bound. Run it on a quiet machine: the
+benches share its cores with nothing else, and each takes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One row: ``ratio(results)`` against ``bound`` (``">="`` or ``"<="``); ``figure`` says it in units."""
+
+    name: str
+    limit: str  # what the ratio is taken against
+    op: str  # ">=" or "<="
+    bound: float
+    ratio: Callable[[dict], float]
+    figure: Callable[[dict], str]
+    note: str = ""  # where the target applies, when not here
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One bench script run; ``args(model, backend)`` are its quick arguments."""
+
+    key: str
+    script: str
+    args: Callable[[str, str], list[str]]
+    measures: tuple[Measure, ...]
+
+
+def _model(model: str, backend: str) -> list[str]:
+    return ["--model", model] if model else []
+
+
+def _engine(model: str, backend: str) -> list[str]:
+    return _model(model, backend) + ["--backend", backend]
+
+
+def _serving_limit(r: dict) -> tuple[str, float]:
+    """The 16-session endpoint throughput's limit: vLLM's own engine when measured (``--raw``), else the
+    rollout engine actor called directly."""
+    paths = r["16"]
+    base = "raw" if "raw" in paths else "direct"
+    return base, paths["endpoint"]["tokens_per_s"] / paths[base]["tokens_per_s"]
+
+
+BENCHES: tuple[Bench, ...] = (
+    Bench(
+        "learner",
+        "learner_throughput.py",
+        lambda m, b: _model(m, b) + ["--steps", "3"],
+        (
+            Measure(
+                "learner tokens/s, 1 rank",
+                "a plain single-process PyTorch loop",
+                ">=",
+                0.9,
+                lambda r: r["ranks_tokens_per_s"]["1"] / r["plain_tokens_per_s"],
+                lambda r: f"{r['ranks_tokens_per_s']['1']:.1f} vs {r['plain_tokens_per_s']:.1f} tokens/s",
+            ),
+            Measure(
+                "learner tokens/s, 2 ranks",
+                "1 rank",
+                ">=",
+                1.5,
+                lambda r: r["ranks_tokens_per_s"]["2"] / r["ranks_tokens_per_s"]["1"],
+                lambda r: f"{r['ranks_tokens_per_s']['2']:.1f} vs {r['ranks_tokens_per_s']['1']:.1f} tokens/s",
+            ),
+        ),
+    ),
+    Bench(
+        "serving",
+        "serve_overhead.py",
+        lambda m, b: _engine(m, b) + ["--concurrency", "16", "--rounds", "8"] + (["--raw"] if b == "vllm" else []),
+        (
+            Measure(
+                "serving throughput, 16 sessions",
+                "the same requests on vLLM's own engine (vllm), or on the engine actor (hf)",
+                ">=",
+                0.9,
+                lambda r: _serving_limit(r)[1],
+                lambda r: (
+                    f"{r['16']['endpoint']['tokens_per_s']:.1f} vs {r['16'][_serving_limit(r)[0]]['tokens_per_s']:.1f} "
+                    f"tokens/s ({_serving_limit(r)[0]})"
+                ),
+            ),
+        ),
+    ),
+    Bench(
+        "ttft",
+        "ttft.py",
+        lambda m, b: _engine(m, b) + ["--trials", "4", "--long", "8", "--long-tokens", "128"],
+        (
+            Measure(
+                "time to first token of a late short request, p99",
+                "static batches",
+                "<=",
+                1.0,
+                lambda r: r["continuous"]["p99_s"] / r["static"]["p99_s"],
+                lambda r: f"{r['continuous']['p99_s']:.3f} vs {r['static']['p99_s']:.3f} s",
+                "lower than static",
+            ),
+        ),
+    ),
+    Bench(
+        "sync_pause",
+        "sync_pause.py",
+        lambda m, b: (
+            _engine(m, b)
+            + ["--modes", "interrupt", "--gap", "3", "--max-tokens", "32", "--syncs", "10", "--interval", "4"]
+        ),
+        (
+            Measure(
+                "latency a weight sync adds (interrupt), p99",
+                "the sync's transfer + load",
+                "<=",
+                1.5,
+                lambda r: r["interrupt"]["p99"] / r["interrupt"]["transfer_load_s"],
+                lambda r: f"{r['interrupt']['p99']:.3f} s added vs {r['interrupt']['transfer_load_s']:.3f} s",
+            ),
+        ),
+    ),
+    Bench(
+        "weight_sync",
+        "weight_sync.py",
+        lambda m, b: ["--only", "smollm2" if m else "tiny", "--reps", "3"],
+        (
+            Measure(
+                "weight sync bandwidth, 1 -> 2 (gloo)",
+                "one flat broadcast of the same bytes",
+                ">=",
+                0.9,
+                lambda r: next(iter(r.values()))["flat"] / next(iter(r.values()))["clawray"],
+                lambda r: "{:.2f} GB/s on {:.0f} MB".format(
+                    next(iter(r.values()))["bytes"] / 1e9 / next(iter(r.values()))["clawray"],
+                    next(iter(r.values()))["bytes"] / 1e6,
+                ),
+            ),
+        ),
+    ),
+    Bench(
+        "loop",
+        "loop_throughput.py",
+        lambda m, b: _engine(m, b) + ["--steps", "4"],
+        (
+            Measure(
+                "samples trained per minute, async loop",
+                "the serial loop",
+                ">=",
+                1.8,
+                lambda r: r["async"]["per_min"] / r["serial"]["per_min"],
+                lambda r: f"{r['async']['per_min']:.1f} vs {r['serial']['per_min']:.1f} samples/min",
+                "on one GPU (#16); on 2 CPU cores both loops share the cores",
+            ),
+        ),
+    ),
+)
+
+
+def command(bench: Bench, model: str, backend: str, json_path: str) -> list[str]:
+    """The bench's command line, as run (``sys.executable``, the script's path, ``--json json_path``)."""
+    return [sys.executable, os.path.join(HERE, bench.script), *bench.args(model, backend), "--json", json_path]
+
+
+def rows(bench: Bench, results: dict | None, error: str = "") -> list[dict]:
+    """The table rows of one bench run: ``{"measure", "target", "figure", "ratio", "met"}`` per measure;
+    ``results`` None (the bench failed: ``error``), a figure the results lack or a ratio that is not
+    finite gives ``ratio`` None and ``met`` False, with the reason as the figure."""
+    out = []
+    for m in bench.measures:
+        target = f"{m.op} {m.bound:g}x {m.limit}" + (f" ({m.note})" if m.note else "")
+        try:
+            if results is None:
+                raise LookupError(error or "no results")
+            ratio, figure = m.ratio(results), m.figure(results)
+        except (LookupError, TypeError, ZeroDivisionError) as e:
+            out.append({"measure": m.name, "target": target, "figure": f"failed: {e}", "ratio": None, "met": False})
+            continue
+        if not math.isfinite(ratio):  # e.g. no request overlapped a sync
+            out.append(
+                {"measure": m.name, "target": target, "figure": f"no figure: {figure}", "ratio": None, "met": False}
+            )
+            continue
+        met = ratio >= m.bound if m.op == ">=" else ratio <= m.bound
+        out.append({"measure": m.name, "target": target, "figure": figure, "ratio": ratio, "met": met})
+    return out
+
+
+def table(all_rows: list[dict]) -> str:
+    """The markdown table README's "Performance" section holds."""
+    lines = ["| measure | target (ratio to its limit) | figure | ratio | met |", "|---|---|---|---|---|"]
+    for r in all_rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(f"| {r['measure']} | {r['target']} | {r['figure']} | {ratio} | {'yes' if r['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="HF folder (default: each bench builds the tiny model)")
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--only", default=",".join(b.key for b in BENCHES), help="benches to run, by key")
+    ap.add_argument("--out", default="", help="also write the rows (and each bench's command) as JSON here")
+    args = ap.parse_args(argv)
+    model = os.path.expanduser(args.model) if args.model else ""
+    wanted = args.only.split(",")
+    unknown = set(wanted) - {b.key for b in BENCHES}
+    if unknown:
+        ap.error(f"unknown bench(es) {sorted(unknown)}; known: {[b.key for b in BENCHES]}")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    )
+    all_rows, report = [], []
+    for bench in (b for b in BENCHES if b.key in wanted):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "figures.json")
+            cmd = command(bench, model, args.backend, path)
+            print(f"[summary] {bench.key}: {' '.join(cmd[1:])}", flush=True)
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env)
+            seconds = time.perf_counter() - t0
+            results, error = None, ""
+            if proc.returncode != 0 or not os.path.exists(path):
+                error = f"bench exited {proc.returncode}"
+            else:
+                with open(path) as f:
+                    results = json.load(f)
+        print(f"[summary] {bench.key}: {seconds:.0f} s", flush=True)
+        bench_rows = rows(bench, results, error)
+        all_rows += bench_rows
+        report.append(
+            {"bench": bench.key, "command": cmd[1:-2], "seconds": seconds, "results": results, "rows": bench_rows}
+        )
+    print(f"\nmodel={model or 'tiny (built per bench)'} backend={args.backend}")
+    print(table(all_rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if any(r["ratio"] is None for r in all_rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

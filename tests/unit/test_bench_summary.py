@@ -1,0 +1,81 @@
+"""bench/summary.py: the rows it builds from each bench's JSON figures (ratios, met, failures) and the
+commands it runs."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def summary():
+    spec = importlib.util.spec_from_file_location("clawray_bench_summary", os.path.join(ROOT, "bench", "summary.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    del sys.modules[spec.name]
+
+
+def bench(summary, key):
+    return next(b for b in summary.BENCHES if b.key == key)
+
+
+def test_learner_rows_are_ratios_to_the_plain_loop_and_to_one_rank(summary):
+    # what learner_throughput.py --json writes (int rank keys become strings in JSON)
+    results = {"tokens_per_step": 764, "plain_tokens_per_s": 72.0, "ranks_tokens_per_s": {"1": 63.0, "2": 99.0}}
+    one, two = summary.rows(bench(summary, "learner"), results)
+    assert one["ratio"] == pytest.approx(63.0 / 72.0) and one["met"] is False  # 0.875 < 0.9
+    assert one["figure"] == "63.0 vs 72.0 tokens/s"
+    assert two["ratio"] == pytest.approx(99.0 / 63.0) and two["met"] is True  # 1.571 >= 1.5
+    assert one["target"] == ">= 0.9x a plain single-process PyTorch loop"
+
+
+def test_serving_is_measured_against_the_raw_engine_when_there_is_one(summary):
+    b = bench(summary, "serving")
+    paths = {"direct": {"tokens_per_s": 150.0}, "endpoint": {"tokens_per_s": 140.0}}
+    (row,) = summary.rows(b, {"16": paths})
+    assert row["ratio"] == pytest.approx(140 / 150) and row["met"] is True and row["figure"].endswith("(direct)")
+    (row,) = summary.rows(b, {"16": dict(paths, raw={"tokens_per_s": 200.0})})
+    assert (
+        row["ratio"] == pytest.approx(0.7) and row["met"] is False and row["figure"] == "140.0 vs 200.0 tokens/s (raw)"
+    )
+    assert "--raw" in b.args("m", "vllm") and "--raw" not in b.args("m", "hf")
+
+
+def test_upper_bounds_pass_at_or_below_the_bound(summary):
+    (ttft,) = summary.rows(bench(summary, "ttft"), {"continuous": {"p99_s": 0.35}, "static": {"p99_s": 19.0}})
+    assert ttft["ratio"] == pytest.approx(0.35 / 19.0) and ttft["met"] is True
+    pause = bench(summary, "sync_pause")
+    (row,) = summary.rows(pause, {"interrupt": {"p99": 1.5, "transfer_load_s": 1.0}})
+    assert row["ratio"] == 1.5 and row["met"] is True
+    (row,) = summary.rows(pause, {"interrupt": {"p99": 1.479, "transfer_load_s": 0.891}})
+    assert row["ratio"] == pytest.approx(1.66, abs=0.005) and row["met"] is False
+    (row,) = summary.rows(pause, {"interrupt": {"p99": float("nan"), "transfer_load_s": 0.008}})  # no overlap
+    assert row["ratio"] is None and row["figure"] == "no figure: nan s added vs 0.008 s"
+
+
+def test_a_failed_bench_or_a_missing_figure_is_a_row_that_says_so(summary):
+    rows = summary.rows(bench(summary, "learner"), None, "bench exited 1")
+    assert [(r["figure"], r["ratio"], r["met"]) for r in rows] == [("failed: bench exited 1", None, False)] * 2
+    (row,) = summary.rows(bench(summary, "loop"), {"async": {"per_min": 20.7}})  # serial missing
+    assert row["ratio"] is None and row["figure"] == "failed: 'serial'"
+    text = summary.table(rows[:1])
+    assert text.splitlines()[2] == (
+        "| learner tokens/s, 1 rank | >= 0.9x a plain single-process PyTorch loop | failed: bench exited 1 | - | no |"
+    )
+
+
+def test_commands_carry_the_model_backend_and_json_path(summary):
+    cmd = summary.command(bench(summary, "ttft"), "/m", "vllm", "/tmp/f.json")
+    assert cmd[1].endswith(os.path.join("bench", "ttft.py"))
+    assert cmd[2:] == ["--model", "/m", "--backend", "vllm", "--trials", "4", "--long", "8", "--long-tokens", "128"] + [
+        "--json",
+        "/tmp/f.json",
+    ]
+    assert summary.command(bench(summary, "weight_sync"), "", "hf", "f")[2:4] == ["--only", "tiny"]
+    with pytest.raises(SystemExit):
+        summary.main(["--only", "learner,nope"])

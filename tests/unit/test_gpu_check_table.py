@@ -1,0 +1,90 @@
+"""launch/gpu_check.py's summary table: read from the figures its steps write, failing on a missing file,
+a missing metric or a failed sync (the GPU script's CPU-testable part)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def check():
+    spec = importlib.util.spec_from_file_location("clawray_gpu_check", os.path.join(ROOT, "launch", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write(folder, name, data):
+    path = os.path.join(folder, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        if name.endswith(".jsonl"):
+            f.write("".join(json.dumps(r) + "\n" for r in data))
+        else:
+            json.dump(data, f)
+
+
+def step(n, **extra):
+    return {
+        "step": n,
+        "timing/weight_sync_s": 0.2 + n,
+        "sync/gbytes_per_s": 2.0 * n,
+        "rollout/tokens_per_s": 100.0 * n,
+        "inv/logprob_mismatch_kl": 1e-4 * n,
+        **extra,
+    }
+
+
+@pytest.fixture
+def complete(tmp_path):
+    p = 72 * 4096 * 4096
+    write(tmp_path, "sync.json", {"transport": "ipc (CUDA)", "params": p, "bytes": 2 * p, "seconds": 0.5, "gbytes_per_s": 2 * p / 1e9 / 0.5, "bit_exact": True})  # fmt: skip
+    eng = {"backend": "vllm", "dtype": "bfloat16", "tokens": 1024, "gen_tokens_per_s": 2000.0}
+    write(tmp_path, "engine.json", eng | {"score_tokens_per_s": 9000.0, "sample_score_max_abs": 0.2, "sample_score_mean_abs": 0.01})  # fmt: skip
+    evals = [{"step": n, "eval/correct": 0.5} for n in (0, 3)]  # the run's evaluation rows are not updates
+    write(tmp_path, "run/metrics.jsonl", evals[:1] + [step(1), step(2), step(3)] + evals[1:])
+    write(tmp_path, "loop.json", {"async": {"per_min": 36.0}, "serial": {"per_min": 18.0}})
+    return tmp_path
+
+
+def test_a_complete_check_gives_one_row_per_check_and_exit_0(check, complete, capsys):
+    rows = check.rows(str(complete))
+    assert [r[3] for r in rows] == [True, True, True, True]
+    assert rows[0][0] == "weight sync, 1.21B params bf16, ipc (CUDA)"
+    assert rows[0][1] == "0.500 s, 4.83 GB/s, bit-exact True"
+    assert rows[2][1] == (
+        "3 steps; sync 2.200 s (4.00 GB/s); generation 200 tokens/s; learner vs engine mismatch KL 2.00e-04 (max 3.00e-04)"
+    )
+    assert rows[3][1] == "36.0 vs 18.0 samples/min: 2.00x"
+    assert check.table(str(complete)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| check | figure | target | ok |" and len(out) == 6
+    assert open(os.path.join(complete, "summary.md")).read().splitlines() == out
+
+
+def test_failed_or_missing_figures_fail_the_check_and_say_which(check, complete):
+    write(complete, "run/metrics.jsonl", [step(1), step(2, **{"sync/ok": 0.0}), {"step": 3}])
+    write(
+        complete, "engine.json", json.load(open(os.path.join(complete, "engine.json"))) | {"sample_score_mean_abs": 0.3}
+    )
+    os.remove(os.path.join(complete, "sync.json"))
+    rows = check.rows(str(complete))
+    assert rows[0] == ("weight sync", "missing (sync.json)", "", False)
+    assert rows[1][3] is False  # a mean gap of 0.3 nats between sampling and scoring the same ids
+    assert rows[2][1] == (
+        "3 steps; lacking ['inv/logprob_mismatch_kl', 'rollout/tokens_per_s', 'sync/gbytes_per_s', "
+        "'timing/weight_sync_s']; sync failed at steps [2]"
+    )
+    assert check.table(str(complete)) == 1
+
+
+def test_a_slow_async_loop_is_reported_not_failed(check, complete):
+    write(complete, "loop.json", {"async": {"per_min": 18.0}, "serial": {"per_min": 20.0}})
+    assert check.rows(str(complete))[3][3] is False
+    assert check.table(str(complete)) == 0
+    os.remove(os.path.join(complete, "loop.json"))  # SKIP_LOOP=1: no row
+    assert len(check.rows(str(complete))) == 3
