@@ -221,7 +221,6 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
-    from ray import serve
     from transformers import AutoTokenizer
 
     from clawray.actors.judge import JudgeWorkerActor
@@ -233,6 +232,7 @@ def main() -> None:
     from clawray.ray_env import free_port, init_ray
     from clawray.config import ServeConfig
     from clawray.serve.app import start_policy_server
+    from clawray.serve.instance import shutdown_serve
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     init_ray("", 2)
@@ -332,7 +332,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f)
-    serve.shutdown()
+    shutdown_serve()  # serve.shutdown() without its raylet's 'graceful_shutdown failed' line
     ray.shutdown()
 
 

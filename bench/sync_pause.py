@@ -146,6 +146,11 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     per_token = statistics.median(clean) if clean else float("nan")
     added = [(e - s) - per_token * n for s, e, n in requests if overlaps(s, e)]
     results = [r for _, _, r in syncs]
+
+    def detail(s: float, e: float, n: int) -> dict:  # one overlapping request against its sync
+        ps, pe, r = next((ps, pe, r) for ps, pe, r in syncs if s < pe and e > ps)
+        return {"start_vs_sync_s": s - ps, "end_vs_sync_end_s": e - pe, "tokens": n, "pause_s": r["pause_s"]}
+
     return {
         "requests": len(requests),
         "overlapping": len(added),
@@ -156,6 +161,8 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
         "pause_s": statistics.mean(r["pause_s"] for r in results),
         "transfer_load_s": statistics.mean(r["receive_s"]["rollout-0"] + r["load_s"]["rollout-0"] for r in results),
         "interrupted": sum(r["interrupted"] for r in results),
+        "added_s": added,  # per overlapping request, with its place against the sync it overlapped:
+        "overlap_detail": [detail(s, e, n) for s, e, n in requests if overlaps(s, e)],
     }
 
 

@@ -20,9 +20,10 @@
 #      target >= 1.8x, reported, not enforced); dry run: the tiny model, hf engine, conf/cpu.yaml, 2 steps
 #   7. the summary table (also written to the folder as summary.md)
 #
-# Time budget (one H200, wheels from PyPI): install 3-4 min, steps 2-4 about 1 min, step 5 about 1.5 min,
-# step 6 about 2 min: under 8 minutes with SKIP_LOOP=1 and about 9 with it; each step prints its seconds.
-# Measured dry run (2 CPU cores, no install): see README "GPU check". Exits non-zero when a check fails.
+# Time budget, 8 minutes (an estimate: it has not run on a GPU yet; each step prints its seconds):
+# install 3-4 min (CUDA torch and vLLM wheels from PyPI), steps 2-4 about 1 min, step 5 about 1.5 min,
+# step 6 about 2 min (3 measured steps per mode); SKIP_LOOP=1 when the window is shorter. The dry run
+# took 221 s on 2 CPU cores (README "GPU check"). Exits non-zero when a check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,7 +84,7 @@ if [[ "${SKIP_LOOP:-0}" != 1 ]]; then
   else
     SMOL="$HOME/.cache/clawray/models/smollm2-135m-instruct"
     [[ -d "$SMOL" ]] || clawray model smollm2 "$SMOL"
-    python bench/loop_throughput.py --model "$SMOL" --backend vllm --preset conf/gpu.yaml \
+    python bench/loop_throughput.py --model "$SMOL" --backend vllm --preset conf/gpu.yaml --steps 3 \
       --set env.name=brief env.max_turns=2 --json "$CHECK_DIR/loop.json"
   fi
 fi
