@@ -4,10 +4,10 @@ One RolloutEngine actor serves steady traffic: requests arrive at random (Poisso
 ``--gap`` seconds, fixed seeds, ``--max-tokens``, T = 1), each awaited on its own, so a request
 that arrives during a drain waits for it (an open loop: the hf engine serves a batch's requests one
 after the other, so keep the engine below saturation, or queueing swamps the sync's effect). Meanwhile the driver runs
-``--syncs`` weight syncs through :class:`clawray.weight_sync.WeightSyncController` (collective
-transport, gloo), one every ``--interval`` seconds; the sender is a small actor holding the model's
-weights (shifted by 1e-3 per version), standing in for the learner group, so only the engine side
-of a sync is measured. Each mode gets its own fresh engine.
+``--syncs`` weight syncs through :class:`clawray.weight_sync.WeightSyncController` (``--transport``:
+the gloo collective by default, or ipc), one every ``--interval`` seconds; the sender is a small actor
+holding the model's weights (shifted by 1e-3 per version, built before the pause as the learners
+gather theirs), standing in for the learner group, so only the engine side of a sync is measured. Each mode gets its own fresh engine.
 
 Added latency of a request = its latency - its token count x the median seconds per token of the
 requests that overlapped no sync (same run; the machine's load drifts between runs).
@@ -46,6 +46,7 @@ class _Sender:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.base = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.transport = None
+        self.staged = None
 
     def ready(self) -> int:
         return 0
@@ -63,11 +64,14 @@ class _Sender:
         self.transport = make_transport(spec, 0)
 
     def stage_weights(self, version: int) -> dict:
-        return {"gather_s": 0.0}  # nothing to gather: only the engine side of a sync is measured
+        """Build version ``version``'s weights before the pause, as the learners gather theirs."""
+        t0 = time.perf_counter()
+        self.staged = {k: v + 1e-3 * version if v.is_floating_point() else v for k, v in self.base.items()}
+        return {"gather_s": time.perf_counter() - t0}
 
     def sync_weights(self, version: int) -> dict:
-        state = {k: v + 1e-3 * version if v.is_floating_point() else v for k, v in self.base.items()}
-        stats = self.transport.send(state, version)
+        stats = self.transport.send(self.staged, version)
+        self.staged = None
         return {"bytes": stats["bytes"], "gather_s": 0.0, "send_s": stats["seconds"]}
 
 
@@ -92,7 +96,9 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     sender = ray.remote(_Sender).options(num_cpus=0.1).remote(model)
     await engine.ready.remote()
     plan = await engine.weight_specs.remote()
-    ctl = WeightSyncController([sender], [engine], ["rollout-0"], plan, timeout_s=120.0, mode=mode)
+    ctl = WeightSyncController(
+        [sender], [engine], ["rollout-0"], plan, timeout_s=120.0, mode=mode, transport=args.transport
+    )
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, ctl.connect)
     # a fresh engine's first generation is several times slower (vLLM on CPU: 4.7 s for 32 tokens, 1.6 s
@@ -176,6 +182,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=6.0, help="seconds between syncs")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of traffic before the first sync")
     ap.add_argument("--modes", default="drain,interrupt")
+    ap.add_argument(
+        "--transport", default="collective", choices=["collective", "ipc", "auto"], help="sync.transport (gloo or ipc)"
+    )
     ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
