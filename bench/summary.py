@@ -60,12 +60,18 @@ def _engine(model: str, backend: str) -> list[str]:
     return _model(model, backend) + ["--backend", backend]
 
 
-def _serving_limit(r: dict) -> tuple[str, float]:
-    """The 16-session endpoint throughput's limit: vLLM's own engine when measured (``--raw``), else the
-    rollout engine actor called directly."""
+def _serving(r: dict) -> tuple[str, float, float]:
+    """The 16-session endpoint throughput and its limit: ``(limit's name, endpoint tokens/s, limit's
+    tokens/s)``; the limit is vLLM's own engine when measured (``--raw``), else the rollout engine actor
+    called directly."""
     paths = r["16"]
     base = "raw" if "raw" in paths else "direct"
-    return base, paths["endpoint"]["tokens_per_s"] / paths[base]["tokens_per_s"]
+    return base, paths["endpoint"]["tokens_per_s"], paths[base]["tokens_per_s"]
+
+
+def _sync_row(r: dict) -> dict:
+    """weight_sync.py's one row (``--only`` names a single state)."""
+    return next(iter(r.values()))
 
 
 BENCHES: tuple[Bench, ...] = (
@@ -102,11 +108,8 @@ BENCHES: tuple[Bench, ...] = (
                 "the same requests on vLLM's own engine (vllm), or on the engine actor (hf)",
                 ">=",
                 0.9,
-                lambda r: _serving_limit(r)[1],
-                lambda r: (
-                    f"{r['16']['endpoint']['tokens_per_s']:.1f} vs {r['16'][_serving_limit(r)[0]]['tokens_per_s']:.1f} "
-                    f"tokens/s ({_serving_limit(r)[0]})"
-                ),
+                lambda r: _serving(r)[1] / _serving(r)[2],
+                lambda r: "{1:.1f} vs {2:.1f} tokens/s ({0})".format(*_serving(r)),
             ),
         ),
     ),
@@ -154,10 +157,9 @@ BENCHES: tuple[Bench, ...] = (
                 "one flat broadcast of the same bytes",
                 ">=",
                 0.9,
-                lambda r: next(iter(r.values()))["flat"] / next(iter(r.values()))["clawray"],
+                lambda r: _sync_row(r)["flat"] / _sync_row(r)["clawray"],
                 lambda r: "{:.2f} GB/s on {:.0f} MB".format(
-                    next(iter(r.values()))["bytes"] / 1e9 / next(iter(r.values()))["clawray"],
-                    next(iter(r.values()))["bytes"] / 1e6,
+                    _sync_row(r)["bytes"] / 1e9 / _sync_row(r)["clawray"], _sync_row(r)["bytes"] / 1e6
                 ),
             ),
         ),
