@@ -1,4 +1,4 @@
-"""The latency a weight sync adds to the requests it overlaps, ``sync.mode`` drain vs interrupt.
+"""The latency a weight sync adds to the requests it overlaps, ``sync.mode`` drain vs interrupt vs inflight.
 
 One RolloutEngine actor serves steady traffic: requests arrive at random (Poisson, mean gap
 ``--gap`` seconds, fixed seeds, ``--max-tokens``, T = 1), each awaited on its own, so a request
@@ -13,8 +13,9 @@ Added latency of a request = its latency - its token count x the median seconds 
 requests that overlapped no sync (same run; the machine's load drifts between runs).
 Reported over the requests whose [start, end] overlaps a sync's [call, return]: p50 and p99, with
 the sync's own numbers: pause (``sync/pause_s``), transfer + load (the engine's receive + load
-seconds, the part no mode can avoid) and the generations interrupted. The last line is the ratio
-p99 added latency (interrupt) / mean (transfer + load); target <= 1.5.
+seconds, the part no mode can avoid) and the generations interrupted (interrupt) or running across
+the load (inflight). The last lines give the ratio p99 added latency / mean (transfer + load) per
+mode; target <= 1.5.
 
     nice -n 19 env PYTHONPATH=. python bench/sync_pause.py                  # tiny model, hf engine
     nice -n 19 env PYTHONPATH=. python bench/sync_pause.py --model ~/.cache/clawray/models/smollm2-135m-instruct \\
@@ -167,6 +168,7 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
         "pause_s": statistics.mean(r["pause_s"] for r in results),
         "transfer_load_s": statistics.mean(r["receive_s"]["rollout-0"] + r["load_s"]["rollout-0"] for r in results),
         "interrupted": sum(r["interrupted"] for r in results),
+        "inflight": sum(r.get("inflight", 0) for r in results),
         "added_s": added,  # per overlapping request, with its place against the sync it overlapped:
         "overlap_detail": [detail(s, e, n) for s, e, n in requests if overlaps(s, e)],
     }
@@ -181,7 +183,7 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=6)
     ap.add_argument("--interval", type=float, default=6.0, help="seconds between syncs")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of traffic before the first sync")
-    ap.add_argument("--modes", default="drain,interrupt")
+    ap.add_argument("--modes", default="drain,interrupt,inflight")
     ap.add_argument(
         "--transport", default="collective", choices=["collective", "ipc", "auto"], help="sync.transport (gloo or ipc)"
     )
@@ -212,7 +214,7 @@ def main() -> None:
     )
     print(
         f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
-        f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11}"
+        f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11} {'inflight':>8}"
     )
     rows = {}
     for mode in args.modes.split(","):
@@ -220,7 +222,7 @@ def main() -> None:
         print(
             f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
             f"{r['p99']:>11.3f} "
-            f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11}",
+            f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11} {r['inflight']:>8}",
             flush=True,
         )
     for mode, r in rows.items():

@@ -427,8 +427,10 @@ class SyncConfig:
     timeout_s: float = num(120.0, gt=0.0)
     # "interrupt": at a sync the engines stop their running generations at the current token, load
     # the new weights and continue them (partial rollouts: a reply's tokens may come from two policy
-    # versions, each token records its own); "drain": they first finish them (one version per reply)
-    mode: str = choice("interrupt", "drain")
+    # versions, each token records its own); "drain": they first finish them (one version per reply);
+    # "inflight": no pause, each engine loads between two steps and its running generations go on,
+    # their KV cache recomputed on the new weights (PipelineRL's in-flight update; a reply may span versions)
+    mode: str = choice("interrupt", "drain", "inflight")
 
 
 @dataclass

@@ -262,7 +262,8 @@ def step_line(
     loss = f"{train['loss']:+.4f}" if "loss" in train else "  --   "
     reward = f"{metrics['reward_mean']:+.2f}" if rewarded else " n/a"  # pure OPD samples carry no reward
     n_int = int(metrics.get("sync/interrupted_requests", 0))
-    interrupted = f" ({n_int} interrupted)" if n_int else ""
+    n_inflight = int(metrics.get("sync/inflight_requests", 0))
+    interrupted = f" ({n_int} interrupted)" if n_int else f" ({n_inflight} in flight)" if n_inflight else ""
     return (
         f"[clawray] step {step}{total} | samples {metrics['samples']} | "
         f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "

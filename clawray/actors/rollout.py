@@ -13,7 +13,7 @@ never waits for a long one and a new request never waits for a batch to end. Any
 until the generations running when it was taken finish (no request is added meanwhile), then runs
 alone. ``pause()`` stops admitting new generation jobs (they wait, they do not fail) until ``resume()``.
 
-Weight syncs, two modes (``sync.mode``):
+Weight syncs, three modes (``sync.mode``):
 
 * ``drain`` (``pause(interrupt=False)``): a weight load is a job in the same FIFO, so the
   generations already running (and queued) finish on the old weights first; every response comes
@@ -26,6 +26,11 @@ Weight syncs, two modes (``sync.mode``):
   pauses); the reply's ``logprobs`` stay those of the weights that sampled each token, and
   ``token_versions`` (length R) names that policy version per token. ``policy_version`` is the
   OLDEST token's version, so staleness (consuming version - policy_version) is never understated.
+* ``inflight`` (no pause; PipelineRL's in-flight update): the sync is received while the engine
+  generates, and the load runs between two backend steps with the running generations left in the
+  backend; their KV cache is recomputed on the new weights, so each reply goes on with one request,
+  and ``token_versions`` names the weights of each step. Nothing waits but the running generations,
+  for the load itself.
 
 Cancellation: when the caller of :meth:`RolloutEngine.generate` / :meth:`generate_stream` goes away
 (Ray cancels the actor coroutine: ``ray.cancel`` on its ref, see :func:`await_cancellable`), the job
@@ -147,6 +152,7 @@ class _Job:
         "ids",
         "logprobs",
         "versions",
+        "run_versions",
     )
 
     def __init__(
@@ -166,6 +172,7 @@ class _Job:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the policy version that sampled each token of ids
+        self.run_versions: list[int] = []  # the version of each token of the current run, per step
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -239,6 +246,8 @@ class RolloutEngine:
         self.version = version
         self.max_batch_size = max_batch_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        # jobs that run between two steps, the running generations staying in the backend (in-flight loads)
+        self._between: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._transport = None
@@ -259,6 +268,7 @@ class RolloutEngine:
         }
         self._in_flight = 0  # generate calls entered and not returned (waiting while paused included)
         self._interrupt = False  # set by pause(interrupt=True): running generations stop at their next token
+        self._running_now = 0  # generations in the backend when a between-steps job runs (engine thread)
         self._parked: list[_Job] = []  # generations a sync interrupted (engine thread only), resumed by resume()
         self._stopped = False  # the engine thread has stopped: queued jobs fail (see _fail_queued)
         self._closing = False  # shutdown() was called: generate calls fail instead of waiting for a resume
@@ -296,6 +306,7 @@ class RolloutEngine:
         stopping = False  # shutdown: finish the running generations, then stop
         while True:
             try:
+                self._run_between(running)
                 if held is None and not stopping:
                     held, stopping = self._take_jobs(running, keys)
                 if running:
@@ -312,6 +323,20 @@ class RolloutEngine:
             except Exception as e:  # outside a backend step (can_add, abort, ...): the thread must go on serving
                 logger.error("%s: the engine loop failed", self.name, exc_info=e)
                 self._step_failed(running, e, culprit_known=False)
+
+    def _run_between(self, running: dict[int, _Job]) -> None:
+        """Run the queued between-steps jobs (in-flight weight loads) now, the running generations
+        staying in the backend; ``self._running_now`` tells a job how many there are."""
+        while True:
+            try:
+                job = self._between.get_nowait()
+            except queue.Empty:
+                return
+            self._running_now = len(running)
+            try:
+                job.resolve(job.payload())
+            except BaseException as e:
+                job.resolve(error=e)
 
     def _take_jobs(self, running: dict[int, _Job], keys: Iterator[int]) -> tuple[_Job | None, bool]:
         """Add the parked generations (after a sync) and the queued ones to the running batch, until
@@ -331,8 +356,8 @@ class RolloutEngine:
                 break
             if job is None:
                 return None, True
-            if job.kind == "wake":  # resume(): only wakes the thread up for the parked generations
-                continue
+            if job.kind == "wake":  # resume() or an in-flight load: the loop runs it or takes the parked ones
+                break
             if job.kind != "generate":
                 return job, False
             if self._interrupt and not job.cancelled:  # queued before the sync's pause: runs on the new weights
@@ -357,6 +382,7 @@ class RolloutEngine:
             self._failed(job, e)
             return
         job.stopping = job.streamed = False  # a new run: its stream has sent nothing yet
+        job.run_versions = []
         running[key] = job
 
     def _park(self, job: _Job) -> None:
@@ -383,6 +409,11 @@ class RolloutEngine:
         """Fail every queued job with :class:`EngineError` (the engine thread has stopped). Called by
         the engine thread as it stops and by :meth:`_enqueue` after a put that came too late, so no job
         is left in the queue whichever comes last."""
+        while True:
+            try:
+                self._between.get_nowait().resolve(error=EngineError(f"{self.name} has shut down"))
+            except queue.Empty:
+                break
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -420,7 +451,10 @@ class RolloutEngine:
         self._stats["step_requests"] += len(running)
         for key, ids in out.new_tokens.items():
             job = running.get(key)  # None: failed by its stream in this step
-            if job is not None and job.stream is not None:
+            if job is None:
+                continue
+            job.run_versions += [self.version] * len(ids)
+            if job.stream is not None:
                 self._stream(key, job, ids, running)
         for key, result in out.finished.items():
             job = running.pop(key, None)
@@ -468,6 +502,7 @@ class RolloutEngine:
 
     def _retry_alone(self, job: _Job) -> None:
         """Run one request on its own (from its tokens so far), after a step that held it failed."""
+        job.run_versions = []  # no load runs inside this call: every token is the current version's
         try:
             (result,) = self._backend.generate(
                 [continue_request(job.payload, job.ids)],
@@ -485,13 +520,16 @@ class RolloutEngine:
         job.resolve(error=EngineError(f"the engine failed on this request ({type(error).__name__})"))
 
     def _finish(self, job: _Job, out: GenerateOutput) -> None:
-        """Extend the job's response by what this run sampled (on the current weights: a load runs
-        only when no generation does) and resolve it; a job stopped by a sync's interrupt (not by its
-        caller) is parked for resume()."""
-        self._stats["tokens"] += len(out.response_ids)
+        """Extend the job's response by what this run sampled and resolve it; a job stopped by a
+        sync's interrupt (not by its caller) is parked for resume(). Each token's version is the one
+        loaded at the step that sampled it (an in-flight load can fall inside a run); a re-scored
+        output's tokens all carry the current version, whose weights computed their log-probs."""
+        n = len(out.response_ids)
+        self._stats["tokens"] += n
         job.ids += out.response_ids
         job.logprobs += out.logprobs
-        job.versions += [self.version] * len(out.response_ids)
+        per_step = [] if out.rescored else job.run_versions[:n]
+        job.versions += per_step + [self.version] * (n - len(per_step))
         if out.finish_reason != "abort":
             self._resolve(job, out.finish_reason)
         elif job.cancelled:
@@ -514,11 +552,16 @@ class RolloutEngine:
             }
         )
 
-    async def _enqueue(self, job: _Job) -> None:
+    async def _enqueue(self, job: _Job, between: bool = False) -> None:
+        """Queue ``job`` in FIFO order, or (``between``) to run between the next two steps, the
+        running generations staying in the backend (the FIFO gets a wake-up for an idle thread)."""
         if not self._ready.is_set():
             await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
         if self._init_error is not None:
             raise RuntimeError(f"{self.name}: backend failed to start: {self._init_error!r}")
+        if between:
+            self._between.put(job)
+            job = _Job("wake", None, job.loop)
         self._jobs.put(job)
         if self._stopped:  # the engine thread stopped (maybe after it emptied the queue): fail it here
             self._fail_queued()
@@ -722,17 +765,24 @@ class RolloutEngine:
 
         await self._call(_join)
 
-    async def receive_weights(self, version: int) -> dict:
+    async def receive_weights(self, version: int, inflight: bool = False) -> dict:
         """Receive one sync and load it; the engine's version becomes ``version``.
 
-        Runs as an engine-thread job, so generation jobs queued before it finish on the old weights
-        (after ``pause(interrupt=True)`` they stop at their next token instead and wait, parked).
-        The whole sync is received (and its header checked) before the backend loads anything; the
-        transport's ``done`` follows the load (the ipc transport acks the sender there).
+        By default the load is an engine-thread job, so generation jobs queued before it finish on the
+        old weights (after ``pause(interrupt=True)`` they stop at their next token instead and wait,
+        parked). ``inflight`` (``sync.mode: inflight``, PipelineRL's in-flight update): the sync is
+        received off the engine thread while it generates, and the load runs between two steps, the
+        running generations staying in the backend; their KV cache is recomputed on the new weights
+        (:meth:`Backend.load_weights`), so each keeps one reply whose tokens after the load are the
+        new version's (``token_versions``). The whole sync is received (and its header checked)
+        before the backend loads anything; the transport's ``done`` follows the load (the ipc
+        transport acks the sender there).
 
         Returns:
-            ``{"engine", "receive_s", "load_s", "version", "interrupted"}`` (seconds; ``interrupted``:
-            generations parked by the pause, continued on the new weights at resume).
+            ``{"engine", "receive_s", "load_s", "version", "interrupted", "inflight"}`` (seconds;
+            ``interrupted``: generations parked by the pause, continued on the new weights at resume;
+            ``inflight``: generations running across an in-flight load; ``load_s`` is then the time
+            they stood still).
 
         Raises:
             WeightSyncError: ``"<name>: ..."``: no transport, the header's version or metadata does
@@ -742,7 +792,7 @@ class RolloutEngine:
         """
         from clawray.weight_sync import WeightSyncError
 
-        def _load() -> dict:
+        def _receive() -> tuple[list, float]:
             if self._transport is None:
                 raise WeightSyncError(f"{self.name}: no weight-sync transport (init_weight_receiver first)")
             t0 = time.perf_counter()
@@ -751,6 +801,9 @@ class RolloutEngine:
             except WeightSyncError as e:
                 self._stats["last_sync_error"] = str(e)
                 raise WeightSyncError(f"{self.name}: {e}") from None
+            return weights, time.perf_counter() - t0
+
+        def _load(weights: list, receive_s: float) -> dict:
             t1 = time.perf_counter()
             try:
                 self._backend.load_weights(weights)
@@ -774,13 +827,22 @@ class RolloutEngine:
             self._stats["last_sync_error"] = None
             return {
                 "engine": self.name,
-                "receive_s": t1 - t0,
+                "receive_s": receive_s,
                 "load_s": time.perf_counter() - t1,
                 "version": version,
                 "interrupted": len(self._parked),
+                "inflight": self._running_now if inflight else 0,
             }
 
-        return await self._call(_load)
+        if not inflight:
+            return await self._call(lambda: _load(*_receive()))
+        loop = asyncio.get_running_loop()
+        if not self._ready.is_set():
+            await loop.run_in_executor(None, self._ready.wait)
+        received = await loop.run_in_executor(None, _receive)  # the engine thread keeps generating
+        job = _Job("load", lambda: _load(*received), loop)
+        await self._enqueue(job, between=True)
+        return await job.future
 
     async def shutdown(self) -> None:
         """Stop the engine thread: the running generations and the jobs queued before this call

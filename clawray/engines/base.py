@@ -67,11 +67,15 @@ class GenerateOutput:
         finish_reason: ``"stop"`` (a stop/eos token was sampled), ``"length"`` (max_tokens hit) or
             ``"abort"`` (cancelled part-way, by the caller or by a weight sync's interrupt; never a
             complete reply, but its tokens and log-probs so far are exact).
+        rescored: the log-probs were computed after the reply ended, on the weights loaded then (vLLM
+            top-p replies, see :mod:`clawray.engines.vllm`): they are that version's, whichever
+            version sampled each token (an in-flight load can fall inside the reply).
     """
 
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    rescored: bool = False
 
 
 #: ``on_tokens(request_index, new_token_ids)``: streaming callback of :meth:`Backend.generate`.
@@ -188,7 +192,11 @@ class Backend(Protocol):
         """The HF-named weights this engine loads, in the order a sync sends them."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors into the live model and drop any prefix/KV cache."""
+        """Load HF-named full tensors into the live model and drop any prefix/KV cache.
+
+        May run between two :meth:`step` calls with requests running (``sync.mode: inflight``): their
+        KV cache is recomputed on the new weights at the next step, so every token they sample
+        afterwards (and its log-prob) is exactly the new weights'."""
 
 
 def run_batch(

@@ -37,7 +37,7 @@ class _Run:
     request: GenerateRequest
     stop: set[int]
     generator: torch.Generator
-    inputs: torch.Tensor  # [1, P] before the first token, then [1, 1]
+    inputs: torch.Tensor  # [1, P] before the first token (after an in-flight load: P + tokens so far), then [1, 1]
     past: Any = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -153,7 +153,8 @@ class HFBackend(SteppedBackend):
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full HF-named tensors into the model in place.
+        """Copy full HF-named tensors into the model in place. Running requests (an in-flight load)
+        drop their KV cache: the next step re-prefills prompt + tokens so far on the new weights.
 
         Raises:
             KeyError: a name the model does not have.
@@ -166,3 +167,7 @@ class HFBackend(SteppedBackend):
             if tuple(params[name].shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != model's {tuple(params[name].shape)}")
             params[name].copy_(tensor)
+        for run in self._runs.values():  # an in-flight load: recompute each running reply's KV on these weights
+            if run.past is not None:
+                prefix = list(run.request.prompt_ids) + run.ids
+                run.inputs, run.past = torch.tensor([prefix], device=self.device), None

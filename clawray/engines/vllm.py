@@ -271,7 +271,7 @@ class VLLMBackend(SteppedBackend):
                 runs = [r for r in self._rescore if r.request.temperature == temp]
                 pairs = [(list(r.request.prompt_ids), r.ids) for r in runs]
                 for run, lps in zip(runs, self._score_batch(pairs, temp)):
-                    out.finished[run.key] = GenerateOutput(run.ids, lps, run.finish_reason)
+                    out.finished[run.key] = GenerateOutput(run.ids, lps, run.finish_reason, rescored=True)
             self._rescore.clear()
         return out
 
@@ -375,9 +375,16 @@ class VLLMBackend(SteppedBackend):
         granularity (q/k/v together, gate/up together): untouched layers keep their values, with a
         vLLM warning per layer. Uses vLLM's ``reload_weights`` (CPU linear weights are repacked, so
         parameters cannot be copied into directly).
+
+        With requests running (an in-flight load between two steps), vLLM preempts them as it drops
+        the cache (``reset_prefix_cache(reset_running_requests=True)``) and the next step re-prefills
+        each from its prompt + tokens so far on the new weights: the tokens it samples afterwards
+        are exactly the new weights' (no KV of the old ones is reused).
+
         Raises:
-            RuntimeError: the prefix cache could not be reset (requests still running).
+            RuntimeError: the prefix cache could not be reset.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        if not self.llm.reset_prefix_cache():
+        running = any(run.finish_reason is None for run in self._runs.values())
+        if not self.llm.reset_prefix_cache(reset_running_requests=running):
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight load")

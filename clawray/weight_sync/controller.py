@@ -76,8 +76,9 @@ class WeightSyncController:
             = that node's Ray address. Rank 0 binds it and picks the port there (``rendezvous``
             holds the published ``(host, port)`` after :meth:`connect`).
         mode: ``"interrupt"`` (the engines stop their running generations at the current token and
-            continue them after the load: partial rollouts) or ``"drain"`` (they finish them first);
-            see :mod:`clawray.actors.rollout`.
+            continue them after the load: partial rollouts), ``"drain"`` (they finish them first) or
+            ``"inflight"`` (no pause: each engine receives while it generates and loads between two
+            steps, its running generations going on); see :mod:`clawray.actors.rollout`.
 
     Raises:
         ValueError: an unknown ``transport`` or ``mode``.
@@ -118,8 +119,8 @@ class WeightSyncController:
         host: str = "",
         mode: str = "interrupt",
     ):
-        if mode not in ("interrupt", "drain"):  # [sync.mode]
-            raise ValueError(f"unknown sync mode {mode!r}; expected 'interrupt' or 'drain'")
+        if mode not in ("interrupt", "drain", "inflight"):  # [sync.mode]
+            raise ValueError(f"unknown sync mode {mode!r}; expected 'interrupt', 'drain' or 'inflight'")
         self.mode = mode
         self.senders, self.engines, self.names = list(senders), list(engines), list(names)
         self.requested = transport  # [placement] "auto" is resolved into spec.kind at each connect
@@ -252,8 +253,10 @@ class WeightSyncController:
             them and the cause, or None), ``rebuild_s`` (seconds spent rebuilding the group first, 0
             when it was in step), ``versions`` (``{engine: policy version or None}`` afterwards),
             ``pause_s`` (seconds from pausing the engines until they all resumed: what a request
-            arriving meanwhile waits at most; a drain included) and ``interrupted`` (generations the
-            pause stopped part-way and the engines continued on the new weights; 0 in drain mode).
+            arriving meanwhile waits at most; a drain included; inflight: the longest load, the time
+            an engine stepped nothing), ``interrupted`` (generations the pause stopped part-way and the
+            engines continued on the new weights; 0 in drain and inflight modes) and ``inflight``
+            (generations running across an in-flight load; 0 in the other modes).
         """
         t0 = time.perf_counter()
         out: dict[str, Any] = {
@@ -270,6 +273,7 @@ class WeightSyncController:
             "rebuild_s": 0.0,
             "pause_s": 0.0,
             "interrupted": 0,
+            "inflight": 0,
         }
         errors: dict[str, str] = {}
         if not self.connected:
@@ -288,14 +292,20 @@ class WeightSyncController:
             return self._finish(out, t0, errors, self._describe(f"gathering the weights for v{version}", errors))
         out["gather_s"] = float(staged.get("learner-0", {}).get("gather_s", 0.0))
         t_sync = time.perf_counter()
-        interrupt = self.mode == "interrupt"  # [sync.mode]
-        _, pause_errors = _collect({n: e.pause.remote(interrupt) for n, e in zip(self.names, self.engines)}, 30.0)
+        inflight = self.mode == "inflight"  # [sync.mode] no pause: the engines load between two steps
+        pause_errors: dict[str, str] = {}
+        resume_errors: dict[str, str] = {}
+        if not inflight:
+            _, pause_errors = _collect(
+                {n: e.pause.remote(self.mode == "interrupt") for n, e in zip(self.names, self.engines)}, 30.0
+            )
         try:
             named = {n: s.sync_weights.remote(version) for n, s in zip(self._member_names(), self.senders)}
-            named.update({n: e.receive_weights.remote(version) for n, e in zip(self.names, self.engines)})
+            named.update({n: e.receive_weights.remote(version, inflight) for n, e in zip(self.names, self.engines)})
             results, errors = _collect(named, self.timeout_s)
         finally:
-            _, resume_errors = _collect({n: e.resume.remote() for n, e in zip(self.names, self.engines)}, 30.0)
+            if not inflight:
+                _, resume_errors = _collect({n: e.resume.remote() for n, e in zip(self.names, self.engines)}, 30.0)
             out["pause_s"] = time.perf_counter() - t_sync  # [sync.mode]
         for n, err in list(pause_errors.items()) + list(resume_errors.items()):
             errors.setdefault(n, err)
@@ -310,6 +320,9 @@ class WeightSyncController:
                 out["receive_s"][n] = results[n]["receive_s"]
                 out["load_s"][n] = results[n]["load_s"]
                 out["interrupted"] += int(results[n].get("interrupted", 0))  # [sync.mode]
+                out["inflight"] += int(results[n].get("inflight", 0))
+        if inflight:  # nothing was paused: requests waited only while an engine loaded
+            out["pause_s"] = max(out["load_s"].values(), default=0.0)
         out["seconds"] = time.perf_counter() - t_stage
         error = self._describe(f"weight sync to v{version}", errors) if errors else None
         return self._finish(out, t0, errors, error)
@@ -351,7 +364,7 @@ class WeightSyncController:
         ``sync/send_s``, ``sync/rebuild_s``, ``sync/ok`` (1/0), ``sync/failures`` (cumulative),
         ``sync/load_s_max``, ``sync/load_s/<engine>``, ``sync/receive_s/<engine>``,
         ``engine_version/<engine>`` (-1 when the engine did not answer), ``sync/pause_s`` and
-        ``sync/interrupted_requests`` (see :meth:`sync`)."""
+        ``sync/interrupted_requests`` and ``sync/inflight_requests`` (see :meth:`sync`)."""
         m = {
             "timing/weight_sync_s": result["seconds"],
             "sync/bytes": result["bytes"],
@@ -364,6 +377,7 @@ class WeightSyncController:
             "sync/load_s_max": max(result["load_s"].values(), default=0.0),
             "sync/pause_s": result.get("pause_s", 0.0),  # [sync.mode]
             "sync/interrupted_requests": float(result.get("interrupted", 0)),
+            "sync/inflight_requests": float(result.get("inflight", 0)),
         }
         m.update({f"sync/load_s/{n}": s for n, s in result["load_s"].items()})
         m.update({f"sync/receive_s/{n}": s for n, s in result["receive_s"].items()})
@@ -374,7 +388,8 @@ class WeightSyncController:
     def idle_metrics() -> dict[str, float]:
         """The step metrics of a step that synced nothing (a skipped step, every engine up to date): zeros."""
         keys = ("timing/weight_sync_s", "sync/bytes", "sync/gbytes_per_s", "sync/gather_s", "sync/send_s")
-        return dict.fromkeys(keys + ("sync/load_s_max", "sync/pause_s", "sync/interrupted_requests"), 0.0)
+        extra = ("sync/load_s_max", "sync/pause_s", "sync/interrupted_requests", "sync/inflight_requests")
+        return dict.fromkeys(keys + extra, 0.0)
 
     def close(self) -> None:
         """Drop the mailbox actor (the members' transports go with their actors)."""

@@ -289,6 +289,43 @@ def test_an_interrupted_request_keeps_exact_logprobs_and_continues_by_resubmissi
     )
 
 
+def test_a_load_between_steps_recomputes_the_running_requests_kv_on_the_new_weights(env):
+    """``sync.mode: inflight``: weights loaded between two steps while a request runs. The request goes
+    on (no token repeated or lost); its tokens before the load carry the old weights' log-probs and
+    every later one the new weights' over prompt + tokens so far (vLLM preempted it and re-prefilled:
+    no KV of the old weights is reused)."""
+    backend, hf, path = env
+    orig = load_file(f"{path}/model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sorted(orig.items())}
+    prompt = [5, 6, 7, 8]
+    backend.add(0, GenerateRequest(prompt, max_tokens=24, temperature=1.0, seed=11))
+    streamed, finished = [], {}
+    try:
+        for _ in range(6):
+            streamed += backend.step().new_tokens.get(0, [])
+        k = len(streamed)
+        backend.load_weights(sorted(new.items()))
+        while 0 not in finished:
+            out = backend.step()
+            streamed += out.new_tokens.get(0, [])
+            finished.update(out.finished)
+        reply = finished[0]
+        assert reply.response_ids == streamed and 6 <= k < len(streamed) and len(reply.logprobs) == len(streamed)
+        assert len(streamed) == 24 or reply.finish_reason == "stop"
+        lps = torch.tensor(reply.logprobs)
+        torch.testing.assert_close(lps[:k], _hf_logprobs(hf, prompt, streamed[:k], 1.0), atol=ATOL, rtol=0)
+        hf.load_state_dict(new)
+        torch.testing.assert_close(
+            lps[k:], _hf_logprobs(hf, prompt + streamed[:k], streamed[k:], 1.0), atol=ATOL, rtol=0
+        )
+    finally:
+        hf.load_state_dict(orig)
+        backend.clear()
+        backend.load_weights(sorted(orig.items()))
+    assert not backend.llm.llm_engine.has_unfinished_requests()
+
+
 def test_a_request_joins_the_running_batch_and_a_short_one_leaves_it_first(env):
     """Continuous batching (``add``/``step``): B joins while A runs and returns while A still runs; each
     reply is the one it gets alone (greedy, same tokens and log-probs). A top-p reply C that ends while

@@ -369,7 +369,10 @@ def test_sync_config_transport_choice():
 
 def test_vllm_backend_resets_the_prefix_cache_after_every_load():
     """VLLMBackend.load_weights reloads through vLLM and then drops the prefix cache (a stale KV
-    prefix would mix old-weight activations into new-version tokens); a refused reset raises."""
+    prefix would mix old-weight activations into new-version tokens), preempting the running requests
+    when there are any (an in-flight load: they re-prefill on the new weights); a refused reset raises."""
+    from types import SimpleNamespace
+
     from clawray.engines.vllm import VLLMBackend
 
     class FakeLLM:
@@ -379,14 +382,18 @@ def test_vllm_backend_resets_the_prefix_cache_after_every_load():
         def collective_rpc(self, method, kwargs):
             self.calls.append((method, [n for n, _ in kwargs["weights_iterator"]]))
 
-        def reset_prefix_cache(self):
-            self.calls.append(("reset_prefix_cache", None))
+        def reset_prefix_cache(self, reset_running_requests=False):
+            self.calls.append(("reset_prefix_cache", reset_running_requests))
             return self.reset_ok
 
     backend = VLLMBackend.__new__(VLLMBackend)
-    backend.llm = FakeLLM(True)
+    backend.llm, backend._runs = FakeLLM(True), {"clawray-0": SimpleNamespace(finish_reason="abort")}
     backend.load_weights(iter([("a", torch.zeros(2)), ("b", torch.ones(1))]))
-    assert backend.llm.calls == [("reload_weights", ["a", "b"]), ("reset_prefix_cache", None)]
+    assert backend.llm.calls == [("reload_weights", ["a", "b"]), ("reset_prefix_cache", False)]
+    backend._runs["clawray-1"] = SimpleNamespace(finish_reason=None)  # still running
+    backend.llm = FakeLLM(True)
+    backend.load_weights([("a", torch.zeros(2))])
+    assert backend.llm.calls == [("reload_weights", ["a"]), ("reset_prefix_cache", True)]
     backend.llm = FakeLLM(False)
     with pytest.raises(RuntimeError, match="refused to reset the prefix cache"):
         backend.load_weights([("a", torch.zeros(2))])
@@ -466,6 +473,12 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
 
         async def weights(self):
             return await self._call(lambda: {k: v.clone() for k, v in self._backend.model.state_dict().items()})
+
+        async def slow_steps(self, seconds):
+            """Each step sleeps ``seconds`` first, and no eos ends a reply (a long generation to sync under)."""
+            backend = self._backend
+            backend.eos_ids, step = [], backend.step
+            backend.step = lambda: (time.sleep(seconds), step())[1]
 
     learner = ray.remote(FakeLearner).options(num_cpus=0.2).remote(tiny_model)
     engine_cls = ray.remote(FaultyEngine)
@@ -548,6 +561,22 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
         for got in ray.get([e.weights.remote() for e in engines]):
             assert all(torch.equal(got[k], expected[k]) for k in expected)
         assert ctl.failures == 2 and ctl.rebuilds == 2
+
+        # 5) sync.mode inflight: no pause; rollout-0 loads v5 between two steps of a running reply,
+        #    which goes on as one request: its tokens are v4 up to the load and v5 after it
+        ctl.mode = "inflight"
+        ray.get(engines[0].slow_steps.remote(0.01))
+        reply = engines[0].generate.remote(GenerateRequest([5, 6, 7], max_tokens=200, seed=0))
+        time.sleep(0.5)
+        r5 = ctl.sync(5)
+        assert r5["ok"] is True, r5["error"]
+        assert ray.wait([reply], timeout=0)[1] == [reply]  # the load did not wait for the reply
+        assert r5["inflight"] == 1 and r5["interrupted"] == 0 and r5["pause_s"] == max(r5["load_s"].values())
+        assert [e for e in ray.get(learner.seen_pauses.remote()) if e[1] == 5][-1] == ("sync", 5, [False, False])
+        out = ray.get(reply, timeout=60)
+        k = out["token_versions"].index(5)
+        assert out["token_versions"] == [4] * k + [5] * (200 - k) and k > 0 and out["policy_version"] == 4
+        assert WeightSyncController.metrics(r5)["sync/inflight_requests"] == 1.0
     finally:
         if ctl is not None:
             ctl.close()

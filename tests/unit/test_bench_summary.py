@@ -50,12 +50,16 @@ def test_upper_bounds_pass_at_or_below_the_bound(summary):
     (ttft,) = summary.rows(bench(summary, "ttft"), {"continuous": {"p99_s": 0.35}, "static": {"p99_s": 19.0}})
     assert ttft["ratio"] == pytest.approx(0.35 / 19.0) and ttft["met"] is True
     pause = bench(summary, "sync_pause")
-    (row,) = summary.rows(pause, {"interrupt": {"p99": 1.5, "transfer_load_s": 1.0}})
-    assert row["ratio"] == 1.5 and row["met"] is True
-    (row,) = summary.rows(pause, {"interrupt": {"p99": 1.479, "transfer_load_s": 0.891}})
+    inflight = {"inflight": {"p99": 0.4, "transfer_load_s": 0.5}}
+    row, row2 = summary.rows(pause, {"interrupt": {"p99": 1.5, "transfer_load_s": 1.0}, **inflight})
+    assert row["ratio"] == 1.5 and row["met"] is True and row["measure"].endswith("(interrupt), p99")
+    assert row2["ratio"] == pytest.approx(0.8) and row2["met"] is True and row2["measure"].endswith("(inflight), p99")
+    row, row2 = summary.rows(pause, {"interrupt": {"p99": 1.479, "transfer_load_s": 0.891}, **inflight})
     assert row["ratio"] == pytest.approx(1.66, abs=0.005) and row["met"] is False
-    (row,) = summary.rows(pause, {"interrupt": {"p99": float("nan"), "transfer_load_s": 0.008}})  # no overlap
+    row, row2 = summary.rows(pause, {"interrupt": {"p99": float("nan"), "transfer_load_s": 0.008}})  # no overlap
     assert row["ratio"] is None and row["figure"] == "no figure: nan s added vs 0.008 s"
+    assert row2["ratio"] is None and row2["figure"] == "failed: 'inflight'"
+    assert "interrupt,inflight" in pause.args("", "hf")
 
 
 def test_a_failed_bench_or_a_missing_figure_is_a_row_that_says_so(summary):

@@ -541,3 +541,90 @@ def test_a_call_cancelled_while_waiting_for_a_resume_is_counted_as_cancelled(eng
     after, stats = asyncio.run(scenario())
     assert len(after["response_ids"]) == 2 and _adds(backend) == [3]
     assert (stats["requests"], stats["cancelled"], stats["errors"], stats["in_flight"]) == (1, 2, 0, 0)
+
+
+class _MarkerTransport:
+    """A weight-sync transport stand-in: ``receive`` yields one marker tensor name per version."""
+
+    def receive(self, expected_version: int):
+        return [(f"v{expected_version}", None)]
+
+    def done(self, ok: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_inflight_load_runs_between_two_steps_and_the_running_reply_goes_on(engine):
+    """``sync.mode: inflight``: the load does not wait for the running generation (a FIFO job would)
+    and no pause is involved; the reply stays one request, its tokens up to the step before the load
+    are v0 and every later one v1; a re-scored reply (vLLM top-p) carries the version that scored it."""
+    eng, backend = engine
+    loads = []
+    backend.load_weights = lambda weights: loads.append(([name for name, _ in weights], sorted(backend.runs)))
+
+    async def scenario():
+        await eng.ready()
+        eng._transport = _MarkerTransport()
+        reply = asyncio.ensure_future(eng.generate(GenerateRequest([1], max_tokens=30)))
+        await _until(lambda: backend.n >= 5)
+        backend.gate.clear()  # hold the next step at its start
+        backend.stepping.clear()
+        await _until(backend.stepping.is_set)
+        at = backend.n + 1  # the held step samples token `at` on the old weights
+        load = asyncio.ensure_future(eng.receive_weights(1, inflight=True))
+        await _until(lambda: not eng._between.empty())  # received off the engine thread, load queued
+        backend.gate.set()
+        loaded = await load
+        return await reply, loaded, at, await eng.stats()
+
+    reply, loaded, at, stats = asyncio.run(scenario())
+    assert loads == [(["v1"], [0])]  # loaded while request 0 was still in the backend
+    assert loaded["version"] == 1 and loaded["inflight"] == 1 and loaded["interrupted"] == 0
+    assert reply["response_ids"] == list(range(1, 31)) and reply["finish_reason"] == "length"
+    assert reply["token_versions"] == [0] * at + [1] * (30 - at) and reply["policy_version"] == 0
+    assert (stats["requests"], stats["interrupted"], stats["loads"], stats["tokens"], stats["steps"]) == (
+        1,
+        0,
+        1,
+        30,
+        30,
+    )
+    assert not stats["paused"]
+
+    # an idle engine (its thread blocked on the queue) loads at once; a re-scored output is one version
+    async def rescored():
+        loaded = await eng.receive_weights(2, inflight=True)
+        real_step = backend.step
+
+        def step():
+            out = real_step()
+            for key, o in out.finished.items():
+                out.finished[key] = GenerateOutput(o.response_ids, o.logprobs, o.finish_reason, rescored=True)
+            return out
+
+        backend.step = step
+        reply = asyncio.ensure_future(eng.generate(GenerateRequest([2], max_tokens=6)))
+        await _until(lambda: backend.n >= 33)
+        await eng.receive_weights(3, inflight=True)
+        return loaded, await reply
+
+    loaded, reply = asyncio.run(rescored())
+    assert loaded["inflight"] == 0 and loaded["version"] == 2 and loads[1:] == [(["v2"], []), (["v3"], [1])]
+    assert reply["token_versions"] == [3] * 6 and reply["policy_version"] == 3
+
+
+def test_shutdown_fails_an_inflight_load_still_queued(engine):
+    eng, backend = engine
+
+    async def scenario():
+        await eng.ready()
+        eng._stopped = True  # the engine thread stopped after emptying its queues
+        job = _Job("load", lambda: "loaded", asyncio.get_running_loop())
+        await eng._enqueue(job, between=True)
+        with pytest.raises(EngineError, match="has shut down"):
+            await job.future
+        return eng._between.empty()
+
+    assert asyncio.run(scenario())

@@ -113,6 +113,49 @@ def test_a_sync_interrupts_a_long_generation_which_continues_on_the_new_weights(
     eng._backend.model.load_state_dict(v1)  # the engine serves v1 (the scoring above swapped weights)
 
 
+def test_an_inflight_load_goes_on_with_the_running_reply_its_kv_recomputed_on_the_new_weights(engine):
+    """``sync.mode: inflight`` (no pause): the reply stays one request; each token after the load is
+    sampled, and its log-prob computed, from the new weights over prompt + tokens so far (the KV of
+    the old weights is not reused: the log-probs equal v1's own scoring, not v0-KV mixtures)."""
+    eng, loop = engine
+    v1 = {k: v.clone() for k, v in eng._backend.model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    v2 = {
+        k: v + 0.1 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone() for k, v in v1.items()
+    }
+    eng._transport = _LocalTransport(v2)
+    eng._backend.eos_ids = []
+    streamed: list[int] = []
+
+    async def scenario():
+        stream = eng.generate_stream(GenerateRequest(PROMPT, max_tokens=40, temperature=1.0, seed=5))
+        assert await stream.__anext__() == {"admitted": True}
+        final = None
+        async for item in stream:
+            streamed.extend(item.get("token_ids", []))
+            if len(streamed) >= 5 and not loading:
+                loading.append(asyncio.ensure_future(eng.receive_weights(2, inflight=True)))
+            if item.get("done"):
+                final = item
+        return final, await loading[0]
+
+    loading: list[asyncio.Future] = []
+    stats0 = loop.run_until_complete(eng.stats())
+    final, loaded = loop.run_until_complete(scenario())
+    assert final["response_ids"] == streamed and len(streamed) == 40 and final["finish_reason"] == "length"
+    versions = final["token_versions"]
+    k = versions.index(2)
+    assert versions == [1] * k + [2] * (40 - k) and 5 <= k < 40 and final["policy_version"] == 1
+    assert loaded["version"] == 2 and loaded["inflight"] == 1 and loaded["interrupted"] == 0
+    ids, lps = final["response_ids"], torch.tensor(final["logprobs"])
+    torch.testing.assert_close(lps[:k], _score(eng, v1, PROMPT, ids[:k]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lps[k:], _score(eng, v2, PROMPT + ids[:k], ids[k:]), atol=1e-5, rtol=0)
+    stats = loop.run_until_complete(eng.stats())
+    assert stats["requests"] - stats0["requests"] == 1 and stats["interrupted"] == stats0["interrupted"]
+    assert stats["tokens"] - stats0["tokens"] == 40
+    eng._backend.model.load_state_dict(v2)
+
+
 def _turn(versions: list[int]) -> Turn:
     return Turn(
         session_id="s",

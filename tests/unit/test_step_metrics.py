@@ -125,6 +125,9 @@ def test_step_line_hand_written():
     assert "step 2 | " in line and "reward  n/a | loss   --    |" in line
     assert "sync 0.00s FAILED pause 0.39s |" in line and "policy v1 (skipped: degenerate) |" in line
     assert "dropped so far 0 |" in line
+    metrics.update({"sync/inflight_requests": 3.0})  # sync.mode inflight: nothing paused, 3 went on
+    line = step_line(3, -1, metrics, {}, {}, False, "", 0.5, None, 1.0, 0.0)
+    assert "sync 0.50s pause 0.39s (3 in flight) |" in line
 
 
 def test_traffic_funnel_from_the_replicas_and_the_tracker_and_its_part_of_the_step_line():
