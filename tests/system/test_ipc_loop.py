@@ -15,13 +15,15 @@ pytestmark = pytest.mark.slow
 
 def test_loop_over_the_ipc_transport_logs_sync_and_generation_throughput(ray_cluster, tiny_model, tmp_path):
     """The CPU twin of launch/gpu_check.sh: the real Driver with sync.transport=ipc (shared-memory
-    handles between the learner and the engine) trains 2 steps, the engine ends on v2, and every
-    step logs the figures gpu_check.sh prints."""
+    handles between the learner and the engine) and sync.mode=inflight (no pause: the engine loads
+    between two steps) trains 2 steps, the engine ends on v2, and every step logs the figures
+    gpu_check.sh prints."""
     cfg = tiny_run_config(
         tiny_model,
         tmp_path / "run",
         overrides=[
             "sync.transport=ipc",
+            "sync.mode=inflight",
             "learner.num_workers=1",  # FSDP across ranks is the learner and chaos tests' (a setup costs 7 s less)
             "trainer.num_steps=2",
             "trainer.batch_timeout_s=180",
@@ -41,5 +43,8 @@ def test_loop_over_the_ipc_transport_logs_sync_and_generation_throughput(ray_clu
         for m in lines:
             assert m["sync/ok"] == 1.0 and m["timing/weight_sync_s"] > 0 and m["sync/gbytes_per_s"] > 0
             assert m["rollout/tokens"] > 0 and m["rollout/tokens_per_s"] > 0
+            # inflight: nothing paused or interrupted; requests waited only for the load
+            assert m["sync/interrupted_requests"] == 0.0 and m["sync/pause_s"] == m["sync/load_s_max"] > 0
+            assert m["sync/inflight_requests"] >= 0.0
     finally:
         d.shutdown()
