@@ -269,6 +269,7 @@ class RolloutEngine:
         self._in_flight = 0  # generate calls entered and not returned (waiting while paused included)
         self._interrupt = False  # set by pause(interrupt=True): running generations stop at their next token
         self._running_now = 0  # generations in the backend when a between-steps job runs (engine thread)
+        self._inflight_sync = asyncio.Lock()  # in-flight syncs receive and load one at a time
         self._parked: list[_Job] = []  # generations a sync interrupted (engine thread only), resumed by resume()
         self._stopped = False  # the engine thread has stopped: queued jobs fail (see _fail_queued)
         self._closing = False  # shutdown() was called: generate calls fail instead of waiting for a resume
@@ -790,59 +791,85 @@ class RolloutEngine:
                 The version is left unchanged; a load that failed part-way leaves a mix of weights
                 until the next successful sync (``stats()["last_sync_error"]`` says so).
         """
+        if not inflight:
+            return await self._call(lambda: self._load_sync(version, *self._receive_sync(version)))
+        # a caller that goes away does not drop a received sync: the load still runs (as a queued FIFO load does)
+        return await asyncio.shield(asyncio.ensure_future(self._receive_inflight(version)))
+
+    async def _receive_inflight(self, version: int) -> dict:
+        """:meth:`receive_weights` with ``inflight``: receive off the engine thread, load between two
+        steps. One sync at a time (versions load in the order they were sent); a sync received and
+        never loaded (the engine shut down) is released at the sender (``done(ok=False)``)."""
+        loop = asyncio.get_running_loop()
+        async with self._inflight_sync:
+            if not self._ready.is_set():
+                await loop.run_in_executor(None, self._ready.wait)
+            weights, receive_s = await loop.run_in_executor(None, self._receive_sync, version)  # the engine generates
+            started = threading.Event()  # set by the engine thread as the load begins
+
+            def _load_received() -> dict:
+                started.set()
+                return self._load_sync(version, weights, receive_s, inflight=True)
+
+            job = _Job("load", _load_received, loop)
+            try:
+                await self._enqueue(job, between=True)
+                return await job.future
+            finally:
+                if not started.is_set():
+                    try:
+                        self._transport.done(ok=False)  # ipc: the sender's buffers are released now
+                    except Exception:  # the transport may be gone with the engine
+                        pass
+
+    def _receive_sync(self, version: int) -> tuple[list, float]:
+        """Receive one whole sync (its header checked): ``(weights, seconds)``. Raises WeightSyncError."""
         from clawray.weight_sync import WeightSyncError
 
-        def _receive() -> tuple[list, float]:
-            if self._transport is None:
-                raise WeightSyncError(f"{self.name}: no weight-sync transport (init_weight_receiver first)")
-            t0 = time.perf_counter()
-            try:
-                weights = list(self._transport.receive(version))
-            except WeightSyncError as e:
-                self._stats["last_sync_error"] = str(e)
-                raise WeightSyncError(f"{self.name}: {e}") from None
-            return weights, time.perf_counter() - t0
+        if self._transport is None:
+            raise WeightSyncError(f"{self.name}: no weight-sync transport (init_weight_receiver first)")
+        t0 = time.perf_counter()
+        try:
+            weights = list(self._transport.receive(version))
+        except WeightSyncError as e:
+            self._stats["last_sync_error"] = str(e)
+            raise WeightSyncError(f"{self.name}: {e}") from None
+        return weights, time.perf_counter() - t0
 
-        def _load(weights: list, receive_s: float) -> dict:
-            t1 = time.perf_counter()
-            try:
-                self._backend.load_weights(weights)
-            except Exception as e:
-                self._stats["last_sync_error"] = f"load of v{version} failed: {e!r}"
-                weights = None
-                try:
-                    self._transport.done(ok=False)  # ipc: release the sender's buffers now
-                except WeightSyncError:
-                    pass
-                raise WeightSyncError(f"{self.name}: loading v{version} failed: {e!r}") from e
-            weights = None  # ipc: views of the sender's buffers, unmapped by done()
-            try:
-                self._transport.done(ok=True)
-            except WeightSyncError as e:
-                self._stats["last_sync_error"] = str(e)
-                raise WeightSyncError(f"{self.name}: {e}") from None
-            self.version = version
-            self._awaiting_sync = False
-            self._stats["loads"] += 1
-            self._stats["last_sync_error"] = None
-            return {
-                "engine": self.name,
-                "receive_s": receive_s,
-                "load_s": time.perf_counter() - t1,
-                "version": version,
-                "interrupted": len(self._parked),
-                "inflight": self._running_now if inflight else 0,
-            }
+    def _load_sync(self, version: int, weights: list, receive_s: float, inflight: bool = False) -> dict:
+        """Load received weights into the backend (engine thread), ack the transport and take the
+        version; returns :meth:`receive_weights`' dict. Raises WeightSyncError."""
+        from clawray.weight_sync import WeightSyncError
 
-        if not inflight:
-            return await self._call(lambda: _load(*_receive()))
-        loop = asyncio.get_running_loop()
-        if not self._ready.is_set():
-            await loop.run_in_executor(None, self._ready.wait)
-        received = await loop.run_in_executor(None, _receive)  # the engine thread keeps generating
-        job = _Job("load", lambda: _load(*received), loop)
-        await self._enqueue(job, between=True)
-        return await job.future
+        t1 = time.perf_counter()
+        try:
+            self._backend.load_weights(weights)
+        except Exception as e:
+            self._stats["last_sync_error"] = f"load of v{version} failed: {e!r}"
+            weights = None
+            try:
+                self._transport.done(ok=False)  # ipc: release the sender's buffers now
+            except WeightSyncError:
+                pass
+            raise WeightSyncError(f"{self.name}: loading v{version} failed: {e!r}") from e
+        weights = None  # ipc: views of the sender's buffers, unmapped by done()
+        try:
+            self._transport.done(ok=True)
+        except WeightSyncError as e:
+            self._stats["last_sync_error"] = str(e)
+            raise WeightSyncError(f"{self.name}: {e}") from None
+        self.version = version
+        self._awaiting_sync = False
+        self._stats["loads"] += 1
+        self._stats["last_sync_error"] = None
+        return {
+            "engine": self.name,
+            "receive_s": receive_s,
+            "load_s": time.perf_counter() - t1,
+            "version": version,
+            "interrupted": len(self._parked),
+            "inflight": self._running_now if inflight else 0,
+        }
 
     async def shutdown(self) -> None:
         """Stop the engine thread: the running generations and the jobs queued before this call

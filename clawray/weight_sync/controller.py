@@ -291,6 +291,14 @@ class WeightSyncController:
         if errors:
             return self._finish(out, t0, errors, self._describe(f"gathering the weights for v{version}", errors))
         out["gather_s"] = float(staged.get("learner-0", {}).get("gather_s", 0.0))
+        errors = self._send(version, out)
+        out["seconds"] = time.perf_counter() - t_stage
+        error = self._describe(f"weight sync to v{version}", errors) if errors else None
+        return self._finish(out, t0, errors, error)
+
+    def _send(self, version: int, out: dict[str, Any]) -> dict[str, str]:
+        """Pause the engines (not in inflight mode), send and load ``version``, resume them (always);
+        fills ``out``'s transfer fields (see :meth:`sync`) and returns the errors by member name."""
         t_sync = time.perf_counter()
         inflight = self.mode == "inflight"  # [sync.mode] no pause: the engines load between two steps
         pause_errors: dict[str, str] = {}
@@ -323,9 +331,7 @@ class WeightSyncController:
                 out["inflight"] += int(results[n].get("inflight", 0))
         if inflight:  # nothing was paused: requests waited only while an engine loaded
             out["pause_s"] = max(out["load_s"].values(), default=0.0)
-        out["seconds"] = time.perf_counter() - t_stage
-        error = self._describe(f"weight sync to v{version}", errors) if errors else None
-        return self._finish(out, t0, errors, error)
+        return errors
 
     def _finish(self, out: dict, t0: float, errors: dict[str, str], error: str | None) -> dict[str, Any]:
         out["ok"] = not errors

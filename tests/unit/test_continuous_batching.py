@@ -628,3 +628,46 @@ def test_shutdown_fails_an_inflight_load_still_queued(engine):
         return eng._between.empty()
 
     assert asyncio.run(scenario())
+
+
+def test_inflight_syncs_load_in_the_order_sent_and_one_never_loaded_is_released(engine):
+    """A receive that outlives its sync (a controller timeout) does not race the next one: in-flight
+    syncs receive and load one at a time, so the version never goes backwards; a sync received by an
+    engine that has shut down is released at the sender (``done(ok=False)``: ipc unmaps its buffers)."""
+    eng, backend = engine
+    release, inside = threading.Event(), []
+    loads = []
+    backend.load_weights = lambda weights: loads.append([name for name, _ in weights])
+
+    class SlowFirst(_MarkerTransport):
+        dones: list[bool] = []
+
+        def receive(self, expected_version):
+            inside.append(expected_version)
+            if expected_version == 1:
+                release.wait(5)
+            return super().receive(expected_version)
+
+        def done(self, ok=True):
+            self.dones.append(ok)
+
+    async def scenario():
+        await eng.ready()
+        eng._transport = SlowFirst()
+        first = asyncio.ensure_future(eng.receive_weights(1, inflight=True))
+        await _until(lambda: inside == [1])
+        second = asyncio.ensure_future(eng.receive_weights(2, inflight=True))
+        await asyncio.sleep(0.05)
+        waiting = (second.done(), inside[:], eng.version)  # v2 waits behind v1, not received yet
+        release.set()
+        await asyncio.gather(first, second)
+        await eng.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, eng._thread.join, 2)
+        with pytest.raises(EngineError, match="has shut down"):
+            await eng.receive_weights(3, inflight=True)
+        return waiting
+
+    waiting = asyncio.run(scenario())
+    assert waiting == (False, [1], 0)
+    assert loads == [["v1"], ["v2"]] and eng.version == 2
+    assert inside == [1, 2, 3] and SlowFirst.dones == [True, True, False]

@@ -149,7 +149,8 @@ def test_an_inflight_load_goes_on_with_the_running_reply_its_kv_recomputed_on_th
     assert loaded["version"] == 2 and loaded["inflight"] == 1 and loaded["interrupted"] == 0
     ids, lps = final["response_ids"], torch.tensor(final["logprobs"])
     torch.testing.assert_close(lps[:k], _score(eng, v1, PROMPT, ids[:k]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(lps[k:], _score(eng, v2, PROMPT + ids[:k], ids[k:]), atol=1e-5, rtol=0)
+    # re-prefill vs one forward pass: float32 noise up to ~1e-5 (a stale v1 KV would be off by > 1e-2)
+    torch.testing.assert_close(lps[k:], _score(eng, v2, PROMPT + ids[:k], ids[k:]), atol=1e-4, rtol=0)
     stats = loop.run_until_complete(eng.stats())
     assert stats["requests"] - stats0["requests"] == 1 and stats["interrupted"] == stats0["interrupted"]
     assert stats["tokens"] - stats0["tokens"] == 40
