@@ -282,11 +282,12 @@ def _run(ns: argparse.Namespace) -> int:
         return 1
     except RuntimeError as e:  # an actor died, the folder is taken, a file is damaged: one line, no traceback
         from clawray.checkpoint import DamagedFileError
+        from clawray.gate import GateStopped
         from clawray.premise import PremiseRefused
         from clawray.recovery import ActorLost
         from clawray.run_lock import RunFolderInUse
 
-        if not isinstance(e, (ActorLost, RunFolderInUse, DamagedFileError, PremiseRefused)):
+        if not isinstance(e, (ActorLost, RunFolderInUse, DamagedFileError, PremiseRefused, GateStopped)):
             raise
         print(f"clawray: {e}", file=sys.stderr)
         return 1

@@ -564,6 +564,29 @@ class EvalConfig:
 
 
 @dataclass
+class DeployConfig:
+    """The promotion gate (clawray.gate): a new policy version reaches users only after a probe on
+    held-out prompts shows it is not worse than the promoted one (paired exact sign test,
+    clawray.promotion); a rejected candidate is rolled back on the learners."""
+
+    gate: bool = False  # off: every new version is served at once (the anchors' behaviour)
+    # probe every this many versions; the versions in between are not served (users keep the promoted one)
+    every_versions: int = num(1, ge=1, le=10**6)
+    probe_prompts: int = num(32, ge=0, le=10**6, note="0 = all eval-split prompts")  # eval-split prompts probed
+    probe_n: int = num(1, ge=1, le=1024)  # samples per probe prompt (each one paired item)
+    probe_temperature: float = num(0.7, **_TEMPERATURE)
+    probe_seed: int = num(1, **_SEED)  # orders the probe's prompts and seeds its samples (paired across versions)
+    measure: str = ""  # the check's measure scored per item ("" = the first one it reports, e.g. solved)
+    margin: float = num(0.05, ge=0.0, le=1.0)  # the largest tolerated drop in mean probe score
+    alpha: float = num(0.05, gt=0.0, lt=1.0)  # the sign test's level
+    floor: float = num(0.0, ge=0.0, le=1.0, note="0 = no floor")  # the least mean probe score a candidate may have
+    # the samples trained into a rejected candidate: "drop" (they are consumed and not trained again)
+    on_reject: str = choice("drop")
+    lr_backoff: float = num(0.5, gt=0.0, le=1.0)  # learning-rate factor after each rejection (1 = none)
+    max_rejections: int = num(3, ge=1, le=10**6)  # rejections in a row that stop the run
+
+
+@dataclass
 class WandbConfig:
     """Experiment tracking (wandb), offline unless told otherwise."""
 
@@ -602,6 +625,7 @@ class ClawrayConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -750,6 +774,8 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         )
     if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
+    if cfg.deploy.gate and not cfg.env.enabled:  # the probe is the environment's eval split and check
+        raise ConfigError("deploy.gate=true needs an environment (env.enabled=true): its eval split is the probe")
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)

@@ -35,6 +35,7 @@ from clawray.algos.algorithm import algorithm_class
 from clawray.checkpoint import precision_mismatch, prefix_cache_warning
 from clawray.closing import closing_lines, eval_change_lines
 from clawray.evaluation import RunEvaluations
+from clawray.gate import PromotionGate
 from clawray.mismatch_probe import MismatchProbe
 from clawray.monitor import BehaviourMonitor
 from clawray.file_modes import open_private, private_dir
@@ -78,6 +79,8 @@ class Driver:
         self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.state.behaviour, cfg.serve.untagged_tool_calls)
         self.probe = MismatchProbe(cfg.monitor)  # inv/logprob_mismatch_kl at every version
         self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
+        self.gate = PromotionGate(cfg.deploy, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
+        self._rolled_back = False  # this step's candidate was rejected or withdrawn (deploy.gate)
         self.eval_results = self.evals.results
         self.model_path = cfg.model.path  # the policy's HF folder; setup resolves it (a build, a conversion)
         self.timeline = Timeline()
@@ -220,7 +223,8 @@ class Driver:
         finally:
             self.users.release()
         if not skipped:
-            st.version = next_version  # the learner's weights moved on even when the sync failed
+            # the learner's weights moved on even when the sync failed, unless the gate rolled them back
+            st.version = self.gate.promoted if self._rolled_back else next_version
             st.entropy.update(train["inv/entropy"])
         else:
             st.skipped_steps[skipped] = st.skipped_steps.get(skipped, 0) + 1
@@ -235,10 +239,12 @@ class Driver:
             st, batch, metas, adv, skipped, train, {**timing, **sync_metrics}, coef, tr.dynamic_sampling
         )
         metrics["timing/step_s"] = time.perf_counter() - t0
-        metrics["timing/checkpoint_s"] = ckpt_s = self.checkpoints.periodic()
+        # with the gate, only a promoted version is checkpointed: a resume never serves an unprobed one
+        metrics["timing/checkpoint_s"] = ckpt_s = self.checkpoints.periodic() if self.gate.settled(st.version) else 0.0
         metrics["timing/step_s"] += ckpt_s
         metrics.update(behaviour, **({"sync_error": sync_error} if sync_error else {}))
         self._log_step(metrics, dropped, bool(adv.rewarded), train, skipped, sync_s, sync_error)
+        self.gate.check_stop()
         return metrics
 
     def _monitor_behaviour(self) -> dict[str, float]:
@@ -302,6 +308,12 @@ class Driver:
         engines are resumed on their old version, and the next sync (even on a skipped step) rebuilds
         the group and sends the newest weights. A restarted engine rejoins a rebuilt group.
         """
+        self._rolled_back = False
+        if self.gate.enabled:  # [deploy.gate] a new version reaches the engines only through the probe
+            if not skipped and self.gate.due(next_version):
+                return self._gated_sync(next_version, refs, metas)
+            if not skipped or not self.gate.settled(self.version):  # the learners hold an unprobed version
+                return 0.0, None, {**WeightSyncController.idle_metrics(), **self.gate.metrics(None, 0.0)}
         sync, sync_s, sync_error = self.actors.weight_sync, 0.0, None
         sync_metrics = WeightSyncController.idle_metrics()
         restarted = restarted_engines(self.actors)
@@ -324,6 +336,79 @@ class Driver:
             versions = sync.engine_versions()
             sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
         return sync_s, sync_error, sync_metrics
+
+    def start_gate(self) -> None:
+        """With ``deploy.gate``: the version the engines serve now (the initial or resumed policy) is
+        the promoted one: the learners keep it as their rollback point and the probe scores it (the
+        reference every candidate is paired with). Called by :meth:`run` before any traffic."""
+        if self.gate.enabled:
+            self.actors.learners.keep_promoted()
+            self.gate.baseline(self.version, self.model_path, self._probe_generate)
+
+    def _gated_sync(self, version: int, refs: list, metas: list) -> tuple[float, str | None, dict[str, float]]:
+        """The promotion gate's sync of candidate ``version`` (:mod:`clawray.gate`): load it into the
+        engines held paused for users, probe it, then either resume the engines on it (promoted; the
+        learners keep it as their rollback point) or roll the learners back to the promoted version
+        (learning rate x ``deploy.lr_backoff``) and sync that back (rejected; also, without a back-off,
+        when the candidate's sync failed: withdrawn). Returns :meth:`_sync`'s triple; the row gets
+        ``deploy/*`` (:meth:`~clawray.gate.PromotionGate.metrics`), ``deploy/users_held_s`` = pause to resume."""
+        sync, gate, learners = self.actors.weight_sync, self.gate, self.actors.learners
+        restarted = restarted_engines(self.actors)
+        t0 = time.perf_counter()
+        result = sync.resync(version, hold=True) if restarted else sync.sync(version, hold=True)
+        metrics = WeightSyncController.metrics(result, sync.failures)
+        decision, sync_error = None, None
+        if result["held"]:
+            t_probe = time.perf_counter()
+            try:
+                scores, probe_s = gate.probe(self.model_path, self._probe_generate)
+            except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
+                gate.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
+                scores = None
+            if scores is not None:
+                decision = gate.judge(version, scores, probe_s, len(metas))
+            if decision is not None and decision.promote:
+                errors = sync.release()
+                learners.keep_promoted()
+                if errors:
+                    sync_error = f"resuming the engines after the probe: {errors}"
+            else:
+                sync_error = self._roll_back(gate.cfg.lr_backoff if decision is not None else 1.0)
+            held_s = result["pause_s"] + time.perf_counter() - t_probe
+        else:
+            gate.withdraw(version, result["error"])
+            sync_error = self._roll_back(1.0) or result["error"]
+            held_s = 0.0
+        if sync_error is None and self.actors.engines:
+            self.probe.launch(
+                self.actors.engines[0], refs, metas, self.version if self._rolled_back else version, self.model_path
+            )
+        metrics.update(gate.metrics(decision, held_s))
+        versions = sync.engine_versions()
+        metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
+        return time.perf_counter() - t0, sync_error, metrics
+
+    def _roll_back(self, lr_factor: float) -> str | None:
+        """Return the learners to the promoted version (weights, AdamW state, schedule; the learning
+        rate x ``lr_factor``) and sync it to the engines, which resume on it; returns the sync's error
+        or None."""
+        self._rolled_back = True
+        self.actors.learners.restore_promoted(lr_factor)
+        back = self.actors.weight_sync.sync(self.gate.promoted)
+        if back["ok"]:
+            return None
+        print(
+            f"[clawray] gate: syncing v{self.gate.promoted} back failed ({back['error']}); it is re-sent at the "
+            "next sync",
+            flush=True,
+        )
+        return back["error"]
+
+    def _probe_generate(self, requests: list) -> list[dict]:
+        """The gate's probe generations, spread over the engines; they run while the engines hold
+        the users' requests (``probe=True``)."""
+        engines = self.actors.engines
+        return ray.get([engines[i % len(engines)].generate.remote(r, None, True) for i, r in enumerate(requests)])
 
     def _log_step(
         self,
@@ -350,6 +435,8 @@ class Driver:
             self.setup()
         t0, tr = time.perf_counter(), self.cfg.trainer  # tr.num_steps may be lowered while it runs (bench/chaos.py)
         self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
+        if tr.num_steps != 0:
+            self.start_gate()
         self.users.start(self.base_url)
         try:
             while tr.num_steps < 0 or self.steps_done < tr.num_steps:
@@ -392,6 +479,9 @@ class Driver:
             from clawray.build import learner_group
 
             self.checkpoints.rebuild_learners(plan.lost, lambda: learner_group(self.cfg, self.model_path))
+            if self.gate.enabled:  # the restored checkpoint (a promoted version) is the new rollback point
+                self.actors.learners.keep_promoted()
+                self.gate.promoted = self.version
 
     def summary(self, seconds: float) -> dict[str, Any]:
         """Counters of every component, written to ``run_dir/summary.json``."""
@@ -423,6 +513,16 @@ class Driver:
                 flush=True,
             )
         elif self._ready:
+            if not self.gate.settled(self.state.version) and self.gate.promoted is not None:
+                try:  # never checkpoint an unprobed version (deploy.every_versions > 1)
+                    self.actors.learners.restore_promoted(1.0)
+                    self.state.version = self.gate.promoted
+                except Exception as e:  # noqa: BLE001 - then no exit checkpoint: the last one stands
+                    print(
+                        f"[clawray] gate: no exit checkpoint (return to v{self.gate.promoted} failed: {e})", flush=True
+                    )
+                    self.shutdown()
+                    return
             self.checkpoints.at_exit()
         self.shutdown()
 

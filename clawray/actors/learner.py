@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import functools
@@ -836,6 +837,73 @@ class LearnerWorker:
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
+    # ------------------------------------------------------------------ promotion gate (rollback point)
+    def keep_promoted(self) -> dict:
+        """Keep this rank's training state as the promoted version's rollback point, in host memory
+        (:mod:`clawray.gate`): a CPU copy of its shard of every trainable parameter and of their AdamW
+        moments, the scheduler's state, the learning rates, the version and step counters. Replaces
+        the previous point.
+
+        Returns:
+            ``{"version", "bytes"}``: the point's version and this rank's bytes kept.
+        """
+        params = [_local(p).detach().to("cpu", copy=True) for p in self.trainable]
+        moments = [
+            {k: _local(v).detach().to("cpu", copy=True) for k, v in self.optimizer.state.get(p, {}).items()}
+            for p in self.trainable
+        ]
+        self._promoted = {
+            "params": params,
+            "moments": moments,
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "lrs": [g["lr"] for g in self.optimizer.param_groups],
+            "counters": (self.version, self.optimizer_steps, self.skipped_steps),
+        }
+        held = [*params, *(t for m in moments for t in m.values())]
+        return {"version": self.version, "bytes": sum(t.numel() * t.element_size() for t in held)}
+
+    def restore_promoted(self, lr_factor: float = 1.0) -> dict:
+        """Return to the rollback point of :meth:`keep_promoted`: the weights, the AdamW moments
+        (cleared where there were none), the scheduler, version and counters, bit for bit; then
+        multiply the learning rate by ``lr_factor`` (the schedule's base rates too, so the back-off
+        lasts). Collective only in the sense that every rank must call it.
+
+        Returns:
+            ``{"version", "lr"}`` after the restore.
+
+        Raises:
+            RuntimeError: no point was kept.
+        """
+        point = getattr(self, "_promoted", None)
+        if point is None:
+            raise RuntimeError("no promoted version kept (keep_promoted was never called)")
+        self._staged = None  # gathered from the weights this replaces
+        with torch.no_grad():
+            for p, saved in zip(self.trainable, point["params"]):
+                _local(p).copy_(saved)
+            for p, saved in zip(self.trainable, point["moments"]):
+                if not saved:
+                    self.optimizer.state.pop(p, None)
+                    continue
+                state = self.optimizer.state[p]
+                for k, v in saved.items():
+                    if k in state:
+                        _local(state[k]).copy_(v)
+                    else:
+                        state[k] = v.clone().to(_local(p).device)
+        self.scheduler.load_state_dict(copy.deepcopy(point["scheduler"]))
+        self.scheduler.base_lrs = [b * lr_factor for b in self.scheduler.base_lrs]
+        for g, lr in zip(self.optimizer.param_groups, point["lrs"]):
+            g["lr"] = lr * lr_factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.version, self.optimizer_steps, self.skipped_steps = point["counters"]
+        return {"version": self.version, "lr": self.optimizer.param_groups[0]["lr"]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter or optimizer state (a DTensor), else ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
 
 def _cause(error: BaseException) -> str:
     """One line naming the original exception behind a Ray error (a worker's constructor raising
@@ -977,6 +1045,16 @@ class LearnerGroup:
     def sync_weights(self, version: int) -> list:
         """Refs of every rank's :meth:`LearnerWorker.sync_weights`; rank 0's result is first."""
         return [w.sync_weights.remote(version) for w in self.workers]
+
+    def keep_promoted(self) -> dict:
+        """Every rank keeps its rollback point (:meth:`LearnerWorker.keep_promoted`); returns rank 0's
+        result with ``bytes`` summed over ranks."""
+        outs = ray.get([w.keep_promoted.remote() for w in self.workers])
+        return {**outs[0], "bytes": sum(o["bytes"] for o in outs)}
+
+    def restore_promoted(self, lr_factor: float = 1.0) -> dict:
+        """Every rank returns to its rollback point (:meth:`LearnerWorker.restore_promoted`); rank 0's result."""
+        return ray.get([w.restore_promoted.remote(lr_factor) for w in self.workers])[0]
 
 
 @dataclasses.dataclass

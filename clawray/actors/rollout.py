@@ -153,6 +153,7 @@ class _Job:
         "logprobs",
         "versions",
         "run_versions",
+        "probe",
     )
 
     def __init__(
@@ -173,6 +174,7 @@ class _Job:
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the policy version that sampled each token of ids
         self.run_versions: list[int] = []  # the version of each token of the current run, per step
+        self.probe = False  # a promotion-gate probe: runs while the engine is paused (see generate)
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -361,7 +363,9 @@ class RolloutEngine:
                 break
             if job.kind != "generate":
                 return job, False
-            if self._interrupt and not job.cancelled:  # queued before the sync's pause: runs on the new weights
+            if (
+                self._interrupt and not job.cancelled and not job.probe
+            ):  # queued before the sync's pause: runs on the new weights
                 self._park(job)
             else:
                 self._start(job, running, keys)
@@ -435,7 +439,11 @@ class RolloutEngine:
     def _step(self, running: dict[int, _Job]) -> None:
         """One backend step: abort the generations whose caller went away (or all, for a sync's
         interrupt), stream the new tokens and finish the generations that ended."""
-        gone = [k for k, job in running.items() if not job.stopping and (job.cancelled or self._interrupt)]
+        gone = [
+            k
+            for k, job in running.items()
+            if not job.stopping and (job.cancelled or (self._interrupt and not job.probe))
+        ]
         for key in gone:
             running[key].stopping = True
         if gone:
@@ -609,8 +617,12 @@ class RolloutEngine:
         await self._call(lambda: None)
         return {"name": self.name, "version": self.version}
 
-    async def generate(self, request: GenerateRequest, wait_s: float | None = None) -> dict:
+    async def generate(self, request: GenerateRequest, wait_s: float | None = None, probe: bool = False) -> dict:
         """Sample one response; waits while the engine is paused (at most ``wait_s`` seconds if given).
+
+        ``probe=True`` (the promotion gate's probe, :mod:`clawray.gate`) runs at once even while the
+        engine is paused, on the weights it holds, and a pause's interrupt does not stop it: the gate
+        holds the users' requests (paused) while it probes a candidate version.
 
         Returns:
             dict with ``response_ids`` (list[int], R), ``logprobs`` (list[float], R),
@@ -628,8 +640,12 @@ class RolloutEngine:
         """
         self._in_flight += 1
         try:
-            await self._admit(wait_s)
+            if not probe:
+                await self._admit(wait_s)
+            elif self._closing:
+                raise EngineError(f"{self.name} has shut down")
             job = _Job("generate", request, asyncio.get_running_loop())
+            job.probe = probe
             await self._enqueue(job)
             try:
                 return await job.future

@@ -671,3 +671,29 @@ def test_inflight_syncs_load_in_the_order_sent_and_one_never_loaded_is_released(
     assert waiting == (False, [1], 0)
     assert loads == [["v1"], ["v2"]] and eng.version == 2
     assert inside == [1, 2, 3] and SlowFirst.dones == [True, True, False]
+
+
+def test_a_gate_probe_runs_while_paused_and_the_users_requests_wait_for_the_resume(engine):
+    """deploy.gate: with the engine paused (interrupt), a probe generation runs to its end on the
+    loaded weights while a parked user request and one that arrives during the pause both wait; they
+    run only after the resume."""
+    eng, backend = engine
+
+    async def scenario():
+        await eng.ready()
+        a = asyncio.ensure_future(eng.generate(GenerateRequest([1], max_tokens=6)))
+        await _until(lambda: backend.n >= 2)
+        await eng.pause(interrupt=True)
+        await _until(lambda: len(eng._parked) == 1)
+        b = asyncio.ensure_future(eng.generate(GenerateRequest([2], max_tokens=3)))
+        mark = len(backend.log)
+        probe = await asyncio.wait_for(eng.generate(GenerateRequest([3], max_tokens=4), None, True), 5.0)
+        during = backend.log[mark:]
+        assert not a.done() and not b.done()
+        await eng.resume()
+        return probe, during, await a, await b
+
+    probe, during, a, b = asyncio.run(scenario())
+    assert len(probe["response_ids"]) == 4 and probe["finish_reason"] == "length"
+    assert during[0] == ("add", 3) and {tuple(r) for e, r in during if e == "step"} == {(3,)}
+    assert len(a["response_ids"]) == 6 and len(b["response_ids"]) == 3

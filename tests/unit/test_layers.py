@@ -54,6 +54,7 @@ LAYERS = {
     "clawray.premise": 3,
     "clawray.monitor": 3,
     "clawray.mismatch_probe": 3,
+    "clawray.gate": 3,
     "clawray.run_actors": 3,
     "clawray.run_stats": 3,
     "clawray.resume": 3,

@@ -1,0 +1,220 @@
+"""The promotion gate (``deploy.gate``): no user is served a policy version that a probe found worse.
+
+Owns: the promoted version and its probe scores, the probe of a candidate (the environment's eval
+split and check, fixed prompts and seeds, so two versions' results pair item by item), the decision
+(:func:`clawray.promotion.decide`: an exact paired sign test with a margin and a floor), the rejection
+count and ``run_dir/versions.jsonl``. Must not: move weights or pause engines (the driver does, with
+:meth:`~clawray.weight_sync.WeightSyncController.sync` ``hold=True``), or train.
+
+How a candidate is judged (the driver, :meth:`clawray.driver.Driver.step`): the learners' new weights
+are loaded into every engine while the engines are paused for users (their requests wait, parked
+generations included); the probe's generations run on those paused engines
+(:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``); promoted: the engines resume
+on the candidate and the learners keep it as their rollback point; rejected: the learners return to
+the promoted version's weights and AdamW state (kept in host memory), the learning rate backs off by
+``deploy.lr_backoff``, the promoted weights are synced back and the engines resume on them. Either
+way no user token is sampled by a candidate before its decision, and none ever by a rejected one.
+The promoted version's scores are those it got as a candidate (same prompts and seeds), so each
+decision probes one version. What users wait for: the probe plus, on a rejection, a second sync
+(``deploy/users_held_s`` per decision). ``deploy.max_rejections`` in a row stop the run
+(:class:`GateStopped`, naming the last probe's figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from clawray.file_modes import open_private
+from clawray.promotion import Decision, decide
+
+
+class GateStopped(RuntimeError):
+    """``deploy.max_rejections`` candidates in a row were rejected: the run stops (the message has
+    the last decision's figures)."""
+
+
+class PromotionGate:
+    """The gate's state and decisions (see the module docstring).
+
+    Args:
+        deploy: the ``deploy`` config section (:class:`~clawray.config.DeployConfig`).
+        env_cfg: the ``env`` section (the environment whose eval split is the probe; ``max_tokens``).
+        run_dir: the run folder (``versions.jsonl``).
+        untagged_tool_calls: ``serve.untagged_tool_calls`` (replies are parsed as served).
+
+    Attributes:
+        promoted: the promoted policy version (the one users are served), or None before
+            :meth:`baseline`.
+        promoted_scores: its per-item probe scores.
+        rejections: candidates rejected in a row.
+        records: every decision's record (also appended to ``versions.jsonl``).
+    """
+
+    def __init__(self, deploy: Any, env_cfg: Any, run_dir: str, untagged_tool_calls: bool = False):
+        self.cfg, self.env_cfg, self.run_dir = deploy, env_cfg, run_dir
+        self.untagged_tool_calls = untagged_tool_calls
+        self.enabled = bool(deploy.gate)
+        self.promoted: int | None = None
+        self.promoted_scores: list[float] = []
+        self.rejections = 0
+        self.dropped_samples = 0  # samples trained into rejected candidates (deploy.on_reject: drop)
+        self.records: list[dict[str, Any]] = []
+        self._evaluator: Any = None
+        self._last: Decision | None = None
+
+    # ---------------------------------------------------------------- probe
+    def _build(self, model_path: str) -> Any:
+        if self._evaluator is None:
+            from transformers import AutoTokenizer
+
+            from clawray.envs import env_from_config
+            from clawray.evaluation import Evaluator
+
+            d = self.cfg
+            self._evaluator = Evaluator(
+                env_from_config(self.env_cfg),
+                AutoTokenizer.from_pretrained(model_path),
+                n=d.probe_n,
+                num_prompts=d.probe_prompts,
+                temperature=d.probe_temperature,
+                seed=d.probe_seed,
+                max_tokens=self.env_cfg.max_tokens,
+                split="eval",
+                untagged_tool_calls=self.untagged_tool_calls,
+            )
+        return self._evaluator
+
+    def probe(self, model_path: str, generate: Callable[[list], list]) -> tuple[list[float], float]:
+        """Score the version that ``generate`` serves on the probe items: ``(scores, seconds)``, one
+        score in [0, 1] per item (prompt-major, ``probe_n`` per prompt), the check's ``deploy.measure``.
+
+        Raises:
+            KeyError: the check does not report ``deploy.measure``.
+        """
+        result = self._build(model_path).run(generate)
+        measure = self.cfg.measure
+        scores = []
+        for reply in result["replies"]:
+            s = reply["scores"]
+            key = measure or next(iter(s))
+            if key not in s:
+                raise KeyError(f"deploy.measure={measure!r}: the check reports {sorted(s)}")
+            scores.append(float(s[key]))
+        return scores, result["seconds"]
+
+    # ---------------------------------------------------------------- state
+    def baseline(self, version: int, model_path: str, generate: Callable[[list], list]) -> float:
+        """Probe the version the engines serve now and promote it (the run's start, or a resume);
+        returns its mean score."""
+        self.promoted_scores, seconds = self.probe(model_path, generate)
+        self.promoted, self.rejections = version, 0
+        mean = sum(self.promoted_scores) / len(self.promoted_scores)
+        self._record(
+            {
+                "version": version,
+                "decision": "baseline",
+                "mean": mean,
+                "items": len(self.promoted_scores),
+                "probe_s": seconds,
+            }
+        )
+        print(
+            f"[clawray] gate: v{version} promoted as the baseline: probe mean {mean:.3f} over "
+            f"{len(self.promoted_scores)} items ({seconds:.1f}s)",
+            flush=True,
+        )
+        return mean
+
+    def due(self, version: int) -> bool:
+        """Whether learner version ``version`` is probed (``deploy.every_versions`` after the promoted
+        one); the versions in between are never served."""
+        return self.promoted is None or version - self.promoted >= self.cfg.every_versions
+
+    def settled(self, version: int) -> bool:
+        """Whether the learners' ``version`` is the promoted one (always true with the gate off): only
+        then may a checkpoint be taken, so a resume never serves an unprobed version."""
+        return not self.enabled or version == self.promoted
+
+    def judge(self, version: int, scores: list[float], probe_s: float, samples: int = 0) -> Decision:
+        """Decide on candidate ``version`` from its probe ``scores`` (paired with the promoted
+        version's); record it; on promotion it becomes the promoted version. ``samples`` trained into
+        it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop)."""
+        d = self.cfg
+        decision = decide(scores, self.promoted_scores, margin=d.margin, alpha=d.alpha, floor=d.floor)
+        record = {
+            "version": version,
+            "promoted_before": self.promoted,
+            "decision": "promoted" if decision.promote else "rejected",
+            "reason": decision.reason,
+            "candidate_mean": decision.candidate_mean,
+            "promoted_mean": decision.promoted_mean,
+            "delta": decision.delta,
+            "delta_ci": list(decision.delta_ci),
+            "worse": decision.worse,
+            "better": decision.better,
+            "p_worse": decision.p_worse,
+            "items": decision.n,
+            "probe_s": probe_s,
+        }
+        if decision.promote:
+            self.promoted, self.promoted_scores, self.rejections = version, list(scores), 0
+        else:
+            self.rejections += 1
+            self.dropped_samples += samples
+            record["rejections_in_a_row"] = self.rejections
+        self._record(record)
+        print(f"[clawray] gate: v{version} {decision.reason}", flush=True)
+        self._last = decision
+        return decision
+
+    def check_stop(self) -> None:
+        """Raise when ``deploy.max_rejections`` candidates in a row were rejected (the driver calls it
+        once the step is rolled back and logged).
+
+        Raises:
+            GateStopped: naming the last decision's figures.
+        """
+        if self.enabled and self.rejections >= self.cfg.max_rejections:
+            raise GateStopped(
+                f"the promotion gate rejected {self.rejections} candidates in a row (deploy.max_rejections="
+                f"{self.cfg.max_rejections}); users are still served v{self.promoted}. Last: {self._last.reason}"
+            )
+
+    def withdraw(self, version: int, error: str) -> None:
+        """Record candidate ``version`` as withdrawn: its weights did not reach every engine, so it
+        was not probed (the driver rolls back without a learning-rate back-off)."""
+        self._record({"version": version, "decision": "withdrawn", "reason": f"the sync failed: {error}"})
+        print(f"[clawray] gate: v{version} withdrawn (the sync failed); users keep v{self.promoted}", flush=True)
+
+    def metrics(self, decision: Decision | None, users_held_s: float) -> dict[str, float]:
+        """``deploy/*`` for the step's row: the promoted version, rejections in a row, samples dropped,
+        and with a decision its means, p-value, 1/0 promoted and the seconds users were held."""
+        out = {
+            "deploy/promoted_version": float(self.promoted if self.promoted is not None else -1),
+            "deploy/rejections": float(self.rejections),
+            "deploy/dropped_samples": float(self.dropped_samples),
+        }
+        if decision is not None:
+            out.update(
+                {
+                    "deploy/promoted": float(decision.promote),
+                    "deploy/candidate_mean": decision.candidate_mean,
+                    "deploy/promoted_mean": decision.promoted_mean,
+                    "deploy/p_worse": decision.p_worse,
+                    "deploy/users_held_s": users_held_s,
+                }
+            )
+        return out
+
+    def _record(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        self.records.append(record)
+        try:
+            with open_private(os.path.join(self.run_dir, "versions.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk loses a record line, never the run
+            print(f"[clawray] versions.jsonl not updated ({e.strerror or type(e).__name__})", flush=True)

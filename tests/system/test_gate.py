@@ -1,0 +1,91 @@
+"""The promotion gate in the whole loop (issue #26) on the tiny model: a candidate that holds is
+promoted and served; a rejected one never reaches a user (the engines keep the promoted version, every
+recorded token comes from a promoted version), the learners return to the promoted weights bit for bit
+with the learning rate backed off, and deploy.max_rejections in a row stop the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from clawray.config import DeployConfig, section
+from clawray.driver import Driver
+from clawray.gate import GateStopped
+from conftest import tiny_run_config
+
+pytestmark = pytest.mark.slow
+
+
+def rank0_state(d: Driver) -> dict:
+    return ray.get([w.state_dict.remote() for w in d.actors.learners.workers])[0]
+
+
+def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model, tmp_path):
+    cfg = tiny_run_config(
+        tiny_model,
+        tmp_path / "run",
+        overrides=[
+            "trainer.num_steps=-1",
+            "trainer.batch_timeout_s=180",
+            "env.concurrency=2",
+            "env.max_tokens=16",
+            "env.max_turns=2",
+            "env.name=arith",
+            "learner.lr=1e-3",
+            "wandb.mode=disabled",
+            "deploy.gate=true",
+            "deploy.margin=1.0",  # no drop rejects: the first candidate is promoted
+            "deploy.probe_prompts=3",
+            "deploy.probe_n=2",
+            "deploy.max_rejections=2",
+        ],
+    )
+    d = Driver(cfg)
+    d.setup()
+    try:
+        d.start_gate()
+        assert d.gate.promoted == 0 and len(d.gate.promoted_scores) == 6
+        d.users.start(d.base_url)
+        m1 = d.step()
+        assert m1["deploy/promoted"] == 1.0 and m1["deploy/promoted_version"] == 1.0 and d.version == 1
+        assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
+        assert m1["deploy/users_held_s"] >= m1["sync/pause_s"] > 0
+        promoted = rank0_state(d)
+        engine, prompt, reply = d.actors.engines[0], [1, 2, 3, 4], [5, 6, 7]
+        logprobs = ray.get(engine.logprobs.remote(prompt, reply))
+        # from now on every candidate falls below the floor: rejected, rolled back
+        d.gate.cfg = section(DeployConfig, {**cfg.deploy, "floor": 1.0})
+        m2 = d.step()
+        assert m2["deploy/promoted"] == 0.0 and m2["deploy/rejections"] == 1.0 and d.version == 1
+        assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
+        assert m2["deploy/dropped_samples"] == m2["samples"] >= 2
+        after = rank0_state(d)
+        assert after.keys() == promoted.keys() and all(torch_equal(after[k], promoted[k]) for k in promoted)
+        assert ray.get(engine.logprobs.remote(prompt, reply)) == logprobs  # the engine serves v1's exact weights
+        with pytest.raises(GateStopped, match=r"rejected 2 candidates in a row .* still served v1"):
+            d.step()
+        m3 = d.history[-1]
+        assert m3["lr"] == pytest.approx(0.5 * m2["lr"]) and m3["deploy/rejections"] == 2.0
+        assert d.version == 1 and d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
+    finally:
+        d.users.stop()
+        d.shutdown()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "versions.jsonl")]
+    assert [(r["version"], r["decision"]) for r in rows] == [
+        (0, "baseline"),
+        (1, "promoted"),
+        (2, "rejected"),
+        (2, "rejected"),
+    ]
+    assert all(r["items"] == 6 for r in rows) and "below the floor 1.000" in rows[2]["reason"]
+    turns = [json.loads(line) for line in open(tmp_path / "run" / "records" / "turns.jsonl")]
+    served = {v for t in turns for v in (t.get("token_versions") or [t["policy_version"]])}
+    assert turns and served <= {0, 1}  # no user token ever came from a rejected candidate
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

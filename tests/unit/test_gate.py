@@ -1,0 +1,121 @@
+"""The promotion gate's bookkeeping (issue #26, clawray.gate): the promoted version and its paired
+probe scores, decisions recorded in versions.jsonl, rejections in a row that stop the run, and which
+versions are probed or may be checkpointed. The probe's generations are faked: each call returns the
+next list of per-item scores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clawray.config import ConfigError, DeployConfig, load_config, section
+from clawray.gate import GateStopped, PromotionGate
+
+
+class FakeEvaluator:
+    """Stands in for clawray.evaluation.Evaluator: ``run`` returns the next scores as replies."""
+
+    def __init__(self, *rounds: list[float], measure: str = "solved"):
+        self.rounds, self.measure, self.calls = list(rounds), measure, 0
+
+    def run(self, generate):
+        self.calls += 1
+        scores = self.rounds.pop(0)
+        return {"seconds": 0.5, "replies": [{"scores": {self.measure: s, "other": 1.0}} for s in scores]}
+
+
+def make_gate(tmp_path, *rounds, **deploy) -> PromotionGate:
+    gate = PromotionGate(section(DeployConfig, {"gate": True, **deploy}), None, str(tmp_path))
+    gate._evaluator = FakeEvaluator(*rounds)
+    return gate
+
+
+def records(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in open(tmp_path / "versions.jsonl")]
+
+
+def test_a_candidate_that_holds_is_promoted_and_its_scores_become_the_reference(tmp_path):
+    base = [1.0] * 10 + [0.0] * 10  # 0.5
+    better = [1.0] * 12 + [0.0] * 8  # 0.6, better on 2 items
+    gate = make_gate(tmp_path, base, better, better)
+    assert gate.baseline(0, "unused", None) == 0.5 and gate.promoted == 0
+    scores, seconds = gate.probe("unused", None)
+    decision = gate.judge(1, scores, seconds, samples=4)
+    assert decision.promote and gate.promoted == 1 and gate.promoted_scores == better
+    assert gate.rejections == 0 and gate.dropped_samples == 0
+    rec = records(tmp_path)
+    assert [r["decision"] for r in rec] == ["baseline", "promoted"]
+    assert rec[1]["version"] == 1 and rec[1]["promoted_before"] == 0 and rec[1]["items"] == 20
+    assert rec[1]["candidate_mean"] == 0.6 and rec[1]["promoted_mean"] == 0.5 and rec[1]["worse"] == 0
+    assert gate.metrics(decision, 2.5) == {
+        "deploy/promoted_version": 1.0,
+        "deploy/rejections": 0.0,
+        "deploy/dropped_samples": 0.0,
+        "deploy/promoted": 1.0,
+        "deploy/candidate_mean": 0.6,
+        "deploy/promoted_mean": 0.5,
+        "deploy/p_worse": 1.0,
+        "deploy/users_held_s": 2.5,
+    }
+
+
+def test_significant_drops_are_rejected_and_max_rejections_in_a_row_stop_the_run(tmp_path):
+    base = [1.0] * 16 + [0.0] * 4  # 0.8
+    worse = [0.0] * 8 + [1.0] * 8 + [0.0] * 4  # 0.4: worse on 8 items, better on none
+    gate = make_gate(tmp_path, base, worse, worse, max_rejections=2)
+    gate.baseline(3, "unused", None)
+    d1 = gate.judge(4, *gate.probe("unused", None), samples=5)
+    # exact sign test: P(X >= 8), X ~ Binomial(8, 1/2) = 1/256
+    assert not d1.promote and d1.p_worse == 1 / 256 and d1.delta == pytest.approx(-0.4)
+    assert gate.promoted == 3 and gate.promoted_scores == base and gate.rejections == 1
+    gate.check_stop()  # one rejection: the run goes on
+    gate.judge(4, *gate.probe("unused", None), samples=3)
+    assert gate.rejections == 2 and gate.dropped_samples == 8
+    with pytest.raises(GateStopped, match=r"rejected 2 candidates in a row .* still served v3\. Last: rejected"):
+        gate.check_stop()
+    assert [r["decision"] for r in records(tmp_path)] == ["baseline", "rejected", "rejected"]
+    assert records(tmp_path)[2]["rejections_in_a_row"] == 2
+
+
+def test_a_promotion_resets_the_rejections_and_the_floor_rejects_alone(tmp_path):
+    base = [1.0] * 5 + [0.0] * 15  # 0.25
+    same = list(base)
+    gate = make_gate(tmp_path, base, same, same, floor=0.3, max_rejections=5)
+    gate.baseline(0, "unused", None)
+    d = gate.judge(1, *gate.probe("unused", None))
+    assert not d.promote and "below the floor 0.300" in d.reason and gate.rejections == 1
+    gate.cfg = section(DeployConfig, {"gate": True, "floor": 0.0, "max_rejections": 5})
+    assert gate.judge(1, *gate.probe("unused", None)).promote and gate.rejections == 0
+
+
+def test_every_versions_probes_every_kth_version_and_only_promoted_ones_are_settled(tmp_path):
+    gate = make_gate(tmp_path, [1.0, 0.0], every_versions=3)
+    assert gate.due(1)  # nothing promoted yet
+    gate.baseline(2, "unused", None)
+    assert [v for v in range(3, 9) if gate.due(v)] == [5, 6, 7, 8]
+    assert gate.settled(2) and not gate.settled(3)
+    off = PromotionGate(section(DeployConfig, {}), None, str(tmp_path))
+    assert off.settled(7) and not off.enabled
+    off.check_stop()  # the gate off never stops a run
+
+
+def test_the_measure_is_the_configured_one_or_the_checks_first(tmp_path):
+    gate = make_gate(tmp_path, [1.0, 0.0], measure="other")
+    assert gate.probe("unused", None)[0] == [1.0, 1.0]
+    gate = make_gate(tmp_path, [1.0, 0.0], measure="missing")
+    with pytest.raises(KeyError, match="deploy.measure='missing'"):
+        gate.probe("unused", None)
+    gate = make_gate(tmp_path, [1.0, 0.0])
+    assert gate.probe("unused", None)[0] == [1.0, 0.0]
+
+
+def test_the_gate_needs_an_environment_and_valid_settings():
+    with pytest.raises(ConfigError, match="deploy.gate=true needs an environment"):
+        load_config(["conf/rl.yaml"], ["deploy.gate=true", "env.enabled=false"])
+    with pytest.raises(ConfigError, match="deploy.on_reject='keep'"):
+        load_config([], ["deploy.on_reject=keep"])
+    with pytest.raises(ConfigError, match="deploy.every_versions=0"):
+        load_config([], ["deploy.every_versions=0"])
+    cfg = load_config(["conf/rl.yaml"], ["deploy.gate=true"])
+    assert cfg.deploy.gate and cfg.deploy.margin == 0.05 and cfg.deploy.max_rejections == 3
