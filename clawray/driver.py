@@ -40,7 +40,7 @@ from clawray.mismatch_probe import MismatchProbe
 from clawray.monitor import BehaviourMonitor
 from clawray.file_modes import open_private, private_dir
 from clawray.batching import sample_groups, take_batch
-from clawray.recovery import ActorLost, actor_lost, learner_lost, recovery_for, restarted_engines
+from clawray.recovery import ActorLost, actor_lost, learner_lost, recovery_for
 from clawray.resume import Checkpoints, LoopState
 from clawray.run_actors import RunActors
 from clawray.run_lock import RunFolderLock
@@ -48,7 +48,7 @@ from clawray.run_stats import RunStats
 from clawray.serve.instance import APP_NAME, ServeLease
 from clawray.traffic import SimUsers
 from clawray.step_metrics import Timeline, step_line
-from clawray.weight_sync import WeightSyncController
+from clawray.step_sync import sync_step
 
 
 class Driver:
@@ -80,7 +80,6 @@ class Driver:
         self.probe = MismatchProbe(cfg.monitor)  # inv/logprob_mismatch_kl at every version
         self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
         self.gate = PromotionGate(cfg.deploy, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
-        self._rolled_back = False  # this step's candidate was rejected or withdrawn (deploy.gate)
         self.eval_results = self.evals.results
         self.model_path = cfg.model.path  # the policy's HF folder; setup resolves it (a build, a conversion)
         self.timeline = Timeline()
@@ -179,9 +178,8 @@ class Driver:
         """
         if not self.cfg.eval.enabled:
             return None
-        return self.evals.run(
-            when, self.steps_done, self.version, self.model_path, self._engine0_generate, self.metrics.log
-        )
+        served = self.gate.served(self.version)  # with deploy.gate: the promoted version, not the learners'
+        return self.evals.run(when, self.steps_done, served, self.model_path, self._engine0_generate, self.metrics.log)
 
     def _engine0_generate(self, requests: list) -> list[dict]:
         from clawray.console import wait_with_progress
@@ -195,7 +193,7 @@ class Driver:
 
         The phases, each a named call: take a batch (:func:`~clawray.batching.take_batch`) -> advantages
         (:func:`~clawray.algos.advantages.batch_advantages`) -> train (:meth:`_train`) -> sync
-        (:meth:`_sync`) -> advance the policy version -> the metrics row
+        (:func:`~clawray.step_sync.sync_step`) -> advance the policy version -> the metrics row
         (:meth:`~clawray.run_stats.RunStats.step_row`) ->
         checkpoint (:meth:`~clawray.resume.Checkpoints.periodic`) -> log (:meth:`_log_step`).
 
@@ -219,12 +217,15 @@ class Driver:
             with clock.phase("train", keep=True):
                 train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
             with clock.phase("sync", keep=True):
-                sync_s, sync_error, sync_metrics = self._sync(next_version, skipped, refs, metas)
+                synced = sync_step(
+                    self.actors, self.gate, self.probe, self.model_path, st.version, next_version, skipped, refs, metas
+                )
+                sync_s, sync_error, sync_metrics = synced.seconds, synced.error, synced.metrics
         finally:
             self.users.release()
         if not skipped:
             # the learner's weights moved on even when the sync failed, unless the gate rolled them back
-            st.version = self.gate.promoted if self._rolled_back else next_version
+            st.version = self.gate.promoted if synced.rolled_back else next_version
             st.entropy.update(train["inv/entropy"])
         else:
             st.skipped_steps[skipped] = st.skipped_steps.get(skipped, 0) + 1
@@ -293,123 +294,6 @@ class Driver:
         st.in_flight["marked"] = True  # an exit checkpoint during this step's sync need not mark it again
         return train, skipped
 
-    def _sync(
-        self, next_version: int, skipped: str, refs: list, metas: list
-    ) -> tuple[float, str | None, dict[str, float]]:
-        """Broadcast the weights after a trained step (or a skipped one while an engine is behind);
-        returns ``(seconds, error or None, sync metrics)``. After a sync that reached every engine,
-        engine 0 samples the on-policy-gap probe (:class:`~clawray.mismatch_probe.MismatchProbe`) to
-        the prompt of one of the batch's samples (``refs``, ``metas``).
-
-        ``timing/weight_sync_s`` = the whole sync (a group rebuild included); ``sync/pause_s`` = pause
-        -> resume of the engines: gather, broadcast and load, plus, with ``sync.mode: drain``, the
-        engines finishing the generations already running (``interrupt`` stops them at their current
-        token and continues them after the load instead). A failed sync never stops training: the
-        engines are resumed on their old version, and the next sync (even on a skipped step) rebuilds
-        the group and sends the newest weights. A restarted engine rejoins a rebuilt group.
-        """
-        self._rolled_back = False
-        if self.gate.enabled:  # [deploy.gate] a new version reaches the engines only through the probe
-            if not skipped and self.gate.due(next_version):
-                return self._gated_sync(next_version, refs, metas)
-            if not skipped or not self.gate.settled(self.version):  # the learners hold an unprobed version
-                return 0.0, None, {**WeightSyncController.idle_metrics(), **self.gate.metrics(None, 0.0)}
-        sync, sync_s, sync_error = self.actors.weight_sync, 0.0, None
-        sync_metrics = WeightSyncController.idle_metrics()
-        restarted = restarted_engines(self.actors)
-        if not skipped or sync.behind or restarted:
-            version = next_version if not skipped else self.version
-            result = sync.resync(version) if restarted else sync.sync(version)
-            sync_s = result["seconds"]
-            sync_metrics.update(WeightSyncController.metrics(result, sync.failures))
-            if result["ok"]:
-                if self.actors.engines:
-                    self.probe.launch(self.actors.engines[0], refs, metas, version, self.model_path)
-            else:
-                sync_error = result["error"]
-                print(
-                    f"[clawray] {sync_error}; engines resumed at versions {result['versions']}; the sync group "
-                    "is rebuilt and the newest weights re-sent at the next sync",
-                    flush=True,
-                )
-        if not any(k.startswith("engine_version/") for k in sync_metrics):
-            versions = sync.engine_versions()
-            sync_metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
-        return sync_s, sync_error, sync_metrics
-
-    def start_gate(self) -> None:
-        """With ``deploy.gate``: the version the engines serve now (the initial or resumed policy) is
-        the promoted one: the learners keep it as their rollback point and the probe scores it (the
-        reference every candidate is paired with). Called by :meth:`run` before any traffic."""
-        if self.gate.enabled:
-            self.actors.learners.keep_promoted()
-            self.gate.baseline(self.version, self.model_path, self._probe_generate)
-
-    def _gated_sync(self, version: int, refs: list, metas: list) -> tuple[float, str | None, dict[str, float]]:
-        """The promotion gate's sync of candidate ``version`` (:mod:`clawray.gate`): load it into the
-        engines held paused for users, probe it, then either resume the engines on it (promoted; the
-        learners keep it as their rollback point) or roll the learners back to the promoted version
-        (learning rate x ``deploy.lr_backoff``) and sync that back (rejected; also, without a back-off,
-        when the candidate's sync failed: withdrawn). Returns :meth:`_sync`'s triple; the row gets
-        ``deploy/*`` (:meth:`~clawray.gate.PromotionGate.metrics`), ``deploy/users_held_s`` = pause to resume."""
-        sync, gate, learners = self.actors.weight_sync, self.gate, self.actors.learners
-        restarted = restarted_engines(self.actors)
-        t0 = time.perf_counter()
-        result = sync.resync(version, hold=True) if restarted else sync.sync(version, hold=True)
-        metrics = WeightSyncController.metrics(result, sync.failures)
-        decision, sync_error = None, None
-        if result["held"]:
-            t_probe = time.perf_counter()
-            try:
-                scores, probe_s = gate.probe(self.model_path, self._probe_generate)
-            except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
-                gate.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
-                scores = None
-            if scores is not None:
-                decision = gate.judge(version, scores, probe_s, len(metas))
-            if decision is not None and decision.promote:
-                errors = sync.release()
-                learners.keep_promoted()
-                if errors:
-                    sync_error = f"resuming the engines after the probe: {errors}"
-            else:
-                sync_error = self._roll_back(gate.cfg.lr_backoff if decision is not None else 1.0)
-            held_s = result["pause_s"] + time.perf_counter() - t_probe
-        else:
-            gate.withdraw(version, result["error"])
-            sync_error = self._roll_back(1.0) or result["error"]
-            held_s = 0.0
-        if sync_error is None and self.actors.engines:
-            self.probe.launch(
-                self.actors.engines[0], refs, metas, self.version if self._rolled_back else version, self.model_path
-            )
-        metrics.update(gate.metrics(decision, held_s))
-        versions = sync.engine_versions()
-        metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
-        return time.perf_counter() - t0, sync_error, metrics
-
-    def _roll_back(self, lr_factor: float) -> str | None:
-        """Return the learners to the promoted version (weights, AdamW state, schedule; the learning
-        rate x ``lr_factor``) and sync it to the engines, which resume on it; returns the sync's error
-        or None."""
-        self._rolled_back = True
-        self.actors.learners.restore_promoted(lr_factor)
-        back = self.actors.weight_sync.sync(self.gate.promoted)
-        if back["ok"]:
-            return None
-        print(
-            f"[clawray] gate: syncing v{self.gate.promoted} back failed ({back['error']}); it is re-sent at the "
-            "next sync",
-            flush=True,
-        )
-        return back["error"]
-
-    def _probe_generate(self, requests: list) -> list[dict]:
-        """The gate's probe generations, spread over the engines; they run while the engines hold
-        the users' requests (``probe=True``)."""
-        engines = self.actors.engines
-        return ray.get([engines[i % len(engines)].generate.remote(r, None, True) for i, r in enumerate(requests)])
-
     def _log_step(
         self,
         metrics: dict,
@@ -435,8 +319,8 @@ class Driver:
             self.setup()
         t0, tr = time.perf_counter(), self.cfg.trainer  # tr.num_steps may be lowered while it runs (bench/chaos.py)
         self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
-        if tr.num_steps != 0:
-            self.start_gate()
+        if tr.num_steps != 0:  # deploy.gate: the served version is the promoted one, probed as the reference
+            self.gate.start(self.actors, self.version, self.model_path)
         self.users.start(self.base_url)
         try:
             while tr.num_steps < 0 or self.steps_done < tr.num_steps:
@@ -479,9 +363,7 @@ class Driver:
             from clawray.build import learner_group
 
             self.checkpoints.rebuild_learners(plan.lost, lambda: learner_group(self.cfg, self.model_path))
-            if self.gate.enabled:  # the restored checkpoint (a promoted version) is the new rollback point
-                self.actors.learners.keep_promoted()
-                self.gate.promoted = self.version
+            self.gate.after_learner_rebuild(self.actors, self.version)
 
     def summary(self, seconds: float) -> dict[str, Any]:
         """Counters of every component, written to ``run_dir/summary.json``."""
@@ -513,17 +395,10 @@ class Driver:
                 flush=True,
             )
         elif self._ready:
-            if not self.gate.settled(self.state.version) and self.gate.promoted is not None:
-                try:  # never checkpoint an unprobed version (deploy.every_versions > 1)
-                    self.actors.learners.restore_promoted(1.0)
-                    self.state.version = self.gate.promoted
-                except Exception as e:  # noqa: BLE001 - then no exit checkpoint: the last one stands
-                    print(
-                        f"[clawray] gate: no exit checkpoint (return to v{self.gate.promoted} failed: {e})", flush=True
-                    )
-                    self.shutdown()
-                    return
-            self.checkpoints.at_exit()
+            settled = self.gate.settle(self.actors, self.state.version)  # never checkpoint an unprobed version
+            if settled is not None:
+                self.state.version = settled
+                self.checkpoints.at_exit()
         self.shutdown()
 
     def shutdown(self) -> None:

@@ -2,11 +2,13 @@
 
 Owns: the promoted version and its probe scores, the probe of a candidate (the environment's eval
 split and check, fixed prompts and seeds, so two versions' results pair item by item), the decision
-(:func:`clawray.promotion.decide`: an exact paired sign test with a margin and a floor), the rejection
-count and ``run_dir/versions.jsonl``. Must not: move weights or pause engines (the driver does, with
-:meth:`~clawray.weight_sync.WeightSyncController.sync` ``hold=True``), or train.
+(:func:`clawray.promotion.decide`: an exact paired sign test with a margin and a floor), the order of
+a candidate's sync, probe and promotion or rollback (:meth:`PromotionGate.sync_candidate`), the
+rejection count and ``run_dir/versions.jsonl``. Must not: pack or move a weight (the sync controller
+does, :meth:`~clawray.weight_sync.WeightSyncController.sync` ``hold=True``), train, or decide when a
+step syncs (:mod:`clawray.driver`).
 
-How a candidate is judged (the driver, :meth:`clawray.driver.Driver.step`): the learners' new weights
+How a candidate is judged (:meth:`PromotionGate.sync_candidate`, called by the driver's step): the learners' new weights
 are loaded into every engine while the engines are paused for users (their requests wait, parked
 generations included); the probe's generations run on those paused engines
 (:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``); promoted: the engines resume
@@ -15,13 +17,16 @@ the promoted version's weights and AdamW state (kept in host memory), the learni
 ``deploy.lr_backoff``, the promoted weights are synced back and the engines resume on them. Either
 way no user token is sampled by a candidate before its decision, and none ever by a rejected one.
 The promoted version's scores are those it got as a candidate (same prompts and seeds), so each
-decision probes one version. What users wait for: the probe plus, on a rejection, a second sync
+decision probes one version. A candidate is judged against the promoted version and also against the
+best promoted one so far (highest probe mean): drops too small for one probe to tell would otherwise
+add up over successive promotions (a ratchet); against the best, they are caught once they add up. What users wait for: the probe plus, on a rejection, a second sync
 (``deploy/users_held_s`` per decision). ``deploy.max_rejections`` in a row stop the run
 (:class:`GateStopped`, naming the last probe's figures).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -37,6 +42,23 @@ class GateStopped(RuntimeError):
     the last decision's figures)."""
 
 
+@dataclasses.dataclass
+class GateOutcome:
+    """What :meth:`PromotionGate.sync_candidate` did.
+
+    Attributes:
+        seconds: the whole of it (sync, probe, rollback), wall.
+        error: the sync's error (the candidate's, or the promoted version's sync back), else None.
+        metrics: the sync's step metrics plus ``deploy/*`` and ``engine_version/*``.
+        rolled_back: the learners returned to the promoted version (rejected or withdrawn).
+    """
+
+    seconds: float
+    error: str | None
+    metrics: dict[str, float]
+    rolled_back: bool
+
+
 class PromotionGate:
     """The gate's state and decisions (see the module docstring).
 
@@ -50,6 +72,7 @@ class PromotionGate:
         promoted: the promoted policy version (the one users are served), or None before
             :meth:`baseline`.
         promoted_scores: its per-item probe scores.
+        best, best_scores: the promoted version with the highest probe mean so far, and its scores.
         rejections: candidates rejected in a row.
         records: every decision's record (also appended to ``versions.jsonl``).
     """
@@ -60,6 +83,8 @@ class PromotionGate:
         self.enabled = bool(deploy.gate)
         self.promoted: int | None = None
         self.promoted_scores: list[float] = []
+        self.best: int | None = None  # the promoted version with the highest probe mean so far
+        self.best_scores: list[float] = []
         self.rejections = 0
         self.dropped_samples = 0  # samples trained into rejected candidates (deploy.on_reject: drop)
         self.records: list[dict[str, Any]] = []
@@ -110,9 +135,10 @@ class PromotionGate:
     def baseline(self, version: int, model_path: str, generate: Callable[[list], list]) -> float:
         """Probe the version the engines serve now and promote it (the run's start, or a resume);
         returns its mean score."""
-        self.promoted_scores, seconds = self.probe(model_path, generate)
-        self.promoted, self.rejections = version, 0
-        mean = sum(self.promoted_scores) / len(self.promoted_scores)
+        scores, seconds = self.probe(model_path, generate)
+        self.best = None
+        self._promote(version, scores)
+        mean = sum(scores) / len(scores)
         self._record(
             {
                 "version": version,
@@ -129,10 +155,22 @@ class PromotionGate:
         )
         return mean
 
+    def _promote(self, version: int, scores: list[float]) -> None:
+        """``version`` (probe ``scores``) becomes the promoted version, and the best one when its mean
+        is the highest so far."""
+        self.promoted, self.promoted_scores, self.rejections = version, list(scores), 0
+        if self.best is None or sum(scores) > sum(self.best_scores):
+            self.best, self.best_scores = version, list(scores)
+
     def due(self, version: int) -> bool:
         """Whether learner version ``version`` is probed (``deploy.every_versions`` after the promoted
         one); the versions in between are never served."""
         return self.promoted is None or version - self.promoted >= self.cfg.every_versions
+
+    def served(self, version: int) -> int:
+        """The version users are served while the learners hold ``version``: the promoted one with
+        the gate on (once there is one), else ``version``."""
+        return self.promoted if self.enabled and self.promoted is not None else version
 
     def settled(self, version: int) -> bool:
         """Whether the learners' ``version`` is the promoted one (always true with the gate off): only
@@ -145,6 +183,12 @@ class PromotionGate:
         it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop)."""
         d = self.cfg
         decision = decide(scores, self.promoted_scores, margin=d.margin, alpha=d.alpha, floor=d.floor)
+        if decision.promote and self.best is not None and self.best != self.promoted:
+            # small drops that no single probe can tell would otherwise add up, one promotion at a time
+            vs_best = decide(scores, self.best_scores, margin=d.margin, alpha=d.alpha, floor=d.floor)
+            if not vs_best.promote:
+                vs_best.reason = f"against the best promoted v{self.best}: {vs_best.reason}"
+                decision = vs_best
         record = {
             "version": version,
             "promoted_before": self.promoted,
@@ -161,7 +205,7 @@ class PromotionGate:
             "probe_s": probe_s,
         }
         if decision.promote:
-            self.promoted, self.promoted_scores, self.rejections = version, list(scores), 0
+            self._promote(version, scores)
         else:
             self.rejections += 1
             self.dropped_samples += samples
@@ -210,6 +254,86 @@ class PromotionGate:
             )
         return out
 
+    # ---------------------------------------------------------------- the run's actors
+    def start(self, actors: Any, version: int, model_path: str) -> None:
+        """The engines' current version (the initial or resumed policy) becomes the promoted one: the
+        learners keep it as their rollback point and the probe scores it. Nothing with the gate off."""
+        if self.enabled:
+            actors.learners.keep_promoted()
+            self.baseline(version, model_path, lambda reqs: probe_generate(actors.engines, reqs))
+
+    def sync_candidate(self, actors: Any, version: int, samples: int, model_path: str) -> GateOutcome:
+        """Sync candidate ``version`` into the engines held paused for users, probe it, then resume
+        the engines on it (promoted: the learners keep it as their rollback point) or roll the learners
+        back to the promoted version and sync that back (rejected: learning rate x
+        ``deploy.lr_backoff``; withdrawn, without a back-off, when the candidate's sync or probe
+        failed). ``samples``: how many were trained into it. ``deploy/users_held_s``: pause to resume.
+        Raises nothing for a member's failure (the sync controller's rule)."""
+        from clawray.recovery import restarted_engines
+        from clawray.weight_sync import WeightSyncController
+
+        sync = actors.weight_sync
+        t0 = time.perf_counter()
+        hold = sync.resync if restarted_engines(actors) else sync.sync
+        result = hold(version, hold=True)
+        metrics = WeightSyncController.metrics(result, sync.failures)
+        decision, error, held_s = None, None, 0.0
+        if result["held"]:
+            t_probe = time.perf_counter()
+            try:
+                scores, probe_s = self.probe(model_path, lambda reqs: probe_generate(actors.engines, reqs))
+                decision = self.judge(version, scores, probe_s, samples)
+            except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
+                self.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
+            if decision is not None and decision.promote:
+                errors = sync.release()
+                actors.learners.keep_promoted()
+                error = f"resuming the engines after the probe: {errors}" if errors else None
+            else:
+                error = self._roll_back(actors, self.cfg.lr_backoff if decision is not None else 1.0)
+            held_s = result["pause_s"] + time.perf_counter() - t_probe
+        else:
+            self.withdraw(version, result["error"])
+            error = self._roll_back(actors, 1.0) or result["error"]
+        metrics.update(self.metrics(decision, held_s))
+        versions = sync.engine_versions()
+        metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
+        rolled_back = decision is None or not decision.promote
+        return GateOutcome(time.perf_counter() - t0, error, metrics, rolled_back)
+
+    def _roll_back(self, actors: Any, lr_factor: float) -> str | None:
+        """Return the learners to the promoted version (weights, AdamW state, schedule; learning rate
+        x ``lr_factor``) and sync it to the engines, which resume on it; the sync's error or None."""
+        actors.learners.restore_promoted(lr_factor)
+        back = actors.weight_sync.sync(self.promoted)
+        if back["ok"]:
+            return None
+        print(
+            f"[clawray] gate: syncing v{self.promoted} back failed ({back['error']}); it is re-sent at the next sync",
+            flush=True,
+        )
+        return back["error"]
+
+    def after_learner_rebuild(self, actors: Any, version: int) -> None:
+        """A rebuilt learner group restored the last checkpoint (a promoted version): that is the new
+        rollback point and promoted version (its probe scores stay the reference)."""
+        if self.enabled:
+            actors.learners.keep_promoted()
+            self.promoted = version
+
+    def settle(self, actors: Any, version: int) -> int | None:
+        """Before the exit checkpoint: the learners' version when it is settled, else (an unprobed
+        version, ``deploy.every_versions`` > 1) return them to the promoted one and give its version;
+        None when that failed (said; then no exit checkpoint: the last one stands)."""
+        if self.settled(version) or self.promoted is None:
+            return version
+        try:
+            actors.learners.restore_promoted(1.0)
+        except Exception as e:  # noqa: BLE001 - the at-exit path must finish
+            print(f"[clawray] gate: no exit checkpoint (return to v{self.promoted} failed: {e})", flush=True)
+            return None
+        return self.promoted
+
     def _record(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
         self.records.append(record)
@@ -218,3 +342,11 @@ class PromotionGate:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:  # a full disk loses a record line, never the run
             print(f"[clawray] versions.jsonl not updated ({e.strerror or type(e).__name__})", flush=True)
+
+
+def probe_generate(engines: list, requests: list) -> list[dict]:
+    """The probe's generations, spread over ``engines``; they run while the engines hold the users'
+    requests (:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``)."""
+    import ray
+
+    return ray.get([engines[i % len(engines)].generate.remote(r, None, True) for i, r in enumerate(requests)])

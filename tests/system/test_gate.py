@@ -45,7 +45,7 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
     d = Driver(cfg)
     d.setup()
     try:
-        d.start_gate()
+        d.gate.start(d.actors, d.version, d.model_path)
         assert d.gate.promoted == 0 and len(d.gate.promoted_scores) == 6
         d.users.start(d.base_url)
         m1 = d.step()

@@ -94,9 +94,9 @@ def test_every_versions_probes_every_kth_version_and_only_promoted_ones_are_sett
     assert gate.due(1)  # nothing promoted yet
     gate.baseline(2, "unused", None)
     assert [v for v in range(3, 9) if gate.due(v)] == [5, 6, 7, 8]
-    assert gate.settled(2) and not gate.settled(3)
+    assert gate.settled(2) and not gate.settled(3) and gate.served(4) == 2
     off = PromotionGate(section(DeployConfig, {}), None, str(tmp_path))
-    assert off.settled(7) and not off.enabled
+    assert off.settled(7) and not off.enabled and off.served(7) == 7
     off.check_stop()  # the gate off never stops a run
 
 
@@ -119,3 +119,18 @@ def test_the_gate_needs_an_environment_and_valid_settings():
         load_config([], ["deploy.every_versions=0"])
     cfg = load_config(["conf/rl.yaml"], ["deploy.gate=true"])
     assert cfg.deploy.gate and cfg.deploy.margin == 0.05 and cfg.deploy.max_rejections == 3
+
+
+def test_small_drops_that_add_up_are_caught_against_the_best_promoted_version(tmp_path):
+    """Each candidate is 1 item worse than the last promoted one (never significant alone), so without
+    the best-version check the served policy would ratchet down; against the best (v0) the fourth
+    drop is significant: P(X >= 5 | n = 5) = 1/32 < 0.05 and 5/20 = 0.25 > margin 0.1."""
+    rounds = [[1.0] * 20]
+    for k in range(1, 6):
+        rounds.append([0.0] * k + [1.0] * (20 - k))
+    gate = make_gate(tmp_path, *rounds, margin=0.1, max_rejections=9)
+    gate.baseline(0, "unused", None)
+    decisions = [gate.judge(v, *gate.probe("unused", None)) for v in range(1, 6)]
+    assert [d.promote for d in decisions] == [True, True, True, True, False]
+    assert decisions[4].reason.startswith("against the best promoted v0: rejected: significantly worse")
+    assert gate.promoted == 4 and gate.best == 0 and decisions[4].p_worse == 1 / 32

@@ -55,6 +55,7 @@ LAYERS = {
     "clawray.monitor": 3,
     "clawray.mismatch_probe": 3,
     "clawray.gate": 3,
+    "clawray.step_sync": 3,
     "clawray.run_actors": 3,
     "clawray.run_stats": 3,
     "clawray.resume": 3,
