@@ -234,11 +234,12 @@ class PromotionGate:
         self._record({"version": version, "decision": "withdrawn", "reason": f"the sync failed: {error}"})
         print(f"[clawray] gate: v{version} withdrawn (the sync failed); users keep v{self.promoted}", flush=True)
 
-    def metrics(self, decision: Decision | None, users_held_s: float) -> dict[str, float]:
-        """``deploy/*`` for the step's row: the promoted version, rejections in a row, samples dropped,
-        and with a decision its means, p-value, 1/0 promoted and the seconds users were held."""
+    def metrics(self, decision: Decision | None, users_held_s: float, probe_s: float = 0.0) -> dict[str, float]:
+        """``deploy/*`` for the step's row: the serving (promoted) version, rejections in a row, samples
+        dropped, and with a decision 1/0 promoted and rejected, both means, the p-value, the probe's
+        seconds and the seconds users were held."""
         out = {
-            "deploy/promoted_version": float(self.promoted if self.promoted is not None else -1),
+            "deploy/serving_version": float(self.promoted if self.promoted is not None else -1),
             "deploy/rejections": float(self.rejections),
             "deploy/dropped_samples": float(self.dropped_samples),
         }
@@ -246,6 +247,8 @@ class PromotionGate:
             out.update(
                 {
                     "deploy/promoted": float(decision.promote),
+                    "deploy/rejected": float(not decision.promote),
+                    "deploy/probe_s": probe_s,
                     "deploy/candidate_mean": decision.candidate_mean,
                     "deploy/promoted_mean": decision.promoted_mean,
                     "deploy/p_worse": decision.p_worse,
@@ -277,7 +280,7 @@ class PromotionGate:
         hold = sync.resync if restarted_engines(actors) else sync.sync
         result = hold(version, hold=True)
         metrics = WeightSyncController.metrics(result, sync.failures)
-        decision, error, held_s = None, None, 0.0
+        decision, error, held_s, probe_s = None, None, 0.0, 0.0
         if result["held"]:
             t_probe = time.perf_counter()
             try:
@@ -295,7 +298,7 @@ class PromotionGate:
         else:
             self.withdraw(version, result["error"])
             error = self._roll_back(actors, 1.0) or result["error"]
-        metrics.update(self.metrics(decision, held_s))
+        metrics.update(self.metrics(decision, held_s, probe_s))
         versions = sync.engine_versions()
         metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
         rolled_back = decision is None or not decision.promote

@@ -233,6 +233,15 @@ def _traffic_part(metrics: dict[str, Any]) -> str:
     )
 
 
+def _serving_part(metrics: dict[str, Any]) -> str:
+    """`` (serving v3, candidate v4 rejected)`` with the promotion gate (``deploy/*`` in the row), else ``""``."""
+    if "deploy/serving_version" not in metrics:
+        return ""
+    decided = {1.0: "promoted", 0.0: "rejected"}.get(metrics.get("deploy/promoted", -1.0))
+    candidate = f", candidate {decided}" if decided else ""
+    return f" (serving v{int(metrics['deploy/serving_version'])}{candidate})"
+
+
 def step_line(
     step: int,
     num_steps: int,
@@ -247,7 +256,7 @@ def step_line(
     t_train: float,
 ) -> str:
     """The step's printed line (README): samples, reward, loss, sync and pause seconds, policy
-    version, staleness, trained share of judged turns, the traffic funnel so far (:func:`traffic`:
+    version (with the promotion gate: the serving version and the candidate's decision), staleness, trained share of judged turns, the traffic funnel so far (:func:`traffic`:
     main turns, side and unattributable requests, paired, judged; when the row has it), drops so far
     by reason, wait and train seconds.
 
@@ -268,7 +277,7 @@ def step_line(
         f"[clawray] step {step}{total} | samples {metrics['samples']} | "
         f"reward {reward} | loss {loss} | sync {sync_s:.2f}s{' FAILED' if sync_error else ''} "
         f"pause {metrics['sync/pause_s']:.2f}s{interrupted} | "
-        f"policy v{metrics['policy_version']}{f' (skipped: {skipped})' if skipped else ''} | "
+        f"policy v{metrics['policy_version']}{f' (skipped: {skipped})' if skipped else ''}{_serving_part(metrics)} | "
         f"staleness {metrics['inv/staleness_mean']:.1f} | "
         f"trained {100 * metrics['inv/effective_sample_rate']:.0f}% of judged | "
         f"{_traffic_part(metrics)}"

@@ -49,7 +49,7 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
         assert d.gate.promoted == 0 and len(d.gate.promoted_scores) == 6
         d.users.start(d.base_url)
         m1 = d.step()
-        assert m1["deploy/promoted"] == 1.0 and m1["deploy/promoted_version"] == 1.0 and d.version == 1
+        assert m1["deploy/promoted"] == 1.0 and m1["deploy/serving_version"] == 1.0 and d.version == 1
         assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
         assert m1["deploy/users_held_s"] >= m1["sync/pause_s"] > 0
         promoted = rank0_state(d)
@@ -58,7 +58,8 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
         # from now on every candidate falls below the floor: rejected, rolled back
         d.gate.cfg = section(DeployConfig, {**cfg.deploy, "floor": 1.0})
         m2 = d.step()
-        assert m2["deploy/promoted"] == 0.0 and m2["deploy/rejections"] == 1.0 and d.version == 1
+        assert m2["deploy/rejected"] == 1.0 and m2["deploy/rejections"] == 1.0 and d.version == 1
+        assert m2["deploy/probe_s"] > 0 and m2["policy_version"] == 1
         assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
         assert m2["deploy/dropped_samples"] == m2["samples"] >= 2
         after = rank0_state(d)

@@ -48,11 +48,13 @@ def test_a_candidate_that_holds_is_promoted_and_its_scores_become_the_reference(
     assert [r["decision"] for r in rec] == ["baseline", "promoted"]
     assert rec[1]["version"] == 1 and rec[1]["promoted_before"] == 0 and rec[1]["items"] == 20
     assert rec[1]["candidate_mean"] == 0.6 and rec[1]["promoted_mean"] == 0.5 and rec[1]["worse"] == 0
-    assert gate.metrics(decision, 2.5) == {
-        "deploy/promoted_version": 1.0,
+    assert gate.metrics(decision, 2.5, 0.5) == {
+        "deploy/serving_version": 1.0,
         "deploy/rejections": 0.0,
         "deploy/dropped_samples": 0.0,
         "deploy/promoted": 1.0,
+        "deploy/rejected": 0.0,
+        "deploy/probe_s": 0.5,
         "deploy/candidate_mean": 0.6,
         "deploy/promoted_mean": 0.5,
         "deploy/p_worse": 1.0,

@@ -128,6 +128,13 @@ def test_step_line_hand_written():
     metrics.update({"sync/inflight_requests": 3.0})  # sync.mode inflight: nothing paused, 3 went on
     line = step_line(3, -1, metrics, {}, {}, False, "", 0.5, None, 1.0, 0.0)
     assert "sync 0.50s pause 0.39s (3 in flight) |" in line
+    # deploy.gate: the version users are served and the candidate's decision
+    metrics.update({"deploy/serving_version": 3.0, "deploy/promoted": 0.0})
+    assert "policy v1 (serving v3, candidate rejected) |" in step_line(4, -1, metrics, {}, {}, False, "", 0, None, 0, 0)
+    metrics.update({"deploy/promoted": 1.0})
+    assert "policy v1 (serving v3, candidate promoted) |" in step_line(4, -1, metrics, {}, {}, False, "", 0, None, 0, 0)
+    del metrics["deploy/promoted"]  # a version the gate does not probe (deploy.every_versions)
+    assert "policy v1 (serving v3) |" in step_line(4, -1, metrics, {}, {}, False, "", 0, None, 0, 0)
 
 
 def test_traffic_funnel_from_the_replicas_and_the_tracker_and_its_part_of_the_step_line():
