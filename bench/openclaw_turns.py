@@ -18,6 +18,7 @@ left in ``answer.txt``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -92,7 +93,7 @@ def main() -> int:
         t0 = time.monotonic()
         _wait_healthy(root, server, 900)
         print(f"[bench] clawray serve healthy after {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)
-        claw = openclaw.install()
+        claw = dataclasses.replace(openclaw.install(), home_dir=Path(run_dir) / "openclaw-home")  # a fresh state
         workspace = Path(run_dir) / "workspace"
         served = openclaw.served_model(url, "x")
         openclaw.write_config(

@@ -46,15 +46,18 @@ class OpenClawUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class OpenClaw:
     """An installed OpenClaw: ``node`` (the pinned Node.js binary) and ``entry`` (``openclaw.mjs``)
-    under ``root``; its isolated home, state and config live in ``root/home``."""
+    under ``root``; its isolated home, state and config live in ``root/home``, or in ``home_dir``
+    when given (tests and benches: OpenClaw keeps sessions and workspace attestations in its state,
+    so a run that must not meet an earlier one's state gets a fresh folder)."""
 
     root: Path
     node: Path
     entry: Path
+    home_dir: Path | None = None
 
     @property
     def home(self) -> Path:
-        return self.root / "home"
+        return self.home_dir if self.home_dir is not None else self.root / "home"
 
     @property
     def config_path(self) -> Path:

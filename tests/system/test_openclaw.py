@@ -11,6 +11,7 @@ why, only where the npm registry cannot be reached and OpenClaw is not installed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,12 +52,16 @@ def _registry_reachable() -> bool:
 
 
 @pytest.fixture(scope="module")
-def claw():
+def claw(tmp_path_factory):
+    """The installed OpenClaw with a home of its own (state, sessions, config): an earlier run's state
+    (it attests the workspaces it initialised, by path) never meets this one's."""
     root = os.environ.get("CLAWRAY_OPENCLAW_ROOT", str(openclaw.DEFAULT_ROOT))
     installed = (openclaw.Path(root) / "node_modules" / "openclaw" / "openclaw.mjs").exists()
     if not installed and not _registry_reachable():
         pytest.skip("the npm registry (registry.npmjs.org) cannot be reached: OpenClaw cannot be installed")
-    return openclaw.install(root)
+    home = tmp_path_factory.mktemp("openclaw-home")
+    home.chmod(0o700)
+    return dataclasses.replace(openclaw.install(root), home_dir=home)
 
 
 @pytest.fixture(scope="module")
