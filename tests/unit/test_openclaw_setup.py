@@ -1,6 +1,7 @@
 """clawray.openclaw and `clawray openclaw`: the isolated OpenClaw config, its environment, and the
 errors of an install that cannot happen (the real install and run: tests/system/test_openclaw.py)."""
 
+import dataclasses
 import json
 import os
 import stat
@@ -37,6 +38,19 @@ def test_write_config_points_one_provider_at_the_endpoint_with_the_models_budget
         "-m",
         "hi",
     ]
+
+
+def test_a_home_of_its_own_holds_state_and_config_and_the_shared_home_is_untouched(tmp_path):
+    """OpenClaw attests the workspaces it initialised in its state: a run given ``home_dir`` (tests,
+    benches) keeps its state and config there, never in the install's shared ``root/home``."""
+    claw = openclaw.OpenClaw(tmp_path, tmp_path / "bin" / "node", tmp_path / "openclaw.mjs")
+    own = dataclasses.replace(claw, home_dir=tmp_path / "run-home")
+    path = openclaw.write_config(own, "http://127.0.0.1:8000/v1", "tiny", "k", 32768, 4096, tmp_path / "ws")
+    assert path == tmp_path / "run-home" / "openclaw.json" and path.is_file()
+    env = own.environment({"PATH": "/usr/bin"})
+    assert env["HOME"] == env["OPENCLAW_HOME"] == str(tmp_path / "run-home")
+    assert env["OPENCLAW_STATE_DIR"] == str(tmp_path / "run-home" / "state")
+    assert env["OPENCLAW_CONFIG_PATH"] == str(path) and not (tmp_path / "home").exists()
 
 
 def test_a_lean_config_keeps_three_tools_and_no_bootstrap_files_or_skills(tmp_path, monkeypatch):
