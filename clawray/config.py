@@ -580,6 +580,13 @@ class DeployConfig:
     margin: float = num(0.05, ge=0.0, le=1.0)  # the largest tolerated drop in mean probe score
     alpha: float = num(0.05, gt=0.0, lt=1.0)  # the sign test's level
     floor: float = num(0.0, ge=0.0, le=1.0, note="0 = no floor")  # the least mean probe score a candidate may have
+    # the invariant guards at the candidate's version (clawray.promotion.guard_failure), from the learners'
+    # scores of this many probe replies (0 = no guards): the policy entropy on them must stay at least
+    # entropy_ratio_min x the baseline version's (0 = off; 0.5 is the report's entropy verdict), and the
+    # engine/learner mismatch KL at most mismatch_max (0 = off; 0.01 is the report's on-policy-gap verdict)
+    guard_replies: int = num(8, ge=0, le=10**6)
+    entropy_ratio_min: float = num(0.5, ge=0.0, le=1.0)
+    mismatch_max: float = num(0.01, ge=0.0)
     # the samples trained into a rejected candidate: "drop" (they are consumed and not trained again)
     on_reject: str = choice("drop")
     lr_backoff: float = num(0.5, gt=0.0, le=1.0)  # learning-rate factor after each rejection (1 = none)

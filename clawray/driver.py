@@ -320,7 +320,7 @@ class Driver:
         t0, tr = time.perf_counter(), self.cfg.trainer  # tr.num_steps may be lowered while it runs (bench/chaos.py)
         self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
         if tr.num_steps != 0:  # deploy.gate: the served version is the promoted one, probed as the reference
-            self.gate.start(self.actors, self.version, self.model_path)
+            self.gate.start(self.actors, self.version, self.model_path, resumed=self.cfg.resume)
         self.users.start(self.base_url)
         try:
             while tr.num_steps < 0 or self.steps_done < tr.num_steps:

@@ -19,9 +19,15 @@ way no user token is sampled by a candidate before its decision, and none ever b
 The promoted version's scores are those it got as a candidate (same prompts and seeds), so each
 decision probes one version. A candidate is judged against the promoted version and also against the
 best promoted one so far (highest probe mean): drops too small for one probe to tell would otherwise
-add up over successive promotions (a ratchet); against the best, they are caught once they add up. What users wait for: the probe plus, on a rejection, a second sync
-(``deploy/users_held_s`` per decision). ``deploy.max_rejections`` in a row stop the run
-(:class:`GateStopped`, naming the last probe's figures).
+add up over successive promotions (a ratchet); against the best, they are caught once they add up.
+The invariant guards at the candidate's version: the learners (holding the candidate too) score the
+first ``deploy.guard_replies`` probe replies for the policy entropy and the engine/learner mismatch
+(:meth:`~clawray.actors.learner.LearnerWorker.probe_invariants`;
+:func:`~clawray.promotion.guard_failure`). What users wait for: the probe and the guards' forward
+plus, on a rejection, a second sync (``deploy/users_held_s`` per decision). ``deploy.max_rejections``
+in a row stop the run (:class:`GateStopped`, naming the last probe's figures). Each record keeps its
+per-item scores, so a resume (:meth:`PromotionGate.resume`) pairs with the checkpoint's promoted
+version and keeps the best one without probing again.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 from clawray.file_modes import open_private
-from clawray.promotion import Decision, decide
+from clawray.promotion import Decision, decide, guard_failure
+from clawray.types import Sample
 
 
 class GateStopped(RuntimeError):
@@ -88,8 +95,11 @@ class PromotionGate:
         self.rejections = 0
         self.dropped_samples = 0  # samples trained into rejected candidates (deploy.on_reject: drop)
         self.records: list[dict[str, Any]] = []
+        self.reference_guards: dict[str, float] | None = None  # the baseline's entropy (guard_failure)
+        self.last_replies: list[tuple[Any, Any]] = []  # the last probe's (request, reply) pairs
         self._evaluator: Any = None
         self._last: Decision | None = None
+        self._last_guards: dict[str, float] | None = None
 
     # ---------------------------------------------------------------- probe
     def _build(self, model_path: str) -> Any:
@@ -120,7 +130,15 @@ class PromotionGate:
         Raises:
             KeyError: the check does not report ``deploy.measure``.
         """
-        result = self._build(model_path).run(generate)
+        pairs: list[tuple[Any, Any]] = []
+
+        def recorded(requests: list) -> list:
+            outs = generate(requests)
+            pairs.extend(zip(requests, outs))
+            return outs
+
+        result = self._build(model_path).run(recorded)
+        self.last_replies = pairs
         measure = self.cfg.measure
         scores = []
         for reply in result["replies"]:
@@ -131,11 +149,55 @@ class PromotionGate:
             scores.append(float(s[key]))
         return scores, result["seconds"]
 
+    def guard_samples(self) -> list[Sample]:
+        """The last probe's first ``deploy.guard_replies`` non-empty replies as samples for the
+        learners' :meth:`~clawray.actors.learner.LearnerWorker.probe_invariants` (none when the
+        guards are off)."""
+        d = self.cfg
+        if d.guard_replies <= 0 or (d.entropy_ratio_min <= 0 and d.mismatch_max <= 0):
+            return []
+        out = []
+        for request, reply in self.last_replies:
+            ids = list(reply["response_ids"])
+            if not ids:
+                continue
+            prompt = list(request.prompt_ids)
+            out.append(
+                Sample(
+                    tokens=prompt + ids,
+                    prompt_len=len(prompt),
+                    loss_mask=[1] * len(ids),
+                    rollout_logprobs=list(reply["logprobs"]),
+                    reward=None,
+                    policy_version=reply["policy_version"],
+                    temperature=request.temperature,
+                    token_versions=list(reply.get("token_versions") or []) or None,
+                    info={"gate_probe": True},
+                )
+            )
+            if len(out) == d.guard_replies:
+                break
+        return out
+
+    def measure_guards(self, learners: Any) -> dict[str, float] | None:
+        """The learners' entropy and mismatch on the last probe's replies (the version both hold);
+        None when the guards are off."""
+        samples = self.guard_samples()
+        return learners.probe_invariants(samples) if samples else None
+
     # ---------------------------------------------------------------- state
-    def baseline(self, version: int, model_path: str, generate: Callable[[list], list]) -> float:
+    def baseline(
+        self,
+        version: int,
+        model_path: str,
+        generate: Callable[[list], list],
+        guards: Callable[[], dict[str, float] | None] | None = None,
+    ) -> float:
         """Probe the version the engines serve now and promote it (the run's start, or a resume);
-        returns its mean score."""
+        returns its mean score. ``guards()`` measures its invariants on the probe's replies (the
+        reference of the entropy guard)."""
         scores, seconds = self.probe(model_path, generate)
+        self.reference_guards = guards() if guards is not None else None
         self.best = None
         self._promote(version, scores)
         mean = sum(scores) / len(scores)
@@ -146,6 +208,8 @@ class PromotionGate:
                 "mean": mean,
                 "items": len(self.promoted_scores),
                 "probe_s": seconds,
+                "scores": scores,
+                **(self.reference_guards or {}),
             }
         )
         print(
@@ -177,9 +241,12 @@ class PromotionGate:
         then may a checkpoint be taken, so a resume never serves an unprobed version."""
         return not self.enabled or version == self.promoted
 
-    def judge(self, version: int, scores: list[float], probe_s: float, samples: int = 0) -> Decision:
+    def judge(
+        self, version: int, scores: list[float], probe_s: float, samples: int = 0, guards: dict | None = None
+    ) -> Decision:
         """Decide on candidate ``version`` from its probe ``scores`` (paired with the promoted
-        version's); record it; on promotion it becomes the promoted version. ``samples`` trained into
+        version's) and its invariant ``guards`` (:func:`~clawray.promotion.guard_failure` against the
+        baseline's); record it; on promotion it becomes the promoted version. ``samples`` trained into
         it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop)."""
         d = self.cfg
         decision = decide(scores, self.promoted_scores, margin=d.margin, alpha=d.alpha, floor=d.floor)
@@ -189,6 +256,9 @@ class PromotionGate:
             if not vs_best.promote:
                 vs_best.reason = f"against the best promoted v{self.best}: {vs_best.reason}"
                 decision = vs_best
+        failure = guard_failure(guards, self.reference_guards, d.entropy_ratio_min, d.mismatch_max)
+        if decision.promote and failure is not None:
+            decision = dataclasses.replace(decision, promote=False, reason=f"rejected: {failure} ({decision.reason})")
         record = {
             "version": version,
             "promoted_before": self.promoted,
@@ -203,6 +273,8 @@ class PromotionGate:
             "p_worse": decision.p_worse,
             "items": decision.n,
             "probe_s": probe_s,
+            "scores": scores,
+            **(guards or {}),
         }
         if decision.promote:
             self._promote(version, scores)
@@ -212,7 +284,7 @@ class PromotionGate:
             record["rejections_in_a_row"] = self.rejections
         self._record(record)
         print(f"[clawray] gate: v{version} {decision.reason}", flush=True)
-        self._last = decision
+        self._last, self._last_guards = decision, guards
         return decision
 
     def check_stop(self) -> None:
@@ -255,15 +327,22 @@ class PromotionGate:
                     "deploy/users_held_s": users_held_s,
                 }
             )
+            for key in ("entropy", "mismatch_kl"):  # the invariant guards at the candidate's version
+                if self._last_guards and key in self._last_guards:
+                    out[f"deploy/{key}"] = float(self._last_guards[key])
         return out
 
     # ---------------------------------------------------------------- the run's actors
-    def start(self, actors: Any, version: int, model_path: str) -> None:
+    def start(self, actors: Any, version: int, model_path: str, resumed: bool = False) -> None:
         """The engines' current version (the initial or resumed policy) becomes the promoted one: the
-        learners keep it as their rollback point and the probe scores it. Nothing with the gate off."""
+        learners keep it as their rollback point and the probe scores it, unless ``resumed`` and
+        ``versions.jsonl`` holds its scores (:meth:`resume`). Nothing with the gate off."""
         if self.enabled:
             actors.learners.keep_promoted()
-            self.baseline(version, model_path, lambda reqs: probe_generate(actors.engines, reqs))
+            if resumed and self.resume(version):
+                return
+            generate = lambda reqs: probe_generate(actors.engines, reqs)  # noqa: E731
+            self.baseline(version, model_path, generate, lambda: self.measure_guards(actors.learners))
 
     def sync_candidate(self, actors: Any, version: int, samples: int, model_path: str) -> GateOutcome:
         """Sync candidate ``version`` into the engines held paused for users, probe it, then resume
@@ -285,7 +364,8 @@ class PromotionGate:
             t_probe = time.perf_counter()
             try:
                 scores, probe_s = self.probe(model_path, lambda reqs: probe_generate(actors.engines, reqs))
-                decision = self.judge(version, scores, probe_s, samples)
+                guards = self.measure_guards(actors.learners)  # the learners hold the candidate too
+                decision = self.judge(version, scores, probe_s, samples, guards)
             except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
                 self.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
             if decision is not None and decision.promote:
@@ -319,10 +399,59 @@ class PromotionGate:
 
     def after_learner_rebuild(self, actors: Any, version: int) -> None:
         """A rebuilt learner group restored the last checkpoint (a promoted version): that is the new
-        rollback point and promoted version (its probe scores stay the reference)."""
+        rollback point and promoted version, with its own probe scores (the records' lineage up to it)."""
         if self.enabled:
             actors.learners.keep_promoted()
-            self.promoted = version
+            if not self._replay(self.records, version):
+                self.promoted = version  # no record of it: the last promoted scores stay the reference
+
+    def resume(self, version: int) -> bool:
+        """A resumed run serves checkpoint ``version`` (always a promoted one): restore its probe
+        scores, the best promoted version and the baseline's guards from ``run_dir/versions.jsonl``
+        (so the resume neither re-probes nor forgets the best reference). Records of versions after
+        ``version`` belong to the lineage the resume discards. True when the version's record was
+        found (a ``resumed`` record is appended), False else (the caller probes a new baseline)."""
+        path = os.path.join(self.run_dir, "versions.jsonl")
+        try:
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            return False
+        if not self._replay(records, version):
+            return False
+        self.records = records
+        self._record({"version": version, "decision": "resumed", "best": self.best})
+        print(
+            f"[clawray] gate: resumed at the promoted v{version} (probe mean "
+            f"{sum(self.promoted_scores) / len(self.promoted_scores):.3f}; best so far v{self.best})",
+            flush=True,
+        )
+        return True
+
+    def _replay(self, records: list[dict[str, Any]], version: int) -> bool:
+        """Set the promoted version to ``version`` with the scores it was promoted with, and the best
+        and reference guards of its lineage, by replaying ``records`` in order (a ``resumed`` record
+        at v cuts the versions after v). False, changing nothing, when no record promoted ``version``."""
+        lineage: list[dict[str, Any]] = []
+        for r in records:
+            if r.get("decision") == "resumed":
+                lineage = [x for x in lineage if x["version"] <= r["version"]]
+            elif r.get("decision") in ("baseline", "promoted") and r.get("scores"):
+                if r["decision"] == "baseline":
+                    lineage = [x for x in lineage if x["version"] < r["version"]]
+                lineage.append(r)
+        lineage = [x for x in lineage if x["version"] <= version]
+        if not lineage or lineage[-1]["version"] != version:
+            return False
+        base = next((x for x in reversed(lineage) if x["decision"] == "baseline"), None)
+        if base is not None:
+            lineage = lineage[lineage.index(base) :]
+            self.reference_guards = {k: base[k] for k in ("entropy", "mismatch_kl", "tokens") if k in base} or None
+        best = max(lineage, key=lambda x: sum(x["scores"]))
+        self.best, self.best_scores = best["version"], [float(x) for x in best["scores"]]
+        self.promoted, self.promoted_scores = version, [float(x) for x in lineage[-1]["scores"]]
+        self.rejections = 0
+        return True
 
     def settle(self, actors: Any, version: int) -> int | None:
         """Before the exit checkpoint: the learners' version when it is settled, else (an unprobed

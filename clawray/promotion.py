@@ -18,6 +18,11 @@ A probe scores both versions on the same held-out items with the same seeds, so 
   more than ``margin`` (a drop smaller than the margin is tolerated, however sure);
 * else it is promoted: a wobble that is not significant is not a reason to hold back an update.
 
+The invariant guards (:func:`guard_failure`) are checked at the candidate's version too: a candidate
+that the test would promote is rejected when its policy entropy on the probe's replies fell below
+``entropy_ratio_min`` x the baseline version's (collapse: invariant 1, the report's entropy verdict)
+or its engine/learner log-prob mismatch exceeds ``mismatch_max`` (the on-policy gap: invariant 3).
+
 The paired mean difference and its 95% interval (normal approximation, ``mean +- 1.96 sd / sqrt(n)``)
 are reported beside the decision; the decision itself uses only the exact test.
 """
@@ -131,3 +136,32 @@ def decide(
         better=better,
         p_worse=p,
     )
+
+
+def guard_failure(
+    candidate: dict[str, float] | None,
+    baseline: dict[str, float] | None,
+    entropy_ratio_min: float = 0.5,
+    mismatch_max: float = 0.01,
+) -> str | None:
+    """Why a candidate fails the invariant guards, or None when it passes (or was not measured).
+
+    Args:
+        candidate: the candidate's ``{"entropy", "mismatch_kl"}`` on probe replies (nats per token;
+            ``LearnerWorker.probe_invariants``); None or nan values: not measured, no verdict.
+        baseline: the baseline version's, for the entropy ratio (None: no entropy verdict).
+        entropy_ratio_min: the least ``candidate entropy / baseline entropy`` (0 = off).
+        mismatch_max: the largest ``mismatch_kl`` (0 = off).
+    """
+    if not candidate:
+        return None
+    ent, kl = candidate.get("entropy", math.nan), candidate.get("mismatch_kl", math.nan)
+    base = (baseline or {}).get("entropy", math.nan)
+    if entropy_ratio_min > 0 and math.isfinite(ent) and math.isfinite(base) and ent < entropy_ratio_min * base:
+        return (
+            f"policy entropy collapsed: {ent:.4f} nats/token on the probe's replies, below "
+            f"{entropy_ratio_min:g} x the baseline's {base:.4f}"
+        )
+    if mismatch_max > 0 and math.isfinite(kl) and kl > mismatch_max:
+        return f"engine/learner log-prob mismatch {kl:.3g} (KL per token) above {mismatch_max:g}"
+    return None

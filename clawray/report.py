@@ -8,7 +8,8 @@ not: touch a live run or Ray: it reads ``metrics.jsonl`` and ``config.json`` and
 Reads ``RUN_DIR/metrics.jsonl`` (written by the driver: one training row per step, plus one
 evaluation row, with ``eval/*`` keys, per evaluation; both carry the step number, so an evaluation
 after step k shares k with step k's training row) and ``RUN_DIR/config.json`` (the run's config,
-for the guards' bounds; optional). Writes ``RUN_DIR/report/eval.png`` (each ``eval/<measure>``
+for the guards' bounds; optional) and, with the promotion gate, ``RUN_DIR/versions.jsonl`` (drawn as
+``RUN_DIR/report/deploy.png``: candidate vs promoted probe means). Writes ``RUN_DIR/report/eval.png`` (each ``eval/<measure>``
 with its 95% CI band against the step; absent without evaluations), ``RUN_DIR/report/
 {reward,entropy,signal,on_policy_gap,effective_samples}.png`` and ``RUN_DIR/report/summary.md``.
 
@@ -210,6 +211,57 @@ def _plot_eval(plt, evals: list[dict], path: str) -> bool:
     return True
 
 
+def load_versions(run_dir: str) -> list[dict]:
+    """The promotion gate's decisions (``run_dir/versions.jsonl``, :mod:`clawray.gate`); [] without one."""
+    path = os.path.join(run_dir, "versions.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _plot_deploy(plt, versions: list[dict], path: str) -> list[str]:
+    """``deploy.png``: each candidate's probe mean (promoted: a dot, rejected: a cross) beside the
+    mean of the version users were served when it was judged (a step line), against the decision's
+    order; returns the summary's lines ([] and no plot without a decision)."""
+    judged = [r for r in versions if r.get("decision") in ("promoted", "rejected")]
+    base = next((r for r in versions if r.get("decision") == "baseline"), None)
+    if not judged:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    xs = list(range(1, len(judged) + 1))
+    ax.step(xs, [r["promoted_mean"] for r in judged], where="mid", color="tab:blue", label="served (promoted)")
+    for decision, marker, color in (("promoted", "o", "tab:green"), ("rejected", "x", "tab:red")):
+        pts = [(x, r) for x, r in zip(xs, judged) if r["decision"] == decision]
+        ax.scatter(
+            [x for x, _ in pts], [r["candidate_mean"] for _, r in pts], marker=marker, color=color, label=decision
+        )
+        for x, r in pts:
+            ax.annotate(
+                f"v{r['version']}", (x, r["candidate_mean"]), fontsize=6, xytext=(2, 2), textcoords="offset points"
+            )
+    if base is not None:
+        ax.axhline(base["mean"], color="grey", ls="--", lw=1, label=f"baseline v{base['version']}")
+    ax.set_xlabel("gate decision")
+    ax.set_ylabel("probe mean", fontsize=8)
+    ax.grid(alpha=0.3)
+    _int_steps(ax)
+    ax.legend(fontsize=7, loc="best")
+    fig.suptitle("Promotion gate: candidate vs promoted version on the probe")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    rejected = [r for r in judged if r["decision"] == "rejected"]
+    served = next(
+        (r["version"] for r in reversed(versions) if r.get("decision") in ("baseline", "promoted", "resumed")), None
+    )
+    return [
+        "",
+        f"Promotion gate: {len(judged) - len(rejected)} promoted, {len(rejected)} rejected, serving v{served} "
+        f"(versions.jsonl; deploy.png)." + "".join(f"\n- v{r['version']} rejected: {r['reason']}" for r in rejected),
+    ]
+
+
 THRESHOLDS = {
     "entropy_ratio_min": 0.5,
     "adv_std_min": 0.05,
@@ -389,6 +441,9 @@ def write_report(run_dir: str) -> list[str]:
     written = []
     if _plot_eval(plt, evals, os.path.join(out_dir, "eval.png")):
         written.append(os.path.join(out_dir, "eval.png"))
+    gate_lines = _plot_deploy(plt, load_versions(run_dir), os.path.join(out_dir, "deploy.png"))
+    if gate_lines:
+        written.append(os.path.join(out_dir, "deploy.png"))
     steps = [r["step"] for r in train]
     for name, (title, keys) in INVARIANTS.items():
         present = [k for k in keys if any(k in r for r in train)]
@@ -423,6 +478,7 @@ def write_report(run_dir: str) -> list[str]:
         f"# clawray report: {run_dir}",
         "",
         f"{len(train)} steps, {len(evals)} evaluations.",
+        *gate_lines,
         "",
         "| panel | metric | rows with a value | first | min | mean | max | last |",
         "|---|---|---|---|---|---|---|---|",

@@ -54,6 +54,7 @@ from clawray.algos.losses import (
     batch_loss_metrics,
     sample_loss,
     sequence_logprobs,
+    token_entropy,
 )
 from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
@@ -838,6 +839,43 @@ class LearnerWorker:
         }
 
     # ------------------------------------------------------------------ promotion gate (rollback point)
+    @torch.no_grad()
+    def probe_invariants(self, samples: list[Sample]) -> dict:
+        """The promotion gate's invariant guards (:mod:`clawray.gate`) at this version: the policy
+        entropy and the engine/learner log-prob mismatch on replies the engines sampled from these very
+        weights. Collective: every rank must call it with the same ``samples`` (one no-grad forward
+        each; FSDP2 gathers in it). Samples with a token of another version are skipped alike on
+        every rank.
+
+        Args:
+            samples: engine replies (``rollout_logprobs`` at the sample's temperature).
+
+        Returns:
+            ``{"entropy", "mismatch_kl", "tokens"}``: the mean token entropy of ``softmax(logits / T)``
+            (nats, as ``inv/entropy``), the k3 estimate of ``KL(rollout || learner)`` per token (as
+            ``inv/logprob_mismatch_kl``, :func:`~clawray.algos.invariants.mismatch_kl_sum`) and the
+            tokens they are over; both nan without a usable reply.
+        """
+        from clawray.algos.invariants import mismatch_kl_sum
+
+        entropy = kl = 0.0
+        tokens = 0
+        for s in samples:
+            versions = s.token_versions or [s.policy_version]
+            if s.response_len == 0 or any(v != self.version for v in versions):
+                continue
+            logits = self._forward([s], self.model)[0]  # [R, V]
+            t = s.temperature if s.temperature > 0 else 1.0
+            entropy += float(token_entropy(logits.float() / t).double().sum())
+            targets = torch.tensor(s.tokens[s.prompt_len :], device=self.device)
+            learner = sequence_logprobs(logits, targets, s.temperature)
+            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+            kl += float(mismatch_kl_sum(rollout, learner, torch.ones_like(rollout)))
+            tokens += s.response_len
+        if tokens == 0:
+            return {"entropy": math.nan, "mismatch_kl": math.nan, "tokens": 0}
+        return {"entropy": entropy / tokens, "mismatch_kl": kl / tokens, "tokens": tokens}
+
     def keep_promoted(self) -> dict:
         """Keep this rank's training state as the promoted version's rollback point, in host memory
         (:mod:`clawray.gate`): a CPU copy of its shard of every trainable parameter and of their AdamW
@@ -1051,6 +1089,10 @@ class LearnerGroup:
         result with ``bytes`` summed over ranks."""
         outs = ray.get([w.keep_promoted.remote() for w in self.workers])
         return {**outs[0], "bytes": sum(o["bytes"] for o in outs)}
+
+    def probe_invariants(self, samples: list[Sample]) -> dict:
+        """Every rank scores the gate's guard replies (:meth:`LearnerWorker.probe_invariants`); rank 0's result."""
+        return ray.get([w.probe_invariants.remote(samples) for w in self.workers])[0]
 
     def restore_promoted(self, lr_factor: float = 1.0) -> dict:
         """Every rank returns to its rollback point (:meth:`LearnerWorker.restore_promoted`); rank 0's result."""

@@ -66,7 +66,7 @@ from clawray.serve.call import Call
 from clawray.serve.engine_pool import EnginePool
 from clawray.serve.errors import answer_error, error_response, unauthorized
 from clawray.serve.guard import keep_replica_grpc_on_loopback
-from clawray.serve.health import health_body
+from clawray.serve.health import health_body, serving_versions
 from clawray.serve.instance import APP_NAME, check_serve_address
 from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
@@ -178,11 +178,14 @@ class PolicyServer:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Any:
         """``GET /v1/models``: the one served policy with its ``max_model_len`` (tokens of prompt +
-        reply, as vLLM reports it; agents such as OpenClaw budget their prompts on it). 401 without
-        the API key, as OpenAI; 403 for a foreign browser origin or Host."""
+        reply, as vLLM reports it; agents such as OpenClaw budget their prompts on it) and the policy
+        version users are served now (``policy_version``: most engines' version, None while none
+        serves; ``policy_versions``: every one served; :func:`clawray.serve.health.serving_versions`).
+        401 without the API key, as OpenAI; 403 for a foreign browser origin or Host."""
         refused = self._refuse(request)
         if refused is not None:
             return refused
+        versions = await serving_versions(self.engines)
         return {
             "object": "list",
             "data": [
@@ -192,6 +195,8 @@ class PolicyServer:
                     "created": 0,
                     "owned_by": "clawray",
                     "max_model_len": self.max_model_len,
+                    "policy_version": versions[0] if versions else None,
+                    "policy_versions": versions,
                 }
             ],
         }

@@ -77,6 +77,14 @@ async def health_body(engines: list, tracker: Any, actors: dict, counts: Counter
     return body, degraded
 
 
+async def serving_versions(engines: list) -> list[int]:
+    """The policy versions the engines serve users now (engines held for a sync or a probe, and down
+    ones, left out), most engines first, ties by the lower version: ``/v1/models``' ``policy_version``
+    is the first (with the promotion gate, the promoted version, never a candidate under probe)."""
+    counts = Counter(e["policy_version"] for e in await _engines(engines) if e["state"] == "serving")
+    return sorted(counts, key=lambda v: (-counts[v], v))
+
+
 async def _engines(engines: list) -> list[dict]:
     """Each engine's entry of ``/health`` (a dead or silent one is ``down``)."""
     stats = await asyncio.gather(*(probe(e.stats.remote()) for e in engines))

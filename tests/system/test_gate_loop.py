@@ -1,12 +1,15 @@
 """The promotion gate in the whole loop (issue #26) on the tiny model: a candidate that holds is
 promoted and served; a rejected one never reaches a user (the engines keep the promoted version, every
 recorded token comes from a promoted version), the learners return to the promoted weights bit for bit
-with the learning rate backed off, and deploy.max_rejections in a row stop the run."""
+with the learning rate backed off, deploy.max_rejections in a row stop the run, and a resume keeps
+the promoted version's probe scores and the best one (no new baseline)."""
 
 from __future__ import annotations
 
 import json
+import math
 
+import httpx
 import pytest
 import ray
 
@@ -22,26 +25,26 @@ def rank0_state(d: Driver) -> dict:
     return ray.get([w.state_dict.remote() for w in d.actors.learners.workers])[0]
 
 
+OVERRIDES = [
+    "trainer.num_steps=-1",
+    "trainer.batch_timeout_s=180",
+    "env.concurrency=2",
+    "env.max_tokens=16",
+    "env.max_turns=2",
+    "env.name=arith",
+    "learner.lr=1e-3",
+    "wandb.mode=disabled",
+    "deploy.gate=true",
+    "deploy.margin=1.0",  # no drop rejects: the first candidate is promoted
+    "deploy.probe_prompts=3",
+    "deploy.probe_n=2",
+    "deploy.max_rejections=2",
+    "deploy.entropy_ratio_min=0",  # a tiny model's entropy may halve in one step at lr 1e-3
+]
+
+
 def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model, tmp_path):
-    cfg = tiny_run_config(
-        tiny_model,
-        tmp_path / "run",
-        overrides=[
-            "trainer.num_steps=-1",
-            "trainer.batch_timeout_s=180",
-            "env.concurrency=2",
-            "env.max_tokens=16",
-            "env.max_turns=2",
-            "env.name=arith",
-            "learner.lr=1e-3",
-            "wandb.mode=disabled",
-            "deploy.gate=true",
-            "deploy.margin=1.0",  # no drop rejects: the first candidate is promoted
-            "deploy.probe_prompts=3",
-            "deploy.probe_n=2",
-            "deploy.max_rejections=2",
-        ],
-    )
+    cfg = tiny_run_config(tiny_model, tmp_path / "run", overrides=OVERRIDES)
     d = Driver(cfg)
     d.setup()
     try:
@@ -52,6 +55,10 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
         assert m1["deploy/promoted"] == 1.0 and m1["deploy/serving_version"] == 1.0 and d.version == 1
         assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
         assert m1["deploy/users_held_s"] >= m1["sync/pause_s"] > 0
+        # the invariant guards, measured by the learners on the candidate's own probe replies
+        assert m1["deploy/entropy"] > 0 and 0 <= m1["deploy/mismatch_kl"] < 1e-3
+        models = httpx.get(d.base_url + "/models").json()["data"][0]
+        assert models["policy_version"] == 1 and models["policy_versions"] == [1]
         promoted = rank0_state(d)
         engine, prompt, reply = d.actors.engines[0], [1, 2, 3, 4], [5, 6, 7]
         logprobs = ray.get(engine.logprobs.remote(prompt, reply))
@@ -70,9 +77,9 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
         m3 = d.history[-1]
         assert m3["lr"] == pytest.approx(0.5 * m2["lr"]) and m3["deploy/rejections"] == 2.0
         assert d.version == 1 and d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
+        assert httpx.get(d.base_url + "/models").json()["data"][0]["policy_version"] == 1
     finally:
-        d.users.stop()
-        d.shutdown()
+        d.close()  # the exit checkpoint holds v1, the promoted version
     rows = [json.loads(line) for line in open(tmp_path / "run" / "versions.jsonl")]
     assert [(r["version"], r["decision"]) for r in rows] == [
         (0, "baseline"),
@@ -81,9 +88,23 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
         (2, "rejected"),
     ]
     assert all(r["items"] == 6 for r in rows) and "below the floor 1.000" in rows[2]["reason"]
+    assert all(r["tokens"] > 0 and math.isfinite(r["entropy"]) for r in rows)
     turns = [json.loads(line) for line in open(tmp_path / "run" / "records" / "turns.jsonl")]
     served = {v for t in turns for v in (t.get("token_versions") or [t["policy_version"]])}
     assert turns and served <= {0, 1}  # no user token ever came from a rejected candidate
+
+    # a resume serves the checkpoint's v1 with the scores it was promoted with: no new baseline probe
+    resumed = Driver(tiny_run_config(tiny_model, tmp_path / "run", overrides=[*OVERRIDES, "resume=true"]))
+    resumed.setup()
+    try:
+        resumed.gate.start(resumed.actors, resumed.version, resumed.model_path, resumed=True)
+        gate = resumed.gate
+        assert resumed.version == 1 and gate.promoted == 1 and gate.promoted_scores == rows[1]["scores"]
+        assert gate.best in (0, 1) and gate.best_scores == max(rows[0]["scores"], rows[1]["scores"], key=sum)
+    finally:
+        resumed.shutdown()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "versions.jsonl")]
+    assert [(r["version"], r["decision"]) for r in rows[4:]] == [(1, "resumed")]
 
 
 def torch_equal(a, b) -> bool:

@@ -136,3 +136,72 @@ def test_small_drops_that_add_up_are_caught_against_the_best_promoted_version(tm
     assert [d.promote for d in decisions] == [True, True, True, True, False]
     assert decisions[4].reason.startswith("against the best promoted v0: rejected: significantly worse")
     assert gate.promoted == 4 and gate.best == 0 and decisions[4].p_worse == 1 / 32
+
+
+def test_a_candidate_the_test_promotes_is_rejected_by_its_invariant_guards(tmp_path):
+    same = [1.0] * 10 + [0.0] * 10
+    gate = make_gate(tmp_path, same, same, same, max_rejections=5)
+    gate.baseline(0, "unused", None, guards=lambda: {"entropy": 0.6, "mismatch_kl": 1e-7, "tokens": 40})
+    assert gate.reference_guards == {"entropy": 0.6, "mismatch_kl": 1e-7, "tokens": 40}
+    d = gate.judge(1, *gate.probe("unused", None), guards={"entropy": 0.2, "mismatch_kl": 1e-7, "tokens": 40})
+    assert not d.promote and gate.rejections == 1 and gate.promoted == 0
+    assert (
+        d.reason.startswith("rejected: policy entropy collapsed: 0.2000 nats/token")
+        and "no significant drop" in d.reason
+    )
+    m = gate.metrics(d, 1.0, 0.5)
+    assert m["deploy/rejected"] == 1.0 and m["deploy/entropy"] == 0.2 and m["deploy/mismatch_kl"] == 1e-7
+    d = gate.judge(1, *gate.probe("unused", None), guards={"entropy": 0.5, "mismatch_kl": 0.5, "tokens": 40})
+    assert not d.promote and "log-prob mismatch 0.5 (KL per token) above 0.01" in d.reason
+    rec = records(tmp_path)
+    assert rec[0]["entropy"] == 0.6 and rec[1]["entropy"] == 0.2 and rec[2]["mismatch_kl"] == 0.5
+    assert rec[1]["scores"] == same  # every decision keeps its per-item scores (a resume pairs with them)
+
+
+def test_the_guard_replies_are_the_probes_first_nonempty_replies_as_samples(tmp_path):
+    from clawray.engines.base import GenerateRequest
+
+    gate = make_gate(tmp_path, guard_replies=2)
+    reply = {"response_ids": [7, 8], "logprobs": [-0.5, -0.25], "policy_version": 4, "token_versions": [4, 4]}
+    gate.last_replies = [
+        (GenerateRequest(prompt_ids=[1, 2, 3], temperature=0.7), {**reply, "response_ids": [], "logprobs": []}),
+        (GenerateRequest(prompt_ids=[1, 2, 3], temperature=0.7), reply),
+        (
+            GenerateRequest(prompt_ids=[4], temperature=0.7),
+            {**reply, "response_ids": [9], "logprobs": [-1.0], "token_versions": None},
+        ),
+        (GenerateRequest(prompt_ids=[5], temperature=0.7), reply),
+    ]
+    samples = gate.guard_samples()
+    assert [(s.tokens, s.prompt_len, s.rollout_logprobs) for s in samples] == [
+        ([1, 2, 3, 7, 8], 3, [-0.5, -0.25]),
+        ([4, 9], 1, [-1.0]),
+    ]
+    assert all(s.temperature == 0.7 and s.policy_version == 4 and s.loss_mask == [1] * s.response_len for s in samples)
+    assert make_gate(tmp_path, guard_replies=0).guard_samples() == []
+    off = make_gate(tmp_path, entropy_ratio_min=0.0, mismatch_max=0.0)
+    off.last_replies = gate.last_replies
+    assert off.guard_samples() == [] and off.measure_guards(learners=None) is None
+
+
+def test_a_resume_restores_the_promoted_scores_and_the_best_version_of_its_lineage(tmp_path):
+    """v0 baseline 0.5, v1 promoted 0.6 (the best), v2 promoted 0.55, v3 rejected, v4 promoted 0.5;
+    then a resume at v2 (the last checkpoint) discards v3-v4; a later resume at v3 finds no record."""
+    base, best, v2 = [1.0] * 10 + [0.0] * 10, [1.0] * 12 + [0.0] * 8, [1.0] * 11 + [0.0] * 9
+    worse = [0.0] * 20
+    gate = make_gate(tmp_path, base, best, v2, worse, base, guard_replies=0)
+    gate.baseline(0, "unused", None, guards=lambda: {"entropy": 0.6, "mismatch_kl": 0.0, "tokens": 9})
+    for v in (1, 2, 3, 4):
+        gate.judge(v, *gate.probe("unused", None))
+    assert gate.promoted == 4 and gate.best == 1
+    resumed = make_gate(tmp_path)
+    assert resumed.resume(2)
+    assert resumed.promoted == 2 and resumed.promoted_scores == v2 and resumed.rejections == 0
+    assert resumed.best == 1 and resumed.best_scores == best
+    assert resumed.reference_guards == {"entropy": 0.6, "mismatch_kl": 0.0, "tokens": 9}
+    assert records(tmp_path)[-1] == {**records(tmp_path)[-1], "version": 2, "decision": "resumed", "best": 1}
+    # after the resume at v2, the old lineage's v4 is gone: it cannot be resumed, v1 still can
+    assert not make_gate(tmp_path).resume(4) and not make_gate(tmp_path).resume(3)
+    again = make_gate(tmp_path)
+    assert again.resume(1) and again.promoted_scores == best and again.best == 1
+    assert not make_gate(tmp_path / "nowhere").resume(0)  # no versions.jsonl: the caller probes a baseline

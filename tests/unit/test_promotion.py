@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from clawray.promotion import decide, sign_test_p
+from clawray.promotion import decide, guard_failure, sign_test_p
 
 
 def _pairs(both_right, worse, better, both_wrong):
@@ -68,3 +68,20 @@ def test_graded_scores_are_paired_by_sign():
 def test_bad_input_is_a_clear_error(cand, prom, kw):
     with pytest.raises(ValueError):
         decide(cand, prom, **kw)
+
+
+def test_the_invariant_guards_name_a_collapse_and_a_mismatch_and_pass_the_rest():
+    base = {"entropy": 0.8, "mismatch_kl": 1e-6}
+    # entropy 0.39 < 0.5 x 0.8 = 0.4: collapsed; 0.41 passes
+    why = guard_failure({"entropy": 0.39, "mismatch_kl": 1e-6}, base, entropy_ratio_min=0.5, mismatch_max=0.01)
+    assert (
+        why == "policy entropy collapsed: 0.3900 nats/token on the probe's replies, below 0.5 x the baseline's 0.8000"
+    )
+    assert guard_failure({"entropy": 0.41, "mismatch_kl": 1e-6}, base, 0.5, 0.01) is None
+    why = guard_failure({"entropy": 0.9, "mismatch_kl": 0.02}, base, 0.5, 0.01)
+    assert why == "engine/learner log-prob mismatch 0.02 (KL per token) above 0.01"
+    # off, unmeasured (None, nan: no usable reply) or without a baseline: no verdict
+    assert guard_failure({"entropy": 0.01, "mismatch_kl": 5.0}, base, 0.0, 0.0) is None
+    assert guard_failure(None, base, 0.5, 0.01) is None
+    assert guard_failure({"entropy": math.nan, "mismatch_kl": math.nan}, base, 0.5, 0.01) is None
+    assert guard_failure({"entropy": 0.01, "mismatch_kl": 0.0}, None, 0.5, 0.01) is None

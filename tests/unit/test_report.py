@@ -253,3 +253,46 @@ def test_tracker_rows_carry_elapsed_seconds_continued_on_resume(tmp_path, monkey
     r.log({"loss": 3.0}, step=2)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(x["step"], x["time/elapsed_s"]) for x in rows] == [(1, 12.5), (2, 15.5)]
+
+
+def test_the_gate_plot_draws_candidates_against_the_served_version(tmp_path, monkeypatch):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for row in TRAIN:
+            f.write(json.dumps(row) + "\n")
+    versions = [
+        {"version": 0, "decision": "baseline", "mean": 0.5},
+        {"version": 1, "decision": "promoted", "candidate_mean": 0.6, "promoted_mean": 0.5, "reason": "promoted: ok"},
+        {
+            "version": 2,
+            "decision": "rejected",
+            "candidate_mean": 0.2,
+            "promoted_mean": 0.6,
+            "reason": "rejected: worse",
+        },
+        {"version": 2, "decision": "withdrawn", "reason": "the sync failed"},
+    ]
+    with open(tmp_path / "versions.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(r) for r in versions) + "\n")
+    import matplotlib.figure
+
+    drawn = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, *a, **k):
+        if str(path).endswith("deploy.png"):
+            ax = fig.axes[0]
+            drawn["served"] = [list(ln.get_ydata()) for ln in ax.get_lines()]
+            drawn["points"] = [c.get_offsets().tolist() for c in ax.collections]
+        return save(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    paths = write_report(str(tmp_path))
+    assert "deploy.png" in [p.rsplit("/", 1)[1] for p in paths]
+    assert drawn["points"] == [[[1.0, 0.6]], [[2.0, 0.2]]]  # promoted v1, rejected v2, by decision order
+    assert [0.5, 0.6] in drawn["served"] and [0.5, 0.5] in drawn["served"]  # served means, baseline line
+    summary = open(paths[-1]).read()
+    assert (
+        "Promotion gate: 1 promoted, 1 rejected, serving v1" in summary and "- v2 rejected: rejected: worse" in summary
+    )
+    (tmp_path / "versions.jsonl").unlink()
+    assert "deploy.png" not in [p.rsplit("/", 1)[1] for p in write_report(str(tmp_path))]
