@@ -576,6 +576,9 @@ class DeployConfig:
     probe_n: int = num(1, ge=1, le=1024)  # samples per probe prompt (each one paired item)
     probe_temperature: float = num(0.7, **_TEMPERATURE)
     probe_seed: int = num(1, **_SEED)  # orders the probe's prompts and seeds its samples (paired across versions)
+    # a JSONL file of held-out conversations, each with an "answer" or a "regex" its reply must meet
+    # (clawray.envs.probe_file); "" = the environment's eval split and check
+    probe_file: str = ""
     measure: str = ""  # the check's measure scored per item ("" = the first one it reports, e.g. solved)
     margin: float = num(0.05, ge=0.0, le=1.0)  # the largest tolerated drop in mean probe score
     alpha: float = num(0.05, gt=0.0, lt=1.0)  # the sign test's level
@@ -781,8 +784,11 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         )
     if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
-    if cfg.deploy.gate and not cfg.env.enabled:  # the probe is the environment's eval split and check
-        raise ConfigError("deploy.gate=true needs an environment (env.enabled=true): its eval split is the probe")
+    if cfg.deploy.gate and not (cfg.env.enabled or cfg.deploy.probe_file):  # the probe's items and check
+        raise ConfigError(
+            "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations with an answer or regex "
+            "each) or an environment (env.enabled=true: its eval split)"
+        )
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)

@@ -100,18 +100,39 @@ class PromotionGate:
         self._evaluator: Any = None
         self._last: Decision | None = None
         self._last_guards: dict[str, float] | None = None
+        if self.enabled and deploy.probe_file:  # a malformed file stops the run before it starts
+            from clawray.config import ConfigError
+
+            try:
+                self.probe_env()
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"deploy.probe_file: {e}") from None
 
     # ---------------------------------------------------------------- probe
+    def probe_env(self) -> Any:
+        """The probe's items and check: ``deploy.probe_file``'s conversations
+        (:class:`~clawray.envs.probe_file.ProbeFileEnv`), else the environment's eval split.
+
+        Raises:
+            FileNotFoundError, ValueError: a missing or malformed probe file (``path:line: why``).
+        """
+        if self.cfg.probe_file:
+            from clawray.envs.probe_file import ProbeFileEnv
+
+            return ProbeFileEnv(self.cfg.probe_file)
+        from clawray.envs import env_from_config
+
+        return env_from_config(self.env_cfg)
+
     def _build(self, model_path: str) -> Any:
         if self._evaluator is None:
             from transformers import AutoTokenizer
 
-            from clawray.envs import env_from_config
             from clawray.evaluation import Evaluator
 
             d = self.cfg
             self._evaluator = Evaluator(
-                env_from_config(self.env_cfg),
+                self.probe_env(),
                 AutoTokenizer.from_pretrained(model_path),
                 n=d.probe_n,
                 num_prompts=d.probe_prompts,

@@ -113,7 +113,7 @@ def test_the_measure_is_the_configured_one_or_the_checks_first(tmp_path):
 
 
 def test_the_gate_needs_an_environment_and_valid_settings():
-    with pytest.raises(ConfigError, match="deploy.gate=true needs an environment"):
+    with pytest.raises(ConfigError, match="deploy.gate=true needs a probe: deploy.probe_file"):
         load_config(["conf/rl.yaml"], ["deploy.gate=true", "env.enabled=false"])
     with pytest.raises(ConfigError, match="deploy.on_reject='keep'"):
         load_config([], ["deploy.on_reject=keep"])
