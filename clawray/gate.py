@@ -93,7 +93,8 @@ class PromotionGate:
         self.best: int | None = None  # the promoted version with the highest probe mean so far
         self.best_scores: list[float] = []
         self.rejections = 0
-        self.dropped_samples = 0  # samples trained into rejected candidates (deploy.on_reject: drop)
+        self.dropped_samples = 0  # samples trained into rolled-back versions (deploy.on_reject)
+        self.pending: list[Any] = []  # SampleMetas trained since the promoted version (not yet judged)
         self.records: list[dict[str, Any]] = []
         self.reference_guards: dict[str, float] | None = None  # the baseline's entropy (guard_failure)
         self.last_replies: list[tuple[Any, Any]] = []  # the last probe's (request, reply) pairs
@@ -365,12 +366,38 @@ class PromotionGate:
             generate = lambda reqs: probe_generate(actors.engines, reqs)  # noqa: E731
             self.baseline(version, model_path, generate, lambda: self.measure_guards(actors.learners))
 
-    def sync_candidate(self, actors: Any, version: int, samples: int, model_path: str) -> GateOutcome:
+    def trained(self, metas: list) -> None:
+        """The learners trained these samples (:class:`~clawray.types.SampleMeta`) into the next
+        version: they are dropped (or quarantined) with it if it is rolled back."""
+        self.pending.extend(metas)
+
+    def _drop_pending(self, version: int, decision: str) -> None:
+        """The samples trained since the promoted version are gone with the rolled-back ``version``:
+        count them (``deploy/dropped_samples``) and, with ``deploy.on_reject: quarantine``, write one
+        line per sample to ``run_dir/quarantine.jsonl`` (where it came from and its reward) for a
+        person to read before training on such turns again."""
+        pending, self.pending = self.pending, []
+        self.dropped_samples += len(pending)
+        if self.cfg.on_reject != "quarantine" or not pending:
+            return
+        fields = ("session_id", "turn_index", "policy_version", "reward", "kind", "outcome")
+        lines = [
+            json.dumps({"version": version, "decision": decision, **{k: getattr(m, k, None) for k in fields}})
+            for m in pending
+        ]
+        try:
+            with open_private(os.path.join(self.run_dir, "quarantine.jsonl"), "a") as f:
+                f.write("\n".join(lines) + "\n")
+        except OSError as e:  # a full disk loses the quarantine lines, never the run
+            print(f"[clawray] quarantine.jsonl not updated ({e.strerror or type(e).__name__})", flush=True)
+
+    def sync_candidate(self, actors: Any, version: int, model_path: str) -> GateOutcome:
         """Sync candidate ``version`` into the engines held paused for users, probe it, then resume
         the engines on it (promoted: the learners keep it as their rollback point) or roll the learners
         back to the promoted version and sync that back (rejected: learning rate x
         ``deploy.lr_backoff``; withdrawn, without a back-off, when the candidate's sync or probe
-        failed). ``samples``: how many were trained into it. ``deploy/users_held_s``: pause to resume.
+        failed). The samples trained since the promoted version (:meth:`trained`) are dropped with a
+        rolled-back candidate (:meth:`_drop_pending`). ``deploy/users_held_s``: pause to resume.
         Raises nothing for a member's failure (the sync controller's rule)."""
         from clawray.recovery import restarted_engines
         from clawray.weight_sync import WeightSyncController
@@ -386,7 +413,7 @@ class PromotionGate:
             try:
                 scores, probe_s = self.probe(model_path, lambda reqs: probe_generate(actors.engines, reqs))
                 guards = self.measure_guards(actors.learners)  # the learners hold the candidate too
-                decision = self.judge(version, scores, probe_s, samples, guards)
+                decision = self.judge(version, scores, probe_s, 0, guards)
             except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
                 self.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
             if decision is not None and decision.promote:
@@ -399,10 +426,13 @@ class PromotionGate:
         else:
             self.withdraw(version, result["error"])
             error = self._roll_back(actors, 1.0) or result["error"]
+        rolled_back = decision is None or not decision.promote
+        if rolled_back:
+            self._drop_pending(version, "withdrawn" if decision is None else "rejected")
+        self.pending = []
         metrics.update(self.metrics(decision, held_s, probe_s))
         versions = sync.engine_versions()
         metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
-        rolled_back = decision is None or not decision.promote
         return GateOutcome(time.perf_counter() - t0, error, metrics, rolled_back)
 
     def _roll_back(self, actors: Any, lr_factor: float) -> str | None:
@@ -423,6 +453,7 @@ class PromotionGate:
         rollback point and promoted version, with its own probe scores (the records' lineage up to it)."""
         if self.enabled:
             actors.learners.keep_promoted()
+            self.pending = []  # the rebuilt learners hold none of them (the journal replays what is untrained)
             if not self._replay(self.records, version):
                 self.promoted = version  # no record of it: the last promoted scores stay the reference
 
@@ -480,6 +511,7 @@ class PromotionGate:
         None when that failed (said; then no exit checkpoint: the last one stands)."""
         if self.settled(version) or self.promoted is None:
             return version
+        self.pending = []  # trained into versions never probed, never served: gone with them
         try:
             actors.learners.restore_promoted(1.0)
         except Exception as e:  # noqa: BLE001 - the at-exit path must finish

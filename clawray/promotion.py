@@ -141,7 +141,7 @@ def decide(
 def guard_failure(
     candidate: dict[str, float] | None,
     baseline: dict[str, float] | None,
-    entropy_ratio_min: float = 0.5,
+    entropy_ratio_min: float = 0.1,
     mismatch_max: float = 0.01,
 ) -> str | None:
     """Why a candidate fails the invariant guards, or None when it passes (or was not measured).

@@ -63,8 +63,10 @@ def sync_step(
     """
     launch = lambda v: probe.launch(actors.engines[0], refs, metas, v, model_path) if actors.engines else None  # noqa: E731
     if gate.enabled:  # [deploy.gate] a trained version reaches the engines only through the probe
+        if not skipped:
+            gate.trained(metas)
         if not skipped and gate.due(next_version):
-            out = gate.sync_candidate(actors, next_version, len(metas), model_path)
+            out = gate.sync_candidate(actors, next_version, model_path)
             if out.error is None:
                 launch(gate.promoted if out.rolled_back else next_version)
             return SyncOutcome(out.seconds, out.error, out.metrics, out.rolled_back)

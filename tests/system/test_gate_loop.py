@@ -40,6 +40,7 @@ OVERRIDES = [
     "deploy.probe_n=2",
     "deploy.max_rejections=2",
     "deploy.entropy_ratio_min=0",  # a tiny model's entropy may halve in one step at lr 1e-3
+    "deploy.on_reject=quarantine",
 ]
 
 
@@ -76,6 +77,8 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
             d.step()
         m3 = d.history[-1]
         assert m3["lr"] == pytest.approx(0.5 * m2["lr"]) and m3["deploy/rejections"] == 2.0
+        dropped = m3["deploy/dropped_samples"]
+        assert dropped == m2["samples"] + m3["samples"]
         assert d.version == 1 and d.actors.weight_sync.engine_versions() == {"rollout-0": 1}
         assert httpx.get(d.base_url + "/models").json()["data"][0]["policy_version"] == 1
     finally:
@@ -89,6 +92,10 @@ def test_the_gate_promotes_rejects_rolls_back_and_stops(ray_cluster, tiny_model,
     ]
     assert all(r["items"] == 6 for r in rows) and "below the floor 1.000" in rows[2]["reason"]
     assert all(r["tokens"] > 0 and math.isfinite(r["entropy"]) for r in rows)
+    # deploy.on_reject=quarantine: every sample trained into a rejected candidate is listed, with its origin
+    quarantined = [json.loads(line) for line in open(tmp_path / "run" / "quarantine.jsonl")]
+    assert len(quarantined) == dropped and {q["version"] for q in quarantined} == {2}
+    assert all(q["decision"] == "rejected" and q["session_id"] and q["reward"] in (-1.0, 0.0, 1.0) for q in quarantined)
     turns = [json.loads(line) for line in open(tmp_path / "run" / "records" / "turns.jsonl")]
     served = {v for t in turns for v in (t.get("token_versions") or [t["policy_version"]])}
     assert turns and served <= {0, 1}  # no user token ever came from a rejected candidate

@@ -140,7 +140,7 @@ def test_small_drops_that_add_up_are_caught_against_the_best_promoted_version(tm
 
 def test_a_candidate_the_test_promotes_is_rejected_by_its_invariant_guards(tmp_path):
     same = [1.0] * 10 + [0.0] * 10
-    gate = make_gate(tmp_path, same, same, same, max_rejections=5)
+    gate = make_gate(tmp_path, same, same, same, max_rejections=5, entropy_ratio_min=0.5)
     gate.baseline(0, "unused", None, guards=lambda: {"entropy": 0.6, "mismatch_kl": 1e-7, "tokens": 40})
     assert gate.reference_guards == {"entropy": 0.6, "mismatch_kl": 1e-7, "tokens": 40}
     d = gate.judge(1, *gate.probe("unused", None), guards={"entropy": 0.2, "mismatch_kl": 1e-7, "tokens": 40})
