@@ -110,7 +110,7 @@ def report(out: dict) -> None:
         )
         for d in out["decisions"]:
             if d["decision"] != "promoted":
-                print(f"    v{d['version']}: {d['decision']}: {d.get('reason') or ''}")
+                print(f"    v{d['version']}: {d.get('reason') or d['decision']}")
     if out["stopped"]:
         print(f"  stopped: {out['stopped']}")
 

@@ -409,6 +409,9 @@ class LearnerConfig:
     total_steps: int = num(0, ge=0)
     min_lr_ratio: float = num(0.0, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    # keep the input embeddings and the lm_head (one tensor when tied) at their initial values: not
+    # trained, not in the optimizer (conf/rl.yaml turns it on: README, "The CPU demo")
+    freeze_embeddings: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -230,6 +230,11 @@ class LearnerWorker:
         if cfg.activation_checkpointing:
             checkpoint_layers(self._hf_model(model).model.layers)
         model = self._with_lora(model)
+        if cfg.freeze_embeddings:
+            hf = self._hf_model(model)
+            hf.get_input_embeddings().requires_grad_(False)
+            if hf.get_output_embeddings() is not None:
+                hf.get_output_embeddings().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (world_size,))
         shard_kwargs: dict = {"mesh": mesh}
         if self.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction

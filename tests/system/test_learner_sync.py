@@ -316,3 +316,31 @@ def test_a_step_without_gradient_leaves_the_weights_bit_identical_and_is_counted
         assert any(not torch.equal(before[k], trained[k]) for k in before)
     finally:
         learners.shutdown()
+
+
+def test_frozen_embeddings_stay_bit_identical_while_the_rest_trains(ray_cluster, tiny_model):
+    """``learner.freeze_embeddings`` (conf/rl.yaml): the input embeddings and the lm_head are neither
+    trained nor decayed nor in the optimizer; every other tensor moves."""
+    learners = LearnerGroup(tiny_model, dict(LEARNER, weight_decay=0.1, freeze_embeddings=True), free_port())
+    try:
+        refs = [
+            ray.put(
+                Sample(
+                    tokens=[5, 6, 7, 11 + i, 12],
+                    prompt_len=3,
+                    loss_mask=[1, 1],
+                    rollout_logprobs=[-7.0, -7.0],
+                    reward=r,
+                    policy_version=0,
+                )
+            )
+            for i, r in enumerate([1.0, -1.0, 1.0, -1.0])
+        ]
+        before = ray.get([w.state_dict.remote() for w in learners.workers])[0]
+        assert learners.train_step(refs, 1)["optimizer_steps"] == 1.0
+        after = ray.get([w.state_dict.remote() for w in learners.workers])[0]
+        frozen = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert frozen <= set(before) and all(torch.equal(before[k], after[k]) for k in frozen)
+        assert all(not torch.equal(before[k], after[k]) for k in before if k not in frozen and "norm" not in k)
+    finally:
+        learners.shutdown()
