@@ -117,7 +117,15 @@ def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_jud
     workspace.mkdir()
     (workspace / "homework.txt").write_text("What is 7 + 8?\n")
     served = openclaw.served_model(endpoint["url"], "x")
-    assert served == {"id": "tiny", "object": "model", "created": 0, "owned_by": "clawray", "max_model_len": 131072}
+    assert served == {
+        "id": "tiny",
+        "object": "model",
+        "created": 0,
+        "owned_by": "clawray",
+        "max_model_len": 131072,
+        "policy_version": 3,  # the scripted engine's
+        "policy_versions": [3],
+    }
     openclaw.write_config(claw, endpoint["url"], "tiny", "x", 131072, 1024, workspace)
     for message, _ in TURNS:
         argv = claw.command(["agent", "--local", "--session-id", SESSION, "-m", message, "--json", "--timeout", "120"])

@@ -386,7 +386,11 @@ def test_vllm_backend_resets_the_prefix_cache_after_every_load():
             self.calls.append(("reset_prefix_cache", reset_running_requests))
             return self.reset_ok
 
+        def apply_model(self, fn):
+            self.calls.append(("apply_model", fn.__name__))
+
     backend = VLLMBackend.__new__(VLLMBackend)
+    backend._tied = False
     backend.llm, backend._runs = FakeLLM(True), {"clawray-0": SimpleNamespace(finish_reason="abort")}
     backend.load_weights(iter([("a", torch.zeros(2)), ("b", torch.ones(1))]))
     assert backend.llm.calls == [("reload_weights", ["a", "b"]), ("reset_prefix_cache", False)]
@@ -397,6 +401,14 @@ def test_vllm_backend_resets_the_prefix_cache_after_every_load():
     backend.llm = FakeLLM(False)
     with pytest.raises(RuntimeError, match="refused to reset the prefix cache"):
         backend.load_weights([("a", torch.zeros(2))])
+    # a tied lm_head is re-processed after the reload, before the cache is dropped
+    backend._tied, backend.llm = True, FakeLLM(True)
+    backend.load_weights([("a", torch.zeros(2))])
+    assert backend.llm.calls == [
+        ("reload_weights", ["a"]),
+        ("apply_model", "_refresh_tied_lm_head"),
+        ("reset_prefix_cache", True),
+    ]
 
 
 @pytest.mark.parametrize("transport", ["collective", "object_store", "ipc"])
