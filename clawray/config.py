@@ -549,6 +549,13 @@ class EnvConfig:
     temperature: float = num(0.7, **_TEMPERATURE)
     seed: int = num(0, **_SEED)
     request_timeout_s: float = num(600.0, gt=0.0)
+    # how the user reaches the policy: "openai" (the openai client, X-Session-* headers) or "openclaw"
+    # (the real OpenClaw agent, clawray.envs.openclaw_user: OpenClaw's prompt, tools and requests, no
+    # headers; needs npm and rollout.max_model_len >= 4000; an agent turn takes ~15 s of Node start-up)
+    client: str = choice("openai", "openclaw")
+    openclaw_homework: bool = True  # openclaw: the task goes into the workspace's homework.txt (else typed)
+    openclaw_lean: bool = True  # openclaw: OpenClaw's config for small local models (clawray.openclaw)
+    openclaw_root: str = ""  # openclaw: its install folder ("" = ~/.cache/clawray/openclaw)
 
 
 @dataclass
@@ -767,6 +774,28 @@ def _check_resources(cfg: DictConfig) -> None:
                 raise ConfigError(f"{key}.{name}={amount!r} is out of range: must be > 0 in steps of 0.0001")
 
 
+def _check_openclaw_users(cfg: DictConfig) -> None:
+    """``env.client=openclaw``: OpenClaw's context floor, and no session outcome to credit."""
+    from clawray.openclaw import MIN_CONTEXT_WINDOW
+
+    if not (cfg.env.enabled and cfg.env.client == "openclaw"):
+        return
+    if cfg.rollout.max_model_len < MIN_CONTEXT_WINDOW:
+        raise ConfigError(
+            f"env.client=openclaw needs rollout.max_model_len >= {MIN_CONTEXT_WINDOW} (OpenClaw refuses a smaller "
+            f"context window, and its lean prompt alone is ~2.5k tokens); got {cfg.rollout.max_model_len}"
+        )
+    if cfg.env.max_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(
+            f"env.max_tokens={cfg.env.max_tokens} must be below rollout.max_model_len={cfg.rollout.max_model_len}"
+        )
+    if cfg.trainer.credit != "turn":  # OpenClaw sends no X-Session-Outcome
+        raise ConfigError(
+            f"trainer.credit={cfg.trainer.credit} needs session outcomes (X-Session-Outcome), which OpenClaw "
+            "cannot send: use trainer.credit=turn with env.client=openclaw"
+        )
+
+
 def _check_cross_fields(cfg: DictConfig) -> None:
     """Rules that relate several fields (each field alone is already in its range)."""
     _check_resources(cfg)
@@ -795,6 +824,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
             "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations with an answer or regex "
             "each) or an environment (env.enabled=true: its eval split)"
         )
+    _check_openclaw_users(cfg)
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)

@@ -28,14 +28,26 @@ class SimUsers:
         self.last_stats: dict = {}
 
     def start(self, base_url: str) -> None:
-        """Start the users against ``base_url`` (a no-op unless ``env.enabled``)."""
+        """Start the users against ``base_url`` (a no-op unless ``env.enabled``).
+
+        Raises:
+            RuntimeError: ``env.client=openclaw`` and OpenClaw cannot be set up (the cause is named).
+        """
         from clawray.envs.sim_user import SimUserPoolActor
 
         if not self.cfg.env.enabled:
             return
         env = OmegaConf.to_object(self.cfg.env)
         self.pool = SimUserPoolActor.options(num_cpus=0).remote(base_url, env, self.cfg.serve.model_name)
-        ray.get(self.pool.start.remote())
+        try:
+            ray.get(self.pool.start.remote())
+        except ray.exceptions.RayTaskError as e:  # OpenClaw not installable, endpoint's context too short
+            ray.kill(self.pool)
+            self.pool = None
+            cause = e.cause if e.cause is not None else e
+            raise RuntimeError(
+                f"the simulated users (env.client={self.cfg.env.client}) cannot start: {cause}"
+            ) from None
 
     def stop(self) -> None:
         """Stop the users (waits up to 30 s for their sessions to end) and keep their counters."""

@@ -39,6 +39,26 @@ def shared_serve() -> str:
     return f"http://127.0.0.1:{SERVE_PORT}"
 
 
+def openclaw_root_or_skip() -> str:
+    """The folder the OpenClaw tests install OpenClaw into (``$CLAWRAY_OPENCLAW_ROOT``, else
+    clawray.openclaw's default); skips the test, saying why, where it is not installed yet and the
+    npm registry cannot be reached."""
+    import httpx
+
+    from clawray import openclaw
+
+    root = os.environ.get("CLAWRAY_OPENCLAW_ROOT", str(openclaw.DEFAULT_ROOT))
+    if (openclaw.Path(root) / "node_modules" / "openclaw" / "openclaw.mjs").exists():
+        return root
+    try:
+        reachable = httpx.get("https://registry.npmjs.org/openclaw", timeout=15).status_code < 500
+    except httpx.HTTPError:
+        reachable = False
+    if not reachable:
+        pytest.skip("the npm registry (registry.npmjs.org) cannot be reached: OpenClaw cannot be installed")
+    return root
+
+
 #: The server tests' SessionTracker config: sessions stay open 10 minutes, truncated replies are not trained.
 MASKED_SESSIONS = {"session": {"idle_timeout_s": 600.0, "truncated": "mask"}}
 

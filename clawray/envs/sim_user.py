@@ -16,6 +16,13 @@ the same opening messages (so the same prompt tokens), giving ``trainer.advantag
 of first turns (``trainer.group_by: prompt``) or of turn k of sessions with one opening
 (``session_prefix``).
 
+OpenClaw mode (``env.client: openclaw``): each user thread talks through a real OpenClaw agent of its
+own (:mod:`clawray.envs.openclaw_user`) instead of the ``openai`` client. OpenClaw runs the tools and
+sends its own requests, without session headers (clawray attributes them from the conversation). A
+session's last reply gets its next state like any other (the user's verdict, sent as one more agent
+turn), and the session is not closed by a header: the tracker's idle timeout ends it, and the reply
+to the verdict is dropped as ``no_next_state``. There is no session outcome (``trainer.credit: turn``).
+
 Serial loop (``trainer.overlap: false``): :meth:`SimUserPool.hold` stops the users at their next
 request and waits for the requests in flight to be answered; :meth:`SimUserPool.release` lets them go
 on. Invariant: between ``hold`` returning 0 and ``release``, no request of this pool is in flight.
@@ -27,11 +34,14 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import threading
 import time
 import uuid
 from collections import Counter, deque
-from typing import Any
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import ray
 
@@ -61,7 +71,9 @@ class SimUserPool:
 
         cfg = section(EnvConfig, cfg)
         self.client = OpenAI(base_url=base_url, api_key="EMPTY", timeout=cfg.request_timeout_s, max_retries=0)
-        self.cfg, self.model = cfg, model
+        self.base_url, self.cfg, self.model = base_url, cfg, model
+        self._agents: list[Any] = []  # env.client=openclaw: one OpenClawUser per user thread
+        self._agents_dir: Path | None = None
         self.env = env_from_config(cfg)
         self.rng = random.Random(cfg.seed)
         self.lock = threading.Lock()
@@ -74,7 +86,26 @@ class SimUserPool:
         self._log: deque[tuple[float, float]] = deque(maxlen=4096)  # (start, end) of each request
 
     def start(self) -> None:
-        """Start the session threads (returns at once)."""
+        """Start the session threads (returns once they run; with ``env.client=openclaw`` after
+        installing OpenClaw once and configuring one agent per thread).
+
+        Raises:
+            clawray.openclaw.OpenClawUnavailable, RuntimeError, ValueError: ``env.client=openclaw`` and
+                OpenClaw cannot be set up (see :func:`clawray.envs.openclaw_user.make_users`).
+        """
+        if self.cfg.client == "openclaw" and not self._agents:
+            from clawray.envs.openclaw_user import make_users
+
+            self._agents, self._agents_dir = make_users(
+                self.cfg.concurrency,
+                self.base_url,
+                self.model,
+                "EMPTY",
+                self.cfg.max_tokens,
+                self.cfg.openclaw_lean,
+                self.cfg.request_timeout_s,
+                self.cfg.openclaw_root,
+            )
         for i in range(self.cfg.concurrency):
             t = threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"sim-user-{i}")
             t.start()
@@ -87,6 +118,8 @@ class SimUserPool:
             self._gate.notify_all()
         for t in self._threads:
             t.join(timeout=timeout_s)
+        if self._agents_dir is not None and not any(t.is_alive() for t in self._threads):
+            shutil.rmtree(self._agents_dir, ignore_errors=True)  # a turn still running keeps its folder
         return self.get_stats()
 
     def hold(self, timeout_s: float = 600.0) -> int:
@@ -113,7 +146,9 @@ class SimUserPool:
             return list(self._log)
 
     def get_stats(self) -> dict:
-        """Counters: sessions, requests, solved, tool_calls, errors."""
+        """Counters: sessions, requests, solved, unsolved, tool_calls, errors (``error/<kind>``); with
+        ``env.client=openclaw`` also agent_turns (``requests`` then counts the policy requests
+        OpenClaw reported, ``agent_seconds`` the agent turns' wall time)."""
         with self.lock:
             return dict(self.stats)
 
@@ -129,7 +164,7 @@ class SimUserPool:
                 if self._stop.is_set():
                     break
                 try:
-                    self.run_session(problem)
+                    self.run_session(problem, worker)
                 except _Stopped:
                     return
                 except Exception as e:  # keep the traffic going; the error is counted
@@ -149,16 +184,8 @@ class SimUserPool:
         headers = {"X-Session-Id": session, "X-Session-Done": "true" if done else "false"}
         if outcome is not None:  # the session's score for long-horizon credit (trainer.credit)
             headers["X-Session-Outcome"] = f"{outcome:g}"
-        with self._gate:  # a held pool sends nothing (serial loop, see hold)
-            if self._held:
-                while self._held and not self._stop.is_set():
-                    self._gate.wait()
-                if self._stop.is_set():  # stopped while held: the request is not sent
-                    raise _Stopped()
-            self._in_flight += 1
-        self._count("requests")
-        t0 = time.time()
-        try:
+        with self._sending():
+            self._count("requests")
             return self.client.chat.completions.create(
                 model=self.model,
                 messages=messages,
@@ -167,14 +194,72 @@ class SimUserPool:
                 temperature=self.cfg.temperature,
                 extra_headers=headers,
             )
+
+    @contextmanager
+    def _sending(self) -> Iterator[None]:
+        """One request (or OpenClaw agent turn) in flight: waits while the pool is held (serial loop,
+        see :meth:`hold`), counts it in flight and logs its ``(start, end)``.
+
+        Raises:
+            _Stopped: the pool was stopped while held (nothing is sent).
+        """
+        with self._gate:
+            if self._held:
+                while self._held and not self._stop.is_set():
+                    self._gate.wait()
+                if self._stop.is_set():
+                    raise _Stopped()
+            self._in_flight += 1
+        t0 = time.time()
+        try:
+            yield
         finally:
             with self._gate:
                 self._in_flight -= 1
                 self._log.append((t0, time.time()))
                 self._gate.notify_all()
 
-    def run_session(self, problem: Problem) -> bool:
-        """One session; returns whether the problem was solved."""
+    def _agent_turn(self, worker: int, session: str, message: str) -> str:
+        """``message`` through worker ``worker``'s OpenClaw agent in ``session``; returns the agent's
+        final reply (:class:`clawray.envs.openclaw_user.AgentTurn`'s ``text``)."""
+        with self._sending():
+            turn = self._agents[worker].say(session, message)
+        self._count("agent_turns")
+        self._count("requests", turn.requests)
+        self._count("tool_calls", turn.tool_calls)
+        with self.lock:
+            self.stats["agent_seconds"] += round(turn.seconds, 1)
+        return turn.text
+
+    def run_openclaw_session(self, problem: Problem, worker: int = 0) -> bool:
+        """One session through worker ``worker``'s OpenClaw agent (``env.client=openclaw``); returns
+        whether the problem was solved. Each of the ``max_turns`` agent turns is graded on its final
+        reply; the verdict on the last one is sent as one more agent turn (its next state)."""
+        from clawray.envs.openclaw_user import HOMEWORK_MESSAGE
+
+        session = f"sim-{uuid.uuid4().hex[:12]}"
+        self._count("sessions")
+        task = "\n\n".join(str(m.get("content") or "") for m in self.env.opening(problem) if m["role"] != "assistant")
+        message = task
+        if self.cfg.openclaw_homework:
+            self._agents[worker].write_homework(task)
+            message = HOMEWORK_MESSAGE
+        for turn in range(self.cfg.max_turns):
+            if self._stop.is_set():
+                return False
+            reply = self._agent_turn(worker, session, message)
+            message, solved = self.env.feedback(problem, reply)
+            if solved or turn == self.cfg.max_turns - 1:
+                self._agent_turn(worker, session, message)  # the last reply's next state
+                self._count("solved" if solved else "unsolved")
+                return solved
+        return False
+
+    def run_session(self, problem: Problem, worker: int = 0) -> bool:
+        """One session (through worker ``worker``'s OpenClaw agent with ``env.client=openclaw``);
+        returns whether the problem was solved."""
+        if self.cfg.client == "openclaw":
+            return self.run_openclaw_session(problem, worker)
         session = f"sim-{uuid.uuid4().hex[:12]}"
         self._count("sessions")
         messages: list[dict[str, Any]] = self.env.opening(problem)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import uuid
 
@@ -22,7 +21,7 @@ import pytest
 import ray
 
 from clawray import openclaw
-from conftest import SERVE_PORT, scripted_engine_class, shared_serve
+from conftest import SERVE_PORT, openclaw_root_or_skip, scripted_engine_class, shared_serve
 
 pytestmark = pytest.mark.slow
 
@@ -44,21 +43,11 @@ TURNS = [  # (what the user says, the scripted policy's replies to the requests 
 ]
 
 
-def _registry_reachable() -> bool:
-    try:
-        return httpx.get("https://registry.npmjs.org/openclaw", timeout=15).status_code < 500
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def claw(tmp_path_factory):
     """The installed OpenClaw with a home of its own (state, sessions, config): an earlier run's state
     (it attests the workspaces it initialised, by path) never meets this one's."""
-    root = os.environ.get("CLAWRAY_OPENCLAW_ROOT", str(openclaw.DEFAULT_ROOT))
-    installed = (openclaw.Path(root) / "node_modules" / "openclaw" / "openclaw.mjs").exists()
-    if not installed and not _registry_reachable():
-        pytest.skip("the npm registry (registry.npmjs.org) cannot be reached: OpenClaw cannot be installed")
+    root = openclaw_root_or_skip()
     home = tmp_path_factory.mktemp("openclaw-home")
     home.chmod(0o700)
     return dataclasses.replace(openclaw.install(root), home_dir=home)

@@ -25,6 +25,7 @@ LAYERS = {
     "clawray.ray_env": 0,
     "clawray.chat": 0,
     "clawray.step_metrics": 0,
+    "clawray.openclaw": 0,
     # 1: the RL itself, and the config schema that names its algorithms
     "clawray.algos": 1,
     "clawray.config": 1,
@@ -45,7 +46,6 @@ LAYERS = {
     "clawray.session_book": 2,
     "clawray.model_folders": 2,
     "clawray.report": 2,
-    "clawray.openclaw": 2,
     # 3: what the actors are made of
     "clawray.weight_sync": 3,
     "clawray.journal": 3,
