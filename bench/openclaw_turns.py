@@ -5,11 +5,15 @@ as asked), installs and configures the real OpenClaw against it (clawray.opencla
 messages of one session through ``openclaw agent --local``, and prints per turn the wall seconds of
 the whole agent turn (OpenClaw's own work included) and the requests it made, then ``/health``'s
 traffic (served, main, side, unattributable, paired). ``clawray serve`` trains nothing, so nothing is
-judged here; the training job's funnel adds judged and trained (docs/openclaw.md).
+judged here. ``--train`` starts the training job instead (``clawray run`` with the job's feedback
+judge, no simulated users, Qwen's CPU LoRA preset and the memory settings that fit 24 GiB, batches of
+2): the same conversation is then also judged and trained, and the bench waits up to
+``--train-wait`` seconds after the last turn for the learners to take the queued samples.
 
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 3 --no-prefix-caching
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10 --tags-only   # serve.untagged_tool_calls off
+    PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10 --lean --train  # judged and trained too
 
 It also prints the tool calls the policy made (from the served turns' records) and what OpenClaw
 left in ``answer.txt``.
@@ -70,6 +74,8 @@ def main() -> int:
     p.add_argument("--tags-only", action="store_true", help="serve.untagged_tool_calls=false")
     p.add_argument("--lean", action="store_true", help="OpenClaw's lean config (clawray.openclaw.write_config)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply OpenClaw asks for")
+    p.add_argument("--train", action="store_true", help="run the training job (clawray run), not clawray serve")
+    p.add_argument("--train-wait", type=float, default=900.0, help="--train: seconds to wait for the learners")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     ns = p.parse_args()
 
@@ -78,10 +84,26 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="openclaw-bench-")
     cmd = [
         str(Path(sys.executable).parent / "clawray"),
-        "serve",
-        ns.model,
-        "conf/cpu.yaml",
-        "conf/openclaw.yaml",
+        *(
+            [
+                "run",
+                "conf/rl.yaml",
+                "conf/cpu.yaml",
+                "conf/openclaw.yaml",
+                "conf/qwen-cpu.yaml",
+                f"model.path={ns.model}",
+                "env.enabled=false",
+                "eval.enabled=false",
+                "trainer.num_steps=-1",
+                "trainer.batch_size=2",
+                "checkpoint.save_at_exit=false",
+                "learner.activation_checkpointing=true",
+                "learner.max_tokens_per_micro_batch=4096",
+                "rollout.kv_cache_gib=1.0",
+            ]
+            if ns.train
+            else ["serve", ns.model, "conf/cpu.yaml", "conf/openclaw.yaml"]
+        ),
         f"serve.port={port}",
         f"run_dir={run_dir}",
         f"rollout.prefix_caching={str(not ns.no_prefix_caching).lower()}",
@@ -118,6 +140,18 @@ def main() -> int:
                 f"[bench] turn {k + 1}: {wall:6.1f} s, {after - before} request(s), exit {done.returncode}", flush=True
             )
         traffic = httpx.get(f"{root}/health", timeout=30).json()["traffic"]
+        trained = 0
+        if ns.train:  # the learners take the queued samples in batches of 2
+            deadline = time.monotonic() + ns.train_wait
+            while True:
+                metrics = Path(run_dir) / "metrics.jsonl"
+                rows_m = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+                trained = sum(m.get("samples", 0) for m in rows_m)
+                traffic = httpx.get(f"{root}/health", timeout=30).json()["traffic"]
+                if traffic["samples"] - trained < 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(10)
+            print(f"[bench] trained {trained} of {traffic['samples']} samples", flush=True)
         walls = [r["wall_s"] for r in rows]
         records = Path(run_dir) / "records" / "turns.jsonl"
         turns = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
@@ -142,6 +176,7 @@ def main() -> int:
             "first_turn_s": walls[0],
             "later_turns_mean_s": round(sum(walls[1:]) / max(1, len(walls) - 1), 1),
             "traffic": traffic,
+            "trained_samples": trained if ns.train else None,
         }
         print(json.dumps(result, indent=1))
         if ns.out:
