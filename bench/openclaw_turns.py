@@ -6,8 +6,8 @@ messages of one session through ``openclaw agent --local``, and prints per turn 
 the whole agent turn (OpenClaw's own work included) and the requests it made, then ``/health``'s
 traffic (served, main, side, unattributable, paired). ``clawray serve`` trains nothing, so nothing is
 judged here. ``--train`` starts the training job instead (``clawray run`` with the job's feedback
-judge, no simulated users, Qwen's CPU LoRA preset and the memory settings that fit 24 GiB, batches of
-2): the same conversation is then also judged and trained, and the bench waits up to
+judge, no simulated users, Qwen's CPU LoRA preset and the memory settings that fit 24 GiB: one
+learner, batches of 2): the same conversation is then also judged and trained, and the bench waits up to
 ``--train-wait`` seconds after the last turn for the learners to take the queued samples.
 
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10
@@ -100,6 +100,7 @@ def main() -> int:
                 "learner.activation_checkpointing=true",
                 "learner.max_tokens_per_micro_batch=4096",
                 "rollout.kv_cache_gib=1.0",
+                "learner.num_workers=1",  # two ranks and the engine outgrow 24 GiB at the first weight sync
             ]
             if ns.train
             else ["serve", ns.model, "conf/cpu.yaml", "conf/openclaw.yaml"]
@@ -114,7 +115,10 @@ def main() -> int:
     try:
         t0 = time.monotonic()
         _wait_healthy(root, server, 900)
-        print(f"[bench] clawray serve healthy after {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)
+        print(
+            f"[bench] clawray {'run' if ns.train else 'serve'} healthy after {time.monotonic() - t0:.0f} s ({run_dir})",
+            flush=True,
+        )
         claw = dataclasses.replace(openclaw.install(), home_dir=Path(run_dir) / "openclaw-home")  # a fresh state
         workspace = Path(run_dir) / "workspace"
         served = openclaw.served_model(url, "x")

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Callable, Iterable
 
-from clawray.client_rules import is_ephemeral, strip_ephemeral
+from clawray.client_rules import is_ephemeral, strip_envelope, strip_ephemeral
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -167,13 +167,13 @@ def canonical_message(m: dict[str, Any]) -> bytes:
     return json.dumps(canon, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
-def _attribution_canonical(m: dict[str, Any]) -> bytes:
+def attribution_canonical(m: dict[str, Any]) -> bytes:
     """One message as it counts for attribution keys (see :func:`attribution_keys`); ``b""``: not at all."""
     role = m["role"]
     if role == "system" or is_ephemeral(m):
         return b""
-    if role == "assistant":
-        return canonical_message(m)
+    if role == "assistant":  # OpenClaw drops an envelope header a reply starts with from its copy
+        return canonical_message({**m, "content": strip_envelope(m.get("content"))})
     content = strip_ephemeral(m.get("content")) if role == "user" else m.get("content")
     return json.dumps([role, content], ensure_ascii=False).encode() + b"\n"
 
@@ -198,7 +198,7 @@ def _digest(messages: list[dict[str, Any]], canonical: Callable[[dict[str, Any]]
 
 def attribution_keys(messages: list[dict[str, Any]]) -> list[str]:
     """``keys[k]`` = :func:`attribution_key` of ``messages[:k + 1]``, for every k, in one pass."""
-    return _running_keys(messages, _attribution_canonical)
+    return _running_keys(messages, attribution_canonical)
 
 
 def attribution_key(messages: list[dict[str, Any]]) -> str:
@@ -211,12 +211,14 @@ def attribution_key(messages: list[dict[str, Any]]) -> str:
     * ephemeral context (a user message that is only a client's internal block, or such a block inside
       a user message) does not count: the client drops it from the next request's history;
     * tool results count by content and order, not by ``tool_call_id``: clients rewrite call ids
-      (OpenClaw strips ``_``), and assistant tool calls already count without their ids.
+      (OpenClaw strips ``_``), and assistant tool calls already count without their ids;
+    * a reply counts without a leading envelope header (``[Thu 2026-12-03 17:07 UTC] ``): OpenClaw
+      strips it from its copy of the reply (:func:`clawray.client_rules.strip_envelope`).
 
     Prompt ids are spliced only on the exact :func:`conversation_key`: a history that matches here but
     not there is attributed and paired, then rendered afresh.
     """
-    return _digest(messages, _attribution_canonical)
+    return _digest(messages, attribution_canonical)
 
 
 def conversation_keys(messages: list[dict[str, Any]]) -> list[str]:

@@ -19,6 +19,10 @@ a marker that only that client writes, so a request without the markers is untou
 * **Session hint** (:func:`session_hint`): the first user message of an OpenClaw session carries a
   ``Runtime: agent=... | sessionId=ID | ...`` line, kept in every later request and re-attached to the
   summary after a compaction.
+* **Envelope** (:func:`strip_envelope`): OpenClaw stamps what its user types with a leading
+  ``[Thu 2026-12-03 17:07 UTC] `` (a timestamp or channel header in brackets). When a reply starts
+  with such a header (a small model echoing the user's message), OpenClaw strips it from the reply's
+  copy in the next request's history; attribution compares replies without it.
 * **Side requests** (:func:`side_kind`): the pre-compaction *memory flush* (its own session id
   ``internal-...`` and a "Pre-compaction memory flush." prompt) and the *compaction summaries* (the
   summariser's system prompt, no tools). They are served but never trained: they are OpenClaw's
@@ -43,12 +47,33 @@ INTERNAL_SESSION_PREFIX = "internal-"
 
 SIDE_KINDS = ("memory_flush", "compaction_summary")
 
+#: OpenClaw's message envelope (src/shared/chat-envelope.ts, 2026.9.6): a leading ``[header]`` whose
+#: header holds a timestamp (``2026-12-03T17:07Z`` or ``2026-12-03 17:07``) or starts with a channel
+_ENVELOPE = re.compile(r"\[([^\]]+)\]\s*")
+_ENVELOPE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}Z\b|\d{4}-\d{2}-\d{2} \d{2}:\d{2}\b")
+_ENVELOPE_CHANNELS = (
+    "WebChat", "WhatsApp", "Telegram", "Signal", "Slack", "Discord", "Google Chat", "iMessage", "Teams", "Matrix",
+    "Zalo", "Zalo Personal",
+)  # fmt: skip
+
 
 def strip_ephemeral(text: str | None) -> str | None:
     """``text`` without its client-internal context blocks (an unterminated block is kept)."""
     if not text or INTERNAL_CONTEXT[0] not in text:
         return text
     return _BLOCK.sub("", text)
+
+
+def strip_envelope(text: str | None) -> str | None:
+    """``text`` without a leading OpenClaw envelope header (``[Thu 2026-12-03 17:07 UTC] ``); text
+    whose leading brackets hold no timestamp or channel header is returned as it is."""
+    match = _ENVELOPE.match(text) if text else None
+    if match is None:
+        return text
+    header = match.group(1)
+    if _ENVELOPE_TIME.search(header) or any(header.startswith(f"{c} ") for c in _ENVELOPE_CHANNELS):
+        return text[match.end() :]
+    return text
 
 
 def is_ephemeral(message: dict[str, Any]) -> bool:

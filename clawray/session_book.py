@@ -30,7 +30,7 @@ from typing import Any
 
 from clawray.algos.credit_ledger import SessionCredit
 from clawray.algos.rejection import opening
-from clawray.chat import attribution_key, attribution_keys, canonical_message, conversation_key
+from clawray.chat import attribution_canonical, attribution_key, attribution_keys, conversation_key
 from clawray.chat import render_key as chat_render_key
 from clawray.client_rules import conversation_view
 from clawray.types import Turn
@@ -196,9 +196,9 @@ class SessionBook:
             if k is not None and (next_state := conversation_view(messages[k + 1 :])):
                 return Pairing(turn, next_state, len(s.pending) - 1)
         if assistant and (next_state := conversation_view(messages[assistant[-1] + 1 :])):
-            last = canonical_message(messages[assistant[-1]])
+            last = attribution_canonical(messages[assistant[-1]])
             for turn in s.pending:
-                if canonical_message(turn.response_message) == last:
+                if attribution_canonical(turn.response_message) == last:
                     return Pairing(turn, next_state, len(s.pending) - 1, rewritten=True)
         return Pairing(None, [], len(s.pending))
 

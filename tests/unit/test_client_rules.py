@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from clawray.chat import attribution_keys, conversation_keys
-from clawray.client_rules import conversation_view, is_ephemeral, session_hint, side_kind, strip_ephemeral
+from clawray.client_rules import (
+    conversation_view,
+    is_ephemeral,
+    session_hint,
+    side_kind,
+    strip_envelope,
+    strip_ephemeral,
+)
 from clawray.serve.protocol import parse_chat_request
 from clawray.session_book import AUTO_SESSION_PREFIX, SessionBook
 from clawray.types import Turn
@@ -190,3 +197,20 @@ def test_attribution_ignores_system_prompts_ephemeral_blocks_and_tool_call_ids_b
     t2 = [u, a, {"role": "tool", "content": "out", "tool_call_id": "call1"}]
     assert attribution_keys(t1) == attribution_keys(t2) and conversation_keys(t1) != conversation_keys(t2)
     assert attribution_keys([u, {"role": "assistant", "content": "other"}])[-1] != base
+
+
+@pytest.mark.parametrize(
+    "text, stripped",
+    [
+        ("[Thu 2026-12-03 17:07 UTC] Write the answer.", "Write the answer."),
+        ("[Wed 2026-12-02T09:15Z]   hi", "hi"),
+        ("[Telegram Alice +2m] hi", "hi"),  # a channel header
+        ("[note] keep this", "[note] keep this"),  # user-authored brackets stay
+        ("7 [Thu 2026-12-03 17:07 UTC] x", "7 [Thu 2026-12-03 17:07 UTC] x"),  # only a leading header
+        ("[Thu 2026-12-03 UTC] no time", "[Thu 2026-12-03 UTC] no time"),
+        ("", ""),
+        (None, None),
+    ],
+)
+def test_strip_envelope_removes_only_openclaws_leading_header(text, stripped):
+    assert strip_envelope(text) == stripped

@@ -96,3 +96,24 @@ def test_promote_best_takes_the_largest_leaning_vote_first_of_equals():
     assert s.promote_best() == ("t1", -1 / 3)
     assert [item for item, _ in s.held] == ["t0", "t2"]
     assert Session().promote_best() is None
+
+
+def test_a_reply_that_starts_with_openclaws_envelope_pairs_with_openclaws_stripped_copy():
+    """Seen through the job (bench/openclaw_turns.py --train): Qwen2.5-Coder-0.5B echoed the user's
+    stamped message, and OpenClaw's next request carried the reply without the stamp. That turn was
+    dropped as a branch; it is the session's turn and gets its next state."""
+    u1 = {"role": "user", "content": "[Thu 2026-12-03 17:07 UTC] Write the answer into answer.txt."}
+    u2 = {"role": "user", "content": "[Thu 2026-12-03 17:07 UTC] What is in answer.txt now?"}
+    book = SessionBook()
+    s = book.open("auto-b", [u1])
+    book.add(s, [turn("auto-b", [u1], "[Thu 2026-12-03 17:07 UTC] Write the answer into answer.txt.")])
+    history = [u1, {"role": "assistant", "content": "Write the answer into answer.txt."}, u2]
+    found = book.find(None, keys_of(history), exact=exact_of(history))
+    assert found["session_id"] == "auto-b" and found["how"] == "inferred"
+    assert found["prev"] is None  # the ids differ from the served reply's: rendered afresh, not spliced
+    p = book.pair(s, history)
+    assert p.chosen is s.pending[0] and p.next_state == [u2] and p.others == 0 and not p.rewritten
+    # a reply whose leading brackets are not an envelope counts as it is
+    book.add(s, [turn("auto-b", history, "[note] see answer.txt")])
+    stripped = [*history, {"role": "assistant", "content": "see answer.txt"}, U2]
+    assert book.pair(s, stripped).chosen is None
