@@ -188,20 +188,26 @@ def _stop_cluster(temp_dir: str, gcs_address: str = "") -> None:
 
 def scripted_engine_class():
     """Stands in for a RolloutEngine: replies with queued token ids (one token per stream item) and
-    remembers every request, so outputs and recorded tokens can be checked exactly."""
+    remembers every request, so outputs and recorded tokens can be checked exactly. ``rules``
+    (``[(needle_ids, (ids, finish))]``) answer any request whose prompt holds ``needle_ids`` as a
+    contiguous run, ahead of the queue and without using it (a client's housekeeping requests)."""
+
+    def holds(prompt, needle):
+        return any(prompt[i : i + len(needle)] == needle for i in range(len(prompt) - len(needle) + 1))
 
     class ScriptedEngine:
         def __init__(self):
-            self.replies, self.requests, self.delay_s = [], [], 0.0
+            self.replies, self.requests, self.delay_s, self.rules = [], [], 0.0, []
 
-        async def script(self, replies, delay_s=0.0):
-            self.replies, self.delay_s = list(replies), delay_s
+        async def script(self, replies, delay_s=0.0, rules=()):
+            self.replies, self.delay_s, self.rules = list(replies), delay_s, list(rules)
 
         async def _next(self, request):
             self.requests.append(request)
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            ids, finish = self.replies.pop(0) if self.replies else ([1], "length")
+            ruled = [reply for needle, reply in self.rules if holds(request.prompt_ids, needle)]
+            ids, finish = ruled[0] if ruled else self.replies.pop(0) if self.replies else ([1], "length")
             if finish == "refuse":  # as RolloutEngine when Backend.add refuses the request
                 from clawray.actors.rollout import EngineRefusedError
 

@@ -3,7 +3,8 @@
 conversation with two tool round trips (read a homework file, write the answer back; the second call
 written without tags, as Qwen2.5-Coder-0.5B writes calls), sent the way
 OpenClaw really sends it (no session header, an internal-context block per request, rewritten
-tool-call ids, 12 tools, a 40k-character system prompt).
+tool-call ids, 12 tools, a 40k-character system prompt), and a compaction before its last turn (a
+memory flush and a summary: OpenClaw's side requests).
 
 The policy is a scripted engine (exact replies, tool calls included; tests/conftest.py): what is
 under test is the wire, the attribution and the pairing, not a model's choices. Skipped, saying
@@ -41,6 +42,10 @@ TURNS = [  # (what the user says, the scripted policy's replies to the requests 
     ),
     ("Thanks!", ["You're welcome."]),
 ]
+# OpenClaw's housekeeping before the last turn, answered by prompt (their number is OpenClaw's choice:
+# a split turn gets a second summary)
+SUMMARY = "## Goal\nSolve the homework.\n## Progress\nRead homework.txt; wrote 15 into answer.txt.\n## Next steps\nNone."
+SIDE_RULES = [(" context summarization assistant", SUMMARY), ("Pre-compaction memory flush", "NO_REPLY")]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +106,11 @@ def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_jud
     tok, tracker = endpoint["tok"], endpoint["tracker"]
     replies = [reply for _, rs in TURNS for reply in rs]
     ids = [(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop") for r in replies]
-    ray.get(endpoint["engine"].script.remote(ids))
+    rules = [
+        (tok.encode(needle, add_special_tokens=False), (tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop"))
+        for needle, r in SIDE_RULES
+    ]
+    ray.get(endpoint["engine"].script.remote(ids, rules=rules))
     workspace = endpoint["tmp"] / "workspace"
     workspace.mkdir()
     (workspace / "homework.txt").write_text("What is 7 + 8?\n")
@@ -116,23 +125,32 @@ def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_jud
         "policy_versions": [3],
     }
     openclaw.write_config(claw, endpoint["url"], "tiny", "x", 131072, 1024, workspace)
-    for message, _ in TURNS:
+    for k, (message, _) in enumerate(TURNS):
+        if k == len(TURNS) - 1:
+            # a context window just above the prompt clawray last reported: OpenClaw flushes its memory
+            # and compacts its history before the last turn, as it does when a conversation nears the window
+            last = ray.get(endpoint["engine"].seen.remote())[-1]
+            openclaw.write_config(claw, endpoint["url"], "tiny", "x", len(last.prompt_ids) + 2000, 1024, workspace)
         argv = claw.command(["agent", "--local", "--session-id", SESSION, "-m", message, "--json", "--timeout", "120"])
         done = subprocess.run(argv, env=claw.environment(), capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-2000:]
     assert (workspace / "answer.txt").read_text() == "15"  # OpenClaw ran the write tool the policy called
     ray.get(tracker.drain.remote(60))
 
-    # every main-line request in one session, named by OpenClaw's own session id
+    # every main-line request in one session, named by OpenClaw's own session id; the memory flush and
+    # the summaries are side turns (recorded in no session, never trained: the next test's samples)
     traffic = httpx.get(endpoint["url"].removesuffix("/v1") + "/health", timeout=30).json()["traffic"]
+    summaries = traffic.get("side/compaction_summary", 0)
+    assert traffic.get("side/memory_flush") == 1 and summaries in (1, 2)
     assert {k: traffic[k] for k in ("requests", "main", "side", "unattributable")} == {
-        "requests": 5,
+        "requests": 5 + 1 + summaries,
         "main": 5,
-        "side": 0,
+        "side": 1 + summaries,
         "unattributable": 0,
     }
-    # every turn but the last paired with its next state and judged
-    assert (traffic["paired"], traffic["judged"]) == (4, 4)
+    # every turn but the last paired with its next state and judged; the last turn before the compaction
+    # with the user's next message in the compacted history
+    assert (traffic["paired"], traffic["judged"], traffic["paired_after_rewrite"]) == (4, 4, 1)
     turns = [json.loads(line) for line in (endpoint["records"] / "turns.jsonl").read_text().splitlines()]
     assert [(t["session_id"], t["turn_index"]) for t in turns] == [(f"auto-{SESSION}", k) for k in range(1, 6)]
     calls = [[c["function"]["name"] for c in t["response_message"].get("tool_calls") or []] for t in turns]
@@ -149,6 +167,8 @@ def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_jud
     # a text reply's next state is the user's next message, without OpenClaw's internal context
     (user,) = judged[2]["next_state"]
     assert user["role"] == "user" and user["content"].endswith("Write the answer into answer.txt.")
+    (user,) = judged[4]["next_state"]  # across the compaction
+    assert user["role"] == "user" and user["content"].endswith("Thanks!")
     assert "OPENCLAW_INTERNAL_CONTEXT" not in json.dumps([j["next_state"] for j in judged.values()])
 
 
