@@ -6,14 +6,16 @@ messages of one session through ``openclaw agent --local``, and prints per turn 
 the whole agent turn (OpenClaw's own work included) and the requests it made, then ``/health``'s
 traffic (served, main, side, unattributable, paired). ``clawray serve`` trains nothing, so nothing is
 judged here. ``--train`` starts the training job instead (``clawray run`` with the job's feedback
-judge, no simulated users, Qwen's CPU LoRA preset and the memory settings that fit 24 GiB: one
-learner, batches of 2): the same conversation is then also judged and trained, and the bench waits up to
-``--train-wait`` seconds after the last turn for the learners to take the queued samples.
+judge or, ``--judge engine``, the frozen policy as PRM judge; no simulated users, Qwen's CPU LoRA
+preset and the memory settings that fit 24 GiB: one learner, batches of ``--batch-size``): the same
+conversation is then also judged and trained, and the bench waits up to ``--train-wait`` seconds
+after the last turn for the learners to take the queued samples.
 
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 3 --no-prefix-caching
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10 --tags-only   # serve.untagged_tool_calls off
     PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10 --lean --train  # judged and trained too
+    PYTHONPATH=. .venv/bin/python bench/openclaw_turns.py --turns 10 --lean --train --judge engine --batch-size 1
 
 It also prints the tool calls the policy made (from the served turns' records) and what OpenClaw
 left in ``answer.txt``.
@@ -76,6 +78,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply OpenClaw asks for")
     p.add_argument("--train", action="store_true", help="run the training job (clawray run), not clawray serve")
     p.add_argument("--train-wait", type=float, default=900.0, help="--train: seconds to wait for the learners")
+    p.add_argument("--batch-size", type=int, default=2, help="--train: samples per update (trainer.batch_size)")
+    p.add_argument(
+        "--judge",
+        choices=("feedback", "engine"),
+        default="feedback",
+        help="--train: the job's judge; engine = the frozen policy as PRM judge on vLLM, one vote (judge.m=1)",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     ns = p.parse_args()
 
@@ -95,12 +104,14 @@ def main() -> int:
                 "env.enabled=false",
                 "eval.enabled=false",
                 "trainer.num_steps=-1",
-                "trainer.batch_size=2",
+                f"trainer.batch_size={ns.batch_size}",
                 "checkpoint.save_at_exit=false",
                 "learner.activation_checkpointing=true",
                 "learner.max_tokens_per_micro_batch=4096",
                 "rollout.kv_cache_gib=1.0",
                 "learner.num_workers=1",  # two ranks and the engine outgrow 24 GiB at the first weight sync
+                f"judge.backend={ns.judge}",
+                *(["judge.engine_backend=vllm", "judge.m=1"] if ns.judge == "engine" else []),
             ]
             if ns.train
             else ["serve", ns.model, "conf/cpu.yaml", "conf/openclaw.yaml"]
@@ -145,14 +156,14 @@ def main() -> int:
             )
         traffic = httpx.get(f"{root}/health", timeout=30).json()["traffic"]
         trained = 0
-        if ns.train:  # the learners take the queued samples in batches of 2
+        if ns.train:  # the learners take the queued samples in batches of --batch-size
             deadline = time.monotonic() + ns.train_wait
             while True:
                 metrics = Path(run_dir) / "metrics.jsonl"
                 rows_m = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
                 trained = sum(m.get("samples", 0) for m in rows_m)
                 traffic = httpx.get(f"{root}/health", timeout=30).json()["traffic"]
-                if traffic["samples"] - trained < 2 or time.monotonic() > deadline:
+                if traffic["samples"] - trained < ns.batch_size or time.monotonic() > deadline:
                     break
                 time.sleep(10)
             print(f"[bench] trained {trained} of {traffic['samples']} samples", flush=True)

@@ -324,6 +324,12 @@ def _add_openclaw_parser(sub) -> None:
         "(a 2.5k-token first request instead of 12k for Qwen2.5-Coder)",
     )
     p.add_argument(
+        "--session-headers",
+        action="store_true",
+        help="load clawray's OpenClaw plugin: every request carries OpenClaw's session id as X-Session-Id "
+        "(without it clawray reads the session from the conversation)",
+    )
+    p.add_argument(
         "--root",
         default=None,
         help="where Node.js, OpenClaw and its isolated home live (default: ~/.cache/clawray/openclaw)",
@@ -357,6 +363,7 @@ def _openclaw(ns) -> int:
             min(ns.max_tokens, window - 1),
             ns.workspace or claw.root / "workspace",
             lean=ns.lean,
+            session_headers=ns.session_headers,
         )
     except ValueError as e:
         print(f"clawray: {e}", file=sys.stderr)

@@ -133,6 +133,9 @@ def install(root: Path | str = DEFAULT_ROOT, npm: str | None = None) -> OpenClaw
 
 #: the tools a lean config keeps: the file and shell work of the seed's homework scenario
 LEAN_TOOLS = ("read", "write", "exec")
+#: clawray's OpenClaw provider plugin (JavaScript, loaded from here through ``plugins.load.paths``): it
+#: sends every request's OpenClaw session id as ``X-Session-Id`` (docs/openclaw.md)
+PLUGIN_DIR = Path(__file__).with_name("openclaw_plugin")
 
 
 def write_config(
@@ -144,6 +147,7 @@ def write_config(
     max_tokens: int,
     workspace: Path | str,
     lean: bool = False,
+    session_headers: bool = False,
 ) -> Path:
     """Write OpenClaw's isolated config: the ``clawray`` provider (OpenAI chat completions at
     ``base_url``, e.g. ``http://127.0.0.1:8000/v1``) serving ``model`` with ``context_window``
@@ -154,6 +158,12 @@ def write_config(
     config-agents/workspace-and-bootstrap, config-tools/tool-policy): no bootstrap files written or
     injected (``skipBootstrap``, ``contextInjection: never``), no skills, and only the tools
     :data:`LEAN_TOOLS` with their schemas sent directly (``tools.allow``, ``toolSearch: false``).
+
+    ``session_headers``: load clawray's provider plugin (:data:`PLUGIN_DIR`), which sends each
+    request's OpenClaw session id as ``X-Session-Id`` through OpenClaw's plugin hook
+    ``resolveTransportTurnState``; without it clawray reads the session from the conversation. Not
+    put in ``plugins.allow``: that list is exclusive and would unload OpenClaw's bundled plugins
+    (memory among them), so OpenClaw warns once per run that it cannot verify the plugin's origin.
 
     Raises:
         ValueError: ``context_window`` below :data:`MIN_CONTEXT_WINDOW` (OpenClaw refuses it) or
@@ -193,6 +203,8 @@ def write_config(
     if lean:
         config["agents"]["defaults"].update(skipBootstrap=True, contextInjection="never", skills=[])
         config["tools"] = {"allow": list(LEAN_TOOLS), "toolSearch": False}
+    if session_headers:
+        config["plugins"] = {"load": {"paths": [str(PLUGIN_DIR)]}}
     claw.home.mkdir(parents=True, exist_ok=True, mode=0o700)
     Path(workspace).mkdir(parents=True, exist_ok=True)
     fd = os.open(claw.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

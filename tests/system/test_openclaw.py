@@ -44,7 +44,9 @@ TURNS = [  # (what the user says, the scripted policy's replies to the requests 
 ]
 # OpenClaw's housekeeping before the last turn, answered by prompt (their number is OpenClaw's choice:
 # a split turn gets a second summary)
-SUMMARY = "## Goal\nSolve the homework.\n## Progress\nRead homework.txt; wrote 15 into answer.txt.\n## Next steps\nNone."
+SUMMARY = (
+    "## Goal\nSolve the homework.\n## Progress\nRead homework.txt; wrote 15 into answer.txt.\n## Next steps\nNone."
+)
 SIDE_RULES = [(" context summarization assistant", SUMMARY), ("Pre-compaction memory flush", "NO_REPLY")]
 
 
@@ -107,7 +109,10 @@ def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_jud
     replies = [reply for _, rs in TURNS for reply in rs]
     ids = [(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop") for r in replies]
     rules = [
-        (tok.encode(needle, add_special_tokens=False), (tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop"))
+        (
+            tok.encode(needle, add_special_tokens=False),
+            (tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop"),
+        )
         for needle, r in SIDE_RULES
     ]
     ray.get(endpoint["engine"].script.remote(ids, rules=rules))
@@ -207,3 +212,48 @@ def test_the_conversations_samples_train_on_the_learner(claw, endpoint):
     assert m["inv/effective_token_rate"] == 1.0 and m["skipped"] == 0.0 and m["grad_norm"] > 0
     # advantage +1 on every token and no ratio above 1 + eps: the PPO loss is minus the mean ratio
     assert m["inv/ratio_max"] < 1.2 and m["loss"] == pytest.approx(-m["inv/ratio_mean"], rel=1e-5)
+
+
+def test_with_clawrays_plugin_openclaw_names_its_session_in_a_header(claw, endpoint):
+    """``write_config(session_headers=True)`` loads clawray's OpenClaw plugin: every request carries
+    OpenClaw's session id as ``X-Session-Id``, so the turns are recorded under that exact id (the
+    conversation's ``sessionId=`` hint would give ``auto-ID``); a compaction before the second turn
+    still pairs the first turn with the user's next message, and its housekeeping stays side."""
+    tok, tracker = endpoint["tok"], endpoint["tracker"]
+    session = f"hdr-{uuid.uuid4().hex[:8]}"
+    script = ['<tool_call>\n{"name": "read", "arguments": {"path": "homework.txt"}}\n</tool_call>', "15.", "Bye."]
+    ids = [(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop") for r in script]
+    rules = [
+        (
+            tok.encode(n, add_special_tokens=False),
+            (tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop"),
+        )
+        for n, r in SIDE_RULES
+    ]
+    ray.get(endpoint["engine"].script.remote(ids, rules=rules))
+    workspace = endpoint["tmp"] / "workspace-hdr"
+    workspace.mkdir()
+    (workspace / "homework.txt").write_text("What is 7 + 8?\n")
+    health = endpoint["url"].removesuffix("/v1") + "/health"
+    before = httpx.get(health, timeout=30).json()["traffic"]
+    for k, message in enumerate(["Read homework.txt and solve it.", "Good, thanks."]):
+        window = 131072 if k == 0 else len(ray.get(endpoint["engine"].seen.remote())[-1].prompt_ids) + 2000
+        openclaw.write_config(claw, endpoint["url"], "tiny", "x", window, 1024, workspace, session_headers=True)
+        argv = claw.command(["agent", "--local", "--session-id", session, "-m", message, "--json", "--timeout", "120"])
+        done = subprocess.run(argv, env=claw.environment(), capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+    ray.get(tracker.drain.remote(60))
+    after = httpx.get(health, timeout=30).json()["traffic"]
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("requests", "main", "side", "unattributable", "paired")}
+    summaries = after.get("side/compaction_summary", 0) - before.get("side/compaction_summary", 0)
+    assert summaries >= 1
+    assert delta == {"requests": 3 + delta["side"], "main": 3, "side": delta["side"], "unattributable": 0, "paired": 2}
+    turns = [json.loads(line) for line in (endpoint["records"] / "turns.jsonl").read_text().splitlines()]
+    assert [(t["session_id"], t["turn_index"]) for t in turns if session in t["session_id"]] == [
+        (session, 1),
+        (session, 2),
+        (session, 3),
+    ]
+    judged = [json.loads(line) for line in (endpoint["records"] / "judgments.jsonl").read_text().splitlines()]
+    (last,) = [j for j in judged if j["session_id"] == session and j["turn"] == 2]
+    assert [(m["role"], m["content"].endswith("Good, thanks.")) for m in last["next_state"]] == [("user", True)]

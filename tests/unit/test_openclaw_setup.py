@@ -68,6 +68,30 @@ def test_a_lean_config_keeps_three_tools_and_no_bootstrap_files_or_skills(tmp_pa
     assert json.loads(path.read_text())["tools"] == config["tools"]
 
 
+def test_session_headers_load_clawrays_plugin_without_an_exclusive_allow_list(tmp_path, monkeypatch):
+    """The plugin folder holds OpenClaw's manifest (its id, the clawray provider) and the entry the
+    package names; no ``plugins.allow`` (exclusive: it would unload OpenClaw's bundled plugins)."""
+    claw = openclaw.OpenClaw(tmp_path, tmp_path / "node", tmp_path / "openclaw.mjs")
+    path = openclaw.write_config(claw, "http://h:1/v1", "m", "k", 32768, 64, tmp_path / "ws", session_headers=True)
+    config = json.loads(path.read_text())
+    assert config["plugins"] == {"load": {"paths": [str(openclaw.PLUGIN_DIR)]}}
+    manifest = json.loads((openclaw.PLUGIN_DIR / "openclaw.plugin.json").read_text())
+    package = json.loads((openclaw.PLUGIN_DIR / "package.json").read_text())
+    assert (manifest["id"], manifest["providers"]) == ("clawray-session", [openclaw.PROVIDER])
+    (entry,) = package["openclaw"]["extensions"]
+    source = (openclaw.PLUGIN_DIR / entry).read_text()
+    assert 'id: "clawray-session"' in source and '"X-Session-Id": ctx.sessionId' in source
+    assert "plugins" not in json.loads(
+        openclaw.write_config(claw, "http://h:1/v1", "m", "k", 32768, 64, tmp_path / "ws").read_text()
+    )
+    path.unlink()
+    monkeypatch.setattr(openclaw, "install", lambda root: claw)  # `clawray openclaw --session-headers`
+    assert (
+        main(["openclaw", "--url", "http://127.0.0.1:9/v1", "--model", "m", "--api-key", "k", "--session-headers"]) == 0
+    )
+    assert json.loads(path.read_text())["plugins"] == config["plugins"]
+
+
 @pytest.mark.parametrize("window, max_tokens", [(3999, 1000), (8192, 8192), (8192, 0)])
 def test_write_config_refuses_a_window_openclaw_refuses_or_a_reply_budget_that_does_not_fit(
     tmp_path, window, max_tokens
