@@ -25,8 +25,11 @@ Tool results (``role: tool``), first match wins:
 User messages (``role: user``): after removing negated complaints ("nothing wrong", "no errors",
 "not a mistake"), a complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right",
 "not what I asked", "doesn't work", "try again", "no markdown", an error or traceback) is
-negative; else praise (thumbs up, correct, right, thanks, great, perfect, "well done", "works")
-is positive; else no signal. "no thanks" is not praise.
+negative; else praise (thumbs up, correct, right, thanks, great, perfect, excellent, "well done",
+"it works") is positive; else no signal. Praise is read as an evaluation only: in a statement (not a
+question), outside conditions and checks ("tell me if it works", "make sure it is correct"), at the
+start of a clause ("Thanks!", "Correct, ...", "..., perfect.") or as a predicate ("that's right",
+"it works"). "Say thanks in one word", "the correct answer", "turn right", "no thanks" are not praise.
 
 The state's score: -1 if any message is negative; else +1 if any is positive; else None (no
 signal: an invalid vote, the feedback judge cannot tell).
@@ -74,11 +77,31 @@ _COMPLAINT = re.compile(
     re.IGNORECASE,
 )
 _NOT_PRAISE = re.compile(r"\bno,? thanks?\b|\bno,? thank you\b", re.IGNORECASE)
+# praise is an evaluation of the reply, not a word in a request: it is read in statements only (a
+# sentence ending in "?" is a question), outside conditions and checks ("tell me if it works", "make
+# sure it is correct"), and only where it evaluates: at the start of a clause ("Thanks!", "Correct,
+# ...", "..., perfect.") or as a predicate ("that's right", "it works"); "say thanks", "the correct
+# answer", "turn right" are no signal
+_SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
+_CONDITION = re.compile(r"\b(?:if|whether|unless|until|once|make sure|ensure|check|verify)\b[^.!?\n,;]*", re.IGNORECASE)
+_PRAISE_WORD = r"(?:correct|right|thanks?|thank you|great|perfect|well done|excellent)\b"
 _PRAISE = re.compile(
-    r"👍|\bthumbs?[ -]?up\b|\bcorrect\b|\bright\b|\bthanks?\b|\bthank you\b|\bgreat\b|\bperfect\b"
-    r"|\bwell done\b|\b(?:it|that|this) works?\b|\bworks now\b|\bworked\b",
+    r"👍|\bthumbs?[ -]?up\b"
+    rf"|(?:^|[,;:\]]|\s[-–—])\W*(?:(?:ok(?:ay)?|yes|yeah|yep|oh|wow|good|nice|very|all|so|and)\W+)*{_PRAISE_WORD}"
+    r"|\b(?:'s|'re|is|are|was|looks?|seems?|sounds?)\s+(?:\w+\s+)?(?:correct|right|great|perfect)\b"
+    r"|\b(?:it|that|this) (?:works?|worked)\b|\bworks now\b",
     re.IGNORECASE,
 )
+
+
+def _praises(text: str) -> bool:
+    """Whether a user's text praises the reply (the rules above ``_SENTENCE``)."""
+    for sentence in _SENTENCE.findall(_NOT_PRAISE.sub(" ", text)):
+        if sentence.rstrip().endswith("?"):
+            continue
+        if _PRAISE.search(_CONDITION.sub(" ", sentence).strip()):
+            return True
+    return False
 
 
 def message_text(content: Any) -> str:
@@ -141,7 +164,7 @@ def user_text_sign(content: Any) -> int | None:
     text = _NEGATED_COMPLAINT.sub(" ", message_text(content))
     if _COMPLAINT.search(text):
         return -1
-    return 1 if _PRAISE.search(_NOT_PRAISE.sub(" ", text)) else None
+    return 1 if _praises(text) else None
 
 
 def feedback_score(next_state: list[dict[str, Any]]) -> int | None:

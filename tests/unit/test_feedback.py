@@ -82,6 +82,25 @@ USER_TEXTS = [
     ("I get an error when I run it", -1),
     ("thumbs down", -1),
     ("No thanks.", None),  # a decline, not praise
+    ("Right, now add 9 + 6.", 1),
+    ("That's right.", 1),
+    ("The answer looks correct to me.", 1),
+    ("It worked!", 1),
+    ("ok thanks, now the next one", 1),
+    ("[Fri 2026-12-04 00:10 UTC] Correct!", 1),  # OpenClaw's envelope before the praise
+    # praise words in requests, questions, conditions and plain use are no signal (a bag of words read
+    # "Say thanks in one word." as thanks: a +1 trained in bench/openclaw_turns.py --train)
+    ("Say thanks in one word.", None),
+    ("[Fri 2026-12-04 00:10 UTC] Say thanks in one word.", None),
+    ("Is this right?", None),
+    ("Does it work now?", None),
+    ("Write the correct answer into answer.txt.", None),
+    ("Make sure the output is correct.", None),
+    ("Tell me if it works.", None),
+    ("Turn right at the corner in the story.", None),
+    ("Print great if the test passes.", None),
+    ("Write a great poem.", None),
+    ("I worked on it yesterday.", None),
     ("What about the weather tomorrow?", None),
     ("ok", None),
 ]
