@@ -104,18 +104,21 @@ def endpoint(ray_cluster, tiny_model, tmp_path_factory):
     serve.delete("openclaw")
 
 
+def _script(endpoint, replies):
+    """The scripted engine answers main-line requests with ``replies`` in order, and OpenClaw's
+    housekeeping requests by :data:`SIDE_RULES` (each reply ends with the end-of-sequence id)."""
+    tok = endpoint["tok"]
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    rules = [(ids(needle), (ids(r) + [tok.eos_token_id], "stop")) for needle, r in SIDE_RULES]
+    ray.get(endpoint["engine"].script.remote([(ids(r) + [tok.eos_token_id], "stop") for r in replies], rules=rules))
+
+
 def test_a_real_openclaw_conversation_with_tool_calls_is_recorded_paired_and_judged(claw, endpoint):
-    tok, tracker = endpoint["tok"], endpoint["tracker"]
-    replies = [reply for _, rs in TURNS for reply in rs]
-    ids = [(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop") for r in replies]
-    rules = [
-        (
-            tok.encode(needle, add_special_tokens=False),
-            (tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop"),
-        )
-        for needle, r in SIDE_RULES
-    ]
-    ray.get(endpoint["engine"].script.remote(ids, rules=rules))
+    tracker = endpoint["tracker"]
+    _script(endpoint, [reply for _, rs in TURNS for reply in rs])
     workspace = endpoint["tmp"] / "workspace"
     workspace.mkdir()
     (workspace / "homework.txt").write_text("What is 7 + 8?\n")
@@ -219,18 +222,11 @@ def test_with_clawrays_plugin_openclaw_names_its_session_in_a_header(claw, endpo
     OpenClaw's session id as ``X-Session-Id``, so the turns are recorded under that exact id (the
     conversation's ``sessionId=`` hint would give ``auto-ID``); a compaction before the second turn
     still pairs the first turn with the user's next message, and its housekeeping stays side."""
-    tok, tracker = endpoint["tok"], endpoint["tracker"]
+    tracker = endpoint["tracker"]
     session = f"hdr-{uuid.uuid4().hex[:8]}"
-    script = ['<tool_call>\n{"name": "read", "arguments": {"path": "homework.txt"}}\n</tool_call>', "15.", "Bye."]
-    ids = [(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop") for r in script]
-    rules = [
-        (
-            tok.encode(n, add_special_tokens=False),
-            (tok.encode(r, add_special_tokens=False) + [tok.eos_token_id], "stop"),
-        )
-        for n, r in SIDE_RULES
-    ]
-    ray.get(endpoint["engine"].script.remote(ids, rules=rules))
+    _script(
+        endpoint, ['<tool_call>\n{"name": "read", "arguments": {"path": "homework.txt"}}\n</tool_call>', "15.", "Bye."]
+    )
     workspace = endpoint["tmp"] / "workspace-hdr"
     workspace.mkdir()
     (workspace / "homework.txt").write_text("What is 7 + 8?\n")
