@@ -18,18 +18,25 @@ Tool results (``role: tool``), first match wins:
 2. **Exit code in text** ("exit code 1", "exited with code 0", "Exit status: 2"): non-zero is a
    failure, zero a success.
 3. **Text**: after removing negated or zero-count mentions ("no errors", "0 failed", "errors: 0",
-   "error: null", "without error"), a failure word (error, exception, traceback, failed, failure,
-   fatal, panic, "command not found", "no such file", "permission denied") is a failure; any
-   other tool result is a success.
+   "error: null", "without error"), a program's failure output is a failure: a line that starts
+   with a failure label ("error: ...", "ValueError: ...", "fatal:", "[ERROR]", "FAILED ...", "npm
+   ERR!", "Build failed", "Failed to ..."), a non-zero failure count ("2 failed", "1 error"), a
+   traceback, "command not found", "no such file or directory", "permission denied", "segmentation
+   fault", "command timed out". Any other tool result is a success: a text that only mentions
+   failures (a file a ``read`` tool returns, "Find the error in this sum") reports none.
 
-User messages (``role: user``): after removing negated complaints ("nothing wrong", "no errors",
-"not a mistake"), a complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right",
-"not what I asked", "doesn't work", "try again", "no markdown", an error or traceback) is
-negative; else praise (thumbs up, correct, right, thanks, great, perfect, excellent, "well done",
-"it works") is positive; else no signal. Praise is read as an evaluation only: in a statement (not a
-question), outside conditions and checks ("tell me if it works", "make sure it is correct"), at the
-start of a clause ("Thanks!", "Correct, ...", "..., perfect.") or as a predicate ("that's right",
-"it works"). "Say thanks in one word", "the correct answer", "turn right", "no thanks" are not praise.
+User messages (``role: user``): pasted failure output (rule 3) is a complaint. Else, sentence by
+sentence with conditions and checks removed ("tell me if it works", "check the log for errors"), a
+complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right", "not what I asked", "doesn't
+work", "try again", "no markdown", an error, exception or traceback) is negative, except a negated or
+mended fault ("nothing wrong", "not a mistake", "you fixed the error") and fault words inside a fresh
+request ("Add error handling", "Write a function that raises an error", "List common mistakes"); a
+request that points at a fault that is there ("Catch the exception", "write it again without the
+mistake") complains. Else praise (thumbs up, correct, right, thanks, great, perfect, excellent,
+"well done", "it works") is positive; else no signal. Praise is read as an evaluation only: in a
+statement (not a question), outside conditions and checks, at the start of a clause ("Thanks!",
+"Correct, ...", "..., perfect.") or as a predicate ("that's right", "it works"). "Say thanks in one
+word", "the correct answer", "turn right", "no thanks" are not praise.
 
 The state's score: -1 if any message is negative; else +1 if any is positive; else None (no
 signal: an invalid vote, the feedback judge cannot tell).
@@ -58,14 +65,38 @@ _NEGATED_FAILURE = re.compile(
     rf"|\"?{_FAILURE_WORD}\"?\s*:\s*(?:\[\]|\{{\}}|\"\")",
     re.IGNORECASE,
 )
-_TOOL_FAILURE = re.compile(
-    rf"(?<![/\\._-])\b{_FAILURE_WORD}\b(?![._/-]\w)|command not found|no such file|permission denied|segmentation fault",
-    re.IGNORECASE,
+# what a program prints when it fails, as opposed to a text that mentions failures (a file a `read`
+# tool returns, a search hit): a line that starts with a failure label ("error: ...", "ValueError: ...",
+# "npm ERR!", "error[E0308]:", "[ERROR]", "FAILED tests/...", "E   AssertionError", "Build failed"), a
+# non-zero failure count ("2 failed", "1 error generated"), a traceback or a system message
+_FAILURE_OUTPUT = re.compile(
+    r"^[ \t]*(?:E[ \t]+)?(?:[\w.\-/\[\]]+:[ \t]*){0,3}"
+    r"(?:\[(?:errors?|fatal)\]|(?:errors?|fatal|panic|exception|traceback)[ \t]*(?::|!|\[|\(|$)|\w*(?:error|exception)[ \t]*:|(?:\w+[ \t]+)?failed\b)"
+    r"|\b[1-9]\d*[ \t]+(?:failed|failures?|errors?)\b|traceback \(most recent call last\)"
+    r"|\bnpm ERR!|command not found|no such file or directory|permission denied|segmentation fault|core dumped"
+    r"|\b(?:command|request|operation|connection) timed out\b",
+    re.IGNORECASE | re.MULTILINE,
 )
+_FAILURE_LEVEL = re.compile(r"^[ \t]*(?:FAILED|ERROR|FATAL)\b", re.MULTILINE)  # log levels and test summaries
 
+
+def _failure_output(text: str) -> bool:
+    """Whether a text holds a program's failure output (``_FAILURE_OUTPUT``), negations removed."""
+    text = _NEGATED_FAILURE.sub(" ", text)
+    return bool(_FAILURE_OUTPUT.search(text) or _FAILURE_LEVEL.search(text))
+
+
+# user text is read by sentence; conditions and checks ("tell me if it works", "make sure it is correct",
+# "check the log for errors") hold no evaluation and are removed before reading
+_SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
+_CONDITION = re.compile(r"\b(?:if|whether|unless|until|once|make sure|ensure|check|verify)\b[^.!?\n,;]*", re.IGNORECASE)
 _NEGATED_COMPLAINT = re.compile(
     r"\b(?:nothing|not|no|never|isn't|wasn't|aren't|weren't)\s+(?:\w+\s+)?"
-    r"(?:wrong|incorrect|a mistake|mistakes?|errors?|broken|problems?)\b",
+    r"(?:wrong|incorrect|a mistake|mistakes?|errors?|broken|problems?)\b"
+    # a fault that is gone is no complaint: "you fixed the error", "the bug is gone"
+    r"|\b(?:fixed|solved|resolved|got rid of)\s+(?:\w+\s+)?(?:errors?|mistakes?|problems?|bugs?|exceptions?)\b"
+    r"|\b(?:errors?|mistakes?|problems?|bugs?|exceptions?)\s+(?:(?:is|are|was|were|has been|have been|seems?)\s+)?"
+    r"(?:gone|fixed|resolved|solved)\b",
     re.IGNORECASE,
 )
 _COMPLAINT = re.compile(
@@ -73,17 +104,53 @@ _COMPLAINT = re.compile(
     r"|\b(?:not|isn't|wasn't|hardly)\s+(?:\w+\s+)?(?:correct|right|good|great|helpful|perfect)\b|\bthat's not it\b"
     r"|\bnot what I (?:asked|wanted|meant|said)\b|\b(?:doesn't|does not|didn't|did not|still doesn't) work\b"
     r"|\bno markdown\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
-    r"|\berrors?\b|\btraceback\b",
+    r"|\b(?:errors?|exceptions?)\b|\btraceback\b",
     re.IGNORECASE,
 )
+# a complaint is an evaluation of the reply too: words of a fault inside a fresh request ("Add error
+# handling", "Write a function that raises an error", "List common mistakes"), a condition or a check
+# ("Check the log for errors", "tell me if anything is wrong") are no signal, unless the request
+# points at a fault that is there ("Catch the exception", "write it again without the mistake")
+_CLAUSE = re.compile(r"[^,;:\]]+")
+_REQUEST = re.compile(
+    r"^\W*(?:(?:please|pls|now|also|then|and|next|so|ok(?:ay)?|can you|could you|would you|will you|let's|let us"
+    r"|i want you to|i'd like you to|go ahead and)\W+)*"
+    r"(?:add|write|create|implement|build|make|generate|design|define|handle|catch|raise|throw|return|print|log"
+    r"|include|draft|compose|translate|refactor|document|test|simulate|emit|list)\b",
+    re.IGNORECASE,
+)
+_REDO = re.compile(r"\b(?:it|this|that|them|everything)\s+again\b|\binstead\b|\bthis time\b", re.IGNORECASE)
+_FAULT_NOUN = r"(?:errors?|exceptions?|mistakes?|bugs?|traceback)"
+_COMPOUND_FAULT = re.compile(
+    r"\b(?:errors?|exceptions?)[ -](?:handl\w*|messages?|codes?|check\w*|cases?|paths?|types?|class(?:es)?"
+    r"|counts?|rates?|pages?|logs?|bars?|states?|values?|responses?|reporting|recovery|safety)\b",
+    re.IGNORECASE,
+)
+_POINTED_FAULT = re.compile(rf"\b(?:the|this|that|your|same|these|those)\s+(?:\w+\s+)?{_FAULT_NOUN}\b", re.IGNORECASE)
+
+
+def _complains(text: str) -> bool:
+    """Whether a user's text complains about the reply (the rules above ``_CLAUSE``); a pasted
+    failure output (``ValueError: ...``, a traceback) is a complaint wherever it stands."""
+    text = _NEGATED_COMPLAINT.sub(" ", text)
+    if _failure_output(text):
+        return True
+    for sentence in _SENTENCE.findall(text):
+        for clause in _CLAUSE.findall(_CONDITION.sub(" ", sentence)):
+            if _REQUEST.search(clause) and not _REDO.search(clause):
+                if _POINTED_FAULT.search(_COMPOUND_FAULT.sub(" ", clause)):
+                    return True
+            elif _COMPLAINT.search(clause):
+                return True
+    return False
+
+
 _NOT_PRAISE = re.compile(r"\bno,? thanks?\b|\bno,? thank you\b", re.IGNORECASE)
 # praise is an evaluation of the reply, not a word in a request: it is read in statements only (a
 # sentence ending in "?" is a question), outside conditions and checks ("tell me if it works", "make
 # sure it is correct"), and only where it evaluates: at the start of a clause ("Thanks!", "Correct,
 # ...", "..., perfect.") or as a predicate ("that's right", "it works"); "say thanks", "the correct
 # answer", "turn right" are no signal
-_SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
-_CONDITION = re.compile(r"\b(?:if|whether|unless|until|once|make sure|ensure|check|verify)\b[^.!?\n,;]*", re.IGNORECASE)
 _PRAISE_WORD = r"(?:correct|right|thanks?|thank you|great|perfect|well done|excellent)\b"
 _PRAISE = re.compile(
     r"👍|\bthumbs?[ -]?up\b"
@@ -95,7 +162,7 @@ _PRAISE = re.compile(
 
 
 def _praises(text: str) -> bool:
-    """Whether a user's text praises the reply (the rules above ``_SENTENCE``)."""
+    """Whether a user's text praises the reply (the rules above ``_PRAISE_WORD``)."""
     for sentence in _SENTENCE.findall(_NOT_PRAISE.sub(" ", text)):
         if sentence.rstrip().endswith("?"):
             continue
@@ -156,15 +223,15 @@ def tool_result_sign(content: Any) -> int:
     codes = [int(c) for c in _EXIT_TEXT.findall(text)]
     if codes:
         return -1 if codes[-1] != 0 else 1
-    return -1 if _TOOL_FAILURE.search(_NEGATED_FAILURE.sub(" ", text)) else 1
+    return -1 if _failure_output(text) else 1
 
 
 def user_text_sign(content: Any) -> int | None:
     """-1 (a complaint), +1 (praise) or None (no signal) of one user message (module docstring)."""
-    text = _NEGATED_COMPLAINT.sub(" ", message_text(content))
-    if _COMPLAINT.search(text):
+    text = message_text(content)
+    if _complains(text):
         return -1
-    return 1 if _praises(text) else None
+    return 1 if _praises(_NEGATED_COMPLAINT.sub(" ", text)) else None
 
 
 def feedback_score(next_state: list[dict[str, Any]]) -> int | None:

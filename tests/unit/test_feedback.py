@@ -5,6 +5,7 @@ same table."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,21 @@ TOOL_RESULTS = [
     ("cat: a.txt: No such file or directory", -1),
     ("open /etc/shadow: permission denied", -1),
     ("Error: no such file", -1),
+    # a text that mentions failures is not a failure: a file a `read` tool returns (OpenClaw's read gives
+    # the file's text), a search hit; a program's failure output is (a label at a line's start, a count)
+    ("Errors are written to stderr; see the logging section.", 1),
+    ("Find the error in this sum: 7 + 8 = 16", 1),
+    ("def handle_error(e):\n    log.error(e)\n    raise", 1),
+    ("The test failed, so we rewrote it.", 1),
+    ("ValueError: invalid literal for int() with base 10: 'x'", -1),
+    ("npm ERR! code E404", -1),
+    ("error[E0308]: mismatched types", -1),
+    ("[ERROR] Build failed", -1),
+    ("FAILED tests/test_a.py::test_x - assert 1 == 2", -1),
+    ("Failed to open 'a.txt'", -1),
+    ("1 error generated.", -1),
+    ("Command timed out.", -1),
+    ("fatal: not a git repository", -1),
 ]
 
 
@@ -103,6 +119,26 @@ USER_TEXTS = [
     ("I worked on it yesterday.", None),
     ("What about the weather tomorrow?", None),
     ("ok", None),
+    # fault words in fresh requests, conditions and checks are no complaint (a bag of words read
+    # "Add error handling to the parser." as a complaint); a request that points at a fault that is
+    # there, a fault that is gone and pasted failure output are read
+    ("Add error handling to the parser.", None),
+    ("[Fri 2026-12-04 00:10 UTC] Add error handling to the parser.", None),
+    ("Write a function that raises an error on bad input.", None),
+    ("Can you add error handling?", None),
+    ("Check the log for errors.", None),
+    ("Tell me if anything is wrong.", None),
+    ("List common mistakes beginners make.", None),
+    ("Write a story where everything goes wrong.", None),
+    ("You fixed the error, thanks!", 1),
+    ("The bug is gone now, perfect.", 1),
+    ("Catch the exception in parse().", -1),
+    ("Now write it again without the mistake.", -1),
+    ("Add error handling, it crashes with an error.", -1),
+    ("Write the correct answer, this one is wrong.", -1),
+    ("Check your answer, it's wrong.", -1),
+    ("Fix the error.", -1),
+    ("TypeError: unsupported operand type(s) for +", -1),
 ]
 
 
@@ -123,3 +159,19 @@ def test_content_parts_and_mixed_states():
     assert feedback_score([{"role": "assistant", "content": "wrong"}]) is None
     assert feedback_score([]) is None
     assert feedback_score(tool(None)) == 1
+
+
+def _doc_cell(content: str) -> str:
+    """A tool result as docs/feedback.md writes it: in backticks, newlines as \\n, '' as (empty)."""
+    return "`" + content.replace("\n", "\\n") + "`" if content else "(empty)"
+
+
+def test_the_docs_table_is_this_table():
+    """docs/feedback.md's table holds exactly these rows, in this order (a row in one and not the other
+    is a claim nobody checks)."""
+    sign = {1: "+1", -1: "-1", None: "none"}
+    want = [f"| tool result | {_doc_cell(c)} | {sign[s]} |" for c, s in TOOL_RESULTS]
+    want += [f"| user | {t} | {sign[s]} |" for t, s in USER_TEXTS]
+    doc = (Path(__file__).parents[2] / "docs" / "feedback.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith(("| tool result |", "| user |"))]
+    assert rows == want
