@@ -213,7 +213,9 @@ class LearnerWorker:
         )
         torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # on CUDA, NCCL for the model's tensors and gloo for the CPU tensors the step all-reduces
+        # (its counts, the non-finite flag, the metric sums): a group of NCCL alone refuses CPU tensors
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=cfg.dist_timeout_s)
         use_node_gloo(master_host)
         self.master_address = (master_host, master_port)
