@@ -78,6 +78,8 @@ class RunActors:
         weight-sync group; an actor already gone is skipped, the rest are still released."""
         import ray
 
+        from clawray.weight_sync import shm
+
         # the learner ranks are the group's to release (with their placement group)
         others = {a._actor_id.hex(): a for a, _, kind in self._named() if kind != "learner"}
         for actor in others.values():
@@ -89,3 +91,4 @@ class RunActors:
             self.learners.shutdown()
         if self.weight_sync is not None:
             self.weight_sync.close()
+        shm.sweep()  # ipc buffers of senders that died before they could remove them

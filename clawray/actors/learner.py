@@ -753,6 +753,16 @@ class LearnerWorker:
             self._transport = None
         self._transport = make_transport(spec, 0)
 
+    def release_weight_sender(self) -> int:
+        """Close the weight-sync sender and remove its ipc buffer files (before the rank is killed:
+        :mod:`clawray.weight_sync.shm`); returns how many files were removed."""
+        from clawray.weight_sync import release_buffers
+
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        return release_buffers()
+
     def stage_weights(self, version: int) -> dict:
         """Gather the full weights (every rank, collective) for the sync to ``version`` ahead of it,
         while the engines still serve; rank 0 keeps them for :meth:`sync_weights`, which then only
@@ -1055,7 +1065,13 @@ class LearnerGroup:
                 raise RuntimeError(f"learner rank {rank_of[done[0]]} of {n} failed to start: {_cause(e)}") from e
 
     def shutdown(self) -> None:
-        """Kill the workers and release the placement group (idempotent)."""
+        """Kill the workers and release the placement group (idempotent). Rank 0 first removes its
+        ipc buffer files (5 s at most: a rank stuck in a step is killed with them, and the next
+        sender's :func:`~clawray.weight_sync.shm.sweep` removes them)."""
+        try:
+            ray.get([w.release_weight_sender.remote() for w in self.workers[:1]], timeout=5)
+        except Exception:  # noqa: BLE001 - dead or busy: killed below all the same
+            pass
         for w in self.workers:
             try:
                 ray.kill(w)

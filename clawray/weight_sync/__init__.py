@@ -11,6 +11,7 @@ One file per part, imported in this order (each imports only the ones above it):
   are broadcast from rank 0, packing the next one while the current one is on the wire.
 * ``mailbox.py``: :class:`WeightMailbox`, the Ray actor the two mailbox transports post to.
 * ``object_store.py``: :class:`ObjectStoreTransport`, the naive ``ray.put`` baseline.
+* ``shm.py``: named shared-memory files for ipc on CPU, removed once their creator is gone.
 * ``ipc.py``: :class:`IpcTransport`, same host: handles to the sender's buffers (CUDA IPC or shared
   memory), no copy; the colocated path for one GPU.
 * ``factory.py``: :func:`make_transport` (spec + rank -> one end).
@@ -35,7 +36,7 @@ from clawray.weight_sync.transport import TRANSPORTS, SyncHeader, TransportSpec,
 from clawray.weight_sync.collective import CollectiveTransport
 from clawray.weight_sync.mailbox import WeightMailbox, WeightMailboxActor
 from clawray.weight_sync.object_store import ObjectStoreTransport
-from clawray.weight_sync.ipc import IpcTransport
+from clawray.weight_sync.ipc import IpcTransport, release_buffers
 from clawray.weight_sync.factory import make_transport
 from clawray.weight_sync.controller import WeightSyncController
 
@@ -58,5 +59,6 @@ __all__ = [
     "make_transport",
     "plan_buckets",
     "plan_diff",
+    "release_buffers",
     "plan_digest",
 ]

@@ -11,6 +11,7 @@ sender's buffers.
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Iterator
 
@@ -19,13 +20,22 @@ import torch
 
 from clawray.engines.base import WeightSpec
 from clawray.weight_sync.mailbox import check_state_or_abort, abort_reason
+from clawray.weight_sync import shm
 from clawray.weight_sync.plan import WeightSyncError, numel
 from clawray.weight_sync.transport import ABORT, WITHDRAWN, SyncHeader, WeightTransport, Abort
 
 
 # Buffers of closed ipc senders, by (plan digest, device): the next sender of the same plan in this
 # process takes them over instead of allocating (and sharing) one more copy of the weights.
-_IPC_BUFFERS: dict[tuple[int, str], list[torch.Tensor]] = {}
+_IPC_BUFFERS: dict[tuple[int, str], tuple[list[torch.Tensor], list[bytes]]] = {}
+
+
+def release_buffers() -> int:
+    """Drop the buffers kept for the next sender and remove this process's shared-memory files
+    (:func:`clawray.weight_sync.shm.remove_own`); returns how many files. For a sender about to be
+    stopped: a killed process cannot remove them itself."""
+    _IPC_BUFFERS.clear()
+    return shm.remove_own()
 
 
 class IpcTransport(WeightTransport):
@@ -33,9 +43,7 @@ class IpcTransport(WeightTransport):
 
     The sender packs every bucket into a flat buffer on ``device`` (one buffer per bucket, kept and
     reused for the transport's lifetime: the sender holds one extra packed copy of the plan, in GPU
-    memory on CUDA, in ``/dev/shm`` on CPU), pickles one handle per bucket *per receiver* with
-    torch's multiprocessing reductions (``reduce_tensor``; every handle adds one cross-process
-    reference that the receiver's rebuild consumes, so handles are never shared between receivers)
+    memory on CUDA, in ``/dev/shm`` on CPU), pickles one handle per bucket per receiver (below)
     and posts them with the usual header and plan to a :class:`WeightMailbox`. A receiver checks the
     header and plan first (nothing is opened when they do not match), maps the buffers, yields views
     of them, and acks in :meth:`done` after loading. The sender's :meth:`send` returns when every
@@ -45,15 +53,17 @@ class IpcTransport(WeightTransport):
     Handles by device:
 
     * CUDA: a CUDA IPC memory handle plus torch's IPC reference counter, so a freed buffer is not
-      reused while a receiver still maps it. Every member must be on this host and see the sender's
+      reused while a receiver still maps it (``reduce_tensor``: every handle adds one cross-process
+      reference that the receiver's rebuild consumes, so handles are never shared between receivers). Every member must be on this host and see the sender's
       device (same GPU, e.g. fractional ``num_gpus`` on one device, or P2P-capable devices).
-    * CPU: a named shared-memory file (torch's ``file_system`` sharing strategy, set process-wide
-      in the sender). The default ``file_descriptor`` strategy does not work between Ray actors: it
-      passes the fd through ``multiprocessing``'s resource sharer, which authenticates with the
-      process's ``authkey``; Ray workers are not forked from one another, so each has its own key
-      and the receiver fails with ``AuthenticationError: digest sent was rejected``. Also,
-      Ray's own pickler copies a tensor's storage by value, so the handle must be made with
+      Ray's own pickler copies a tensor's storage by value, so the handle is made with
       ``ForkingPickler`` (torch's registered reductions), not ``ray.put`` of the tensor.
+    * CPU: a named shared-memory file of clawray's own (:mod:`clawray.weight_sync.shm`: removed when
+      the sender's process is gone, however it ended). Neither of torch's CPU strategies works here:
+      ``file_descriptor`` passes the fd through ``multiprocessing``'s resource sharer, which
+      authenticates with the process's ``authkey`` (Ray workers are not forked from one another:
+      ``AuthenticationError: digest sent was rejected``); ``file_system``'s files outlive a sender
+      that Ray stops (the module's docstring).
 
     Args:
         rank: 0 sends, any other rank receives.
@@ -88,14 +98,10 @@ class IpcTransport(WeightTransport):
         self.name = name or f"rank {rank}"
         self.seq = 0
         self._bufs: list[torch.Tensor] = []  # sender: one shared flat buffer per bucket
+        self._shm: list[bytes] = []  # sender on CPU: each buffer's pickled ShmHandle
         self._held: list[torch.Tensor] = []  # receiver: the mapped buffers of the last receive
         self._pending: int | None = None  # receiver: seq of a received sync not yet acked
-        if rank == 0:
-            if self.device.type == "cpu":
-                import torch.multiprocessing as mp
-
-                mp.set_sharing_strategy("file_system")  # see the class docstring
-        else:
+        if rank != 0:
             try:
                 ray.get(mailbox.join.remote(rank, self.name), timeout=timeout_s)
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
@@ -106,13 +112,25 @@ class IpcTransport(WeightTransport):
     # ------------------------------------------------------------------ sender
     def _buffers(self) -> list[torch.Tensor]:
         if not self._bufs:
-            self._bufs = _IPC_BUFFERS.pop((self.digest, str(self.device)), [])
-        if not self._bufs:
+            self._bufs, self._shm = _IPC_BUFFERS.pop((self.digest, str(self.device)), ([], []))
+        if not self._bufs and self.device.type == "cpu":  # allocated in shared memory once
+            shm.sweep()  # first free what senders that Ray stopped left behind
+            made = [shm.create(b.numel, b.dtype) for b in self.buckets]
+            self._bufs = [buf for buf, _ in made]
+            self._shm = [pickle.dumps(handle) for _, handle in made]
+        elif not self._bufs:
             self._bufs = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets]
-            if self.device.type == "cpu":
-                for b in self._bufs:
-                    b.share_memory_()  # allocated in shared memory once; sharing later copies nothing
         return self._bufs
+
+    def _handles(self, bufs: list[torch.Tensor]) -> list[bytes]:
+        """One receiver's handles to ``bufs`` (CUDA: fresh IPC references, one per receiver)."""
+        if self._shm:
+            return self._shm
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's tensor/storage reductions
+
+        return [bytes(ForkingPickler.dumps(buf)) for buf in bufs]
 
     def send(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """See :meth:`WeightTransport.send`. Returns once every receiver acked (loaded or rejected).
@@ -122,10 +140,6 @@ class IpcTransport(WeightTransport):
                 receivers did not ack within ``timeout_s`` seconds (named, e.g. ``rollout-1 (rank 2)``;
                 the sync is withdrawn).
         """
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 - registers torch's tensor/storage reductions
-
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
         self.seq += 1
@@ -142,7 +156,7 @@ class IpcTransport(WeightTransport):
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             torch.cuda.current_stream(self.device).synchronize()  # packed before any receiver reads
         ranks = list(range(1, self.world_size))
-        handles = [[bytes(ForkingPickler.dumps(buf)) for buf in bufs] for _ in ranks]
+        handles = [self._handles(bufs) for _ in ranks]
         ray.get(
             self.mailbox.post.remote(self.seq, vars(self.header(version)), self.meta, handles), timeout=self.timeout_s
         )
@@ -167,7 +181,6 @@ class IpcTransport(WeightTransport):
         """See :meth:`WeightTransport.receive`. The yielded tensors are the sender's buffers (read
         only, valid until :meth:`done`); call :meth:`done` once they are loaded."""
         import importlib
-        import pickle
 
         importlib.import_module("torch.multiprocessing.reductions")  # the handles' rebuild functions
 
@@ -220,5 +233,5 @@ class IpcTransport(WeightTransport):
     def close(self) -> None:
         """Forget the mailbox; a sender hands its buffers to the next sender of the same plan here."""
         if self._bufs:
-            _IPC_BUFFERS[(self.digest, str(self.device))] = self._bufs
-        self._bufs, self._held, self._pending, self.mailbox = [], [], None, None
+            _IPC_BUFFERS[(self.digest, str(self.device))] = (self._bufs, self._shm)
+        self._bufs, self._shm, self._held, self._pending, self.mailbox = [], [], [], None, None

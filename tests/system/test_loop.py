@@ -42,6 +42,11 @@ def driver(ray_cluster, tiny_model, tmp_path_factory):
     d.setup()
     yield d
     d.shutdown()
+    # learner rank 0 removed its ipc buffers (/dev/shm files) before it was killed: nothing is left
+    # in RAM once the run is over (torch's file_system buffers were, one copy of the weights per run)
+    from clawray.weight_sync import shm
+
+    assert [n for n in os.listdir(shm.shm_dir()) if n.startswith(shm.PREFIX)] == []
 
 
 def chat(d, body, headers=None, raw=None):

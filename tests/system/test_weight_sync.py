@@ -293,8 +293,16 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
     """Sender and two receivers in three Ray actors: receivers see the sender's buffers (shared
     memory, no copy) bit-exactly across two syncs (buffers reused); a receiver whose plan differs is
     rejected before any buffer is opened and the sender still completes; a receiver that never
-    takes part makes the sender raise within its timeout naming it, and its late fetch fails."""
+    takes part makes the sender raise within its timeout naming it, and its late fetch fails.
+    The buffers are the sender's own 0600 files in /dev/shm, and when Ray kills the sender (as
+    ``ray.shutdown`` does) the next sweep removes them: torch's ``file_system`` files stayed, one
+    packed copy of the weights in RAM per run."""
+    import os
+    import stat
+
     import ray
+
+    from clawray.weight_sync import shm
 
     from clawray.weight_sync import WeightMailboxActor
 
@@ -307,6 +315,9 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
         def send(self, state, version):
             return self.t.send(state, version)
 
+        def pid(self):
+            return os.getpid()
+
         def receive(self, version):
             from clawray.weight_sync import WeightSyncError
 
@@ -314,7 +325,8 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
                 items = list(self.t.receive(version))
             except WeightSyncError as e:
                 return str(e)
-            shared = all(v.is_shared() for _, v in items)  # views of the sender's shared-memory buffers
+            with open("/proc/self/maps") as f:  # views of the sender's files, mapped: no copy
+                shared = sorted({line.split()[-1] for line in f if shm.PREFIX in line})
             got = {n: v.clone() for n, v in items}
             del items
             self.t.done()
@@ -328,6 +340,7 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
     r1 = peer.options(num_cpus=0.1).remote(1, plan, mailbox, 3.0, "rollout-0")
     r2 = peer.options(num_cpus=0.1).remote(2, wrong, mailbox, 3.0, "rollout-1")
     try:
+        sender_pid = ray.get(sender.pid.remote())
         for version in (3, 4):
             state = make_state(plan, seed=version)
             sent, got1, err2 = ray.get(
@@ -335,7 +348,14 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
             )
             assert sent["bytes"] == (16 + 8 + 64) * 4 + 4 * 2 + 300 * 2
             got, shared = got1
-            assert shared
+            files = sorted(
+                os.path.join(shm.shm_dir(), n)
+                for n in os.listdir(shm.shm_dir())
+                if n.startswith(f"{shm.PREFIX}{sender_pid}-")
+            )
+            assert shared == files and len(files) == 4  # one buffer per 100-byte bucket
+            assert sum(os.path.getsize(f) for f in files) == sent["bytes"]
+            assert {stat.S_IMODE(os.stat(f).st_mode) for f in files} == {0o600}
             assert_exact(got, state)
             assert "rejected before loading" in err2
             assert "dtype (sender != engine): ['c: torch.bfloat16 != torch.float16']" in err2
@@ -351,6 +371,12 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
         assert_exact(ray.get(recv_ref, timeout=30)[0], state)
         late = ray.get(r2.receive.remote(5), timeout=30)
         assert isinstance(late, str) and "the sender withdrew sync #3 to v5" in late
+        ray.kill(sender)  # no atexit runs: the files stay until a sweep sees their creator gone
+        deadline = time.time() + 30
+        while any(os.path.exists(f) for f in files) and time.time() < deadline:
+            assert set(shm.sweep()) <= set(files)
+            time.sleep(0.2)
+        assert not any(os.path.exists(f) for f in files)
     finally:
         for a in (sender, r1, r2, mailbox):
             ray.kill(a)
