@@ -266,6 +266,11 @@ class OPDConfig:
     # "any" positive hint vote (OpenClaw-RL) or a "majority" of valid votes
     accept: str = choice("any", "majority")
     min_hint_chars: int = num(10, ge=0)  # a hint must be longer than this
+    # accepted hints per turn the teacher scores (longest first, duplicates once; 1 = the longest
+    # alone, OpenClaw-RL §4). With K > 1 the teacher term is their per-token mixture, log of the mean
+    # of the K hinted teachers' probabilities (clawray.algos.algorithm.mix_teachers); needs judge.m >= 2
+    # (one judge vote gives one hint) and opd.loss=advantage; costs K teacher forwards per turn
+    max_hints: int = num(1, ge=1, le=16)
     hint_template: str = "\n\n[user's hint / instruction]\n{hint}"
     # where the teacher sees the hint: "user" = appended to the last user message (OpenClaw-RL);
     # "system" = appended to (or as) the system message
@@ -828,6 +833,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
+    _check_hint_mixture(cfg)
     _check_endpoint_teacher(cfg)
     _check_env_data(cfg)
     if cfg.trainer.max_batch_size and cfg.trainer.max_batch_size < cfg.trainer.batch_size:
@@ -861,6 +867,18 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
         raise ConfigError(
             f"opd.topk={opd.topk} exceeds {VLLM_MAX_LOGPROBS}, the most log-probs a vLLM teacher "
             f"returns ({where}=vllm, trainer.algo={cfg.trainer.algo}, opd.loss={opd.loss})"
+        )
+
+
+def _check_hint_mixture(cfg: DictConfig) -> None:
+    """Several hints per turn (``opd.max_hints`` > 1) mix the teachers' log-probs of the sampled
+    tokens; top-k distillation has no such mixture (each hint's top-k holds other ids)."""
+    opd, algorithm = cfg.opd, algorithm_class(cfg.trainer.algo)
+    if opd.max_hints > 1 and algorithm.needs_teacher and algorithm.term(opd.loss) == "topk_kl":
+        raise ConfigError(
+            f"opd.max_hints={opd.max_hints} mixes the hinted teachers' log-probs of the sampled tokens, which "
+            f"top-k distillation does not train (trainer.algo={cfg.trainer.algo}, opd.loss={opd.loss}): "
+            "use opd.max_hints=1 or opd.loss=advantage"
         )
 
 

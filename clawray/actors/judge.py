@@ -260,11 +260,14 @@ class HintResult:
         hint: the accepted hint (longest among accepted votes), or None.
         votes: each vote's ``(decision, hint)``; decision None = invalid vote.
         raw: each vote's raw text.
+        hints: every qualifying hint when the turn's hint is accepted, longest first (equal lengths in
+            vote order), each text once; ``hints[0] == hint``; empty when none is accepted.
     """
 
     hint: str | None
     votes: list[tuple[int | None, str | None]]
     raw: list[str] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
 
 
 def accept_hint(votes: list[tuple[int | None, str | None]], accept: str = "any", min_chars: int = 10) -> HintResult:
@@ -272,7 +275,8 @@ def accept_hint(votes: list[tuple[int | None, str | None]], accept: str = "any",
 
     A vote *qualifies* when its decision is 1 and its hint is longer than ``min_chars`` characters.
     ``any``: accept when at least one vote qualifies (OpenClaw-RL). ``majority``: accept when the
-    qualifying votes are more than half of the valid votes. The longest qualifying hint wins.
+    qualifying votes are more than half of the valid votes. The longest qualifying hint wins; all of
+    them are kept in ``hints`` (for ``opd.max_hints`` > 1).
 
     Raises:
         ValueError: unknown ``accept`` rule.
@@ -282,7 +286,8 @@ def accept_hint(votes: list[tuple[int | None, str | None]], accept: str = "any",
     qualifying = [h for d, h in votes if d == 1 and h is not None and len(h) > min_chars]
     valid = sum(d is not None for d, _ in votes)
     ok = bool(qualifying) and (accept == "any" or 2 * len(qualifying) > valid)
-    return HintResult(hint=max(qualifying, key=len) if ok else None, votes=list(votes))
+    hints = sorted(dict.fromkeys(qualifying), key=len, reverse=True) if ok else []  # a stable sort
+    return HintResult(hint=hints[0] if hints else None, votes=list(votes), hints=hints)
 
 
 @dataclass

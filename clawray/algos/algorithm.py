@@ -48,6 +48,7 @@ class OPDSection(Protocol):
 
     accept: str  # "any" or "majority" of the hint votes
     min_hint_chars: int  # shorter hints are not accepted
+    max_hints: int  # accepted hints the teacher scores per turn (> 1: their mixture, mix_teachers)
     loss: str  # "advantage" or "topk": the term of algorithms whose term depends on it (Algorithm.term)
     topk: int  # k of top-k distillation, asked of the teacher only when the term is topk_kl
     teacher_timeout_s: float  # seconds to wait for the teacher
@@ -131,6 +132,37 @@ class Algorithm:
         """``(w_rl, w_opd)`` of the learner's advantage mix ``w_rl * a + w_opd * (teacher - rollout)``
         given the configured ``opd.w_rl`` / ``opd.w_opd``."""
         return 1.0, w_opd
+
+
+def mix_teachers(logprobs: list[list[float]]) -> list[float]:
+    """The per-token log-probs of the uniform mixture of K hinted teachers.
+
+    ``log((1/K) * sum_k exp(l_k[t]))`` for each response token t: every accepted hint is taken as an
+    equally likely account of what the user wanted, and the teacher is their average distribution
+    (ensemble distillation averages the teachers' probabilities: Hinton, Vinyals & Dean 2015,
+    "Distilling the Knowledge in a Neural Network", §2). A mixture is itself a distribution, and
+    never below the geometric mean of the K (Jensen), so one hint that the sampled token fits keeps
+    its log-prob within ``log K`` of that hint's: OPD's advantage ``teacher - rollout`` is not pushed
+    down by a hint that is silent about the token. K = 1 returns the one teacher's log-probs.
+
+    Args:
+        logprobs: K lists of R teacher log-probs (nats), one per hint, same response tokens.
+
+    Raises:
+        ValueError: no teacher, or lists of different lengths.
+    """
+    import math
+
+    if not logprobs or len({len(lp) for lp in logprobs}) != 1:
+        raise ValueError(f"mix_teachers needs K >= 1 teachers of one length, got lengths {[len(lp) for lp in logprobs]}")
+    if len(logprobs) == 1:
+        return list(logprobs[0])
+    log_k = math.log(len(logprobs))
+    out = []
+    for column in zip(*logprobs):
+        top = max(column)
+        out.append(top + math.log(sum(math.exp(v - top) for v in column)) - log_k)
+    return out
 
 
 REGISTRY: dict[str, type[Algorithm]] = {}
@@ -226,8 +258,10 @@ class OPD(Algorithm):
 
     The hint judge extracts a hint from the next state; the teacher scores the turn's own response
     ids under the hinted prompt: its log-probs (term ``ppo``: ``A_t = teacher - rollout``), or its
-    top-k (term ``topk_kl``, with ``opd.loss: topk``). No accepted hint -> ``no_hint``; a teacher that
-    fails or gives no answer within ``teacher_timeout_s`` (counted ``teacher_errors``) ->
+    top-k (term ``topk_kl``, with ``opd.loss: topk``). With ``opd.max_hints`` K > 1 it scores under
+    each of up to K accepted hints and the teacher is their per-token mixture (:func:`mix_teachers`;
+    a hint whose call fails is left out). No accepted hint -> ``no_hint``; every teacher call failed
+    or gave no answer within ``teacher_timeout_s`` (each counted in ``teacher_errors``) ->
     ``teacher_error``. The samples carry no reward.
 
     Args:
@@ -248,6 +282,7 @@ class OPD(Algorithm):
     def __init__(self, opd: OPDSection):
         self.accept, self.min_hint_chars, self.teacher_timeout_s = opd.accept, opd.min_hint_chars, opd.teacher_timeout_s
         self.topk = opd.topk if self.term(opd.loss) == "topk_kl" else 0
+        self.max_hints = 1 if self.topk else getattr(opd, "max_hints", 1)  # no top-k mixture (the config refuses it)
 
     async def verdict(self, turn: Turn, next_state: list[dict], calls: WorkerCalls, counts: Counter) -> Verdict:
         """Dispatch (OpenClaw-RL §4-5, with the hint and eval votes run concurrently):
@@ -279,25 +314,37 @@ class OPD(Algorithm):
         counts[f"dispatch/{case}"] += 1
         if hint is None and (not combine or score == 0):
             return Verdict(drop="no_signal" if combine else "no_hint", result=results[-1], extra={"hint": None})
-        teacher, topk, failure = None, None, {}
+        teacher, topk, failure, used = None, None, {}, []
         if hint is not None:
-            try:
-                answer = await self._ask_teacher(turn, hint, calls)
-                topk, teacher = (answer, None) if self.topk > 0 else (None, answer)
-            except Exception as e:  # never zeros in place of teacher log-probs
-                counts["teacher_errors"] += 1
+            hints = (getattr(results[0], "hints", None) or [hint])[: self.max_hints]
+            answers = await asyncio.gather(*(self._ask_teacher(turn, h, calls) for h in hints), return_exceptions=True)
+            errors = [a for a in answers if isinstance(a, BaseException)]
+            if errors:
+                counts["teacher_errors"] += len(errors)  # one per failed teacher call
+            used = [h for h, a in zip(hints, answers) if not isinstance(a, BaseException)]
+            answers = [a for a in answers if not isinstance(a, BaseException)]
+            if not answers:  # never zeros in place of teacher log-probs
                 if not (combine and score):  # nothing left to train on: the turn is dropped
                     return Verdict(
-                        drop="teacher_error", note=f"teacher error: {e!r}", result=results[-1], extra={"hint": hint}
+                        drop="teacher_error",
+                        note=f"teacher error: {errors[0]!r}",
+                        result=results[-1],
+                        extra={"hint": hint},
                     )
-                failure = {"teacher_error": repr(e)}  # Combine with a score: the reward term alone
-        sample = Sample.from_turn(
-            turn, reward=float(score) if combine else None, kind=self.name, hint=None if failure else hint
-        )
+                failure = {"teacher_error": repr(errors[0])}  # Combine with a score: the reward term alone
+            elif self.topk > 0:
+                topk = answers[0]
+            else:
+                teacher = mix_teachers([list(a) for a in answers])
+            if len(used) > 1:
+                counts["hint_mixtures"] += 1  # turns whose teacher is a mixture of several hints
+        info = {"hint": used[0] if used else None} | ({"hints": used} if len(used) > 1 else {})
+        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.name, **info)
         sample.teacher_logprobs = teacher
         if topk is not None:
             sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk
-        return Verdict(sample=sample, result=results[-1], extra={"hint": hint, **failure})
+        extra = {"hint": hint} | ({"hints": used} if len(used) > 1 else {})
+        return Verdict(sample=sample, result=results[-1], extra={**extra, **failure})
 
     async def _ask_teacher(self, turn: Turn, hint: str, calls: WorkerCalls) -> Any:
         """The teacher's answer within ``teacher_timeout_s``.

@@ -133,3 +133,72 @@ def test_registry_declares_what_a_run_needs():
     with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
         make_algorithm("ppo")
     assert issubclass(REGISTRY["combine"], Algorithm)
+
+
+def test_accepted_hints_are_kept_longest_first_each_once():
+    from clawray.actors.judge import accept_hint
+
+    votes = [(1, "Use digits only."), (1, "Reply with the number alone."), (-1, None), (1, "Use digits only.")]
+    votes += [(1, "Say the sum only"), (None, None), (1, "short")]
+    r = accept_hint(votes, "any", min_chars=10)
+    assert r.hints == ["Reply with the number alone.", "Use digits only.", "Say the sum only"]  # 28, 16, 16
+    assert r.hint == "Reply with the number alone."
+    assert accept_hint([(1, "Reply with the number alone."), (-1, None), (-1, None)], "majority").hints == []
+
+
+def test_several_hints_train_the_mixture_of_their_teachers():
+    """opd.max_hints = K > 1: the teacher scores under each of the first K accepted hints and the
+    term is log((1/K) sum_k exp(l_k)) per token (mix_teachers), hand-computed here."""
+    import math
+
+    from clawray.algos.algorithm import mix_teachers
+
+    by_hint = {"Reply with the number alone.": [-0.1, -2.0, -3.0], "Use digits only.": [-0.7, -0.2, -3.0]}
+    by_hint["Say the sum only"] = [-5.0, -5.0, -5.0]
+
+    def calls(fail_hint=None):
+        async def hint_fn(turn, next_state, accept, min_chars):
+            hints = list(by_hint)
+            return HintResult(hints[0], [], hints=hints)
+
+        async def teacher_logprobs(turn, h):
+            if h == fail_hint:
+                raise RuntimeError("teacher died")
+            return by_hint[h]
+
+        return WorkerCalls(hint=hint_fn, teacher_logprobs=teacher_logprobs)
+
+    def verdict(algo, **kw):
+        counts = Counter()
+        return asyncio.run(algo.verdict(_turn(), [{"role": "user", "content": "no"}], calls(**kw), counts)), counts
+
+    two = make_algorithm("opd", OPDConfig(max_hints=2))
+    v, counts = verdict(two)
+    want = [math.log((math.exp(-0.1) + math.exp(-0.7)) / 2), math.log((math.exp(-2.0) + math.exp(-0.2)) / 2), -3.0]
+    assert v.sample.teacher_logprobs == pytest.approx(want, abs=1e-12)
+    assert [round(x, 4) for x in want] == [-0.3557, -0.7402, -3.0]  # log(0.70071), log(0.47703)
+    assert v.sample.info == {"hint": "Reply with the number alone.", "hints": list(by_hint)[:2]}
+    assert v.extra == {"hint": "Reply with the number alone.", "hints": list(by_hint)[:2]}
+    assert counts == {"judged": 1, "hints_accepted": 1, "dispatch/hint": 1, "hint_mixtures": 1}
+    # a failed call leaves its hint out: the other one alone is the teacher
+    v, counts = verdict(two, fail_hint="Reply with the number alone.")
+    assert v.sample.teacher_logprobs == [-0.7, -0.2, -3.0] and v.sample.info == {"hint": "Use digits only."}
+    assert counts["teacher_errors"] == 1 and "hint_mixtures" not in counts
+    # K = 1 (the default) is the longest hint alone, as before
+    v, _ = verdict(make_algorithm("opd", OPDConfig()))
+    assert v.sample.teacher_logprobs == [-0.1, -2.0, -3.0] and "hints" not in v.sample.info
+    assert mix_teachers([[-1.0, -2.0]]) == [-1.0, -2.0]
+    assert mix_teachers([[-1.0]] * 3) == pytest.approx([-1.0])  # K equal teachers: that teacher
+    with pytest.raises(ValueError, match=r"lengths \[2, 1\]"):
+        mix_teachers([[-1.0, -2.0], [-1.0]])
+
+
+def test_several_hints_need_the_advantage_term():
+    from clawray.config import ConfigError, load_config
+
+    assert load_config([], ["trainer.algo=opd", "opd.max_hints=4"]).opd.max_hints == 4
+    with pytest.raises(ConfigError, match=r"opd.max_hints=2 mixes .*trainer.algo=opd_topk"):
+        load_config([], ["trainer.algo=opd_topk", "opd.max_hints=2"])
+    with pytest.raises(ConfigError, match=r"opd.max_hints=3 .*opd.loss=topk"):
+        load_config([], ["trainer.algo=combine", "opd.loss=topk", "opd.max_hints=3"])
+    assert make_algorithm("opd", OPDConfig(loss="topk", max_hints=3)).max_hints == 1
