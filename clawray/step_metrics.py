@@ -62,6 +62,7 @@ def judge_metrics(judge_stats: list[dict], teacher_stats: list[dict] | None, tra
         out["timing/teacher_scoring_s"] = sum(t.get("seconds", 0.0) for t in teacher_stats)
         out["teacher/scored"] = sum(t.get("scored", 0) for t in teacher_stats)
         out["teacher/errors"] = tracker_stats.get("teacher_errors", 0)
+        out["teacher/hint_mixtures"] = tracker_stats.get("hint_mixtures", 0)  # turns mixing several hints
     out.update({f"judge/{k}": v for k, v in tracker_stats.items() if k.startswith("dispatch/")})
     return out
 

@@ -154,7 +154,9 @@ def mix_teachers(logprobs: list[list[float]]) -> list[float]:
     import math
 
     if not logprobs or len({len(lp) for lp in logprobs}) != 1:
-        raise ValueError(f"mix_teachers needs K >= 1 teachers of one length, got lengths {[len(lp) for lp in logprobs]}")
+        raise ValueError(
+            f"mix_teachers needs K >= 1 teachers of one length, got lengths {[len(lp) for lp in logprobs]}"
+        )
     if len(logprobs) == 1:
         return list(logprobs[0])
     log_k = math.log(len(logprobs))

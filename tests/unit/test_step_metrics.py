@@ -33,7 +33,9 @@ def test_judge_metrics_hand_computed():
     ]
     teachers = [{"scored": 2, "seconds": 0.5}, {"scored": 1, "seconds": 0.25}]
     out = judge_metrics(
-        judges, teachers, {"dispatch/hint+score": 2, "dispatch/nohint": 1, "samples": 3, "teacher_errors": 1}
+        judges,
+        teachers,
+        {"dispatch/hint+score": 2, "dispatch/nohint": 1, "samples": 3, "teacher_errors": 1, "hint_mixtures": 1},
     )
     assert out == {
         "judge/votes_per_turn": 3.0,
@@ -45,6 +47,7 @@ def test_judge_metrics_hand_computed():
         "timing/teacher_scoring_s": 0.75,
         "teacher/scored": 3,
         "teacher/errors": 1,
+        "teacher/hint_mixtures": 1,
         "judge/dispatch/hint+score": 2,
         "judge/dispatch/nohint": 1,
     }
@@ -58,6 +61,7 @@ def test_judge_metrics_hand_computed():
         "timing/teacher_scoring_s": 0.5,
         "teacher/scored": 2,
         "teacher/errors": 1,
+        "teacher/hint_mixtures": 0,
     }
 
 
