@@ -341,6 +341,9 @@ SUM_METRICS = (
     "mismatch_kl_sum",
     "mismatch_tokens",
     "entropy_sum",
+    "adv_rl_abs_sum",
+    "adv_opd_abs_sum",
+    "opd_tokens",
 )
 """The :class:`LossOutput` metrics that add up over samples (and ranks); ``ratio_max`` takes the max,
 ``token_entropy`` concatenates."""
@@ -425,6 +428,10 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         loss = loss - inp.entropy_coef * aggregate(entropy, mask, **agg)
     with torch.no_grad():
         metrics = _sample_metrics(loss, out, kl_value, adv, mask, logprobs, rollout, entropy, inp.fresh)
+        rl_term = cfg.w_rl * inp.advantage * mask  # the reward term of adv; the rest is the OPD term
+        metrics["adv_rl_abs_sum"] = rl_term.abs().sum().double()
+        metrics["adv_opd_abs_sum"] = ((adv - rl_term) * mask).abs().sum().double()
+        metrics["opd_tokens"] = metrics["tokens"] if has_teacher else torch.zeros((), dtype=torch.float64)
     return LossOutput(loss=loss, metrics=metrics)
 
 
@@ -480,7 +487,10 @@ def batch_loss_metrics(
     ``inv/adv_std`` (token population std), ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``,
     ``inv/is_weight_mean``, ``inv/logprob_mismatch_kl`` (the summed ``mismatch_*`` terms: fresh samples
     and the learner's mismatch probe; nan without any) and
-    ``inv/effective_token_rate``. Means over tokens divide by ``max(tokens, 1)``.
+    ``inv/effective_token_rate``; the two terms of the advantage mix, weights included:
+    ``adv/rl_abs_mean`` (``|w_rl * a|`` per masked token) and ``adv/opd_abs_mean`` (``|w_opd *
+    clip(teacher - rollout)|`` per masked token of the samples with a teacher; nan without any).
+    Means over tokens divide by ``max(tokens, 1)``.
     """
     from clawray.algos.invariants import masked_quantile
 
@@ -506,4 +516,8 @@ def batch_loss_metrics(
             sums["mismatch_kl_sum"] / sums["mismatch_tokens"] if sums["mismatch_tokens"] else math.nan
         ),
         "inv/effective_token_rate": sums["effective_tokens"] / max(sums["response_tokens"], 1.0),
+        "adv/rl_abs_mean": sums.get("adv_rl_abs_sum", 0.0) / tokens,
+        "adv/opd_abs_mean": (
+            sums.get("adv_opd_abs_sum", 0.0) / sums["opd_tokens"] if sums.get("opd_tokens") else math.nan
+        ),
     }

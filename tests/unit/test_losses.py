@@ -277,6 +277,9 @@ def test_sample_loss_hand_computed_and_metrics_by_name():
             "mismatch_tokens": 2.0,
             "entropy_sum": 2 * math.log(4),
             "ratio_max": 1.0,
+            "adv_rl_abs_sum": 4.0,  # the reward term alone: |1 x 2| on 2 tokens
+            "adv_opd_abs_sum": 0.0,
+            "opd_tokens": 0.0,
         }
     )
     assert out.metrics["token_entropy"].tolist() == pytest.approx([math.log(4)] * 2)
@@ -285,6 +288,9 @@ def test_sample_loss_hand_computed_and_metrics_by_name():
     teacher = torch.full((3,), lp + 0.5)
     out = sample_loss(_uniform_inputs(teacher_logprobs=teacher, fresh=False), LossSettings(w_rl=0.5, w_opd=2.0))
     assert out.metrics["adv_sum"].item() == pytest.approx(4.0) and out.metrics["mismatch_tokens"].item() == 0.0
+    # each term's scale, weights included: |0.5 x 2| = 1 and |2 x 0.5| = 1 on each of the 2 masked tokens
+    terms = [out.metrics[k].item() for k in ("adv_rl_abs_sum", "adv_opd_abs_sum", "opd_tokens")]
+    assert terms == pytest.approx([2.0, 2.0, 2.0])
     # KL to a reference 1 nat above: k1 = -1 per token, coefficient 0.1 -> loss -2 - 0.1
     out = sample_loss(
         _uniform_inputs(ref_logprobs=torch.full((3,), lp + 1.0)), LossSettings(kl_coef=0.1, kl_estimator="k1")
@@ -317,6 +323,10 @@ def test_batch_loss_metrics_by_name():
     assert m["loss"] == -2.0 and m["inv/adv_std"] == 1.0 and m["inv/clip_frac"] == 0.25
     assert m["inv/effective_token_rate"] == 0.25 and m["inv/entropy"] == 0.5 and m["inv/entropy_min"] == 0.1
     assert m["inv/entropy_p10"] == pytest.approx(0.13) and math.isnan(m["inv/logprob_mismatch_kl"])
+    assert m["adv/rl_abs_mean"] == 0.0 and math.isnan(m["adv/opd_abs_mean"])  # no sample had a teacher
+    sums.update(adv_rl_abs_sum=2.0, adv_opd_abs_sum=1.5, opd_tokens=3.0)
+    m = batch_loss_metrics(sums, 1.5, torch.tensor([0.1], dtype=torch.float64), world_size=2, num_mini_batches=2)
+    assert (m["adv/rl_abs_mean"], m["adv/opd_abs_mean"]) == (0.5, 0.5)  # 2 / 4 tokens, 1.5 / 3 OPD tokens
 
 
 def test_batch_advantages_guard_and_grpo_groups():
