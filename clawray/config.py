@@ -428,7 +428,8 @@ class SyncConfig:
     # for the weights, else collective; decided again at each group rebuild; the placement line says
     # which) | "collective" (gloo on CPU, NCCL on GPU) | "ipc" (same host only: CUDA IPC handles on
     # GPU, shared-memory files on CPU; the one-GPU colocated path; refused when an engine runs on
-    # another host) | "object_store" (naive baseline)
+    # another host; on CPU its files hold one more copy of the weights in RAM for the whole run: near
+    # the memory limit use collective, as conf/qwen-cpu.yaml does) | "object_store" (naive baseline)
     transport: str = choice("auto", "collective", "ipc", "object_store")
     bucket_mb: int = num(64, ge=1)  # flat bucket size, MiB
     # deadline of one sync and of each collective in it; a failed sync rebuilds the group
