@@ -29,10 +29,13 @@ User messages (``role: user``): pasted failure output (rule 3) is a complaint. E
 sentence with conditions and checks removed ("tell me if it works", "check the log for errors"), a
 complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right", "not what I asked", "doesn't
 work", "try again", "no markdown", an error, exception or traceback) is negative, except a negated or
-mended fault ("nothing wrong", "not a mistake", "you fixed the error") and fault words inside a fresh
-request ("Add error handling", "Write a function that raises an error", "List common mistakes"); a
-request that points at a fault that is there ("Catch the exception", "write it again without the
-mistake") complains. Else praise (thumbs up, correct, right, thanks, great, perfect, excellent,
+mended fault ("nothing wrong", "not a mistake", "you fixed the error", "it no longer throws an
+exception"), a fault word that names a topic ("error messages", "error handling"), and fault
+words inside a fresh request ("Add error handling", "Write a function that raises an error", "List common mistakes") or a question ("How do I
+handle errors?", "What errors can it raise?"); a request or question that points at a fault that is
+there ("Catch the exception", "write it again without the mistake", "What does this error mean?") and
+a fault the user reports seeing ("I get a KeyError", "it throws an exception", "there is still an
+error") complain. Else praise (thumbs up, correct, right, thanks, great, perfect, excellent,
 "well done", "it works") is positive; else no signal. Praise is read as an evaluation only: in a
 statement (not a question), outside conditions and checks, at the start of a clause ("Thanks!",
 "Correct, ...", "..., perfect.") or as a predicate ("that's right", "it works"). "Say thanks in one
@@ -92,7 +95,11 @@ _SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
 _CONDITION = re.compile(r"\b(?:if|whether|unless|until|once|make sure|ensure|check|verify)\b[^.!?\n,;]*", re.IGNORECASE)
 _NEGATED_COMPLAINT = re.compile(
     r"\b(?:nothing|not|no|never|isn't|wasn't|aren't|weren't)\s+(?:\w+\s+)?"
-    r"(?:wrong|incorrect|a mistake|mistakes?|errors?|broken|problems?)\b"
+    r"(?:wrong|incorrect|a mistake|mistakes?|errors?|exceptions?|bugs?|tracebacks?|broken|problems?)\b"
+    # a fault that no longer shows: "it no longer throws an exception", "I don't get any errors now"
+    r"|\b(?:no longer|doesn't|does not|didn't|did not|don't|do not|won't|never)\s+(?:\w+\s+)?"
+    r"(?:throw|raise|give|show|return|print|get|hit|see)s?\s+(?:\w+\s+){0,2}?"
+    r"(?:errors?|exceptions?|mistakes?|bugs?|tracebacks?)\b"
     # a fault that is gone is no complaint: "you fixed the error", "the bug is gone"
     r"|\b(?:fixed|solved|resolved|got rid of)\s+(?:\w+\s+)?(?:errors?|mistakes?|problems?|bugs?|exceptions?)\b"
     r"|\b(?:errors?|mistakes?|problems?|bugs?|exceptions?)\s+(?:(?:is|are|was|were|has been|have been|seems?)\s+)?"
@@ -127,6 +134,33 @@ _COMPOUND_FAULT = re.compile(
     re.IGNORECASE,
 )
 _POINTED_FAULT = re.compile(rf"\b(?:the|this|that|your|same|these|those)\s+(?:\w+\s+)?{_FAULT_NOUN}\b", re.IGNORECASE)
+# a fault the user reports seeing ("I get a KeyError", "it throws an exception", "there was an error
+# message") complains in a statement or a question (in a request it is what to build: "a function
+# that raises an error")
+_REPORTED_FAULT = re.compile(
+    r"\b(?:i|we|it|this|that|you)\s+(?:still\s+|keep\s+|am\s+|are\s+|now\s+)?"
+    r"(?:throws?|threw|throwing|raises?|raised|raising|gives?|gave|giving|shows?|showed|returns?|returned"
+    r"|prints?|printed)\s+(?:\w+\s+){0,2}?"
+    rf"(?:{_FAULT_NOUN}|\w+error|\w+exception)\b"
+    rf"|\bthere (?:is|was|are|were)(?: still)?\s+(?:\w+\s+){{0,2}}?{_FAULT_NOUN}",
+    re.IGNORECASE,
+)
+# seeing one is reported whatever it is called ("I get an error message"); a program's output is read
+# with the topics removed ("it prints the error message" reports none)
+_SEEN_FAULT = re.compile(
+    r"\b(?:i|we|you)\s+(?:still\s+|keep\s+|am\s+|are\s+|now\s+)?"
+    r"(?:get|gets|got|getting|see|sees|saw|seeing|hit|hits|have|had)\s+(?:\w+\s+){0,2}?"
+    rf"(?:{_FAULT_NOUN}|\w+error|\w+exception)\b",
+    re.IGNORECASE,
+)
+# a question about faults is a fresh request too ("How do I handle errors?", "What is the difference
+# between an error and an exception?"), unless it points at one ("What does this error mean?")
+_QUESTION = re.compile(
+    r"^\W*(?:(?:so|and|now|also|then|ok(?:ay)?|but|and now)\W+)*"
+    r"(?:how|what|why|which|when|where|who|whose|is there|are there|can|could|should|would|do|does|is|are)\b",
+    re.IGNORECASE,
+)
+_FAULT_WORDS = re.compile(rf"\b{_FAULT_NOUN}\b", re.IGNORECASE)
 
 
 def _complains(text: str) -> bool:
@@ -136,11 +170,18 @@ def _complains(text: str) -> bool:
     if _failure_output(text):
         return True
     for sentence in _SENTENCE.findall(text):
+        question = sentence.rstrip().endswith("?")
         for clause in _CLAUSE.findall(_CONDITION.sub(" ", sentence)):
+            topic = _COMPOUND_FAULT.sub(" ", clause)  # "error messages", "error handling": a topic
             if _REQUEST.search(clause) and not _REDO.search(clause):
-                if _POINTED_FAULT.search(_COMPOUND_FAULT.sub(" ", clause)):
+                if _POINTED_FAULT.search(topic):  # not "a function that raises an error"
                     return True
-            elif _COMPLAINT.search(clause):
+            elif _SEEN_FAULT.search(clause) or _REPORTED_FAULT.search(topic):
+                return True
+            elif question and _QUESTION.search(clause):
+                if _POINTED_FAULT.search(topic) or _COMPLAINT.search(_FAULT_WORDS.sub(" ", topic)):
+                    return True  # "Why is this wrong?"
+            elif _COMPLAINT.search(topic):
                 return True
     return False
 

@@ -139,6 +139,24 @@ USER_TEXTS = [
     ("Check your answer, it's wrong.", -1),
     ("Fix the error.", -1),
     ("TypeError: unsupported operand type(s) for +", -1),
+    # a fault word naming a topic ("error messages"), a question about faults, and a fault the user
+    # reports seeing ("I get a KeyError") are read as what they are
+    ("The error messages are clearer now, thanks!", 1),
+    ("Perfect. Now what about error handling for the network calls?", 1),
+    ("Thanks, that works. How do I log errors to a file?", 1),
+    ("How do I handle errors in Python?", None),
+    ("What is the difference between an error and an exception?", None),
+    ("What errors can this function raise?", None),
+    ("What does this error mean?", -1),
+    ("Why do I get a KeyError here?", -1),
+    ("It throws an exception on empty input.", -1),
+    ("There is still an error.", -1),
+    ("Why is this wrong?", -1),
+    ("It prints the error message correctly now, thanks.", 1),
+    ("Thanks, it no longer throws an exception.", 1),
+    ("I don't get the error anymore, thanks!", 1),
+    ("No exceptions now, thanks.", 1),
+    ("I get an error message when I run it.", -1),
 ]
 
 
