@@ -369,6 +369,8 @@ def test_the_qwen_opd_preset_probes_its_premise_and_refuses_without_it():
     cfg = load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/opd.yaml", "conf/qwen-cpu.yaml"], [])
     assert (cfg.model.build, cfg.env.name, cfg.trainer.algo) == ("qwen2.5-coder-0.5b", "terse", "opd")
     assert (cfg.opd.premise_check, cfg.opd.premise_prompts, cfg.opd.premise_follow_n) == ("refuse", 16, 4)
+    # what fits 24 GiB: two learner ranks plus ipc's /dev/shm copy were killed at the second sync
+    assert (cfg.learner.num_workers, cfg.sync.transport, cfg.trainer.max_batch_size) == (1, "collective", 8)
     assert load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/combine.yaml"], []).opd.premise_check == "refuse"
     assert load_config(["conf/rl.yaml"], []).opd.premise_check == "warn"  # the library says, never stops
     assert load_config(["conf/rl.yaml"], ["opd.premise_check=none"]).opd.premise_check == "none"
