@@ -1,7 +1,7 @@
 """Named shared-memory buffers for the ipc transport on CPU: created by the sender, mapped by the
 receivers, removed when the sender's process is gone, however it ended.
 
-Owns: the files' names (``clawray-ipc-<creator pid>-<token>-<index>`` in ``/dev/shm``), their mode
+Owns: the files' names (``clawray-ipc-<pid namespace>-<creator pid>-<token>-<index>`` in ``/dev/shm``), their mode
 (0600, created exclusively), their handles and their removal. Must not: know buckets, plans or syncs
 (:class:`~clawray.weight_sync.ipc.IpcTransport` does).
 
@@ -27,8 +27,17 @@ from dataclasses import dataclass
 import torch
 
 PREFIX = "clawray-ipc-"
-_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[0-9a-f]+-\d+$")
+_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-(\d+)-[0-9a-f]+-\d+$")
 _OWN: set[str] = set()  # the files this process created and has not removed
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode; 0 where unknown): a pid means a process only there,
+    and containers that share one /dev/shm may each have their own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def shm_dir() -> str:
@@ -56,7 +65,7 @@ def create(numel: int, dtype: torch.dtype, directory: str | None = None) -> tupl
     """
     directory = directory or shm_dir()
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{len(_OWN)}")
+    path = os.path.join(directory, f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}-{len(_OWN)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         _OWN.add(path)
@@ -124,10 +133,12 @@ def _alive(pid: int) -> bool:
 def sweep(directory: str | None = None) -> list[str]:
     """Remove every ipc buffer file whose creating process is gone; returns the removed paths.
 
-    A file of a live process (this one included) is never touched; a file that disappears meanwhile
-    is skipped. Costs one ``listdir`` and one signal-0 probe per file.
+    A file of a live process (this one included), of another pid namespace or of another user is
+    never touched; a file that disappears meanwhile is skipped. Costs one ``listdir`` and one
+    signal-0 probe per file.
     """
     directory = directory or shm_dir()
+    namespace = _pid_namespace()
     try:
         names = os.listdir(directory)
     except OSError:
@@ -135,7 +146,7 @@ def sweep(directory: str | None = None) -> list[str]:
     removed = []
     for name in names:
         m = _NAME.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or int(m.group(1)) != namespace or _alive(int(m.group(2))):
             continue
         path = os.path.join(directory, name)
         try:

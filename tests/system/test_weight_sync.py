@@ -351,7 +351,7 @@ def test_ipc_transport_shares_buffers_bit_exactly_rejects_mismatch_and_names_a_m
             files = sorted(
                 os.path.join(shm.shm_dir(), n)
                 for n in os.listdir(shm.shm_dir())
-                if n.startswith(f"{shm.PREFIX}{sender_pid}-")
+                if n.startswith(f"{shm.PREFIX}{os.stat('/proc/self/ns/pid').st_ino}-{sender_pid}-")
             )
             assert shared == files and len(files) == 4  # one buffer per 100-byte bucket
             assert sum(os.path.getsize(f) for f in files) == sent["bytes"]

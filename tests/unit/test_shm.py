@@ -21,7 +21,7 @@ def test_a_buffer_is_a_private_file_another_process_maps_and_writes_through(tmp_
     flat, handle = shm.create(6, torch.bfloat16, directory=str(tmp_path))
     try:
         (name,) = _files(tmp_path)
-        assert name.startswith(f"{shm.PREFIX}{os.getpid()}-")
+        assert name.startswith(f"{shm.PREFIX}{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-")
         assert os.path.getsize(tmp_path / name) == 12  # 6 x 2 bytes
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
         flat.copy_(torch.arange(6, dtype=torch.bfloat16))
@@ -64,11 +64,13 @@ def test_the_sweep_removes_only_files_of_processes_that_are_gone(tmp_path):
     assert dead.returncode == -9
     (left,) = _files(tmp_path)
     _, mine = shm.create(3, torch.float32, directory=str(tmp_path))
-    (tmp_path / f"{shm.PREFIX}notapid-0-0").write_bytes(b"")  # not one of ours by its name: untouched
+    untouched = [f"{shm.PREFIX}notapid-0-0", left.replace(f"{shm.PREFIX}", f"{shm.PREFIX}1", 1)]
+    for name in untouched:  # not one of ours by its name; a dead pid of another pid namespace
+        (tmp_path / name).write_bytes(b"")
     try:
         # ... until a sweep, which leaves the live creator's (this process's) file alone
         assert shm.sweep(str(tmp_path)) == [str(tmp_path / left)]
-        assert _files(tmp_path) == sorted([os.path.basename(mine.path), f"{shm.PREFIX}notapid-0-0"])
+        assert _files(tmp_path) == sorted([os.path.basename(mine.path), *untouched])
         assert shm.sweep(str(tmp_path)) == []
     finally:
         shm.remove(mine.path)
