@@ -61,8 +61,34 @@ INVARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
 }
 
+# OPD and Combine runs also get this panel: how often a hint is accepted (the user corrects less as
+# the policy learns), the OPD term's size per token and the reward term's (with their weights,
+# opd.w_opd / opd.w_rl), and the teacher's failures and hint mixtures
+DISTILLATION: tuple[str, list[str]] = (
+    "Distillation: hints and the teacher's term",
+    ["judge/hint_acceptance_rate", "adv/opd_abs_mean", "adv/rl_abs_mean", "teacher/errors", "teacher/hint_mixtures"],
+)
+
+
+def panels(train: list[dict]) -> dict[str, tuple[str, list[str]]]:
+    """The report's panels for these training rows: :data:`INVARIANTS`, then ``opd``
+    (:data:`DISTILLATION`) when a row has the OPD term's size (an OPD or Combine run)."""
+    out = dict(INVARIANTS)
+    if any(isinstance(r.get("adv/opd_abs_mean"), (int, float)) and math.isfinite(r["adv/opd_abs_mean"]) for r in train):
+        out["opd"] = DISTILLATION
+    return out
+
+
 # running totals in metrics.jsonl, plotted (and summarized) as per-step increments
-COUNTERS = ("samples_dropped", "samples_in", "samples_taken", "samples_trained", "inv/degenerate_batches")
+COUNTERS = (
+    "samples_dropped",
+    "samples_in",
+    "samples_taken",
+    "samples_trained",
+    "inv/degenerate_batches",
+    "teacher/errors",
+    "teacher/hint_mixtures",
+)
 COUNTER_PREFIXES = ("inv/dropped_samples/",)
 
 
@@ -132,7 +158,7 @@ def summarize(rows: list[dict]) -> list[tuple[str, str, int, float, float, float
     a value (``null``) are counted out of the statistics."""
     train, evals = split_rows(rows)
     table = []
-    for name, (_, keys) in INVARIANTS.items():
+    for name, (_, keys) in panels(train).items():
         for key in keys:
             values = [v for v in per_step(train, key) if math.isfinite(v)]
             if values:
@@ -422,7 +448,7 @@ def write_reports(run_dirs: list[str]) -> list[str]:
 
 
 def write_report(run_dir: str) -> list[str]:
-    """Write ``eval.png`` (when the run evaluated), one PNG per panel of :data:`INVARIANTS` and
+    """Write ``eval.png`` (when the run evaluated), one PNG per panel (:func:`panels`) and
     ``summary.md``; returns the written paths."""
     import matplotlib
 
@@ -445,7 +471,7 @@ def write_report(run_dir: str) -> list[str]:
     if gate_lines:
         written.append(os.path.join(out_dir, "deploy.png"))
     steps = [r["step"] for r in train]
-    for name, (title, keys) in INVARIANTS.items():
+    for name, (title, keys) in panels(train).items():
         present = [k for k in keys if any(k in r for r in train)]
         fig, axes = plt.subplots(
             len(present) or 1, 1, figsize=(7, 1.9 * max(len(present), 1)), sharex=True, squeeze=False

@@ -4,7 +4,7 @@ rows that share step numbers with training rows, the guards' bounds, integer ste
 import json
 import math
 
-from clawray.report import bounds, per_step, split_rows, summarize, write_report
+from clawray.report import bounds, panels, per_step, split_rows, summarize, write_report
 
 TRAIN = [
     {
@@ -296,3 +296,22 @@ def test_the_gate_plot_draws_candidates_against_the_served_version(tmp_path, mon
     )
     (tmp_path / "versions.jsonl").unlink()
     assert "deploy.png" not in [p.rsplit("/", 1)[1] for p in write_report(str(tmp_path))]
+
+
+def test_an_opd_run_gets_the_distillation_panel(tmp_path):
+    """OPD/Combine rows carry adv/opd_abs_mean: their report adds opd.png and its summary rows (the
+    teacher's failures per step, not the running total); an RL run's rows (NaN) get none."""
+    rows = [
+        {"step": 1, "judge/hint_acceptance_rate": 0.9, "adv/opd_abs_mean": 1.0, "adv/rl_abs_mean": 0.0},
+        {"step": 2, "judge/hint_acceptance_rate": 0.6, "adv/opd_abs_mean": 0.25, "adv/rl_abs_mean": 0.0},
+    ]
+    rows[0]["teacher/errors"], rows[1]["teacher/errors"] = 2, 5
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    names = [p.rsplit("/", 1)[1] for p in write_report(str(tmp_path))]
+    assert names[-2:] == ["opd.png", "summary.md"] and "reward.png" in names
+    table = {(panel, key): vals for panel, key, _, *vals in summarize(rows)}
+    assert table[("opd", "adv/opd_abs_mean")] == [1.0, 0.25, 0.625, 1.0, 0.25]  # first, min, mean, max, last
+    assert table[("opd", "teacher/errors (per step)")] == [2, 2, 2.5, 3, 3]
+    rl = [{"step": 1, "adv/opd_abs_mean": float("nan"), "adv/rl_abs_mean": 1.0}]
+    assert "opd" not in panels(rl) and list(panels(rows))[-1] == "opd"
