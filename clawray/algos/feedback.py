@@ -31,9 +31,9 @@ complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right", "not wha
 work", "try again", "no markdown", an error, exception or traceback) is negative, except a negated or
 mended fault ("nothing wrong", "not a mistake", "you fixed the error", "it no longer throws an
 exception"), a fault word that names a topic ("error messages", "error handling"), and fault
-words inside a fresh request ("Add error handling", "Write a function that raises an error", "List common mistakes") or a question ("How do I
-handle errors?", "What errors can it raise?"); a request or question that points at a fault that is
-there ("Catch the exception", "write it again without the mistake", "What does this error mean?") and
+words inside a fresh request ("Add error handling", "Write a function that raises an error", "List
+common mistakes") or a question ("How do I handle errors?", "What errors can it raise?"); a request
+or question that points at a fault that is there ("Catch the exception", "write it again without the mistake", "What does this error mean?") and
 a fault the user reports seeing ("I get a KeyError", "it throws an exception", "there is still an
 error") complain. Else praise (thumbs up, correct, right, thanks, great, perfect, excellent,
 "well done", "it works") is positive; else no signal. Praise is read as an evaluation only: in a
