@@ -38,15 +38,19 @@ def driver(ray_cluster, tiny_model, tmp_path_factory):
             "eval.every_steps=1",
         ],
     )
+    from clawray.weight_sync import shm
+
+    def ipc_files():
+        return {n for n in os.listdir(shm.shm_dir()) if n.startswith(shm.PREFIX)}
+
+    before = ipc_files()
     d = Driver(cfg)
     d.setup()
     yield d
     d.shutdown()
-    # learner rank 0 removed its ipc buffers (/dev/shm files) before it was killed: nothing is left
-    # in RAM once the run is over (torch's file_system buffers were, one copy of the weights per run)
-    from clawray.weight_sync import shm
-
-    assert [n for n in os.listdir(shm.shm_dir()) if n.startswith(shm.PREFIX)] == []
+    # learner rank 0 removed its ipc buffers (/dev/shm files) before it was killed: nothing of this
+    # run is left in RAM (torch's file_system buffers were, one copy of the weights per run)
+    assert ipc_files() - before == set()
 
 
 def chat(d, body, headers=None, raw=None):
