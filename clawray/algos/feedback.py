@@ -30,7 +30,7 @@ sentence with conditions and checks removed ("tell me if it works", "check the l
 complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right", "not what I asked", "doesn't
 work", "try again", "no markdown", an error, exception or traceback) is negative, except a negated or
 mended fault ("nothing wrong", "not a mistake", "you fixed the error", "it no longer throws an
-exception"), a fault word that names a topic ("error messages", "error handling"), and fault
+exception"), a fault word that names a topic ("error messages", "error handling", "a question about errors"), and fault
 words inside a fresh request ("Add error handling", "Write a function that raises an error", "List
 common mistakes") or a question ("How do I handle errors?", "What errors can it raise?"); a request
 or question that points at a fault that is there ("Catch the exception", "write it again without the mistake", "What does this error mean?") and
@@ -133,6 +133,14 @@ _COMPOUND_FAULT = re.compile(
     r"|counts?|rates?|pages?|logs?|bars?|states?|values?|responses?|reporting|recovery|safety)\b",
     re.IGNORECASE,
 )
+# faults as what a text is about ("a question about errors", "reading about common mistakes") are a
+# topic too; one that is there ("about this error", "about an error") is not
+_ABOUT_FAULTS = re.compile(
+    r"\b(?:about|regarding|concerning|on the subject of)\s+"
+    r"(?!(?:the|this|that|your|my|our|these|those|same|an?)\b)(?:\w+\s+){0,2}?"
+    r"(?:errors|exceptions|mistakes|bugs|tracebacks|failures)\b",
+    re.IGNORECASE,
+)
 _POINTED_FAULT = re.compile(rf"\b(?:the|this|that|your|same|these|those)\s+(?:\w+\s+)?{_FAULT_NOUN}\b", re.IGNORECASE)
 # a fault the user reports seeing ("I get a KeyError", "it throws an exception", "there was an error
 # message") complains in a statement or a question (in a request it is what to build: "a function
@@ -172,6 +180,7 @@ def _complains(text: str) -> bool:
     for sentence in _SENTENCE.findall(text):
         question = sentence.rstrip().endswith("?")
         for clause in _CLAUSE.findall(_CONDITION.sub(" ", sentence)):
+            clause = _ABOUT_FAULTS.sub(" ", clause)  # "a question about errors": a topic
             topic = _COMPOUND_FAULT.sub(" ", clause)  # "error messages", "error handling": a topic
             if _REQUEST.search(clause) and not _REDO.search(clause):
                 if _POINTED_FAULT.search(topic):  # not "a function that raises an error"

@@ -157,6 +157,12 @@ USER_TEXTS = [
     ("I don't get the error anymore, thanks!", 1),
     ("No exceptions now, thanks.", 1),
     ("I get an error message when I run it.", -1),
+    # faults as what a text is about are a topic; one that is there is not
+    ("I have a question about errors.", None),
+    ("Thanks! I have a question about exceptions in Python.", 1),
+    ("I was reading about common mistakes in C.", None),
+    ("I have a question about this error.", -1),
+    ("I have a question about an error I get.", -1),
 ]
 
 
