@@ -147,7 +147,7 @@ def test_arith_env_wraps_the_old_check():
 
 
 def test_unknown_environment():
-    assert ENVIRONMENTS == ("arith", "sums", "brief", "terse", "student", "teacher")
+    assert ENVIRONMENTS == ("arith", "sums", "brief", "terse", "concise", "student", "teacher")
     with pytest.raises(ValueError, match="unknown environment"):
         make_env("chess")
     with pytest.raises(ValueError, match="unknown problem level"):
@@ -178,7 +178,20 @@ def test_terse_asks_plainly_and_says_the_preference_only_when_correcting():
     assert [t.question for t in env.prompts("eval", 3)] == [t.question for t in make_env("sums").prompts("eval", 3)]
 
 
-@pytest.mark.parametrize("name, level", [("arith", 1), ("arith", 3), ("sums", 3), ("brief", 3), ("terse", 3)])
+def test_concise_asks_to_be_brief_and_corrects_like_terse():
+    env = make_env("concise")
+    task = env.prompts("eval", 0)[0]
+    assert env.opening(task) == [{"role": "user", "content": f"{task.question} Be brief."}]
+    assert env.feedback(task, f"{task.answer}.") == ("Correct, thanks! That is exactly what I wanted.", True)
+    said, solved = env.feedback(task, f"{task.question[8:-1]} = {task.answer}")
+    assert not solved and said == make_env("terse").feedback(task, f"{task.question[8:-1]} = {task.answer}")[0]
+    assert env.grade(task, f"{task.answer + 1}") == {"solved": False, "correct": False, "number_only": True}
+    assert [t.question for t in env.prompts("eval", 3)] == [t.question for t in make_env("terse").prompts("eval", 3)]
+
+
+@pytest.mark.parametrize(
+    "name, level", [("arith", 1), ("arith", 3), ("sums", 3), ("brief", 3), ("terse", 3), ("concise", 3)]
+)
 def test_every_correction_reads_as_a_complaint_and_every_acceptance_as_praise(name, level):
     """The ``feedback`` judge scores the next state by its words: a correction it read as praise or
     as nothing would never be trained (no hint in OPD, a wrong sign in Binary RL)."""
