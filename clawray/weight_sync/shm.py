@@ -64,7 +64,7 @@ def create(numel: int, dtype: torch.dtype, directory: str | None = None) -> tupl
         OSError: the file system refused (no room: ``/dev/shm`` is often 64 MiB in containers).
     """
     directory = directory or shm_dir()
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     path = os.path.join(directory, f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}-{len(_OWN)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -87,7 +87,7 @@ def open_handle(path: str, numel: int, dtype: str) -> torch.Tensor:
         ValueError: the file does not hold ``numel`` elements of ``dtype``.
     """
     torch_dtype = getattr(torch, dtype)
-    nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
+    nbytes = numel * torch_dtype.itemsize
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
