@@ -541,7 +541,7 @@ class EnvConfig:
     # "one short sentence, no markdown"), "sums" (x + y, "the number only"), "brief" (one-digit sums,
     # "the number only" checked as right and at most 8 words: the CPU demo), "terse" (x + y asked plainly,
     # the number alone wanted but said only in the correction: OPD's task), "concise" (terse's, with
-    # "Be brief." asked: some replies pass, so Binary RL and OPD can both teach), or the seed's GSM8K
+    # "Be brief." asked: the bare number in reach, so Binary RL and OPD both teach), or the seed's GSM8K
     # users "student" / "teacher" (read `data_path`); see clawray.envs
     name: str = choice("arith", "sums", "brief", "terse", "concise", "student", "teacher")
     concurrency: int = num(4, ge=1)  # sessions in flight
