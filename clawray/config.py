@@ -541,9 +541,10 @@ class EnvConfig:
     # "one short sentence, no markdown"), "sums" (x + y, "the number only"), "brief" (one-digit sums,
     # "the number only" checked as right and at most 8 words: the CPU demo), "terse" (x + y asked plainly,
     # the number alone wanted but said only in the correction: OPD's task), "concise" (terse's, with
-    # "Be brief." asked: the bare number in reach, so Binary RL and OPD both teach), or the seed's GSM8K
-    # users "student" / "teacher" (read `data_path`); see clawray.envs
-    name: str = choice("arith", "sums", "brief", "terse", "concise", "student", "teacher")
+    # "Be brief." asked: the bare number in reach, so Binary RL and OPD both teach), "plain" (word
+    # problems asked plainly, one short plain sentence wanted, the correction naming what was wrong),
+    # or the seed's GSM8K users "student" / "teacher" (read `data_path`); see clawray.envs
+    name: str = choice("arith", "sums", "brief", "terse", "concise", "plain", "student", "teacher")
     concurrency: int = num(4, ge=1)  # sessions in flight
     level: int = num(3, ge=1, le=3)  # problem difficulty: 1 bare sums, 2 one-step, 3 two-step word problems
     # student/teacher: a local GSM8K-style JSON list or JSONL of {"question", "ground_truth_answer"}

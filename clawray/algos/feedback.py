@@ -95,7 +95,7 @@ _SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
 _CONDITION = re.compile(r"\b(?:if|whether|unless|until|once|make sure|ensure|check|verify)\b[^.!?\n,;]*", re.IGNORECASE)
 _NEGATED_COMPLAINT = re.compile(
     r"\b(?:nothing|not|no|never|isn't|wasn't|aren't|weren't)\s+(?:\w+\s+)?"
-    r"(?:wrong|incorrect|a mistake|mistakes?|errors?|exceptions?|bugs?|tracebacks?|broken|problems?)\b"
+    r"(?:wrong|incorrect|a mistake|mistakes?|errors?|exceptions?|bugs?|tracebacks?|broken|problems?|too (?:long|verbose|wordy))\b"
     # a fault that no longer shows: "it no longer throws an exception", "I don't get any errors now"
     r"|\b(?:no longer|doesn't|does not|didn't|did not|don't|do not|won't|never)\s+(?:\w+\s+)?"
     r"(?:throw|raise|give|show|return|print|get|hit|see)s?\s+(?:\w+\s+){0,2}?"
@@ -110,7 +110,7 @@ _COMPLAINT = re.compile(
     r"👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bmistakes?\b|\bbroken\b"
     r"|\b(?:not|isn't|wasn't|hardly)\s+(?:\w+\s+)?(?:correct|right|good|great|helpful|perfect)\b|\bthat's not it\b"
     r"|\bnot what I (?:asked|wanted|meant|said)\b|\b(?:doesn't|does not|didn't|did not|still doesn't) work\b"
-    r"|\bno markdown\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
+    r"|\bno markdown\b|\btoo (?:long|verbose|wordy)\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
     r"|\b(?:errors?|exceptions?)\b|\btraceback\b",
     re.IGNORECASE,
 )

@@ -11,7 +11,7 @@ from typing import Any
 
 from clawray.envs.base import SPLITS, Environment, Problem, split_of
 
-ENVIRONMENTS = ("arith", "sums", "brief", "terse", "concise", "student", "teacher")
+ENVIRONMENTS = ("arith", "sums", "brief", "terse", "concise", "plain", "student", "teacher")
 
 
 def make_env(name: str, level: int = 3, data_path: str = "") -> Environment:
@@ -43,6 +43,10 @@ def make_env(name: str, level: int = 3, data_path: str = "") -> Environment:
         from clawray.envs.concise import ConciseEnv
 
         return ConciseEnv()
+    if name == "plain":
+        from clawray.envs.plain import PlainEnv
+
+        return PlainEnv()
     if name in ("student", "teacher"):
         from clawray.envs.gsm8k import StudentEnv, TeacherEnv
 

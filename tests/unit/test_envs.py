@@ -4,6 +4,7 @@ import pytest
 
 from clawray.actors.judge import feedback_score
 from clawray.envs import ENVIRONMENTS, env_from_config, make_env, split_of
+from clawray.envs.base import Problem
 from clawray.envs.arith import calculator, feedback, grade, make_problems
 
 
@@ -147,7 +148,7 @@ def test_arith_env_wraps_the_old_check():
 
 
 def test_unknown_environment():
-    assert ENVIRONMENTS == ("arith", "sums", "brief", "terse", "concise", "student", "teacher")
+    assert ENVIRONMENTS == ("arith", "sums", "brief", "terse", "concise", "plain", "student", "teacher")
     with pytest.raises(ValueError, match="unknown environment"):
         make_env("chess")
     with pytest.raises(ValueError, match="unknown problem level"):
@@ -189,8 +190,41 @@ def test_concise_asks_to_be_brief_and_corrects_like_terse():
     assert [t.question for t in env.prompts("eval", 3)] == [t.question for t in make_env("terse").prompts("eval", 3)]
 
 
+def test_plain_asks_plainly_and_its_correction_names_what_was_wrong():
+    from clawray.envs.plain import ACCEPTED, CORRECTIONS
+
+    env = make_env("plain")
+    task = Problem("Zoe has 16 pencils and gives 5 to Tom. How many pencils does Zoe have left?", 11)
+    assert env.opening(task) == [{"role": "user", "content": task.question}]  # no stated preference
+    assert env.feedback(task, env.preferred_reply(task)) == (ACCEPTED, True)
+    # the question's numbers may be repeated; any other number than the answer is wrong
+    assert env.grade(task, "Zoe has 11 pencils left after giving 5 to Tom.")["solved"] is True
+    assert env.grade(task, "She has 16 - 5 = 11 pencils left.")["solved"] is True
+    assert env.grade(task, "16 - 5 = 12, so 11.") == {
+        "solved": False,
+        "correct": False,
+        "no_formatting": True,
+        "short": True,
+    }
+    # the first failed check is named: formatting, length, a missing answer, a wrong number
+    assert env.feedback(task, "Zoe has **11** pencils.") == (CORRECTIONS["formatting"], False)
+    assert env.feedback(task, "We subtract:\n\\[ 16 - 5 = 11 \\]") == (CORRECTIONS["formatting"], False)
+    assert env.feedback(task, "1. Start with 16.\n2. Subtract 5.") == (CORRECTIONS["formatting"], False)
+    assert env.feedback(task, "Zoe had 16.\nShe has 11 left.") == (CORRECTIONS["length"], False)
+    assert env.feedback(task, " ".join(["word"] * 30) + " 11") == (CORRECTIONS["length"], False)
+    assert env.feedback(task, "Zoe gives some of her pencils to Tom.") == (CORRECTIONS["no_answer"], False)
+    assert env.feedback(task, "Zoe had 16 pencils and gave 5 away.") == (CORRECTIONS["no_answer"], False)
+    assert env.feedback(task, "Zoe has 21 pencils left.") == (CORRECTIONS["wrong"], False)
+    # no drawn task has its answer among its own numbers (stating it could not be told from repeating one)
+    tasks = env.prompts("train", 0) + env.prompts("eval", 0)
+    assert len(tasks) == 400 and not {t.question for t in env.prompts("train", 0)} & {
+        t.question for t in env.prompts("eval", 0)
+    }
+    assert all(str(t.answer) not in t.question.replace("?", " ").replace(".", " ").split() for t in tasks)
+
+
 @pytest.mark.parametrize(
-    "name, level", [("arith", 1), ("arith", 3), ("sums", 3), ("brief", 3), ("terse", 3), ("concise", 3)]
+    "name, level", [("arith", 1), ("arith", 3), ("sums", 3), ("brief", 3), ("terse", 3), ("concise", 3), ("plain", 3)]
 )
 def test_every_correction_reads_as_a_complaint_and_every_acceptance_as_praise(name, level):
     """The ``feedback`` judge scores the next state by its words: a correction it read as praise or

@@ -95,6 +95,9 @@ USER_TEXTS = [
     ("That's not what I asked for.", -1),
     ("It still doesn't work", -1),
     ("The number is right, but I asked for no markdown.", -1),
+    ("Way too verbose.", -1),  # a length complaint (the plain environment's "That's too long.")
+    ("It's not too long, thanks!", 1),
+    ("Write a summary that is not too long.", None),  # a request, not an evaluation
     ("I get an error when I run it", -1),
     ("thumbs down", -1),
     ("No thanks.", None),  # a decline, not praise

@@ -30,7 +30,8 @@ def test_verdict_is_the_exact_one_sided_sign_test():
 
 
 @pytest.mark.parametrize(
-    "name, level", [("sums", 3), ("brief", 3), ("terse", 3), ("concise", 3), ("arith", 1), ("arith", 2), ("arith", 3)]
+    "name, level",
+    [("sums", 3), ("brief", 3), ("terse", 3), ("concise", 3), ("plain", 3), ("arith", 1), ("arith", 2), ("arith", 3)],
 )
 def test_every_preferred_reply_is_one_the_user_accepts(name, level):
     env = make_env(name, level)
