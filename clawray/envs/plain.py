@@ -16,10 +16,10 @@ first check the reply failed: the formatting, the length, a missing answer, or a
 Unlike ``terse`` and ``concise``, whose one correction always asks for the same form of a bare sum, the
 correction here depends on what the reply did, and the wanted reply is a sentence about the story:
 the second kind of hint-carrying task of issue #28. An instruction-tuned model works such problems
-out step by step with markdown and LaTeX: in an exploratory measure (Qwen2.5-Coder-0.5B-Instruct,
-transformers ``generate``, 24 problems, 64 tokens, T = 0.7, with ``arith``'s check and corrections,
-the ancestors of these) 3 of 24 replies were accepted, and with the correction as hint 13 of the
-other 21 (2 of 21 resampled without it): both Binary RL and OPD have something to learn from.
+out step by step with markdown and LaTeX. Measured by the job (Qwen2.5-Coder-0.5B-Instruct,
+``env.max_tokens=64``, 64 held-out problems x 2, T = 0.7): 2.3% solved before training (correct
+21.9%, no formatting 6.2%, short 4.7%); premise check: with the correction as hint the teacher's
+replies are accepted 73% of the time, without it 2% (better on 15, worse on 0 of 15, p = 3.1e-5).
 No tool is offered.
 """
 
