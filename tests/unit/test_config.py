@@ -379,6 +379,16 @@ def test_the_qwen_opd_preset_probes_its_premise_and_refuses_without_it():
             load_config(["conf/rl.yaml"], [f"opd.premise_check={value}"])
 
 
+def test_the_qwen_plain_preset_changes_the_task_and_the_learners_micro_batch_only():
+    base = ["conf/rl.yaml", "conf/cpu.yaml", "conf/combine.yaml", "conf/qwen-cpu.yaml"]
+    terse, plain = load_config(base, []), load_config([*base, "conf/qwen-plain.yaml"], [])
+    assert (plain.env.name, plain.env.max_tokens, plain.learner.max_tokens_per_micro_batch) == ("plain", 64, 512)
+    assert (terse.env.name, terse.env.max_tokens, terse.learner.max_tokens_per_micro_batch) == ("terse", 32, 2048)
+    # the rest (model, LoRA, budget, premise check) is qwen-cpu.yaml's
+    assert (plain.model.build, plain.learner.lora.rank, plain.trainer.max_batch_size) == ("qwen2.5-coder-0.5b", 16, 8)
+    assert (plain.trainer.algo, plain.opd.premise_check) == ("combine", "refuse")
+
+
 def test_a_bare_yaml_off_is_the_choice_off_where_a_field_has_it(tmp_path):
     """YAML 1.1 reads ``off`` as False (it reached the field as "False" and was refused)."""
     assert load_config(["conf/rl.yaml"], ["serve.session_binding=off"]).serve.session_binding == "off"
