@@ -598,6 +598,10 @@ class DeployConfig:
     # (clawray.envs.probe_file); "" = the environment's eval split and check
     probe_file: str = ""
     measure: str = ""  # the check's measure scored per item ("" = the first one it reports, e.g. solved)
+    # "no_drop": promote unless the probe shows a significant drop beyond the margin; "noninferior":
+    # promote only when it shows the candidate is not worse than the promoted and the best promoted
+    # versions by more than the margin (one-sided 1 - alpha lower bound; clawray.promotion)
+    rule: str = choice("no_drop", "noninferior")
     margin: float = num(0.05, ge=0.0, le=1.0)  # the largest tolerated drop in mean probe score
     alpha: float = num(0.05, gt=0.0, lt=1.0)  # the sign test's level
     floor: float = num(0.0, ge=0.0, le=1.0, note="0 = no floor")  # the least mean probe score a candidate may have

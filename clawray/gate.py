@@ -2,7 +2,8 @@
 
 Owns: the promoted version and its probe scores, the probe of a candidate (the environment's eval
 split and check, fixed prompts and seeds, so two versions' results pair item by item), the decision
-(:func:`clawray.promotion.decide`: an exact paired sign test with a margin and a floor), the order of
+(:func:`clawray.promotion.decide`: an exact paired sign test with a margin and a floor, or under
+``deploy.rule: noninferior`` a paired non-inferiority bound), the order of
 a candidate's sync, probe and promotion or rollback (:meth:`PromotionGate.sync_candidate`), the
 rejection count and ``run_dir/versions.jsonl``. Must not: pack or move a weight (the sync controller
 does, :meth:`~clawray.weight_sync.WeightSyncController.sync` ``hold=True``), train, or decide when a
@@ -14,7 +15,8 @@ generations included); the probe's generations run on those paused engines
 (:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``); promoted: the engines resume
 on the candidate and the learners keep it as their rollback point; rejected: the learners return to
 the promoted version's weights and AdamW state (kept in host memory), the learning rate backs off by
-``deploy.lr_backoff``, the promoted weights are synced back and the engines resume on them. Either
+``deploy.lr_backoff``, the promoted weights are synced back and the engines resume on them (a candidate rejected only as
+unproven, ``deploy.rule: noninferior``, is rolled back without the back-off). Either
 way no user token is sampled by a candidate before its decision, and none ever by a rejected one.
 The promoted version's scores are those it got as a candidate (same prompts and seeds), so each
 decision probes one version. A candidate is judged against the promoted version and also against the
@@ -271,16 +273,19 @@ class PromotionGate:
         baseline's); record it; on promotion it becomes the promoted version. ``samples`` trained into
         it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop)."""
         d = self.cfg
-        decision = decide(scores, self.promoted_scores, margin=d.margin, alpha=d.alpha, floor=d.floor)
-        if decision.promote and self.best is not None and self.best != self.promoted:
+        rule = dict(margin=d.margin, alpha=d.alpha, floor=d.floor, rule=d.rule)
+        decision = decide(scores, self.promoted_scores, **rule)
+        if self.best is not None and self.best != self.promoted:
             # small drops that no single probe can tell would otherwise add up, one promotion at a time
-            vs_best = decide(scores, self.best_scores, margin=d.margin, alpha=d.alpha, floor=d.floor)
-            if not vs_best.promote:
+            vs_best = decide(scores, self.best_scores, **rule)
+            # the best's verdict counts when it fails and the promoted one's does not, or names harm
+            if not vs_best.promote and (decision.promote or (vs_best.backoff and not decision.backoff)):
                 vs_best.reason = f"against the best promoted v{self.best}: {vs_best.reason}"
                 decision = vs_best
         failure = guard_failure(guards, self.reference_guards, d.entropy_ratio_min, d.mismatch_max)
         if decision.promote and failure is not None:
-            decision = dataclasses.replace(decision, promote=False, reason=f"rejected: {failure} ({decision.reason})")
+            reason = f"rejected: {failure} ({decision.reason})"
+            decision = dataclasses.replace(decision, promote=False, backoff=True, reason=reason)
         record = {
             "version": version,
             "promoted_before": self.promoted,
@@ -293,6 +298,7 @@ class PromotionGate:
             "worse": decision.worse,
             "better": decision.better,
             "p_worse": decision.p_worse,
+            "lower": decision.lower,
             "items": decision.n,
             "probe_s": probe_s,
             "scores": scores,
@@ -304,6 +310,7 @@ class PromotionGate:
             self.rejections += 1
             self.dropped_samples += samples
             record["rejections_in_a_row"] = self.rejections
+            record["backoff"] = decision.backoff
         self._record(record)
         print(f"[clawray] gate: v{version} {decision.reason}", flush=True)
         self._last, self._last_guards = decision, guards
@@ -421,7 +428,8 @@ class PromotionGate:
                 actors.learners.keep_promoted()
                 error = f"resuming the engines after the probe: {errors}" if errors else None
             else:
-                error = self._roll_back(actors, self.cfg.lr_backoff if decision is not None else 1.0)
+                backoff = decision is not None and decision.backoff  # not for a withdrawn or unproven one
+                error = self._roll_back(actors, self.cfg.lr_backoff if backoff else 1.0)
             held_s = result["pause_s"] + time.perf_counter() - t_probe
         else:
             self.withdraw(version, result["error"])

@@ -16,7 +16,20 @@ A probe scores both versions on the same held-out items with the same seeds, so 
   Binomial(b + c, 1/2); the p-value of "the candidate is worse" is ``P(X >= b)``. The candidate is
   rejected when that p-value is below ``alpha`` *and* its mean score is below the promoted one's by
   more than ``margin`` (a drop smaller than the margin is tolerated, however sure);
-* else it is promoted: a wobble that is not significant is not a reason to hold back an update.
+* else, under ``rule="no_drop"``, it is promoted: a wobble that is not significant is not a reason to
+  hold back an update;
+* under ``rule="noninferior"`` a candidate must instead *show* it is not worse by more than the
+  margin: promoted only when the one-sided ``1 - alpha`` lower confidence bound of the paired mean
+  difference, ``delta - z_(1-alpha) * sd / sqrt(n)``, is above ``-margin`` (the confidence-interval
+  approach to non-inferiority: ICH E9, Statistical Principles for Clinical Trials, 1998, section 3.3.2;
+  Wellek, Testing Statistical Hypotheses of Equivalence and Noninferiority, 2nd ed. 2010, ch. 5, for
+  paired observations; normal approximation, so it wants n of about 30 paired items or more). A
+  candidate it cannot show non-inferior is rejected as *unproven* (``Decision.backoff`` False: no
+  evidence of harm, so the caller rolls back without backing off the learning rate), the others
+  (floor, significant drop, guards) with ``backoff`` True. "No drop" keeps every version the probe
+  cannot tell from the promoted one, so drops within the probe's noise add up; "non-inferior" keeps
+  only what it can vouch for, which is what "users are never served a version worse than the best
+  by more than the margin" needs.
 
 The invariant guards (:func:`guard_failure`) are checked at the candidate's version too: a candidate
 that the test would promote is rejected when its policy entropy on the probe's replies fell below
@@ -32,6 +45,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
+
+RULES = ("no_drop", "noninferior")
 
 
 @dataclass
@@ -47,6 +63,9 @@ class Decision:
         delta_ci: the 95% interval of ``delta`` (normal approximation of the paired differences).
         worse, better: pairs where the candidate scored lower / higher (ties left out).
         p_worse: the exact one-sided sign-test p-value of "the candidate is worse".
+        lower: the one-sided ``1 - alpha`` lower confidence bound of ``delta`` (normal approximation).
+        backoff: for a rejection, True when it rests on evidence of harm (floor, significant drop,
+            guards), False when the candidate was only not shown non-inferior (``rule="noninferior"``).
     """
 
     promote: bool
@@ -59,6 +78,8 @@ class Decision:
     worse: int
     better: int
     p_worse: float
+    lower: float = -math.inf
+    backoff: bool = True
 
 
 def sign_test_p(worse: int, better: int) -> float:
@@ -82,6 +103,7 @@ def decide(
     margin: float = 0.05,
     alpha: float = 0.05,
     floor: float = 0.0,
+    rule: str = "no_drop",
 ) -> Decision:
     """Promote or reject a candidate from paired probe scores (see the module docstring).
 
@@ -91,10 +113,12 @@ def decide(
         margin: the largest drop in mean score tolerated (absolute, e.g. 0.05 = 5 points).
         alpha: the sign test's level.
         floor: the least mean score a candidate may have (0 = none).
+        rule: ``"no_drop"`` (promote unless significantly worse by more than the margin) or
+            ``"noninferior"`` (promote only when the lower bound shows it is not worse by more).
 
     Raises:
-        ValueError: no items, different lengths, a score outside [0, 1], or a margin, alpha or floor
-            outside its range.
+        ValueError: no items, different lengths, a score outside [0, 1], a margin, alpha or floor
+            outside its range, or an unknown rule.
     """
     n = len(candidate)
     if n == 0 or n != len(promoted):
@@ -103,21 +127,33 @@ def decide(
         raise ValueError("probe scores must be in [0, 1]")
     if not (0.0 <= margin <= 1.0 and 0.0 < alpha < 1.0 and 0.0 <= floor <= 1.0):
         raise ValueError(f"need 0 <= margin <= 1, 0 < alpha < 1, 0 <= floor <= 1; got {margin}, {alpha}, {floor}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     diffs = [float(c) - float(p) for c, p in zip(candidate, promoted)]
     cand, prom = sum(map(float, candidate)) / n, sum(map(float, promoted)) / n
     delta = sum(diffs) / n
     sd = math.sqrt(sum((d - delta) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
     half = 1.96 * sd / math.sqrt(n)
+    lower = delta - NormalDist().inv_cdf(1.0 - alpha) * sd / math.sqrt(n)
     worse, better = sum(d < 0 for d in diffs), sum(d > 0 for d in diffs)
     p = sign_test_p(worse, better)
     figures = (
         f"candidate {cand:.3f} vs promoted {prom:.3f} on {n} items (delta {delta:+.3f} "
         f"[{delta - half:+.3f}, {delta + half:+.3f}]; worse on {worse}, better on {better}, p = {p:.3g})"
     )
+    backoff = True
     if cand < floor:
         promote, why = False, f"below the floor {floor:.3f}"
     elif p < alpha and delta < -margin:
         promote, why = False, f"significantly worse (sign test p < {alpha:g}) by more than the margin {margin:.3f}"
+    elif rule == "noninferior" and lower <= -margin:
+        promote, backoff = False, False
+        why = (
+            f"unproven: not shown non-inferior (one-sided {1 - alpha:.0%} lower bound of the difference "
+            f"{lower:+.3f} <= -{margin:.3f})"
+        )
+    elif rule == "noninferior":
+        promote, why = True, f"non-inferior (one-sided {1 - alpha:.0%} lower bound {lower:+.3f} > -{margin:.3f})"
     elif delta < -margin:
         promote, why = True, f"a drop beyond the margin {margin:.3f} but not significant (p >= {alpha:g})"
     elif p < alpha:
@@ -135,6 +171,8 @@ def decide(
         worse=worse,
         better=better,
         p_worse=p,
+        lower=lower,
+        backoff=backoff,
     )
 
 

@@ -205,3 +205,71 @@ def test_a_resume_restores_the_promoted_scores_and_the_best_version_of_its_linea
     again = make_gate(tmp_path)
     assert again.resume(1) and again.promoted_scores == best and again.best == 1
     assert not make_gate(tmp_path / "nowhere").resume(0)  # no versions.jsonl: the caller probes a baseline
+
+
+def test_under_the_noninferior_rule_an_unproven_candidate_is_rolled_back_without_a_back_off(tmp_path):
+    """margin 0.1, 20 items: one item worse (delta -0.05, sd sqrt(0.05)) gives the one-sided 95% lower
+    bound -0.05 - 1.645 x 0.05 = -0.132 <= -0.1: not shown non-inferior, though no drop is significant
+    (p = 0.5); an identical candidate (lower bound 0) is promoted."""
+    base = [1.0] * 20
+    gate = make_gate(tmp_path, base, [0.0] + [1.0] * 19, base, rule="noninferior", margin=0.1, max_rejections=2)
+    gate.baseline(0, "unused", None)
+    d = gate.judge(1, *gate.probe("unused", None), samples=4)
+    assert not d.promote and not d.backoff and d.p_worse == 0.5 and d.lower == pytest.approx(-0.05 - 1.6448536 * 0.05)
+    assert gate.promoted == 0 and gate.rejections == 1 and gate.dropped_samples == 4
+    rec = records(tmp_path)[-1]
+    assert rec["decision"] == "rejected" and rec["backoff"] is False and "unproven" in rec["reason"]
+    d = gate.judge(2, *gate.probe("unused", None))
+    assert d.promote and d.lower == 0.0 and gate.promoted == 2 and gate.rejections == 0
+    assert records(tmp_path)[-1]["lower"] == 0.0
+
+
+class FakeSync:
+    """The weight-sync controller's surface that sync_candidate uses; records each call."""
+
+    failures = 0
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def sync(self, version, hold=False):
+        self.calls.append(("sync", version, hold))
+        zero = dict.fromkeys(("pause_s", "seconds", "send_s", "gather_s", "rebuild_s"), 0.0)
+        return {"ok": True, "held": hold, "bytes": 0, "load_s": {}, "receive_s": {}, "error": None, **zero}
+
+    def release(self):
+        self.calls.append(("release",))
+        return []
+
+    def engine_versions(self):
+        return {}
+
+
+class FakeLearners:
+    def __init__(self):
+        self.calls: list = []
+
+    def keep_promoted(self):
+        self.calls.append("keep")
+
+    def restore_promoted(self, lr_factor):
+        self.calls.append(("restore", lr_factor))
+
+
+def test_sync_candidate_backs_the_learning_rate_off_only_for_a_candidate_shown_worse(tmp_path):
+    from types import SimpleNamespace
+
+    base = [1.0] * 20
+    unproven = [0.0] + [1.0] * 19  # lower bound -0.132 <= -0.1, p = 0.5
+    worse = [0.0] * 8 + [1.0] * 12  # worse on 8, better on 0: p = 1/256, delta -0.4
+    gate = make_gate(tmp_path, base, unproven, worse, base, rule="noninferior", margin=0.1, max_rejections=5)
+    actors = SimpleNamespace(weight_sync=FakeSync(), learners=FakeLearners(), engines=[])
+    gate.baseline(0, "unused", None)
+    outcomes = [gate.sync_candidate(actors, v, "unused") for v in (1, 1, 1)]
+    assert [o.rolled_back for o in outcomes] == [True, True, False]
+    assert actors.learners.calls == [("restore", 1.0), ("restore", 0.5), "keep"]
+    assert actors.weight_sync.calls == [
+        ("sync", 1, True), ("sync", 0, False), ("sync", 1, True), ("sync", 0, False), ("sync", 1, True), ("release",)
+    ]  # fmt: skip
+    assert [r.get("backoff") for r in records(tmp_path)] == [None, False, True, None]
+    assert outcomes[1].metrics["deploy/rejected"] == 1.0 and gate.promoted == 1

@@ -85,3 +85,37 @@ def test_the_invariant_guards_name_a_collapse_and_a_mismatch_and_pass_the_rest()
     assert guard_failure(None, base, 0.5, 0.01) is None
     assert guard_failure({"entropy": math.nan, "mismatch_kl": math.nan}, base, 0.5, 0.01) is None
     assert guard_failure({"entropy": 0.01, "mismatch_kl": 0.0}, None, 0.5, 0.01) is None
+
+
+def test_the_noninferior_rule_promotes_only_what_its_lower_bound_vouches_for():
+    z = 1.6448536269514715  # the standard normal's 0.95 quantile
+    # 200 items, better on 4, worse on 2: delta +0.01, sd of the paired differences sqrt(5.98 / 199)
+    cand, prom = _pairs(100, 2, 4, 94)
+    d = decide(cand, prom, margin=0.05, alpha=0.05, rule="noninferior")
+    assert (
+        d.lower
+        == pytest.approx(0.01 - z * math.sqrt(5.98 / 199) / math.sqrt(200))
+        == pytest.approx(-0.010162, abs=1e-6)
+    )
+    assert d.promote and d.reason.startswith("promoted: non-inferior (one-sided 95% lower bound -0.010 > -0.050)")
+    # a significant drop within the margin: "no drop" promotes it, but it is not *shown* within the margin
+    # (delta -0.045, lower bound -0.0692 <= -0.05): unproven, rejected without evidence of harm
+    cand, prom = _pairs(100, 9, 0, 91)
+    assert decide(cand, prom).promote
+    d = decide(cand, prom, rule="noninferior")
+    assert not d.promote and not d.backoff and d.lower == pytest.approx(-0.0691718, abs=1e-6)
+    assert d.reason.startswith(
+        "rejected: unproven: not shown non-inferior (one-sided 95% lower bound of the difference -0.069 <= -0.050)"
+    )
+    # the wobble "no drop" promotes (10/20 vs 12/20) cannot be vouched for on 20 items: lower -0.264
+    cand, prom = _pairs(9, 3, 1, 7)
+    d = decide(cand, prom, rule="noninferior")
+    assert not d.promote and not d.backoff and d.lower == pytest.approx(-0.1 - z * math.sqrt(0.2) / math.sqrt(20))
+    # harm is still harm: a significant drop and the floor back off under either rule
+    cand, prom = _pairs(4, 8, 0, 8)
+    d = decide(cand, prom, rule="noninferior")
+    assert not d.promote and d.backoff and "significantly worse" in d.reason
+    d = decide(*_pairs(1, 0, 1, 18), floor=0.2, rule="noninferior")
+    assert not d.promote and d.backoff and "below the floor" in d.reason
+    with pytest.raises(ValueError, match="rule must be one of"):
+        decide([1], [1], rule="maybe")
