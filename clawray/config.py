@@ -833,8 +833,8 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
     if cfg.deploy.gate and not (cfg.env.enabled or cfg.deploy.probe_file):  # the probe's items and check
         raise ConfigError(
-            "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations with an answer or regex "
-            "each) or an environment (env.enabled=true: its eval split)"
+            "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations, each with an answer, a regex "
+            "or compare: true) or an environment (env.enabled=true: its eval split)"
         )
     _check_openclaw_users(cfg)
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies

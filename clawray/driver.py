@@ -79,7 +79,7 @@ class Driver:
         self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.state.behaviour, cfg.serve.untagged_tool_calls)
         self.probe = MismatchProbe(cfg.monitor)  # inv/logprob_mismatch_kl at every version
         self.evals = RunEvaluations(cfg.eval, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
-        self.gate = PromotionGate(cfg.deploy, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls)
+        self.gate = PromotionGate(cfg.deploy, cfg.env, self.run_dir, cfg.serve.untagged_tool_calls, cfg.judge.backend)
         self.eval_results = self.evals.results
         self.model_path = cfg.model.path  # the policy's HF folder; setup resolves it (a build, a conversion)
         self.timeline = Timeline()

@@ -43,6 +43,7 @@ from typing import Any
 
 from clawray.file_modes import open_private
 from clawray.promotion import Decision, decide, guard_failure
+from clawray.reply_compare import ReplyComparisons
 from clawray.types import Sample
 
 
@@ -76,6 +77,8 @@ class PromotionGate:
         env_cfg: the ``env`` section (the environment whose eval split is the probe; ``max_tokens``).
         run_dir: the run folder (``versions.jsonl``).
         untagged_tool_calls: ``serve.untagged_tool_calls`` (replies are parsed as served).
+        judge_backend: ``judge.backend``; a probe file with compare items needs one that compares
+            (``engine`` or ``openai``), else a ConfigError here.
 
     Attributes:
         promoted: the promoted policy version (the one users are served), or None before
@@ -86,7 +89,9 @@ class PromotionGate:
         records: every decision's record (also appended to ``versions.jsonl``).
     """
 
-    def __init__(self, deploy: Any, env_cfg: Any, run_dir: str, untagged_tool_calls: bool = False):
+    def __init__(
+        self, deploy: Any, env_cfg: Any, run_dir: str, untagged_tool_calls: bool = False, judge_backend: str = ""
+    ):
         self.cfg, self.env_cfg, self.run_dir = deploy, env_cfg, run_dir
         self.untagged_tool_calls = untagged_tool_calls
         self.enabled = bool(deploy.gate)
@@ -103,13 +108,20 @@ class PromotionGate:
         self._evaluator: Any = None
         self._last: Decision | None = None
         self._last_guards: dict[str, float] | None = None
+        self.comparisons = ReplyComparisons([], [])  # the probe file's compare items (set in _build)
+        self.last_texts: list[str | None] = []  # the last probe's reply text per item
         if self.enabled and deploy.probe_file:  # a malformed file stops the run before it starts
             from clawray.config import ConfigError
 
             try:
-                self.probe_env()
+                env = self.probe_env()
             except (OSError, ValueError) as e:
                 raise ConfigError(f"deploy.probe_file: {e}") from None
+            if judge_backend == "feedback" and any(item.compare for item in env.items):
+                raise ConfigError(
+                    f"deploy.probe_file={deploy.probe_file} has compare items, which a judge compares: "
+                    "judge.backend=feedback cannot (use engine or openai, or give those lines a rule)"
+                )
 
     # ---------------------------------------------------------------- probe
     def probe_env(self) -> Any:
@@ -145,6 +157,11 @@ class PromotionGate:
                 split="eval",
                 untagged_tool_calls=self.untagged_tool_calls,
             )
+            tasks = [t for t in self._evaluator.tasks for _ in range(d.probe_n)]  # one per probe item
+            compare = [i for i, t in enumerate(tasks) if getattr(t, "compare", False)]
+            kept = self.comparisons.replies  # a resume restored the references before the first probe
+            self.comparisons = ReplyComparisons(compare, [tasks[i].messages for i in compare])
+            self.comparisons.replies = kept
         return self._evaluator
 
     def probe(self, model_path: str, generate: Callable[[list], list]) -> tuple[list[float], float]:
@@ -163,6 +180,7 @@ class PromotionGate:
 
         result = self._build(model_path).run(recorded)
         self.last_replies = pairs
+        self.last_texts = [reply.get("reply") for reply in result["replies"]]
         measure = self.cfg.measure
         scores = []
         for reply in result["replies"]:
@@ -203,6 +221,27 @@ class PromotionGate:
                 break
         return out
 
+    def compare_replies(self, version: int, judges: list) -> dict[int, list[float]]:
+        """The judge's preferences of candidate ``version``'s last probe replies on the compare items
+        over the promoted and the best promoted version's (:class:`~clawray.reply_compare.ReplyComparisons`),
+        the calls spread over ``judges`` (JudgeWorker actors); empty without compare items.
+
+        Raises:
+            RuntimeError: compare items but no judge; a judge call's error (the candidate is withdrawn).
+        """
+        if not self.comparisons:
+            return {}
+        if not judges:
+            raise RuntimeError("the probe's compare items need a judge, and this run has none")
+        import ray
+
+        def compare(requests: list) -> list[int]:
+            refs = [judges[i % len(judges)].compare.remote(*r) for i, r in enumerate(requests)]
+            return [result.score for result in ray.get(refs)]
+
+        texts = self.comparisons.texts(self.last_texts)
+        return self.comparisons.preferences(version, texts, [self.promoted, self.best], compare)
+
     def measure_guards(self, learners: Any) -> dict[str, float] | None:
         """The learners' entropy and mismatch on the last probe's replies (the version both hold);
         None when the guards are off."""
@@ -234,6 +273,7 @@ class PromotionGate:
                 "probe_s": seconds,
                 "scores": scores,
                 **(self.reference_guards or {}),
+                **({"compare_replies": self.comparisons.texts(self.last_texts)} if self.comparisons else {}),
             }
         )
         print(
@@ -249,6 +289,8 @@ class PromotionGate:
         self.promoted, self.promoted_scores, self.rejections = version, list(scores), 0
         if self.best is None or sum(scores) > sum(self.best_scores):
             self.best, self.best_scores = version, list(scores)
+        if self.comparisons:
+            self.comparisons.keep(version, self.comparisons.texts(self.last_texts), {self.best})
 
     def due(self, version: int) -> bool:
         """Whether learner version ``version`` is probed (``deploy.every_versions`` after the promoted
@@ -266,18 +308,32 @@ class PromotionGate:
         return not self.enabled or version == self.promoted
 
     def judge(
-        self, version: int, scores: list[float], probe_s: float, samples: int = 0, guards: dict | None = None
+        self,
+        version: int,
+        scores: list[float],
+        probe_s: float,
+        samples: int = 0,
+        guards: dict | None = None,
+        prefs: dict[int, list[float]] | None = None,
     ) -> Decision:
         """Decide on candidate ``version`` from its probe ``scores`` (paired with the promoted
         version's) and its invariant ``guards`` (:func:`~clawray.promotion.guard_failure` against the
         baseline's); record it; on promotion it becomes the promoted version. ``samples`` trained into
-        it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop)."""
+        it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop).
+        ``prefs``: the judge's preferences on the compare items over each reference version
+        (:meth:`compare_replies`), which replace the candidate's 0.5 there when paired with it."""
         d = self.cfg
         rule = dict(margin=d.margin, alpha=d.alpha, floor=d.floor, rule=d.rule)
-        decision = decide(scores, self.promoted_scores, **rule)
+        prefs = prefs or {}
+
+        def against(ref: int | None, ref_scores: list[float]) -> Decision:
+            mine = self.comparisons.paired(scores, prefs[ref]) if ref in prefs else scores
+            return decide(mine, ref_scores, **rule)
+
+        decision = against(self.promoted, self.promoted_scores)
         if self.best is not None and self.best != self.promoted:
             # small drops that no single probe can tell would otherwise add up, one promotion at a time
-            vs_best = decide(scores, self.best_scores, **rule)
+            vs_best = against(self.best, self.best_scores)
             # the best's verdict counts when it fails and the promoted one's does not, or names harm
             if not vs_best.promote and (decision.promote or (vs_best.backoff and not decision.backoff)):
                 vs_best.reason = f"against the best promoted v{self.best}: {vs_best.reason}"
@@ -304,6 +360,9 @@ class PromotionGate:
             "scores": scores,
             **(guards or {}),
         }
+        if self.comparisons:  # the replies a later candidate is compared with, and the judge's verdicts
+            record["compare_replies"] = self.comparisons.texts(self.last_texts)
+            record["compare_prefs"] = {str(v): p for v, p in prefs.items()}
         if decision.promote:
             self._promote(version, scores)
         else:
@@ -420,7 +479,8 @@ class PromotionGate:
             try:
                 scores, probe_s = self.probe(model_path, lambda reqs: probe_generate(actors.engines, reqs))
                 guards = self.measure_guards(actors.learners)  # the learners hold the candidate too
-                decision = self.judge(version, scores, probe_s, 0, guards)
+                prefs = self.compare_replies(version, actors.judges)
+                decision = self.judge(version, scores, probe_s, 0, guards, prefs)
             except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
                 self.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
             if decision is not None and decision.promote:
@@ -511,6 +571,9 @@ class PromotionGate:
         self.best, self.best_scores = best["version"], [float(x) for x in best["scores"]]
         self.promoted, self.promoted_scores = version, [float(x) for x in lineage[-1]["scores"]]
         self.rejections = 0
+        self.comparisons.replies = {
+            r["version"]: r["compare_replies"] for r in (best, lineage[-1]) if "compare_replies" in r
+        }
         return True
 
     def settle(self, actors: Any, version: int) -> int | None:

@@ -17,6 +17,8 @@ Besides the per-turn score, :meth:`JudgeWorker.judge_session` scores a whole clo
 the session (:func:`build_session_messages`); the ``feedback`` backend reads the conversation's last
 user or tool message (:func:`session_feedback_score`: on the simulated user's environments, its
 words for the environment's own final check). A malformed answer is an invalid vote, as for turns.
+:meth:`JudgeWorker.compare` asks which of two replies to one conversation is better (the promotion
+gate's judge-compared probe items), with the same votes and majority.
 """
 
 from __future__ import annotations
@@ -136,6 +138,34 @@ SESSION_SYSTEM = (
     "Score 0: the conversation does not show whether it was.\n"
     "Think briefly, then give the score as \\boxed{1}, \\boxed{-1} or \\boxed{0} at the very end."
 )
+COMPARE_SYSTEM = (
+    "You compare two replies an AI assistant could give at the same point of a conversation. Decide "
+    "which one serves the user better: correct, does what was asked, in the form that was asked for.\n"
+    "Score 1: reply A is better. Score -1: reply B is better. Score 0: they are equally good or equally bad.\n"
+    "Ignore the order in which they are shown. Think briefly, then give the score as \\boxed{1}, "
+    "\\boxed{-1} or \\boxed{0} at the very end."
+)
+
+
+def build_compare_messages(
+    messages: list[dict[str, Any]], reply_a: dict[str, Any], reply_b: dict[str, Any], context_messages: int = 4
+) -> list[dict[str, str]]:
+    """Chat messages asking a judge which of two assistant replies to ``messages`` (the conversation up
+    to the reply) is better: ``\\boxed{1}`` A, ``\\boxed{-1}`` B, ``\\boxed{0}`` equal (the promotion
+    gate's judge-compared probe items, :mod:`clawray.gate`). The last ``context_messages`` messages
+    are shown (at least the last one: the request the replies answer)."""
+    context = [
+        f"[{m.get('role')}] {render_response(m) if m.get('role') == 'assistant' else message_text(m.get('content'))}"
+        for m in messages[-max(1, context_messages) :]
+    ]
+    user = (
+        "## Conversation so far\n" + "\n".join(context) + "\n\n"
+        f"## Reply A\n{render_response(reply_a)}\n\n## Reply B\n{render_response(reply_b)}\n\n"
+        "Which reply is better? End with \\boxed{1} (A), \\boxed{-1} (B) or \\boxed{0} (equal)."
+    )
+    return [{"role": "system", "content": COMPARE_SYSTEM}, {"role": "user", "content": user}]
+
+
 SESSION_MAX_CHARS = 24000  # the transcript shown to a session judge (its opening and its most recent part)
 
 
@@ -380,6 +410,28 @@ class JudgeWorker:
         self.stats["session_invalid_votes"] += counts["invalid"]
         return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
 
+    async def compare(
+        self, messages: list[dict[str, Any]], reply_a: dict[str, Any], reply_b: dict[str, Any], key: str = ""
+    ) -> JudgeResult:
+        """Which of two assistant replies to ``messages`` is better (:func:`build_compare_messages`): m
+        votes and their majority, 1 = A, -1 = B, 0 = equal or no valid vote. ``key`` seeds the votes.
+        Never raises for a bad answer or a failed call (invalid votes, ``compare_invalid_votes``).
+
+        Raises:
+            ValueError: the ``feedback`` backend, which reads next states and cannot compare replies.
+        """
+        if self.backend == "feedback":
+            raise ValueError("the feedback judge cannot compare two replies: use judge.backend engine or openai")
+        prompt = build_compare_messages(messages, reply_a, reply_b, self.cfg.context_messages)
+        with self.calls.work():
+            raw = await asyncio.gather(*(self._ask(prompt, f"compare/{key}/{i}") for i in range(self.cfg.m)))
+        votes = [parse_score(r) for r in raw]
+        score, counts = majority_vote(votes)
+        self.stats["compares"] += 1
+        self.stats["compare_votes"] += len(votes)
+        self.stats["compare_invalid_votes"] += counts["invalid"]
+        return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
+
     async def hint(
         self, turn: Turn, next_state: list[dict[str, Any]], accept: str = "any", min_chars: int = 10
     ) -> HintResult:
@@ -466,7 +518,7 @@ class JudgeWorker:
     async def get_stats(self) -> dict:
         """Counters: turns, votes, invalid_votes, failed_calls, failed_votes, ties, score_{1,0,-1},
         hint_turns, hint_votes, hint_invalid_votes, hints_accepted, hint_chars, sessions,
-        session_votes, session_invalid_votes. Answered in the actor's ``control`` concurrency group,
+        session_votes, session_invalid_votes, compares, compare_votes, compare_invalid_votes. Answered in the actor's ``control`` concurrency group,
         never queued behind judge calls (a slow judge endpoint held thousands of them, and the
         driver's metrics waited behind them)."""
         return dict(self.stats)

@@ -11,10 +11,15 @@ One JSON object per line (blank lines skipped)::
      "answer": "4"}
     {"messages": [...], "regex": "^\\s*(yes|no)\\b"}
 
+    {"messages": [...], "compare": true}
+
 ``messages`` is the conversation up to the reply to be judged (OpenAI chat messages, the last one a
 ``user`` or ``tool`` message). ``answer``: the reply passes when its text, stripped, equals the answer,
 stripped. ``regex``: it passes when :func:`re.search` finds the pattern in the reply's text
-(``re.DOTALL``). Exactly one of the two per line. The one measure is ``passed`` (1.0 or 0.0).
+(``re.DOTALL``). ``"compare": true``: no rule; the gate's judge compares the candidate's reply with
+the promoted version's (:meth:`clawray.actors.judge.JudgeWorker.compare`). Exactly one of the three
+per line. The one measure is ``passed``: 1.0 or 0.0 by a rule; a compare item scores 0.5 here (alone,
+a reply ties with itself) and the gate replaces the candidate's 0.5 by the judge's preference.
 """
 
 from __future__ import annotations
@@ -38,15 +43,23 @@ class ProbeItem:
         messages: the conversation up to the reply to be judged.
         answer: the exact reply (stripped) that passes, or None.
         regex: the pattern the reply must contain, or None.
+        compare: no rule: the gate's judge compares two versions' replies.
     """
 
     question: str
     messages: list[dict[str, Any]] = field(repr=False)
     answer: str | None = None
     regex: str | None = None
+    compare: bool = False
 
     def passes(self, reply: str) -> bool:
-        """Whether ``reply`` (the assistant message's text) passes this item's rule."""
+        """Whether ``reply`` (the assistant message's text) passes this item's rule.
+
+        Raises:
+            ValueError: a compare item (it has no rule).
+        """
+        if self.compare:
+            raise ValueError("a compare item has no rule: the gate's judge compares two replies")
         if self.answer is not None:
             return reply.strip() == self.answer.strip()
         return re.search(self.regex, reply, re.DOTALL) is not None
@@ -58,8 +71,9 @@ def load_probe_items(path: str) -> list[ProbeItem]:
     Raises:
         FileNotFoundError: no such file.
         ValueError: ``path:line: why`` for a line that is not a JSON object, has no ``messages`` list
-            of role-bearing messages ending with a user or tool message, has neither or both of
-            ``answer`` and ``regex``, or a pattern that does not compile; or a file without items.
+            of role-bearing messages ending with a user or tool message, has not exactly one of
+            ``answer``, ``regex`` and ``"compare": true``, or a pattern that does not compile; or a
+            file without items.
     """
     path = os.path.expanduser(path)
     items = []
@@ -82,16 +96,21 @@ def _item(line: str, where: str) -> ProbeItem:
         raise ValueError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...], ...}}')
     if msgs[-1]["role"] not in ("user", "tool"):
         raise ValueError(f"{where}: the last message must be a user or tool message (the reply to it is judged)")
-    answer, regex = row.get("answer"), row.get("regex")
-    if (answer is None) == (regex is None) or not isinstance(answer if regex is None else regex, str):
-        raise ValueError(f'{where}: give exactly one rule, "answer" (a string) or "regex" (a pattern)')
+    answer, regex, compare = row.get("answer"), row.get("regex"), row.get("compare", False)
+    if not isinstance(compare, bool):
+        raise ValueError(f'{where}: "compare" must be true or false, got {compare!r}')
+    rules = [x for x in (answer, regex) if x is not None]
+    if len(rules) + compare != 1 or not all(isinstance(x, str) for x in rules):
+        raise ValueError(
+            f'{where}: give exactly one rule, "answer" (a string) or "regex" (a pattern), or "compare": true'
+        )
     if regex is not None:
         try:
             re.compile(regex, re.DOTALL)
         except re.error as e:
             raise ValueError(f"{where}: regex {regex!r} does not compile ({e})") from None
     content = msgs[-1].get("content")
-    return ProbeItem(str(content) if content is not None else "", msgs, answer, regex)
+    return ProbeItem(str(content) if content is not None else "", msgs, answer, regex, compare)
 
 
 class ProbeFileEnv(Environment):
@@ -131,8 +150,8 @@ class ProbeFileEnv(Environment):
         return [dict(m) for m in task.messages]
 
     def grade(self, task: ProbeItem, reply: str) -> dict[str, float]:  # type: ignore[override]
-        """``{"passed": 1.0 | 0.0}``."""
-        return {"passed": float(task.passes(reply))}
+        """``{"passed": 1.0 | 0.0}``; 0.5 for a compare item (the gate's judge scores it)."""
+        return {"passed": 0.5 if task.compare else float(task.passes(reply))}
 
     def check(self, task: ProbeItem, messages: list[dict[str, Any]]) -> dict[str, float]:  # type: ignore[override]
         """The rule on the LAST message of ``messages`` (the reply appended after the conversation,

@@ -209,8 +209,8 @@ def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
     assert (
-        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 27
-    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode + opd.premise_check, deploy.on_reject, env.client
+        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 28
+    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode + opd.premise_check, deploy.on_reject, env.client, deploy.rule
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice
@@ -396,3 +396,20 @@ def test_a_bare_yaml_off_is_the_choice_off_where_a_field_has_it(tmp_path):
     preset.write_text("serve:\n  session_binding: off\n")
     assert load_config(["conf/rl.yaml", str(preset)], []).serve.session_binding == "off"
     assert load_config(["conf/rl.yaml"], ["serve.session_binding=strict"]).serve.session_binding == "strict"
+
+
+def test_the_gate_preset_turns_the_gate_on_with_the_noninferior_rule_and_changes_nothing_else():
+    base = ["conf/rl.yaml", "conf/cpu.yaml"]
+    plain, gated = load_config(base, []), load_config([*base, "conf/gate.yaml"], [])
+    assert not plain.deploy.gate and plain.deploy.rule == "no_drop"
+    d = gated.deploy
+    assert (d.gate, d.rule, d.probe_prompts, d.every_versions, d.margin, d.alpha) == (
+        True,
+        "noninferior",
+        0,
+        2,
+        0.05,
+        0.05,
+    )
+    rest = [{k: v for k, v in OmegaConf.to_container(c).items() if k != "deploy"} for c in (plain, gated)]
+    assert rest[0] == rest[1]

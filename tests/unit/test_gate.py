@@ -263,7 +263,7 @@ def test_sync_candidate_backs_the_learning_rate_off_only_for_a_candidate_shown_w
     unproven = [0.0] + [1.0] * 19  # lower bound -0.132 <= -0.1, p = 0.5
     worse = [0.0] * 8 + [1.0] * 12  # worse on 8, better on 0: p = 1/256, delta -0.4
     gate = make_gate(tmp_path, base, unproven, worse, base, rule="noninferior", margin=0.1, max_rejections=5)
-    actors = SimpleNamespace(weight_sync=FakeSync(), learners=FakeLearners(), engines=[])
+    actors = SimpleNamespace(weight_sync=FakeSync(), learners=FakeLearners(), engines=[], judges=[])
     gate.baseline(0, "unused", None)
     outcomes = [gate.sync_candidate(actors, v, "unused") for v in (1, 1, 1)]
     assert [o.rolled_back for o in outcomes] == [True, True, False]

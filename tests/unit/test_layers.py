@@ -30,6 +30,7 @@ LAYERS = {
     "clawray.algos": 1,
     "clawray.config": 1,
     "clawray.promotion": 1,
+    "clawray.reply_compare": 1,
     # 2: building blocks that know the config and the algorithms, not Ray's actors
     "clawray.engines": 2,
     "clawray.envs": 2,
