@@ -378,11 +378,7 @@ class JudgeWorker:
             votes, raw = [feedback_score(next_state)], [json.dumps(next_state)[:500]]
         else:
             messages = build_prm_messages(turn, next_state, self.cfg.context_messages)
-            with self.calls.work():
-                raw = await asyncio.gather(
-                    *(self._ask(messages, f"prm/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
-                )
-            votes = [parse_score(r) for r in raw]
+            votes, raw = await self._score_votes(messages, f"prm/{turn.session_id}/{turn.turn_index}")
         score, counts = majority_vote(votes)
         self.stats["turns"] += 1
         self.stats["votes"] += len(votes)
@@ -400,10 +396,7 @@ class JudgeWorker:
         if self.backend == "feedback":
             votes, raw = [session_feedback_score(messages)], [json.dumps(messages[-2:])[:500]]
         else:
-            prompt = build_session_messages(messages)
-            with self.calls.work():
-                raw = await asyncio.gather(*(self._ask(prompt, f"session/{session_id}/{i}") for i in range(self.cfg.m)))
-            votes = [parse_score(r) for r in raw]
+            votes, raw = await self._score_votes(build_session_messages(messages), f"session/{session_id}")
         score, counts = majority_vote(votes)
         self.stats["sessions"] += 1
         self.stats["session_votes"] += len(votes)
@@ -423,9 +416,7 @@ class JudgeWorker:
         if self.backend == "feedback":
             raise ValueError("the feedback judge cannot compare two replies: use judge.backend engine or openai")
         prompt = build_compare_messages(messages, reply_a, reply_b, self.cfg.context_messages)
-        with self.calls.work():
-            raw = await asyncio.gather(*(self._ask(prompt, f"compare/{key}/{i}") for i in range(self.cfg.m)))
-        votes = [parse_score(r) for r in raw]
+        votes, raw = await self._score_votes(prompt, f"compare/{key}")
         score, counts = majority_vote(votes)
         self.stats["compares"] += 1
         self.stats["compare_votes"] += len(votes)
@@ -457,6 +448,13 @@ class JudgeWorker:
         self.stats["hints_accepted"] += int(result.hint is not None)
         self.stats["hint_chars"] += len(result.hint or "")
         return result
+
+    async def _score_votes(self, prompt: list[dict[str, str]], seed_key: str) -> tuple[list[int | None], list[str]]:
+        """m concurrent calls on ``prompt`` (vote i seeded by ``seed_key/i``): each vote's parsed
+        score (None = invalid) and its raw text."""
+        with self.calls.work():
+            raw = await asyncio.gather(*(self._ask(prompt, f"{seed_key}/{i}") for i in range(self.cfg.m)))
+        return [parse_score(r) for r in raw], list(raw)
 
     async def _ask(self, messages: list[dict[str, str]], seed_key: str) -> str:
         """One judge completion, at most ``concurrency`` at a time per worker, each attempt bounded by
