@@ -619,6 +619,15 @@ class DeployConfig:
     on_reject: str = choice("drop", "quarantine")
     lr_backoff: float = num(0.5, gt=0.0, le=1.0)  # learning-rate factor after each rejection (1 = none)
     max_rejections: int = num(3, ge=1, le=10**6)  # rejections in a row that stop the run
+    # the canary (clawray.canary; 2 or more engines, trainer.overlap): a candidate that passed its probe
+    # serves this share of the sessions on the last engine until canary_turns judged turns of it and of
+    # the promoted version arrived (at most canary_timeout_s seconds; the learners wait); a live mean
+    # reward below the promoted version's, significantly (alpha) and by more than canary_margin (reward
+    # units), rejects it. 0 = no canary: a candidate that passes its probe reaches every user at once
+    canary_fraction: float = num(0.0, ge=0.0, lt=1.0)
+    canary_turns: int = num(32, ge=2, le=10**6)
+    canary_timeout_s: float = num(300.0, gt=0.0)
+    canary_margin: float = num(0.1, ge=0.0)
 
 
 @dataclass
@@ -836,6 +845,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
             "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations, each with an answer, a regex "
             "or compare: true) or an environment (env.enabled=true: its eval split)"
         )
+    _check_canary(cfg)
     _check_openclaw_users(cfg)
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
@@ -859,6 +869,26 @@ def _check_cross_fields(cfg: DictConfig) -> None:
 
 
 VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k log-probs a vLLM engine returns
+
+
+def _check_canary(cfg: DictConfig) -> None:
+    """A canary (``deploy.canary_fraction`` > 0) is a candidate served to part of the live traffic
+    while the rest keeps the promoted version: it needs the gate, a second engine for the rest, and
+    traffic that flows while the learners wait for its verdict (the serial loop holds the users)."""
+    d = cfg.deploy
+    if d.canary_fraction <= 0:
+        return
+    why = (
+        "deploy.gate=true"
+        if not d.gate
+        else "rollout.num_engines >= 2 (one serves the canary, the others the promoted version)"
+        if cfg.rollout.num_engines < 2
+        else "trainer.overlap=true (the serial loop holds the users while a candidate is judged)"
+        if not cfg.trainer.overlap
+        else ""
+    )
+    if why:
+        raise ConfigError(f"deploy.canary_fraction={d.canary_fraction} needs {why}")
 
 
 def _check_topk_teacher(cfg: DictConfig) -> None:

@@ -322,6 +322,13 @@ class PromotionGate:
         it are counted as dropped when it is rejected (:meth:`check_stop` then says whether to stop).
         ``prefs``: the judge's preferences on the compare items over each reference version
         (:meth:`compare_replies`), which replace the candidate's 0.5 there when paired with it."""
+        decision = self.assess(scores, guards, prefs)
+        return self.conclude(version, decision, scores, probe_s, samples, guards, prefs)
+
+    def assess(
+        self, scores: list[float], guards: dict | None = None, prefs: dict[int, list[float]] | None = None
+    ) -> Decision:
+        """:meth:`judge`'s decision on probe ``scores`` and ``guards``, not recorded and acted on."""
         d = self.cfg
         rule = dict(margin=d.margin, alpha=d.alpha, floor=d.floor, rule=d.rule)
         prefs = prefs or {}
@@ -342,6 +349,23 @@ class PromotionGate:
         if decision.promote and failure is not None:
             reason = f"rejected: {failure} ({decision.reason})"
             decision = dataclasses.replace(decision, promote=False, backoff=True, reason=reason)
+        return decision
+
+    def conclude(
+        self,
+        version: int,
+        decision: Decision,
+        scores: list[float],
+        probe_s: float,
+        samples: int = 0,
+        guards: dict | None = None,
+        prefs: dict[int, list[float]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Decision:
+        """Record ``decision`` on candidate ``version`` (:meth:`judge`'s arguments; ``extra``: more
+        fields of its record, the canary's) and act on it: promoted, it becomes the promoted version;
+        rejected, the rejection is counted. Returns ``decision``."""
+        prefs = prefs or {}
         record = {
             "version": version,
             "promoted_before": self.promoted,
@@ -359,6 +383,7 @@ class PromotionGate:
             "probe_s": probe_s,
             "scores": scores,
             **(guards or {}),
+            **(extra or {}),
         }
         if self.comparisons:  # the replies a later candidate is compared with, and the judge's verdicts
             record["compare_replies"] = self.comparisons.texts(self.last_texts)
@@ -465,12 +490,17 @@ class PromotionGate:
         failed). The samples trained since the promoted version (:meth:`trained`) are dropped with a
         rolled-back candidate (:meth:`_drop_pending`). ``deploy/users_held_s``: pause to resume.
         Raises nothing for a member's failure (the sync controller's rule)."""
+        from clawray.canary import canary_engine
         from clawray.recovery import restarted_engines
         from clawray.weight_sync import WeightSyncController
 
         sync = actors.weight_sync
         t0 = time.perf_counter()
-        hold = sync.resync if restarted_engines(actors) else sync.sync
+        restarted = restarted_engines(actors)
+        k = canary_engine(self.cfg, actors.engines)
+        if k is not None and not restarted:  # [deploy.canary_fraction] (after a restart: resync, no canary)
+            return self._sync_canary(actors, version, model_path, k)
+        hold = sync.resync if restarted else sync.sync
         result = hold(version, hold=True)
         metrics = WeightSyncController.metrics(result, sync.failures)
         decision, error, held_s, probe_s = None, None, 0.0, 0.0
@@ -494,14 +524,75 @@ class PromotionGate:
         else:
             self.withdraw(version, result["error"])
             error = self._roll_back(actors, 1.0) or result["error"]
+        return self._outcome(actors, version, decision, error, metrics, (t0, held_s, probe_s))
+
+    def _outcome(
+        self, actors: Any, version: int, decision: Decision | None, error: str | None, metrics: dict, times: tuple
+    ) -> GateOutcome:
+        """The end of a candidate's sync: the samples trained into a rolled-back one are dropped
+        (:meth:`_drop_pending`), the step's ``deploy/*`` and ``engine_version/*`` metrics. ``times``:
+        ``(start, users held s, probe s)``."""
+        t0, held_s, probe_s = times
         rolled_back = decision is None or not decision.promote
         if rolled_back:
             self._drop_pending(version, "withdrawn" if decision is None else "rejected")
         self.pending = []
         metrics.update(self.metrics(decision, held_s, probe_s))
-        versions = sync.engine_versions()
+        versions = actors.weight_sync.engine_versions()
         metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
         return GateOutcome(time.perf_counter() - t0, error, metrics, rolled_back)
+
+    def _sync_canary(self, actors: Any, version: int, model_path: str, k: int) -> GateOutcome:
+        """:meth:`sync_candidate` with a canary (:mod:`clawray.canary`). Engine ``k`` is reserved (it
+        admits no user request; those it runs finish on the promoted weights), the candidate is loaded
+        there alone and probed there, while the other engines go on serving every user. A candidate the
+        probe passes serves the canary fraction of the sessions on ``k`` until the window's verdict
+        (:class:`~clawray.canary.CanaryWindow`; the learners wait); promoted, every engine loads it;
+        rejected or withdrawn, the learners return to the promoted version and ``k`` alone loads it
+        back. ``k`` serves everyone again at the end. ``deploy/users_held_s``: the promoting sync's
+        pause (the probe and the window hold nobody)."""
+        from clawray.canary import CanaryWindow
+        from clawray.weight_sync import WeightSyncController
+
+        sync, engine, t0 = actors.weight_sync, actors.engines[k], time.perf_counter()
+        _set_arm(engine, "reserved")
+        result = sync.sync(version, hold=True, only=[k])
+        metrics = WeightSyncController.metrics(result, sync.failures)
+        decision, verdict, probe_s, held_s = None, None, 0.0, 0.0
+        if result["held"]:
+            try:
+                scores, probe_s = self.probe(model_path, lambda reqs: probe_generate([engine], reqs))
+                guards = self.measure_guards(actors.learners)  # the learners hold the candidate too
+                prefs = self.compare_replies(version, actors.judges)
+                decision = self.assess(scores, guards, prefs)
+            except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
+                self.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
+            if decision is not None and decision.promote:
+                window = CanaryWindow(lambda: _reward_tallies(actors.queue), version, self.promoted, self.cfg)
+                window.open()
+                _set_arm(engine, "canary", self.cfg.canary_fraction)
+                sync.release(only=[k])
+                print(f"[clawray] gate: v{version} passed its probe; canary on {sync.names[k]}", flush=True)
+                verdict = window.wait()
+                decision = verdict.apply(decision)
+            if decision is not None:
+                extra = {"canary": verdict.record()} if verdict is not None else {}
+                self.conclude(version, decision, scores, probe_s, 0, guards, prefs, extra)
+        else:
+            self.withdraw(version, result["error"])
+        if decision is not None and decision.promote:  # every engine loads it
+            full = sync.sync(version)
+            error, held_s = full["error"], full["pause_s"]
+            actors.learners.keep_promoted()
+        else:
+            backoff = decision is not None and decision.backoff  # not for a withdrawn or unproven one
+            actors.learners.restore_promoted(self.cfg.lr_backoff if backoff else 1.0)
+            back = sync.sync(self.promoted, only=[k])
+            error = back["error"] or (None if result["held"] else result["error"])
+        _set_arm(engine, None)
+        if verdict is not None:
+            metrics.update(verdict.metrics())
+        return self._outcome(actors, version, decision, error, metrics, (t0, held_s, probe_s))
 
     def _roll_back(self, actors: Any, lr_factor: float) -> str | None:
         """Return the learners to the promoted version (weights, AdamW state, schedule; learning rate
@@ -598,6 +689,24 @@ class PromotionGate:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:  # a full disk loses a record line, never the run
             print(f"[clawray] versions.jsonl not updated ({e.strerror or type(e).__name__})", flush=True)
+
+
+def _reward_tallies(queue: Any) -> dict:
+    """The trajectory queue's live reward tallies per policy version (the canary's window)."""
+    import ray
+
+    return ray.get(queue.reward_tallies.remote(), timeout=30)
+
+
+def _set_arm(engine: Any, arm: str | None, fraction: float = 0.0) -> None:
+    """:meth:`~clawray.actors.rollout.RolloutEngine.set_arm`; an engine that died says so (a restarted
+    one serves everyone: its arm starts at None)."""
+    import ray
+
+    try:
+        ray.get(engine.set_arm.remote(arm, fraction), timeout=30)
+    except Exception as e:  # noqa: BLE001 - the gate's decision stands; recovery restarts the engine
+        print(f"[clawray] gate: setting an engine's arm to {arm} failed: {type(e).__name__}", flush=True)
 
 
 def probe_generate(engines: list, requests: list) -> list[dict]:

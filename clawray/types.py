@@ -38,6 +38,8 @@ class Turn:
         token_versions: length R, the policy version that sampled each response token (a partial
             rollout: a sync interrupted the generation and it went on with the new weights), or None
             when every token is from ``policy_version``.
+        canary: an engine serving the promotion gate's canary sampled it (the session is canary
+            traffic, :mod:`clawray.canary`); its ``policy_version`` is then the candidate's.
     """
 
     session_id: str
@@ -55,6 +57,7 @@ class Turn:
     tool_parse_error: bool = False
     spliced: bool = False
     token_versions: list[int] | None = None
+    canary: bool = False
 
     def record(self) -> dict[str, Any]:
         """The turn as one JSON-able row of ``records/turns.jsonl`` (everything but the tools)."""

@@ -66,6 +66,7 @@ class TrajectoryQueue:
         self.num_put = 0
         self.num_taken = 0
         self.dropped: Counter[str] = Counter()
+        self.rewards: dict[int, list[float]] = {}  # per policy version: [n, sum, sum of squares] of rewards put
         self.journal = None  # [journal hook] clawray.journal.SampleJournal; replays its live samples
         if journal:
             self._open_journal(**journal)
@@ -121,6 +122,9 @@ class TrajectoryQueue:
                 sample_ref = [ray.put(sample)]
             self._items.append((sample_ref[0], meta, seq))
             self.num_put += 1
+            if meta.reward is not None:
+                tally = self.rewards.setdefault(meta.policy_version, [0.0, 0.0, 0.0])
+                tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + meta.reward, tally[2] + meta.reward**2
             self._cond.notify_all()
             return len(self._items)
 
@@ -231,6 +235,12 @@ class TrajectoryQueue:
         their consumed samples (it compacts itself when large). No-op without a journal."""
         if self.journal is not None:
             self.journal.forget(step)
+
+    async def reward_tallies(self) -> dict[int, tuple[float, float, float]]:
+        """Per policy version, ``(n, sum, sum of squares)`` of the rewards of every sample put since
+        this queue started (the live rewards the promotion gate's canary compares, :mod:`clawray.canary`;
+        journal replays and rejected puts not counted)."""
+        return {v: (t[0], t[1], t[2]) for v, t in self.rewards.items()}
 
     async def stats(self) -> dict:
         """``{"size", "put", "taken", "dropped": {reason: count}}`` (plus ``replayed``: samples queued

@@ -93,6 +93,13 @@ class EngineError(RuntimeError):
     a traceback, path or actor id."""
 
 
+class EngineArmError(RuntimeError):
+    """This engine serves a canary (``deploy.canary_fraction``) and the request is not canary traffic,
+    or it is reserved for the promotion gate's probe (:meth:`RolloutEngine.set_arm`): the request goes
+    to another engine (:class:`~clawray.serve.engine_pool.EnginePool` asks this one's arm again). The
+    message names the engine and its arm only."""
+
+
 class EngineRefusedError(EngineError):
     """The backend refused this request before sampling it (:meth:`Backend.add` raised ``ValueError``,
     e.g. vLLM: the prompt leaves no room for a token within ``max_model_len``): the request's own
@@ -154,6 +161,7 @@ class _Job:
         "versions",
         "run_versions",
         "probe",
+        "canary",
     )
 
     def __init__(
@@ -175,6 +183,7 @@ class _Job:
         self.versions: list[int] = []  # the policy version that sampled each token of ids
         self.run_versions: list[int] = []  # the version of each token of the current run, per step
         self.probe = False  # a promotion-gate probe: runs while the engine is paused (see generate)
+        self.canary = False  # started on an engine serving a canary (its reply says "canary": True)
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         def _set() -> None:
@@ -246,6 +255,8 @@ class RolloutEngine:
 
         self._awaiting_sync = resync_on_restart and was_restarted()
         self.version = version
+        self.arm: str | None = None  # None: serves every request; "canary" / "reserved": see set_arm
+        self.canary_fraction = 0.0  # the share of sessions a canary arm serves (the routers read it)
         self.max_batch_size = max_batch_size
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         # jobs that run between two steps, the running generations staying in the backend (in-flight loads)
@@ -558,6 +569,7 @@ class RolloutEngine:
                 "policy_version": min(job.versions, default=self.version),
                 "token_versions": job.versions,
                 "engine": self.name,
+                "canary": job.canary,
             }
         )
 
@@ -607,6 +619,12 @@ class RolloutEngine:
     def _call(self, fn: Callable[[], Any]) -> Any:
         return self._submit("call", fn)
 
+    def _check_arm(self, request: GenerateRequest) -> None:
+        """Raise :class:`EngineArmError` when this engine's arm does not serve ``request`` (checked
+        once admitted, so a request that waited through a sync meets the arm the sync left)."""
+        if self.arm == "reserved" or (self.arm == "canary" and not request.canary):
+            raise EngineArmError(f"{self.name} serves the {self.arm} arm only")
+
     # ---------------------------------------------------------------- public API
     async def ready(self) -> dict:
         """Wait until the backend is loaded; returns ``{"name", "version"}``.
@@ -629,10 +647,12 @@ class RolloutEngine:
             ``finish_reason`` (``"stop"``/``"length"``), ``token_versions`` (list[int], R: the policy
             version that sampled each token; more than one only when a sync interrupted the
             generation), ``policy_version`` (int, the oldest of ``token_versions``; the engine's
-            version when R = 0) and ``engine`` (str).
+            version when R = 0), ``engine`` (str) and ``canary`` (bool: the engine served a canary
+            arm, :meth:`set_arm`).
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s``.
+            EngineArmError: the engine's arm does not serve this request (:meth:`set_arm`).
             EngineError: the backend failed on this request, or the engine shut down;
                 :class:`EngineRefusedError` when the backend refused it (the request's fault).
             asyncio.CancelledError: the call was cancelled (``ray.cancel``); the generation is
@@ -642,10 +662,11 @@ class RolloutEngine:
         try:
             if not probe:
                 await self._admit(wait_s)
+                self._check_arm(request)
             elif self._closing:
                 raise EngineError(f"{self.name} has shut down")
             job = _Job("generate", request, asyncio.get_running_loop())
-            job.probe = probe
+            job.probe, job.canary = probe, self.arm == "canary" and not probe
             await self._enqueue(job)
             try:
                 return await job.future
@@ -665,6 +686,7 @@ class RolloutEngine:
 
         Raises:
             EnginePausedError: paused for longer than ``wait_s`` (before anything is yielded).
+            EngineArmError: the engine's arm does not serve this request (before anything is yielded).
             EngineError: the backend failed on this request, or the engine shut down;
                 :class:`EngineRefusedError` when the backend refused it (the request's fault).
             asyncio.CancelledError: the stream was cancelled (``ray.cancel``) or closed early; the
@@ -673,12 +695,14 @@ class RolloutEngine:
         self._in_flight += 1
         try:
             await self._admit(wait_s)
+            self._check_arm(request)
         except BaseException:
             self._in_flight -= 1
             raise
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         job = _Job("generate", request, loop, stream=lambda ids: loop.call_soon_threadsafe(tokens.put_nowait, ids))
+        job.canary = self.arm == "canary"
         try:
             await self._enqueue(job)
             yield {"admitted": True}
@@ -736,6 +760,22 @@ class RolloutEngine:
         self._resumed.set()
         self._jobs.put(_Job("wake", None, asyncio.get_running_loop()))
 
+    async def set_arm(self, arm: str | None, canary_fraction: float = 0.0) -> None:
+        """Which requests this engine serves (the promotion gate's canary, :mod:`clawray.canary`):
+        None every one; ``"canary"`` only canary traffic (``GenerateRequest.canary``: a session in
+        the ``canary_fraction`` the routers send here, :func:`clawray.serve.routing.in_canary`);
+        ``"reserved"`` none (the gate's probe only). Checked as a request is admitted; a refused one
+        gets :class:`EngineArmError`. Generations already admitted are not affected.
+
+        Raises:
+            ValueError: an unknown arm, or a canary fraction outside (0, 1).
+        """
+        if arm not in (None, "canary", "reserved"):
+            raise ValueError(f"unknown arm {arm!r}; expected None, 'canary' or 'reserved'")
+        if arm == "canary" and not 0.0 < canary_fraction < 1.0:
+            raise ValueError(f"a canary arm needs a fraction in (0, 1), got {canary_fraction}")
+        self.arm, self.canary_fraction = arm, canary_fraction if arm == "canary" else 0.0
+
     async def get_version(self) -> int:
         """The current policy version."""
         return self.version
@@ -749,9 +789,9 @@ class RolloutEngine:
         ``errors`` (requests the backend failed on), ``interrupted`` (generations a sync parked:
         stopped mid-reply, or queued before its load; each continues after it), the version, the last
         sync's error (None after a successful load), ``awaiting_sync`` (restarted, not re-synced yet:
-        it refuses generation), ``paused`` (a weight sync is in progress) and ``in_flight`` (the queue
+        it refuses generation), ``paused`` (a weight sync is in progress), ``in_flight`` (the queue
         depth: generate calls not finished, those waiting while paused included; a gauge, not a
-        counter)."""
+        counter), ``arm`` and ``canary_fraction`` (:meth:`set_arm`)."""
         return {
             **self._stats,
             "version": self.version,
@@ -759,6 +799,8 @@ class RolloutEngine:
             "awaiting_sync": self._awaiting_sync,
             "paused": not self._resumed.is_set(),
             "in_flight": self._in_flight,
+            "arm": self.arm,
+            "canary_fraction": self.canary_fraction,
         }
 
     async def init_weight_receiver(self, rank: int, spec: TransportSpec) -> None:
@@ -782,8 +824,12 @@ class RolloutEngine:
 
         await self._call(_join)
 
-    async def receive_weights(self, version: int, inflight: bool = False) -> dict:
+    async def receive_weights(self, version: int, inflight: bool = False, load: bool = True) -> dict:
         """Receive one sync and load it; the engine's version becomes ``version``.
+
+        ``load=False`` (a sync meant for other engines, :meth:`WeightSyncController.sync` ``only``):
+        the sync is received off the engine thread while it generates, acknowledged and dropped; the
+        weights and the version stay (``load_s`` 0, ``loaded`` False).
 
         By default the load is an engine-thread job, so generation jobs queued before it finish on the
         old weights (after ``pause(interrupt=True)`` they stop at their next token instead and wait,
@@ -807,10 +853,36 @@ class RolloutEngine:
                 The version is left unchanged; a load that failed part-way leaves a mix of weights
                 until the next successful sync (``stats()["last_sync_error"]`` says so).
         """
+        if not load:
+            return await self._receive_only(version)
         if not inflight:
             return await self._call(lambda: self._load_sync(version, *self._receive_sync(version)))
         # a caller that goes away does not drop a received sync: the load still runs (as a queued FIFO load does)
         return await asyncio.shield(asyncio.ensure_future(self._receive_inflight(version)))
+
+    async def _receive_only(self, version: int) -> dict:
+        """:meth:`receive_weights` with ``load=False``: receive (off the engine thread), ack, drop."""
+        from clawray.weight_sync import WeightSyncError
+
+        loop = asyncio.get_running_loop()
+        async with self._inflight_sync:
+            if not self._ready.is_set():
+                await loop.run_in_executor(None, self._ready.wait)
+            weights, receive_s = await loop.run_in_executor(None, self._receive_sync, version)
+            del weights  # ipc: views of the sender's buffers, unmapped by done()
+            try:
+                self._transport.done(ok=True)
+            except WeightSyncError as e:
+                raise WeightSyncError(f"{self.name}: {e}") from None
+        return {
+            "engine": self.name,
+            "receive_s": receive_s,
+            "load_s": 0.0,
+            "version": self.version,
+            "interrupted": 0,
+            "inflight": 0,
+            "loaded": False,
+        }
 
     async def _receive_inflight(self, version: int) -> dict:
         """:meth:`receive_weights` with ``inflight``: receive off the engine thread, load between two

@@ -46,6 +46,9 @@ class GenerateRequest:
         top_p: nucleus mass in (0, 1].
         stop_token_ids: token ids that end the response (the stop token is kept in the output).
         seed: per-request sampling seed, or None.
+        canary: canary traffic: the request's session is in the promotion gate's canary fraction
+            (:func:`clawray.serve.routing.in_canary`); only an engine serving a canary checks it
+            (:meth:`~clawray.actors.rollout.RolloutEngine.set_arm`), backends ignore it.
     """
 
     prompt_ids: list[int]
@@ -54,6 +57,7 @@ class GenerateRequest:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    canary: bool = False
 
 
 @dataclass

@@ -404,7 +404,7 @@ class PolicyServer:
         return await self.tracker.record_turns.remote(turns, req.done, req.outcome)
 
     # ------------------------------------------------------------------ plain answers
-    async def _generate_all(self, call: Call, engine: Any) -> list[dict]:
+    async def _generate_all(self, call: Call, engine: Any, canary: bool = False) -> list[dict]:
         wait_s = self.cfg.sync_wait_timeout_s
         # return_exceptions: a choice that fails (or is cancelled at shutdown) is re-raised here, and
         # no gathered exception is left unretrieved; a client that hangs up (or the timeout) cancels
@@ -413,7 +413,7 @@ class PolicyServer:
             asyncio.gather(
                 *(
                     await_cancellable(engine.generate.remote(g, wait_s))
-                    for g in call.generate_requests(self.max_model_len)
+                    for g in call.generate_requests(self.max_model_len, canary)
                 ),
                 return_exceptions=True,
             ),
@@ -425,7 +425,7 @@ class PolicyServer:
         return outs
 
     async def _complete(self, call: Call) -> JSONResponse:
-        outs = await self.pool.run(call.session_id, call.req.n, lambda engine: self._generate_all(call, engine))
+        outs = await self.pool.run(call.session_id, call.req.n, lambda e, canary: self._generate_all(call, e, canary))
         texts = [self.reply_text.complete(call.body_ids(o["response_ids"])) for o in outs]
         parsed = [
             parse_reply_text(text, call.in_reasoning, tools=call.req.tools, untagged=self.cfg.untagged_tool_calls)
@@ -462,7 +462,9 @@ class PolicyServer:
         """Start the engine streams (one per choice) and answer with SSE once the engine admitted
         them all (so a sync timeout is still a 503, not a broken stream; an engine that is down before
         admitting is replaced by the next live one, :meth:`~clawray.serve.engine_pool.EnginePool.run`)."""
-        streams = await self.pool.run(call.session_id, call.req.n, lambda engine: self._admitted_streams(call, engine))
+        streams = await self.pool.run(
+            call.session_id, call.req.n, lambda e, canary: self._admitted_streams(call, e, canary)
+        )
 
         async def record(outs: list[dict], parsed: list[ParsedReply]) -> list[tuple[str, int | None]]:
             turns = [call.turn(o, p) for o, p in zip(outs, parsed)]
@@ -483,9 +485,10 @@ class PolicyServer:
             headers={"Cache-Control": "no-cache", **call.token_header()},
         )
 
-    async def _admitted_streams(self, call: Call, engine: Any) -> list:
+    async def _admitted_streams(self, call: Call, engine: Any, canary: bool = False) -> list:
         wait_s = self.cfg.sync_wait_timeout_s
-        streams = [engine.generate_stream.remote(g, wait_s) for g in call.generate_requests(self.max_model_len)]
+        requests = call.generate_requests(self.max_model_len, canary)
+        streams = [engine.generate_stream.remote(g, wait_s) for g in requests]
         # each stream's first item is {"admitted": True}
         try:
             await asyncio.wait_for(

@@ -48,8 +48,9 @@ class Call:
         """``X-Session-Token`` for a session's first request, else nothing."""
         return {"X-Session-Token": self.new_token} if self.new_token else {}
 
-    def generate_requests(self, max_model_len: int) -> list[GenerateRequest]:
-        """One engine request per choice (seeds ``seed + i``), capped to what fits ``max_model_len``."""
+    def generate_requests(self, max_model_len: int, canary: bool = False) -> list[GenerateRequest]:
+        """One engine request per choice (seeds ``seed + i``), capped to what fits ``max_model_len``;
+        ``canary``: the session is canary traffic (``GenerateRequest.canary``)."""
         req = self.req
         max_tokens = min(req.max_tokens, max_model_len - len(self.prompt_ids))
         return [
@@ -60,6 +61,7 @@ class Call:
                 top_p=req.top_p,
                 stop_token_ids=self.end_ids,
                 seed=None if req.seed is None else req.seed + i,
+                canary=canary,
             )
             for i in range(req.n)
         ]
@@ -74,7 +76,7 @@ class Call:
 
     def turn(self, out: dict, parsed: ParsedReply) -> Turn:
         """The turn of one engine reply ``out`` (``response_ids``, ``logprobs``, ``policy_version``,
-        ``token_versions``) parsed as ``parsed``: finish ``tool_calls``, ``stop`` or ``length``
+        ``token_versions``, ``canary``) parsed as ``parsed``: finish ``tool_calls``, ``stop`` or ``length``
         (truncated)."""
         req, ended = self.req, self.ended(out["response_ids"])
         return Turn(
@@ -93,4 +95,5 @@ class Call:
             tool_parse_error=parsed.tool_parse_error,
             spliced=self.spliced,
             token_versions=mixed_versions(out),
+            canary=bool(out.get("canary", False)),
         )

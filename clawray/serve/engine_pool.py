@@ -10,7 +10,12 @@ re-synced (:class:`~clawray.actors.rollout.EngineRestartedError`) is marked down
 the next engine the chooser picks; a watcher clears the mark once the engine serves again. Only when no
 engine is up does :class:`NoEngineUp` reach the caller (a 503 with ``Retry-After``).
 
-Owns: routing state (homes, polled states and loads, down marks). Must not: build prompts or record.
+Canary (:func:`clawray.serve.routing.arm_states`): the pool reads each engine's arm and canary fraction
+from the same polls; a session in the fraction of a live canary engine is sent there, the rest never
+are. An engine that refuses a request for its arm (:class:`~clawray.actors.rollout.EngineArmError`:
+the arm changed since the last poll) is asked again at once and the request chosen anew.
+
+Owns: routing state (homes, polled states, loads and arms, down marks). Must not: build prompts or record.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from typing import Any, Awaitable, Callable
 
 import ray
 
-from clawray.actors.rollout import EngineRestartedError
+from clawray.actors.rollout import EngineArmError, EngineRestartedError
 from clawray.ray_env import actor_death_errors
-from clawray.serve.routing import DOWN, UP, choose_engine, engine_state
+from clawray.serve.routing import DOWN, UP, arm_states, choose_engine, engine_state, in_canary
 
 logger = logging.getLogger("ray.serve")
 MAX_HOMES = 100_000  # sessions whose engine is remembered; the least recently used is forgotten beyond this
@@ -59,6 +64,8 @@ class EnginePool:
         self._states = [UP] * n  # per engine, from the last poll (routing.engine_state)
         self._loads = [0] * n  # per engine, its queue depth at the last poll (all replicas' requests)
         self._sent = [0] * n  # per engine, generations this replica started since the last poll
+        self._arms: list[str | None] = [None] * n  # per engine, its arm at the last poll (RolloutEngine.set_arm)
+        self._fraction = 0.0  # the canary fraction of the live canary engine (0: none)
         self._down: dict[int, asyncio.Task] = {}  # engine index -> watcher that clears the mark
         self.homes: OrderedDict[str, int] = OrderedDict()
         self._poller: asyncio.Task | None = None
@@ -67,26 +74,35 @@ class EnginePool:
         """Per engine, the sessions whose engine it is now."""
         return [sum(1 for e in self.homes.values() if e == i) for i in range(len(self.engines))]
 
-    async def run(self, session_id: str | None, n: int, attempt: Callable[[Any], Awaitable[Any]]) -> Any:
-        """``await attempt(engine)`` on the session's engine (``n``: the generations it starts); when
-        that engine is down (dead, restarting or awaiting its re-sync) mark it and try the next live one.
+    async def run(self, session_id: str | None, n: int, attempt: Callable[[Any, bool], Awaitable[Any]]) -> Any:
+        """``await attempt(engine, canary)`` on the session's engine (``n``: the generations it starts;
+        ``canary``: the session is canary traffic, :func:`~clawray.serve.routing.in_canary`); when that
+        engine is down (dead, restarting or awaiting its re-sync) mark it and try the next live one;
+        when it refused the request for its arm, poll its arm and choose again.
 
         Raises:
             NoEngineUp: no engine is up.
         """
-        for _ in range(len(self.engines)):
-            index = self._choose(session_id, n)
+        tries = 0
+        while tries < 2 * len(self.engines):
+            tries += 1
+            canary = in_canary(session_id, self._fraction)
+            index = self._choose(session_id, n, canary)
             try:
-                return await attempt(self.engines[index])
+                return await attempt(self.engines[index], canary)
             except ENGINE_DOWN:
                 self.counts["engine_failovers"] += 1
                 self._mark_down(index)
+            except EngineArmError:
+                self.counts["engine_arm_refusals"] += 1
+                await self._poll_one(index)
         raise NoEngineUp("no rollout engine is up")
 
-    def _choose(self, session_id: str | None, n: int) -> int:
+    def _choose(self, session_id: str | None, n: int, canary: bool = False) -> int:
         """The request's engine index (:func:`~clawray.serve.routing.choose_engine`): the polled states
-        with the engines marked down here as down, the polled queue depths plus the generations this
-        replica started since the poll; remembered as the session's engine.
+        with the engines marked down here as down and those of another arm as down
+        (:func:`~clawray.serve.routing.arm_states`; ``canary``: canary traffic), the polled queue depths
+        plus the generations this replica started since the poll; remembered as the session's engine.
 
         Raises:
             NoEngineUp: every engine is down.
@@ -95,6 +111,8 @@ class EnginePool:
             self._poller = asyncio.ensure_future(self._poll())
         n_engines, key = len(self.engines), session_id
         states = [DOWN if i in self._down else self._states[i] for i in range(n_engines)]
+        states, fell_back = arm_states(states, self._arms, canary)
+        self.counts["canary_fallbacks"] += int(fell_back)
         loads = [self._loads[i] + self._sent[i] for i in range(n_engines)]
         try:
             index = choose_engine(key, states, loads, self.homes.get(key) if key else None, self.engine_slack)
@@ -113,20 +131,28 @@ class EnginePool:
         restarting engine (a Ray actor error) is down; one that does not answer within 5 s (a busy
         host) keeps its previous state and load."""
 
-        async def poll(i: int) -> None:
-            try:
-                st = await asyncio.wait_for(self.engines[i].stats.remote(), 5.0)
-            except asyncio.TimeoutError:
-                return
-            except ray.exceptions.RayError:
-                st = None
-            self._states[i], self._loads[i] = engine_state(st), (st or {}).get("in_flight", 0)
-
         while True:
             before = list(self._sent)  # generations started while the poll runs stay counted
-            await asyncio.gather(*(poll(i) for i in range(len(self.engines))))
+            await asyncio.gather(*(self._poll_one(i) for i in range(len(self.engines))))
             self._sent = [now - then for now, then in zip(self._sent, before)]
             await asyncio.sleep(self.poll_s)
+
+    async def _poll_one(self, i: int) -> None:
+        """Engine ``i``'s state, queue depth and arm from its ``stats()``; the canary fraction is that
+        of the canary engine, if any (0 when none)."""
+        try:
+            st = await asyncio.wait_for(self.engines[i].stats.remote(), 5.0)
+        except asyncio.TimeoutError:
+            return
+        except ray.exceptions.RayError:
+            st = None
+        self._states[i], self._loads[i] = engine_state(st), (st or {}).get("in_flight", 0)
+        if st is not None:
+            self._arms[i] = st.get("arm")
+            if st.get("arm") == "canary":
+                self._fraction = float(st.get("canary_fraction") or 0.0)
+            elif "canary" not in self._arms:
+                self._fraction = 0.0
 
     def _mark_down(self, index: int) -> None:
         """Skip engine ``index`` until it serves again: a watcher polls its stats every

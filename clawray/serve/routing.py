@@ -36,6 +36,14 @@ that engine carries more than ``slack`` requests more than the least loaded one;
 session) it takes the least loaded, ties broken by ``crc32(session id)`` so that a session's first
 choice is stable. Each replica polls every engine itself (:mod:`clawray.serve.engine_pool`), so no
 replica depends on another for it.
+
+**Canary** (the promotion gate's, :mod:`clawray.canary`): while an engine serves a candidate version
+to a fraction of the traffic (its ``stats()["arm"]`` is ``"canary"``), a session is canary traffic when
+:func:`in_canary` puts its id in that fraction: a pure function of the id, so every replica puts a
+session in the same arm and its turns stay there (session-affine). :func:`arm_states` then narrows
+the engine choice: canary traffic to the canary engines, the rest (and requests without a session id)
+to the others; an engine reserved for the gate's probe serves nobody. Canary traffic falls back to
+the other engines only when no canary engine is up.
 """
 
 from __future__ import annotations
@@ -84,6 +92,28 @@ def choose_engine(
         return home
     first = zlib.crc32(key.encode()) % n if key else 0
     return min(usable, key=lambda i: (loads[i], (i - first) % n))
+
+
+def in_canary(key: str | None, fraction: float) -> bool:
+    """Whether session ``key`` is canary traffic under ``fraction`` (in [0, 1]): ``crc32("canary:" +
+    key) / 2**32 < fraction``, so about that share of sessions is, always the same ones, and a session
+    in the fraction stays in every larger one. A request without a session id never is."""
+    return bool(key) and fraction > 0 and zlib.crc32(f"canary:{key}".encode()) / 2**32 < fraction
+
+
+def arm_states(states: Sequence[str], arms: Sequence[str | None], canary: bool) -> tuple[list[str], bool]:
+    """The engine states a request may choose from (:func:`choose_engine`), given each engine's arm
+    (None: serves everyone; ``"canary"``; ``"reserved"``: the gate's probe, serves nobody) and whether
+    the request is ``canary`` traffic. Returns ``(states with the engines it may not use as DOWN,
+    fell_back)``: canary traffic goes to the canary engines that are not down, or, when none is,
+    falls back to the others (``fell_back`` True); other traffic never goes to a canary engine."""
+    allowed = [s if a is None else DOWN for s, a in zip(states, arms)]
+    if not canary:
+        return allowed, False
+    mine = [s if a == "canary" else DOWN for s, a in zip(states, arms)]
+    if any(s != DOWN for s in mine):
+        return mine, False
+    return allowed, any(a == "canary" for a in arms)
 
 
 def router_config(num_replicas: int) -> dict | None:

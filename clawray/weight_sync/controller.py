@@ -237,7 +237,7 @@ class WeightSyncController:
         parts = [f"{n} ({prefix + ': ' if prefix else ''}{errors[n]})" for n in engines_first]
         return f"{what} failed on {', '.join(parts)}"
 
-    def sync(self, version: int, hold: bool = False) -> dict[str, Any]:
+    def sync(self, version: int, hold: bool = False, only: list[int] | None = None) -> dict[str, Any]:
         """Have the learners gather their full weights (the engines still serve), then pause the
         engines, send the weights stamped ``version``, load them, resume: a pause covers the transfer
         and the load only (the gather was 60% of the CPU demo's pauses: 1.05 s of 1.76 s).
@@ -246,6 +246,11 @@ class WeightSyncController:
         the engines stay paused (``held`` in the result; any mode pauses, ``inflight`` as
         ``interrupt``): the users' requests wait while the caller probes the loaded weights with
         probe generations, until :meth:`release` or the next sync. A failed sync resumes them as usual.
+
+        ``only`` (engine indexes; the gate's canary, :mod:`clawray.canary`): only those engines are
+        paused (``drain``: their running generations finish on the old weights) and load the weights;
+        every other engine takes part in the transfer (a broadcast needs every member) off its engine
+        thread, drops it and keeps serving its version unpaused.
 
         Never raises for a member's failure and never leaves an engine paused: the result says what
         happened, and the next call rebuilds the group first and sends its (newer) weights to every
@@ -298,30 +303,39 @@ class WeightSyncController:
         if errors:
             return self._finish(out, t0, errors, self._describe(f"gathering the weights for v{version}", errors))
         out["gather_s"] = float(staged.get("learner-0", {}).get("gather_s", 0.0))
-        errors = self._send(version, out, hold)
+        errors = self._send(version, out, hold, only)
         out["seconds"] = time.perf_counter() - t_stage
         error = self._describe(f"weight sync to v{version}", errors) if errors else None
         return self._finish(out, t0, errors, error)
 
-    def _send(self, version: int, out: dict[str, Any], hold: bool = False) -> dict[str, str]:
+    def _send(
+        self, version: int, out: dict[str, Any], hold: bool = False, only: list[int] | None = None
+    ) -> dict[str, str]:
         """Pause the engines (not in inflight mode), send and load ``version``, resume them (always,
         unless ``hold`` and all went well: see :meth:`sync`); fills ``out``'s transfer fields and
-        returns the errors by member name."""
+        returns the errors by member name. ``only``: see :meth:`sync`."""
         t_sync = time.perf_counter()
-        inflight = self.mode == "inflight" and not hold  # [sync.mode] no pause: load between two steps
-        interrupt = self.mode == "interrupt" or (hold and self.mode == "inflight")
+        loading = set(range(len(self.engines)) if only is None else only)
+        inflight = self.mode == "inflight" and not hold and only is None  # [sync.mode] no pause
+        interrupt = only is None and (self.mode == "interrupt" or (hold and self.mode == "inflight"))
         pause_errors: dict[str, str] = {}
         resume_errors: dict[str, str] = {}
+        paused = {n: e for i, (n, e) in enumerate(zip(self.names, self.engines)) if i in loading}
         if not inflight:
-            _, pause_errors = _collect({n: e.pause.remote(interrupt) for n, e in zip(self.names, self.engines)}, 30.0)
+            _, pause_errors = _collect({n: e.pause.remote(interrupt) for n, e in paused.items()}, 30.0)
         try:
             named = {n: s.sync_weights.remote(version) for n, s in zip(self._member_names(), self.senders)}
-            named.update({n: e.receive_weights.remote(version, inflight) for n, e in zip(self.names, self.engines)})
+            named.update(
+                {
+                    n: e.receive_weights.remote(version, inflight, i in loading)
+                    for i, (n, e) in enumerate(zip(self.names, self.engines))
+                }
+            )
             results, errors = _collect(named, self.timeout_s)
             out["held"] = hold and not errors and not pause_errors
         finally:
             if not inflight and not out["held"]:
-                resume_errors = self.release()
+                resume_errors = self.release(only)
             out["pause_s"] = time.perf_counter() - t_sync  # [sync.mode]
         for n, err in list(pause_errors.items()) + list(resume_errors.items()):
             errors.setdefault(n, err)
@@ -332,7 +346,7 @@ class WeightSyncController:
             send_s=float(sent.get("send_s", 0.0)),
         )
         for n in self.names:
-            if n in results:
+            if n in results and results[n].get("loaded", True):
                 out["receive_s"][n] = results[n]["receive_s"]
                 out["load_s"][n] = results[n]["load_s"]
                 out["interrupted"] += int(results[n].get("interrupted", 0))  # [sync.mode]
@@ -341,10 +355,12 @@ class WeightSyncController:
             out["pause_s"] = max(out["load_s"].values(), default=0.0)
         return errors
 
-    def release(self) -> dict[str, str]:
-        """Resume every engine (after a held sync, :meth:`sync` ``hold=True``); returns the errors by
-        engine name (an engine that does not answer within 30 s is named, the others still resume)."""
-        _, errors = _collect({n: e.resume.remote() for n, e in zip(self.names, self.engines)}, 30.0)
+    def release(self, only: list[int] | None = None) -> dict[str, str]:
+        """Resume every engine, or the ``only`` ones (after a held sync, :meth:`sync` ``hold=True``);
+        returns the errors by engine name (an engine that does not answer within 30 s is named, the
+        others still resume)."""
+        engines = [(n, e) for i, (n, e) in enumerate(zip(self.names, self.engines)) if only is None or i in only]
+        _, errors = _collect({n: e.resume.remote() for n, e in engines}, 30.0)
         return errors
 
     def _finish(self, out: dict, t0: float, errors: dict[str, str], error: str | None) -> dict[str, Any]:
@@ -363,15 +379,17 @@ class WeightSyncController:
             out["seconds"] = time.perf_counter() - t0
         return out
 
-    def resync(self, version: int, senders: list | None = None, hold: bool = False) -> dict[str, Any]:
+    def resync(
+        self, version: int, senders: list | None = None, hold: bool = False, only: list[int] | None = None
+    ) -> dict[str, Any]:
         """Rebuild the group, then :meth:`sync` ``version`` to every engine (``hold`` as there): after
         Ray restarted an engine (it lost its transport and holds its initial weights) or after the
-        learner group was rebuilt (``senders``: the new learner handles, rank 0 first). Returns
-        :meth:`sync`'s result."""
+        learner group was rebuilt (``senders``: the new learner handles, rank 0 first); ``hold`` and
+        ``only`` as there. Returns :meth:`sync`'s result."""
         if senders is not None:
             self.senders = list(senders)
         self.connected = False
-        return self.sync(version, hold)
+        return self.sync(version, hold, only)
 
     def engine_versions(self, timeout_s: float = 10.0) -> dict[str, int | None]:
         """``{engine name: its policy version}``; None for an engine that did not answer in ``timeout_s``."""

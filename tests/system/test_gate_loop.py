@@ -6,6 +6,7 @@ the promoted version's probe scores and the best one (no new baseline)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -118,3 +119,56 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_a_canary_serves_only_its_sessions_and_a_harmful_one_never_reaches_the_rest(
+    ray_cluster, tiny_model, tmp_path, monkeypatch
+):
+    """Two engines, deploy.canary_fraction=0.5. v1 passes its probe on rollout-1 alone, serves the canary
+    sessions there, then every engine loads it. v2 passes its probe and its canary is found harmful
+    (the verdict is forced: a tiny model's live rewards are noise): only canary sessions were ever served
+    v2, rollout-1 loads v1 back. Every turn says whether a canary served it, and a canary turn is always
+    a canary session's (crc32 rule, clawray.serve.routing.in_canary)."""
+    import clawray.canary
+    from clawray.serve.routing import in_canary
+
+    overrides = [
+        *OVERRIDES,
+        "rollout.num_engines=2",
+        "env.concurrency=4",
+        "deploy.canary_fraction=0.5",
+        "deploy.canary_turns=2",
+        "deploy.canary_timeout_s=45",
+    ]
+    cfg = tiny_run_config(tiny_model, tmp_path / "run", overrides=overrides)
+    d = Driver(cfg)
+    d.setup()
+    try:
+        d.gate.start(d.actors, d.version, d.model_path)
+        d.users.start(d.base_url)
+        m1 = d.step()
+        assert m1["deploy/promoted"] == 1.0 and d.version == 1 and m1["deploy/canary_s"] > 0
+        assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1, "rollout-1": 1}
+        real = clawray.canary.canary_verdict
+        monkeypatch.setattr(
+            clawray.canary,
+            "canary_verdict",
+            lambda *a, **k: dataclasses.replace(real(*a, **k), harm=True, reason="worse (forced)"),
+        )
+        m2 = d.step()
+        assert m2["deploy/rejected"] == 1.0 and d.version == 1 and m2["deploy/canary_harm"] == 1.0
+        assert d.actors.weight_sync.engine_versions() == {"rollout-0": 1, "rollout-1": 1}
+    finally:
+        d.close()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "versions.jsonl")]
+    assert [(r["version"], r["decision"]) for r in rows] == [(0, "baseline"), (1, "promoted"), (2, "rejected")]
+    assert rows[1]["canary"]["harm"] in (False, None) and rows[2]["reason"].startswith("rejected by its canary")
+    turns = [json.loads(line) for line in open(tmp_path / "run" / "records" / "turns.jsonl")]
+    canary = [t for t in turns if t["canary"]]
+    assert canary and all(in_canary(t["session_id"], 0.5) for t in canary)  # within its fraction
+    assert {t["policy_version"] for t in canary} <= {0, 1, 2}
+    v2 = [t for t in turns if 2 in (t.get("token_versions") or [t["policy_version"]])]
+    assert all(t["canary"] for t in v2)  # the rejected v2 reached canary sessions only
+    # a canary session's turns while its canary ran stayed there: none of its v1/v2 candidate-time
+    # turns went to the other engine (a non-canary turn of a canary session is the promoted version's)
+    assert all(t["policy_version"] != 2 for t in turns if not t["canary"])

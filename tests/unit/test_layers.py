@@ -31,6 +31,7 @@ LAYERS = {
     "clawray.config": 1,
     "clawray.promotion": 1,
     "clawray.reply_compare": 1,
+    "clawray.canary": 1,
     # 2: building blocks that know the config and the algorithms, not Ray's actors
     "clawray.engines": 2,
     "clawray.envs": 2,
