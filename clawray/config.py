@@ -594,6 +594,10 @@ class DeployConfig:
     probe_n: int = num(1, ge=1, le=1024)  # samples per probe prompt (each one paired item)
     probe_temperature: float = num(0.7, **_TEMPERATURE)
     probe_seed: int = num(1, **_SEED)  # orders the probe's prompts and seeds its samples (paired across versions)
+    # the environment's split the probe draws its prompts from: "eval" (held out), or "train", which
+    # keeps the eval split independent of what the gate selected on (with eval.enabled, a gate probing
+    # the eval split picks the versions whose eval it then reports: a selection bias); a probe_file is eval
+    probe_split: str = choice("eval", "train")
     # a JSONL file of held-out conversations, each with an "answer" or a "regex" its reply must meet
     # (clawray.envs.probe_file); "" = the environment's eval split and check
     probe_file: str = ""
@@ -840,6 +844,8 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         )
     if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
+    if cfg.deploy.probe_file and cfg.deploy.probe_split != "eval":  # a probe file is held out as a whole
+        raise ConfigError("deploy.probe_file is one held-out set: deploy.probe_split must be eval")
     if cfg.deploy.gate and not (cfg.env.enabled or cfg.deploy.probe_file):  # the probe's items and check
         raise ConfigError(
             "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations, each with an answer, a regex "

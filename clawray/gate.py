@@ -1,10 +1,10 @@
 """The promotion gate (``deploy.gate``): no user is served a policy version that a probe found worse.
 
-Owns: the promoted version and its probe scores, the probe of a candidate (the environment's eval
-split and check, fixed prompts and seeds, so two versions' results pair item by item), the decision
-(:func:`clawray.promotion.decide`: an exact paired sign test with a margin and a floor, or under
-``deploy.rule: noninferior`` a paired non-inferiority bound), the order of
-a candidate's sync, probe and promotion or rollback (:meth:`PromotionGate.sync_candidate`), the
+Owns: the promoted version and its probe scores, the probe of a candidate (the environment's
+``deploy.probe_split`` split, eval by default, and its check, fixed prompts and seeds, so two
+versions' results pair item by item), the decision (:func:`clawray.promotion.decide`: an exact
+paired sign test with a margin and a floor, or under ``deploy.rule: noninferior`` a paired
+non-inferiority bound), the order of a candidate's sync, probe and promotion or rollback (:meth:`PromotionGate.sync_candidate`), the
 rejection count and ``run_dir/versions.jsonl``. Must not: pack or move a weight (the sync controller
 does, :meth:`~clawray.weight_sync.WeightSyncController.sync` ``hold=True``), train, or decide when a
 step syncs (:mod:`clawray.driver`).
@@ -74,7 +74,8 @@ class PromotionGate:
 
     Args:
         deploy: the ``deploy`` config section (:class:`~clawray.config.DeployConfig`).
-        env_cfg: the ``env`` section (the environment whose eval split is the probe; ``max_tokens``).
+        env_cfg: the ``env`` section (the environment whose ``deploy.probe_split`` split is the probe;
+            ``max_tokens``).
         run_dir: the run folder (``versions.jsonl``).
         untagged_tool_calls: ``serve.untagged_tool_calls`` (replies are parsed as served).
         judge_backend: ``judge.backend``; a probe file with compare items needs one that compares
@@ -126,7 +127,8 @@ class PromotionGate:
     # ---------------------------------------------------------------- probe
     def probe_env(self) -> Any:
         """The probe's items and check: ``deploy.probe_file``'s conversations
-        (:class:`~clawray.envs.probe_file.ProbeFileEnv`), else the environment's eval split.
+        (:class:`~clawray.envs.probe_file.ProbeFileEnv`), else the environment (its
+        ``deploy.probe_split`` split is probed).
 
         Raises:
             FileNotFoundError, ValueError: a missing or malformed probe file (``path:line: why``).
@@ -154,7 +156,7 @@ class PromotionGate:
                 temperature=d.probe_temperature,
                 seed=d.probe_seed,
                 max_tokens=self.env_cfg.max_tokens,
-                split="eval",
+                split=d.probe_split,
                 untagged_tool_calls=self.untagged_tool_calls,
             )
             tasks = [t for t in self._evaluator.tasks for _ in range(d.probe_n)]  # one per probe item

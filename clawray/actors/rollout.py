@@ -620,8 +620,8 @@ class RolloutEngine:
         return self._submit("call", fn)
 
     def _check_arm(self, request: GenerateRequest) -> None:
-        """Raise :class:`EngineArmError` when this engine's arm does not serve ``request`` (checked
-        once admitted, so a request that waited through a sync meets the arm the sync left)."""
+        """Raise :class:`EngineArmError` when this engine's arm does not serve ``request`` (checked on
+        arrival, and again once admitted: a request that waited through a sync meets the arm it left)."""
         if self.arm == "reserved" or (self.arm == "canary" and not request.canary):
             raise EngineArmError(f"{self.name} serves the {self.arm} arm only")
 
@@ -661,6 +661,7 @@ class RolloutEngine:
         self._in_flight += 1
         try:
             if not probe:
+                self._check_arm(request)  # a reserved engine sends it elsewhere at once, not after its probe
                 await self._admit(wait_s)
                 self._check_arm(request)
             elif self._closing:
@@ -694,6 +695,7 @@ class RolloutEngine:
         """
         self._in_flight += 1
         try:
+            self._check_arm(request)
             await self._admit(wait_s)
             self._check_arm(request)
         except BaseException:

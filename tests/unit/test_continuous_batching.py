@@ -697,3 +697,42 @@ def test_a_gate_probe_runs_while_paused_and_the_users_requests_wait_for_the_resu
     assert len(probe["response_ids"]) == 4 and probe["finish_reason"] == "length"
     assert during[0] == ("add", 3) and {tuple(r) for e, r in during if e == "step"} == {(3,)}
     assert len(a["response_ids"]) == 6 and len(b["response_ids"]) == 3
+
+
+def test_a_canary_engine_serves_canary_traffic_only_and_a_waiting_request_meets_the_arm_the_sync_left(engine):
+    """The promotion gate's canary (clawray.canary): a reserved engine refuses every user request at
+    once; one that waited through a pause meets the arm set meanwhile (canary: only canary traffic);
+    the probe runs whatever the arm; replies say whether a canary engine served them."""
+    from clawray.actors.rollout import EngineArmError
+
+    eng, backend = engine
+
+    async def scenario():
+        await eng.ready()
+        plain = await eng.generate(GenerateRequest([1], max_tokens=2))
+        await eng.set_arm("reserved")
+        refused = []
+        for canary in (False, True):
+            try:
+                await eng.generate(GenerateRequest([2], max_tokens=2, canary=canary))
+            except EngineArmError as e:
+                refused.append(str(e))
+        probe = await eng.generate(GenerateRequest([3], max_tokens=2), None, True)
+        await eng.pause()
+        await eng.set_arm(None)
+        waiting = [
+            asyncio.ensure_future(eng.generate(GenerateRequest([p], max_tokens=2, canary=p == 5))) for p in (4, 5)
+        ]
+        await asyncio.sleep(0.02)
+        await eng.set_arm("canary", 0.3)  # the sync is over: the engine serves the canary
+        await eng.resume()
+        outs = await asyncio.gather(*waiting, return_exceptions=True)
+        return plain, refused, probe, outs, await eng.stats()
+
+    plain, refused, probe, outs, stats = asyncio.run(scenario())
+    assert plain["canary"] is False and probe["canary"] is False and len(probe["response_ids"]) == 2
+    assert refused == ["rollout-0 serves the reserved arm only"] * 2
+    assert isinstance(outs[0], EngineArmError) and str(outs[0]) == "rollout-0 serves the canary arm only"
+    assert outs[1]["canary"] is True and len(outs[1]["response_ids"]) == 2
+    assert stats["arm"] == "canary" and stats["canary_fraction"] == 0.3 and stats["in_flight"] == 0
+    assert [e for e in backend.log if e[0] == "add"] == [("add", 1), ("add", 3), ("add", 5)]

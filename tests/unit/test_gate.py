@@ -273,3 +273,27 @@ def test_sync_candidate_backs_the_learning_rate_off_only_for_a_candidate_shown_w
     ]  # fmt: skip
     assert [r.get("backoff") for r in records(tmp_path)] == [None, False, True, None]
     assert outcomes[1].metrics["deploy/rejected"] == 1.0 and gate.promoted == 1
+
+
+def test_the_probe_draws_its_prompts_from_the_configured_split(tmp_path, monkeypatch):
+    """deploy.probe_split=train keeps the eval split out of what the gate selects on; a probe file is
+    one held-out set, so only eval goes with it."""
+    import transformers
+
+    import clawray.evaluation
+
+    seen: dict = {}
+
+    class Capture:
+        def __init__(self, env, tokenizer, **kwargs):
+            seen.update(kwargs, env=env.name)
+            self.tasks = []
+
+    monkeypatch.setattr(clawray.evaluation, "Evaluator", Capture)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
+    for split in ("eval", "train"):
+        cfg = load_config([], ["deploy.gate=true", "env.enabled=true", "env.name=arith", f"deploy.probe_split={split}"])
+        PromotionGate(cfg.deploy, cfg.env, str(tmp_path))._build("unused")
+        assert seen["split"] == split and seen["env"] == "arith"
+    with pytest.raises(ConfigError, match="deploy.probe_split must be eval"):
+        load_config([], ["deploy.gate=true", "deploy.probe_file=probe.jsonl", "deploy.probe_split=train"])
