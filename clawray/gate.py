@@ -4,15 +4,18 @@ Owns: the promoted version and its probe scores, the probe of a candidate (the e
 ``deploy.probe_split`` split, eval by default, and its check, fixed prompts and seeds, so two
 versions' results pair item by item), the decision (:func:`clawray.promotion.decide`: an exact
 paired sign test with a margin and a floor, or under ``deploy.rule: noninferior`` a paired
-non-inferiority bound), the order of a candidate's sync, probe and promotion or rollback (:meth:`PromotionGate.sync_candidate`), the
-rejection count and ``run_dir/versions.jsonl``. Must not: pack or move a weight (the sync controller
-does, :meth:`~clawray.weight_sync.WeightSyncController.sync` ``hold=True``), train, or decide when a
-step syncs (:mod:`clawray.driver`).
+non-inferiority bound), the order of a candidate's sync, probe (and canary) and promotion or
+rollback (:meth:`PromotionGate.sync_candidate`), the rejection count and ``run_dir/versions.jsonl``.
+Must not: pack or move a weight (the sync controller does, :meth:`~clawray.weight_sync.WeightSyncController.sync`
+``hold=True``), train, or decide when a step syncs (:mod:`clawray.driver`).
 
 How a candidate is judged (:meth:`PromotionGate.sync_candidate`, called by the driver's step): the learners' new weights
 are loaded into every engine while the engines are paused for users (their requests wait, parked
 generations included); the probe's generations run on those paused engines
-(:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``); promoted: the engines resume
+(:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``; with a canary,
+``deploy.canary_fraction``, only the canary engine loads and probes it while the others serve, then it
+serves the canary sessions until its live verdict: :meth:`PromotionGate._sync_canary`,
+:mod:`clawray.canary`); promoted: the engines resume
 on the candidate and the learners keep it as their rollback point; rejected: the learners return to
 the promoted version's weights and AdamW state (kept in host memory), the learning rate backs off by
 ``deploy.lr_backoff``, the promoted weights are synced back and the engines resume on them (a candidate rejected only as
@@ -415,11 +418,11 @@ class PromotionGate:
                 f"{self.cfg.max_rejections}); users are still served v{self.promoted}. Last: {self._last.reason}"
             )
 
-    def withdraw(self, version: int, error: str) -> None:
-        """Record candidate ``version`` as withdrawn: its weights did not reach every engine, so it
-        was not probed (the driver rolls back without a learning-rate back-off)."""
-        self._record({"version": version, "decision": "withdrawn", "reason": f"the sync failed: {error}"})
-        print(f"[clawray] gate: v{version} withdrawn (the sync failed); users keep v{self.promoted}", flush=True)
+    def withdraw(self, version: int, reason: str) -> None:
+        """Record candidate ``version`` as withdrawn: its weights did not reach the engines, or its
+        probe or canary failed, so it was not judged (it is rolled back without a learning-rate back-off)."""
+        self._record({"version": version, "decision": "withdrawn", "reason": reason})
+        print(f"[clawray] gate: v{version} withdrawn ({reason}); users keep v{self.promoted}", flush=True)
 
     def metrics(self, decision: Decision | None, users_held_s: float, probe_s: float = 0.0) -> dict[str, float]:
         """``deploy/*`` for the step's row: the serving (promoted) version, rejections in a row, samples
@@ -524,7 +527,7 @@ class PromotionGate:
                 error = self._roll_back(actors, self.cfg.lr_backoff if backoff else 1.0)
             held_s = result["pause_s"] + time.perf_counter() - t_probe
         else:
-            self.withdraw(version, result["error"])
+            self.withdraw(version, f"the sync failed: {result['error']}")
             error = self._roll_back(actors, 1.0) or result["error"]
         return self._outcome(actors, version, decision, error, metrics, (t0, held_s, probe_s))
 
@@ -567,21 +570,22 @@ class PromotionGate:
                 guards = self.measure_guards(actors.learners)  # the learners hold the candidate too
                 prefs = self.compare_replies(version, actors.judges)
                 decision = self.assess(scores, guards, prefs)
-            except Exception as e:  # noqa: BLE001 - an unprobed candidate is never served
-                self.withdraw(version, f"the probe failed: {type(e).__name__}: {e}")
-            if decision is not None and decision.promote:
-                window = CanaryWindow(lambda: _reward_tallies(actors.queue), version, self.promoted, self.cfg)
-                window.open()
-                _set_arm(engine, "canary", self.cfg.canary_fraction)
-                sync.release(only=[k])
-                print(f"[clawray] gate: v{version} passed its probe; canary on {sync.names[k]}", flush=True)
-                verdict = window.wait()
-                decision = verdict.apply(decision)
+                if decision.promote:
+                    window = CanaryWindow(lambda: _reward_tallies(actors.queue), version, self.promoted, self.cfg)
+                    window.open()
+                    _set_arm(engine, "canary", self.cfg.canary_fraction)
+                    sync.release(only=[k])
+                    print(f"[clawray] gate: v{version} passed its probe; canary on {sync.names[k]}", flush=True)
+                    verdict = window.wait()
+                    decision = verdict.apply(decision)
+            except Exception as e:  # noqa: BLE001 - a candidate not judged whole is never served to all
+                decision, verdict = None, None
+                self.withdraw(version, f"the probe or its canary failed: {type(e).__name__}: {e}")
             if decision is not None:
                 extra = {"canary": verdict.record()} if verdict is not None else {}
                 self.conclude(version, decision, scores, probe_s, 0, guards, prefs, extra)
         else:
-            self.withdraw(version, result["error"])
+            self.withdraw(version, f"the sync failed: {result['error']}")
         if decision is not None and decision.promote:  # every engine loads it
             full = sync.sync(version)
             error, held_s = full["error"], full["pause_s"]

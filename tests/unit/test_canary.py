@@ -193,7 +193,9 @@ def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_
     reads: list[dict] = []
     monkeypatch.setattr(gate_module, "_reward_tallies", lambda queue: reads.pop(0))
     base = [1.0] * 20
-    gate = make_gate(tmp_path, base, base, base, [0.0] * 20, canary_fraction=0.25, canary_turns=40, max_rejections=5)
+    gate = make_gate(
+        tmp_path, base, base, base, [0.0] * 20, base, canary_fraction=0.25, canary_turns=40, max_rejections=5
+    )
     actors = SimpleNamespace(
         weight_sync=FakeSync(), learners=FakeLearners(), engines=["e0", "e1"], judges=[], queue=None
     )
@@ -223,6 +225,24 @@ def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_
     out = gate.sync_candidate(actors, 3, "unused")
     assert out.rolled_back and actors.weight_sync.calls == [("sync", 3, True, [1]), ("sync", 1, False, [1])]
     assert [a[1] for a in arms] == ["reserved", None] and "canary" not in records(tmp_path)[-1]
+    # v4: its window cannot read the queue -> withdrawn (no back-off), e1 loads v1 back, serves everyone
+    actors.weight_sync.calls.clear(), arms.clear()
+
+    reads[:] = [{1: tally(GOOD)}]
+
+    def lost(queue):  # the window opens, then the queue is gone
+        if reads:
+            return reads.pop(0)
+        raise RuntimeError("the queue actor died")
+
+    monkeypatch.setattr(gate_module, "_reward_tallies", lost)
+    out = gate.sync_candidate(actors, 4, "unused")
+    assert out.rolled_back and actors.learners.calls[-1] == ("restore", 1.0) and gate.promoted == 1
+    assert actors.weight_sync.calls == [("sync", 4, True, [1]), ("release", [1]), ("sync", 1, False, [1])]
+    assert [a[1] for a in arms] == ["reserved", "canary", None]
+    rec = records(tmp_path)[-1]
+    assert rec["decision"] == "withdrawn"
+    assert rec["reason"] == "the probe or its canary failed: RuntimeError: the queue actor died"
 
 
 class FakeEngine:
