@@ -15,6 +15,7 @@ from clawray.canary import CanaryWindow, canary_engine, canary_verdict
 from clawray.config import ConfigError, DeployConfig, load_config, section
 from clawray.promotion import decide
 from clawray.serve.routing import DOWN, PAUSED, UP, arm_states, choose_engine, in_canary
+import test_gate
 
 
 def tally(rewards: list[float]) -> tuple[float, float, float]:
@@ -149,43 +150,27 @@ def test_a_canary_needs_the_gate_a_second_engine_and_the_asynchronous_loop():
 # ---------------------------------------------------------------- the gate's canary flow (fakes)
 
 
-class FakeSync:
-    """The weight-sync controller's surface of a canary; records each call."""
+class FakeSync(test_gate.FakeSync):
+    """test_gate's fake controller, with the canary's partial syncs (``only``) in each call's record."""
 
-    failures = 0
     names = ["rollout-0", "rollout-1"]
 
-    def __init__(self):
-        self.calls: list[tuple] = []
-
     def sync(self, version, hold=False, only=None):
-        self.calls.append(("sync", version, hold, only))
-        zero = dict.fromkeys(("pause_s", "seconds", "send_s", "gather_s", "rebuild_s"), 0.0)
-        return {"ok": True, "held": hold, "bytes": 0, "load_s": {}, "receive_s": {}, "error": None, **zero}
+        out = super().sync(version, hold)
+        self.calls[-1] += (only,)
+        return out
 
     def release(self, only=None):
-        self.calls.append(("release", only))
+        super().release()
+        self.calls[-1] += (only,)
         return []
-
-    def engine_versions(self):
-        return {}
-
-
-class FakeLearners:
-    def __init__(self):
-        self.calls: list = []
-
-    def keep_promoted(self):
-        self.calls.append("keep")
-
-    def restore_promoted(self, lr_factor):
-        self.calls.append(("restore", lr_factor))
 
 
 def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_back(tmp_path, monkeypatch):
     import clawray.gate as gate_module
     import clawray.recovery
-    from test_gate import make_gate, records
+
+    make_gate, records = test_gate.make_gate, test_gate.records
 
     monkeypatch.setattr(clawray.recovery, "restarted_engines", lambda actors: [])
     arms: list[tuple] = []
@@ -197,7 +182,7 @@ def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_
         tmp_path, base, base, base, [0.0] * 20, base, canary_fraction=0.25, canary_turns=40, max_rejections=5
     )
     actors = SimpleNamespace(
-        weight_sync=FakeSync(), learners=FakeLearners(), engines=["e0", "e1"], judges=[], queue=None
+        weight_sync=FakeSync(), learners=test_gate.FakeLearners(), engines=["e0", "e1"], judges=[], queue=None
     )
     gate.baseline(0, "unused", None)
     # v1: as good live as v0 -> promoted; every engine loads it
