@@ -147,7 +147,14 @@ class Driver:
         run_id = self.state.wandb_run_id  # a resumed run continues the checkpoint's wandb run
         config = OmegaConf.to_container(cfg, resolve=True)
         self.metrics = MetricsLog(
-            self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, config, resume_step, run_id
+            self.run_dir,
+            cfg.wandb.mode,
+            cfg.wandb.project,
+            cfg.wandb.name,
+            config,
+            resume_step,
+            run_id,
+            self.state.metrics_row if cfg.resume else None,
         )
         self.state.wandb_run_id = self.metrics.run_id
         self._ready = True
@@ -233,17 +240,18 @@ class Driver:
         behaviour = self._monitor_behaviour()
         st.in_flight = None  # the step is complete (trained, or decided against)
         timing = {f"timing/{k}_s": clock.seconds[k] for k in ("wait_batch", "hold", "train")}
-        # the row is ready before the checkpoint commits, so a driver killed right after the commit
-        # loses no row of a checkpointed step (the serve/queue/tracker stats calls take a while)
+        # the row is ready before the checkpoint commits and travels in it: a driver killed right
+        # after the commit loses no row of a checkpointed step (the resume writes it back)
         coef = st.entropy_coef(self.cfg.learner.entropy_coef_max)
         metrics, dropped = self.stats.step_row(
             st, batch, metas, adv, skipped, train, {**timing, **sync_metrics}, coef, tr.dynamic_sampling
         )
         metrics["timing/step_s"] = time.perf_counter() - t0
+        metrics.update(behaviour, **({"sync_error": sync_error} if sync_error else {}))
+        st.metrics_row = self.metrics.row(_logged(metrics), st.steps_done)  # the checkpoint carries it
         # with the gate, only a promoted version is checkpointed: a resume never serves an unprobed one
         metrics["timing/checkpoint_s"] = ckpt_s = self.checkpoints.periodic() if self.gate.settled(st.version) else 0.0
         metrics["timing/step_s"] += ckpt_s
-        metrics.update(behaviour, **({"sync_error": sync_error} if sync_error else {}))
         self._log_step(metrics, dropped, bool(adv.rewarded), train, skipped, sync_s, sync_error)
         self.gate.check_stop()
         return metrics
@@ -307,7 +315,7 @@ class Driver:
         """Append the row to the history, log it (wandb, ``metrics.jsonl``) and print the step's line
         (:func:`~clawray.step_metrics.step_line`)."""
         self.history.append(metrics)
-        self.metrics.log({k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}, step=self.steps_done)
+        self.metrics.log(_logged(metrics), step=self.steps_done)
         s = self.timeline.seconds
         args = (metrics, dropped, train, rewarded, skipped, sync_s, sync_error, s["wait_batch"], s["train"])
         print(step_line(self.steps_done, self.cfg.trainer.num_steps, *args), flush=True)
@@ -424,6 +432,11 @@ class Driver:
                 ray.shutdown()
         finally:
             self._run_lock.release()  # the folder is free only once nothing of this run writes to it
+
+
+def _logged(metrics: dict) -> dict:
+    """The step row's logged scalars: the row less its ``skipped`` and ``sync_error`` strings."""
+    return {k: v for k, v in metrics.items() if k not in ("skipped", "sync_error")}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -41,6 +41,10 @@ class MetricsLog:
             starts a new wandb run. Online, steps that the old run logged after its checkpoint are
             already in the history: wandb drops re-logged steps that are not past its last one
             (with a warning), while ``metrics.jsonl`` holds the rows of the resumed run.
+        resume_row: the checkpointed step's row as its checkpoint stored it (:meth:`row`); a resume
+            whose ``metrics.jsonl`` lacks that step (the driver was killed between the checkpoint's
+            commit and the row's append) writes it back, to wandb too. Its ``timing/checkpoint_s``
+            is absent: the checkpoint was not written yet when the row was stored.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class MetricsLog:
         config: dict | None = None,
         resume_step: int | None = None,
         run_id: str | None = None,
+        resume_row: dict | None = None,
     ):
         private_dir(run_dir)
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -60,6 +65,11 @@ class MetricsLog:
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        restored = None  # the checkpointed step's row, lost by a kill right after the checkpoint's commit
+        if resume_step is not None and resume_row is not None and resume_row.get("step") == resume_step:
+            if not any(json.loads(line).get("step") == resume_step for line in kept):
+                restored = resume_row
+                kept.append(json.dumps(restored) + "\n")
         with open_private(self.path) as f:
             f.writelines(kept)
         # every row carries `time/elapsed_s`, wall seconds since the tracker started (a resumed run
@@ -90,6 +100,8 @@ class MetricsLog:
             finally:
                 os.umask(old_umask)
             self._run_id = self.run.id
+            if restored is not None:
+                self.run.log({k: v for k, v in restored.items() if k != "step"}, step=resume_step)
 
     @property
     def run_id(self) -> str | None:
@@ -97,13 +109,21 @@ class MetricsLog:
         :meth:`finish`; None when wandb is disabled."""
         return self._run_id
 
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Append ``metrics`` (scalars) for ``step`` to wandb and ``metrics.jsonl`` (a non-finite
-        value, i.e. a metric undefined at this step, is written as ``null``: strict JSON), with
-        ``time/elapsed_s`` (wall seconds since the run started) added."""
+    def row(self, metrics: dict[str, Any], step: int) -> dict[str, Any]:
+        """The ``metrics.jsonl`` row of ``metrics`` (scalars) at ``step``: ``{"step": step, ...}``
+        with ``time/elapsed_s`` (wall seconds since the run started) added and a non-finite value
+        (a metric undefined at this step) as ``None``, so the row is strict JSON."""
         metrics = {**metrics, "time/elapsed_s": round(time.monotonic() - self._t0, 3)}
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        line = (json.dumps({"step": step, **row}) + "\n").encode()
+        return {
+            "step": step,
+            **{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()},
+        }
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Append ``metrics`` (scalars) for ``step`` to wandb and ``metrics.jsonl`` as :meth:`row`
+        writes it."""
+        row = self.row(metrics, step)
+        line = (json.dumps(row) + "\n").encode()
         try:
             with open_private(self.path, "a") as f:
                 append_whole(f.fileno(), line)  # whole or not at all: never a torn row
@@ -113,7 +133,7 @@ class MetricsLog:
                 f"[clawray] metrics.jsonl: step {step}'s row not written ({e.strerror or type(e).__name__})", flush=True
             )
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            self.run.log({**metrics, "time/elapsed_s": row["time/elapsed_s"]}, step=step)
 
     def finish(self) -> None:
         """Close the wandb run."""

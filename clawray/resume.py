@@ -63,6 +63,8 @@ class LoopState:
         zero_variance_dropped: samples rejected by dynamic sampling (``trainer.dynamic_sampling``).
         skipped_steps: ``{reason: steps}`` not trained (``degenerate``, ``nonfinite``, ``no_gradient``).
         wandb_run_id: the wandb run a resume continues.
+        metrics_row: the last step's ``metrics.jsonl`` row (:meth:`~clawray.metrics_log.MetricsLog.row`),
+            stored before its checkpoint commits; a resume writes it back if a kill lost it.
         in_flight: the batch taken from the queue and not yet decided on (``next_version``,
             ``metas``, ``seqs``; ``counted``/``marked`` once trained/journaled), else None.
         trained_samples: ``(session_id, turn_index)`` of the most recently trained samples.
@@ -81,6 +83,7 @@ class LoopState:
     zero_variance_dropped: int = 0
     skipped_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     wandb_run_id: str | None = None
+    metrics_row: dict | None = None
     in_flight: dict | None = None
     trained_samples: deque = dataclasses.field(default_factory=lambda: deque(maxlen=1 << 16))
     trained_since_ckpt: int = 0
@@ -222,6 +225,7 @@ class Checkpoints:
         st.all_masked_dropped, st.skipped_steps = saved["all_masked_dropped"], saved["skipped_steps"]
         st.zero_variance_dropped = saved.get("zero_variance_dropped", 0)
         st.wandb_run_id = saved.get("wandb_run_id")  # absent in checkpoints of older versions
+        st.metrics_row = saved.get("metrics_row")
         st.samples_trained = saved.get("samples_trained", 0)
         # the engines serve the checkpoint's weights, stamped with its version
         sync = self.actors.weight_sync
@@ -386,6 +390,8 @@ class Checkpoints:
             "time": time.time(),
             "resumable": save_optimizer,
             "wandb_run_id": st.wandb_run_id,
+            # the row of the step this checkpoint covers (not of an in-flight one counted here)
+            "metrics_row": st.metrics_row if (st.metrics_row or {}).get("step") == steps_done else None,
         }
         with open(os.path.join(tmp, "driver.json"), "w") as f:
             json.dump(saved, f, indent=2)

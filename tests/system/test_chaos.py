@@ -135,8 +135,6 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     pending = [r for r in sessions if r["op"] == "turns"]
     acked_before = _acked(raw)
     trained_before = _trained_until(raw, ckpt_steps)
-    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    assert metrics[ckpt_steps - 1]["samples_trained"] == len(trained_before)  # the driver's own count agrees
 
     d2 = Driver(
         tiny_run_config(
@@ -155,6 +153,12 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     d2.setup()
     try:
         assert d2.steps_done == ckpt_steps and d2.version == ckpt_steps
+        # the checkpointed step's row is in metrics.jsonl, also when the kill came between the
+        # checkpoint's commit and the row's append (the checkpoint carries it), and the driver's
+        # own count agrees with the journal's
+        rows = {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
+        assert sorted(rows) == list(range(1, ckpt_steps + 1))
+        assert rows[ckpt_steps]["samples_trained"] == len(trained_before)
         # continue a session left open by the killed run: the next turn index, and its pending turn judged
         last = {}
         for r in pending:

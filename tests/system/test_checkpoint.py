@@ -112,6 +112,9 @@ def test_stop_and_resume_keeps_versions_and_trains_queued_samples_once(ray_clust
     assert (state["version"], state["steps_done"], state["queued_samples"]) == (2, 2, 2)
     assert state["wandb_run_id"] == wandb_id and wandb_id  # the resume continues this wandb run
     assert state["samples_trained"] == 4  # the effective-sample-rate numerator survives a resume
+    # the step's metrics.jsonl row travels in its checkpoint (a kill after the commit loses none)
+    row = state["metrics_row"]
+    assert row["step"] == 2 and row["samples_trained"] == 4 and "timing/checkpoint_s" not in row
     for part in (
         "model/config.json",
         "model/model.safetensors",

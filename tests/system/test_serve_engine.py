@@ -69,23 +69,35 @@ def _body(text: str, max_tokens: int, **kw) -> dict:
     return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, **kw}
 
 
-async def _hang_up(base: str, i: int, stream: bool) -> None:
-    """Send a long greedy request and disconnect after 1 s."""
-    url, headers, body = f"{base}/v1/chat/completions", {"X-Session-Id": f"gone-{i}"}, _body(f"count, {i}", LONG)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as client:
-        try:
+async def _hang_up(base: str, engine, stream: bool) -> None:
+    """Send 3 long greedy requests and disconnect once the engine is generating all 3 (its own
+    ``in_flight`` gauge and step counter, not a timer: on a fast machine the tiny model writes the
+    1900 tokens in about a second)."""
+    url = f"{base}/v1/chat/completions"
+    steps_before = (await engine.stats.remote())["steps"]
+
+    async def one(i: int) -> str:
+        headers, body = {"X-Session-Id": f"gone-{i}"}, _body(f"count, {i}", LONG)
+        async with httpx.AsyncClient(timeout=60) as client:
             if stream:
-                deadline = time.monotonic() + 1.0
                 async with client.stream("POST", url, headers=headers, json={**body, "stream": True}) as r:
                     async for line in r.aiter_lines():
-                        if time.monotonic() > deadline:
-                            return  # leaving the block closes the connection mid-stream
-                        assert line != "data: [DONE]", "the stream ended within 1 s; it cannot test a hang-up"
+                        assert line != "data: [DONE]", "the stream ended before the hang-up"
             else:
                 await client.post(url, headers=headers, json=body)
-        except httpx.TimeoutException:
-            return
-    raise AssertionError("the long request finished within 1 s; it cannot test a hang-up")
+        return "finished before the hang-up"
+
+    async def generating():
+        st = await engine.stats.remote()
+        return st["in_flight"] >= 3 and st["steps"] - steps_before >= 3
+
+    tasks = [asyncio.create_task(one(i)) for i in range(3)]
+    running = await _wait_for(generating, 30.0)
+    for t in tasks:
+        t.cancel()  # leaving the client's block closes the connection mid-reply
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert running, "the 3 long requests never ran together"
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
 
 
 async def _wait_for(pred, timeout_s: float = 10.0):
@@ -105,7 +117,7 @@ def test_clients_that_hang_up_free_the_engine(server, stream):
     turns_before = ray.get(server["tracker"].stats.remote()).get("turns", 0)
 
     async def scenario():
-        await asyncio.gather(*(_hang_up(base, i, stream) for i in range(3)))
+        await _hang_up(base, engine, stream)
         engine_stats = lambda: engine.stats.remote()  # noqa: E731
 
         async def all_cancelled():

@@ -71,6 +71,27 @@ def test_disabled_tracker_has_no_run_id(tmp_path):
     t.finish()
 
 
+def test_a_resume_writes_back_the_checkpointed_steps_row_a_kill_lost(tmp_path):
+    """The driver stores step 2's row in its checkpoint and is killed after the commit, before the
+    append: the resume from step 2 writes that row back once (and keeps a row that is there)."""
+    run_dir = str(tmp_path)
+    first = MetricsLog(run_dir, "disabled")
+    first.log({"loss": 1.0}, step=1)
+    stored = first.row({"loss": 2.0, "kl": float("nan")}, step=2)  # into driver.json; then the kill
+    assert stored["step"] == 2 and stored["loss"] == 2.0 and stored["kl"] is None and "time/elapsed_s" in stored
+    json.dumps(stored, allow_nan=False)  # strict JSON, as driver.json holds it
+
+    MetricsLog(run_dir, "disabled", resume_step=2, resume_row=stored).log({"loss": 3.0}, step=3)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+    # resumed from step 2 again: its row is there, not written twice; a row of another step is ignored
+    MetricsLog(run_dir, "disabled", resume_step=2, resume_row={**stored, "loss": 9.0})
+    MetricsLog(run_dir, "disabled", resume_step=2, resume_row={**stored, "step": 1})
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0)]
+
+
 def _modes(root) -> dict[str, int]:
     """Permission bits of ``root`` and everything under it, by relative path."""
     import stat
