@@ -6,6 +6,7 @@ advantages (binary and GRPO groups by prompt) and log the metrics from the queue
 :class:`~clawray.types.SampleMeta` alone, and hand the refs on to the learners untouched.
 """
 
+import json
 import math
 
 import pytest
@@ -13,6 +14,7 @@ import ray
 
 from clawray.config import load_config
 from clawray.driver import Driver
+from clawray.metrics_log import MetricsLog
 from clawray.types import Sample, SampleMeta
 
 
@@ -129,8 +131,7 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
         (),
         {"behind": False, "failures": 0, "engine_versions": lambda self: {}, "sync": lambda self, v: _sync_result(v)},
     )()
-    logged = []
-    d.metrics = type("Tracking", (), {"log": lambda self, m, step: logged.append(step)})()
+    d.metrics = MetricsLog(str(tmp_path / "metrics"), "disabled")
     gets = []
     monkeypatch.setattr(ray, "get", counting_get(gets))
 
@@ -142,7 +143,10 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     assert m["samples"] == 3 and m["reward_mean"] == pytest.approx(1 / 3) and m["skipped"] == "no"
     assert m["inv/staleness_mean"] == 1.0 and m["inv/dropped_samples/all_masked"] == 1
     assert m["inv/effective_sample_rate"] == pytest.approx(3 / 4) and not math.isnan(m["loss"])
-    assert list(d.state.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1 and logged == [1]
+    assert list(d.state.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1
+    rows = [json.loads(line) for line in open(tmp_path / "metrics" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1] and rows[0]["samples"] == 3
+    assert d.state.metrics_row["step"] == 1 and d.state.metrics_row["samples"] == 3  # what a checkpoint would carry
     assert ("consumed", ([1, 2, 3, 4], 1, True)) in d.actors.queue.calls  # the whole batch, B included
     assert len(gets) >= 3  # the batch, the queue's and the tracker's stats went through the counted get
     assert "engines resumed" not in capsys.readouterr().out  # the sync succeeded: no failure is told
