@@ -199,8 +199,8 @@ def precision_mismatch(cfg) -> str | None:
     in, or None when they agree (or the engine's is ``auto``: the model folder's). Measured on the CPU
     demo (``conf/rl.yaml conf/cpu.yaml``, seed 0): a bfloat16 vLLM engine against float32 learners
     gave ``inv/logprob_mismatch_kl`` 2.4e-3 and importance ratios up to 6.4, and solved 22.7% -> 29.6%
-    (CIs overlap) where the float32 engine reached 22.2% -> 34.3% (CIs disjoint) on the same main (both
-    with the prefix cache on); the
+    (CIs overlap) where the float32 engine reached 22.2% -> 34.3% (CIs disjoint) on the same main (of
+    2026-12-01: both before the tied-lm_head reload fix 6d709dd, with the prefix cache on); the
     bfloat16 run clipped 6-17% of its tokens against 1-4% (``inv/clip_frac``)."""
     engine = _DTYPE_NAMES.get(engine_dtype(str(cfg.rollout.backend), str(cfg.rollout.dtype)))
     learner = learner_compute_dtype(float(cfg.learner.num_gpus))
@@ -211,22 +211,6 @@ def precision_mismatch(cfg) -> str | None:
         f"rollout log-probs are off-policy for the learner (the CPU demo with a bfloat16 engine: "
         f"logprob_mismatch_kl 2.4e-3, ratios up to 6.4, +6.9 points solved instead of +12.0); "
         f"rollout.dtype={learner} makes them agree"
-    )
-
-
-def prefix_cache_warning(cfg) -> str | None:
-    """A line for a *training* run whose vLLM engines keep a prefix cache, or None. Measured on the CPU
-    demo (``conf/rl.yaml conf/cpu.yaml``, seed 0): with the cache 22.2% -> 34.3% and 42.1% solved (two
-    runs), without it 69.0%, 70.8% and 74.5% (three runs). The engine computes the same numbers with
-    and without it (``bench/prefix_cache.py``: one trained checkpoint evaluates to 75.5% both ways, and
-    on cache hits the sampled log-probs match a cache-free re-score within 4e-5 nats), so the weights
-    it trains, not the engine, are worse. Serving without training (``clawray serve``) changes no
-    weights and is not concerned."""
-    if str(cfg.rollout.backend) != "vllm" or not bool(cfg.rollout.prefix_caching):
-        return None
-    return (
-        "rollout.prefix_caching is on while training: on the CPU demo it cost most of the gain (34.3% and "
-        "42.1% solved after 20 updates instead of 69-75%; cause not found yet); rollout.prefix_caching=false to train"
     )
 
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from clawray.algos.advantages import batch_advantages
 from clawray.algos.algorithm import algorithm_class
-from clawray.checkpoint import precision_mismatch, prefix_cache_warning
+from clawray.checkpoint import precision_mismatch
 from clawray.closing import closing_lines, eval_change_lines
 from clawray.evaluation import RunEvaluations
 from clawray.gate import PromotionGate
@@ -159,10 +159,9 @@ class Driver:
         self.state.wandb_run_id = self.metrics.run_id
         self._ready = True
         print(build.ready_line(cfg, self.actors, time.perf_counter() - t0, self.base_url), flush=True)
-        # said loudly: each cost most of the CPU demo's gain
-        for warning in (precision_mismatch(cfg), prefix_cache_warning(cfg) if cfg.trainer.num_steps != 0 else None):
-            if warning is not None:
-                print(f"[clawray] WARNING {warning}", flush=True)
+        warning = precision_mismatch(cfg)  # said loudly: it cost most of the CPU demo's gain
+        if warning is not None:
+            print(f"[clawray] WARNING {warning}", flush=True)
         fresh = self.state.steps_done == 0 and cfg.trainer.num_steps != 0 and cfg.env.enabled
         if algorithm_class(cfg.trainer.algo).needs_teacher and cfg.opd.premise_check != "none" and fresh:
             self.premise = build.check_premise(cfg, self.model_path, self.actors)

@@ -146,25 +146,3 @@ def test_an_engine_sampling_in_another_precision_than_the_learners_is_said(files
             f"precision: the rollout engine samples in {said[0]} and the learners compute in {said[1]}"
         )
         assert line.endswith(f"rollout.dtype={said[1]} makes them agree")
-
-
-def test_training_with_the_prefix_cache_on_is_said():
-    """The prefix cache, on by default for one stop, cost the CPU demo most of its gain (seed 0: 22.2%
-    -> 34.3% solved with it, 22.2% -> 74.5% without). Off by default again; a training run that
-    turns it on (the OpenClaw preset does, for serving speed) is told so at start-up."""
-    from clawray.checkpoint import prefix_cache_warning
-
-    assert load_config(["conf/rl.yaml", "conf/cpu.yaml"], []).rollout.prefix_caching is False
-    assert prefix_cache_warning(load_config(["conf/rl.yaml", "conf/cpu.yaml"], [])) is None
-    line = prefix_cache_warning(
-        load_config(["conf/rl.yaml", "conf/cpu.yaml", "conf/serve.yaml", "conf/openclaw.yaml"], [])
-    )
-    assert line.startswith(
-        "rollout.prefix_caching is on while training: on the CPU demo it cost most of the gain (34.3%"
-    )
-    assert (
-        prefix_cache_warning(
-            load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["rollout.backend=hf", "rollout.prefix_caching=true"])
-        )
-        is None
-    )
