@@ -48,7 +48,7 @@ JOURNAL_RETRY_S = 5.0
 
 @dataclasses.dataclass
 class LoopState:
-    """The training loop's state. The fields up to ``wandb_run_id`` are saved in a checkpoint's
+    """The training loop's state. The fields up to ``metrics_row`` are saved in a checkpoint's
     ``driver.json``; the rest live only as long as the driver.
 
     Attributes:
