@@ -147,13 +147,8 @@ class CanaryWindow:
     """
 
     def __init__(self, tallies: Callable[[], dict], candidate: int, promoted: int, deploy: Any, poll_s: float = 1.0):
-        self.tallies, self.candidate, self.promoted, self.cfg, self.poll_s = (
-            tallies,
-            candidate,
-            promoted,
-            deploy,
-            poll_s,
-        )
+        self.tallies, self.cfg, self.poll_s = tallies, deploy, poll_s
+        self.candidate, self.promoted = candidate, promoted
         self.base: dict = {}
         self.t0 = 0.0
 

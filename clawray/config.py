@@ -884,17 +884,17 @@ def _check_canary(cfg: DictConfig) -> None:
     d = cfg.deploy
     if d.canary_fraction <= 0:
         return
-    why = (
-        "deploy.gate=true"
-        if not d.gate
-        else "rollout.num_engines >= 2 (one serves the canary, the others the promoted version)"
-        if cfg.rollout.num_engines < 2
-        else "trainer.overlap=true (the serial loop holds the users while a candidate is judged)"
-        if not cfg.trainer.overlap
-        else ""
-    )
-    if why:
-        raise ConfigError(f"deploy.canary_fraction={d.canary_fraction} needs {why}")
+    needs = [
+        (d.gate, "deploy.gate=true"),
+        (
+            cfg.rollout.num_engines >= 2,
+            "rollout.num_engines >= 2 (one serves the canary, the others the promoted version)",
+        ),
+        (cfg.trainer.overlap, "trainer.overlap=true (the serial loop holds the users while a candidate is judged)"),
+    ]
+    for met, what in needs:
+        if not met:
+            raise ConfigError(f"deploy.canary_fraction={d.canary_fraction} needs {what}")
 
 
 def _check_topk_teacher(cfg: DictConfig) -> None:

@@ -866,11 +866,8 @@ class RolloutEngine:
         """:meth:`receive_weights` with ``load=False``: receive (off the engine thread), ack, drop."""
         from clawray.weight_sync import WeightSyncError
 
-        loop = asyncio.get_running_loop()
         async with self._inflight_sync:
-            if not self._ready.is_set():
-                await loop.run_in_executor(None, self._ready.wait)
-            weights, receive_s = await loop.run_in_executor(None, self._receive_sync, version)
+            weights, receive_s = await self._receive_off_thread(version)
             del weights  # ipc: views of the sender's buffers, unmapped by done()
             try:
                 self._transport.done(ok=True)
@@ -892,9 +889,7 @@ class RolloutEngine:
         never loaded (the engine shut down) is released at the sender (``done(ok=False)``)."""
         loop = asyncio.get_running_loop()
         async with self._inflight_sync:
-            if not self._ready.is_set():
-                await loop.run_in_executor(None, self._ready.wait)
-            weights, receive_s = await loop.run_in_executor(None, self._receive_sync, version)  # the engine generates
+            weights, receive_s = await self._receive_off_thread(version)
             started = threading.Event()  # set by the engine thread as the load begins
 
             def _load_received() -> dict:
@@ -911,6 +906,14 @@ class RolloutEngine:
                         self._transport.done(ok=False)  # ipc: the sender's buffers are released now
                     except Exception:  # the transport may be gone with the engine
                         pass
+
+    async def _receive_off_thread(self, version: int) -> tuple[list, float]:
+        """:meth:`_receive_sync` in an executor thread, once the backend is loaded: the engine thread
+        goes on generating meanwhile."""
+        loop = asyncio.get_running_loop()
+        if not self._ready.is_set():
+            await loop.run_in_executor(None, self._ready.wait)
+        return await loop.run_in_executor(None, self._receive_sync, version)
 
     def _receive_sync(self, version: int) -> tuple[list, float]:
         """Receive one whole sync (its header checked): ``(weights, seconds)``. Raises WeightSyncError."""
