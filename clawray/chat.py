@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 from typing import Any, Callable, Iterable
 
 from clawray.client_rules import is_ephemeral, strip_envelope, strip_ephemeral
@@ -43,17 +45,53 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-#: A JSON decoder that refuses ``NaN`` / ``Infinity`` (Python's default accepts them, and they would
-#: make records and replies invalid JSON).
-STRICT_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: Python reads inf, which json.dumps writes as Infinity
+        raise ValueError(f"the number {text[:40]} overflows a double")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class LoneSurrogateError(ValueError):
+    """Decoded JSON holds a lone UTF-16 surrogate (an unpaired ``\\ud800``-``\\udfff`` escape): valid
+    JSON syntax, yet no UTF-8 text (a reply body, a tokenizer, a record) can hold it."""
+
+
+class StrictJSONDecoder(json.JSONDecoder):
+    """A JSON decoder that accepts only what JSON encoders everywhere can write back: it refuses
+    ``NaN`` / ``Infinity`` tokens and numbers that overflow to infinity (``1e999``), which
+    ``json.dumps`` would write as the non-standard ``Infinity``, and strings holding a lone surrogate
+    (:class:`LoneSurrogateError`), which cannot be encoded as UTF-8. ``decode`` and ``raw_decode``
+    raise ``ValueError`` for either (``RecursionError`` for nesting too deep)."""
+
+    def __init__(self) -> None:
+        super().__init__(parse_constant=_reject_constant, parse_float=_finite_float)
+
+    def raw_decode(self, s: str, idx: int = 0) -> tuple[Any, int]:
+        obj, end = super().raw_decode(s, idx)
+        text = s[idx:end]
+        if "\\u" in text or _SURROGATE.search(text):  # an escape, or a str made without UTF-8 decoding
+            try:
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise LoneSurrogateError("JSON holds a lone surrogate escape (invalid Unicode)") from None
+        return obj, end
+
+
+#: The shared :class:`StrictJSONDecoder`: every JSON a client or the policy sends goes through it.
+STRICT_JSON = StrictJSONDecoder()
 
 
 def loads_strict(text: str | bytes) -> Any:
     """``json.loads`` that accepts only UTF-8 standard JSON.
 
     Raises:
-        ValueError: invalid JSON, ``NaN``/``Infinity``, an integer beyond Python's digit limit, or
-            bytes that are not UTF-8 (JSON in UTF-16/32 is refused).
+        ValueError: invalid JSON, ``NaN``/``Infinity`` or a number that overflows to it, an integer
+            beyond Python's digit limit, bytes that are not UTF-8 (JSON in UTF-16/32 is refused), or
+            a lone surrogate escape (:class:`LoneSurrogateError`).
         RecursionError: nesting too deep.
     """
     if isinstance(text, bytes):

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from clawray.chat import RequestError, loads_strict, normalize_messages
+from clawray.chat import LoneSurrogateError, RequestError, loads_strict, normalize_messages
 from clawray.client_rules import side_kind
 
 MAX_SESSION_ID_CHARS = 256
@@ -133,20 +133,16 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     """
     try:
         body = loads_strict(raw)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a 5000-digit integer
+    except LoneSurrogateError:
+        raise RequestError(
+            "request body contains invalid Unicode (a lone surrogate)", None, "invalid_unicode"
+        ) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, 1e999, a 5000-digit integer
         raise RequestError(f"request body is not valid JSON ({str(e)[:120]})", None, "invalid_json") from None
     except RecursionError:
         raise RequestError("request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", None, "invalid_json")
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(
-            "request body contains invalid Unicode (a lone surrogate)", None, "invalid_unicode"
-        ) from None
-    except (RecursionError, ValueError):
-        raise RequestError("request body is nested too deeply", None, "invalid_json") from None
     return body
 
 

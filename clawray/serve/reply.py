@@ -24,10 +24,12 @@ Reply grammar (hermes / Qwen conventions)::
   may be an object or a JSON string encoding one (double-encoded strings are decoded). Or it holds
   Qwen3-Coder / Qwen3.5 XML, one or more ``<function=NAME>`` blocks of ``<parameter=KEY>VALUE
   </parameter>`` (vLLM's ``qwen3_coder`` parser): a value is typed by the tool's JSON schema (a
-  ``string`` parameter stays text; integer, number, boolean, object, array and null are decoded
-  as JSON, and text that does not decode stays text); a parameter the schema does not know is
-  decoded as JSON when it is valid JSON. Each call becomes an OpenAI tool call with
-  ``arguments`` a JSON string. Once a block opens, the rest of the reply is buffered and parsed at
+  parameter whose types include ``string`` stays text, and ``null`` is None where the types also
+  include ``null``; integer, number, boolean, object, array and null are decoded as JSON, and text
+  that does not decode stays text); a parameter the schema does not know is decoded as JSON when it
+  is valid JSON. Each call becomes an OpenAI tool call with ``arguments`` a JSON string: standard
+  JSON always (:class:`~clawray.chat.StrictJSONDecoder`: a value that overflows to infinity or holds
+  a lone surrogate escape makes the block invalid, or stays text in an XML parameter). Once a block opens, the rest of the reply is buffered and parsed at
   the end; if any block is not valid JSON, or is not closed, the whole non-reasoning text is the
   content and the reply is flagged ``tool_parse_error`` (never a server error).
 * Tool-call blocks are parsed only when the request offered tools (``tools`` given and
@@ -145,8 +147,8 @@ def _xml_value(text: str, kind: Any) -> Any:
     value = text[1:] if text.startswith("\n") else text
     value = value[:-1] if value.endswith("\n") else value
     kinds = set(kind) if isinstance(kind, list) else {kind}
-    if kinds == {"string"}:
-        return value
+    if "string" in kinds:  # a string may be any text ("123", "{...}"); ["string", "null"] also takes null
+        return None if "null" in kinds and value.strip() == "null" else value
     try:
         return STRICT_JSON.decode(value.strip())
     except (ValueError, RecursionError):

@@ -267,6 +267,8 @@ def test_rejections_name_the_field(body, headers, param, code):
         (b'{"messages": [], "foo": ' + b"1" * 4400 + b"}", "invalid_json"),  # over Python's int digit limit
         (b'{"temperature": NaN}', "invalid_json"),
         (b'{"tools": [{"function": {"name": "f", "parameters": {"x": Infinity}}}]}', "invalid_json"),
+        (b'{"temperature": 1e999}', "invalid_json"),  # overflows to inf: json.dumps would write Infinity
+        (b'{"messages": [{"role": "user", "content": "\\udc00 low"}]}', "invalid_unicode"),  # an escape, unpaired
         (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode("utf-16"), "invalid_json"),
     ],
 )
@@ -278,3 +280,29 @@ def test_decode_body_rejections(raw, code):
 
 def test_decode_body_accepts_unicode_and_nul():
     assert decode_body('{"a": "h\\u00e9 \\u0000 \U0001f600"}'.encode())["a"] == "hé \x00 \U0001f600"
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"a": "\\ud800"}', '{"a": "\\ud83d\\u0041"}', '{"x": 1e999}', '{"x": -1E+400}'],
+)
+def test_history_tool_call_arguments_that_no_encoder_writes_back_are_a_400(arguments):
+    """An assistant message's ``function.arguments`` string holding a lone surrogate escape gave an
+    HTTP 500 (the conversation key could not encode it), and ``1e999`` was read as inf: both are the
+    client's input, refused as ``invalid_request`` on that message's tool_calls."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    raw = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    ).encode()
+    with pytest.raises(RequestError) as e:
+        parse(decode_body(raw), {})
+    assert (e.value.param, e.value.code, str(e.value)) == (
+        "messages[1].tool_calls",
+        "invalid_request",
+        "messages[1].tool_calls[0].function.arguments is not valid JSON",
+    )
+    # a surrogate pair (an emoji) and a large finite number are fine
+    ok = {**call, "function": {"name": "f", "arguments": '{"a": "\\ud83d\\ude00", "x": 1e308}'}}
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [ok]}]})
+    req = parse(decode_body(raw.encode()), {})
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": "\U0001f600", "x": 1e308}

@@ -8,7 +8,13 @@ import random
 
 import pytest
 
-from clawray.serve.reply import IncrementalDetokenizer, ReplyParser, parse_reply_text, parse_tool_block
+from clawray.serve.reply import (
+    IncrementalDetokenizer,
+    ReplyParser,
+    parse_reply_text,
+    parse_tool_block,
+    tool_parameter_types,
+)
 
 
 def _ids():
@@ -438,3 +444,63 @@ def test_untagged_tool_calls_stream_plain_content_at_once_and_need_offered_tools
     # tagged calls parse as before with the option on
     tagged = parse_reply_text("<tool_call>" + json.dumps(_READ) + "</tool_call>", tools=_UNTAGGED_TOOLS, untagged=True)
     assert [c["function"]["name"] for c in tagged.tool_calls] == ["read_file"]
+
+
+STRICT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "number"},
+                    "a": {"type": "string"},
+                    "content": {"type": ["string", "null"]},
+                },
+            },
+        },
+    }
+]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "f", "arguments": {"x": 1e999}}',  # hermes: a number that overflows to inf
+        '{"name": "f", "arguments": "{\\"x\\": -1e400}"}',  # the same, JSON-string-encoded
+        '{"name": "f", "arguments": {"a": "\\ud83d"}}',  # half an emoji's surrogate pair
+        '{"name": "f", "arguments": {"a": "\\udc00 \\ud800"}}',
+    ],
+)
+def test_a_tool_call_no_json_encoder_can_write_back_is_a_tool_parse_error(block):
+    """A policy's call with ``1e999`` reached the client as ``{"x": Infinity}`` (not JSON: Node's
+    JSON.parse refuses it), and one with a lone surrogate escape could not be encoded as UTF-8 (an
+    HTTP 500 after the turn was recorded, or a stream cut short). Both are now an invalid block: the
+    text is the content, flagged ``tool_parse_error``; streamed the same."""
+    text = f"<tool_call>\n{block}\n</tool_call>"
+    parsed = parse_reply_text(text, tools=STRICT_TOOLS)
+    assert parsed.tool_parse_error and parsed.tool_calls == [] and parsed.content == text
+    body = json.dumps({"choices": [{"message": parsed.message()}]}, ensure_ascii=False).encode("utf-8")
+    assert json.loads(body)["choices"][0]["message"]["content"] == text
+    for cut in range(0, len(text), 5):
+        _, result = _stream(text, [cut])
+        assert result.tool_parse_error and result.tool_calls == []
+
+
+def test_qwen3_coder_values_that_json_cannot_hold_stay_text_and_string_unions_stay_text():
+    """An XML ``number`` value ``1e999`` was decoded to inf (arguments ``{"x": Infinity}``); a
+    ``["string", "null"]`` parameter (how strict OpenAI schemas write an optional string) holding
+    JSON-looking text was decoded into an object, so a write_file tool got a dict, not its text."""
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=x>\n1e999\n</parameter>\n<parameter=a>\n\\ud83d\n</parameter>\n"
+        '<parameter=content>\n{"debug": true}\n</parameter>\n</function>\n</tool_call>'
+    )
+    (call,) = parse_reply_text(text, tools=STRICT_TOOLS).tool_calls
+    assert call["function"]["arguments"] == '{"x": "1e999", "a": "\\\\ud83d", "content": "{\\"debug\\": true}"}'
+    assert json.loads(call["function"]["arguments"]) == {"x": "1e999", "a": "\\ud83d", "content": '{"debug": true}'}
+    for value, expected in (("null", None), ("123", "123"), ("text", "text")):
+        body = f"<function=f>\n<parameter=content>\n{value}\n</parameter>\n</function>"
+        assert parse_tool_block(body, tool_parameter_types(STRICT_TOOLS)) == [
+            {"name": "f", "arguments": {"content": expected}}
+        ]
