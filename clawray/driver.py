@@ -12,8 +12,9 @@ judgements they started, trains, syncs, then releases them (:meth:`~clawray.traf
 generation overlaps a train step or a sync. ``Driver.timeline`` keeps the wall-clock spans of each
 step's train and sync phases.
 The policy is evaluated (``eval.*``, :mod:`clawray.evaluation`) before the loop, every
-``eval.every_steps`` and after it, on rollout engine 0 between steps, so each evaluation sees one
-policy version; the run ends by printing each measure before -> after with its 95% CI.
+``eval.every_steps`` and after it (a resumed run: once at the resume, unless that policy's
+evaluation was written), on rollout engine 0 between steps, so each evaluation sees one policy
+version; the run ends by printing each measure before -> after with its 95% CI.
 
 Owns: the order of a step's phases and what is decided between them (guards, skips, versions).
 Must not: build actors (:mod:`clawray.build`), write checkpoints or resume (:mod:`clawray.resume`),
@@ -141,6 +142,7 @@ class Driver:
         print(build.placement_line(self.actors), flush=True)
         if cfg.resume:
             self.checkpoints.restore()
+            self.evals.resume(self.steps_done)
             self.base_url = self.serve.deploy(deploy)
         build.await_server(self.base_url, self.actors)
         resume_step = self.state.steps_done if cfg.resume else None
@@ -177,7 +179,7 @@ class Driver:
         comes from one policy version. Logged at the current step; appended to ``self.eval_results``.
 
         Args:
-            when: ``"before"``, ``"step"`` or ``"after"``.
+            when: ``"before"``, ``"step"``, ``"after"`` or ``"resume"``.
 
         Returns:
             the record, or None when ``eval.enabled`` is false or the evaluation failed (printed).
@@ -325,7 +327,7 @@ class Driver:
         if not self._ready:
             self.setup()
         t0, tr = time.perf_counter(), self.cfg.trainer  # tr.num_steps may be lowered while it runs (bench/chaos.py)
-        self.evaluate("before")  # before any traffic: the engines serve the initial (or resumed) policy
+        self.evaluate("resume" if self.cfg.resume else "before")  # before any traffic: the initial (or resumed) policy
         if tr.num_steps != 0:  # deploy.gate: the served version is the promoted one, probed as the reference
             self.gate.start(self.actors, self.version, self.model_path, resumed=self.cfg.resume)
         self.users.start(self.base_url)

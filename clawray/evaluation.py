@@ -260,7 +260,7 @@ def flat_metrics(metrics: dict[str, dict[str, float]], prefix: str = "eval/") ->
 class RunEvaluations:
     """The job's evaluations of the current policy (``eval.*``): before the loop, every
     ``eval.every_steps`` steps and after it; each logged, kept in :attr:`results` and written to
-    ``run_dir/eval.json``.
+    ``run_dir/eval.json``, which a resumed run continues (:meth:`resume`).
 
     Args:
         eval_cfg: the ``eval`` config section (``enabled``, ``every_steps``, ``n``, ``num_prompts``,
@@ -276,6 +276,33 @@ class RunEvaluations:
         self.results: list[dict[str, Any]] = []  # {"when", "step", "policy_version", "metrics", ...} each
         self._evaluator: Evaluator | None = None
 
+    def resume(self, step: int) -> None:
+        """Continue the run's record after a resume from the checkpoint of step ``step``: keep the
+        ``eval.json`` evaluations up to that step (later ones judged weights the resume discards), so
+        :attr:`results` and the closing before -> after lines still start from the run's first
+        evaluation. A missing file keeps none; an unreadable one is said and kept none of."""
+        path = os.path.join(self.run_dir, "eval.json")
+        try:
+            with open(path) as f:
+                records = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            print(
+                f"[clawray] eval.json not read on resume ({type(e).__name__}: {e}); its evaluations are left out",
+                flush=True,
+            )
+            return
+        if not isinstance(records, list):
+            print("[clawray] eval.json not read on resume (not a list); its evaluations are left out", flush=True)
+            return
+        kept = [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= step]
+        self.results[:] = kept  # the same list: the driver holds it as eval_results
+
+    def evaluated(self, step: int, version: int) -> bool:
+        """Whether :attr:`results` holds an evaluation of policy ``version`` at step ``step``."""
+        return any(r.get("step") == step and r.get("policy_version") == version for r in self.results)
+
     def due(self, steps_done: int, last: bool) -> bool:
         """Whether an evaluation follows step ``steps_done`` (not after the ``last`` one: the closing
         evaluation covers it)."""
@@ -290,15 +317,19 @@ class RunEvaluations:
         through ``log(metrics, step=step)``; append the record to :attr:`results` and write ``eval.json``.
 
         Args:
-            when: ``"before"``, ``"step"`` or ``"after"`` (a label in the record and the log line).
+            when: ``"before"``, ``"step"``, ``"after"`` or ``"resume"`` (a label in the record and the
+                log line; ``"resume"`` is skipped when the resumed step's policy was evaluated already).
             model_path: the policy's model folder (its tokenizer and chat template render the prompts).
             generate: ``generate(requests) -> replies`` (:meth:`Evaluator.run`).
 
         Returns:
             the record (``{"when", "step", "policy_version", "metrics", ...}``), or None when
-            ``eval.enabled`` is false or the evaluation failed (the error is printed, the run goes on).
+            ``eval.enabled`` is false, the evaluation failed (the error is printed, the run goes on)
+            or a ``"resume"`` evaluation was skipped.
         """
         if not self.cfg.enabled:
+            return None
+        if when == "resume" and self.evaluated(step, version):  # the kill came after this policy's evaluation
             return None
         try:
             result = self._build(model_path).run(generate)

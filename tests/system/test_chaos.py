@@ -84,6 +84,9 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
         "env.max_turns=3",
         "env.max_tokens=16",
         "learner.num_workers=1",  # the learner kills are the other tests' (a setup costs 7 s less)
+        "eval.enabled=true",  # 2 prompts x 1: eval.json must continue across the kill
+        "eval.num_prompts=2",
+        "eval.n=1",
     ]
     cfg1 = tiny_run_config(
         tiny_model,
@@ -189,6 +192,13 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
     trained = trained_before + trained_after
     dup = [k for k, n in Counter(trained).items() if n > 1]
     assert not dup, dup
+    # eval.json continues the killed run's: its base evaluation first, the resumed policy's, the last
+    evals = [(r["when"], r["step"], r["policy_version"]) for r in json.load(open(os.path.join(run_dir, "eval.json")))]
+    assert evals == [
+        ("before", 0, 0),
+        ("resume", ckpt_steps, ckpt_steps),
+        ("after", ckpt_steps + 1, summary["policy_version"]),
+    ]
     assert queue["size"] == 0 and queue["dropped"].get("stale", 0) == 0
     assert set(trained) == acked, (sorted(acked - set(trained)), sorted(set(trained) - acked))
     if continued is not None:  # the pending turn of the continued session was judged and trained

@@ -187,3 +187,79 @@ def test_run_evaluations_schedule_record_and_failure(tmp_path, capsys):
     assert "eval (after) failed: RuntimeError: no engine" in capsys.readouterr().out
     off = RunEvaluations(SimpleNamespace(enabled=False, every_steps=1), None, str(tmp_path))
     assert off.run("before", 0, 0, "unused", None, None) is None
+
+
+def test_a_resume_keeps_the_runs_evaluations_up_to_its_checkpoint_and_fills_the_one_a_kill_lost(tmp_path, capsys):
+    """A resumed run used to start ``eval.json`` afresh: the run's first (base-model) evaluation was
+    lost and the closing before -> after lines compared the resumed policy with the last one. Now the
+    evaluations up to the checkpoint's step stay; those after it (weights the resume discards) go;
+    the resumed policy is evaluated only when a kill came before its evaluation was written."""
+    from types import SimpleNamespace
+
+    from clawray.closing import eval_change_lines
+    from clawray.evaluation import RunEvaluations
+
+    def record(when, step, version, solved):
+        return {
+            "when": when,
+            "step": step,
+            "policy_version": version,
+            "metrics": {"solved": {"mean": solved, "lo": solved - 0.1, "hi": solved + 0.1, "n": 10}},
+            "env": "sums",
+            "split": "eval",
+            "samples": 10,
+        }
+
+    class FakeEvaluator:
+        calls = 0
+
+        def run(self, generate):
+            FakeEvaluator.calls += 1
+            out = record("x", 0, 0, 0.6)
+            return {k: out[k] for k in ("metrics", "env", "split", "samples")} | {
+                "seconds": 1.0,
+                "prompts": 5,
+                "n": 2,
+                "temperature": 0.7,
+            }
+
+    cfg = SimpleNamespace(enabled=True, every_steps=2)
+    written = [record("before", 0, 0, 0.2), record("step", 2, 2, 0.4), record("step", 4, 4, 0.5)]
+    (tmp_path / "eval.json").write_text(json.dumps(written))
+    # killed after step 3's checkpoint: step 4's evaluation judged weights the resume discards
+    evals = RunEvaluations(cfg, None, str(tmp_path))
+    held = evals.results
+    evals.resume(3)
+    assert evals.results is held and [(r["step"], r["policy_version"]) for r in held] == [(0, 0), (2, 2)]
+    evals._evaluator = FakeEvaluator()
+    log = lambda m, step: None  # noqa: E731
+    rec = evals.run("resume", 3, 3, "unused", None, log)  # step 3's policy was never evaluated: it is now
+    assert FakeEvaluator.calls == 1 and (rec["when"], rec["step"], rec["policy_version"]) == ("resume", 3, 3)
+    evals.run("after", 5, 5, "unused", None, log)
+    on_disk = json.loads((tmp_path / "eval.json").read_text())
+    assert [(r["when"], r["step"]) for r in on_disk] == [("before", 0), ("step", 2), ("resume", 3), ("after", 5)]
+    assert eval_change_lines(evals.results)[0].endswith(
+        "step 0 (v0) -> step 5 (v5)"
+    )  # the run's gain, not the resume's
+
+    # killed after step 2's checkpoint and its evaluation: the resume does not evaluate that policy again
+    again = RunEvaluations(cfg, None, str(tmp_path))
+    again.resume(2)
+    again._evaluator = FakeEvaluator()
+    assert (
+        again.run("resume", 2, 2, "unused", None, log) is None and FakeEvaluator.calls == 2
+    )  # resume and after above; none here
+    assert [r["step"] for r in again.results] == [0, 2]
+    # a resume before the first checkpoint keeps the base evaluation and skips its repeat
+    first = RunEvaluations(cfg, None, str(tmp_path))
+    first.resume(0)
+    assert [r["step"] for r in first.results] == [0] and first.evaluated(0, 0)
+
+    # an unreadable eval.json is said and left out; a missing one keeps nothing
+    (tmp_path / "eval.json").write_text("{not json")
+    broken = RunEvaluations(cfg, None, str(tmp_path))
+    broken.resume(3)
+    assert broken.results == [] and "eval.json not read on resume (JSONDecodeError" in capsys.readouterr().out
+    missing = RunEvaluations(cfg, None, str(tmp_path / "nowhere"))
+    missing.resume(3)
+    assert missing.results == []
