@@ -26,7 +26,7 @@ run's own figures and a verdict, ✓ (holds) or ● (at risk), against :data:`TH
 | invariant | figures (over the run's training rows) | ✓ when |
 |---|---|---|
 | entropy | ``inv/entropy`` first -> last | last >= 0.5 x first, and >= ``learner.entropy_floor`` |
-| signal | mean ``inv/nonzero_reward_frac``, mean ``inv/adv_std`` | adv std >= 0.05 and (a mode with rewards) non-zero fraction >= 0.5 |
+| signal | mean ``inv/nonzero_reward_frac``, mean ``inv/adv_std``; a top-k distillation run: mean ``opd/topk_kl`` | adv std >= 0.05 and (a mode with rewards) non-zero fraction >= 0.5; top-k: KL >= 0.001 nats/token |
 | on-policy gap | max ``inv/logprob_mismatch_kl`` (and at how many steps it was measured), mean ``inv/clip_frac`` | KL <= 0.01 and clip fraction <= 0.2 |
 | effective samples | mean ``inv/effective_token_rate`` | >= 0.5 |
 | behaviour | ``inv/behaviour_entropy`` first -> last (when the monitor ran) | last >= 0.5 x first, and >= ``learner.behaviour_floor`` |
@@ -66,15 +66,23 @@ INVARIANTS: dict[str, tuple[str, list[str]]] = {
 # opd.w_opd / opd.w_rl), and the teacher's failures and hint mixtures
 DISTILLATION: tuple[str, list[str]] = (
     "Distillation: hints and the teacher's term",
-    ["judge/hint_acceptance_rate", "adv/opd_abs_mean", "adv/rl_abs_mean", "teacher/errors", "teacher/hint_mixtures"],
+    [
+        "judge/hint_acceptance_rate",
+        "adv/opd_abs_mean",
+        "adv/rl_abs_mean",
+        "opd/topk_kl",
+        "teacher/errors",
+        "teacher/hint_mixtures",
+    ],
 )
 
 
 def panels(train: list[dict]) -> dict[str, tuple[str, list[str]]]:
     """The report's panels for these training rows: :data:`INVARIANTS`, then ``opd``
-    (:data:`DISTILLATION`) when a row has the OPD term's size (an OPD or Combine run)."""
+    (:data:`DISTILLATION`) when a row has the OPD term's size or the top-k KL (an OPD or Combine run)."""
     out = dict(INVARIANTS)
-    if any(isinstance(r.get("adv/opd_abs_mean"), (int, float)) and math.isfinite(r["adv/opd_abs_mean"]) for r in train):
+    keys = ("adv/opd_abs_mean", "opd/topk_kl")
+    if any(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for r in train for k in keys):
         out["opd"] = DISTILLATION
     return out
 
@@ -291,6 +299,7 @@ def _plot_deploy(plt, versions: list[dict], path: str) -> list[str]:
 THRESHOLDS = {
     "entropy_ratio_min": 0.5,
     "adv_std_min": 0.05,
+    "topk_kl_min": 0.001,
     "nonzero_reward_frac_min": 0.5,
     "mismatch_kl_max": 0.01,
     "clip_frac_max": 0.2,
@@ -328,7 +337,11 @@ def matrix_row(rows: list[dict], config: dict[str, Any]) -> dict[str, tuple[str,
 
     cell("entropy", _trend(_finite(train, "inv/entropy"), float(lrn.get("entropy_floor") or 0.0)))
     nz, adv = _finite(train, "inv/nonzero_reward_frac"), _finite(train, "inv/adv_std")
-    if adv:
+    topk = _finite(train, "opd/topk_kl")  # top-k distillation: the teacher's distribution is the signal
+    if topk:
+        mean_kl = sum(topk) / len(topk)
+        cell("signal", (f"top-k KL {mean_kl:.3g}", mean_kl >= T["topk_kl_min"]))
+    elif adv:
         mean_nz = sum(nz) / len(nz) if nz else math.nan
         mean_adv = sum(adv) / len(adv)
         ok = mean_adv >= T["adv_std_min"] and (not _with_reward(algo) or mean_nz >= T["nonzero_reward_frac_min"])

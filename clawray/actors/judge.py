@@ -40,18 +40,28 @@ from clawray.config import JudgeConfig, section
 from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
 
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOX_OPEN = "\\boxed{"
+_BRACE = re.compile(r"[{}]")
 _VOTE = re.compile(r"\s*([+-]?[01])\s*", re.ASCII)  # ASCII digits only: a "１" or "١" is not a vote
 MAX_ANSWER_CHARS = 65536  # a judge answer is parsed and kept by its last 64 Ki characters
 
 
 def _last_box(text: str) -> int | None:
     """The value of the *last* ``\\boxed{...}`` in ``text`` when it is exactly -1, 0 or 1 (an optional
-    sign and spaces allowed); None when there is no box or the last one holds anything else, so a
-    malformed final answer never lets an earlier box decide. Linear in ``len(text)``."""
-    found = _BOX.findall(text)
-    match = _VOTE.fullmatch(found[-1]) if found else None
-    return int(match.group(1)) if match else None
+    sign and spaces allowed); None when there is no box or the last one holds anything else (braces
+    included, as ``\\boxed{\\text{-1}}``, or never closed), so a malformed final answer never lets an
+    earlier box decide. Linear in ``len(text)``."""
+    start = text.rfind(_BOX_OPEN)
+    if start < 0:
+        return None
+    start += len(_BOX_OPEN)
+    depth = 1
+    for brace in _BRACE.finditer(text, start):  # the box's content runs to its matching brace
+        depth += 1 if brace.group() == "{" else -1
+        if depth == 0:
+            match = _VOTE.fullmatch(text[start : brace.start()])
+            return int(match.group(1)) if match else None
+    return None  # never closed
 
 
 def parse_score(text: str) -> int | None:

@@ -107,17 +107,19 @@ class DegenerateBatchGuard:
             raise ValueError(f"unknown degenerate-batch mode {self.mode!r}; expected none, baseline or skip")
 
     def apply(self, rewards: list[float]) -> tuple[list[float], bool]:
-        """Returns ``(advantages per sample, train?)`` for a batch and updates the counters."""
+        """Returns ``(advantages per sample, train?)`` for a batch and updates the counters and, in
+        every mode, the running mean reward ``b`` (``trainer.advantage: baseline`` reads it whatever
+        the mode); the advantages use ``b`` from before this batch."""
         degenerate = signal_stats(rewards)["one_signed"] == 1.0
         self.degenerate_batches += int(degenerate)
+        before = self.baseline
+        mean = sum(rewards) / max(len(rewards), 1)
+        self.baseline = self.momentum * self.baseline + (1.0 - self.momentum) * mean
         if self.mode == "none":
             return list(rewards), True
         if self.mode == "skip":
             return list(rewards), not degenerate
-        adv = [r - self.baseline for r in rewards] if degenerate else list(rewards)
-        mean = sum(rewards) / max(len(rewards), 1)
-        self.baseline = self.momentum * self.baseline + (1.0 - self.momentum) * mean
-        return adv, True
+        return ([r - before for r in rewards] if degenerate else list(rewards)), True
 
 
 @dataclass

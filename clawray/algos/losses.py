@@ -344,6 +344,8 @@ SUM_METRICS = (
     "adv_rl_abs_sum",
     "adv_opd_abs_sum",
     "opd_tokens",
+    "topk_kl_sum",
+    "topk_tokens",
 )
 """The :class:`LossOutput` metrics that add up over samples (and ranks); ``ratio_max`` takes the max,
 ``token_entropy`` concatenates."""
@@ -357,9 +359,12 @@ class LossOutput:
         loss: the scalar to minimise (with grad), already normalised by the mini-batch size.
         metrics: detached float64 tensors by name, on the inputs' device (no host sync): the 0-dim
             :data:`SUM_METRICS` (``loss``, ``pg_loss``, ``kl``; token counts ``clipped``, ``tokens``,
-            ``effective_tokens`` (mask 1, advantage != 0), ``response_tokens``, ``mismatch_tokens``
-            (masked tokens of a fresh sample); sums over masked tokens ``ratio_sum``, ``adv_sum``,
-            ``adv_sq_sum``, ``is_weight_sum``, ``mismatch_kl_sum``, ``entropy_sum``; ``samples`` = 1),
+            ``effective_tokens`` (mask 1 and advantage != 0; every masked token of a top-k
+            distillation sample), ``response_tokens``, ``mismatch_tokens`` (masked tokens of a fresh
+            sample), ``opd_tokens`` and ``topk_tokens`` (masked tokens with a teacher, with top-k);
+            sums over masked tokens ``ratio_sum``, ``adv_sum``, ``adv_sq_sum``, ``is_weight_sum``,
+            ``mismatch_kl_sum``, ``entropy_sum``, ``adv_rl_abs_sum``, ``adv_opd_abs_sum``,
+            ``topk_kl_sum``; ``samples`` = 1),
             ``ratio_max`` (0-dim; 0 without masked tokens) and ``token_entropy`` (``[M]``, the masked
             tokens' entropies in nats).
     """
@@ -417,9 +422,10 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         agg_mode=cfg.agg_mode,
         num_seqs=inp.num_seqs,
     )
-    loss = out.loss
+    loss, topk_kl = out.loss, None
     if inp.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
-        loss = aggregate(topk_reverse_kl(scaled, inp.teacher_topk_logprobs, inp.teacher_topk_ids), mask, **agg)
+        topk_kl = topk_reverse_kl(scaled, inp.teacher_topk_logprobs, inp.teacher_topk_ids)
+        loss = aggregate(topk_kl, mask, **agg)
     kl_value = torch.zeros((), device=mask.device)
     if inp.ref_logprobs is not None:
         kl_value = aggregate(kl_penalty(logprobs, inp.ref_logprobs, cfg.kl_estimator), mask, **agg)
@@ -432,6 +438,11 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         metrics["adv_rl_abs_sum"] = rl_term.abs().sum().double()
         metrics["adv_opd_abs_sum"] = ((adv - rl_term) * mask).abs().sum().double()
         metrics["opd_tokens"] = metrics["tokens"] if has_teacher else torch.zeros((), dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        if topk_kl is not None:  # every masked token learns from the teacher's top-k, whatever its advantage
+            metrics["effective_tokens"] = metrics["tokens"]
+        metrics["topk_kl_sum"] = zero if topk_kl is None else topk_kl.detach()[mask.bool()].sum().double()
+        metrics["topk_tokens"] = zero if topk_kl is None else metrics["tokens"]
     return LossOutput(loss=loss, metrics=metrics)
 
 
@@ -487,9 +498,12 @@ def batch_loss_metrics(
     ``inv/adv_std`` (token population std), ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``,
     ``inv/is_weight_mean``, ``inv/logprob_mismatch_kl`` (the summed ``mismatch_*`` terms: fresh samples
     and the learner's mismatch probe; nan without any) and
-    ``inv/effective_token_rate``; the two terms of the advantage mix, weights included:
-    ``adv/rl_abs_mean`` (``|w_rl * a|`` per masked token) and ``adv/opd_abs_mean`` (``|w_opd *
-    clip(teacher - rollout)|`` per masked token of the samples with a teacher; nan without any).
+    ``inv/effective_token_rate`` (masked tokens with a non-zero advantage, and every masked token of a
+    top-k distillation sample, over all response tokens); the two terms of the advantage mix, weights
+    included: ``adv/rl_abs_mean`` (``|w_rl * a|`` per masked token) and ``adv/opd_abs_mean`` (``|w_opd *
+    clip(teacher - rollout)|`` per masked token of the samples with a teacher; nan without any);
+    ``opd/topk_kl``: the top-k reverse KL per masked token of the top-k distillation samples (nats,
+    :func:`topk_reverse_kl`; their learning signal, as the advantage is others'; nan without any).
     Means over tokens divide by ``max(tokens, 1)``.
     """
     from clawray.algos.invariants import masked_quantile
@@ -520,4 +534,5 @@ def batch_loss_metrics(
         "adv/opd_abs_mean": (
             sums.get("adv_opd_abs_sum", 0.0) / sums["opd_tokens"] if sums.get("opd_tokens") else math.nan
         ),
+        "opd/topk_kl": sums.get("topk_kl_sum", 0.0) / sums["topk_tokens"] if sums.get("topk_tokens") else math.nan,
     }

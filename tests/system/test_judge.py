@@ -32,6 +32,12 @@ from clawray.types import Turn
         ("\\boxed{-\u0661}", None),
         ("\\boxed{" + "9" * 5000 + "}", None),  # used to raise: int() refuses over 4300 digits
         ("\\boxed{\\text{1}}", None),
+        # a final box with braces inside: the earlier, retracted box used to decide (a -1 read as +1)
+        ("At first \\boxed{1}. But the user asks for a redo: \\boxed{\\text{-1}}", None),
+        ("\\boxed{-1} on reflection \\boxed{\\mathbf{1}}", None),
+        ("\\boxed{1} and then the answer was cut: \\boxed{", None),  # a final box never closed
+        ("\\boxed{1} " + "\\boxed{{" * 20000, None),  # linear in the text
+        ("\\boxed{\\boxed{-1}}", -1),  # the innermost box is the last one opened
         (["\\boxed{1}"], None),  # a judge that answered with a list or an object: invalid, not a crash
         (None, None),
     ],

@@ -280,6 +280,8 @@ def test_sample_loss_hand_computed_and_metrics_by_name():
             "adv_rl_abs_sum": 4.0,  # the reward term alone: |1 x 2| on 2 tokens
             "adv_opd_abs_sum": 0.0,
             "opd_tokens": 0.0,
+            "topk_kl_sum": 0.0,
+            "topk_tokens": 0.0,
         }
     )
     assert out.metrics["token_entropy"].tolist() == pytest.approx([math.log(4)] * 2)
@@ -360,3 +362,45 @@ def test_batch_advantages_baseline_on_every_batch():
     assert guard.baseline == -0.125 and guard.degenerate_batches == 0
     # "skip" still skips a one-signed batch
     assert batch_advantages([1.0, 1.0], DegenerateBatchGuard("skip"), "baseline").train is False
+
+
+@pytest.mark.parametrize("mode", ["none", "skip"])
+def test_the_baseline_estimator_keeps_its_running_mean_in_every_guard_mode(mode):
+    """``trainer.advantage: baseline`` with ``degenerate_batches`` none or skip trained on raw rewards:
+    the guard updated its running mean only in its own ``baseline`` mode, so ``b`` stayed 0."""
+    from clawray.algos.advantages import batch_advantages
+
+    guard = DegenerateBatchGuard(mode, momentum=0.5)
+    out = batch_advantages([1.0, 1.0, 1.0, -1.0], guard, "baseline")  # b: 0 -> 0.5 * 0.5 = 0.25
+    assert out.advantages == [1.0, 1.0, 1.0, -1.0] and guard.baseline == 0.25
+    out = batch_advantages([1.0, -1.0], guard, "baseline")  # b before it: 0.25; after: 0.125
+    assert out.advantages == [0.75, -1.25] and out.train and guard.baseline == 0.125
+    # the guard's own advantages stay the raw rewards in these modes; skip still skips one-signed batches
+    assert guard.apply([1.0, 1.0]) == ([1.0, 1.0], mode == "none") and guard.baseline == 0.5625
+
+
+def test_a_topk_distillation_sample_counts_every_masked_token_as_effective():
+    """A top-k sample (no reward, advantage 0) trains every masked token through the reverse KL, yet
+    ``inv/effective_token_rate`` and ``inv/adv_std`` read 0, so every top-k run failed the report's
+    effective-samples and signal checks. Its tokens are effective now, and ``opd/topk_kl`` is its signal."""
+    from clawray.algos.losses import SUM_METRICS, LossSettings, batch_loss_metrics, sample_loss
+
+    # V = 4, uniform student; teacher top-2 = ids (0, 1) at p = 0.5, 0.25 on each token: tail 0.25 over
+    # 2 ids. KL(s || t) per token = 1/4 log(1/4 / 1/2) + 1/4 log(1/4 / 1/4) + 2/4 log(2/4 / 1/4) = 1/4 log 2
+    t_lp = torch.log(torch.tensor([[0.5, 0.25]] * 3))
+    ids = torch.tensor([[0, 1]] * 3)
+    out = sample_loss(
+        _uniform_inputs(advantage=0.0, teacher_topk_logprobs=t_lp, teacher_topk_ids=ids, fresh=False), LossSettings()
+    )
+    assert out.loss.item() == pytest.approx(0.25 * math.log(2), abs=1e-6)  # token mean over the 2 masked tokens
+    m = {k: out.metrics[k].item() for k in SUM_METRICS}
+    assert (m["effective_tokens"], m["tokens"], m["response_tokens"], m["topk_tokens"]) == (2.0, 2.0, 3.0, 2.0)
+    assert m["topk_kl_sum"] == pytest.approx(0.5 * math.log(2), abs=1e-6) and m["adv_sq_sum"] == 0.0
+    batch = batch_loss_metrics(m, 1.0, out.metrics["token_entropy"], 1, 1)
+    assert batch["inv/effective_token_rate"] == pytest.approx(2 / 3)
+    assert batch["opd/topk_kl"] == pytest.approx(0.25 * math.log(2), abs=1e-6)
+    # a PPO sample with advantage 0 carries no gradient: not effective, and no top-k KL
+    plain = sample_loss(_uniform_inputs(advantage=0.0), LossSettings())
+    assert plain.metrics["effective_tokens"].item() == 0.0 and plain.metrics["topk_tokens"].item() == 0.0
+    sums = {k: plain.metrics[k].item() for k in SUM_METRICS}
+    assert math.isnan(batch_loss_metrics(sums, 1.0, plain.metrics["token_entropy"], 1, 1)["opd/topk_kl"])

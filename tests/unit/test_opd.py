@@ -30,6 +30,7 @@ from clawray.types import SampleMeta, Turn
         ("\\boxed{1} " + "[HINT_START]" * 30000, (1, None)),  # linear: a lazy regex took minutes here
         ("\\boxed{" + "1" * 5000 + "} [HINT_START] long enough hint [HINT_END]", (None, "long enough hint")),
         ({"text": "\\boxed{1}"}, (None, None)),
+        ("\\boxed{1}? No: \\boxed{\\textbf{-1}}", (None, None)),  # the final box is malformed: no decision
     ],
 )
 def test_parse_hint(text, expected):

@@ -177,8 +177,20 @@ def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
         ],
         learner={"entropy_floor": 1.0},
     )
+    topk = _run(
+        tmp_path,
+        "topk",
+        "opd_topk",
+        [
+            {"step": 1, "inv/adv_std": 0.0, "inv/effective_token_rate": 0.9, "opd/topk_kl": 0.2},
+            {"step": 2, "inv/adv_std": 0.0, "inv/effective_token_rate": 0.8, "opd/topk_kl": 0.1},
+        ],
+    )
     table = matrix([rl, opd])
     (m1, _, r1), (m2, _, r2) = table
+    # top-k distillation: no advantage at all; its signal is the teacher's KL (mean 0.15 >= 0.001)
+    (_, _, r3), *_ = matrix([topk])
+    assert r3["signal"] == ("top-k KL 0.15", "✓") and r3["effective_samples"] == ("token rate 0.85", "✓")
     assert (m1, m2) == ("rl", "opd")
     # rl: entropy 2.0 -> 1.2 (>= 1.0), non-zero 0.75, adv std 0.8, KL max 0.002, clip 0.05, rate 0.9
     assert {c: v for c, (_, v) in r1.items()} == {
