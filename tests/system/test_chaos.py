@@ -160,7 +160,7 @@ def test_kill_driver_process_then_resume_trains_every_acknowledged_sample_once(r
         # checkpoint's commit and the row's append (the checkpoint carries it), and the driver's
         # own count agrees with the journal's
         rows = {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
-        assert sorted(rows) == list(range(1, ckpt_steps + 1))
+        assert sorted(rows) == list(range(0, ckpt_steps + 1))  # step 0: the evaluation before training
         assert rows[ckpt_steps]["samples_trained"] == len(trained_before)
         # continue a session left open by the killed run: the next turn index, and its pending turn judged
         last = {}
