@@ -479,8 +479,11 @@ class SessionState:
             del self.sessions[sid]
 
     def records(self) -> list[dict]:
-        """The compacted journal (one line per session and per unfinished judgement)."""
+        """The compacted journal (one line per unfinished judgement and per session). The judgements
+        come first: replayed, a ``judge`` line empties its session's pending turns (live, it came
+        before the next request's turns), so after the sessions it would drop a newer pending turn."""
         out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items()), "counts": self.counts}]
+        out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
         out += [
             {
                 "op": "session",
@@ -496,7 +499,6 @@ class SessionState:
             }
             for sid, s in self.sessions.items()
         ]
-        out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
         return out
 
 

@@ -253,7 +253,8 @@ class SessionTracker:
             self._durably(self.journal.turns, turns, dict(self.counts))
         if done:
             await self.close_session(sid)
-        if self.ledger.served(max(t.policy_version for t in turns)):  # the engines moved on: flush?
+        served = max(max(t.token_versions or [t.policy_version]) for t in turns)  # a reply's NEWEST token
+        if self.ledger.served(served):  # the engines moved on: flush?
             for other in list(self.book.sessions.values()):
                 await self._maybe_flush(other)
         return [t.turn_index for t in turns]

@@ -272,6 +272,30 @@ def test_the_staleness_budget_flushes_waiting_turns_before_the_session_ends():
     assert stats["credit/turns_waiting"] == 0
 
 
+def test_an_interrupted_reply_shows_the_staleness_budget_the_version_of_its_newest_token():
+    """A reply a weight sync interrupted carries tokens of v0 and v1 (its ``policy_version`` is the
+    oldest, 0): the engines serve v1, so a turn of v0 waiting under max_staleness 2 must be flushed
+    now. The budget read the oldest version and flushed nothing until a reply made wholly by v1."""
+    judge, queue = FakeJudge({"good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit("discounted", max_staleness=2))
+
+    async def scenario():
+        t1, t2 = session("long", ["good"], version=0)
+        await tracker.record_turn(t1)
+        await tracker.record_turn(t2)  # t1 judged +1 at v0: waits for the close
+        await tracker.drain()
+        waiting = (await tracker.stats())["credit/turns_waiting"]
+        other = turn("other", [{"role": "user", "content": "x"}], "y", version=0)
+        other.token_versions = [0, 1]  # interrupted by the sync to v1, resumed on it
+        await tracker.record_turn(other)
+        await tracker.drain()
+        return waiting, await tracker.stats()
+
+    waiting, stats = asyncio.run(scenario())
+    assert waiting == 1 and stats["credit/forced_flushes"] == 1 and stats["credit/turns_waiting"] == 0
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 1.0)]
+
+
 def test_outcome_header_spreads_over_the_session():
     judge, queue = FakeJudge({"meh": 0, "good": 1, "bad": -1}), FakeQueue()
     tracker = SessionTracker([judge], queue, credit("outcome", gamma=0.9, w=1.0))

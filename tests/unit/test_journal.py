@@ -175,3 +175,43 @@ def test_tracker_counters_continue_across_a_restart_and_a_compaction(tmp_path, n
         assert after[key] == before[key], key
     assert after["turns"] == 4  # 3 before the restart + 1 after
     assert asyncio.run(second(False))["turns"] == 4  # loading compacted the journal: the counters stay
+
+
+def test_a_pending_turn_survives_a_compaction_while_an_earlier_judgement_is_unfinished(tmp_path, no_object_store):
+    """Session t: turn 1's judgement hangs, turn 2 is pending, and a close compacts the journal. The
+    compacted file put the unfinished ``judge`` line after t's ``session`` line, so its replay emptied
+    t's pending turns: after the restart turn 2 was never judged nor counted."""
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    h = [{"role": "user", "content": "q"}]
+    h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "good"}]
+    h3 = h2 + [{"role": "assistant", "content": "r2"}, {"role": "user", "content": "bad"}]
+    judge, hang = FakeJudge({"good": 1, "bad": -1}), asyncio.Event()
+    real = judge.judge.fn
+
+    async def slow(turn_, ns):
+        await hang.wait()
+        return await real(turn_, ns)
+
+    async def first():
+        judge.judge.fn = slow
+        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path, "compact_bytes": 1})
+        await tracker.record_turn(turn("t", h, "r1"))
+        await tracker.record_turn(turn("t", h2, "r2"))  # turn 1's judgement hangs; turn 2 pending
+        await tracker.record_turn(turn("x", h, "r1"), done=True)  # a close compacts the journal
+        await asyncio.sleep(0.01)
+
+    asyncio.run(first())  # the tracker dies
+    judge.judge.fn = real
+    ops = [r["op"] for r in read_records(path)]
+    assert ops.index("judge") < ops.index("session")
+    queue = FakeQueue()
+
+    async def second():
+        tracker = SessionTracker([judge], queue, journal={"path": path})
+        pending = [t.turn_index for t in tracker.book.get("t").pending]
+        await tracker.record_turn(turn("t", h3, "r3"), done=True)
+        await tracker.drain()
+        return pending
+
+    assert asyncio.run(second()) == [2]
+    assert sorted((s.turn_index, s.reward) for s, _ in queue.items) == [(1, 1.0), (2, -1.0)]
