@@ -58,7 +58,7 @@ _ERROR_KEYS = ("error", "errors", "exception", "err")
 _EXIT_KEYS = ("exit_code", "exitcode", "exitCode", "returncode", "return_code", "exit_status")
 
 _EXIT_TEXT = re.compile(
-    r"\b(?:exit(?:ed)?(?: with)?|return(?:ed)?(?: with)?)\s*(?:code|status)\s*[:=]?\s*(-?\d+)", re.IGNORECASE
+    r"\b(?:exit(?:ed)?(?: with)?|return(?:ed)?(?: with)?)[\s_]*(?:code|status)\s*[:=]?\s*(-?\d+)", re.IGNORECASE
 )
 _FAILURE_WORD = r"(?:errors?|exceptions?|traceback|failed|failures?|fatal|panic(?:ked)?)"
 # a failure word that says there was none: "no errors", "0 failed", "errors: 0", "error: null", "without error"
@@ -73,14 +73,17 @@ _NEGATED_FAILURE = re.compile(
 # "npm ERR!", "error[E0308]:", "[ERROR]", "FAILED tests/...", "E   AssertionError", "Build failed"), a
 # non-zero failure count ("2 failed", "1 error generated"), a traceback or a system message
 _FAILURE_OUTPUT = re.compile(
-    r"^[ \t]*(?:E[ \t]+)?(?:[\w.\-/\[\]]+:[ \t]*){0,3}"
+    r"^[ \t]*(?:E[ \t]+)?(?:[\w.\-/\[\]]+:[ \t]*){0,3}(?:\(\d+\)[ \t]*)?"
     r"(?:\[(?:errors?|fatal)\]|(?:errors?|fatal|panic|exception|traceback)[ \t]*(?::|!|\[|\(|$)|\w*(?:error|exception)[ \t]*:|(?:\w+[ \t]+)?failed\b)"
-    r"|\b[1-9]\d*[ \t]+(?:failed|failures?|errors?)\b|traceback \(most recent call last\)"
+    r"|\b[1-9]\d*[ \t]+(?:\w+[ \t]+)?(?:failed|failures?|errors?)\b|\b(?:failures|errors|failed)[ \t]*[:=][ \t]*[1-9]"
+    r"|traceback \(most recent call last\)|\bexception in thread\b|\bpanicked at\b|\*\*\*.*\berror [1-9]\d*"
     r"|\bnpm ERR!|command not found|no such file or directory|permission denied|segmentation fault|core dumped"
     r"|\b(?:command|request|operation|connection) timed out\b",
     re.IGNORECASE | re.MULTILINE,
 )
-_FAILURE_LEVEL = re.compile(r"^[ \t]*(?:FAILED|ERROR|FATAL)\b", re.MULTILINE)  # log levels and test summaries
+_FAILURE_LEVEL = re.compile(
+    r"^[ \t]*(?:--- )?(?:FAILED|FAIL|ERROR|FATAL)\b", re.MULTILINE
+)  # log levels and test summaries
 
 
 def _failure_output(text: str) -> bool:
@@ -110,6 +113,9 @@ _COMPLAINT = re.compile(
     r"👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bmistakes?\b|\bbroken\b"
     r"|\b(?:not|isn't|wasn't|hardly)\s+(?:\w+\s+)?(?:correct|right|good|great|helpful|perfect)\b|\bthat's not it\b"
     r"|\bnot what I (?:asked|wanted|meant|said)\b|\b(?:doesn't|does not|didn't|did not|still doesn't) work\b"
+    r"|\b(?:doesn't|does not|don't|do not)\s+(?:look|seem|sound|feel|think|believe)\s+(?:[\w']+\s+){0,2}?(?:right|correct)\b"
+    r"|\b(?:not|isn't|aren't|wasn't|weren't)\s+(?:\w+\s+)?working\b|\b(?:it|this|that|still)\s+(?:fails|crashes)\b"
+    r"|\b(?:doesn't|does not|didn't|did not|won't|still doesn't)\s+(?:compile|build|run|pass)\b"
     r"|\bno markdown\b|\btoo (?:long|verbose|wordy)\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
     r"|\b(?:errors?|exceptions?)\b|\btraceback\b",
     re.IGNORECASE,
@@ -169,6 +175,11 @@ _QUESTION = re.compile(
     re.IGNORECASE,
 )
 _FAULT_WORDS = re.compile(rf"\b{_FAULT_NOUN}\b", re.IGNORECASE)
+# asking whether there were any ("Any errors?", "Were there any errors?", "Did you get any errors?")
+_ASKS_ANY = re.compile(
+    r"^\W*(?:(?:did|do|does|have|has|had|were|was|are|is)\s+(?:you|there|it|we|they)\s+(?:\w+\s+){0,2}?)?any\b",
+    re.IGNORECASE,
+)
 
 
 def _complains(text: str) -> bool:
@@ -182,6 +193,8 @@ def _complains(text: str) -> bool:
         for clause in _CLAUSE.findall(_CONDITION.sub(" ", sentence)):
             clause = _ABOUT_FAULTS.sub(" ", clause)  # "a question about errors": a topic
             topic = _COMPOUND_FAULT.sub(" ", clause)  # "error messages", "error handling": a topic
+            if question and _ASKS_ANY.search(clause) and not _POINTED_FAULT.search(topic):
+                continue  # "Were there any errors?": a question, no evaluation
             if _REQUEST.search(clause) and not _REDO.search(clause):
                 if _POINTED_FAULT.search(topic):  # not "a function that raises an error"
                     return True

@@ -73,6 +73,18 @@ TOOL_RESULTS = [
     ("1 error generated.", -1),
     ("Command timed out.", -1),
     ("fatal: not a git repository", -1),
+    # failure output a word scan missed: a count with a noun, a labelled count, exit_code, other runtimes
+    ("2 tests failed", -1),
+    ("Tests run: 5, Failures: 1, Errors: 0", -1),
+    ("Tests run: 5, Failures: 0, Errors: 0", 1),
+    ("[exit_code: 1]", -1),
+    ("exit_code=0", 1),
+    ('Exception in thread "main" java.lang.NullPointerException\n\tat Main.main(Main.java:3)', -1),
+    ("thread 'main' panicked at 'index out of bounds', src/main.rs:2:5", -1),
+    ("--- FAIL: TestSum (0.00s)\nFAIL\texample.com/sum\t0.01s", -1),
+    ("ok  \texample.com/sum\t0.01s", 1),
+    ("make: *** [Makefile:3: all] Error 1", -1),
+    ("curl: (7) Failed to connect to localhost port 80", -1),
 ]
 
 
@@ -166,6 +178,16 @@ USER_TEXTS = [
     ("I was reading about common mistakes in C.", None),
     ("I have a question about this error.", -1),
     ("I have a question about an error I get.", -1),
+    # negated praise, "not working", failures named otherwise; asking whether there were any
+    ("That doesn't look right.", -1),
+    ("I don't think that's right.", -1),
+    ("It isn't working, thanks", -1),
+    ("Thanks, but it still fails.", -1),
+    ("Perfect, except it doesn't compile.", -1),
+    ("Don't turn right at the end, thanks.", 1),
+    ("Were there any errors?", None),
+    ("Did you get any errors?", None),
+    ("Any errors? I see a KeyError.", -1),
 ]
 
 
