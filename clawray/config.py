@@ -729,28 +729,71 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
     for path in files:
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
+        if os.path.isdir(path):
+            raise ConfigError(f"{path} is a folder, not a config file")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"{path}: the file must hold a mapping of keys (it holds a list)")
+            cfg = OmegaConf.merge(cfg, loaded)
         except (OmegaConfBaseException, yaml.YAMLError) as e:
             raise ConfigError(f"{path}: {_describe(e)}") from None
+        except ConfigError:
+            raise
+        except (OSError, UnicodeDecodeError, TypeError, ValueError) as e:  # unreadable, not UTF-8, a list for a mapping
+            raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            cfg = OmegaConf.merge(cfg, _override(item))
         except (OmegaConfBaseException, yaml.YAMLError) as e:  # the value is parsed as YAML
             raise ConfigError(f"override {item!r}: {_describe(e)}") from None
+        except (TypeError, ValueError) as e:  # a list where a mapping goes, or the reverse
+            raise ConfigError(
+                f"override {item!r}: {e} (a list where the key takes a mapping, or the reverse)"
+            ) from None
     if cfg is _schema():
         cfg = copy.deepcopy(cfg)
     for key, f, _ in schema_fields():
-        value = OmegaConf.select(cfg, key)
+        try:
+            value = OmegaConf.select(cfg, key)
+        except OmegaConfBaseException as e:  # an interpolation that does not resolve (an unset ${oc.env:...})
+            raise ConfigError(f"{key}: {_describe(e)}") from None
         if (word := _yaml_boolean_word(f, value)) is not None:
             OmegaConf.update(cfg, key, word)
             value = word
-        _check_field(key, f, value)
+        try:
+            _check_field(key, f, value)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # a value of a shape the field cannot take ([0.9, [1]])
+            raise ConfigError(f"{key}={value!r}: {e}") from None
     _check_cross_fields(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+@functools.cache
+def _string_keys() -> frozenset[str]:
+    """The dotted keys of the schema's text fields (``str`` or ``str | None``)."""
+    text = {str, typing.Optional[str]}
+    return frozenset(key for key, _, kind in schema_fields() if kind in text)
+
+
+def _override(item: str) -> DictConfig:
+    """One ``key=value`` override as a config. A text field takes the value as typed: YAML 1.1 would
+    read ``serve.api_key=0123`` as the octal 83, ``run_dir=2024.10`` as 2024.1 and ``wandb.name=no``
+    as False. A quoted value, a list or mapping, an interpolation (``${...}``), an empty value and
+    ``null``/``~`` are still read as YAML."""
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if key not in _string_keys() or not raw or raw[0] in "'\"[{" or "${" in raw or raw in ("null", "~"):
+        return OmegaConf.from_dotlist([item])
+    node: Any = raw
+    for part in reversed(key.split(".")):
+        node = {part: node}
+    return OmegaConf.create(node)
 
 
 def _yaml_boolean_word(f: dataclasses.Field, value: Any) -> str | None:

@@ -413,3 +413,51 @@ def test_the_gate_preset_turns_the_gate_on_with_the_noninferior_rule_and_changes
     )
     rest = [{k: v for k, v in OmegaConf.to_container(c).items() if k != "deploy"} for c in (plain, gated)]
     assert rest[0] == rest[1]
+
+
+@pytest.mark.parametrize(
+    "files, overrides, message",
+    [
+        # README's own secret syntax with the variable unset: an InterpolationResolutionError traceback
+        (
+            ["conf/rl.yaml"],
+            ["serve.api_key=${oc.env:CLAWRAY_TEST_UNSET_KEY}"],
+            "serve.api_key: key 'serve.api_key': KeyError raised while resolving interpolation",
+        ),
+        (["conf"], [], "conf is a folder, not a config file"),  # IsADirectoryError
+        (["conf/rl.yaml"], ["rollout.resources=[1]"], "a list where the key takes a mapping"),  # TypeError
+        (["conf/rl.yaml"], ["serve.allowed_origins={a: 1}"], "a list where the key takes a mapping"),
+        (["conf/rl.yaml"], ["learner.betas=[0.9,[1]]"], "learner.betas=[0.9, [1]]: must be real number"),
+    ],
+)
+def test_inputs_that_gave_a_traceback_are_a_config_error_naming_the_key(files, overrides, message, monkeypatch):
+    monkeypatch.delenv("CLAWRAY_TEST_UNSET_KEY", raising=False)
+    with pytest.raises(ConfigError) as e:
+        load_config(files, overrides)
+    assert message in str(e.value)
+
+
+def test_a_config_file_that_is_a_list_or_not_utf8_is_a_config_error(tmp_path):
+    listed, binary = tmp_path / "list.yaml", tmp_path / "bin.yaml"
+    listed.write_text("- a\n- b\n")
+    binary.write_bytes(b"\xff\xfe bad")
+    with pytest.raises(ConfigError, match="the file must hold a mapping of keys"):
+        load_config([str(listed)], [])
+    with pytest.raises(ConfigError, match="UnicodeDecodeError"):
+        load_config([str(binary)], [])
+
+
+@pytest.mark.parametrize(
+    "override, value",
+    [
+        ("serve.api_key=0123", "0123"),  # YAML 1.1 read an octal 83
+        ("serve.api_key=12:30", "12:30"),  # a base-60 750
+        ("run_dir=2024.10", "2024.10"),  # the float 2024.1: another folder
+        ("wandb.name=no", "no"),  # False
+        ("serve.session_binding=off", "off"),
+        ("run_dir='a b'", "a b"),  # quoted: still YAML
+    ],
+)
+def test_a_text_field_takes_an_override_as_typed(override, value):
+    key = override.split("=")[0]
+    assert OmegaConf.select(load_config(["conf/rl.yaml"], [override]), key) == value
