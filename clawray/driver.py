@@ -127,6 +127,7 @@ class Driver:
         from clawray.ray_env import init_ray
 
         cfg, t0 = self.cfg, time.perf_counter()
+        self.checkpoints.check_resumable()  # a mistyped run_dir: said before any folder, model or Ray
         private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
         self._run_lock.acquire()  # one run per folder: before anything in it is read, pruned or replaced
         self.model_path = build.ensure_model(cfg)

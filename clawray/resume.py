@@ -152,6 +152,23 @@ class Checkpoints:
         self._resume_from_start = False  # resume=true before the first checkpoint: the journal only
 
     # ------------------------------------------------------------------ journals and resume
+    def check_resumable(self) -> None:
+        """With ``resume=true``, fail before anything is built or created when there is nothing to
+        resume: no checkpoint (``latest``) and no sample journal (a mistyped ``run_dir``). Verifying
+        the checkpoint is left to :meth:`prepare_journals`.
+
+        Raises:
+            FileNotFoundError: ``resume=true`` with neither.
+        """
+        from clawray.journal import SAMPLES_FILE, journal_dir
+
+        if not self.cfg.resume or latest_checkpoint(self.dir) is not None:
+            return
+        if not os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE)):
+            raise FileNotFoundError(
+                f"resume=true but there is no checkpoint in {self.dir} and no journal in {journal_dir(self.run_dir)}"
+            )
+
     def prepare_journals(self) -> dict[str, dict]:
         """Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh run starts
         them empty; a resume voids the samples consumed after the checkpoint it resumes. Returns the

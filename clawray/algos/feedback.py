@@ -250,21 +250,36 @@ def _truthy(value: Any) -> bool:
     return bool(value)
 
 
+def _flag(value: Any) -> bool | None:
+    """A JSON boolean, also as a string ("true"/"false", as many tools write them); else None."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return None
+
+
+def _code(value: Any) -> int | None:
+    """A JSON integer, also as a string ("1", "500"); else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,9}\s*", value):
+        return int(value)
+    return None
+
+
 def _structured_sign(obj: dict) -> int:
     lowered = {str(k).lower(): v for k, v in obj.items()}
     if any(_truthy(lowered.get(k)) for k in _ERROR_KEYS if k in lowered):
         return -1
-    if lowered.get("iserror") is True or lowered.get("ok") is False or lowered.get("success") is False:
+    if _flag(lowered.get("iserror")) is True or False in (_flag(lowered.get("ok")), _flag(lowered.get("success"))):
         return -1
     for key in ("status", "state"):
         if isinstance(lowered.get(key), str) and lowered[key].strip().lower() in _FAILURE_STATUS:
             return -1
-    for key in _EXIT_KEYS:
-        code = lowered.get(key.lower())
-        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
-            return -1
-    code = lowered.get("status_code")
-    if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
+    if any((_code(lowered.get(key.lower())) or 0) != 0 for key in _EXIT_KEYS):
+        return -1
+    if (_code(lowered.get("status_code")) or 0) >= 400:
         return -1
     return 1
 

@@ -85,6 +85,11 @@ TOOL_RESULTS = [
     ("ok  \texample.com/sum\t0.01s", 1),
     ("make: *** [Makefile:3: all] Error 1", -1),
     ("curl: (7) Failed to connect to localhost port 80", -1),
+    # structured values written as strings, as many tools do
+    ('{"success": "false", "reason": "quota"}', -1),
+    ('{"exit_code": "1"}', -1),
+    ('{"status_code": "500"}', -1),
+    ('{"exit_code": "0", "success": "true"}', 1),
 ]
 
 
