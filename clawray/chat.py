@@ -72,8 +72,8 @@ class StrictJSONDecoder(json.JSONDecoder):
 
     def raw_decode(self, s: str, idx: int = 0) -> tuple[Any, int]:
         obj, end = super().raw_decode(s, idx)
-        text = s[idx:end]
-        if "\\u" in text or _SURROGATE.search(text):  # an escape, or a str made without UTF-8 decoding
+        # only an escape, or a str made without UTF-8 decoding, can hold one (searched in place: no copy)
+        if s.find("\\u", idx, end) >= 0 or _SURROGATE.search(s, idx, end):
             try:
                 json.dumps(obj, ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError:

@@ -160,14 +160,20 @@ class Checkpoints:
         Raises:
             FileNotFoundError: ``resume=true`` with neither.
         """
+        if self.cfg.resume and latest_checkpoint(self.dir) is None and not self._has_journal():
+            raise self._nothing_to_resume()
+
+    def _has_journal(self) -> bool:
         from clawray.journal import SAMPLES_FILE, journal_dir
 
-        if not self.cfg.resume or latest_checkpoint(self.dir) is not None:
-            return
-        if not os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE)):
-            raise FileNotFoundError(
-                f"resume=true but there is no checkpoint in {self.dir} and no journal in {journal_dir(self.run_dir)}"
-            )
+        return os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE))
+
+    def _nothing_to_resume(self) -> FileNotFoundError:
+        from clawray.journal import journal_dir
+
+        return FileNotFoundError(
+            f"resume=true but there is no checkpoint in {self.dir} and no journal in {journal_dir(self.run_dir)}"
+        )
 
     def prepare_journals(self) -> dict[str, dict]:
         """Ready the run's journals (:func:`clawray.journal.prepare_journals`): a fresh run starts
@@ -177,7 +183,7 @@ class Checkpoints:
         Raises:
             FileNotFoundError: ``resume=true`` with neither a checkpoint nor a journal.
         """
-        from clawray.journal import SAMPLES_FILE, journal_dir, prepare_journals
+        from clawray.journal import prepare_journals
 
         resume_step = None
         if self.cfg.resume:
@@ -191,13 +197,11 @@ class Checkpoints:
                         "again (the journal keeps them until a newer checkpoint is not the only one kept)",
                         flush=True,
                     )
-            elif os.path.exists(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE)):
+            elif self._has_journal():
                 # died before its first checkpoint: the initial policy trains every journaled sample again
                 resume_step, self._resume_from_start = 0, True
             else:
-                raise FileNotFoundError(
-                    f"resume=true but there is no checkpoint in {self.dir} and no journal in {journal_dir(self.run_dir)}"
-                )
+                raise self._nothing_to_resume()
         paths = prepare_journals(self.run_dir, resume_step, report=lambda line: print(line, flush=True))
         opts = {"fsync": self.cfg.queue.journal_fsync, "compact_bytes": int(self.cfg.queue.journal_compact_mb * 2**20)}
         return {kind: {"path": p, **opts} for kind, p in paths.items()}
