@@ -383,7 +383,9 @@ class SessionRecord:
         dict: a zero-return turn released by the credit rule); closed: closed (awaiting its
         at-least-one finalisation while ``held``, ``waiting`` or judgements remain); waiting: sample
         dicts awaiting their return; outcome: the session's outcome (explicit or judged) or None;
-        transcript: the messages the outcome judge reads (kept from the close, only when it will be asked).
+        transcript: the messages the outcome judge reads (kept from the close, only when it will be asked);
+        base: the last turn index of the id's previous session (this session's turns are ``base + 1 ..
+        turns``); opening: the session's opening key (``trainer.group_by: session_prefix``).
     """
 
     turns: int = 0
@@ -394,24 +396,48 @@ class SessionRecord:
     waiting: list = dataclasses.field(default_factory=list)
     outcome: float | None = None
     transcript: list = dataclasses.field(default_factory=list)
+    base: int = 0
+    opening: str = ""
+
+    def holds(self, turn_index: int) -> bool:
+        """Whether ``turn_index`` is one of this session's turns."""
+        return self.base < turn_index <= self.turns
 
 
 class SessionState:
-    """Replay of ``sessions.jsonl``: sessions by id, judgements not finished, closed turn counts."""
+    """Replay of ``sessions.jsonl``: sessions by id, judgements not finished, closed turn counts.
+
+    A closed id used again starts a new session while the closed one may still await its finalisation
+    (judgements running, held or waiting turns): the closed one moves to ``superseded`` and records
+    are routed to the session that holds their turn index (``judge``, ``judged``, ``released``) or
+    whose last turn index they name (``last`` of ``outcome`` and ``finalized``); a record that names
+    neither goes to the id's current session.
+    """
 
     def __init__(self, max_closed: int = 100_000):
         self.sessions: dict[str, SessionRecord] = {}
+        self.superseded: list[tuple[str, SessionRecord]] = []  # closed sessions whose id was used again
         self.jobs: OrderedDict = OrderedDict()  # (sid, turn_index) -> (turn dict, next_state)
         self.closed_turns: OrderedDict = OrderedDict()  # sid -> last turn index of a finished session
         self.max_closed = max_closed
         self.counts: dict = {}  # the tracker's counters at its last record (a restart continues from them)
+
+    def _find(self, sid: str, turn_index: int | None = None, last: int | None = None) -> SessionRecord | None:
+        """The session of ``sid`` holding ``turn_index`` (or whose last turn index is ``last``); the
+        current one when neither is given or none matches."""
+        if turn_index is not None or last is not None:
+            for s in [self.sessions.get(sid), *(r for i, r in self.superseded if i == sid)]:
+                if s is not None and (s.holds(turn_index) if turn_index is not None else s.turns == last):
+                    return s
+        return self.sessions.get(sid)
 
     def apply(self, rec: dict) -> None:
         """Apply one record (the same code path for a live append and a replay)."""
         op, sid = rec["op"], rec.get("sid")
         if "counts" in rec:
             self.counts = rec["counts"]
-        if op == "session":  # compacted form
+        if op == "session":  # compacted form (an id's superseded sessions come before its current one)
+            self._supersede(sid)
             self.sessions[sid] = SessionRecord(
                 rec["turns"],
                 rec["pending"],
@@ -421,23 +447,28 @@ class SessionState:
                 rec.get("waiting", []),
                 rec.get("outcome"),
                 rec.get("transcript") or [],
+                rec.get("base", 0),
+                rec.get("opening", ""),
             )
         elif op == "closed_turns":
             self.closed_turns = OrderedDict(rec["items"])
         elif op == "turns":
             s = self.sessions.get(sid)
             if s is None or s.closed:
-                s = self.sessions[sid] = SessionRecord(turns=self.closed_turns.pop(sid, 0))
+                self._supersede(sid)
+                base = self.closed_turns.pop(sid, 0)
+                s = self.sessions[sid] = SessionRecord(turns=base, base=base)
             s.pending = rec["turns"]
             s.turns = max(t["turn_index"] for t in rec["turns"])
+            s.opening = rec.get("opening", s.opening)
         elif op == "judge":
-            s = self.sessions.get(sid)
+            s = self._find(sid, rec["turn"]["turn_index"])
             if s is not None:
                 s.pending = []
             self.jobs[(sid, rec["turn"]["turn_index"])] = (rec["turn"], rec["next_state"])
         elif op == "judged":
             self.jobs.pop((sid, rec["turn_index"]), None)
-            s = self.sessions.get(sid)
+            s = self._find(sid, rec["turn_index"])
             if s is not None:
                 if rec.get("effective"):
                     s.effective = True
@@ -445,18 +476,18 @@ class SessionState:
                     s.held.append((rec["turn"], rec["held"]))
                 if rec.get("waiting") is not None:
                     s.waiting.append(rec["waiting"])
-            self._maybe_forget(sid)
+                self._maybe_forget(sid, s)
         elif op == "outcome":
-            s = self.sessions.get(sid)
+            s = self._find(sid, last=rec.get("last"))
             if s is not None:
                 s.outcome = rec["value"]
         elif op == "released":
-            s = self.sessions.get(sid)
+            s = self._find(sid, min(rec["turn_indexes"], default=None))
             if s is not None:
                 gone = set(rec["turn_indexes"])
                 s.waiting = [w for w in s.waiting if w["turn_index"] not in gone]
                 s.held.extend(tuple(h) for h in rec.get("held", []))
-                self._maybe_forget(sid)
+                self._maybe_forget(sid, s)
         elif op == "close":
             s = self.sessions.get(sid)
             if s is not None:
@@ -465,23 +496,35 @@ class SessionState:
                 self.closed_turns[sid] = s.turns
                 while len(self.closed_turns) > self.max_closed:
                     self.closed_turns.popitem(last=False)
-                self._maybe_forget(sid)
+                self._maybe_forget(sid, s)
         elif op == "finalized":
-            s = self.sessions.get(sid)
+            s = self._find(sid, last=rec.get("last"))
             if s is not None and s.closed:
-                del self.sessions[sid]
+                self._forget(sid, s)
         else:
             raise ValueError(f"unknown session-journal record {op!r}")
 
-    def _maybe_forget(self, sid: str) -> None:
-        s = self.sessions.get(sid)
-        if s is not None and s.closed and not s.held and not s.waiting and not any(k[0] == sid for k in self.jobs):
+    def _supersede(self, sid: str) -> None:
+        """Move ``sid``'s closed session aside (its id is used again)."""
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            self.superseded.append((sid, s))
+
+    def _forget(self, sid: str, s: SessionRecord) -> None:
+        if self.sessions.get(sid) is s:
             del self.sessions[sid]
+        else:
+            self.superseded = [(i, r) for i, r in self.superseded if r is not s]
+
+    def _maybe_forget(self, sid: str, s: SessionRecord) -> None:
+        if s.closed and not s.held and not s.waiting and not any(k[0] == sid and s.holds(k[1]) for k in self.jobs):
+            self._forget(sid, s)
 
     def records(self) -> list[dict]:
         """The compacted journal (one line per unfinished judgement and per session). The judgements
         come first: replayed, a ``judge`` line empties its session's pending turns (live, it came
-        before the next request's turns), so after the sessions it would drop a newer pending turn."""
+        before the next request's turns), so after the sessions it would drop a newer pending turn.
+        An id's superseded sessions come before its current one."""
         out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items()), "counts": self.counts}]
         out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
         out += [
@@ -496,8 +539,10 @@ class SessionState:
                 "waiting": s.waiting,
                 "outcome": s.outcome,
                 "transcript": s.transcript,
+                "base": s.base,
+                "opening": s.opening,
             }
-            for sid, s in self.sessions.items()
+            for sid, s in [*self.superseded, *self.sessions.items()]
         ]
         return out
 
@@ -530,9 +575,11 @@ class SessionJournal:
             except OSError:  # compaction only saves space: the appended file stays valid as it is
                 pass
 
-    def turns(self, turns: list[Turn], counts: dict) -> None:
-        """``turns``: a request's new turns, with their indexes (durable before they are answered)."""
-        self.log("turns", sid=turns[0].session_id, turns=[turn_to_dict(t) for t in turns], counts=counts)
+    def turns(self, turns: list[Turn], counts: dict, opening: str = "") -> None:
+        """``turns``: a request's new turns, with their indexes (durable before they are answered),
+        and the session's ``opening`` key."""
+        sid = turns[0].session_id
+        self.log("turns", sid=sid, turns=[turn_to_dict(t) for t in turns], opening=opening, counts=counts)
 
     def judge(self, turn: Turn, next_state: list, counts: dict) -> None:
         """``judge``: a judgement about to start (durable before it starts; a restart relaunches it)."""
@@ -577,14 +624,14 @@ class RestoredSessions:
 
 def restore_sessions(state: Any) -> RestoredSessions:
     """The sessions of a loaded :class:`SessionJournal`'s ``state``: each rebuilt as a
-    :class:`~clawray.session_book.Session` (its pending turns, held samples and credit), and each
-    unfinished judgement with its session (a stand-in session when its own was forgotten: closed,
-    nothing held)."""
+    :class:`~clawray.session_book.Session` (its pending turns, held samples, credit and opening), and
+    each unfinished judgement with the session holding its turn (a stand-in session when that one was
+    forgotten: closed, nothing held). A closed session whose id was used again is restored beside the
+    id's current one, to be finalised."""
     from clawray.session_book import Session
 
-    by_sid: dict[str, Any] = {}
-    for sid, rec in state.sessions.items():
-        by_sid[sid] = Session(
+    def rebuild(sid: str, rec: SessionRecord) -> Any:
+        return Session(
             turns=rec.turns,
             pending=[Turn(**t) for t in rec.pending],
             effective=rec.effective,
@@ -593,17 +640,20 @@ def restore_sessions(state: Any) -> RestoredSessions:
             credit=SessionCredit(
                 waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome, transcript=rec.transcript
             ),
+            opening=rec.opening,
         )
-    credits = [s.credit for s in by_sid.values()]
+
+    every = [(sid, rec, rebuild(sid, rec)) for sid, rec in [*state.superseded, *state.sessions.items()]]
     jobs = []
-    for (sid, _), (turn, next_state) in state.jobs.items():
-        if sid not in by_sid:  # its session was forgotten (closed, nothing held): judge it on a stand-in
-            by_sid[sid] = Session(turns=turn["turn_index"], sid=sid)
-        jobs.append((by_sid[sid], Turn(**turn), next_state))
+    for (sid, index), (turn, next_state) in state.jobs.items():
+        session = next((s for i, rec, s in every if i == sid and rec.holds(index)), None)
+        if session is None:  # its session was forgotten (closed, nothing held): judge it on a stand-in
+            session = Session(turns=index, sid=sid)
+        jobs.append((session, Turn(**turn), next_state))
     return RestoredSessions(
-        open=[by_sid[sid] for sid, rec in state.sessions.items() if not rec.closed],
-        closed=[by_sid[sid] for sid, rec in state.sessions.items() if rec.closed],
+        open=[s for _, rec, s in every if not rec.closed],
+        closed=[s for _, rec, s in every if rec.closed],
         jobs=jobs,
         closed_turns=dict(state.closed_turns),
-        credits=credits,
+        credits=[s.credit for _, _, s in every],
     )

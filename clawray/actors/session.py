@@ -237,8 +237,6 @@ class SessionTracker:
         self._start_replay()
         sid = turns[0].session_id
         s = self.book.open(sid, turns[0].messages)  # a closed id used again: its turn indexes continue
-        if outcome is not None:
-            self.ledger.set_outcome(s.credit, sid, outcome)
         if self.ledger.judges_outcomes:
             s.credit.transcript = [*turns[0].messages, turns[0].response_message]
         if s.pending:
@@ -250,7 +248,9 @@ class SessionTracker:
             self.counts["turns_tool_parse_error"] += int(turn.tool_parse_error)
             self.records.turn(turn)
         if self.journal is not None:  # [journal hook] the indexes are durable before they are answered
-            self._durably(self.journal.turns, turns, dict(self.counts))
+            self._durably(self.journal.turns, turns, dict(self.counts), s.opening)
+        if outcome is not None:  # journaled after the turns: a closed id used again names its new session
+            self.ledger.set_outcome(s.credit, sid, outcome, s.turns)
         if done:
             await self.close_session(sid)
         served = max(max(t.token_versions or [t.policy_version]) for t in turns)  # a reply's NEWEST token
@@ -274,7 +274,7 @@ class SessionTracker:
             self.counts["credit/outcome_unscored"] += 1
             return
         self.counts["credit/outcome_judged"] += 1
-        self.ledger.set_outcome(s.credit, s.sid, float(result.score))
+        self.ledger.set_outcome(s.credit, s.sid, float(result.score), s.turns)
 
     async def close_session(self, session_id: str, outcome: float | None = None) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
@@ -288,7 +288,7 @@ class SessionTracker:
         if s is None:
             return
         if outcome is not None:
-            self.ledger.set_outcome(s.credit, session_id, outcome)
+            self.ledger.set_outcome(s.credit, session_id, outcome, s.turns)
         self.ledger.session_closed(s.requests)
         self.counts["sessions_closed"] += 1
         self.counts["dropped/no_next_state"] += len(s.pending)
@@ -320,7 +320,7 @@ class SessionTracker:
             await self.ledger.release(s.credit, s.sid, True, *self._outlets(s))
         if not s.held:
             if released:
-                self._journal("finalized", sid=s.sid)  # [journal hook]
+                self._journal("finalized", sid=s.sid, last=s.turns)  # [journal hook]
             return
         if self.at_least_one and not s.effective:
             item, mean_vote = s.promote_best()
@@ -332,7 +332,7 @@ class SessionTracker:
                 await self._emit(s, self.algorithm.promote(item, mean_vote))
         self.counts["dropped/zero_score"] += len(s.held)
         s.held.clear()
-        self._journal("finalized", sid=s.sid)  # [journal hook]
+        self._journal("finalized", sid=s.sid, last=s.turns)  # [journal hook]
 
     def _track(self, task: asyncio.Task) -> asyncio.Task:
         self.tasks.add(task)

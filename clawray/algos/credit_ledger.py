@@ -164,10 +164,11 @@ class CreditLedger:
         """Count the waiting samples of a session rebuilt from the journal."""
         self.n_waiting += len(sc.waiting)
 
-    def set_outcome(self, sc: SessionCredit, sid: str, outcome: float) -> None:
-        """Store session ``sid``'s outcome, explicit or judged (journaled as ``outcome``)."""
+    def set_outcome(self, sc: SessionCredit, sid: str, outcome: float, last: int | None = None) -> None:
+        """Store session ``sid``'s outcome, explicit or judged (journaled as ``outcome``; ``last``, the
+        session's last turn index, tells the journal which session of a reused id it is)."""
         sc.outcome = float(outcome)
-        self.journal("outcome", sid=sid, value=sc.outcome)
+        self.journal("outcome", sid=sid, value=sc.outcome, last=last)
 
     def served(self, version: int) -> bool:
         """Note that the engines served policy ``version``; True when it is newer than any seen so far

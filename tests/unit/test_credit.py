@@ -159,8 +159,8 @@ def test_ledger_release_at_the_close_hand_computed():
 def test_ledger_flushes_a_segment_on_staleness_without_the_outcome():
     led, journal = _ledger("outcome", gamma=0.9, outcome_turn_weight=0.5, max_staleness=2)
     sc = SessionCredit()
-    led.set_outcome(sc, "s", 2)
-    assert sc.outcome == 2.0 and journal == [("outcome", {"sid": "s", "value": 2.0})]
+    led.set_outcome(sc, "s", 2, 4)
+    assert sc.outcome == 2.0 and journal == [("outcome", {"sid": "s", "value": 2.0, "last": 4})]
     _judged(1, 1.0, version=0, led=led, sc=sc)
     _judged(2, -1.0, version=0, led=led, sc=sc)
     emitted = []

@@ -10,7 +10,7 @@ import pytest
 
 from clawray.actors import session as session_mod
 from clawray.actors.session import SessionTracker
-from clawray.journal import SampleJournal, SampleState, prepare_journals, read_records
+from clawray.journal import SampleJournal, SampleState, SessionJournal, prepare_journals, read_records
 from clawray.types import Sample
 from test_session import FakeJudge, FakeQueue, turn
 
@@ -215,3 +215,122 @@ def test_a_pending_turn_survives_a_compaction_while_an_earlier_judgement_is_unfi
 
     assert asyncio.run(second()) == [2]
     assert sorted((s.turn_index, s.reward) for s, _ in queue.items) == [(1, 1.0), (2, -1.0)]
+
+
+def _hanging(judge):
+    """Make ``judge`` wait for the returned event before each answer; returns (event, restore)."""
+    hang, real = asyncio.Event(), judge.judge.fn
+
+    async def slow(turn_, ns):
+        await hang.wait()
+        return await real(turn_, ns)
+
+    judge.judge.fn = slow
+    return hang, lambda: setattr(judge.judge, "fn", real)
+
+
+H = [{"role": "user", "content": "q"}]
+H_ZERO = H + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "meh"}]
+
+
+def test_a_closed_session_whose_id_is_used_again_is_finalised_alone_after_a_restart(tmp_path, no_object_store):
+    """Session s closes while its turn 1 is being judged (a 0 score: held for the at-least-one rule),
+    and a new conversation reuses the id (turn 3) before the judgement ends; the tracker dies. The
+    journal's ``turns`` line of the new session replaced the closed one, so the restarted tracker
+    judged turn 1 on the *open* session: it was never promoted (its session never finalised) and sat
+    held in the new conversation, where a trained turn would have dropped it."""
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    judge = FakeJudge({"meh": 0, "good": 1})
+
+    async def first():
+        hang, restore = _hanging(judge)
+        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path})
+        await tracker.record_turn(turn("s", H, "r1"))
+        await tracker.record_turn(turn("s", H_ZERO, "r2"), done=True)  # turn 1 judged (hangs); s closed
+        assert await tracker.record_turn(turn("s", H, "again")) == 3  # the id used again
+        await asyncio.sleep(0.01)
+        restore()
+
+    asyncio.run(first())  # the tracker dies
+    state = SessionJournal(path).state  # loading compacts the file: the tracker below replays that form
+    assert [(sid, r.base, r.turns, r.closed) for sid, r in [*state.superseded, *state.sessions.items()]] == [
+        ("s", 0, 2, True),
+        ("s", 2, 3, False),
+    ]
+    queue = FakeQueue()
+
+    async def second():
+        tracker = SessionTracker([judge], queue, journal={"path": path})
+        await tracker.drain()
+        reused = tracker.book.get("s")
+        return [t.turn_index for t in reused.pending], reused.held
+
+    pending, held = asyncio.run(second())
+    assert pending == [3] and held == []
+    # turn 1 (votes [0, 0, 1]) promoted by its own closed session with its mean vote
+    assert [(s.session_id, s.turn_index, s.reward) for s, _ in queue.items] == [("s", 1, pytest.approx(1 / 3))]
+
+
+def test_a_finalisation_after_the_id_is_used_again_leaves_its_turn_out_of_the_new_session(tmp_path, no_object_store):
+    """As above, but the judgement ends (turn 1 held, then promoted when s finalises) after the id was
+    used again, before the tracker dies. The ``judged`` line went to the new session's record and the
+    ``finalized`` line was ignored (that record is open): after a restart the new session held turn 1
+    and closing it promoted turn 1 a second time."""
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    judge, queue = FakeJudge({"meh": 0, "good": 1}), FakeQueue()
+
+    async def first():
+        hang, restore = _hanging(judge)
+        tracker = SessionTracker([judge], queue, journal={"path": path})
+        await tracker.record_turn(turn("s", H, "r1"))
+        await tracker.record_turn(turn("s", H_ZERO, "r2"), done=True)
+        await tracker.record_turn(turn("s", H, "again"))  # turn 3, the id used again
+        hang.set()
+        await tracker.drain()
+        restore()
+
+    asyncio.run(first())
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, pytest.approx(1 / 3))]
+    queue2 = FakeQueue()
+
+    async def second():
+        tracker = SessionTracker([judge], queue2, journal={"path": path})
+        held = list(tracker.book.get("s").held)
+        await tracker.close_session("s")
+        await tracker.drain()
+        return held, await tracker.stats()
+
+    held, stats = asyncio.run(second())
+    assert held == [] and queue2.items == []
+    assert stats["at_least_one_promoted"] == 1 and stats["samples"] == 1  # the first tracker's, once
+
+
+def test_a_replayed_judgement_keeps_its_sessions_opening(tmp_path, no_object_store):
+    """``trainer.group_by: session_prefix`` groups samples by their session's opening. A judgement the
+    restart replays emitted its sample with no opening (the restored session had none)."""
+    from clawray.algos.rejection import opening
+    from clawray.chat import conversation_key
+
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    judge = FakeJudge({"good": 1})
+    h = [{"role": "system", "content": "be brief"}, *H]
+    h2 = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "good"}]
+
+    async def first():
+        hang, restore = _hanging(judge)
+        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path})
+        await tracker.record_turn(turn("o", h, "r1"))
+        await tracker.record_turn(turn("o", h2, "r2"))  # turn 1's judgement hangs; the tracker dies
+        await asyncio.sleep(0.01)
+        restore()
+
+    asyncio.run(first())
+    queue = FakeQueue()
+
+    async def second():
+        tracker = SessionTracker([judge], queue, journal={"path": path})
+        await tracker.drain()
+
+    asyncio.run(second())
+    [(sample, _)] = queue.items
+    assert sample.turn_index == 1 and sample.info["opening"] == conversation_key(opening(h))
