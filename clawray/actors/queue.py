@@ -191,14 +191,18 @@ class TrajectoryQueue:
     async def consumed(self, seqs: list[int], step: int, trained: bool = True) -> None:
         """[journal hook] Journal that driver step ``step`` took the samples ``seqs`` (from
         :meth:`get_batch`): trained, or decided against (degenerate, non-finite, all-masked). A resume
-        from a checkpoint older than ``step`` replays them. No-op without a journal."""
+        from a checkpoint older than ``step`` replays them. A batch an earlier incarnation of this actor
+        handed out (queued again from the journal when Ray restarted it) leaves the queue now and counts
+        as taken. No-op without a journal."""
         if self.journal is not None:
             self.journal.consume(seqs, step, trained)
             # a batch taken from an earlier incarnation of this actor (Ray restarted it) was queued
             # again from the journal: it is consumed now, so it leaves the queue
             gone = set(seqs)
             async with self._cond:
+                n = len(self._items)
                 self._items = deque(item for item in self._items if item[2] not in gone)
+                self.num_taken += n - len(self._items)  # taken by that incarnation: counted now
 
     async def rewind(self, step: int) -> int:
         """[recovery hook] The learner group was rebuilt from the checkpoint of driver step ``step``:

@@ -334,3 +334,33 @@ def test_a_replayed_judgement_keeps_its_sessions_opening(tmp_path, no_object_sto
     asyncio.run(second())
     [(sample, _)] = queue.items
     assert sample.turn_index == 1 and sample.info["opening"] == conversation_key(opening(h))
+
+
+def test_a_batch_taken_before_the_queue_restarted_counts_as_taken_when_consumed(tmp_path, no_object_store):
+    """The queue actor dies while the learners train a batch it handed out; Ray restarts it and it
+    queues every live journaled sample again. The batch's ``consumed`` removes its samples from the
+    queue, and they count as taken (``taken`` is what ``inv/effective_sample_rate`` divides by): the
+    restarted queue reported ``taken`` 0 after 2 were trained."""
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.types import SampleMeta
+
+    path = prepare_journals(str(tmp_path), None)["samples"]
+
+    async def ref(sample):  # what awaiting an ObjectRef gives
+        return sample
+
+    async def scenario():
+        q = TrajectoryQueue(2, journal={"path": path})
+        for i in range(4):
+            await q.put([ref(_sample(i))], SampleMeta.of(_sample(i)))
+        batch = await q.get_batch(2, next_version=1)
+        q.journal.file.close()  # the queue actor dies; the learners go on with the batch
+        q2 = TrajectoryQueue(2, journal={"path": path})
+        before = await q2.stats()
+        await q2.consumed(batch["seqs"], step=1)
+        return batch["seqs"], before, await q2.stats()
+
+    seqs, before, after = asyncio.run(scenario())
+    assert seqs == [1, 2]
+    assert (before["size"], before["put"], before["taken"], before["replayed"]) == (4, 4, 0, 4)
+    assert (after["size"], after["put"], after["taken"]) == (2, 4, 2)
