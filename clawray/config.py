@@ -135,6 +135,12 @@ def secret(default: str, *, url: bool = False) -> Any:
     return field(default=default, metadata={"secret": "url" if url else "value"})
 
 
+def is_endpoint(value: str) -> bool:
+    """Whether a config value (``opd.teacher``) names an HTTP endpoint: ``http://`` or ``https://``,
+    the scheme in any case (RFC 3986 section 3.1: schemes are case-insensitive)."""
+    return value.strip().lower().startswith(("http://", "https://"))
+
+
 # Ray resource quantities: >= 0 and at most 4 decimals (Ray refuses finer fractions at actor creation)
 def _ray_resource(default: float) -> Any:
     return num(default, ge=0, quantum=1e-4)
@@ -945,7 +951,7 @@ def _check_topk_teacher(cfg: DictConfig) -> None:
     (else every teacher call fails at run time with vLLM's "greater than max allowed")."""
     opd, algorithm = cfg.opd, algorithm_class(cfg.trainer.algo)
     topk = algorithm.needs_teacher and algorithm.term(opd.loss) == "topk_kl"
-    if not topk or opd.teacher.startswith(("http://", "https://")):
+    if not topk or is_endpoint(opd.teacher):
         return
     backend = cfg.rollout.backend if opd.teacher == "live" else opd.teacher_backend
     if backend == "vllm" and opd.topk > VLLM_MAX_LOGPROBS:
@@ -986,7 +992,7 @@ def _check_endpoint_teacher(cfg: DictConfig) -> None:
     """An endpoint teacher scores turns sampled at T = 1 (or greedy) only (vLLM's prompt log-probs
     use raw logits); the run's own sampling temperatures must be such, or every turn fails at run
     time as a teacher error."""
-    if not algorithm_class(cfg.trainer.algo).needs_teacher or not cfg.opd.teacher.startswith(("http://", "https://")):
+    if not algorithm_class(cfg.trainer.algo).needs_teacher or not is_endpoint(cfg.opd.teacher):
         return
     temps = {"serve.default_temperature": cfg.serve.default_temperature}
     if cfg.env.enabled:

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
+from clawray.config import is_endpoint
 from clawray.engines.base import GenerateRequest
 from clawray.envs.base import Environment
 from clawray.evaluation import Evaluator
@@ -419,7 +420,7 @@ def teacher_name(teacher: str, model_path: str) -> str:
         return f"the initial policy, {model_path}"
     if teacher == "live":
         return "the current policy"
-    return "an endpoint" if teacher.startswith(("http://", "https://")) else teacher
+    return "an endpoint" if is_endpoint(teacher) else teacher
 
 
 def premise_action(result: PremiseResult, mode: str, teacher: str) -> tuple[str, str]:

@@ -24,7 +24,7 @@ import ray
 
 from clawray.actors.call_health import CallHealth
 from clawray.chat import SpecialTokenStripper
-from clawray.config import OPDConfig, section
+from clawray.config import OPDConfig, is_endpoint, section
 from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
 
@@ -117,9 +117,9 @@ class TeacherWorker:
         opd = section(OPDConfig, opd or {})
         self.engine, self.endpoint = engine, None
         if engine is None:
-            if not opd.teacher.startswith(("http://", "https://")):
+            if not is_endpoint(opd.teacher):
                 raise ValueError("a TeacherWorker needs an engine, or opd.teacher as an http(s):// endpoint")
-            self.endpoint = EndpointTeacher(opd.teacher, opd.teacher_model, opd.teacher_api_key)
+            self.endpoint = EndpointTeacher(opd.teacher.strip(), opd.teacher_model, opd.teacher_api_key)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template, self.placement = opd.hint_template, opd.hint_placement
         self.plain_hint = SpecialTokenStripper(self.tokenizer)  # a hint cannot forge turns in the prompt
@@ -304,7 +304,7 @@ def build_teachers(
 
     options = {"num_cpus": 0, **RESTART_RETRY}
     opd = section(OPDConfig, opd)  # the typed section the TeacherWorker receives
-    if opd.teacher.startswith(("http://", "https://")):
+    if is_endpoint(opd.teacher):
         teacher = TeacherWorkerActor.options(**options).remote(None, policy_path, opd)
         ray.get(teacher.check_endpoint.remote(policy_path))  # the same tokenizer, or an error naming the difference
         return None, [teacher]

@@ -248,6 +248,10 @@ def test_choices_are_declared_on_the_fields():
             ["trainer.algo=opd", "env.temperature=1.0", "serve.default_temperature=0.5", "opd.teacher=https://t/v1"],
             r"serve\.default_temperature=0\.5 but an endpoint",
         ),
+        (  # a URL's scheme is case-insensitive: this was taken for a teacher model folder
+            ["trainer.algo=opd", "env.temperature=0.7", "opd.teacher=HTTP://t:8000/v1"],
+            r"env\.temperature=0\.7 but an endpoint",
+        ),
         (
             ["trainer.batch_size=4", "trainer.max_batch_size=3"],
             r"trainer\.max_batch_size must be 0 \(= batch_size\) or >=",
@@ -461,3 +465,18 @@ def test_a_config_file_that_is_a_list_or_not_utf8_is_a_config_error(tmp_path):
 def test_a_text_field_takes_an_override_as_typed(override, value):
     key = override.split("=")[0]
     assert OmegaConf.select(load_config(["conf/rl.yaml"], [override]), key) == value
+
+
+def test_an_endpoint_is_told_by_its_scheme_in_any_case():
+    from clawray.config import is_endpoint
+    from clawray.premise import teacher_name
+
+    assert [is_endpoint(v) for v in ("http://t/v1", "HTTPS://t/v1", " Http://t", "frozen", "live", "/m/http://x")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert teacher_name("HTTPS://bob:pw@t/v1", "/m") == "an endpoint"  # its password is not printed
