@@ -30,7 +30,7 @@ sentence with conditions and checks removed ("tell me if it works", "check the l
 complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right", "not what I asked", "doesn't
 work", "try again", "no markdown", an error, exception or traceback) is negative, except a negated or
 mended fault ("nothing wrong", "not a mistake", "you fixed the error", "it no longer throws an
-exception"), a fault word that names a topic ("error messages", "error handling", "a question about errors"), and fault
+exception", "that was wrong, but now it's correct"), a fault word that names a topic ("error messages", "error handling", "a question about errors"), and fault
 words inside a fresh request ("Add error handling", "Write a function that raises an error", "List
 common mistakes") or a question ("How do I handle errors?", "What errors can it raise?"); a request
 or question that points at a fault that is there ("Catch the exception", "write it again without the mistake", "What does this error mean?") and
@@ -109,6 +109,34 @@ _NEGATED_COMPLAINT = re.compile(
     r"(?:gone|fixed|resolved|solved)\b",
     re.IGNORECASE,
 )
+# a past fault the reply mended: what the user said was wrong before a "(but) now it's right" is
+# history, not an evaluation of this reply ("That was wrong, but now it's correct", "It was broken
+# before. Now it works!"); only a "now" that judges the reply ends it ("..., now fix it" stays)
+_PAST = re.compile(r"\b(?:was|were|had been|used to be|before|earlier|previously)\b", re.IGNORECASE)
+_NOW_JUDGED = re.compile(
+    r"\b(?:now|this time)\W{1,3}(?:it|that|this|you|everything|the \w+)(?:'s|'re|\s+is|\s+are|\s+works?|\s+looks?"
+    r"|\s+seems?|\s+got it|\s+did it)\b|\b(?:it )?works now\b",
+    re.IGNORECASE,
+)
+_LEAD = re.compile(r"^\W*(?:(?:but|and)\W+)?$", re.IGNORECASE)
+
+
+def _without_mended_past(text: str) -> str:
+    """``text`` without the past faults a later "now it's ..." says the reply mended (``_NOW_JUDGED``
+    after ``_PAST`` in the same sentence, or opening the sentence after one). Linear in the text."""
+    sentences, mended = _SENTENCE.findall(text), False
+    for i, sentence in enumerate(sentences):
+        now = _NOW_JUDGED.search(sentence)
+        if now is None:
+            continue
+        before = sentence[: now.start()]
+        if _PAST.search(before):
+            sentences[i], mended = sentence[now.start() :], True
+        elif i and _LEAD.match(before) and _PAST.search(sentences[i - 1]):
+            sentences[i - 1], mended = " ", True
+    return "\n".join(sentences) if mended else text  # one sentence per line: the same sentences
+
+
 _COMPLAINT = re.compile(
     r"👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bmistakes?\b|\bbroken\b"
     r"|\b(?:not|isn't|wasn't|hardly)\s+(?:\w+\s+)?(?:correct|right|good|great|helpful|perfect)\b|\bthat's not it\b"
@@ -188,6 +216,7 @@ def _complains(text: str) -> bool:
     text = _NEGATED_COMPLAINT.sub(" ", text)
     if _failure_output(text):
         return True
+    text = _without_mended_past(text)
     for sentence in _SENTENCE.findall(text):
         question = sentence.rstrip().endswith("?")
         for clause in _CLAUSE.findall(_CONDITION.sub(" ", sentence)):

@@ -176,6 +176,13 @@ USER_TEXTS = [
     ("Thanks, it no longer throws an exception.", 1),
     ("I don't get the error anymore, thanks!", 1),
     ("No exceptions now, thanks.", 1),
+    # a past fault the reply mended is history; a "now" that does not judge the reply keeps it
+    ("That was wrong, but now it's correct. Thanks!", 1),
+    ("It was broken before. Now it works!", 1),
+    ("The last answer was wrong; this time you got it, thanks.", 1),
+    ("That was wrong, now fix it.", -1),
+    ("It was fine before, but now it's broken.", -1),
+    ("That was wrong, and now it's still wrong.", -1),
     ("I get an error message when I run it.", -1),
     # faults as what a text is about are a topic; one that is there is not
     ("I have a question about errors.", None),
