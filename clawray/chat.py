@@ -186,16 +186,39 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def js_value(value: Any) -> Any:
+    """A decoded JSON value as a JavaScript client holds it (``JSON.parse``): every number is one
+    IEEE double, so ``30.0`` is ``30``, ``1e3`` is ``1000``, ``-0.0`` is ``0`` and an integer past 2**53
+    is rounded; an integer past the double range is ``null`` (JS: ``Infinity``, written ``null``).
+    A client such as OpenClaw echoes a tool call's arguments as ``JSON.stringify(JSON.parse(...))``."""
+    if isinstance(value, dict):
+        return {k: js_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [js_value(v) for v in value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    if not math.isfinite(number):
+        return None
+    return int(number) if number.is_integer() else number
+
+
 def canonical_message(m: dict[str, Any]) -> bytes:
     """One message as it counts for conversation keys (see :func:`conversation_key`): an assistant
-    message by its stripped content and its tool calls' names and decoded arguments."""
+    message by its stripped content and its tool calls' names and decoded arguments (numbers as a
+    JavaScript client echoes them, :func:`js_value`)."""
     if m["role"] == "assistant":
         calls = [
             (
                 c["function"]["name"],
-                c["function"]["arguments"]
-                if isinstance(c["function"]["arguments"], dict)
-                else json.loads(c["function"]["arguments"]),
+                js_value(
+                    c["function"]["arguments"]
+                    if isinstance(c["function"]["arguments"], dict)
+                    else json.loads(c["function"]["arguments"])
+                ),
             )
             for c in m.get("tool_calls") or []
         ]

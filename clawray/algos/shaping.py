@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from clawray.chat import js_value
 from clawray.types import Turn
 
 ShapingFn = Callable[[Turn], float]
@@ -48,12 +49,8 @@ def _calls(message: dict[str, Any]) -> list[tuple[str, str]]:
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
         args = fn.get("arguments", "")
-        try:  # the same arguments in another key order or spacing are the same call
-            args = (
-                json.dumps(json.loads(args), sort_keys=True)
-                if isinstance(args, str)
-                else json.dumps(args, sort_keys=True)
-            )
+        try:  # the same arguments in another key order, spacing or number form (30.0 echoed as 30) are the same call
+            args = json.dumps(js_value(json.loads(args) if isinstance(args, str) else args), sort_keys=True)
         except (json.JSONDecodeError, TypeError):
             pass
         out.append((str(fn.get("name", "")), str(args)))

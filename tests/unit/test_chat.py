@@ -142,3 +142,32 @@ def test_render_key_tells_tool_lists_apart():
     weather = [{"type": "function", "function": {"name": "get_weather"}}]
     assert render_key(calc) == render_key([dict(calc[0])]) != render_key(weather)
     assert render_key(None) != render_key(calc)
+
+
+def test_a_tool_call_echoed_by_a_javascript_client_keeps_its_key():
+    """OpenClaw echoes a served tool call's arguments as ``JSON.stringify(JSON.parse(args))``: numbers
+    come back as JavaScript writes doubles. ``{"timeoutSeconds": 30.0}`` came back as ``30``, the keys
+    differed, and the turn was dropped as a branch (without a session id, so was the conversation)."""
+    from clawray.chat import attribution_keys, js_value
+
+    def call(arguments):
+        return [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "exec", "arguments": arguments}}]},
+        ]
+
+    # served (Python's json.dumps) -> echoed (node: JSON.stringify(JSON.parse(served)))
+    pairs = [
+        ('{"timeoutSeconds": 30.0}', '{"timeoutSeconds":30}'),
+        ('{"n": 1e3, "z": -0.0}', '{"n":1000,"z":0}'),
+        ('{"big": 12345678901234567891}', '{"big":12345678901234567000}'),
+        ('{"x": [1.5, true, null, "30.0"]}', '{"x":[1.5,true,null,"30.0"]}'),
+    ]
+    for served, echoed in pairs:
+        assert conversation_key(call(served)) == conversation_key(call(echoed)), served
+        assert attribution_keys(call(served))[-1] == attribution_keys(call(echoed))[-1], served
+    # what differs still differs: a value, a string that holds a number, a boolean that is 1
+    assert conversation_key(call('{"t": 30}')) != conversation_key(call('{"t": 31}'))
+    assert conversation_key(call('{"t": 30}')) != conversation_key(call('{"t": "30"}'))
+    assert conversation_key(call('{"t": true}')) != conversation_key(call('{"t": 1}'))
+    assert js_value({"a": [2.0, 2.5, True, 10**400]}) == {"a": [2, 2.5, True, None]}

@@ -84,6 +84,11 @@ def test_shaping_terms_hand_computed():
     same = _tool_turn([("calc", '{"a": 1, "b": 2}')], [("calc", '{"b":2,"a":1}')])  # key order and spaces ignored
     other = _tool_turn([("calc", '{"a": 1}')], [("calc", '{"a": 2}')])
     assert repeated_tool_call(same) == 1.0 and repeated_tool_call(other) == 0.0
+    # the history holds a JavaScript client's echo of the same call: 30.0 comes back as 30
+    echoed = _tool_turn(
+        [("exec", '{"cmd":"ls","timeoutSeconds":30}')], [("exec", '{"cmd": "ls", "timeoutSeconds": 30.0}')]
+    )
+    assert repeated_tool_call(echoed) == 1.0
     cut = _tool_turn([], [("calc", "{")], truncated=True, tool_parse_error=True)
     weights = {"tool_parse_error": 0.5, "truncated": 0.25, "repeated_tool_call": 1.0}
     assert shaping_terms(cut, weights) == {"tool_parse_error": -0.5, "truncated": -0.25, "repeated_tool_call": 0.0}
