@@ -153,7 +153,11 @@ def test_a_tool_call_echoed_by_a_javascript_client_keeps_its_key():
     def call(arguments):
         return [
             {"role": "user", "content": "q"},
-            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "exec", "arguments": arguments}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "exec", "arguments": arguments}}],
+            },
         ]
 
     # served (Python's json.dumps) -> echoed (node: JSON.stringify(JSON.parse(served)))
