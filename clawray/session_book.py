@@ -11,8 +11,10 @@ history, compared as conversation (what counts is :func:`clawray.chat.attributio
 after that reply, as conversation (:func:`clawray.client_rules.conversation_view`), are the turn's next
 state. When the client rewrote the history before the reply (a compaction replaced older turns by a
 summary), the pending turn whose reply is the history's last assistant message is continued
-(``rewritten``). A history that continues none of them is a branch; the other choices of a continued
-request are ``unchosen``.
+(``rewritten``). A reply that says nothing (no content, no tool call) is left out of the next history
+by OpenClaw's client: such a turn is continued by a history that holds its own history and then a next
+state. A history that continues none of them is a branch; the other choices of a continued request are
+``unchosen``.
 
 Lookup. A request without a session id is placed in the open session one of whose pending turns its
 history continues (the longest such prefix wins), through an index from attribution key to session
@@ -74,6 +76,13 @@ class Session:
             return None
         best = max(range(len(self.held)), key=lambda i: abs(self.held[i][1]))
         return self.held.pop(best)
+
+
+def says_nothing(reply: dict[str, Any]) -> bool:
+    """Whether a reply holds no content (whitespace aside) and no tool call: an immediate end of turn,
+    or reasoning alone. OpenClaw's client (pi-ai) leaves such an assistant message out of the next
+    request's history, so the turn continues where its own history ends."""
+    return not (reply.get("content") or "").strip() and not reply.get("tool_calls")
 
 
 @dataclass
@@ -185,7 +194,9 @@ class SessionBook:
 
         A pending turn is continued when ``messages`` holds its history + reply as a prefix (by
         attribution key) followed by a non-empty next state; failing that (a rewritten history), when
-        its reply is the last assistant message of ``messages`` and a next state follows it.
+        its reply is the last assistant message of ``messages`` and a next state follows it; failing
+        that, when its reply :func:`says_nothing` and ``messages`` holds its history followed by a next
+        state that does not start with a reply.
         """
         self.unindex(s)
         prefix_keys = attribution_keys(messages)
@@ -200,6 +211,14 @@ class SessionBook:
             for turn in s.pending:
                 if attribution_canonical(turn.response_message) == last:
                     return Pairing(turn, next_state, len(s.pending) - 1, rewritten=True)
+        for turn in s.pending:  # a reply that says nothing, which a client leaves out of its history
+            if not says_nothing(turn.response_message):
+                continue
+            own = attribution_key(turn.messages)
+            k = max((k for k, key in enumerate(prefix_keys) if key == own), default=None)
+            next_state = conversation_view(messages[k + 1 :]) if k is not None else []
+            if next_state and next_state[0]["role"] != "assistant":
+                return Pairing(turn, next_state, len(s.pending) - 1)
         return Pairing(None, [], len(s.pending))
 
     def add(self, s: Session, turns: list[Turn]) -> None:

@@ -117,3 +117,28 @@ def test_a_reply_that_starts_with_openclaws_envelope_pairs_with_openclaws_stripp
     book.add(s, [turn("auto-b", history, "[note] see answer.txt")])
     stripped = [*history, {"role": "assistant", "content": "see answer.txt"}, U2]
     assert book.pair(s, stripped).chosen is None
+
+
+def test_a_reply_that_says_nothing_pairs_with_the_history_openclaw_sends_without_it():
+    """OpenClaw's client leaves an assistant message with no content and no tool call out of its next
+    request (an immediate end of turn, or reasoning alone), so the user's complaint followed the turn's
+    own history directly and the turn was dropped as a branch: the worst replies never got a -1."""
+    ctx = {"role": "user", "content": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nx\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>"}
+    complaint = {"role": "user", "content": "Hello? You did not answer."}
+    for reply in ["", "  ", None]:
+        book = SessionBook()
+        s = book.open("a", [U1])
+        t = turn("a", [U1, ctx], reply)
+        t.response_message = {"role": "assistant", "content": reply, "reasoning_content": "Let me"}
+        book.add(s, [t])
+        p = book.pair(s, [U1, complaint])  # the internal block is gone, as OpenClaw sends it
+        assert p.chosen is t and p.next_state == [complaint] and p.others == 0, reply
+    # a reply that said something is not continued by its history alone, nor a reply by another reply
+    book = SessionBook()
+    s = book.open("a", [U1])
+    book.add(s, [turn("a", [U1], "4")])
+    assert book.pair(s, [U1, complaint]).chosen is None
+    book.add(s, [turn("a", [U1], "")])
+    assert book.pair(s, [U1, {"role": "assistant", "content": "5"}, complaint]).chosen is None
+    book.add(s, [turn("a", [U1], "")])
+    assert book.pair(s, [U1]).chosen is None  # a retry of the same history: no next state
