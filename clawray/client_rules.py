@@ -58,10 +58,13 @@ _ENVELOPE_CHANNELS = (
 
 
 def strip_ephemeral(text: str | None) -> str | None:
-    """``text`` without its client-internal context blocks (an unterminated block is kept)."""
+    """``text`` without its client-internal context blocks (an unterminated block is kept) and, when
+    one was cut, without the whitespace at its ends (``"Write the file.\n\n<block>"`` is ``"Write the
+    file."``, as the client's next request has it)."""
     if not text or INTERNAL_CONTEXT[0] not in text:
         return text
-    return _BLOCK.sub("", text)
+    out = _BLOCK.sub("", text)
+    return out.strip() if out != text else out
 
 
 def strip_envelope(text: str | None) -> str | None:

@@ -170,6 +170,18 @@ def test_side_kinds_of_the_captured_housekeeping_and_none_for_main_requests():
 
 def test_ephemeral_blocks_are_cut_and_only_a_block_alone_makes_a_message_ephemeral():
     assert strip_ephemeral(f"hello {BLOCK} world") == "hello  world"
+    # a block appended to the user's text leaves the text as the next request has it: the keys agree
+    assert (
+        strip_ephemeral(f"Write the file.\n\n{BLOCK}")
+        == "Write the file."
+        == strip_ephemeral(f"{BLOCK}\nWrite the file.")
+    )
+    reply = {"role": "assistant", "content": "Done."}
+    seen = [{"role": "user", "content": f"Write the file.\n\n{BLOCK}"}, reply]
+    assert attribution_keys(seen)[-1] == attribution_keys([{"role": "user", "content": "Write the file."}, reply])[-1]
+    assert conversation_view([{"role": "user", "content": f"thanks\n\n{BLOCK}"}]) == [
+        {"role": "user", "content": "thanks"}
+    ]
     assert (
         strip_ephemeral("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> no end")
         == "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> no end"
@@ -179,7 +191,7 @@ def test_ephemeral_blocks_are_cut_and_only_a_block_alone_makes_a_message_ephemer
     assert not is_ephemeral({"role": "assistant", "content": BLOCK})
     assert not is_ephemeral({"role": "user", "content": ""})
     view = conversation_view([{"role": "user", "content": f"hi {BLOCK}"}, {"role": "user", "content": BLOCK}])
-    assert view == [{"role": "user", "content": "hi "}]
+    assert view == [{"role": "user", "content": "hi"}]
 
 
 def test_session_hint_reads_the_first_user_message_only():
