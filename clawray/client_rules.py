@@ -24,8 +24,9 @@ a marker that only that client writes, so a request without the markers is untou
   with such a header (a small model echoing the user's message), OpenClaw strips it from the reply's
   copy in the next request's history; attribution compares replies without it.
 * **Side requests** (:func:`side_kind`): the pre-compaction *memory flush* (its own session id
-  ``internal-...`` and a "Pre-compaction memory flush." prompt) and the *compaction summaries* (the
-  summariser's system prompt, no tools). They are served but never trained: they are OpenClaw's
+  ``internal-...`` and a "Pre-compaction memory flush." prompt), the *compaction summaries* (the
+  summariser's system prompt, no tools) and the *heartbeat polls* (the heartbeat prompt as the last
+  user message, in the main session). They are served but never trained: they are OpenClaw's
   housekeeping, not the agent's work for its user, and they would otherwise pose as new sessions.
 """
 
@@ -45,7 +46,12 @@ SUMMARISER_PROMPT = "You are a context summarization assistant"
 MEMORY_FLUSH_PROMPT = "Pre-compaction memory flush."
 INTERNAL_SESSION_PREFIX = "internal-"
 
-SIDE_KINDS = ("memory_flush", "compaction_summary")
+#: The openings of OpenClaw's heartbeat poll prompt (2026.9.6's default, and the older "HEARTBEAT.md"
+#: one): a periodic check-in the client sends into the main session, whose "nothing to do" answer it
+#: then prunes from the transcript.
+HEARTBEAT_PROMPTS = ("Follow the heartbeat monitor scratch context when provided.", "Read HEARTBEAT.md if it exists")
+
+SIDE_KINDS = ("memory_flush", "compaction_summary", "heartbeat")
 
 #: OpenClaw's message envelope (src/shared/chat-envelope.ts, 2026.9.6): a leading ``[header]`` whose
 #: header holds a timestamp (``2026-12-03T17:07Z`` or ``2026-12-03 17:07``) or starts with a channel
@@ -116,14 +122,20 @@ def side_kind(messages: list[dict[str, Any]], tools: list | None) -> str | None:
 
     * ``compaction_summary``: no tools and a system prompt that starts with :data:`SUMMARISER_PROMPT`;
     * ``memory_flush``: the last user message starts with :data:`MEMORY_FLUSH_PROMPT`, or the session
-      hint names one of OpenClaw's internal sessions (``internal-...``).
+      hint names one of OpenClaw's internal sessions (``internal-...``);
+    * ``heartbeat``: the last user message starts (after an envelope header) with one of
+      :data:`HEARTBEAT_PROMPTS`. A heartbeat configured with a prompt of its own is not recognised
+      (it is served as a main-line turn unless the client says ``X-Turn-Type: side``).
     """
     first = messages[0]
     if not tools and first["role"] == "system" and (first.get("content") or "").lstrip().startswith(SUMMARISER_PROMPT):
         return "compaction_summary"
     last_user = next((m for m in reversed(messages) if m["role"] == "user" and not is_ephemeral(m)), None)
-    if last_user is not None and (last_user.get("content") or "").lstrip().startswith(MEMORY_FLUSH_PROMPT):
+    last_text = (last_user.get("content") or "").lstrip() if last_user is not None else ""
+    if last_text.startswith(MEMORY_FLUSH_PROMPT):
         return "memory_flush"
+    if (strip_envelope(last_text) or "").lstrip().startswith(HEARTBEAT_PROMPTS):
+        return "heartbeat"
     hint = session_hint(messages)
     if hint is not None and hint.startswith(INTERNAL_SESSION_PREFIX):
         return "memory_flush"

@@ -95,7 +95,7 @@ def traffic(serve_counts: dict, tracker_stats: dict) -> dict[str, int]:
     - ``traffic/requests``: chat requests received (every replica);
     - ``traffic/main``: main-line turns recorded in a session (n choices count n);
     - ``traffic/side``: side turns served and never trained (``X-Turn-Type: side``, or a client's
-      housekeeping, ``traffic/side/<kind>``: OpenClaw's ``memory_flush``, ``compaction_summary``);
+      housekeeping, ``traffic/side/<kind>``: OpenClaw's ``memory_flush``, ``compaction_summary``, ``heartbeat``);
     - ``traffic/unattributable``: main-line requests served but in no session (no session id, no
       session hint, a history that continues no pending turn);
     - ``traffic/paired``: turns given their next state (``traffic/paired_after_rewrite``: found by their

@@ -94,7 +94,7 @@ class ChatRequest:
         session_id: the session, or None when the client sent none.
         turn_type: ``"main"`` or ``"side"``: the client's ``X-Turn-Type`` / ``turn_type``, else
             ``"side"`` for a client's housekeeping request (:func:`clawray.client_rules.side_kind`).
-        side_kind: which housekeeping (``"memory_flush"``, ``"compaction_summary"``) when the client
+        side_kind: which housekeeping (``"memory_flush"``, ``"compaction_summary"``, ``"heartbeat"``) when the client
             rules made the request a side turn, else None.
         done: the client closes the session with this request.
         outcome: the session's outcome score (``X-Session-Outcome`` / ``session_outcome``; long-horizon

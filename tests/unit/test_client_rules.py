@@ -226,3 +226,38 @@ def test_attribution_ignores_system_prompts_ephemeral_blocks_and_tool_call_ids_b
 )
 def test_strip_envelope_removes_only_openclaws_leading_header(text, stripped):
     assert strip_envelope(text) == stripped
+
+
+def test_a_heartbeat_poll_is_a_side_turn_and_the_real_reply_stays_the_turns_next_state():
+    """OpenClaw's heartbeat sends its poll prompt as a user message into the main session and prunes
+    the exchange when nothing needed attention. Served as main, the poll became the previous turn's
+    next state (judged on it), and the user's real reply then paired with nothing (a branch)."""
+    import copy
+
+    from clawray.client_rules import HEARTBEAT_PROMPTS
+
+    bodies = [b for b, _ in captured("plain")]
+    poll = copy.deepcopy(bodies[2])
+    last = max(k for k, m in enumerate(poll["messages"]) if m["role"] == "user" and "INTERNAL_CONTEXT" not in str(m))
+    for text in (
+        "Follow the heartbeat monitor scratch context when provided. Recurring tasks are automations; create or "
+        "change their schedules with the automations tool, not heartbeat scratch. Do not infer or repeat old tasks "
+        "from prior chats. If nothing needs attention, reply NO_REPLY.\nCurrent time: Saturday, December 5th, 2026",
+        f"[Sat 2026-12-05 02:30 UTC] {HEARTBEAT_PROMPTS[1]} (workspace context). Follow it strictly.",
+    ):
+        poll["messages"][last]["content"] = text
+        req = parse_chat_request(poll, {}, 8, 1.0)
+        assert (req.turn_type, req.side_kind) == ("side", "heartbeat")
+    assert parse_chat_request(poll, {"x-turn-type": "main"}, 8, 1.0).side_kind is None
+    # a user who writes about the heartbeat is a main-line turn
+    poll["messages"][last]["content"] = "Why does the heartbeat monitor scratch context say that?"
+    assert parse_chat_request(poll, {}, 8, 1.0).turn_type == "main"
+    # the plain scenario with a poll between requests 2 and 3 (its "nothing to do" answer pruned after):
+    # the poll is side, and turn 2 is paired with the user's real message
+    poll["messages"][last]["content"] = HEARTBEAT_PROMPTS[0] + " If nothing needs attention, reply NO_REPLY."
+    r, plain = Replay(), captured("plain")
+    for body, reply in [*plain[:2], (poll, {"content": "NO_REPLY"}), *plain[2:]]:
+        r.request(body, reply)
+    assert [kind for kind, _, _ in r.log] == ["main", "main", "side", "main", "main"]
+    assert r.log[2][1] == "heartbeat" and r.log[3][2].chosen.turn_index == 2
+    assert "heartbeat" not in str(r.log[3][2].next_state) and len(r.log[3][2].next_state) == 1
