@@ -291,7 +291,8 @@ class OPDConfig:
     teacher_timeout_s: float = num(300.0, gt=0.0)  # a teacher call past this is a counted teacher error (seconds)
     adv_clip: float = num(0.0, ge=0.0, note="0 = none")  # bound on |teacher - rollout| per token
     # "advantage": A_t = teacher - rollout in the PPO loss; "topk": top-k distillation (SDFT/SDPO
-    # variant), the reverse KL over the teacher's top-k ids plus a tail bin replaces the PPO term
+    # variant), the teacher term is the reverse KL over the teacher's top-k ids plus a tail bin
+    # (weighted by w_opd; Combine keeps its reward term in the PPO loss beside it)
     loss: str = choice("advantage", "topk")
     topk: int = num(50, ge=1)
     w_rl: float = num(1.0, ge=0.0)  # Combine: weight of the reward term

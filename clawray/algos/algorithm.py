@@ -101,7 +101,8 @@ class Algorithm:
         with_reward: its samples carry a reward (pure OPD's do not).
         loss_term: the learner term its samples train (:meth:`term`): ``"ppo"``, the PPO clip loss on
             the token advantage (:func:`clawray.algos.losses.ppo_clip_loss`), or ``"topk_kl"``, the top-k
-            reverse KL to the teacher (:func:`clawray.algos.losses.topk_reverse_kl`), which replaces it.
+            reverse KL to the teacher (:func:`clawray.algos.losses.topk_reverse_kl`) as the teacher
+            term, beside the PPO loss of the reward term (Combine's; 0 for pure OPD).
     """
 
     name: ClassVar[str] = ""

@@ -380,8 +380,9 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
     only with teacher log-probs; :func:`~clawray.algos.advantages.combine_advantages`, OpenClaw-RL
     §4-5). Loss = PPO clip (:func:`ppo_clip_loss`; anchor: the rollout log-probs, or the proximal
     policy with TIS weights) ``+ kl_coef * KL(pi || pi_ref)`` ``- entropy_coef * entropy``, each
-    aggregated by ``agg_mode``; a top-k distillation sample replaces the PPO term by
-    :func:`topk_reverse_kl`.
+    aggregated by ``agg_mode``. A top-k distillation sample (no teacher log-probs, so ``A_t = w_rl * a``)
+    adds ``w_opd *`` :func:`topk_reverse_kl` as its teacher term: pure OPD (``a = 0``) trains the KL
+    alone, Combine its reward term by PPO beside it.
 
     Raises:
         ValueError: mismatched shapes (from :func:`ppo_clip_loss`).
@@ -423,9 +424,9 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         num_seqs=inp.num_seqs,
     )
     loss, topk_kl = out.loss, None
-    if inp.teacher_topk_ids is not None:  # top-k distillation replaces the PPO term
+    if inp.teacher_topk_ids is not None:  # the teacher term is the top-k KL; PPO keeps the reward term
         topk_kl = topk_reverse_kl(scaled, inp.teacher_topk_logprobs, inp.teacher_topk_ids)
-        loss = aggregate(topk_kl, mask, **agg)
+        loss = loss + cfg.w_opd * aggregate(topk_kl, mask, **agg)
     kl_value = torch.zeros((), device=mask.device)
     if inp.ref_logprobs is not None:
         kl_value = aggregate(kl_penalty(logprobs, inp.ref_logprobs, cfg.kl_estimator), mask, **agg)

@@ -404,3 +404,20 @@ def test_a_topk_distillation_sample_counts_every_masked_token_as_effective():
     assert plain.metrics["effective_tokens"].item() == 0.0 and plain.metrics["topk_tokens"].item() == 0.0
     sums = {k: plain.metrics[k].item() for k in SUM_METRICS}
     assert math.isnan(batch_loss_metrics(sums, 1.0, plain.metrics["token_entropy"], 1, 1)["opd/topk_kl"])
+
+
+def test_a_combine_topk_sample_trains_its_reward_term_beside_the_weighted_topk_kl():
+    """Combine with ``opd.loss=topk`` trained pure top-k distillation: the KL replaced the PPO loss, so
+    the PRM reward (``w_rl * a``) and ``w_opd`` were ignored while ``adv/rl_abs_mean`` still read the
+    reward. Loss = PPO of ``w_rl * a`` + ``w_opd`` x top-k KL; pure OPD (a = 0) keeps the KL alone."""
+    from clawray.algos.losses import LossSettings, sample_loss
+
+    t_lp = torch.log(torch.tensor([[0.5, 0.25]] * 3))  # as above: KL = 1/4 log 2 per token
+    ids = torch.tensor([[0, 1]] * 3)
+    inputs = dict(teacher_topk_logprobs=t_lp, teacher_topk_ids=ids, fresh=False)
+    # a = 2, w_rl 0.5: ratio 1, A = 1 per token -> PPO token mean -1; w_opd 2 -> + 2 x 1/4 log 2
+    out = sample_loss(_uniform_inputs(advantage=2.0, **inputs), LossSettings(w_rl=0.5, w_opd=2.0))
+    assert out.loss.item() == pytest.approx(-1.0 + 0.5 * math.log(2), abs=1e-6)
+    assert out.metrics["pg_loss"].item() == pytest.approx(-1.0) and out.metrics["adv_rl_abs_sum"].item() == 2.0
+    only_kl = sample_loss(_uniform_inputs(advantage=0.0, **inputs), LossSettings(w_rl=0.5, w_opd=2.0))
+    assert only_kl.loss.item() == pytest.approx(0.5 * math.log(2), abs=1e-6)  # pure OPD: w_opd x KL
