@@ -154,8 +154,8 @@ def batch_advantages(
     rewarded sample trains on ``r - b``, ``b`` the guard's running mean reward *before* this batch
     (REINFORCE with a baseline, Williams 1992, eq. 11; at success rate p a success weighs
     ``2(1 - p)`` and a failure ``-2p``, so a rare success is not drowned by the failures of a mixed
-    batch as it is with raw ±1); ``"grpo"``: samples with equal ``group_keys`` (the prompt tokens)
-    form a group, :func:`group_advantages` of the raw rewards. In every mode the guard counts
+    batch as it is with raw ±1); ``"grpo"``: rewarded samples with equal ``group_keys`` (the prompt
+    tokens) form a group, :func:`group_advantages` of the raw rewards. In every mode the guard counts
     one-signed batches and updates its baseline, and ``skip`` may skip the batch.
 
     Args:
@@ -184,6 +184,9 @@ def batch_advantages(
         if group_keys is None or len(group_keys) != len(rewards):
             raise ValueError("grpo advantages need one group key per sample")
         groups: dict[Hashable, int] = {}
-        ids = torch.tensor([groups.setdefault(k, len(groups)) for k in group_keys])
-        advantages = group_advantages(torch.tensor(values), ids).tolist()
+        ids = torch.tensor([groups.setdefault(group_keys[i], len(groups)) for i in rewarded], dtype=torch.long)
+        grouped = group_advantages(torch.tensor([values[i] for i in rewarded]), ids).tolist()
+        advantages = [0.0] * len(values)  # a sample without a reward is no member of its group
+        for i, a in zip(rewarded, grouped):
+            advantages[i] = a
     return BatchAdvantages(advantages, train, rewarded, signal)

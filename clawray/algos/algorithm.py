@@ -293,11 +293,14 @@ class OPD(Algorithm):
         | hint accepted | score ±1 | sample                                     |
         |---------------|----------|--------------------------------------------|
         | yes           | yes      | teacher log-probs and the reward            |
-        | yes           | no       | teacher log-probs, reward 0                 |
+        | yes           | no       | teacher log-probs, no reward (``None``)     |
         | no            | yes      | reward only; no OPD term (no teacher)       |
         | no            | no       | none (``dropped/no_signal``)                |
 
-        OPD uses only the first column: no accepted hint -> ``dropped/no_hint``. When the teacher fails
+        A hint without a score has no reward term: reward None (advantage 0 under every estimator, never
+        rejected as a zero-variance group), marked ``info["unscored"]`` so the credit ledger may still
+        give it shaping and its session's return. OPD uses only the first column: no accepted hint ->
+        ``dropped/no_hint``. When the teacher fails
         or gives no answer, a Combine turn with a score keeps its reward term alone; any other turn is
         dropped (``dropped/teacher_error``).
         """
@@ -342,7 +345,9 @@ class OPD(Algorithm):
             if len(used) > 1:
                 counts["hint_mixtures"] += 1  # turns whose teacher is a mixture of several hints
         info = {"hint": used[0] if used else None} | ({"hints": used} if len(used) > 1 else {})
-        sample = Sample.from_turn(turn, reward=float(score) if combine else None, kind=self.name, **info)
+        if combine and not score:
+            info["unscored"] = True  # a Combine turn the PRM did not score (see the table)
+        sample = Sample.from_turn(turn, reward=float(score) if combine and score else None, kind=self.name, **info)
         sample.teacher_logprobs = teacher
         if topk is not None:
             sample.teacher_topk_logprobs, sample.teacher_topk_ids = topk

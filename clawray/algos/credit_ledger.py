@@ -129,22 +129,26 @@ class CreditLedger:
 
         A held (0-scored) turn becomes a sample (``promote(turn, 0.0)``) with the terms' sum as its
         reward when that sum is not 0, or, when turns wait (:attr:`defers`), always, to wait for its
-        return with reward 0; its held vote then stays beside it (else the vote is spent).
+        return with reward 0; its held vote then stays beside it (else the vote is spent). An unscored
+        sample (``info["unscored"]``: Combine's hint without a score) takes reward 0 plus the terms on
+        the same rule, keeping its teacher log-probs, and else stays without a reward.
 
         Args:
-            sample: the algorithm's sample, or None; its ``reward`` None = no reward (pure OPD).
+            sample: the algorithm's sample, or None; its ``reward`` None = no reward (pure OPD, or unscored).
             held: the mean vote of a 0-scored turn held for the at-least-one rule, or None.
             promote: the algorithm's ``promote`` (a turn and a reward -> a sample).
         """
         rewarded = sample is not None and sample.reward is not None
-        if not rewarded and held is None:
+        unscored = sample is not None and not rewarded and bool(sample.info.get("unscored"))
+        if not rewarded and held is None and not unscored:
             return sample, held
         terms = shaping_terms(turn, self.shaping) if self.shaping else {}
         total = sum(terms.values())
         if not rewarded:
             if total == 0.0 and not self.defers:
-                return None, held
-            sample = promote(turn, 0.0)
+                return (sample if unscored else None), held
+            sample = sample if unscored else promote(turn, 0.0)  # an unscored sample keeps its teacher
+            sample.reward = 0.0
         sample.reward = float(sample.reward) + total
         if terms:
             sample.info["shaping"] = terms

@@ -584,3 +584,45 @@ def test_ledger_defaults_are_the_schema_defaults():
     assert params["outcome_turn_weight"].default == trainer.outcome_turn_weight
     assert params["outcome_judge"].default == trainer.outcome_judge
     assert params["max_staleness"].default == QueueConfig().max_staleness
+
+
+def test_an_unscored_combine_sample_keeps_its_teacher_and_takes_credit_only_from_shaping_or_its_return():
+    """Combine's hint without a score was emitted with reward 0.0: GRPO and the baseline then trained its
+    reward term on ``0 - mean`` (an absent verdict read as a neutral reward) and dynamic sampling
+    rejected it as a zero-variance group, losing its teacher term. It has reward None now, and the
+    ledger gives it a reward only from shaping or its session's return, never replacing the sample."""
+    from clawray.algos.advantages import batch_advantages
+    from clawray.algos.invariants import DegenerateBatchGuard
+    from clawray.algos.rejection import zero_variance
+
+    import math
+
+    promote = lambda t, r: Sample.from_turn(t, reward=r, kind="rl")  # noqa: E731
+    t = turn("s", [{"role": "user", "content": "q"}], "r")
+    t.truncated = True
+
+    def unscored():
+        s = Sample.from_turn(t, reward=None, kind="combine", hint="h", unscored=True)
+        s.teacher_logprobs = [-0.5] * s.response_len
+        return s
+
+    plain, _ = _ledger("turn")
+    s = unscored()
+    assert plain.shape(t, s, None, promote) == (s, None) and s.reward is None
+    penal, _ = _ledger("turn", shaping={"truncated": 0.5})
+    s = unscored()
+    got, held = penal.shape(t, s, None, promote)  # the same sample, teacher kept, reward = the penalty
+    assert (got is s, got.reward, got.teacher_logprobs, held) == (True, -0.5, [-0.5] * s.response_len, None)
+    waits, _ = _ledger("discounted")
+    s = unscored()
+    got, _ = waits.shape(t, s, None, promote)  # waits for its return with reward 0, like a held turn
+    assert (got is s, got.reward) == (True, 0.0)
+    # without a reward: advantage 0 under every estimator, the others' untouched, never rejected
+    rewards = [1.0, None, -1.0, 1.0]
+    for estimator in ("binary", "baseline", "grpo"):
+        out = batch_advantages(rewards, DegenerateBatchGuard(), estimator, group_keys=[0, 0, 0, 0])
+        assert out.advantages[1] == 0.0 and out.rewarded == [0, 2, 3], estimator
+    grpo = batch_advantages(rewards, DegenerateBatchGuard(), "grpo", group_keys=[0, 0, 0, 0]).advantages
+    mean, std = 1 / 3, math.sqrt(8 / 9)  # the three scored rewards alone
+    assert grpo == pytest.approx([(1 - mean) / std, 0.0, (-1 - mean) / std, (1 - mean) / std], rel=1e-6)
+    assert zero_variance(["a", "b"], [1.0, None]) == [0]

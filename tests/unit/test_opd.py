@@ -244,9 +244,10 @@ def test_combine_dispatch_all_four_cases():
     got = sorted((s.turn_index, s.kind, s.reward, s.teacher_logprobs, s.info.get("hint")) for s in queue.items)
     assert got == [
         (1, "combine", -1.0, [-0.5] * 3, "Say it in one sentence."),
-        (2, "combine", 0.0, [-0.5] * 3, "Drop the markdown now."),
+        (2, "combine", None, [-0.5] * 3, "Drop the markdown now."),  # no score: no reward term at all
         (3, "combine", 1.0, None, None),  # no hint: no teacher term at all (not rollout-lp noise)
     ]
+    assert [s.info.get("unscored") for s in sorted(queue.items, key=lambda s: s.turn_index)] == [None, True, None]
     assert stats["dispatch/hint+score"] == 1 and stats["dispatch/hint"] == 1
     assert stats["dispatch/nohint+score"] == 1 and stats["dispatch/nohint"] == 1
     assert stats["dropped/no_signal"] == 1 and stats["samples"] == 3
