@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import ray
 
 from clawray.config import RolloutConfig, section
-from clawray.engines import backend_kwargs
+from clawray.engines import backend_kwargs, engine_seed
 from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
 
 if TYPE_CHECKING:
@@ -219,7 +219,8 @@ class RolloutEngine:
             one engine step) and the backend's own options (:func:`clawray.engines.backend_kwargs`).
         backend: another backend than ``rollout.backend`` (a frozen judge or teacher engine's).
         name: engine name used in logs and errors (e.g. ``"rollout-0"``).
-        seed: the engine's seed (the run's ``seed``).
+        seed: the run's ``seed``; the engine samples with :func:`clawray.engines.engine_seed` of it
+            and ``name`` (:attr:`seed`).
         engine_kwargs: backend options beyond the section's, over them (tests and benches: vLLM's
             chunked prefill, an hf engine in bf16).
         resync_on_restart: a policy engine: when Ray restarts the actor, generation raises
@@ -253,7 +254,9 @@ class RolloutEngine:
         # [recovery hook] a restarted policy engine holds the initial weights: no generation before a sync
         from clawray.recovery import was_restarted
 
-        self._awaiting_sync = resync_on_restart and was_restarted()
+        restarted = was_restarted()
+        self._awaiting_sync = resync_on_restart and restarted
+        self.seed = engine_seed(seed, name, restarted)  # per engine: no two engines sample alike
         self.version = version
         self.arm: str | None = None  # None: serves every request; "canary" / "reserved": see set_arm
         self.canary_fraction = 0.0  # the share of sessions a canary arm serves (the routers read it)
@@ -292,7 +295,7 @@ class RolloutEngine:
                 backend,
                 model_path,
                 rollout.torch_threads,
-                {**backend_kwargs(rollout, backend, seed), **(engine_kwargs or {})},
+                {**backend_kwargs(rollout, backend, self.seed), **(engine_kwargs or {})},
             ),
             daemon=True,
             name=f"{name}-engine",

@@ -34,6 +34,19 @@ def make_backend(name: str, model_path: str, **kwargs) -> Backend:
     raise ValueError(f"unknown engine backend {name!r}; expected 'hf' or 'vllm'")
 
 
+def engine_seed(seed: int, name: str, restarted: bool = False) -> int:
+    """The sampling seed of engine ``name`` in a run seeded ``seed``: distinct per engine (two engines
+    on one seed answer an unseeded prompt alike, a duplicated sample and a zero-variance group), the
+    same on every run with ``seed``; an engine Ray restarted (``restarted``) takes a fresh seed, not
+    its first life's stream again. In ``[0, 2**31)``."""
+    import os
+    import time
+    import zlib
+
+    key = f"{seed}:{name}" + (f":{os.getpid()}:{time.time_ns()}" if restarted else "")
+    return zlib.crc32(key.encode()) & 0x7FFFFFFF
+
+
 def backend_kwargs(rollout, backend: str, seed: int) -> dict:
     """The :func:`make_backend` keyword arguments of a run's engine on ``backend`` from its
     ``rollout`` config section: vLLM takes ``rollout.dtype``, ``max_model_len``, ``kv_cache_gib``,
@@ -51,4 +64,12 @@ def backend_kwargs(rollout, backend: str, seed: int) -> dict:
     return {"dtype": "float32", "seed": seed}
 
 
-__all__ = ["Backend", "GenerateRequest", "GenerateOutput", "WeightSpec", "backend_kwargs", "make_backend"]
+__all__ = [
+    "Backend",
+    "GenerateRequest",
+    "GenerateOutput",
+    "WeightSpec",
+    "backend_kwargs",
+    "engine_seed",
+    "make_backend",
+]
