@@ -715,9 +715,24 @@ def _set_arm(engine: Any, arm: str | None, fraction: float = 0.0) -> None:
         print(f"[clawray] gate: setting an engine's arm to {arm} failed: {type(e).__name__}", flush=True)
 
 
-def probe_generate(engines: list, requests: list) -> list[dict]:
+PROBE_TIMEOUT_S = 600.0
+"""The longest the probe's generations may take: past it they are cancelled and the probe fails (the
+candidate is withdrawn) rather than hold the users' requests for ever."""
+
+
+def probe_generate(engines: list, requests: list, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict]:
     """The probe's generations, spread over ``engines``; they run while the engines hold the users'
-    requests (:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``)."""
+    requests (:meth:`~clawray.actors.rollout.RolloutEngine.generate` ``probe=True``).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: not all answered within ``timeout_s`` seconds (those left are cancelled).
+    """
     import ray
 
-    return ray.get([engines[i % len(engines)].generate.remote(r, None, True) for i, r in enumerate(requests)])
+    refs = [engines[i % len(engines)].generate.remote(r, None, True) for i, r in enumerate(requests)]
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref)
+        raise

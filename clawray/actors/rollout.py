@@ -453,11 +453,7 @@ class RolloutEngine:
     def _step(self, running: dict[int, _Job]) -> None:
         """One backend step: abort the generations whose caller went away (or all, for a sync's
         interrupt), stream the new tokens and finish the generations that ended."""
-        gone = [
-            k
-            for k, job in running.items()
-            if not job.stopping and (job.cancelled or (self._interrupt and not job.probe))
-        ]
+        gone = [k for k, job in running.items() if not job.stopping and self._stops(job)]
         for key in gone:
             running[key].stopping = True
         if gone:
@@ -523,6 +519,11 @@ class RolloutEngine:
             else:
                 self._retry_alone(job)
 
+    def _stops(self, job: _Job) -> bool:
+        """Whether a running generation stops at its next token: its caller went away, or a sync's
+        interrupt (which a gate probe ignores: the gate probes while the users wait)."""
+        return job.cancelled or (self._interrupt and not job.probe)
+
     def _retry_alone(self, job: _Job) -> None:
         """Run one request on its own (from its tokens so far), after a step that held it failed."""
         job.run_versions = []  # no load runs inside this call: every token is the current version's
@@ -530,7 +531,7 @@ class RolloutEngine:
             (result,) = self._backend.generate(
                 [continue_request(job.payload, job.ids)],
                 (lambda _, ids: job.stream(ids)) if job.stream is not None else None,
-                lambda _: job.cancelled or self._interrupt,
+                lambda _: self._stops(job),
             )
         except BaseException as e:
             self._failed(job, e)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -172,3 +173,39 @@ def test_a_canary_serves_only_its_sessions_and_a_harmful_one_never_reaches_the_r
     # a canary session's turns while its canary ran stayed there: none of its v1/v2 candidate-time
     # turns went to the other engine (a non-canary turn of a canary session is the promoted version's)
     assert all(t["policy_version"] != 2 for t in turns if not t["canary"])
+
+
+def test_a_probe_generation_that_never_answers_times_out_and_is_cancelled(ray_cluster):
+    """The gate's probe waited on its generations without a limit: a probe that never answered held
+    the users' requests for ever. Past ``timeout_s`` the generations are cancelled and the probe fails
+    (the gate withdraws the candidate)."""
+    from clawray.gate import probe_generate
+
+    @ray.remote(num_cpus=0)
+    class Stuck:
+        def __init__(self):
+            self.cancelled = 0
+
+        async def generate(self, request, wait_s, probe):
+            import asyncio
+
+            try:
+                if request == "quick":
+                    return {"probe": probe}
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+        def count(self):
+            return self.cancelled
+
+    engine = Stuck.remote()
+    assert probe_generate([engine], ["quick"], timeout_s=30) == [{"probe": True}]
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        probe_generate([engine], ["quick", "stuck"], timeout_s=1.0)
+    deadline = time.monotonic() + 10
+    while ray.get(engine.count.remote()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(engine.count.remote()) == 1
+    ray.kill(engine)

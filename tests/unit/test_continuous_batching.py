@@ -699,6 +699,31 @@ def test_a_gate_probe_runs_while_paused_and_the_users_requests_wait_for_the_resu
     assert len(a["response_ids"]) == 6 and len(b["response_ids"]) == 3
 
 
+def test_gate_probes_retried_alone_after_a_failed_step_run_to_their_end_while_paused(engine):
+    """A step holding two gate probes failed while the engine was paused for the gate: each probe was
+    retried alone under a cancel check that read the pause's interrupt, so it stopped at once, was
+    parked for a resume that the gate (waiting for its probes) never sends: a deadlock. A probe's
+    retry ignores the interrupt, as its steps do."""
+    eng, backend = engine
+
+    async def scenario():
+        await eng.ready()
+        await eng.pause(interrupt=True)
+        backend.gate.clear()  # both probes join the first step, which fails
+        backend.faults.append("step")
+        probes = [asyncio.ensure_future(eng.generate(GenerateRequest([p], max_tokens=3), None, True)) for p in (3, 4)]
+        await _until(lambda: backend.stepping.is_set() and len(backend.runs) == 2)
+        backend.gate.set()
+        done = await asyncio.wait_for(asyncio.gather(*probes), 5.0)
+        parked = len(eng._parked)
+        await eng.resume()
+        return done, parked
+
+    done, parked = asyncio.run(scenario())
+    assert [(len(p["response_ids"]), p["finish_reason"]) for p in done] == [(3, "length"), (3, "length")]
+    assert parked == 0
+
+
 def test_a_canary_engine_serves_canary_traffic_only_and_a_waiting_request_meets_the_arm_the_sync_left(engine):
     """The promotion gate's canary (clawray.canary): a reserved engine refuses every user request at
     once; one that waited through a pause meets the arm set meanwhile (canary: only canary traffic);
