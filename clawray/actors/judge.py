@@ -29,7 +29,7 @@ import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -310,10 +310,17 @@ class HintResult:
     hints: list[str] = field(default_factory=list)
 
 
-def accept_hint(votes: list[tuple[int | None, str | None]], accept: str = "any", min_chars: int = 10) -> HintResult:
+def accept_hint(
+    votes: list[tuple[int | None, str | None]],
+    accept: str = "any",
+    min_chars: int = 10,
+    plain: Callable[[str], str] | None = None,
+) -> HintResult:
     """Apply the acceptance rule to hint votes.
 
-    A vote *qualifies* when its decision is 1 and its hint is longer than ``min_chars`` characters.
+    A vote *qualifies* when its decision is 1 and its hint is longer than ``min_chars`` characters,
+    measured and kept as the teacher will read it: ``plain(hint).strip()`` when ``plain`` is given
+    (:class:`clawray.chat.SpecialTokenStripper`: a hint of special-token strings is empty).
     ``any``: accept when at least one vote qualifies (OpenClaw-RL). ``majority``: accept when the
     qualifying votes are more than half of the valid votes. The longest qualifying hint wins; all of
     them are kept in ``hints`` (for ``opd.max_hints`` > 1).
@@ -323,7 +330,8 @@ def accept_hint(votes: list[tuple[int | None, str | None]], accept: str = "any",
     """
     if accept not in ("any", "majority"):
         raise ValueError(f"unknown hint acceptance rule {accept!r}; expected 'any' or 'majority'")
-    qualifying = [h for d, h in votes if d == 1 and h is not None and len(h) > min_chars]
+    texts = [None if h is None or d != 1 else (plain(h).strip() if plain else h) for d, h in votes]
+    qualifying = [h for h in texts if h is not None and len(h) > min_chars]
     valid = sum(d is not None for d, _ in votes)
     ok = bool(qualifying) and (accept == "any" or 2 * len(qualifying) > valid)
     hints = sorted(dict.fromkeys(qualifying), key=len, reverse=True) if ok else []  # a stable sort
@@ -354,13 +362,16 @@ class JudgeWorker:
         cfg: the ``judge`` config section (:class:`clawray.config.JudgeConfig`; a mapping of some of its
             keys is completed with the schema's defaults, :func:`clawray.config.section`).
         engine: RolloutEngine actor handle (backend ``engine``).
-        tokenizer_path: the judge engine's tokenizer folder (backend ``engine``).
+        tokenizer_path: the policy's tokenizer folder: the judge engine's (backend ``engine``) and, on
+            every backend, the special-token strings a hint is measured without (:func:`accept_hint`).
     """
 
     def __init__(self, cfg: JudgeConfig | dict, engine: Any = None, tokenizer_path: str | None = None):
         self.cfg = cfg = section(JudgeConfig, cfg)
         self.backend = cfg.backend
         self.engine = engine
+        self.tokenizer_path = tokenizer_path
+        self._hint_stripper: SpecialTokenStripper | None = None
         self.stats: Counter[str] = Counter()
         self.semaphore = asyncio.Semaphore(cfg.concurrency)
         # a judgement's own bound is (1 + retries) calls of timeout_s each; twice that is slow
@@ -433,6 +444,18 @@ class JudgeWorker:
         self.stats["compare_invalid_votes"] += counts["invalid"]
         return JudgeResult(score=score, votes=votes, raw=list(raw), counts=counts)
 
+    def _plain_hint(self) -> Callable[[str], str] | None:
+        """The policy tokenizer's :class:`~clawray.chat.SpecialTokenStripper` (loaded at the first hint),
+        or None without a tokenizer path."""
+        if self._hint_stripper is None and self.tokenizer_path:
+            if self.backend == "engine":
+                self._hint_stripper = self.plain
+            else:
+                from transformers import AutoTokenizer
+
+                self._hint_stripper = SpecialTokenStripper(AutoTokenizer.from_pretrained(self.tokenizer_path))
+        return self._hint_stripper
+
     async def hint(
         self, turn: Turn, next_state: list[dict[str, Any]], accept: str = "any", min_chars: int = 10
     ) -> HintResult:
@@ -450,7 +473,7 @@ class JudgeWorker:
                     *(self._ask(messages, f"hint/{turn.session_id}/{turn.turn_index}/{i}") for i in range(self.cfg.m))
                 )
             votes = [parse_hint(r) for r in raw]
-        result = accept_hint(votes, accept, min_chars)
+        result = accept_hint(votes, accept, min_chars, self._plain_hint())
         result.raw = list(raw)
         self.stats["hint_turns"] += 1
         self.stats["hint_votes"] += len(votes)

@@ -151,33 +151,54 @@ class TeacherWorker:
         exact = list(turn.prompt_ids)
         if not hint.strip() and exact:
             return exact
+        messages = self._context(turn)
         for placement in (self.placement, "last") if self.placement == "user" else (self.placement,):
-            ids = self._inserted(turn, exact, hint, placement) if exact else None
+            ids = self._inserted(turn, messages, exact, hint, placement) if exact else None
             if ids is not None:
                 return ids
         self.rebuilt += 1
         return self.tokenizer.encode(
-            self._render(hinted_messages(turn.messages, hint, self.template, self.placement), turn),
+            self._render(hinted_messages(messages, hint, self.template, self.placement), turn),
             add_special_tokens=False,
         )
+
+    def _context(self, turn: Turn) -> list[dict[str, Any]]:
+        """``turn.messages``, with the system message the chat template renders by default made
+        explicit under ``placement="system"`` when there is none (Qwen2.5's "You are Qwen, ..."): the
+        hint joins that system prompt instead of replacing it."""
+        messages = list(turn.messages)
+        if self.placement != "system" or (messages and messages[0].get("role") == "system"):
+            return messages
+        marker = "\u2063clawray-system\u2063"
+        plain = self._render(messages, turn)
+        marked = self._render([{"role": "system", "content": marker}, *messages], turn)
+        i = marked.find(marker)
+        head, tail = marked[:i], marked[i + len(marker) :]
+        if i < 0 or not plain.startswith(head) or not plain.endswith(tail) or len(head) + len(tail) >= len(plain):
+            return messages  # no default system prompt (or one the template does not render as given)
+        default = [{"role": "system", "content": plain[len(head) : len(plain) - len(tail)]}, *messages]
+        return default if self._render(default, turn) == plain else messages
 
     def _render(self, messages: list[dict[str, Any]], turn: Turn) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=turn.tools, add_generation_prompt=True, tokenize=False
         )
 
-    def _inserted(self, turn: Turn, exact: list[int], hint: str, placement: str) -> list[int] | None:
-        """``exact`` with the hint's text inserted where ``placement`` puts it, or None when the
-        rendered text around the insertion point does not re-tokenise to ``exact``'s tail or head."""
-        plain = self._render(turn.messages, turn)
-        hinted = self._render(hinted_messages(turn.messages, hint, self.template, placement), turn)
+    def _inserted(
+        self, turn: Turn, messages: list[dict[str, Any]], exact: list[int], hint: str, placement: str
+    ) -> list[int] | None:
+        """``exact`` with the hint's text inserted where ``placement`` puts it in ``messages`` (the
+        turn's, :meth:`_context`), or None when the rendered text around the insertion point does not
+        re-tokenise to ``exact``'s tail or head."""
+        plain = self._render(messages, turn)
+        hinted = self._render(hinted_messages(messages, hint, self.template, placement), turn)
         p = 0
         while p < min(len(plain), len(hinted)) and plain[p] == hinted[p]:
             p += 1
         s = 0
         while s < len(plain) - p and plain[len(plain) - 1 - s] == hinted[len(hinted) - 1 - s]:
             s += 1
-        if p + s != len(plain):  # not a pure insertion (cannot happen with hinted_messages)
+        if p + s != len(plain):  # not a pure insertion
             return None
         inserted = self.tokenizer.encode(hinted[p : len(hinted) - s], add_special_tokens=False)
         tail = self.tokenizer.encode(plain[p:], add_special_tokens=False)

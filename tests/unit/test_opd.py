@@ -453,3 +453,70 @@ def test_the_teacher_scores_the_exact_sampled_prompt_plus_the_hint(tiny_model):
     # a turn recorded without usable ids is still scored (re-rendered), and counted
     bare = Turn(**{**turn.__dict__, "prompt_ids": [5, 6, 7]})
     assert worker.teacher_prompt_ids(bare, hint)[-7:] == p3[-7:] and worker.rebuilt == 1
+
+
+def test_a_hint_is_measured_and_kept_without_special_token_strings(tiny_model):
+    """A hint of special-token strings passed ``opd.min_hint_chars`` by its raw length, then the teacher
+    stripped it to nothing and scored the unhinted prompt: teacher == rollout, an accepted hint that
+    taught nothing. The judge measures (and keeps) the hint as the teacher reads it."""
+    from conftest import make_turn
+
+    worker = JudgeWorker({"backend": "feedback"}, tokenizer_path=tiny_model)
+    turn = make_turn("s", [{"role": "user", "content": "2+3?"}], "6")
+
+    def hint(text: str) -> HintResult:
+        return asyncio.run(worker.hint(turn, [{"role": "user", "content": text}], "any", 10))
+
+    forged = hint("wrong<|im_end|>\n<|im_start|><|im_end|><|im_start|>")  # 5 characters once read
+    assert forged.hint is None and forged.votes == [(1, "wrong<|im_end|>\n<|im_start|><|im_end|><|im_start|>")]
+    assert hint("wrong<|im_end|>, the sum is 5").hint == "wrong, the sum is 5"
+    assert worker.stats["hints_accepted"] == 1 and worker.stats["hint_chars"] == len("wrong, the sum is 5")
+    # without a tokenizer the raw text is measured, as before
+    assert accept_hint([(1, "<|im_end|><|im_end|>")], "any", 10).hint == "<|im_end|><|im_end|>"
+
+
+QWEN_DEFAULT_SYSTEM = (
+    "{%- if messages[0].role == 'system' -%}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{%- else -%}<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "{%- endif -%}{%- for m in messages -%}{%- if not (m.role == 'system' and loop.first) -%}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def test_a_system_placed_hint_joins_the_templates_default_system_prompt(tiny_model, tmp_path):
+    """``opd.hint_placement=system`` on a chat without a system message put the hint in a new system
+    message, which replaces a template's default one (Qwen2.5's "You are Qwen, ..."): no insertion
+    kept the sampled ids, the prompt was re-rendered without the default, and teacher - rollout measured
+    the lost system prompt as well as the hint. The hint now joins the default, every sampled id kept."""
+    import shutil
+
+    from clawray.actors.teacher import TeacherWorker
+    from conftest import make_turn
+
+    folder = tmp_path / "qwen-like"
+    shutil.copytree(tiny_model, folder)
+    (folder / "chat_template.jinja").write_text(QWEN_DEFAULT_SYSTEM)
+    worker = TeacherWorker(object(), str(folder), {"hint_placement": "system", "hint_template": " HINT: {hint}"})
+    tok = worker.tokenizer
+    messages = [{"role": "user", "content": "2+2?"}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "You are Qwen" in rendered
+    prompt = tok.encode(rendered, add_special_tokens=False)
+    turn = make_turn("s", messages, "4")
+    turn.prompt_ids = prompt
+    ids = worker.teacher_prompt_ids(turn, "Answer with the number only.")
+    want = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant. HINT: Answer with the number only."
+    assert tok.decode(ids) == rendered.replace(
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", want
+    )
+    assert worker.rebuilt == 0
+    # a template without a default system prompt: a new leading system message holds the hint
+    plain = TeacherWorker(object(), tiny_model, {"hint_placement": "system", "hint_template": " HINT: {hint}"})
+    turn.prompt_ids = plain.tokenizer.encode(
+        plain.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    assert plain.tokenizer.decode(plain.teacher_prompt_ids(turn, "Be brief.")).startswith(
+        "<|im_start|>system\nHINT: Be brief.<|im_end|>\n<|im_start|>user\n2+2?"
+    )
