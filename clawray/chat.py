@@ -55,6 +55,13 @@ def _finite_float(text: str) -> float:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def without_surrogates(text: str) -> str:
+    """``text`` with each lone UTF-16 surrogate (``\\ud800``-``\\udfff``; a decoded pair is one code
+    point) replaced by U+FFFD, as a UTF-8 decoder replaces invalid bytes: text a server sent as JSON
+    escapes that a tokenizer or a UTF-8 file can then hold."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
 class LoneSurrogateError(ValueError):
     """Decoded JSON holds a lone UTF-16 surrogate (an unpaired ``\\ud800``-``\\udfff`` escape): valid
     JSON syntax, yet no UTF-8 text (a reply body, a tokenizer, a record) can hold it."""

@@ -65,7 +65,8 @@ class JsonlRecords:
         written. A record is observability, never a reason to fail the request that made it: when the
         disk refuses the row (ENOSPC, ...) it is left out whole (:func:`append_whole`), counted in
         ``write_errors`` and named in ``error`` until a row is written again."""
-        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        # a lone surrogate (no UTF-8 form) is written as its JSON escape, which reads back the same
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8", errors="backslashreplace")
         try:
             try:
                 size = os.path.getsize(self.path)

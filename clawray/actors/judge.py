@@ -35,7 +35,7 @@ import ray
 
 from clawray.actors.call_health import CallHealth
 from clawray.algos.feedback import feedback_score, message_text
-from clawray.chat import SpecialTokenStripper, end_of_turn_ids
+from clawray.chat import SpecialTokenStripper, end_of_turn_ids, without_surrogates
 from clawray.config import JudgeConfig, section
 from clawray.ray_env import CONTROL_GROUP, CONTROL_GROUPS
 from clawray.types import Turn
@@ -543,7 +543,7 @@ class JudgeWorker:
             content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
         if content is not None and not isinstance(content, str):
             raise TypeError(f"the judge answered with {type(content).__name__} content, not text")
-        return content or ""
+        return without_surrogates(content or "")  # a lone "\\ud800" escape: no tokenizer reads it
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def get_stats(self) -> dict:

@@ -520,3 +520,25 @@ def test_a_system_placed_hint_joins_the_templates_default_system_prompt(tiny_mod
     assert plain.tokenizer.decode(plain.teacher_prompt_ids(turn, "Be brief.")).startswith(
         "<|im_start|>system\nHINT: Be brief.<|im_end|>\n<|im_start|>user\n2+2?"
     )
+
+
+def test_an_endpoint_judges_lone_surrogate_becomes_a_replacement_character():
+    """An OpenAI-compatible judge may answer with a lone ``"\\ud800"`` escape: the hint then held a
+    character no tokenizer encodes (the teacher failed on it) and no record could write. The answer's
+    lone surrogates read as U+FFFD, as invalid UTF-8 bytes do."""
+    import json
+    from types import SimpleNamespace
+
+    from conftest import make_turn
+
+    worker = JudgeWorker({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "j", "m": 1})
+    answer = json.loads('"\\\\boxed{1} [HINT_START] Use digits\\ud800 only, \\ud83d\\ude00 please [HINT_END]"')
+
+    async def create(**_):
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=answer))])
+
+    worker.client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    turn = make_turn("s", [{"role": "user", "content": "2+3?"}], "6")
+    result = asyncio.run(worker.hint(turn, [{"role": "user", "content": "no, 5"}]))
+    assert result.hint == "Use digits\ufffd only, \U0001f600 please"  # a pair is one character, kept
+    assert result.raw == [answer.replace("\ud800", "\ufffd")]

@@ -25,3 +25,15 @@ def test_rotation_keeps_every_row_until_retention_and_mode_0600(tmp_path):
 def test_bad_settings_raise():
     with pytest.raises(ValueError):
         JsonlRecords("/tmp/x.jsonl", 0, 1)
+
+
+def test_a_row_holding_a_lone_surrogate_is_written_and_reads_back_the_same(tmp_path):
+    """A judge's answer decoded from a ``"\\ud800"`` escape has no UTF-8 form: ``append`` raised
+    UnicodeEncodeError (it caught only OSError) into the judging task. It is written as its JSON
+    escape, which reads back as the same string."""
+    path = tmp_path / "judgments.jsonl"
+    rec = JsonlRecords(str(path), 1 << 20, 1)
+    assert rec.append({"raw": "a\ud800b", "ok": "é"}) and rec.write_errors == 0
+    line = path.read_bytes()
+    assert line == b'{"raw": "a\\ud800b", "ok": "\xc3\xa9"}\n'
+    assert json.loads(line) == {"raw": "a\ud800b", "ok": "é"}
