@@ -113,6 +113,22 @@ def death_reason(e: BaseException) -> str:
     return "killed or crashed"
 
 
+def compute_device() -> str:
+    """``"cuda"`` when the calling process may compute on a GPU, else ``"cpu"``: in a Ray actor only
+    when Ray gave it one (``num_gpus`` > 0; a fraction counts), elsewhere when CUDA is available.
+    Ray 2.60 leaves ``CUDA_VISIBLE_DEVICES`` alone for an actor that asked for no GPU
+    (ray-project/ray#54868), so ``torch.cuda.is_available()`` alone put such actors on GPU 0."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return "cuda" if ray.get_gpu_ids() else "cpu"
+    return "cuda"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` (default: this machine's loopback) that is free right now."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

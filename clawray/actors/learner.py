@@ -58,7 +58,7 @@ from clawray.algos.losses import (
 )
 from clawray.algos.schedule import lr_factor
 from clawray.config import LearnerConfig, section
-from clawray.ray_env import reserve_rendezvous, tcp_store, use_node_gloo
+from clawray.ray_env import compute_device, reserve_rendezvous, tcp_store, use_node_gloo
 from clawray.types import Sample
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ class LearnerWorker:
             self._loss_weights,
         )
         torch.set_num_threads(cfg.torch_threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(compute_device())  # the GPU only when Ray gave this rank one
         # on CUDA, NCCL for the model's tensors and gloo for the CPU tensors the step all-reduces
         # (its counts, the non-finite flag, the metric sums): a group of NCCL alone refuses CPU tensors
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"

@@ -438,8 +438,8 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         rl_term = cfg.w_rl * inp.advantage * mask  # the reward term of adv; the rest is the OPD term
         metrics["adv_rl_abs_sum"] = rl_term.abs().sum().double()
         metrics["adv_opd_abs_sum"] = ((adv - rl_term) * mask).abs().sum().double()
-        metrics["opd_tokens"] = metrics["tokens"] if has_teacher else torch.zeros((), dtype=torch.float64)
         zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        metrics["opd_tokens"] = metrics["tokens"] if has_teacher else zero
         if topk_kl is not None:  # every masked token learns from the teacher's top-k, whatever its advantage
             metrics["effective_tokens"] = metrics["tokens"]
         metrics["topk_kl_sum"] = zero if topk_kl is None else topk_kl.detach()[mask.bool()].sum().double()

@@ -51,7 +51,8 @@ def backend_kwargs(rollout, backend: str, seed: int) -> dict:
     """The :func:`make_backend` keyword arguments of a run's engine on ``backend`` from its
     ``rollout`` config section: vLLM takes ``rollout.dtype``, ``max_model_len``, ``kv_cache_gib``,
     ``gpu_memory_utilization`` and ``prefix_caching``; the hf backend always runs float32 (the
-    learners' precision)."""
+    learners' precision), on the GPU when Ray gave the engine one (``rollout.num_gpus``,
+    :func:`clawray.ray_env.compute_device`)."""
     if backend == "vllm":
         return {
             "dtype": rollout.dtype,
@@ -61,7 +62,9 @@ def backend_kwargs(rollout, backend: str, seed: int) -> dict:
             "gpu_memory_utilization": rollout.gpu_memory_utilization,
             "enable_prefix_caching": rollout.prefix_caching,
         }
-    return {"dtype": "float32", "seed": seed}
+    from clawray.ray_env import compute_device
+
+    return {"dtype": "float32", "seed": seed, "device": compute_device()}
 
 
 __all__ = [

@@ -7,8 +7,8 @@ not: build a spec or choose the transport (:class:`~clawray.weight_sync.controll
 
 from __future__ import annotations
 
-import torch
 
+from clawray.ray_env import compute_device
 from clawray.weight_sync.collective import CollectiveTransport
 from clawray.weight_sync.ipc import IpcTransport
 from clawray.weight_sync.object_store import ObjectStoreTransport
@@ -38,7 +38,7 @@ def make_transport(spec: TransportSpec, rank: int, name: str = "") -> WeightTran
         raise ValueError(f"the {spec.kind} transport needs a WeightMailboxActor handle")
     if spec.kind == "object_store":
         return ObjectStoreTransport(rank, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = compute_device()
     return IpcTransport(
         rank, spec.world_size, spec.plan, spec.bucket_bytes, spec.timeout_s, spec.mailbox, device=device, name=name
     )

@@ -421,3 +421,24 @@ def test_a_combine_topk_sample_trains_its_reward_term_beside_the_weighted_topk_k
     assert out.metrics["pg_loss"].item() == pytest.approx(-1.0) and out.metrics["adv_rl_abs_sum"].item() == 2.0
     only_kl = sample_loss(_uniform_inputs(advantage=0.0, **inputs), LossSettings(w_rl=0.5, w_opd=2.0))
     assert only_kl.loss.item() == pytest.approx(0.5 * math.log(2), abs=1e-6)  # pure OPD: w_opd x KL
+
+
+def test_every_loss_metric_lives_on_the_inputs_device(monkeypatch):
+    """``opd_tokens`` of a sample without a teacher was a CPU tensor beside the others on the GPU: the
+    learner's metric sums (one ``torch.stack``) then failed on every pure-RL step on CUDA. Checked on
+    the ``meta`` device, which any non-CPU device stands for here."""
+    import torch.fx.experimental._config as fx_config
+
+    from clawray.algos.losses import LossSettings, SampleLossInputs, sample_loss
+
+    monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
+    dev, r, v = "meta", 3, 5
+    inp = SampleLossInputs(
+        logits=torch.zeros(r, v, device=dev),
+        targets=torch.zeros(r, dtype=torch.long, device=dev),
+        loss_mask=torch.ones(r, device=dev),
+        rollout_logprobs=torch.zeros(r, device=dev),
+        advantage=1.0,
+    )
+    metrics = sample_loss(inp, LossSettings()).metrics
+    assert {k: t.device.type for k, t in metrics.items()} == {k: "meta" for k in metrics}

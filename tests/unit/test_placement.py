@@ -130,3 +130,30 @@ def test_a_local_ray_is_always_a_new_one(monkeypatch):
     ray_env.init_ray("auto")
     assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 3
     assert calls[1] == {"address": "auto", "log_to_driver": True}
+
+
+def test_an_actor_computes_on_the_gpu_only_when_ray_gave_it_one(monkeypatch):
+    """The learners (and the hf engine, the ipc transport) took ``cuda`` whenever CUDA was available:
+    Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for an actor with ``num_gpus=0``, so `conf/cpu.yaml` on
+    a GPU host put every learner rank on GPU 0 (NCCL refuses two ranks on one GPU)."""
+    from types import SimpleNamespace
+
+    import ray
+    import torch
+
+    from clawray.engines import backend_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ray_env.compute_device() == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert ray_env.compute_device() == "cuda"  # a driver or a test outside Ray
+    gpus: list = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_actor_id=lambda: "a1"))
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: gpus)
+    assert ray_env.compute_device() == "cpu"  # an actor with num_gpus=0
+    assert backend_kwargs(None, "hf", 3) == {"dtype": "float32", "seed": 3, "device": "cpu"}
+    gpus.append(0)  # num_gpus=0.5: Ray assigned GPU 0
+    assert ray_env.compute_device() == "cuda"
+    assert backend_kwargs(None, "hf", 3)["device"] == "cuda"
