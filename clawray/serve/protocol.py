@@ -176,9 +176,36 @@ def _tools(body: Mapping) -> list[dict[str, Any]] | None:
             raise RequestError(f"tools[{i}].function.name is required", f"tools[{i}]")
         if tool.get("type", "function") != "function":
             raise RequestError(f"tools[{i}].type must be 'function'", f"tools[{i}].type")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+        if fn.get("parameters") is not None:
+            _parameters(fn["parameters"], f"tools[{i}].function.parameters")
     return tools or None
+
+
+def _parameters(params: Any, where: str) -> None:
+    """A tool's ``parameters``: a JSON schema object whose ``required`` (when given) lists names and
+    whose ``properties`` (when given) map names to schemas (objects, or booleans) whose ``type`` (when
+    given) is a type name or a list of them, as the reply parser reads them (OpenAI refuses such a
+    schema with a 400 too)."""
+    if not isinstance(params, dict):
+        raise RequestError(f"{where} must be a JSON schema object", where)
+    required = params.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise RequestError(f"{where}.required must be a list of parameter names", f"{where}.required")
+    props = params.get("properties")
+    if props is None:
+        return
+    if not isinstance(props, dict):
+        raise RequestError(f"{where}.properties must be an object of parameter schemas", f"{where}.properties")
+    for name, schema in props.items():
+        at = f"{where}.properties.{name}"
+        if isinstance(schema, bool):
+            continue
+        if not isinstance(schema, dict):
+            raise RequestError(f"{at} must be a JSON schema object", at)
+        kind = schema.get("type")
+        names = kind if isinstance(kind, list) else [kind]
+        if kind is not None and not (names and all(isinstance(k, str) for k in names)):
+            raise RequestError(f"{at}.type must be a type name or a list of them", f"{at}.type")
 
 
 #: Implemented-later fields: accepted only with the value that leaves the reply as clawray makes it.

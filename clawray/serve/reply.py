@@ -133,12 +133,21 @@ def tool_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
 
 def tool_parameter_types(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
     """``{tool name: {parameter: JSON-schema type}}`` of an OpenAI ``tools`` list (a type may be a
-    list of types, as JSON schema allows; a parameter without one maps to None)."""
+    list of types, as JSON schema allows; a parameter without one, or with a malformed one, maps to
+    None: any value fits)."""
     out: dict[str, dict[str, Any]] = {}
     for name, params in tool_schemas(tools).items():
-        props = params.get("properties") or {}
-        out[name] = {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()}
+        props = params.get("properties")
+        props = props if isinstance(props, dict) else {}
+        out[name] = {k: _schema_type(v) for k, v in props.items()}
     return out
+
+
+def _schema_type(schema: Any) -> str | list[str] | None:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, str) or (isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind)):
+        return kind
+    return None
 
 
 def _xml_value(text: str, kind: Any) -> Any:
@@ -292,9 +301,11 @@ def untagged_tool_calls(text: str, schemas: dict[str, dict[str, Any]]) -> list[d
             return None
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         required = schema.get("required") if isinstance(schema.get("required"), list) else []
-        if any(key not in args for key in required) or (props and any(key not in props for key in args)):
+        if any(key not in args for key in required if isinstance(key, str)):
             return None
-        if not all(_fits(v, props[k].get("type")) for k, v in args.items() if isinstance(props.get(k), dict)):
+        if (props and any(key not in props for key in args)) or not all(
+            _fits(v, _schema_type(props.get(k))) for k, v in args.items()
+        ):
             return None
         calls.append({"name": obj["name"], "arguments": args})
     return calls or None

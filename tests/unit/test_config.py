@@ -365,7 +365,7 @@ def test_engine_backend_arguments_from_the_rollout_section_and_the_openclaw_pres
     }
     off = load_config(["conf/rl.yaml"], [])  # off by default: it cost the CPU demo most of its gain
     assert backend_kwargs(off.rollout, "vllm", 0)["enable_prefix_caching"] is False
-    assert backend_kwargs(off.rollout, "hf", 0) == {"dtype": "float32", "seed": 0}
+    assert backend_kwargs(off.rollout, "hf", 0) == {"dtype": "float32", "seed": 0, "device": "cpu"}
     assert (cfg.model.build, cfg.serve.model_name) == ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b")
 
 

@@ -141,7 +141,35 @@ def test_tool_choice_none_drops_tools():
         (
             {"messages": MSG, "tools": [{"function": {"name": "f", "parameters": "lol"}}]},
             {},
-            "tools[0]",
+            "tools[0].function.parameters",
+            "invalid_request",
+        ),
+        # a schema the reply parser reads: properties an object of schemas, types names, required names
+        (
+            {"messages": MSG, "tools": [{"function": {"name": "f", "parameters": {"properties": ["x"]}}}]},
+            {},
+            "tools[0].function.parameters.properties",
+            "invalid_request",
+        ),
+        (
+            {"messages": MSG, "tools": [{"function": {"name": "f", "parameters": {"properties": {"x": "int"}}}}]},
+            {},
+            "tools[0].function.parameters.properties.x",
+            "invalid_request",
+        ),
+        (
+            {
+                "messages": MSG,
+                "tools": [{"function": {"name": "f", "parameters": {"properties": {"x": {"type": {"a": 1}}}}}}],
+            },
+            {},
+            "tools[0].function.parameters.properties.x.type",
+            "invalid_request",
+        ),
+        (
+            {"messages": MSG, "tools": [{"function": {"name": "f", "parameters": {"required": [{"x": 1}]}}}]},
+            {},
+            "tools[0].function.parameters.required",
             "invalid_request",
         ),
         (

@@ -504,3 +504,29 @@ def test_qwen3_coder_values_that_json_cannot_hold_stay_text_and_string_unions_st
         assert parse_tool_block(body, tool_parameter_types(STRICT_TOOLS)) == [
             {"name": "f", "arguments": {"content": expected}}
         ]
+
+
+def test_a_malformed_tool_schema_types_no_argument_and_never_raises():
+    """A request's tool schema with ``properties`` as a list, a ``type`` that is an object or
+    ``required`` holding objects made the reply parser raise after the engine had generated (an HTTP
+    500 for the client's bad schema). The endpoint now refuses such a schema with a 400; the parser
+    itself reads a malformed part as "any value"."""
+    from clawray.serve.reply import untagged_tool_calls
+
+    bad = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": ["x"]}}},
+        {"type": "function", "function": {"name": "g", "parameters": {"properties": {"x": {"type": {"a": 1}}}}}},
+        {"type": "function", "function": {"name": "h", "parameters": {"properties": {"x": {}}, "required": [{}]}}},
+    ]
+    assert tool_parameter_types(bad) == {"f": {}, "g": {"x": None}, "h": {"x": None}}
+    body = "<function=g>\n<parameter=x>\n12\n</parameter>\n</function>"
+    assert parse_tool_block(body, tool_parameter_types(bad)) == [{"name": "g", "arguments": {"x": 12}}]
+    schemas = {"g": bad[1]["function"]["parameters"], "h": bad[2]["function"]["parameters"]}
+    assert untagged_tool_calls('{"name": "g", "arguments": {"x": [1]}}', schemas) == [
+        {"name": "g", "arguments": {"x": [1]}}
+    ]
+    assert untagged_tool_calls('{"name": "h", "arguments": {"x": 1}}', schemas) == [
+        {"name": "h", "arguments": {"x": 1}}
+    ]
+    (call,) = parse_reply_text('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', tools=bad).tool_calls
+    assert json.loads(call["function"]["arguments"]) == {"x": 1}
