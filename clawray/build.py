@@ -21,20 +21,41 @@ from clawray.run_actors import RunActors
 
 
 def ensure_model(cfg: DictConfig) -> str:
-    """The policy folder, built first when it is missing and ``model.build`` says how.
+    """The policy folder, built first when it does not exist and ``model.build`` says how. A build
+    never writes into a folder that holds files (a user's half-downloaded model stays as it is): it fills a
+    sibling ``<path>.building-<pid>`` and renames it into place whole, so an interrupted build leaves
+    no folder that looks finished.
 
     Raises:
         FileNotFoundError: the folder does not exist and ``model.build`` is none.
+        FileExistsError: the folder holds files but no ``config.json``.
     """
     path = model_path(cfg)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(
+            f"model.path {path} exists but is not an HF folder (no config.json; an unfinished download?): "
+            f"clawray builds model.build={cfg.model.build} only into a new folder and never writes into yours"
+        )
     if cfg.model.build == "none":
-        raise FileNotFoundError(f"model.path {path} is not an HF folder (no config.json) and model.build is none")
+        raise FileNotFoundError(f"model.path {path} does not exist and model.build is none")
+    import shutil
+
     from clawray import model_folders
 
-    print(f"[clawray] building model '{cfg.model.build}' into {path}", flush=True)
-    model_folders.BUILDERS[cfg.model.build](path)
+    print(
+        f"[clawray] model.path {path} does not exist: building model.build={cfg.model.build} there "
+        "(model.build=none refuses a missing folder)",
+        flush=True,
+    )
+    partial = f"{path.rstrip(os.sep)}.building-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model_folders.BUILDERS[cfg.model.build](partial)
+        os.rename(partial, path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return path
 
 
