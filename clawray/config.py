@@ -882,10 +882,16 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         )
     if lrn.lora.rank > 0 and not lrn.lora.target_modules:
         raise ConfigError("learner.lora.target_modules must name at least one module when learner.lora.rank > 0")
-    if lrn.entropy_floor > 0 and lrn.entropy_coef > lrn.entropy_coef_max:  # the controller clips to the max
+    adaptive = [f"learner.{k} > 0" for k in ("entropy_floor", "behaviour_floor") if lrn[k] > 0]
+    if adaptive and lrn.entropy_coef > lrn.entropy_coef_max:  # the controllers clip to the max
         raise ConfigError(
             f"learner.entropy_coef={lrn.entropy_coef} exceeds learner.entropy_coef_max="
-            f"{lrn.entropy_coef_max} while the adaptive coefficient is on (learner.entropy_floor > 0)"
+            f"{lrn.entropy_coef_max} while the adaptive coefficient is on ({' and '.join(adaptive)})"
+        )
+    if lrn.behaviour_floor > 0 and cfg.monitor.every_steps <= 0:  # nothing would feed its controller
+        raise ConfigError(
+            f"learner.behaviour_floor={lrn.behaviour_floor} reads the behaviour monitor's entropy: "
+            "set monitor.every_steps > 0 (the probe runs every that many steps)"
         )
     if lrn.steps_per_batch > cfg.trainer.batch_size:  # the learner would silently take fewer steps
         raise ConfigError(
@@ -896,6 +902,13 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
     if cfg.deploy.probe_file and cfg.deploy.probe_split != "eval":  # a probe file is held out as a whole
         raise ConfigError("deploy.probe_file is one held-out set: deploy.probe_split must be eval")
+    if cfg.deploy.gate and cfg.deploy.every_versions > cfg.queue.max_staleness:
+        # the engines serve the promoted version until a candidate is probed: its samples grow stale
+        raise ConfigError(
+            f"deploy.every_versions={cfg.deploy.every_versions} exceeds queue.max_staleness="
+            f"{cfg.queue.max_staleness}: with the gate the engines serve the promoted version until a "
+            "candidate is probed, so every sample would be dropped as stale before the probe is due"
+        )
     if cfg.deploy.gate and not (cfg.env.enabled or cfg.deploy.probe_file):  # the probe's items and check
         raise ConfigError(
             "deploy.gate=true needs a probe: deploy.probe_file (held-out conversations, each with an answer, a regex "
@@ -906,6 +919,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if cfg.judge.backend == "openai" and not (cfg.judge.base_url and cfg.judge.model):  # else the judge actor dies
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
+    _check_teacher(cfg)
     _check_hint_mixture(cfg)
     _check_endpoint_teacher(cfg)
     _check_env_data(cfg)
@@ -972,6 +986,21 @@ def _check_hint_mixture(cfg: DictConfig) -> None:
             f"opd.max_hints={opd.max_hints} mixes the hinted teachers' log-probs of the sampled tokens, which "
             f"top-k distillation does not train (trainer.algo={cfg.trainer.algo}, opd.loss={opd.loss}): "
             "use opd.max_hints=1 or opd.loss=advantage"
+        )
+
+
+def _check_teacher(cfg: DictConfig) -> None:
+    """``opd.teacher`` of an algorithm with a teacher: ``frozen``, ``live``, an http(s) endpoint, or a
+    folder holding an HF model (else the run failed after Ray and every actor had started, with a
+    tokenizer traceback that never named ``opd.teacher``)."""
+    teacher = cfg.opd.teacher
+    if not algorithm_class(cfg.trainer.algo).needs_teacher or teacher in ("frozen", "live") or is_endpoint(teacher):
+        return
+    path = os.path.abspath(os.path.expanduser(os.path.expandvars(teacher)))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"opd.teacher={teacher!r} is not frozen, live, an http(s):// endpoint or an HF model folder "
+            f"({path} has no config.json)"
         )
 
 

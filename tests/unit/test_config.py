@@ -256,6 +256,18 @@ def test_choices_are_declared_on_the_fields():
             ["trainer.batch_size=4", "trainer.max_batch_size=3"],
             r"trainer\.max_batch_size must be 0 \(= batch_size\) or >=",
         ),
+        # accepted, then silently clipped to entropy_coef_max / never fed / stalled at run time
+        (
+            ["monitor.every_steps=5", "learner.entropy_coef=0.5", "learner.behaviour_floor=0.2"],
+            r"entropy_coef=0\.5 exceeds learner\.entropy_coef_max=0\.1 .*behaviour_floor > 0",
+        ),
+        (["learner.behaviour_floor=0.2"], r"set monitor\.every_steps > 0"),
+        (
+            ["deploy.gate=true", "env.enabled=true", "queue.max_staleness=2", "deploy.every_versions=3"],
+            r"deploy\.every_versions=3 exceeds queue\.max_staleness=2",
+        ),
+        (["trainer.algo=opd", "opd.teacher=Frozen"], r"opd\.teacher='Frozen' is not frozen, live"),
+        (["trainer.algo=combine", "opd.teacher=http//host/v1"], r"opd\.teacher='http//host/v1'"),
     ],
 )
 def test_cross_field_rules(overrides, message):
