@@ -398,7 +398,7 @@ class LearnerConfig:
     tis_cap: float = num(2.0, ge=1.0, special={0.0: "none"})
     agg_mode: str = choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     kl_coef: float = num(0.0, ge=0.0)  # KL to the initial policy; > 0 loads a reference model on every rank
-    kl_estimator: str = choice("k3", "k1", "k2")
+    kl_estimator: str = choice("k3", "k1", "k2")  # the reported value; the gradient is always KL(pi || ref)'s
     entropy_coef: float = num(0.0, ge=0.0)  # initial entropy-bonus coefficient
     # nats; > 0 turns on the adaptive coefficient (rises while below)
     entropy_floor: float = num(0.0, ge=0.0, note="0 = fixed coefficient")

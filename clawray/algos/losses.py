@@ -190,6 +190,21 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL-to-reference loss term: the value of :func:`kl_penalty`'s ``estimator``, the
+    gradient of ``k2`` (straight-through). Differentiated through ``logprobs`` on tokens sampled from
+    ``pi``, ``E[grad k2] = E[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref)``, whereas
+    ``E[grad k1] = 0`` (no pull toward the reference at all) and ``E[grad k3] = grad KL(pi_ref || pi)``
+    (the other direction): Tang & Munos 2025, arXiv 2506.09477, §3-4.
+
+    Raises:
+        ValueError: unknown estimator.
+    """
+    value = kl_penalty(logprobs, ref_logprobs, estimator)
+    k2 = 0.5 * (logprobs - ref_logprobs).pow(2)
+    return value.detach() + (k2 - k2.detach())
+
+
 def topk_reverse_kl(
     student_logits: torch.Tensor,
     teacher_topk_logprobs: torch.Tensor,
@@ -269,7 +284,8 @@ class LossSettings:
         tis_cap: truncation of the behaviour weight with the proximal anchor (None = untruncated).
         proximal: ``ratio_anchor: proximal`` (decoupled PPO) instead of the rollout log-probs.
         agg_mode: see :func:`aggregate`.
-        kl_coef, kl_estimator: the KL-to-reference term (see :func:`kl_penalty`).
+        kl_coef, kl_estimator: the KL-to-reference term (see :func:`kl_loss`: the estimator's value,
+            the gradient of ``KL(pi || pi_ref)``).
         w_rl, w_opd, opd_adv_clip: the advantage mix of :func:`~clawray.algos.advantages.combine_advantages`.
     """
 
@@ -429,7 +445,7 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         loss = loss + cfg.w_opd * aggregate(topk_kl, mask, **agg)
     kl_value = torch.zeros((), device=mask.device)
     if inp.ref_logprobs is not None:
-        kl_value = aggregate(kl_penalty(logprobs, inp.ref_logprobs, cfg.kl_estimator), mask, **agg)
+        kl_value = aggregate(kl_loss(logprobs, inp.ref_logprobs, cfg.kl_estimator), mask, **agg)
         loss = loss + cfg.kl_coef * kl_value
     if inp.entropy_coef > 0:
         loss = loss - inp.entropy_coef * aggregate(entropy, mask, **agg)

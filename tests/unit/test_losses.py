@@ -442,3 +442,26 @@ def test_every_loss_metric_lives_on_the_inputs_device(monkeypatch):
     )
     metrics = sample_loss(inp, LossSettings()).metrics
     assert {k: t.device.type for k, t in metrics.items()} == {k: "meta" for k in metrics}
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_the_kl_loss_pulls_toward_the_reference_whatever_the_estimator(estimator):
+    """The KL term was the estimator itself, differentiated: on tokens sampled from pi, ``E[grad k1] = 0``
+    (``kl_estimator=k1`` never pulled toward the reference) and ``E[grad k3] = grad KL(ref || pi)``.
+    The term keeps the estimator's value with k2's gradient, whose expectation is grad KL(pi || ref)
+    (Tang & Munos 2025). Checked exactly: every token of a 4-token vocabulary weighted by pi."""
+    from clawray.algos.losses import kl_loss, kl_penalty
+
+    theta = torch.tensor([1.0, 0.0, -0.5, 0.3], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.5, 0.0, -1.0], dtype=torch.float64), -1)
+
+    def grad(f):
+        lp = torch.log_softmax(theta, -1)
+        return torch.autograd.grad(f(lp), theta)[0]
+
+    exact = grad(lambda lp: (lp.exp() * (lp - ref)).sum())  # grad KL(pi || ref)
+    assert exact.tolist() == pytest.approx([0.1692, -0.2021, -0.1226, 0.1554], abs=1e-4)
+    got = grad(lambda lp: (lp.exp().detach() * kl_loss(lp, ref, estimator)).sum())
+    assert got.tolist() == pytest.approx(exact.tolist(), abs=1e-12)
+    lp = torch.log_softmax(theta, -1)
+    assert kl_loss(lp, ref, estimator).tolist() == pytest.approx(kl_penalty(lp, ref, estimator).tolist())
