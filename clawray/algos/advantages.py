@@ -156,7 +156,8 @@ def batch_advantages(
     ``2(1 - p)`` and a failure ``-2p``, so a rare success is not drowned by the failures of a mixed
     batch as it is with raw ±1); ``"grpo"``: rewarded samples with equal ``group_keys`` (the prompt
     tokens) form a group, :func:`group_advantages` of the raw rewards. In every mode the guard counts
-    one-signed batches and updates its baseline, and ``skip`` may skip the batch.
+    one-signed batches and updates its baseline; ``skip`` skips a one-signed batch under ``binary``
+    and, under the centring ``baseline`` and ``grpo``, a batch whose advantages are one-signed (or all 0).
 
     Args:
         rewards: ``[B]`` each sample's reward, None for a sample without one.
@@ -189,4 +190,7 @@ def batch_advantages(
         advantages = [0.0] * len(values)  # a sample without a reward is no member of its group
         for i, a in zip(rewarded, grouped):
             advantages[i] = a
+    if rewarded and estimator != "binary" and guard.mode == "skip":
+        # centred advantages may contrast where the rewards do not: skip when they are one-signed too
+        train = signal_stats([advantages[i] for i in rewarded])["one_signed"] == 0.0
     return BatchAdvantages(advantages, train, rewarded, signal)

@@ -465,3 +465,22 @@ def test_the_kl_loss_pulls_toward_the_reference_whatever_the_estimator(estimator
     assert got.tolist() == pytest.approx(exact.tolist(), abs=1e-12)
     lp = torch.log_softmax(theta, -1)
     assert kl_loss(lp, ref, estimator).tolist() == pytest.approx(kl_penalty(lp, ref, estimator).tolist())
+
+
+def test_skip_keeps_a_one_signed_batch_whose_centred_advantages_carry_a_signal():
+    """``trainer.degenerate_batches=skip`` vetoed every one-signed batch, the right veto for raw binary
+    rewards; under ``grpo`` and ``baseline`` the advantages are already centred, so continuous positive
+    rewards (shaping, returns) had every batch skipped. Those skip when the advantages are one-signed."""
+    from clawray.algos.advantages import batch_advantages
+    from clawray.algos.invariants import DegenerateBatchGuard
+
+    out = batch_advantages([0.2, 1.0, 0.6, 0.6], DegenerateBatchGuard(mode="skip"), "grpo", ["p", "p", "q", "q"])
+    assert out.advantages == pytest.approx([-1.0, 1.0, 0.0, 0.0]) and out.train
+    out = batch_advantages([0.2, 1.0], DegenerateBatchGuard(mode="skip", baseline=0.9), "baseline")
+    assert out.advantages == pytest.approx([-0.7, 0.1]) and out.train
+    same = batch_advantages([0.6, 0.6], DegenerateBatchGuard(mode="skip"), "grpo", ["p", "p"])
+    assert same.advantages == [0.0, 0.0] and not same.train  # no signal left: skipped
+    above = batch_advantages([1.0, 0.6], DegenerateBatchGuard(mode="skip", baseline=0.5), "baseline")
+    assert above.advantages == pytest.approx([0.5, 0.1]) and not above.train  # both above b: no contrast
+    binary = batch_advantages([0.2, 1.0], DegenerateBatchGuard(mode="skip"), "binary")
+    assert binary.advantages == [0.2, 1.0] and not binary.train  # raw one-signed rewards: skipped
