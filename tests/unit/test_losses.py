@@ -484,3 +484,15 @@ def test_skip_keeps_a_one_signed_batch_whose_centred_advantages_carry_a_signal()
     assert above.advantages == pytest.approx([0.5, 0.1]) and not above.train  # both above b: no contrast
     binary = batch_advantages([0.2, 1.0], DegenerateBatchGuard(mode="skip"), "binary")
     assert binary.advantages == [0.2, 1.0] and not binary.train  # raw one-signed rewards: skipped
+
+
+def test_the_entropy_quantile_equals_torch_quantile_and_takes_any_size():
+    """``inv/entropy_p10`` used ``torch.quantile``, which refuses more than 2**24 values: a step of
+    17M masked tokens (256 samples x 64k) raised after its optimizer update. Same values, any size."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 1000):
+        v = torch.rand(n, generator=gen)
+        for q in (0.0, 0.1, 0.5, 0.9, 1.0):
+            assert masked_quantile(v, torch.ones(n), q) == pytest.approx(float(torch.quantile(v, q)), abs=1e-6)
+    big = torch.arange(2**24 + 1, dtype=torch.float32)  # 0 .. 2**24: the 0.1-quantile is 0.1 * 2**24
+    assert masked_quantile(big.flip(0), torch.ones(2**24 + 1), 0.1) == pytest.approx(0.1 * 2**24, abs=1.0)
