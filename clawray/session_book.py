@@ -174,6 +174,8 @@ class SessionBook:
             session_id = next((sid for sid in found if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)), None)
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)
+        if s is not None:  # a request in flight keeps its session open (idle counts from requests)
+            s.last_seen = time.monotonic()
         for t, key in zip(s.pending, s.exact) if s and exact else ():
             if exact.get(len(t.messages)) != key:
                 continue

@@ -83,6 +83,24 @@ def test_idle_lists_sessions_silent_longer_than_the_timeout():
     assert book.idle(1.0, now=110.0) == ["old", "new"]
 
 
+def test_a_request_in_flight_keeps_its_session_from_the_idle_close(monkeypatch):
+    """Idle time counted from the last recorded reply: a request still generating (or held behind a
+    sync or the gate) for longer than ``session.idle_timeout_s`` saw its session closed under it and
+    the previous turn lost its next state. The lookup that starts a request counts as the session's
+    latest request."""
+    import time
+
+    book = SessionBook()
+    s = book.open("a", [U1])
+    book.add(s, [turn("a", [U1], "4")])
+    s.last_seen = 100.0
+    monkeypatch.setattr(time, "monotonic", lambda: 160.0)
+    history = [U1, {"role": "assistant", "content": "4"}, U2]
+    assert book.find("a", keys_of(history))["session_id"] == "a"
+    assert s.last_seen == 160.0 and book.idle(59.0, now=200.0) == []
+    assert book.find("nobody", {})["session_id"] == "nobody" and book.get("nobody") is None  # opens nothing
+
+
 def test_restore_reopens_a_session_with_its_pending_turns_indexed():
     book = SessionBook()
     book.restore(Session(turns=1, pending=[turn("a", [U1], "4")], sid="a"))
