@@ -529,6 +529,8 @@ def deploy_policy_server(
     cfg = section(ServeConfig, cfg)
     tool_call_format(AutoTokenizer.from_pretrained(model_path).chat_template)  # an unknown format: refused now
     check_serve_address(cfg.host, cfg.port)  # Serve keeps its first address: another one is refused now
+    if warning := exposure_warning(cfg.host, cfg.api_key):
+        print(f"[clawray] WARNING: {warning}", flush=True)
     # one access-log line per request floods a training console; errors are still logged
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"enable_access_log": False})
     options: dict[str, Any] = {"num_replicas": cfg.num_replicas}
@@ -546,6 +548,19 @@ def deploy_policy_server(
         wait_for_applications_running=False,
     )
     return f"http://{cfg.host}:{cfg.port}/v1"
+
+
+def exposure_warning(host: str, api_key: str) -> str | None:
+    """What a user must hear when the endpoint listens beyond loopback without ``serve.api_key``:
+    anyone who reaches the address is served and their turns train the policy. None otherwise."""
+    from clawray.ray_env import is_loopback
+
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"serve.host={host} listens beyond loopback without serve.api_key: anyone who reaches it is served "
+        "and their conversations train the policy; set serve.api_key (clients send Authorization: Bearer KEY)"
+    )
 
 
 def wait_policy_server(base_url: str, timeout_s: float = DEPLOY_TIMEOUT_S) -> None:

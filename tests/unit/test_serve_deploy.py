@@ -86,3 +86,14 @@ def test_a_deployment_that_never_runs_times_out(monkeypatch):
     with pytest.raises(RuntimeError, match=r"not running 20 s after its deployment \(ApplicationStatus.DEPLOYING\)"):
         app.wait_policy_server(URL, timeout_s=20)
     assert clock.now == pytest.approx(20.5)
+
+
+def test_an_endpoint_beyond_loopback_without_an_api_key_is_warned_about():
+    """``serve.host=0.0.0.0`` without ``serve.api_key`` served anyone who reached it, and their turns
+    trained the policy, without a word. Start-up now says so (loopback, or a key: silent)."""
+    from clawray.serve.app import exposure_warning
+
+    for host in ("0.0.0.0", "10.0.0.5", "::"):
+        assert "without serve.api_key" in exposure_warning(host, "")
+    assert [exposure_warning(h, "") for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2")] == [None] * 4
+    assert exposure_warning("0.0.0.0", "sk-local") is None
