@@ -22,6 +22,7 @@ routes a session to one engine anyway).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -155,6 +156,16 @@ def _number(body: Mapping, key: str, default: Any, lo: float, hi: float, integer
     if isinstance(value, float) and not math.isfinite(value) or not lo <= value <= hi:
         raise RequestError(f"'{key}'={value} is outside [{lo}, {hi}]", key)
     return value
+
+
+def user_session(user: str | None) -> str | None:
+    """The session an OpenAI ``user`` field names: itself, ``user-<sha256 prefix>`` when longer than
+    :data:`MAX_SESSION_ID_CHARS` (any string is a valid ``user``), None when empty or absent."""
+    if not user:
+        return None
+    if len(user) <= MAX_SESSION_ID_CHARS:
+        return user
+    return "user-" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _optional_str(body: Mapping, key: str) -> str | None:
@@ -360,18 +371,18 @@ def parse_chat_request(
     if temperature < GREEDY_BELOW:  # as vLLM: a temperature this small is greedy decoding (1/T overflows)
         temperature = 0.0
     top_p = float(_number(body, "top_p", 1.0, 1e-6, 1.0))
-    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1 - max_n, integer=True)
-    stream, include_usage = _stream(body)
     n = _number(body, "n", 1, 1, max_n, integer=True)
+    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - n, integer=True)  # choice i: seed + i
+    stream, include_usage = _stream(body)
     stop_token_ids = _stop_token_ids(body)
 
-    session_id = _header_text(headers, "x-session-id", "session_id")
+    session_id, source = _header_text(headers, "x-session-id", "session_id"), "X-Session-Id"
     if session_id is None:
-        session_id = _optional_str(body, "session_id")
-    if session_id is None:  # plain OpenAI clients: the `user` field names the end user / conversation
-        session_id = _optional_str(body, "user")
+        session_id, source = _optional_str(body, "session_id"), "session_id"
     if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
-        raise RequestError(f"session id must be 1..{MAX_SESSION_ID_CHARS} characters", "session_id")
+        raise RequestError(f"{source} must be 1..{MAX_SESSION_ID_CHARS} characters", source)
+    if session_id is None:  # plain OpenAI clients: the `user` field names the end user / conversation
+        session_id = user_session(_optional_str(body, "user"))
     turn_type = headers.get("x-turn-type")
     if turn_type is None:
         turn_type = body.get("turn_type")

@@ -334,3 +334,24 @@ def test_history_tool_call_arguments_that_no_encoder_writes_back_are_a_400(argum
     raw = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [ok]}]})
     req = parse(decode_body(raw.encode()), {})
     assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": "\U0001f600", "x": 1e308}
+
+
+def test_any_openai_user_field_is_accepted_and_the_seed_bound_follows_this_requests_n():
+    """``user: ""`` or a ``user`` over 256 characters got a 400 naming ``session_id``, a field the
+    client never sent (OpenAI takes any string); ``seed: 2**63 - 1`` with ``n = 1`` was refused
+    because the bound reserved room for ``serve.max_n`` choices."""
+    from clawray.serve.protocol import user_session
+
+    assert parse({"messages": MSG, "user": ""}).session_id is None
+    long = "u" * (MAX_SESSION_ID_CHARS + 1)
+    sid = parse({"messages": MSG, "user": long}).session_id
+    assert sid == user_session(long) and sid.startswith("user-") and len(sid) == 37
+    assert user_session("u" * MAX_SESSION_ID_CHARS) == "u" * MAX_SESSION_ID_CHARS
+    assert parse({"messages": MSG, "seed": (1 << 63) - 1}).seed == (1 << 63) - 1
+    assert parse({"messages": MSG, "seed": (1 << 63) - 2, "n": 2}).seed == (1 << 63) - 2  # seeds s, s + 1
+    with pytest.raises(RequestError) as e:
+        parse({"messages": MSG, "seed": (1 << 63) - 1, "n": 2})
+    assert e.value.param == "seed"
+    with pytest.raises(RequestError) as e:
+        parse({"messages": MSG}, {"x-session-id": "h" * (MAX_SESSION_ID_CHARS + 1)})
+    assert e.value.param == "X-Session-Id"
