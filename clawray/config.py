@@ -987,6 +987,13 @@ def _check_hint_mixture(cfg: DictConfig) -> None:
             f"top-k distillation does not train (trainer.algo={cfg.trainer.algo}, opd.loss={opd.loss}): "
             "use opd.max_hints=1 or opd.loss=advantage"
         )
+    votes = 1 if cfg.judge.backend == "feedback" else cfg.judge.m  # the feedback judge votes once
+    if opd.max_hints > 1 and algorithm.needs_teacher and votes < 2:
+        raise ConfigError(
+            f"opd.max_hints={opd.max_hints} mixes the hints of several judge votes, but the judge casts one "
+            f"(judge.backend={cfg.judge.backend}, judge.m={cfg.judge.m}): use judge.m >= 2 with an engine or "
+            "openai judge, or opd.max_hints=1"
+        )
 
 
 def _check_teacher(cfg: DictConfig) -> None:

@@ -268,6 +268,8 @@ def test_choices_are_declared_on_the_fields():
         ),
         (["trainer.algo=opd", "opd.teacher=Frozen"], r"opd\.teacher='Frozen' is not frozen, live"),
         (["trainer.algo=combine", "opd.teacher=http//host/v1"], r"opd\.teacher='http//host/v1'"),
+        (["trainer.algo=opd", "judge.backend=feedback", "opd.max_hints=2"], r"opd\.max_hints=2 mixes the hints"),
+        (["trainer.algo=opd", "judge.m=1", "opd.max_hints=3"], r"judge\.m=1\)"),
     ],
 )
 def test_cross_field_rules(overrides, message):
