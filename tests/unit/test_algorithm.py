@@ -196,7 +196,20 @@ def test_several_hints_train_the_mixture_of_their_teachers():
 def test_several_hints_need_the_advantage_term():
     from clawray.config import ConfigError, load_config
 
-    assert load_config([], ["trainer.algo=opd", "opd.max_hints=4"]).opd.max_hints == 4
+    assert (
+        load_config(
+            [],
+            [
+                "trainer.algo=opd",
+                "judge.backend=openai",
+                "judge.base_url=http://j/v1",
+                "judge.model=j",
+                "judge.m=3",
+                "opd.max_hints=4",
+            ],
+        ).opd.max_hints
+        == 4
+    )
     with pytest.raises(ConfigError, match=r"opd.max_hints=2 mixes .*trainer.algo=opd_topk"):
         load_config([], ["trainer.algo=opd_topk", "opd.max_hints=2"])
     with pytest.raises(ConfigError, match=r"opd.max_hints=3 .*opd.loss=topk"):
