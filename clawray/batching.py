@@ -70,7 +70,8 @@ def fill_dynamic(trainer: Any, actors: RunActors, state: Any, batch: dict, next_
     ``trainer.dynamic_sampling_wait_s`` seconds; returns ``(merged batch, indexes of the rejected
     zero-variance samples)``, decided on the samples' metadata, counted in
     ``state.zero_variance_dropped``. Every taken sample stays in the batch's journal marks (consumed
-    by this step, rejected or trained)."""
+    by this step, rejected or trained). A refill never repeats a sample the batch holds (a queue that
+    Ray restarted meanwhile queues the batch's samples again from its journal)."""
     from clawray.algos.rejection import zero_variance
 
     tr = trainer
@@ -84,6 +85,14 @@ def fill_dynamic(trainer: Any, actors: RunActors, state: Any, batch: dict, next_
         more = wait_batch(actors, state.version, 1, next_version, remaining, tr.max_batch_size)
         if more is None:
             continue
-        batch = {k: batch[k] + more[k] for k in ("refs", "meta", "versions", "staleness", "seqs")}
+        batch = _merge(batch, more)
     state.zero_variance_dropped += len(rejected)
     return batch, rejected
+
+
+def _merge(batch: dict, more: dict) -> dict:
+    """``batch`` followed by the samples of ``more`` it does not hold yet, told apart by journal
+    sequence number (0, no journal: every sample is new)."""
+    held = {q for q in batch["seqs"] if q}
+    new = [i for i, q in enumerate(more["seqs"]) if not q or q not in held]
+    return {k: batch[k] + [more[k][i] for i in new] for k in ("refs", "meta", "versions", "staleness", "seqs")}

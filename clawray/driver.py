@@ -368,12 +368,25 @@ class Driver:
                 raise
             if plan.action == "go_on":
                 print(f"[clawray] the {plan.lost.role} actor died and was restarted; training goes on", flush=True)
+                self._give_back_batch()
                 return
             st.learner_restarts += 1
             from clawray.build import learner_group
 
             self.checkpoints.rebuild_learners(plan.lost, lambda: learner_group(self.cfg, self.model_path))
             self.gate.after_learner_rebuild(self.actors, self.version)
+
+    def _give_back_batch(self) -> None:
+        """A step that a restarted actor's death aborted before its batch was trained (e.g. the session
+        tracker died while the serial loop held the users): the batch goes back to the queue (the
+        journal holds it live: :meth:`~clawray.actors.queue.TrajectoryQueue.rewind` to the steps done
+        voids nothing and queues it again), else the next step's take replaced it in flight and
+        nobody trained it until a resume."""
+        st = self.state
+        if st.in_flight is not None and not st.in_flight.get("marked"):
+            steps, queue = st.steps_done, self.actors.queue
+            self.checkpoints.mark(lambda: queue.rewind.remote(steps), "the aborted step's batch")
+            st.in_flight = None
 
     def summary(self, seconds: float) -> dict[str, Any]:
         """Counters of every component, written to ``run_dir/summary.json``."""

@@ -352,9 +352,8 @@ class Recovery:
     Attributes:
         action: ``"rebuild_learners"`` (a learner rank died and ``learner.max_restarts`` allows:
             replace the whole group from the last checkpoint) or ``"go_on"`` (a restartable actor,
-            see :data:`RESTARTABLE_KINDS`, died and Ray has restarted it: the next step runs; the
-            driver's only non-retried calls, to the session tracker, come after a step's training and
-            journal marks).
+            see :data:`RESTARTABLE_KINDS`, died and Ray has restarted it: a batch the aborted step took
+            and did not train goes back to the queue, and the next step runs).
         lost: the dead actor.
     """
 

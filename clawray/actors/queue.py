@@ -26,6 +26,11 @@ than a freshest-first order (never above ``max_staleness``, which the PPO clip i
 driver logs ``inv/effective_sample_rate`` = samples trained / (samples taken + samples dropped as
 ``stale``): the share of the queue's decided samples that reached an optimizer step.
 
+Version numbers are reused after a rollback (a rejected candidate, a resume from an older checkpoint,
+a learner group rebuilt from one): a queued sample stamped by a version the update producing
+``v_next`` cannot follow (staleness < 1) came from the discarded versions and is dropped (reason
+``rolled_back``), never trained as fresher than on-policy.
+
 A sample longer than the learner's micro-batch budget (``max_tokens``) is rejected at ``put``
 (reason ``too_long``): it would not fit in one forward pass.
 
@@ -129,15 +134,27 @@ class TrajectoryQueue:
             return len(self._items)
 
     def _drop_stale(self, next_version: int) -> None:
-        kept = deque(item for item in self._items if next_version - item[1].policy_version <= self.max_staleness)
-        if len(kept) < len(self._items):
-            self.dropped["stale"] += len(self._items) - len(kept)
-            if self.journal is not None:  # [journal hook] a stale drop is final
-                self.journal.drop(
-                    "stale",
-                    [seq for _, meta, seq in self._items if next_version - meta.policy_version > self.max_staleness],
-                )
-            self._items = kept
+        """Drop (and count, and journal: final) every queued sample the update producing
+        ``next_version`` must not train: ``stale`` (staleness > ``max_staleness``) and ``rolled_back``
+        (staleness < 1: stamped by a version this lineage has not produced, i.e. by one the policy
+        was rolled back from: a rejected candidate, or the versions a resume from an older
+        checkpoint discards; version numbers are reused after a rollback)."""
+        verdict = {"stale": [], "rolled_back": []}
+        kept = deque()
+        for item in self._items:
+            staleness = next_version - item[1].policy_version
+            if staleness > self.max_staleness:
+                verdict["stale"].append(item[2])
+            elif staleness < 1:
+                verdict["rolled_back"].append(item[2])
+            else:
+                kept.append(item)
+        for reason, seqs in verdict.items():
+            if seqs:
+                self.dropped[reason] += len(seqs)
+                if self.journal is not None:  # [journal hook] a stale drop is final
+                    self.journal.drop(reason, seqs)
+        self._items = kept
 
     async def get_batch(
         self, batch_size: int, next_version: int, timeout_s: float | None = None, max_batch_size: int = 0
@@ -205,8 +222,8 @@ class TrajectoryQueue:
                 self.num_taken += n - len(self._items)  # taken by that incarnation: counted now
 
     async def rewind(self, step: int) -> int:
-        """[recovery hook] The learner group was rebuilt from the checkpoint of driver step ``step``:
-        queue again every journaled sample that checkpoint did not train, each exactly once: those
+        """[recovery hook] The learner group was rebuilt from the checkpoint of driver step ``step``
+        (or, with ``step`` = the steps done, a step aborted before it trained its batch): queue again every journaled sample that checkpoint did not train, each exactly once: those
         consumed by later steps, and a batch taken by :meth:`get_batch` but never marked
         :meth:`consumed` (the step in flight when a learner died). The queue then holds exactly the
         journal's live samples, oldest first; ``taken`` is re-based on the journal. Returns the

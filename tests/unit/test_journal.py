@@ -364,3 +364,85 @@ def test_a_batch_taken_before_the_queue_restarted_counts_as_taken_when_consumed(
     assert seqs == [1, 2]
     assert (before["size"], before["put"], before["taken"], before["replayed"]) == (4, 4, 0, 4)
     assert (after["size"], after["put"], after["taken"]) == (2, 4, 2)
+
+
+def test_a_resume_from_an_older_checkpoint_never_trains_the_discarded_versions_samples(tmp_path, no_object_store):
+    """Version numbers are reused after a rollback: a run checkpointed at v1 went on to v3 and died;
+    the resume serves v1 again and its next update produces v2. The journal still holds samples
+    stamped v1, v2, v3, v3; the update producing v2 saw staleness [1, 0, -1, -1] and trained all of
+    them as fresher than on-policy. Only the v1 sample is trained; the others came from versions the
+    resume discarded: dropped (``rolled_back``), journaled, never replayed again."""
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.types import SampleMeta
+
+    path = prepare_journals(str(tmp_path), None)["samples"]
+
+    async def ref(sample):
+        return sample
+
+    async def scenario():
+        q = TrajectoryQueue(1, journal={"path": path})
+        for i, v in enumerate([1, 2, 3, 3]):
+            await q.put([ref(_sample(i, version=v))], SampleMeta.of(_sample(i, version=v)))
+        q.journal.file.close()  # the run dies; the checkpoint of v1 (step 1) is resumed
+        prepare_journals(str(tmp_path), resume_step=1)
+        q2 = TrajectoryQueue(1, journal={"path": path})
+        batch = await q2.get_batch(1, next_version=2, max_batch_size=8)
+        q2.journal.file.close()
+        q3 = TrajectoryQueue(1, journal={"path": path})
+        return batch, await q2.stats(), await q3.stats()
+
+    batch, stats, again = asyncio.run(scenario())
+    assert (batch["versions"], batch["staleness"], batch["seqs"]) == ([1], [1], [1])
+    assert (stats["size"], stats["taken"], stats["dropped"]) == (0, 1, {"rolled_back": 3})
+    assert (again["size"], again["replayed"], again["dropped"]) == (1, 1, {"rolled_back": 3})
+
+
+def test_a_batch_taken_by_a_step_a_restarted_actors_death_aborted_is_trained_by_the_next(
+    tmp_path, no_object_store, monkeypatch
+):
+    """The serial loop took a batch, then the session tracker died while the users were held; Ray
+    restarted it and the loop went on. The next step took a new batch in place of the aborted one,
+    whose samples left the queue untrained (until a resume). Now they are queued again, first."""
+    import types
+
+    from clawray import driver as driver_mod
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.recovery import ActorLost, Recovery
+    from clawray.types import SampleMeta
+
+    path = prepare_journals(str(tmp_path), None)["samples"]
+    q = TrajectoryQueue(2, journal={"path": path})
+
+    async def ref(sample):
+        return sample
+
+    async def fill():
+        for i in range(4):
+            await q.put([ref(_sample(i))], SampleMeta.of(_sample(i)))
+
+    asyncio.run(fill())
+
+    class Remote:  # q's methods as an actor handle's: .remote(...) gives what ray.get resolves
+        def __getattr__(self, name):
+            return types.SimpleNamespace(remote=lambda *a: asyncio.run(getattr(q, name)(*a)))
+
+    d = driver_mod.Driver.__new__(driver_mod.Driver)
+    d.state = types.SimpleNamespace(version=0, steps_done=0, in_flight=None, learner_restarts=0)
+    d.actors = types.SimpleNamespace(queue=Remote())
+    d.checkpoints = types.SimpleNamespace(mark=lambda call, what: call())
+    d.cfg = types.SimpleNamespace(learner=types.SimpleNamespace(max_restarts=0))
+    died = ActorLost("session tracker", "tracker")
+
+    def step():  # take_batch, then the tracker's death in users.hold
+        batch = asyncio.run(q.get_batch(2, next_version=1))
+        d.state.in_flight = {"next_version": 1, "metas": batch["meta"], "seqs": batch["seqs"]}
+        raise died
+
+    monkeypatch.setattr(d, "step", step)
+    monkeypatch.setattr(driver_mod, "recovery_for", lambda actors, exc, may: Recovery("go_on", died))
+    d._step_or_recover()
+    stats = asyncio.run(q.stats())
+    assert (stats["size"], stats["taken"]) == (4, 0)  # re-based on the journal: nothing consumed yet
+    nxt = asyncio.run(q.get_batch(2, next_version=1, max_batch_size=4))
+    assert d.state.in_flight is None and nxt["seqs"] == [1, 2, 3, 4]

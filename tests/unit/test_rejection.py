@@ -55,13 +55,15 @@ def _meta(prompt, reward):
     return SampleMeta.of(_sample(prompt, reward))
 
 
-def _batch(metas):
+def _batch(metas, seqs=None):
+    """A queue batch of ``metas``; ``seqs``: their journal sequence numbers (default 1, 2, ...)."""
+    seqs = seqs or list(range(1, len(metas) + 1))
     return {
-        "refs": [f"ref{i}" for i in range(len(metas))],
+        "refs": [f"ref{q}" for q in seqs],
         "meta": metas,
         "versions": [0] * len(metas),
         "staleness": [1] * len(metas),
-        "seqs": list(range(len(metas))),
+        "seqs": seqs,
     }
 
 
@@ -77,7 +79,12 @@ def _fill(monkeypatch, takes, **trainer):
         calls.append(batch_size)
         if not takes:
             return None
-        return _batch(takes.pop(0))
+        take = takes.pop(0)
+        return (
+            _batch(*take)
+            if isinstance(take, tuple)
+            else _batch(take, [100 + len(calls) * 10 + i for i in range(len(take))])
+        )
 
     def no_fetch(refs):
         raise AssertionError(f"the driver fetched {refs}")  # dynamic sampling decides on metadata only
@@ -96,7 +103,20 @@ def test_dynamic_sampling_refills_until_enough_samples_have_variance(monkeypatch
     fill, state, calls = _fill(monkeypatch, [[_meta(3, 0.5), _meta(3, -0.5)]], dynamic_sampling_wait_s=30)
     batch, rejected = fill(_batch(first), 1)
     assert rejected == {0, 1} and len(batch["meta"]) == len(batch["refs"]) == 6 and calls == [1]  # one refill
-    assert batch["seqs"] == [0, 1, 2, 3, 0, 1] and state.zero_variance_dropped == 2
+    assert batch["seqs"] == [1, 2, 3, 4, 110, 111] and state.zero_variance_dropped == 2
+
+
+def test_a_refill_from_a_restarted_queue_never_repeats_a_sample_of_the_batch(monkeypatch):
+    """Ray restarted the queue while dynamic sampling refilled: the new queue replays the journal,
+    the batch's own samples (seqs 3, 4) included. They were trained twice in one step (twice the
+    weight, and a sample counted twice in the step's metrics)."""
+    first = [_meta(1, 1.0), _meta(1, 1.0), _meta(2, 1.0), _meta(2, -1.0)]
+    again = [_meta(2, 1.0), _meta(2, -1.0), _meta(3, 0.5), _meta(3, -0.5)]
+    fill, state, calls = _fill(monkeypatch, [(again, [3, 4, 5, 6])], dynamic_sampling_wait_s=30)
+    batch, rejected = fill(_batch(first), 1)
+    assert batch["seqs"] == [1, 2, 3, 4, 5, 6] and batch["refs"] == ["ref1", "ref2", "ref3", "ref4", "ref5", "ref6"]
+    assert [m.reward for m in batch["meta"]] == [1.0, 1.0, 1.0, -1.0, 0.5, -0.5]
+    assert rejected == {0, 1} and calls == [1] and state.zero_variance_dropped == 2
 
 
 def test_dynamic_sampling_stops_at_the_wait_limit(monkeypatch):
