@@ -236,6 +236,7 @@ class Driver:
             # the learner's weights moved on even when the sync failed, unless the gate rolled them back
             st.version = self.gate.promoted if synced.rolled_back else next_version
             st.entropy.update(train["inv/entropy"])
+            self._tell_tracker()
         else:
             st.skipped_steps[skipped] = st.skipped_steps.get(skipped, 0) + 1
         st.steps_done += 1
@@ -375,6 +376,18 @@ class Driver:
 
             self.checkpoints.rebuild_learners(plan.lost, lambda: learner_group(self.cfg, self.model_path))
             self.gate.after_learner_rebuild(self.actors, self.version)
+
+    def _tell_tracker(self) -> None:
+        """Tell the session tracker the learners' new version (``trainer.credit`` discounted/outcome:
+        turns waiting for their session's return that the next update is the last to accept go to
+        the queue now, :meth:`~clawray.actors.session.SessionTracker.learned`). A tracker that does
+        not answer within 30 s is said, not raised: its deadline then follows the engines' version."""
+        if self.cfg.trainer.credit == "turn":
+            return
+        try:
+            ray.get(self.actors.tracker.learned.remote(self.state.version), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            print(f"[clawray] the session tracker was not told v{self.state.version}: {type(e).__name__}", flush=True)
 
     def _give_back_batch(self) -> None:
         """A step that a restarted actor's death aborted before its batch was trained (e.g. the session

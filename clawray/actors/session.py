@@ -414,6 +414,15 @@ class SessionTracker:
                 delay = min(2 * delay, 30.0)
         self.counts["samples"] += 1
 
+    async def learned(self, version: int) -> None:
+        """The learners are at policy ``version`` after a step (lower after a rollback): the session
+        turns waiting for their return that the next update is the last to accept are emitted now
+        (:meth:`~clawray.algos.credit_ledger.CreditLedger.learned`), before the driver takes its batch."""
+        self._start_replay()
+        if self.ledger.learned(version):
+            for s in list(self.book.sessions.values()):
+                await self._maybe_flush(s)
+
     async def pending_turn(self, session_id: str, choice: int = 0) -> Turn | None:
         """The session's latest turn (of choice ``choice``), still waiting for its next state, or None."""
         s = self.book.get(session_id)

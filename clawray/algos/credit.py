@@ -130,8 +130,9 @@ def must_flush(oldest_version: int, served_version: int, max_staleness: int) -> 
     """Whether a session's waiting turns must be emitted now rather than at the session's end.
 
     A turn made by version ``oldest_version`` is still trainable by the update producing
-    ``oldest_version + max_staleness`` at the latest; the engines serve ``served_version``, so the next
-    update produces ``served_version + 1``. Flush when that update is the last chance:
+    ``oldest_version + max_staleness`` at the latest; the learners are at ``served_version`` (the
+    engines' version stands in for it until the driver tells it), so the next update produces
+    ``served_version + 1``. Flush when that update is the last chance:
     ``served_version - oldest_version >= max_staleness - 1``.
 
     Raises:

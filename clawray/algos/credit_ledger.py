@@ -105,6 +105,7 @@ class CreditLedger:
         self.counts = Counter() if counts is None else counts
         self.journal = journal
         self.served_version = -1  # the newest policy version seen on a recorded turn (the engines')
+        self.learner_version: int | None = None  # the learners' version, when the driver told it (learned)
         self.n_waiting = 0
 
     @property
@@ -182,6 +183,14 @@ class CreditLedger:
         self.served_version = version
         return True
 
+    def learned(self, version: int) -> bool:
+        """Note the learners' policy version (the next update produces ``version + 1``); True when it
+        changed (then every session's waiting turns may have to go: :meth:`maybe_flush`). It sets the
+        flush deadline from then on: the engines' version lags it while syncs fail, and stays above
+        it after a rollback (the promotion gate's rejection)."""
+        changed, self.learner_version = version != self.learner_version, int(version)
+        return changed
+
     def session_closed(self, requests: int) -> None:
         """Count a closed session and its main-line requests (``credit/mean_session_turns``)."""
         self.counts["credit/sessions"] += 1
@@ -189,10 +198,10 @@ class CreditLedger:
 
     async def maybe_flush(self, sc: SessionCredit, sid: str, emit: Emit, hold: Hold) -> None:
         """Release a session's waiting turns before its end when the staleness budget forces it
-        (:func:`~clawray.algos.credit.must_flush` on the oldest waiting turn's policy version)."""
-        if sc.waiting and must_flush(
-            min(w.policy_version for w in sc.waiting), self.served_version, self.max_staleness
-        ):
+        (:func:`~clawray.algos.credit.must_flush` on the oldest waiting turn's policy version and the
+        learners' version, :meth:`learned`; the engines' newest until the driver has told it)."""
+        current = self.served_version if self.learner_version is None else self.learner_version
+        if sc.waiting and must_flush(min(w.policy_version for w in sc.waiting), current, self.max_staleness):
             self.counts["credit/forced_flushes"] += 1
             await self.release(sc, sid, False, emit, hold)
 

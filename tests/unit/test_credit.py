@@ -277,6 +277,36 @@ def test_the_staleness_budget_flushes_waiting_turns_before_the_session_ends():
     assert stats["credit/turns_waiting"] == 0
 
 
+def test_the_flush_deadline_follows_the_learners_version_not_the_engines():
+    """max_staleness 2. (a) The syncs fail: the engines still serve v3 while the learners reach v4,
+    so the update producing v5 is the last to accept a v3 turn. Nothing was flushed (the engines'
+    v3 said there was time) and the queue dropped the turn as stale. (b) The gate rejected canary v2:
+    the learners are back at v1, so the v1 turn has two updates left, yet the canary's replies (v2)
+    flushed it at once, without its session's outcome."""
+    led, _ = _ledger("outcome", gamma=1.0, outcome_turn_weight=1.0, max_staleness=2)
+    sc = SessionCredit()
+    _judged(1, 1.0, version=3, led=led, sc=sc)
+    emitted = []
+
+    async def emit(sample):
+        emitted.append((sample.turn_index, sample.policy_version))
+
+    assert led.served(3) and led.learned(3)
+    asyncio.run(led.maybe_flush(sc, "s", emit, None))
+    assert emitted == []  # the learners at v3: the updates producing v4 and v5 may take it
+    assert led.learned(4) and not led.learned(4)
+    asyncio.run(led.maybe_flush(sc, "s", emit, None))
+    assert emitted == [(1, 3)] and led.counts["credit/forced_flushes"] == 1
+
+    led, _ = _ledger("outcome", gamma=1.0, outcome_turn_weight=1.0, max_staleness=2)
+    sc = SessionCredit()
+    _judged(1, 1.0, version=1, led=led, sc=sc)
+    emitted.clear()
+    assert led.served(2) and led.learned(2) and led.learned(1)  # canary v2 served, then rejected
+    asyncio.run(led.maybe_flush(sc, "s", emit, None))
+    assert emitted == [] and led.n_waiting == 1
+
+
 def test_an_interrupted_reply_shows_the_staleness_budget_the_version_of_its_newest_token():
     """A reply a weight sync interrupted carries tokens of v0 and v1 (its ``policy_version`` is the
     oldest, 0): the engines serve v1, so a turn of v0 waiting under max_staleness 2 must be flushed
@@ -626,3 +656,22 @@ def test_an_unscored_combine_sample_keeps_its_teacher_and_takes_credit_only_from
     mean, std = 1 / 3, math.sqrt(8 / 9)  # the three scored rewards alone
     assert grpo == pytest.approx([(1 - mean) / std, 0.0, (-1 - mean) / std, (1 - mean) / std], rel=1e-6)
     assert zero_variance(["a", "b"], [1.0, None]) == [0]
+
+
+def test_the_tracker_flushes_waiting_turns_when_the_driver_tells_it_the_learners_version():
+    judge, queue = FakeJudge({"good": 1}), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit("discounted", max_staleness=2))
+
+    async def scenario():
+        t1, t2 = session("long", ["good"], version=0)
+        await tracker.record_turn(t1)
+        await tracker.record_turn(t2)  # t1 judged +1 at v0: waits for the close
+        await tracker.drain()
+        await tracker.learned(0)
+        before = [(s.turn_index, s.reward) for s, _ in queue.items]
+        await tracker.learned(1)  # the update producing v2 is the last to take a v0 turn
+        return before, await tracker.stats()
+
+    before, stats = asyncio.run(scenario())
+    assert before == [] and stats["credit/forced_flushes"] == 1 and stats["credit/turns_waiting"] == 0
+    assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 1.0)]
