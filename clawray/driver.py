@@ -253,7 +253,7 @@ class Driver:
         metrics.update(behaviour, **({"sync_error": sync_error} if sync_error else {}))
         st.metrics_row = self.metrics.row(_logged(metrics), st.steps_done)  # the checkpoint carries it
         # with the gate, only a promoted version is checkpointed: a resume never serves an unprobed one
-        metrics["timing/checkpoint_s"] = ckpt_s = self.checkpoints.periodic() if self.gate.settled(st.version) else 0.0
+        metrics["timing/checkpoint_s"] = ckpt_s = self.checkpoints.periodic(self.gate.settled(st.version))
         metrics["timing/step_s"] += ckpt_s
         self._log_step(metrics, dropped, bool(adv.rewarded), train, skipped, sync_s, sync_error)
         self.gate.check_stop()

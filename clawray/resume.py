@@ -150,6 +150,7 @@ class Checkpoints:
         self.journal_waits = 0
         self._resume_path: str | None = None  # the verified checkpoint a resume continues
         self._resume_from_start = False  # resume=true before the first checkpoint: the journal only
+        self._due = False  # a periodic checkpoint's step came while the policy was unsettled (the gate)
 
     # ------------------------------------------------------------------ journals and resume
     def check_resumable(self) -> None:
@@ -314,17 +315,24 @@ class Checkpoints:
             print(f"[clawray] /health keeps the old learner list ({type(e).__name__})", flush=True)
 
     # ------------------------------------------------------------------ saving
-    def periodic(self) -> float:
+    def periodic(self, settled: bool = True) -> float:
         """Save a checkpoint every ``checkpoint.every_steps`` steps; returns its seconds (0 if none).
-        A disk that refuses it is counted in :attr:`failures` and said; the previous checkpoint and
-        the journal stand.
+        Only a ``settled`` policy is saved (with ``deploy.gate``, a promoted version: a resume never
+        serves an unprobed one); a checkpoint whose step came while it was not is saved at the first
+        settled step after (the gate's promotions and the checkpoint steps need not coincide). A disk
+        that refuses it is counted in :attr:`failures` and said; the previous checkpoint and the
+        journal stand.
 
         Raises:
             Exception: any failure that is not the disk's (``OSError``).
         """
         every = self.cfg.checkpoint.every_steps
-        if every <= 0 or self.state.steps_done % every != 0:
+        if every <= 0:
             return 0.0
+        self._due = self._due or self.state.steps_done % every == 0
+        if not (self._due and settled):
+            return 0.0
+        self._due = False
         try:
             self.save()
         except Exception as e:  # a full disk: the previous checkpoint and the journal stand

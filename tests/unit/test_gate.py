@@ -297,3 +297,34 @@ def test_the_probe_draws_its_prompts_from_the_configured_split(tmp_path, monkeyp
         assert seen["split"] == split and seen["env"] == "arith"
     with pytest.raises(ConfigError, match="deploy.probe_split must be eval"):
         load_config([], ["deploy.gate=true", "deploy.probe_file=probe.jsonl", "deploy.probe_split=train"])
+
+
+def test_with_the_gate_a_periodic_checkpoint_waits_for_the_next_promoted_version(tmp_path, monkeypatch):
+    """checkpoint.every_steps 4 with a gate that promotes every 3 versions: step 4 holds an unprobed
+    candidate, so its checkpoint was skipped, and the next one came only when a step count divisible
+    by 4 met a promotion (step 12): a crash lost up to 12 steps, and with steps and promotions that
+    never meet (a rejection shifts them) every periodic checkpoint was skipped. Now the checkpoint
+    due at step 4 is saved at the next settled step (6), the one due at 8 at 9."""
+    import types
+
+    from clawray.resume import Checkpoints
+
+    cfg = load_config([], [f"run_dir={tmp_path}", "checkpoint.every_steps=4"])
+    state = types.SimpleNamespace(steps_done=0)
+    ckpt = Checkpoints(cfg, state, actors=None)
+    saved = []
+
+    def save():
+        saved.append(state.steps_done)
+        ckpt.last = {"seconds": 0.25}
+
+    monkeypatch.setattr(ckpt, "save", save)
+    seconds = []
+    for step in range(1, 13):
+        state.steps_done = step
+        seconds.append(ckpt.periodic(settled=step % 3 == 0))  # promoted at v3, v6, v9, v12
+    assert saved == [6, 9, 12] and seconds.count(0.25) == 3
+    for step in range(13, 17):  # without the gate (always settled): every 4 steps, as before
+        state.steps_done = step
+        ckpt.periodic()
+    assert saved == [6, 9, 12, 16]
