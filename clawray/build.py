@@ -112,7 +112,11 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
     if algorithm_class(cfg.trainer.algo).needs_teacher:
         shared = actors.judge_engine if cfg.judge.engine_backend == cfg.opd.teacher_backend else None
         make_engine = lambda backend, p, name: frozen_engine(cfg, backend, p, name)  # noqa: E731
-        actors.teacher_engine, actors.teachers = build_teachers(cfg.opd, path, actors.engines[0], shared, make_engine)
+        algorithm = algorithm_class(cfg.trainer.algo)
+        topk = cfg.opd.topk if algorithm.term(cfg.opd.loss) == "topk_kl" else 0
+        actors.teacher_engine, actors.teachers = build_teachers(
+            cfg.opd, path, actors.engines[0], shared, make_engine, topk=topk
+        )
     actors.tracker = SessionTrackerActor.options(num_cpus=0, **RESTART).remote(
         actors.judges,
         actors.queue,

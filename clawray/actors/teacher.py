@@ -262,16 +262,29 @@ class TeacherWorker:
         self.calls.call_ended()
         return out
 
-    async def check_endpoint(self, policy_path: str) -> None:
-        """Start-up check of an endpoint teacher's tokenizer against the policy's.
+    async def check_endpoint(self, policy_path: str, topk: int = 0) -> None:
+        """Start-up check of an endpoint teacher: its tokenizer against the policy's and, for top-k
+        distillation (``topk`` > 0), one top-``topk`` call (vLLM refuses more than its
+        ``--max-logprobs``, 20 by default: every turn would have been a teacher error).
 
         Raises:
-            ValueError: naming the first difference (see :func:`clawray.engines.endpoint.check_endpoint_tokenizer`).
+            ValueError: naming the first difference (see :func:`clawray.engines.endpoint.check_endpoint_tokenizer`),
+                or the refused top-k call.
         """
         from clawray.engines.endpoint import check_endpoint_tokenizer
 
-        if self.endpoint is not None:
-            await check_endpoint_tokenizer(policy_path, self.endpoint)
+        if self.endpoint is None:
+            return
+        await check_endpoint_tokenizer(policy_path, self.endpoint)
+        if topk > 0:
+            ids = self.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+            try:
+                await self.endpoint.topk_logprobs(ids, ids[:1], topk, 1.0)
+            except Exception as e:  # noqa: BLE001 - named at start-up, not on every turn
+                raise ValueError(
+                    f"the teacher endpoint refused top-{topk} log-probs ({type(e).__name__}: {e}): start vLLM "
+                    f"with --max-logprobs {topk} or more, or set opd.topk to at most its limit (vLLM's default: 20)"
+                ) from None
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def get_stats(self) -> dict:
@@ -301,7 +314,7 @@ TeacherWorkerActor = ray.remote(concurrency_groups=CONTROL_GROUPS)(TeacherWorker
 
 
 def build_teachers(
-    opd: Any, policy_path: str, live_engine: Any, judge_engine: Any, frozen_engine: Any
+    opd: Any, policy_path: str, live_engine: Any, judge_engine: Any, frozen_engine: Any, topk: int = 0
 ) -> tuple[Any, list]:
     """The teacher of an algorithm that needs one (``Algorithm.needs_teacher``), from ``opd.teacher``:
     ``frozen`` (the initial policy on its own engine, or on ``judge_engine`` when that is given: the
@@ -314,12 +327,14 @@ def build_teachers(
         live_engine: rollout engine 0's handle.
         judge_engine: the frozen judge engine to share, or None.
         frozen_engine: ``(backend, path, name) -> handle`` that starts a frozen engine.
+        topk: the k of top-k distillation (0: token log-probs); an endpoint must serve it.
 
     Returns:
         ``(teacher engine or None, [TeacherWorkerActor])``.
 
     Raises:
-        ValueError: a teacher folder or endpoint whose tokenizer differs from the policy's.
+        ValueError: a teacher folder or endpoint whose tokenizer differs from the policy's; an endpoint
+            that refuses ``topk`` log-probs.
     """
     from clawray.recovery import RESTART_RETRY
 
@@ -327,7 +342,7 @@ def build_teachers(
     opd = section(OPDConfig, opd)  # the typed section the TeacherWorker receives
     if is_endpoint(opd.teacher):
         teacher = TeacherWorkerActor.options(**options).remote(None, policy_path, opd)
-        ray.get(teacher.check_endpoint.remote(policy_path))  # the same tokenizer, or an error naming the difference
+        ray.get(teacher.check_endpoint.remote(policy_path, topk))  # the same tokenizer, top-k served
         return None, [teacher]
     if opd.teacher == "live":
         engine = live_engine

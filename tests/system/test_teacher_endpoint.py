@@ -99,7 +99,9 @@ def test_endpoint_teacher_scores_the_exact_ids_like_the_local_engine(vllm_server
     hint = "Answer with the number only."
 
     async def run():
-        await teacher.check_endpoint(tiny_model)  # identical tokenizer: passes
+        await teacher.check_endpoint(tiny_model, 20)  # identical tokenizer, top-20 served: passes
+        with pytest.raises(ValueError, match="refused top-21 log-probs"):  # vLLM's --max-logprobs: 20
+            await teacher.check_endpoint(tiny_model, 21)
         await check_endpoint_tokenizer(tiny_model, teacher.endpoint)
         return (
             await teacher.teacher_logprobs(turn, hint),
