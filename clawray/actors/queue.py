@@ -112,16 +112,16 @@ class TrajectoryQueue:
         sample = await sample_ref[0] if self.journal is not None or meta is None else None
         if meta is None:
             meta = SampleMeta.of(sample)
-        if 0 < self.max_tokens < meta.num_tokens:
-            self.dropped["too_long"] += 1
-            if self.journal is not None:  # [journal hook]
-                self.journal.drop("too_long", n=1)
-            return len(self._items)
         async with self._cond:
+            if self.journal is not None and self.journal.is_duplicate(sample):  # [journal hook] counted once
+                return len(self._items)
+            if 0 < self.max_tokens < meta.num_tokens:
+                self.dropped["too_long"] += 1
+                if self.journal is not None:  # [journal hook]
+                    self.journal.drop("too_long", n=1)
+                return len(self._items)
             seq = 0
             if self.journal is not None:  # [journal hook] acknowledged only once durable
-                if self.journal.is_duplicate(sample):
-                    return len(self._items)
                 seq = self.journal.ack(sample, meta.policy_version)
                 # the queue owns its copy: a sample put by a tracker that dies later stays readable
                 sample_ref = [ray.put(sample)]

@@ -446,3 +446,27 @@ def test_a_batch_taken_by_a_step_a_restarted_actors_death_aborted_is_trained_by_
     assert (stats["size"], stats["taken"]) == (4, 0)  # re-based on the journal: nothing consumed yet
     nxt = asyncio.run(q.get_batch(2, next_version=1, max_batch_size=4))
     assert d.state.in_flight is None and nxt["seqs"] == [1, 2, 3, 4]
+
+
+def test_a_duplicate_put_is_refused_before_its_length_is_counted(tmp_path, no_object_store):
+    """An acknowledged sample put again (a tracker that restarted before it journaled the put) into a
+    queue restarted with a smaller token budget: the replay drops it as ``too_long`` once; the
+    duplicate put counted it a second time."""
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.types import SampleMeta
+
+    path = prepare_journals(str(tmp_path), None)["samples"]
+
+    async def ref(sample):
+        return sample
+
+    async def scenario():
+        q = TrajectoryQueue(2, journal={"path": path})
+        await q.put([ref(_sample(0))], SampleMeta.of(_sample(0)))
+        q.journal.file.close()
+        q2 = TrajectoryQueue(2, max_tokens=3, journal={"path": path})  # the sample has 4 tokens
+        assert await q2.put([ref(_sample(0))], SampleMeta.of(_sample(0))) == 0
+        return await q2.stats()
+
+    stats = asyncio.run(scenario())
+    assert (stats["size"], stats["put"], stats["dropped"]) == (0, 1, {"too_long": 1})
