@@ -376,6 +376,7 @@ class Driver:
 
             self.checkpoints.rebuild_learners(plan.lost, lambda: learner_group(self.cfg, self.model_path))
             self.gate.after_learner_rebuild(self.actors, self.version)
+            self._tell_tracker()  # the checkpoint's version: lower than the tracker was told
 
     def _tell_tracker(self) -> None:
         """Tell the session tracker the learners' new version (``trainer.credit`` discounted/outcome:
