@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# the largest |log-ratio| exponentiated (PPO ratio, k3 KL): e^20 ~ 4.9e8 is far past any clip, and finite
+MAX_LOG_RATIO = 20.0
 
 
 def aggregate(
@@ -56,7 +58,7 @@ def aggregate(
     if token_values.shape != loss_mask.shape:
         raise ValueError(f"values {tuple(token_values.shape)} and mask {tuple(loss_mask.shape)} differ")
     mask = loss_mask.to(token_values.dtype)
-    masked = token_values * mask
+    masked = torch.where(loss_mask.bool(), token_values, 0.0)  # not x * mask: inf * 0 is NaN
     if mode == "token-mean":
         denom = num_tokens if num_tokens is not None else torch.clamp(mask.sum(), min=1.0)
         return masked.sum() / denom
@@ -144,7 +146,9 @@ def ppo_clip_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     eps_high = eps if eps_high is None else eps_high
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    # the log-ratio is clamped to +-MAX_LOG_RATIO before exp (as verl): a token whose ratio overflows
+    # float32 sits in a clipped (constant) branch, but its backward 0 * inf made the step's gradient NaN
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs.detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO))
     surrogate = ratio * advantages
     surrogate_clipped = torch.clamp(ratio, 1.0 - eps, 1.0 + eps_high) * advantages
     token_loss = -torch.minimum(surrogate, surrogate_clipped)
@@ -185,8 +189,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         return d
     if estimator == "k2":
         return 0.5 * d.pow(2)
-    if estimator == "k3":
-        return torch.exp(-d) - 1.0 + d
+    if estimator == "k3":  # exp's argument clamped to +-MAX_LOG_RATIO (as verl): finite, exact within it
+        return torch.exp(torch.clamp(-d, -MAX_LOG_RATIO, MAX_LOG_RATIO)) - 1.0 + d
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 

@@ -496,3 +496,27 @@ def test_the_entropy_quantile_equals_torch_quantile_and_takes_any_size():
             assert masked_quantile(v, torch.ones(n), q) == pytest.approx(float(torch.quantile(v, q)), abs=1e-6)
     big = torch.arange(2**24 + 1, dtype=torch.float32)  # 0 .. 2**24: the 0.1-quantile is 0.1 * 2**24
     assert masked_quantile(big.flip(0), torch.ones(2**24 + 1), 0.1) == pytest.approx(0.1 * 2**24, abs=1.0)
+
+
+def test_a_ratio_past_float32_leaves_the_other_tokens_gradient_finite():
+    """A token whose behaviour log-prob is 100 nats below the learner's: exp(100) overflows float32.
+    That token sits in a constant branch (clipped, or the dual clip's bound), so its gradient is 0 and
+    the loss is finite; the backward's 0 * inf made the whole step's gradient NaN (skipped as nonfinite)."""
+    old = torch.tensor([-1.0, -100.5])
+    lp = torch.tensor([-1.0, -0.5], requires_grad=True)
+    out = ppo_clip_loss(lp, old, torch.tensor([1.0, 1.0]), torch.ones(2))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-(1.0 + 1.28) / 2)  # eps_high 0.28: the token clipped at 1.28
+    assert lp.grad.tolist() == pytest.approx([-0.5, 0.0])
+    lp.grad = None
+    out = ppo_clip_loss(lp, old, torch.tensor([-1.0, -1.0]), torch.ones(2), dual_clip=3.0)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((1.0 + 3.0) / 2) and lp.grad.tolist() == pytest.approx([0.5, 0.0])
+    lp.grad = None  # the same token masked out: inf * 0 in the aggregation gave a NaN loss
+    out = ppo_clip_loss(lp, old, torch.tensor([-1.0, -1.0]), torch.tensor([1.0, 0.0]))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(1.0) and lp.grad.tolist() == pytest.approx([1.0, 0.0])
+    d = torch.tensor([-50.0], requires_grad=True)  # k3 = exp(-d) - 1 + d: finite, its gradient too
+    value = kl_penalty(d, torch.zeros(1), "k3")
+    value.sum().backward()
+    assert torch.isfinite(value).all() and torch.isfinite(d.grad).all()
