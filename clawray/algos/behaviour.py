@@ -16,7 +16,9 @@ over the prompts:
 
 A behaviour signature (:func:`signature`) is, for a reply with tool calls, the sorted tool names each
 with its sorted argument keys (``tool:calc(a,b)``: which tool and how it is called, not the values);
-for a text reply, its first sentence normalised: lower case, digit runs replaced by ``0``, anything
+for a text reply, its first sentence (after a leading list marker such as "1." or "-"; a sentence
+ends at ".", "!" or "?" before a space or the end, or at a line break, so "3.5" does not end
+one) normalised: lower case, digit runs replaced by ``0``, anything
 but letters, digits and spaces removed, spaces collapsed (so "The answer is 7." and "the answer is
 12" are one behaviour, "Let me think: 3 + 4 = 7" another).
 """
@@ -29,7 +31,8 @@ import re
 from collections import Counter
 from typing import Any, Sequence
 
-_SENTENCE_END = re.compile(r"[.!?\n]")
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+_LIST_MARKER = re.compile(r"^(?:\d+[.)]|[-*\u2022])\s+")
 _DIGITS = re.compile(r"\d+")
 _NON_WORD = re.compile(r"[^a-z0-9 ]+")
 
@@ -42,15 +45,15 @@ def signature(message: dict[str, Any]) -> str:
         for call in calls:
             fn = call.get("function") or {}
             args = fn.get("arguments", "")
-            try:
-                parsed = json.loads(args) if isinstance(args, str) else args
+            try:  # no arguments at all ("") is the call without arguments, as "{}"
+                parsed = (json.loads(args) if args.strip() else {}) if isinstance(args, str) else args
             except json.JSONDecodeError:
                 parsed = None
             keys = ",".join(sorted(parsed)) if isinstance(parsed, dict) else "?"
             parts.append(f"{fn.get('name', '')}({keys})")
         return "tool:" + "+".join(sorted(parts))
     text = (message.get("content") or "").strip().lower()
-    first = _SENTENCE_END.split(text, maxsplit=1)[0]
+    first = _SENTENCE_END.split(_LIST_MARKER.sub("", text), maxsplit=1)[0]
     first = _NON_WORD.sub(" ", _DIGITS.sub("0", first))
     return "text:" + " ".join(first.split())
 

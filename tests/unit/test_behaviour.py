@@ -30,6 +30,26 @@ def test_signatures():
     assert signature(tool("calc", '{"expression": "1+2"}')) == "tool:calc(expression)"
     assert signature(tool("calc", '{"expression": "9"}')) == signature(tool("calc", '{"expression": "1+2"}'))
     assert signature(tool("calc", "{not json")) == "tool:calc(?)"
+    assert signature(tool("ls", "")) == signature(tool("ls", "{}")) == "tool:ls()"  # no arguments: one behaviour
+
+
+def test_a_numbered_or_decimal_opening_is_not_a_sentence_end():
+    """Four different replies opening with "1." or a decimal read as one behaviour ("text:0"): the
+    behaviour floor saw a collapse and raised the entropy bonus."""
+    replies = [
+        text("1. Open the config file and set the port."),
+        text("1. Run the test suite first."),
+        text("3.5 GB is too large; split the archive."),
+        text("- 2.0 is the new version, so upgrade.\nThen restart."),
+    ]
+    assert [signature(m) for m in replies] == [
+        "text:open the config file and set the port",
+        "text:run the test suite first",
+        "text:0 0 gb is too large split the archive",
+        "text:0 0 is the new version so upgrade",
+    ]
+    stats = behaviour_stats([replies])
+    assert stats["inv/behaviour_distinct"] == 1.0 and stats["inv/behaviour_entropy"] == pytest.approx(math.log(4))
 
 
 def test_entropy_and_overlap_hand_computed():
