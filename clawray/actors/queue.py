@@ -28,8 +28,10 @@ driver logs ``inv/effective_sample_rate`` = samples trained / (samples taken + s
 
 Version numbers are reused after a rollback (a rejected candidate, a resume from an older checkpoint,
 a learner group rebuilt from one): a queued sample stamped by a version the update producing
-``v_next`` cannot follow (staleness < 1) came from the discarded versions and is dropped (reason
-``rolled_back``), never trained as fresher than on-policy.
+``v_next`` cannot follow (staleness < 1) came from the discarded versions; its staleness becomes its
+distance to the trained policy through their common ancestor (see ``_drop_stale``), and past the cap
+it is dropped as ``rolled_back``: never trained as fresher than on-policy, and within the cap still
+trained (an acknowledged user turn is not lost to a crash).
 
 A sample longer than the learner's micro-batch budget (``max_tokens``) is rejected at ``put``
 (reason ``too_long``): it would not fit in one forward pass.
@@ -73,6 +75,7 @@ class TrajectoryQueue:
         self.dropped: Counter[str] = Counter()
         self.rewards: dict[int, list[float]] = {}  # per policy version: [n, sum, sum of squares] of rewards put
         self.journal = None  # [journal hook] clawray.journal.SampleJournal; replays its live samples
+        self._restamped: set = set()  # journal seqs (or ref ids) of samples re-stamped by _drop_stale
         if journal:
             self._open_journal(**journal)
 
@@ -134,21 +137,31 @@ class TrajectoryQueue:
             return len(self._items)
 
     def _drop_stale(self, next_version: int) -> None:
-        """Drop (and count, and journal: final) every queued sample the update producing
-        ``next_version`` must not train: ``stale`` (staleness > ``max_staleness``) and ``rolled_back``
-        (staleness < 1: stamped by a version this lineage has not produced, i.e. by one the policy
-        was rolled back from: a rejected candidate, or the versions a resume from an older
-        checkpoint discards; version numbers are reused after a rollback)."""
+        """Before the update producing ``next_version`` takes a batch: re-stamp every queued sample of
+        a discarded version, then drop (count, and journal as final) every sample past its
+        staleness cap: ``stale``, or ``rolled_back`` for a re-stamped one.
+
+        Version numbers are reused after a rollback (a gate rejection, a resume from an older
+        checkpoint, a learner group rebuilt from one): the learners are back at ``V = next_version - 1``
+        and a sample stamped ``s >= next_version`` came from the discarded versions ``V+1..``, ``s - V``
+        updates past ``V`` on a branch that no longer exists. Its distance to the policy being
+        trained, through their common ancestor ``V``, is ``(s - V) + 1``: it is re-stamped
+        ``2V - s`` (mirrored around the fork), so its staleness is that distance now and grows with
+        each later update like any sample's. (Taken as stamped, its staleness was 0 or negative: never
+        dropped, trained as fresher than on-policy.) The re-stamp is the queue's; the sample and its
+        journal line keep the version that made it."""
+        fork = next_version - 1
+        for i, (ref, meta, seq) in enumerate(self._items):
+            if meta.policy_version > fork:
+                self._items[i] = (ref, dataclasses.replace(meta, policy_version=2 * fork - meta.policy_version), seq)
+                self._restamped.add(seq if seq else id(ref))
         verdict = {"stale": [], "rolled_back": []}
         kept = deque()
         for item in self._items:
-            staleness = next_version - item[1].policy_version
-            if staleness > self.max_staleness:
-                verdict["stale"].append(item[2])
-            elif staleness < 1:
-                verdict["rolled_back"].append(item[2])
-            else:
+            if next_version - item[1].policy_version <= self.max_staleness:
                 kept.append(item)
+            else:
+                verdict["rolled_back" if (item[2] or id(item[0])) in self._restamped else "stale"].append(item[2])
         for reason, seqs in verdict.items():
             if seqs:
                 self.dropped[reason] += len(seqs)

@@ -223,16 +223,16 @@ def test_queue_journal_replay_round_trip(ray_cluster, tmp_path):
             s = _sample(i, n_resp=2 + 4 * i, version=i)  # 5, 9, 13 tokens
             await q.put([ray.put(s)], SampleMeta.of(s))
         assert await q.put([ray.put(_sample(0))]) == 3  # duplicate key: not acknowledged twice
-        batch = await q.get_batch(1, next_version=1, timeout_s=1)
+        batch = await q.get_batch(1, next_version=3, timeout_s=1)
         await q.consumed(batch["seqs"], 1)
         q.journal.file.close()
         q2 = TrajectoryQueue(max_staleness=5, max_tokens=10, journal=journal)
-        await q2.put([ray.put(_sample(7, version=3))])
+        await q2.put([ray.put(_sample(7, version=2))])
         batch = await q2.get_batch(2, next_version=3, timeout_s=1)
         return batch, [s.session_id for s in await asyncio.gather(*batch["refs"])], await q2.stats()
 
     batch, order, stats = asyncio.run(scenario())
-    assert order == ["s1", "s7"] and batch["versions"] == [1, 3]  # s2 (13 tokens) exceeds the new budget
+    assert order == ["s1", "s7"] and batch["versions"] == [1, 2]  # s2 (13 tokens) exceeds the new budget
     assert stats == {"size": 0, "put": 4, "taken": 3, "dropped": {"too_long": 1}, "replayed": 1}
 
 

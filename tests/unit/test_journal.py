@@ -370,8 +370,9 @@ def test_a_resume_from_an_older_checkpoint_never_trains_the_discarded_versions_s
     """Version numbers are reused after a rollback: a run checkpointed at v1 went on to v3 and died;
     the resume serves v1 again and its next update produces v2. The journal still holds samples
     stamped v1, v2, v3, v3; the update producing v2 saw staleness [1, 0, -1, -1] and trained all of
-    them as fresher than on-policy. Only the v1 sample is trained; the others came from versions the
-    resume discarded: dropped (``rolled_back``), journaled, never replayed again."""
+    them as fresher than on-policy. Their distance to the trained policy through v1 is [1, 2, 3, 3]:
+    under max_staleness 1 only the v1 sample is trained, the others are dropped (``rolled_back``),
+    journaled, never replayed again; under max_staleness 3 all four are trained, farthest first."""
     from clawray.actors.queue import TrajectoryQueue
     from clawray.types import SampleMeta
 
@@ -396,6 +397,16 @@ def test_a_resume_from_an_older_checkpoint_never_trains_the_discarded_versions_s
     assert (batch["versions"], batch["staleness"], batch["seqs"]) == ([1], [1], [1])
     assert (stats["size"], stats["taken"], stats["dropped"]) == (0, 1, {"rolled_back": 3})
     assert (again["size"], again["replayed"], again["dropped"]) == (1, 1, {"rolled_back": 3})
+
+    async def within_the_cap():
+        q = TrajectoryQueue(3)
+        for i, v in enumerate([1, 2, 3, 3]):
+            await q.put([f"s{i}"], SampleMeta.of(_sample(i, version=v)))
+        first = await q.get_batch(1, next_version=2, max_batch_size=8)
+        return first, await q.stats()
+
+    batch, stats = asyncio.run(within_the_cap())
+    assert (batch["refs"], batch["staleness"], stats["dropped"]) == (["s2", "s3", "s1", "s0"], [3, 3, 2, 1], {})
 
 
 def test_a_batch_taken_by_a_step_a_restarted_actors_death_aborted_is_trained_by_the_next(
