@@ -192,7 +192,7 @@ def test_the_conversations_samples_train_on_the_learner(claw, endpoint):
     if traffic["requests"] == 0:
         pytest.skip("the conversation test did not run")
     assert traffic["samples"] == 3
-    batch = ray.get(endpoint["queue"].get_batch.remote(3, 1, 30.0))
+    batch = ray.get(endpoint["queue"].get_batch.remote(3, 4, 30.0))  # the scripted engine serves v3
     samples = ray.get(batch["refs"])
     by_turn = {s.turn_index: (s, ref) for s, ref in zip(samples, batch["refs"])}
     # turn 2's next state (the user's next request) says nothing of it: the feedback judge gives no score
