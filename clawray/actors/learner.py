@@ -913,6 +913,7 @@ class LearnerWorker:
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
             "lrs": [g["lr"] for g in self.optimizer.param_groups],
             "counters": (self.version, self.optimizer_steps, self.skipped_steps),
+            "backoff": 1.0,  # the product of the lr factors of the restores since this point
         }
         held = [*params, *(t for m in moments for t in m.values())]
         return {"version": self.version, "bytes": sum(t.numel() * t.element_size() for t in held)}
@@ -921,7 +922,8 @@ class LearnerWorker:
         """Return to the rollback point of :meth:`keep_promoted`: the weights, the AdamW moments
         (cleared where there were none), the scheduler, version and counters, bit for bit; then
         multiply the learning rate by ``lr_factor`` (the schedule's base rates too, so the back-off
-        lasts). Collective only in the sense that every rank must call it.
+        lasts). Back-offs since the point compound (two rejections at 0.5: x0.25) and a restore at
+        1.0 keeps them. Collective only in the sense that every rank must call it.
 
         Returns:
             ``{"version", "lr"}`` after the restore.
@@ -946,10 +948,12 @@ class LearnerWorker:
                         _local(state[k]).copy_(v)
                     else:
                         state[k] = v.clone().to(_local(p).device)
+        # back-offs compound, and a restore at factor 1 (a withdrawn candidate) keeps the earlier ones
+        point["backoff"] *= lr_factor
         self.scheduler.load_state_dict(copy.deepcopy(point["scheduler"]))
-        self.scheduler.base_lrs = [b * lr_factor for b in self.scheduler.base_lrs]
+        self.scheduler.base_lrs = [b * point["backoff"] for b in self.scheduler.base_lrs]
         for g, lr in zip(self.optimizer.param_groups, point["lrs"]):
-            g["lr"] = lr * lr_factor
+            g["lr"] = lr * point["backoff"]
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.version, self.optimizer_steps, self.skipped_steps = point["counters"]
         return {"version": self.version, "lr": self.optimizer.param_groups[0]["lr"]}

@@ -328,3 +328,36 @@ def test_with_the_gate_a_periodic_checkpoint_waits_for_the_next_promoted_version
         state.steps_done = step
         ckpt.periodic()
     assert saved == [6, 9, 12, 16]
+
+
+def test_lr_back_offs_since_the_promoted_point_compound_and_a_withdrawal_keeps_them():
+    """deploy.lr_backoff 0.5: each restore multiplied the point's rate, so two rejections in a row
+    left x0.5 (not x0.25) and a withdrawn candidate (factor 1) put the full rate back."""
+    import torch
+
+    from clawray.actors.learner import LearnerWorker
+
+    w = LearnerWorker.__new__(LearnerWorker)
+    lin = torch.nn.Linear(2, 2)
+    w.trainable = list(lin.parameters())
+    w.optimizer = torch.optim.AdamW(w.trainable, lr=1e-5)
+    w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0)
+    w.version, w.optimizer_steps, w.skipped_steps = 4, 4, 0
+    w.keep_promoted()
+
+    def candidate():
+        lin(torch.ones(2)).sum().backward()
+        w.optimizer.step()
+        w.scheduler.step()
+        w.optimizer.zero_grad()
+
+    lrs = []
+    for factor in (0.5, 0.5, 1.0):
+        candidate()
+        lrs.append(w.restore_promoted(factor)["lr"])
+    candidate()
+    assert lrs == pytest.approx([5e-6, 2.5e-6, 2.5e-6]) and w.scheduler.get_last_lr() == pytest.approx([2.5e-6])
+    assert w.version == 4
+    w.keep_promoted()  # a promotion: the new point starts from the backed-off rate
+    candidate()
+    assert w.restore_promoted(0.5)["lr"] == pytest.approx(1.25e-6)
