@@ -271,6 +271,9 @@ class SampleState:
             for seq in seqs:
                 self.live.pop(seq, None)
             self.dropped[reason] = self.dropped.get(reason, 0) + (len(seqs) or rec.get("n", 0))
+        elif op == "restamp":  # a sample of a discarded version, at its distance through the fork
+            if rec["seq"] in self.live:
+                self.live[rec["seq"]] = (self.live[rec["seq"]][0], rec["version"])
         elif op == "rewind":  # the learners were rebuilt from the checkpoint of this step (clawray.recovery)
             self.void_after(rec["step"])
         elif op == "forget":  # a checkpoint covers these steps: their samples can never come back
@@ -346,6 +349,12 @@ class SampleJournal:
     def drop(self, reason: str, seqs: list[int] | None = None, n: int = 0) -> None:
         """Count a final drop: queued samples ``seqs``, or ``n`` samples refused at admission."""
         self._log({"op": "drop", "reason": reason, "seqs": list(seqs or []), "n": n})
+
+    def restamp(self, seq: int, version: int) -> None:
+        """Live sample ``seq`` counts as made by ``version`` from now on (the queue's re-stamp of a
+        sample of a discarded version, :meth:`~clawray.actors.queue.TrajectoryQueue._drop_stale`):
+        a replay queues it with that version."""
+        self._log({"op": "restamp", "seq": int(seq), "version": int(version)})
 
     def rewind(self, step: int) -> None:
         """The learners restart from the checkpoint of driver step ``step``: samples consumed by later

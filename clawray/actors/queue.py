@@ -75,7 +75,7 @@ class TrajectoryQueue:
         self.dropped: Counter[str] = Counter()
         self.rewards: dict[int, list[float]] = {}  # per policy version: [n, sum, sum of squares] of rewards put
         self.journal = None  # [journal hook] clawray.journal.SampleJournal; replays its live samples
-        self._restamped: set = set()  # journal seqs (or ref ids) of samples re-stamped by _drop_stale
+        self._restamped: set = set()  # queued samples re-stamped by _drop_stale (see _key)
         if journal:
             self._open_journal(**journal)
 
@@ -148,20 +148,25 @@ class TrajectoryQueue:
         trained, through their common ancestor ``V``, is ``(s - V) + 1``: it is re-stamped
         ``2V - s`` (mirrored around the fork), so its staleness is that distance now and grows with
         each later update like any sample's. (Taken as stamped, its staleness was 0 or negative: never
-        dropped, trained as fresher than on-policy.) The re-stamp is the queue's; the sample and its
-        journal line keep the version that made it."""
+        dropped, trained as fresher than on-policy.) The re-stamp is journaled (a restarted queue
+        replays it); the sample itself keeps the version that made it."""
         fork = next_version - 1
         for i, (ref, meta, seq) in enumerate(self._items):
             if meta.policy_version > fork:
-                self._items[i] = (ref, dataclasses.replace(meta, policy_version=2 * fork - meta.policy_version), seq)
-                self._restamped.add(seq if seq else id(ref))
+                meta = dataclasses.replace(meta, policy_version=2 * fork - meta.policy_version)
+                self._items[i] = (ref, meta, seq)
+                self._restamped.add(_key(meta, seq))
+                if self.journal is not None:  # [journal hook] a restarted queue replays the re-stamp
+                    self.journal.restamp(seq, meta.policy_version)
         verdict = {"stale": [], "rolled_back": []}
         kept = deque()
         for item in self._items:
             if next_version - item[1].policy_version <= self.max_staleness:
                 kept.append(item)
-            else:
-                verdict["rolled_back" if (item[2] or id(item[0])) in self._restamped else "stale"].append(item[2])
+                continue
+            key = _key(item[1], item[2])
+            verdict["rolled_back" if key in self._restamped else "stale"].append(item[2])
+            self._restamped.discard(key)
         for reason, seqs in verdict.items():
             if seqs:
                 self.dropped[reason] += len(seqs)
@@ -204,6 +209,7 @@ class TrajectoryQueue:
             order = sorted(range(len(self._items)), key=lambda i: self._items[i][1].policy_version)
             chosen = set(order[:take_max])
             batch = [self._items[i] for i in order[:take_max]]
+            self._restamped.difference_update(_key(m, q) for _, m, q in batch)
             self._items = deque(item for i, item in enumerate(self._items) if i not in chosen)
             self.num_taken += len(batch)
             return {
@@ -283,6 +289,12 @@ class TrajectoryQueue:
         if self.journal is not None:
             out["replayed"] = self.replayed
         return out
+
+
+def _key(meta: SampleMeta, seq: int) -> int:
+    """A queued sample's key in ``TrajectoryQueue._restamped``: its journal seq, else its (re-stamped,
+    queued) metadata object's id, alive while it is queued."""
+    return seq if seq else id(meta)
 
 
 # The Ray actor class. The plain class above stays importable, so Ray pickles it by reference.

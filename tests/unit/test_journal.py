@@ -481,3 +481,31 @@ def test_a_duplicate_put_is_refused_before_its_length_is_counted(tmp_path, no_ob
 
     stats = asyncio.run(scenario())
     assert (stats["size"], stats["put"], stats["dropped"]) == (0, 1, {"too_long": 1})
+
+
+def test_a_restarted_queue_keeps_the_re_stamp_of_a_discarded_versions_sample(tmp_path, no_object_store):
+    """max_staleness 2, resumed at v1: s1 was stamped v2 by the discarded versions. The update producing
+    the new v2 re-stamps it 0 (distance 2) and takes s0; the queue actor restarts. Its replay had s1 at
+    v2 again, and the update producing v3 trained it at staleness 1; it is 3 updates away: dropped."""
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.types import SampleMeta
+
+    path = prepare_journals(str(tmp_path), None)["samples"]
+
+    async def ref(sample):
+        return sample
+
+    async def scenario():
+        q = TrajectoryQueue(2, journal={"path": path})
+        for i, v in enumerate([0, 2]):
+            await q.put([ref(_sample(i, version=v))], SampleMeta.of(_sample(i, version=v)))
+        first = await q.get_batch(1, next_version=2)
+        await q.consumed(first["seqs"], step=1)
+        q.journal.file.close()  # Ray restarts the queue actor
+        q2 = TrajectoryQueue(2, journal={"path": path})
+        second = await q2.get_batch(1, next_version=3, timeout_s=0.05)
+        return first, second, await q2.stats()
+
+    first, second, stats = asyncio.run(scenario())
+    assert (first["seqs"], first["staleness"], second) == ([1], [2], None)
+    assert (stats["size"], stats["dropped"]) == (0, {"stale": 1})
