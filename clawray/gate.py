@@ -615,12 +615,15 @@ class PromotionGate:
 
     def after_learner_rebuild(self, actors: Any, version: int) -> None:
         """A rebuilt learner group restored the last checkpoint (a promoted version): that is the new
-        rollback point and promoted version, with its own probe scores (the records' lineage up to it)."""
+        rollback point and promoted version, with its own probe scores (the records' lineage up to it);
+        a ``resumed`` record cuts the versions after it from ``versions.jsonl``'s lineage."""
         if self.enabled:
             actors.learners.keep_promoted()
             self.pending = []  # the rebuilt learners hold none of them (the journal replays what is untrained)
             if not self._replay(self.records, version):
                 self.promoted = version  # no record of it: the last promoted scores stay the reference
+            # the versions after it are gone: a later resume must not read their scores as this lineage's
+            self._record({"version": version, "decision": "resumed", "best": self.best, "why": "learner rebuild"})
 
     def resume(self, version: int) -> bool:
         """A resumed run serves checkpoint ``version`` (always a promoted one): restore its probe

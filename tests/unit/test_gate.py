@@ -361,3 +361,21 @@ def test_lr_back_offs_since_the_promoted_point_compound_and_a_withdrawal_keeps_t
     w.keep_promoted()  # a promotion: the new point starts from the backed-off rate
     candidate()
     assert w.restore_promoted(0.5)["lr"] == pytest.approx(1.25e-6)
+
+
+def test_a_learner_rebuild_cuts_the_discarded_versions_from_a_later_resumes_lineage(tmp_path):
+    """v2 (0.9, the best) was promoted, then the learners were rebuilt from v1's checkpoint and a new
+    v2 (0.6) was promoted. A resume at v2 read the discarded v2's 0.9 as the best promoted reference."""
+    import types
+
+    s = lambda k: [1.0] * k + [0.0] * (20 - k)  # noqa: E731
+    gate = make_gate(tmp_path, s(10), s(12), s(18), s(12), guard_replies=0)
+    gate.baseline(0, "unused", None)
+    gate.judge(1, *gate.probe("unused", None))
+    gate.judge(2, *gate.probe("unused", None))
+    gate.after_learner_rebuild(types.SimpleNamespace(learners=FakeLearners()), 1)
+    gate.judge(2, *gate.probe("unused", None))
+    resumed = make_gate(tmp_path)
+    assert resumed.resume(2)
+    assert sum(resumed.promoted_scores) / 20 == pytest.approx(0.6)
+    assert sum(resumed.best_scores) / 20 == pytest.approx(0.6) and resumed.best in (1, 2)
