@@ -37,9 +37,10 @@ from typing import Any
 
 #: OpenClaw's per-request internal-context block (ephemeral: absent from the next request's history).
 INTERNAL_CONTEXT = ("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>", "<<<END_OPENCLAW_INTERNAL_CONTEXT>>>")
-_BLOCK = re.compile(re.escape(INTERNAL_CONTEXT[0]) + r".*?" + re.escape(INTERNAL_CONTEXT[1]), re.DOTALL)
-#: ``Runtime: agent=main | session=agent:main:explicit:ID | sessionId=ID | host=...`` (OpenClaw).
-_RUNTIME_SESSION = re.compile(r"\bRuntime: agent=[^\n]*?\bsessionId=([^\s|]{1,128})")
+#: ``Runtime: agent=main | session=agent:main:explicit:ID | sessionId=ID | host=...`` (OpenClaw); the
+#: ``sessionId=`` is looked for on the rest of the line (see :func:`session_hint`).
+_RUNTIME = re.compile(r"\bRuntime: agent=")
+_SESSION_ID = re.compile(r"\bsessionId=([^\s|]{1,128})")
 #: The system prompt of OpenClaw's compaction summariser (history summary and split-turn prefix).
 SUMMARISER_PROMPT = "You are a context summarization assistant"
 #: The user prompt of OpenClaw's pre-compaction memory flush, and its session ids.
@@ -69,8 +70,18 @@ def strip_ephemeral(text: str | None) -> str | None:
     file."``, as the client's next request has it)."""
     if not text or INTERNAL_CONTEXT[0] not in text:
         return text
-    out = _BLOCK.sub("", text)
-    return out.strip() if out != text else out
+    begin, end = INTERNAL_CONTEXT
+    kept, pos = [], 0
+    while (start := text.find(begin, pos)) >= 0:  # one pass: linear in the text, whatever it holds
+        stop = text.find(end, start + len(begin))
+        if stop < 0:  # no end after this begin, so none after a later one either
+            break
+        kept.append(text[pos:start])
+        pos = stop + len(end)
+    if pos == 0:
+        return text
+    kept.append(text[pos:])
+    return "".join(kept).strip()
 
 
 def strip_envelope(text: str | None) -> str | None:
@@ -108,12 +119,20 @@ def conversation_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def session_hint(messages: list[dict[str, Any]]) -> str | None:
     """The client's own session id written in the conversation (OpenClaw's ``Runtime: ...
-    sessionId=ID`` line in the first user message), or None."""
+    sessionId=ID`` line in the first user message), or None. Linear in the message's length: each
+    line is read once, from its first ``Runtime: agent=``."""
     first = next((m for m in messages if m.get("role") == "user"), None)
     if first is None or not first.get("content"):
         return None
-    found = _RUNTIME_SESSION.search(first["content"])
-    return found.group(1) if found else None
+    text, pos = first["content"], 0
+    while (runtime := _RUNTIME.search(text, pos)) is not None:
+        line_end = text.find("\n", runtime.end())
+        line_end = len(text) if line_end < 0 else line_end
+        found = _SESSION_ID.search(text, runtime.end(), line_end)
+        if found is not None:
+            return found.group(1)
+        pos = line_end + 1  # a later "Runtime: agent=" on this line sees no more of it
+    return None
 
 
 def side_kind(messages: list[dict[str, Any]], tools: list | None) -> str | None:

@@ -116,8 +116,24 @@ class ParsedReply:
         return msg
 
 
-_XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=([^<>\n]*)>")  # opening tags; bodies run to the next closing tag
+_XML_PARAMETER = re.compile(r"<parameter=([^<>\n]*)>")
+
+
+def _tagged(opening: re.Pattern, closing: str, text: str) -> tuple[list[tuple[str, str]], str]:
+    """The ``(name, body)`` of each ``<tag=name>body</tag>`` in ``text`` (each body runs to the first
+    closing tag after its opening, as a lazy ``.*?`` would) and the text outside them, in one pass:
+    linear in the text, where a lazy regex rescans the rest of it from every unclosed opening."""
+    blocks, outside, pos = [], [], 0
+    while (m := opening.search(text, pos)) is not None:
+        end = text.find(closing, m.end())
+        if end < 0:  # no closing tag after this opening, so none after a later one either
+            break
+        outside.append(text[pos : m.start()])
+        blocks.append((m.group(1), text[m.end() : end]))
+        pos = end + len(closing)
+    outside.append(text[pos:])
+    return blocks, "".join(outside)
 
 
 def tool_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
@@ -166,21 +182,17 @@ def _xml_value(text: str, kind: Any) -> Any:
 
 def _parse_xml_block(body: str, types: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     calls = []
-    rest = body
-    for m in _XML_FUNCTION.finditer(body):
-        name = m.group(1).strip()
+    functions, rest = _tagged(_XML_FUNCTION, "</function>", body)
+    for name, function_body in functions:
+        name = name.strip()
         if not name:
             raise ValueError("a tool call needs a function name")
         schema = types.get(name, {})
-        args = {}
-        for p in _XML_PARAMETER.finditer(m.group(2)):
-            key = p.group(1).strip()
-            args[key] = _xml_value(p.group(2), schema.get(key))
-        leftover = _XML_PARAMETER.sub("", m.group(2))
+        parameters, leftover = _tagged(_XML_PARAMETER, "</parameter>", function_body)
+        args = {key.strip(): _xml_value(value, schema.get(key.strip())) for key, value in parameters}
         if leftover.strip():
             raise ValueError("text outside <parameter=...> blocks in a <function=...> block")
         calls.append({"name": name, "arguments": args})
-        rest = rest.replace(m.group(0), "", 1)
     if not calls or rest.strip():
         raise ValueError("tool-call block is not <function=...>...</function> blocks")
     return calls

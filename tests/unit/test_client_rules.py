@@ -261,3 +261,27 @@ def test_a_heartbeat_poll_is_a_side_turn_and_the_real_reply_stays_the_turns_next
     assert [kind for kind, _, _ in r.log] == ["main", "main", "side", "main", "main"]
     assert r.log[2][1] == "heartbeat" and r.log[3][2].chosen.turn_index == 2
     assert "heartbeat" not in str(r.log[3][2].next_state) and len(r.log[3][2].next_state) == 1
+
+
+def test_blocks_and_the_session_hint_are_read_as_lazy_patterns_read_them_in_one_pass():
+    """The one-pass readers keep the meaning of the lazy patterns they replace (compared on random
+    texts) and stay linear on texts of unclosed openings, where the patterns took 0.5 s at 30 kB and
+    quadruple per doubling (a 240 kB request blocked a replica 37 s before its size was checked)."""
+    import random
+    import re
+
+    begin, end = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>", "<<<END_OPENCLAW_INTERNAL_CONTEXT>>>"
+    lazy_block = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    lazy_runtime = re.compile(r"\bRuntime: agent=[^\n]*?\bsessionId=([^\s|]{1,128})")
+    parts = [begin, end, "x", " ", "\n", "Runtime: agent=", "sessionId=", "s1", "|", "xRuntime: agent=", "xsessionId=a"]
+    rng = random.Random(0)
+    for _ in range(4000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 12)))
+        cut = lazy_block.sub("", text)
+        assert strip_ephemeral(text) == (cut.strip() if cut != text else text), text
+        found = lazy_runtime.search(text)
+        assert session_hint([{"role": "user", "content": text}]) == (found.group(1) if found else None), text
+    assert strip_ephemeral(begin * 20000 + " tail") == begin * 20000 + " tail"
+    assert strip_ephemeral(begin * 20000 + end + " tail ") == "tail"
+    assert session_hint([{"role": "user", "content": "Runtime: agent=" * 20000 + "| sessionId=abc | x"}]) == "abc"
+    assert session_hint([{"role": "user", "content": "Runtime: agent=" * 20000 + "\nsessionId=abc"}]) is None

@@ -236,3 +236,27 @@ def test_the_docs_table_is_this_table():
     doc = (Path(__file__).parents[2] / "docs" / "feedback.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith(("| tool result |", "| user |"))]
     assert rows == want
+
+
+def test_praise_at_a_clause_start_is_read_as_the_search_from_every_separator_read_it():
+    """Praise opening a clause is matched once per clause: on random statements it reads as the search
+    from every separator it replaces, and a run of separators (``","*40000``: 130 s, and quadrupling
+    per doubling) or of asterisks in a tool result (``"***"*60000``: 174 s) is read in one pass."""
+    import random
+    import re
+
+    from clawray.algos import feedback
+
+    word = r"(?:correct|right|thanks?|thank you|great|perfect|well done|excellent)\b"
+    fillers = r"(?:ok(?:ay)?|yes|yeah|yep|oh|wow|good|nice|very|all|so|and)"
+    searched = re.compile(rf"(?:^|[,;:\]]|\s[-–—])\W*(?:{fillers}\W+)*{word}", re.IGNORECASE)
+    parts = ["ok", "so", "thanks", "great", "right", "the", "x", ",", ";", ":", "]", " -", " — ", "-", " ", "!!", "—"]
+    rng = random.Random(1)
+    for _ in range(5000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 10))).strip()
+        split = any(feedback._PRAISE_OPENING.match(c) for c in feedback._CLAUSE_START.split(text))
+        assert split == bool(searched.search(text)), text
+    assert user_text_sign("," * 40000) is None and user_text_sign("--- " * 10000) is None
+    assert user_text_sign(", " * 20000 + "thanks") == 1
+    assert tool_result_sign("***" * 20000) == 1
+    assert tool_result_sign("***" * 20000 + " make: *** [all] Error 2") == -1
