@@ -68,7 +68,7 @@ from clawray.serve.errors import answer_error, error_response, unauthorized
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.health import health_body, serving_versions
 from clawray.serve.instance import APP_NAME, check_serve_address
-from clawray.serve.protocol import ChatRequest, decode_body, parse_chat_request
+from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_chat_request
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.serve.sse import StreamContext, cancel_streams, next_item, sse_events
@@ -243,7 +243,8 @@ class PolicyServer:
             req = parse_chat_request(
                 decode_body(raw), request.headers, cfg.default_max_tokens, cfg.default_temperature, cfg.max_n
             )
-            token = self.admission.bind_session(req.session_id, request.headers.get("x-session-token"))
+            given = header_text(request.headers, "x-session-token", "x-session-token")
+            token = self.admission.bind_session(req.session_id, given)
             if req.session_id:  # then a session's requests queue in the order their bodies arrived
                 await self.locks.acquire(req.session_id)
                 locked = req.session_id
@@ -299,10 +300,12 @@ class PolicyServer:
         call.end_ids = list(dict.fromkeys([*self.end_ids, *req.stop_token_ids]))
         limit = self.max_model_len
         chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in req.messages)
-        if chars > limit * MAX_CHARS_PER_TOKEN:
+        tool_chars = len(json.dumps(req.tools)) if req.tools else 0  # the template renders them into the prompt
+        if chars + tool_chars > limit * MAX_CHARS_PER_TOKEN:
             raise RequestError(
-                f"prompt is {chars} characters, more than max_model_len {limit} tokens can hold",
-                "messages",
+                f"prompt is {chars + tool_chars} characters ({tool_chars} of them tools), more than max_model_len"
+                f" {limit} tokens can hold",
+                "tools" if tool_chars > chars else "messages",
                 "context_length_exceeded",
             )
         prev = None

@@ -277,6 +277,8 @@ def _stop_token_ids(body: Mapping) -> list[int]:
 
 def _tool_choice(body: Mapping, tools: list | None) -> list | None:
     choice = body.get("tool_choice")
+    if choice is not None and tools is None and body.get("tools") is None:  # as OpenAI and vLLM
+        raise RequestError("tool_choice is only allowed when tools are given", "tool_choice")
     if choice is None or choice == "auto":
         return tools
     if choice == "none":
@@ -290,19 +292,36 @@ def _tool_choice(body: Mapping, tools: list | None) -> list | None:
     raise RequestError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}", "tool_choice")
 
 
-def _header_text(headers: Mapping[str, str], name: str, param: str) -> str | None:
-    """A header's value as UTF-8 text (HTTP servers hand header bytes over as latin-1).
+def header_text(headers: Mapping[str, str], name: str, param: str) -> str | None:
+    """A header's value as UTF-8 text (HTTP servers hand header bytes over as latin-1), or None.
+
+    The name is matched as Ray Serve's proxy matches its session header (case-insensitive, ``_`` as
+    ``-``: ``X_Session_Id`` is ``x-session-id``), over every header the request sent (a Starlette
+    ``Headers`` lists repeats in ``items()``), so the proxy's routing and the server read one value.
 
     Raises:
-        RequestError: the bytes are not UTF-8.
+        RequestError: the header is sent twice with different values, or its bytes are not UTF-8.
     """
-    value = headers.get(name)
-    if value is None:
+    values = {value for key, value in headers.items() if key.lower().replace("_", "-") == name}
+    if not values:
         return None
+    if len(values) > 1:
+        raise RequestError(f"header {name} is sent {len(values)} times with different values", param)
     try:
-        return value.encode("latin-1").decode("utf-8")
+        return values.pop().encode("latin-1").decode("utf-8")
     except (UnicodeEncodeError, UnicodeDecodeError):
         raise RequestError(f"header {name} is not UTF-8 text", param) from None
+
+
+def _shown(value: Any, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for an error message (an int's repr past 4300
+    digits raises; a megabyte header is no message)."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**limit
+        else f"an integer of {len(str(abs(value)))}+ digits"
+    )
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _flag(value: Any, key: str) -> bool:
@@ -313,7 +332,7 @@ def _flag(value: Any, key: str) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise RequestError(f"{key} must be true or false, got {value!r}", key)
+    raise RequestError(f"{key} must be true or false, got {_shown(value)}", key)
 
 
 def _stream(body: Mapping) -> tuple[bool, bool]:
@@ -376,14 +395,14 @@ def parse_chat_request(
     stream, include_usage = _stream(body)
     stop_token_ids = _stop_token_ids(body)
 
-    session_id, source = _header_text(headers, "x-session-id", "session_id"), "X-Session-Id"
+    session_id, source = header_text(headers, "x-session-id", "session_id"), "X-Session-Id"
     if session_id is None:
         session_id, source = _optional_str(body, "session_id"), "session_id"
     if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
         raise RequestError(f"{source} must be 1..{MAX_SESSION_ID_CHARS} characters", source)
     if session_id is None:  # plain OpenAI clients: the `user` field names the end user / conversation
         session_id = user_session(_optional_str(body, "user"))
-    turn_type = headers.get("x-turn-type")
+    turn_type = header_text(headers, "x-turn-type", "turn_type")
     if turn_type is None:
         turn_type = body.get("turn_type")
     kind = None
@@ -392,9 +411,9 @@ def parse_chat_request(
         turn_type = "side" if kind else "main"
     if not isinstance(turn_type, str) or turn_type.lower() not in ("main", "side"):
         raise RequestError(f"turn type {turn_type!r} is not 'main' or 'side'", "turn_type")
-    done_raw = headers.get("x-session-done")
+    done_raw = header_text(headers, "x-session-done", "session_done")
     done = _flag(done_raw if done_raw is not None else body.get("session_done", False), "session_done")
-    outcome = _outcome(headers.get("x-session-outcome"), body.get("session_outcome"))
+    outcome = _outcome(header_text(headers, "x-session-outcome", "session_outcome"), body.get("session_outcome"))
     return ChatRequest(
         messages=messages,
         tools=tools,
@@ -428,10 +447,12 @@ def _outcome(header: str | None, body_value: Any) -> float | None:
         if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
             raise ValueError
         value = float(raw)
-    except ValueError:
-        raise RequestError(f"session_outcome must be a number, got {raw!r}", "session_outcome") from None
+    except (ValueError, OverflowError):  # OverflowError: an integer past the double range
+        value = math.inf if isinstance(raw, int) else None
+    if value is None:
+        raise RequestError(f"session_outcome must be a number, got {_shown(raw)}", "session_outcome")
     if not math.isfinite(value) or abs(value) > MAX_OUTCOME:
         raise RequestError(
-            f"session_outcome must be finite and within +-{MAX_OUTCOME:g}, got {raw!r}", "session_outcome"
+            f"session_outcome must be finite and within +-{MAX_OUTCOME:g}, got {_shown(raw)}", "session_outcome"
         )
     return value

@@ -133,10 +133,14 @@ def body_session_id(raw: bytes) -> str | None:
         return None
     if not isinstance(body, dict):
         return None
+    from clawray.serve.protocol import user_session
+
     for key in ("session_id", "user"):
         value = body.get(key)
         if value is not None:
-            return value if isinstance(value, str) and value else None
+            if not isinstance(value, str) or not value:
+                return None
+            return value if key == "session_id" else user_session(value)  # a long user: its hashed id
     return None
 
 

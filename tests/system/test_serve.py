@@ -699,6 +699,13 @@ def test_async_client_errors_and_limits(served):
             )
         assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
         assert "max_model_len is 256" in e.value.body["message"] and "prompt is" in e.value.body["message"]
+        big_tool = {"type": "function", "function": {"name": "f", "description": "x " * 20000, "parameters": {}}}
+        with pytest.raises(openai.BadRequestError) as e:  # tools count, before anything is tokenised
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[big_tool]
+            )
+        assert e.value.body["param"] == "tools" and "(40" in e.value.body["message"], e.value.body
+        assert "of them tools), more than max_model_len 256" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
         with pytest.raises(openai.BadRequestError) as e:

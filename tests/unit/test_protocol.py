@@ -18,6 +18,34 @@ def test_session_outcome_from_header_or_body_header_wins():
     assert parse({"messages": MSG, "session_outcome": 0.5}, {"x-session-outcome": " 1 "}).outcome == 1.0
 
 
+def test_session_headers_are_read_as_the_proxy_routes_them_and_a_conflicting_repeat_is_refused():
+    """Ray Serve's proxy routes on an ``x-session-id`` matched case-insensitively with ``_`` as ``-``;
+    the server reads the same header, over every copy the request sent (Starlette lists repeats)."""
+    from starlette.datastructures import Headers
+
+    def headers(*pairs):
+        return Headers(raw=[(k.encode(), v.encode()) for k, v in pairs])
+
+    assert parse({"messages": MSG}, headers(("X_Session_Id", "s1"))).session_id == "s1"
+    assert parse({"messages": MSG}, headers(("x-session-id", "s1"), ("x_session_id", "s1"))).session_id == "s1"
+    req = parse(
+        {"messages": MSG}, headers(("x_turn_type", "side"), ("x_session_done", "1"), ("x_session_outcome", "1"))
+    )
+    assert (req.turn_type, req.done, req.outcome) == ("side", True, 1.0)
+    for name, param in [
+        ("x-session-id", "session_id"),
+        ("x-turn-type", "turn_type"),
+        ("x-session-done", "session_done"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            parse({"messages": MSG}, headers((name, "main"), (name.replace("-", "_"), "side")))
+        assert e.value.param == param and "different values" in str(e.value)
+    with pytest.raises(RequestError) as e:  # an int past the double range: a 400 naming it, no OverflowError
+        parse({"messages": MSG, "session_outcome": 10**400})
+    assert str(e.value) == "session_outcome must be finite and within +-1e+06, got an integer of 401+ digits"
+    assert parse({"messages": MSG, "tools": [], "tool_choice": "auto"}).tools is None  # [] is accepted, as vLLM
+
+
 def test_tiny_temperature_is_greedy_and_session_header_is_utf8():
     assert parse({"messages": MSG, "temperature": 1e-45}).temperature == 0.0
     assert parse({"messages": MSG, "temperature": 1e-5}).temperature == 1e-5
@@ -106,6 +134,9 @@ def test_tool_choice_none_drops_tools():
         ({"messages": MSG, "session_outcome": True}, {}, "session_outcome", "invalid_request"),
         ({"messages": MSG, "session_outcome": 1e7}, {}, "session_outcome", "invalid_request"),
         ({"messages": MSG, "session_outcome": "nan"}, {}, "session_outcome", "invalid_request"),
+        ({"messages": MSG, "session_outcome": 10**400}, {}, "session_outcome", "invalid_request"),  # past a double
+        ({"messages": MSG, "tool_choice": "auto"}, {}, "tool_choice", "invalid_request"),  # no tools: as OpenAI, vLLM
+        ({"messages": MSG, "tool_choice": "none"}, {}, "tool_choice", "invalid_request"),
         ({"messages": MSG}, {"x-turn-type": "garbage"}, "turn_type", "invalid_request"),
         ({"messages": MSG, "temperature": float("nan")}, {}, "temperature", "invalid_request"),
         ({"messages": MSG, "temperature": True}, {}, "temperature", "invalid_request"),
@@ -130,8 +161,8 @@ def test_tool_choice_none_drops_tools():
         ({"messages": MSG, "stop": ["e"]}, {}, "stop", "unsupported"),
         ({"messages": MSG, "logprobs": True}, {}, "logprobs", "unsupported"),
         ({"messages": MSG, "presence_penalty": 0.5}, {}, "presence_penalty", "unsupported"),
-        ({"messages": MSG, "tool_choice": "required"}, {}, "tool_choice", "unsupported"),
-        ({"messages": MSG, "tool_choice": 5}, {}, "tool_choice", "invalid_request"),
+        ({"messages": MSG, "tools": [], "tool_choice": "required"}, {}, "tool_choice", "unsupported"),
+        ({"messages": MSG, "tools": [], "tool_choice": 5}, {}, "tool_choice", "invalid_request"),
         (
             {"messages": MSG, "tools": [{"type": "garbage", "function": {"name": "f"}}]},
             {},

@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from clawray.serve import routing
+from clawray.serve.protocol import parse_chat_request
 from clawray.serve.routing import DOWN, PAUSED, UP, SessionKeyMiddleware, choose_engine, engine_state
 
 
@@ -71,12 +72,19 @@ def test_router_config_only_for_several_replicas():
 
 
 # ------------------------------------------------------------------ the body session key in the proxy
+def parse_user_session(user: str) -> str:
+    return parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "user": user}, {}, 8, 1.0).session_id
+
+
 def test_body_session_id_follows_the_servers_rule():
     assert routing.body_session_id(b'{"session_id": "a", "user": "b"}') == "a"
     assert routing.body_session_id(b'{"user": "b"}') == "b"
     assert routing.body_session_id(b'{"messages": []}') is None
     assert routing.body_session_id(b'{"session_id": 7, "user": "b"}') is None  # the server answers 400
     assert routing.body_session_id(b"[1]") is None and routing.body_session_id(b"{not json") is None
+    long_user = "u" * 300  # any user is valid: the server names its session user-<sha256>, and so does the router
+    assert routing.body_session_id(json.dumps({"user": long_user}).encode()) == parse_user_session(long_user)
+    assert parse_user_session(long_user).startswith("user-") and len(parse_user_session(long_user)) == 37
 
 
 def _run(scope, messages, delay_s=0.0):
