@@ -32,8 +32,10 @@ def private_dir(path: str) -> str:
 
 
 def open_private(path: str, mode: str = "w"):
-    """``open(path, mode)`` for text writing (``"w"`` or ``"a"``) of a file that is 0600 from its creation on."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    """``open(path, mode)`` for text writing (``"w"``, ``"a"``, or ``"a+"``: appending, and readable) of a
+    file that is 0600 from its creation on."""
+    access = os.O_RDWR if "+" in mode else os.O_WRONLY
+    flags = access | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
     fd = os.open(path, flags, FILE_MODE)
     os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode through os.open
     return os.fdopen(fd, mode)

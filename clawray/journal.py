@@ -166,7 +166,7 @@ class AppendFile:
         self._open()
 
     def _open(self) -> None:
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
 
     def append(self, rec: dict) -> None:
         """Write ``rec`` as one line, whole or not at all (:func:`~clawray.records.append_whole`:

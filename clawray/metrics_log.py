@@ -125,7 +125,7 @@ class MetricsLog:
         row = self.row(metrics, step)
         line = (json.dumps(row) + "\n").encode()
         try:
-            with open_private(self.path, "a") as f:
+            with open_private(self.path, "a+") as f:  # readable: append_whole cuts a torn last row
                 append_whole(f.fileno(), line)  # whole or not at all: never a torn row
         except OSError as e:  # a full disk loses this row (counted, said), never the run
             self.write_errors += 1

@@ -17,15 +17,34 @@ import os
 from typing import Any
 
 
+def _line_end(fd: int, size: int, chunk: int = 1 << 16) -> int:
+    """The length of the file at ``fd`` up to and including its last ``"\n"`` (0 when it has none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        block = os.pread(fd, end - start, start)
+        at = block.rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
+
+
 def append_whole(fd: int, data: bytes) -> None:
-    """Append ``data`` to the file open at ``fd`` (``O_APPEND``) whole or not at all: when the disk
-    refuses part of it (ENOSPC, EIO, a quota), the file is cut back to its size before the write, so
-    a reader never meets a torn line and a later append starts on a line boundary.
+    """Append ``data`` (whole lines) to the file open at ``fd`` (``O_RDWR | O_APPEND``) whole or not at
+    all: when the disk refuses part of it (ENOSPC, EIO, a quota), the file is cut back to its size
+    before the write, so a reader never meets a torn line and a later append starts on a line
+    boundary. A torn last line left by a process killed mid-write (a line without its ``"\n"``, which
+    readers skip as never acknowledged) is cut first, so the new line is not glued onto it (it would be
+    lost with it, and the damaged line would no longer be the last: a damaged file).
 
     Raises:
-        OSError: the write failed (nothing of ``data`` stays in the file).
+        OSError: the write failed (nothing of ``data`` stays in the file), or ``fd`` is not readable.
     """
     start = os.fstat(fd).st_size
+    if start and os.pread(fd, 1, start - 1) != b"\n":
+        start = _line_end(fd, start)
+        os.ftruncate(fd, start)
     view = memoryview(data)
     try:
         while view:
@@ -74,7 +93,7 @@ class JsonlRecords:
                 size = 0
             if size and size + len(line) > self.max_bytes:
                 self._rotate()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.fchmod(fd, 0o600)
                 append_whole(fd, line)

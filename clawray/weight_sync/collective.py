@@ -97,6 +97,14 @@ class CollectiveTransport(WeightTransport):
             self.broken = True
             raise WeightSyncError(f"broadcast failed or timed out (timeout {self.timeout_s:g}s): {e}") from e
 
+    def _packed(self, bucket, state: dict[str, torch.Tensor]) -> bool:
+        """Whether :meth:`_pack` copies this bucket (several tensors, or one cast or moved), so the ring
+        of pack buffers must hold it: a lone weight cast to a bf16 engine's dtype is packed too."""
+        if len(bucket.specs) > 1:
+            return True
+        tensor = state[bucket.specs[0].name]
+        return tensor.dtype != bucket.dtype or tensor.device != self.device
+
     def _bcast(self, t: torch.Tensor) -> None:
         self._wait(self._start(t))
 
@@ -118,7 +126,7 @@ class CollectiveTransport(WeightTransport):
         if status == ABORT:
             check_plan(self.plan, state)  # raises the reason
         if not self._pack_bufs:
-            most = max((b.numel * b.dtype.itemsize for b in self.buckets if len(b.specs) > 1), default=0)
+            most = max((b.numel * b.dtype.itemsize for b in self.buckets if self._packed(b, state)), default=0)
             self._pack_bufs = (
                 [torch.zeros(most, dtype=torch.uint8, device=self.device) for _ in range(self.max_inflight)]
                 if most

@@ -202,12 +202,13 @@ class WeightTransport(abc.ABC):
     def _pack(
         self, bucket: Bucket, state: dict[str, torch.Tensor], device: torch.device, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One flat tensor of ``bucket.numel`` elements, packed into ``out`` (a uint8 buffer of at least
-        the bucket's bytes) when given; no copy when the bucket is one contiguous tensor."""
+        """One flat tensor of ``bucket.numel`` elements, packed into ``out`` (a uint8 buffer) when it holds
+        the bucket's bytes, else into a new tensor; no copy when the bucket is one tensor already of the
+        plan's dtype on ``device``."""
         parts = [state[s.name].detach().reshape(-1) for s in bucket.specs]
         if len(parts) == 1 and parts[0].dtype == bucket.dtype and parts[0].device == device:
             return parts[0].contiguous()
-        if out is not None:
+        if out is not None and out.numel() >= bucket.numel * bucket.dtype.itemsize:
             flat = out[: bucket.numel * bucket.dtype.itemsize].view(bucket.dtype)
         else:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)

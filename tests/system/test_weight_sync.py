@@ -115,6 +115,32 @@ def test_gloo_broadcast_roundtrip_version_check_and_group_stays_in_step():
     assert not sender.broken
 
 
+def test_a_lone_weight_cast_to_the_engines_dtype_is_packed_whatever_its_size():
+    """A bf16 engine's plan and an fp32 learner state: a weight bigger than every multi-tensor bucket
+    (its own bucket) is cast, so packed too; the ring of pack buffers held only multi-tensor buckets
+    and the send died on a size mismatch (Qwen2.5-0.5B's 272 MB embedding, 64 MiB buckets)."""
+    plan = [
+        WeightSpec("a", (4,), "torch.bfloat16"),
+        WeightSpec("b", (4,), "torch.bfloat16"),  # one 16-byte bucket
+        WeightSpec("embed", (64,), "torch.bfloat16"),  # 128 bytes: a bucket of its own
+    ]
+    state = {"a": torch.ones(4), "b": torch.full((4,), 2.0), "embed": torch.arange(64, dtype=torch.float32)}
+    port = free_port()
+
+    def receiver():
+        t = CollectiveTransport(1, 2, "127.0.0.1", port, plan, bucket_bytes=32, timeout_s=20)
+        return {n: v.clone() for n, v in t.receive(expected_version=1)}
+
+    (res,), (th,) = run_receivers([receiver])
+    sender = CollectiveTransport(0, 2, "127.0.0.1", port, plan, bucket_bytes=32, timeout_s=20)
+    stats = sender.send(state, version=1)
+    th.join(timeout=30)
+    got = res["value"]
+    assert stats["bytes"] == (4 + 4 + 64) * 2 and not sender.broken
+    assert {n: v.dtype for n, v in got.items()} == dict.fromkeys(state, torch.bfloat16)
+    assert torch.equal(got["embed"].float(), state["embed"]) and torch.equal(got["b"].float(), state["b"])
+
+
 @pytest.mark.parametrize("kind", ["dtype", "name", "shape"])
 def test_metadata_mismatch_is_rejected_before_any_weight_loads(kind):
     plan = specs()

@@ -34,7 +34,7 @@ class FullDisk:
 def test_append_whole_cuts_a_partial_write_back(tmp_path, monkeypatch):
     path = tmp_path / "f.jsonl"
     path.write_bytes(b'{"a":1}\n')
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND)
     monkeypatch.setattr(records_mod.os, "write", FullDisk(5))
     with pytest.raises(OSError) as e:
         append_whole(fd, b'{"b":2222222}\n')

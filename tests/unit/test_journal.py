@@ -28,6 +28,30 @@ def _sample(i, version=0, sid=None):
     )
 
 
+def test_a_restarted_queue_appends_after_a_torn_last_line_without_losing_the_next_ack(tmp_path):
+    """Ray restarts the queue actor after it died mid-append: the torn line is cut before the next
+    acknowledgement, which the next restart replays (it was glued onto the torn bytes and lost with
+    them, and one more ack made the file damaged: the next restart and resume=true failed)."""
+    paths = prepare_journals(str(tmp_path), None)
+    j = SampleJournal(paths["samples"])
+    j.ack(_sample(1), 0)
+    j.file.close()
+    with open(paths["samples"], "a") as f:  # the actor died while appending the ack of s2
+        f.write('{"op":"ack","seq":2,"version":0,"sam')
+    restarted = SampleJournal(paths["samples"])
+    assert [s.session_id for _, s, _ in restarted.replay()] == ["s1"]
+    assert restarted.ack(_sample(3), 0) == 2
+    restarted.ack(_sample(4), 0)
+    restarted.file.close()
+    assert [(seq, s.session_id) for seq, s, _ in SampleJournal(paths["samples"]).replay()] == [
+        (1, "s1"),
+        (2, "s3"),
+        (3, "s4"),
+    ]
+    assert len(read_records(paths["samples"])) == 3
+    prepare_journals(str(tmp_path), resume_step=0)  # resume=true reads it whole
+
+
 def test_replay_voids_steps_after_the_checkpoint_and_keeps_counters(tmp_path):
     paths = prepare_journals(str(tmp_path), None)
     j = SampleJournal(paths["samples"], fsync=True)
