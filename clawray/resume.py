@@ -242,8 +242,7 @@ class Checkpoints:
         st = self.state
         st.version, st.steps_done = saved["version"], saved["steps_done"]
         for controller, key in ((st.guard, "guard"), (st.entropy, "entropy"), (st.behaviour, "behaviour")):
-            for name, value in saved.get(key, {}).items():  # "behaviour" is absent in older checkpoints
-                setattr(controller, name, value)
+            controller.restore(saved.get(key, {}))  # state only: "behaviour" is absent in older checkpoints
         st.all_masked_dropped, st.skipped_steps = saved["all_masked_dropped"], saved["skipped_steps"]
         st.zero_variance_dropped = saved.get("zero_variance_dropped", 0)
         st.wandb_run_id = saved.get("wandb_run_id")  # absent in checkpoints of older versions

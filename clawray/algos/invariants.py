@@ -115,6 +115,12 @@ class DegenerateBatchGuard:
         if self.mode not in ("none", "baseline", "skip"):
             raise ValueError(f"unknown degenerate-batch mode {self.mode!r}; expected none, baseline or skip")
 
+    def restore(self, saved: dict) -> None:
+        """Take a checkpoint's state (``dataclasses.asdict`` of a saved guard): the running baseline
+        and the count; ``mode`` and ``momentum`` stay as this run's config sets them."""
+        self.baseline = float(saved.get("baseline", self.baseline))
+        self.degenerate_batches = int(saved.get("degenerate_batches", self.degenerate_batches))
+
     def apply(self, rewards: list[float]) -> tuple[list[float], bool]:
         """Returns ``(advantages per sample, train?)`` for a batch and updates the counters and, in
         every mode, the running mean reward ``b`` (``trainer.advantage: baseline`` reads it whatever
@@ -145,6 +151,14 @@ class EntropyController:
     floor: float = 0.0
     lr: float = 0.01
     max_coef: float = 0.1
+
+    def restore(self, saved: dict) -> None:
+        """Take a checkpoint's state (``dataclasses.asdict`` of a saved controller): the coefficient it
+        had adapted to, within this run's ``max_coef``, when both runs adapt it (``floor > 0``); else
+        the coefficient stays this run's configured one. ``floor``, ``lr`` and ``max_coef`` stay as
+        this run's config sets them."""
+        if self.floor > 0 and saved.get("floor", 0.0) > 0:
+            self.coef = min(max(float(saved["coef"]), 0.0), self.max_coef)
 
     def update(self, entropy: float) -> float:
         """Feed the step's mean entropy over trained tokens (nats); returns the new coefficient."""

@@ -233,6 +233,29 @@ def test_entropy_controller_rises_below_floor_and_falls_back():
     assert EntropyController(coef=0.01).update(0.0) == 0.01  # floor 0: fixed coefficient
 
 
+def test_a_resume_takes_the_controllers_state_and_keeps_this_runs_settings():
+    """resume=true with a changed ``trainer.degenerate_batches`` or entropy floor: the checkpoint gives
+    the running baseline, the count and an adapted coefficient; mode, momentum, floor, lr and max_coef
+    are this run's (the whole saved controller was copied over them: new settings silently ignored)."""
+    import dataclasses
+
+    guard = DegenerateBatchGuard("skip", momentum=0.5)
+    guard.restore(
+        dataclasses.asdict(DegenerateBatchGuard("baseline", momentum=0.9, baseline=0.4, degenerate_batches=3))
+    )
+    assert (guard.mode, guard.momentum, guard.baseline, guard.degenerate_batches) == ("skip", 0.5, 0.4, 3)
+    adapted = dataclasses.asdict(EntropyController(coef=0.08, floor=1.0, lr=0.1, max_coef=0.1))
+    c = EntropyController(coef=0.0, floor=0.5, lr=0.01, max_coef=0.05)
+    c.restore(adapted)  # both adapt: the coefficient carries on, within this run's max_coef
+    assert (c.coef, c.floor, c.lr, c.max_coef) == (0.05, 0.5, 0.01, 0.05)
+    fixed = EntropyController(coef=0.002)
+    fixed.restore(adapted)  # floor 0 now: the configured constant
+    assert fixed.coef == 0.002
+    fresh = EntropyController(coef=0.001, floor=0.5)
+    fresh.restore(dataclasses.asdict(EntropyController(coef=0.03)))  # the saved run did not adapt
+    assert fresh.coef == 0.001
+
+
 # ---------------------------------------------------------------- one sample's loss (the learner's code)
 def _uniform_inputs(**kw):
     from clawray.algos.losses import SampleLossInputs
