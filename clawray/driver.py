@@ -282,8 +282,9 @@ class Driver:
             coef = st.entropy_coef(self.cfg.learner.entropy_coef_max)
             probe = self.probe.take(st.version)
             try:
+                versions = [m.policy_version for m in metas]  # as the queue holds them: re-stamped past a fork
                 train = self.actors.learners.train_step(
-                    refs, next_version, advantages, coef, probe=probe, probe_wait_s=self.probe.wait_s
+                    refs, next_version, advantages, coef, probe=probe, probe_wait_s=self.probe.wait_s, versions=versions
                 )
             except ray.exceptions.RayError as e:
                 lost = learner_lost(self.actors, e)
@@ -294,7 +295,7 @@ class Driver:
                 self.probe.record(train)
             train = {**train, **self.probe.metrics()}
             if train["skipped"]:  # no optimizer step: a non-finite loss, or no gradient at all
-                skipped = "no_gradient" if train.get("no_gradient_mini_batches", 0) > 0 else "nonfinite"
+                skipped = "nonfinite" if train.get("nonfinite_mini_batches", 0) > 0 else "no_gradient"
             else:
                 st.record_trained(metas)
                 st.in_flight["counted"] = True

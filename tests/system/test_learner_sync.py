@@ -314,6 +314,33 @@ def test_a_step_without_gradient_leaves_the_weights_bit_identical_and_is_counted
         assert (m["skipped"], m["optimizer_steps"]) == (0.0, 1.0) and m["no_gradient_mini_batches"] == 1.0
         trained = ray.get([w.state_dict.remote() for w in learners.workers])[0]
         assert any(not torch.equal(before[k], trained[k]) for k in before)
+
+        # a non-finite mini-batch is skipped, and so are its samples' metrics: the step's are the
+        # trained mini-batch's (they were nan, and num_samples counted the untrained samples)
+        nan = ray.put(
+            Sample(tokens=prompt + [11, 12, 13], prompt_len=3, loss_mask=[1, 1, 1],
+                   rollout_logprobs=[float("nan"), -7.0, -7.0], reward=1.0, policy_version=0)
+        )  # fmt: skip
+        good = [  # rollout log-prob 0 and A = +1: ratio <= 1, never clipped, so a gradient
+            ray.put(Sample(tokens=prompt + r, prompt_len=3, loss_mask=[1, 1, 1], rollout_logprobs=[0.0] * 3,
+                           reward=1.0, policy_version=0))
+            for r in ([11, 12, 13], [21, 22, 23])
+        ]  # fmt: skip
+        m = learners.train_step([nan, nan, *good], 2)
+        assert (m["skipped"], m["optimizer_steps"], m["nonfinite_mini_batches"]) == (0.0, 1.0, 1.0), m
+        assert (m["num_samples"], m["num_tokens"]) == (2.0, 6.0)
+        assert all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "inv/ratio_mean", "inv/ratio_max", "inv/adv_std"))
+
+        # a sample stamped with the learner's version counts as sampled by these weights (its tokens
+        # measure inv/logprob_mismatch_kl) unless the queue holds it at another: a re-stamped sample of
+        # a version a rollback discarded, whose number the new lineage reuses
+        def at(version):
+            return [ray.put(dataclasses.replace(ray.get(r), policy_version=version)) for r in good] + masked[:2]
+
+        m = learners.train_step(at(2), 3, versions=[0, 0, 0, 0])
+        assert m["inv/mismatch_tokens"] == 0.0 and math.isnan(m["inv/logprob_mismatch_kl"])
+        m = learners.train_step(at(3), 4)
+        assert m["inv/mismatch_tokens"] == 6.0 and m["inv/logprob_mismatch_kl"] >= 0.0
     finally:
         learners.shutdown()
 
