@@ -593,8 +593,8 @@ class PromotionGate:
         else:
             backoff = decision is not None and decision.backoff  # not for a withdrawn or unproven one
             actors.learners.restore_promoted(self.cfg.lr_backoff if backoff else 1.0)
-            back = sync.sync(self.promoted, only=[k])
-            error = back["error"] or (None if result["held"] else result["error"])
+            back = sync.sync(self.promoted, hold=True, only=[k])
+            error = self._resume_on_promoted(actors, back, [k]) or (None if result["held"] else result["error"])
         _set_arm(engine, None)
         if verdict is not None:
             metrics.update(verdict.metrics())
@@ -604,11 +604,26 @@ class PromotionGate:
         """Return the learners to the promoted version (weights, AdamW state, schedule; learning rate
         x ``lr_factor``) and sync it to the engines, which resume on it; the sync's error or None."""
         actors.learners.restore_promoted(lr_factor)
-        back = actors.weight_sync.sync(self.promoted)
-        if back["ok"]:
-            return None
+        back = actors.weight_sync.sync(self.promoted, hold=True)
+        return self._resume_on_promoted(actors, back)
+
+    def _resume_on_promoted(self, actors: Any, back: dict, only: list[int] | None = None) -> str | None:
+        """After the sync ``back`` of the promoted version (held, to ``only`` or every engine): resume
+        the engines that serve the promoted version; one that does not (it may hold the withdrawn
+        candidate) stays paused, its users served by the others, until the next sync loads it. Returns
+        the sync's or the resume's error, or None."""
+        sync = actors.weight_sync
+        if back["held"]:
+            errors = sync.release(only)
+            return f"resuming the engines on v{self.promoted}: {errors}" if errors else None
+        versions = sync.engine_versions()
+        indexes = range(len(sync.names)) if only is None else only
+        serving = [i for i in indexes if versions.get(sync.names[i]) == self.promoted]
+        kept = [sync.names[i] for i in indexes if i not in serving]
+        sync.release(serving)
         print(
-            f"[clawray] gate: syncing v{self.promoted} back failed ({back['error']}); it is re-sent at the next sync",
+            f"[clawray] gate: syncing v{self.promoted} back failed ({back['error']}); "
+            f"{', '.join(kept) or 'no engine'} stay(s) paused until the next sync loads it",
             flush=True,
         )
         return back["error"]

@@ -245,14 +245,17 @@ class WeightSyncController:
         ``hold=True`` (the promotion gate, :mod:`clawray.gate`): after a sync that reached every engine
         the engines stay paused (``held`` in the result; any mode pauses, ``inflight`` as
         ``interrupt``): the users' requests wait while the caller probes the loaded weights with
-        probe generations, until :meth:`release` or the next sync. A failed sync resumes them as usual.
+        probe generations, until :meth:`release` or the next sync. A held sync that failed after the
+        pause leaves them paused too (``held`` False, ``paused`` True): some may have loaded weights the
+        caller now withdraws, so it resumes them itself (the gate syncs its rollback, then releases the
+        engines that serve it).
 
         ``only`` (engine indexes; the gate's canary, :mod:`clawray.canary`): only those engines are
         paused (``drain``: their running generations finish on the old weights) and load the weights;
         every other engine takes part in the transfer (a broadcast needs every member) off its engine
         thread, drops it and keeps serving its version unpaused.
 
-        Never raises for a member's failure and never leaves an engine paused: the result says what
+        Never raises for a member's failure and, unless ``hold``, never leaves an engine paused: the result says what
         happened, and the next call rebuilds the group first and sends its (newer) weights to every
         engine, so lagging engines catch up.
 
@@ -267,7 +270,8 @@ class WeightSyncController:
             an engine stepped nothing), ``interrupted`` (generations the pause stopped part-way and the
             engines continued on the new weights; 0 in drain and inflight modes) and ``inflight``
             (generations running across an in-flight load; 0 in the other modes), ``held`` (the
-            engines stay paused: ``hold`` and every member succeeded).
+            engines stay paused: ``hold`` and every member succeeded), ``paused`` (the engines stay
+            paused: ``hold`` and the sync reached the pause, whatever happened after it).
         """
         t0 = time.perf_counter()
         out: dict[str, Any] = {
@@ -286,6 +290,7 @@ class WeightSyncController:
             "interrupted": 0,
             "inflight": 0,
             "held": False,
+            "paused": False,
         }
         errors: dict[str, str] = {}
         if not self.connected:
@@ -313,7 +318,8 @@ class WeightSyncController:
     ) -> dict[str, str]:
         """Pause the engines (not in inflight mode), send and load ``version``, resume them (always,
         unless ``hold`` and all went well: see :meth:`sync`); fills ``out``'s transfer fields and
-        returns the errors by member name. ``only``: see :meth:`sync`."""
+        returns the errors by member name. ``only``: see :meth:`sync`; with ``hold`` the engines stay
+        paused, failed or not, unless this raised."""
         t_sync = time.perf_counter()
         loading = set(range(len(self.engines)) if only is None else only)
         inflight = self.mode == "inflight" and not hold and only is None  # [sync.mode] no pause
@@ -333,8 +339,9 @@ class WeightSyncController:
             )
             results, errors = _collect(named, self.timeout_s)
             out["held"] = hold and not errors and not pause_errors
+            out["paused"] = hold  # the caller resumes them: some may hold weights it withdraws
         finally:
-            if not inflight and not out["held"]:
+            if not inflight and not out["paused"]:
                 resume_errors = self.release(only)
             out["pause_s"] = time.perf_counter() - t_sync  # [sync.mode]
         for n, err in list(pause_errors.items()) + list(resume_errors.items()):

@@ -626,6 +626,16 @@ def test_failure_in_one_of_two_engines_is_named_and_the_next_sync_recovers(ray_c
             assert all(torch.equal(got[k], expected[k]) for k in expected)
         assert ctl.failures == 2 and ctl.rebuilds == 2
 
+        # 4b) a held sync (the gate's candidate) that fails on rollout-1 leaves both engines paused:
+        #     rollout-0 loaded weights the caller withdraws and must not serve them before its rollback
+        ray.get(engines[1].fail_next_load.remote())
+        held = ctl.sync(40, hold=True)
+        assert (held["ok"], held["held"], held["paused"]) == (False, False, True)
+        assert held["versions"] == {"rollout-0": 40, "rollout-1": 4}
+        assert [ray.get(e.stats.remote(), timeout=30)["paused"] for e in engines] == [True, True]
+        back = ctl.sync(4)  # the rollback: every engine on v4 again, and resumed
+        assert back["ok"] is True and back["paused"] is False and serving_versions() == [4, 4]
+
         # 5) sync.mode inflight: no pause; rollout-0 loads v5 between two steps of a running reply,
         #    which goes on as one request: its tokens are v4 up to the load and v5 after it
         ctl.mode = "inflight"

@@ -199,7 +199,9 @@ def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_
     reads[:] = [{1: tally(GOOD)}, {1: tally(GOOD * 2), 2: tally([-1.0] * 40)}]
     out = gate.sync_candidate(actors, 2, "unused")
     assert out.rolled_back and gate.promoted == 1 and actors.learners.calls[-1] == ("restore", 0.5)
-    assert actors.weight_sync.calls == [("sync", 2, True, [1]), ("release", [1]), ("sync", 1, False, [1])]
+    assert actors.weight_sync.calls == [
+        ("sync", 2, True, [1]), ("release", [1]), ("sync", 1, True, [1]), ("release", [1])
+    ]  # fmt: skip
     assert [a[1] for a in arms] == ["reserved", "canary", None]
     rec = records(tmp_path)[-1]
     assert (
@@ -208,7 +210,11 @@ def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_
     # v3: fails its probe (0.0 vs 1.0) -> no canary at all, e1 loads v1 back
     actors.weight_sync.calls.clear(), arms.clear()
     out = gate.sync_candidate(actors, 3, "unused")
-    assert out.rolled_back and actors.weight_sync.calls == [("sync", 3, True, [1]), ("sync", 1, False, [1])]
+    assert out.rolled_back and actors.weight_sync.calls == [
+        ("sync", 3, True, [1]),
+        ("sync", 1, True, [1]),
+        ("release", [1]),
+    ]
     assert [a[1] for a in arms] == ["reserved", None] and "canary" not in records(tmp_path)[-1]
     # v4: its window cannot read the queue -> withdrawn (no back-off), e1 loads v1 back, serves everyone
     actors.weight_sync.calls.clear(), arms.clear()
@@ -223,7 +229,9 @@ def test_a_canary_is_probed_alone_served_to_its_fraction_and_promoted_or_rolled_
     monkeypatch.setattr(gate_module, "_reward_tallies", lost)
     out = gate.sync_candidate(actors, 4, "unused")
     assert out.rolled_back and actors.learners.calls[-1] == ("restore", 1.0) and gate.promoted == 1
-    assert actors.weight_sync.calls == [("sync", 4, True, [1]), ("release", [1]), ("sync", 1, False, [1])]
+    assert actors.weight_sync.calls == [
+        ("sync", 4, True, [1]), ("release", [1]), ("sync", 1, True, [1]), ("release", [1])
+    ]  # fmt: skip
     assert [a[1] for a in arms] == ["reserved", "canary", None]
     rec = records(tmp_path)[-1]
     assert rec["decision"] == "withdrawn"

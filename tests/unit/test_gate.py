@@ -235,9 +235,18 @@ class FakeSync:
     def sync(self, version, hold=False):
         self.calls.append(("sync", version, hold))
         zero = dict.fromkeys(("pause_s", "seconds", "send_s", "gather_s", "rebuild_s"), 0.0)
-        return {"ok": True, "held": hold, "bytes": 0, "load_s": {}, "receive_s": {}, "error": None, **zero}
+        return {
+            "ok": True,
+            "held": hold,
+            "paused": hold,
+            "bytes": 0,
+            "load_s": {},
+            "receive_s": {},
+            "error": None,
+            **zero,
+        }
 
-    def release(self):
+    def release(self, only=None):
         self.calls.append(("release",))
         return []
 
@@ -269,10 +278,46 @@ def test_sync_candidate_backs_the_learning_rate_off_only_for_a_candidate_shown_w
     assert [o.rolled_back for o in outcomes] == [True, True, False]
     assert actors.learners.calls == [("restore", 1.0), ("restore", 0.5), "keep"]
     assert actors.weight_sync.calls == [
-        ("sync", 1, True), ("sync", 0, False), ("sync", 1, True), ("sync", 0, False), ("sync", 1, True), ("release",)
+        ("sync", 1, True), ("sync", 0, True), ("release",), ("sync", 1, True), ("sync", 0, True), ("release",),
+        ("sync", 1, True), ("release",)
     ]  # fmt: skip
     assert [r.get("backoff") for r in records(tmp_path)] == [None, False, True, None]
     assert outcomes[1].metrics["deploy/rejected"] == 1.0 and gate.promoted == 1
+
+
+def test_a_candidate_whose_sync_failed_part_way_is_never_served_and_only_engines_back_on_the_promoted_resume(
+    tmp_path, capsys
+):
+    """A candidate's held sync that reached rollout-0 and failed on rollout-1: the controller resumed
+    every engine, so rollout-0 served the withdrawn candidate until the rollback's sync. Now a held sync
+    keeps them paused, failed or not; the rollback is held too, and when it fails as well only the
+    engines that answer with the promoted version resume (rollout-1 kept it); rollout-0 waits for the
+    next sync."""
+    from types import SimpleNamespace
+
+    class PartialSync(FakeSync):
+        names = ["rollout-0", "rollout-1"]
+
+        def sync(self, version, hold=False):
+            out = super().sync(version, hold)
+            return {**out, "ok": False, "held": False, "error": "rollout-1: connection closed"}
+
+        def release(self, only=None):
+            self.calls.append(("release", only))
+            return []
+
+        def engine_versions(self):
+            return {"rollout-0": 1, "rollout-1": 0}  # rollout-0 loaded the candidate v1
+
+    base = [1.0] * 20
+    gate = make_gate(tmp_path, base, base)
+    actors = SimpleNamespace(weight_sync=PartialSync(), learners=FakeLearners(), engines=[], judges=[])
+    gate.baseline(0, "unused", None)
+    out = gate.sync_candidate(actors, 1, "unused")
+    assert out.rolled_back and actors.learners.calls == [("restore", 1.0)]
+    assert actors.weight_sync.calls == [("sync", 1, True), ("sync", 0, True), ("release", [1])]
+    assert records(tmp_path)[-1]["decision"] == "withdrawn"
+    assert "rollout-0 stay(s) paused until the next sync loads it" in capsys.readouterr().out
 
 
 def test_the_probe_draws_its_prompts_from_the_configured_split(tmp_path, monkeypatch):
