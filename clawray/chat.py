@@ -67,18 +67,40 @@ class LoneSurrogateError(ValueError):
     JSON syntax, yet no UTF-8 text (a reply body, a tokenizer, a record) can hold it."""
 
 
+#: The deepest nesting of a JSON value clawray accepts (a request body, a tool call's arguments).
+MAX_JSON_DEPTH = 100
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests lists and objects more than ``limit`` levels deep; an
+    iterative walk, so any depth is measured without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 class StrictJSONDecoder(json.JSONDecoder):
     """A JSON decoder that accepts only what JSON encoders everywhere can write back: it refuses
     ``NaN`` / ``Infinity`` tokens and numbers that overflow to infinity (``1e999``), which
     ``json.dumps`` would write as the non-standard ``Infinity``, and strings holding a lone surrogate
-    (:class:`LoneSurrogateError`), which cannot be encoded as UTF-8. ``decode`` and ``raw_decode``
-    raise ``ValueError`` for either (``RecursionError`` for nesting too deep)."""
+    (:class:`LoneSurrogateError`), which cannot be encoded as UTF-8, and values nested deeper than
+    :data:`MAX_JSON_DEPTH` (what a value passes here, the recursive code after it, attribution keys
+    and records, must handle: 600 levels passed and raised RecursionError there, a 500).
+    ``decode`` and ``raw_decode`` raise ``ValueError`` for each (``RecursionError`` for nesting
+    deeper than the C decoder itself takes)."""
 
     def __init__(self) -> None:
         super().__init__(parse_constant=_reject_constant, parse_float=_finite_float)
 
     def raw_decode(self, s: str, idx: int = 0) -> tuple[Any, int]:
         obj, end = super().raw_decode(s, idx)
+        if s.count("[", idx, end) + s.count("{", idx, end) > MAX_JSON_DEPTH and _deeper_than(obj, MAX_JSON_DEPTH):
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         # only an escape, or a str made without UTF-8 decoding, can hold one (searched in place: no copy)
         if s.find("\\u", idx, end) >= 0 or _SURROGATE.search(s, idx, end):
             try:

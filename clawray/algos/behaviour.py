@@ -47,7 +47,7 @@ def signature(message: dict[str, Any]) -> str:
             args = fn.get("arguments", "")
             try:  # no arguments at all ("") is the call without arguments, as "{}"
                 parsed = (json.loads(args) if args.strip() else {}) if isinstance(args, str) else args
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 parsed = None
             keys = ",".join(sorted(parsed)) if isinstance(parsed, dict) else "?"
             parts.append(f"{fn.get('name', '')}({keys})")

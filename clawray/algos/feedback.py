@@ -330,7 +330,7 @@ def tool_result_sign(content: Any) -> int:
     if text.startswith("{"):
         try:
             obj = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for the decoder, not structured
             obj = None
         if isinstance(obj, dict):
             return _structured_sign(obj)

@@ -51,7 +51,7 @@ def _calls(message: dict[str, Any]) -> list[tuple[str, str]]:
         args = fn.get("arguments", "")
         try:  # the same arguments in another key order, spacing or number form (30.0 echoed as 30) are the same call
             args = json.dumps(js_value(json.loads(args) if isinstance(args, str) else args), sort_keys=True)
-        except (json.JSONDecodeError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             pass
         out.append((str(fn.get("name", "")), str(args)))
     return out

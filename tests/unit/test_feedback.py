@@ -260,3 +260,11 @@ def test_praise_at_a_clause_start_is_read_as_the_search_from_every_separator_rea
     assert user_text_sign(", " * 20000 + "thanks") == 1
     assert tool_result_sign("***" * 20000) == 1
     assert tool_result_sign("***" * 20000 + " make: *** [all] Error 2") == -1
+
+
+def test_a_tool_result_nested_too_deep_to_decode_is_read_as_text_and_never_raises():
+    """``{"tree": [[[...5000 deep...]]], "error": "disk full"}``: json.loads raised RecursionError out
+    of the judge (the turn dropped as judge_error); now it is read as text, as any unstructured result."""
+    deep = '{"tree": ' + "[" * 5000 + "]" * 5000 + ', "error": "disk full"}'
+    assert tool_result_sign(deep) == 1
+    assert tool_result_sign(deep + "\nError: disk full") == -1

@@ -46,6 +46,34 @@ def test_session_headers_are_read_as_the_proxy_routes_them_and_a_conflicting_rep
     assert parse({"messages": MSG, "tools": [], "tool_choice": "auto"}).tools is None  # [] is accepted, as vLLM
 
 
+def test_json_nested_past_the_depth_limit_is_a_400_wherever_it_stands():
+    """Tool-call arguments 600 levels deep passed validation, then the attribution keys raised
+    RecursionError: a 500. Every JSON clawray decodes (a body, arguments given as a string, the
+    policy's own tool calls) stops at MAX_JSON_DEPTH levels."""
+    from clawray.chat import MAX_JSON_DEPTH, attribution_keys
+    from clawray.serve.reply import parse_reply_text
+
+    def deep(n):
+        return "[" * n + "]" * n
+
+    def call(args):
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
+
+    def body(args):
+        return {"messages": [MSG[0], {"role": "assistant", "content": None, "tool_calls": [call(args)]}]}
+
+    with pytest.raises(RequestError) as e:
+        parse(body('{"a": ' + deep(600) + "}"))
+    assert e.value.param == "messages[1].tool_calls"
+    with pytest.raises(RequestError) as e:
+        decode_body(json.dumps(body(json.loads(deep(MAX_JSON_DEPTH)))).encode())
+    assert e.value.code == "invalid_json" and "nested deeper than 100 levels" in str(e.value)
+    ok = parse(body('{"a": ' + deep(MAX_JSON_DEPTH - 1) + "}"))  # 100 levels with the object: accepted
+    assert len(attribution_keys(ok.messages)) == 2
+    reply = parse_reply_text('<tool_call>\n{"name": "f", "arguments": {"a": ' + deep(200) + "}}\n</tool_call>")
+    assert reply.tool_calls == [] and reply.tool_parse_error
+
+
 def test_tiny_temperature_is_greedy_and_session_header_is_utf8():
     assert parse({"messages": MSG, "temperature": 1e-45}).temperature == 0.0
     assert parse({"messages": MSG, "temperature": 1e-5}).temperature == 1e-5
