@@ -117,6 +117,22 @@ def conversation_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def is_heartbeat_poll(message: dict[str, Any]) -> bool:
+    """A user message that is OpenClaw's heartbeat poll (one of :data:`HEARTBEAT_PROMPTS`, after an
+    envelope header)."""
+    if message.get("role") != "user" or not isinstance(message.get("content"), str):
+        return False
+    return (strip_envelope(message["content"].lstrip()) or "").lstrip().startswith(HEARTBEAT_PROMPTS)
+
+
+def before_heartbeat(next_state: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A turn's next state up to the first heartbeat poll in it: a poll whose exchange OpenClaw kept
+    (the heartbeat had something to report) is the client's housekeeping, and what follows it (the
+    heartbeat's reply, the user's reaction to that reply) is no verdict on the turn before it."""
+    cut = next((i for i, m in enumerate(next_state) if is_heartbeat_poll(m)), None)
+    return next_state if cut is None else next_state[:cut]
+
+
 def session_hint(messages: list[dict[str, Any]]) -> str | None:
     """The client's own session id written in the conversation (OpenClaw's ``Runtime: ...
     sessionId=ID`` line in the first user message), or None. Linear in the message's length: each
@@ -153,7 +169,7 @@ def side_kind(messages: list[dict[str, Any]], tools: list | None) -> str | None:
     last_text = (last_user.get("content") or "").lstrip() if last_user is not None else ""
     if last_text.startswith(MEMORY_FLUSH_PROMPT):
         return "memory_flush"
-    if (strip_envelope(last_text) or "").lstrip().startswith(HEARTBEAT_PROMPTS):
+    if last_user is not None and is_heartbeat_poll(last_user):
         return "heartbeat"
     hint = session_hint(messages)
     if hint is not None and hint.startswith(INTERNAL_SESSION_PREFIX):

@@ -34,7 +34,7 @@ from clawray.algos.credit_ledger import SessionCredit
 from clawray.algos.rejection import opening
 from clawray.chat import attribution_canonical, attribution_key, attribution_keys, conversation_key
 from clawray.chat import render_key as chat_render_key
-from clawray.client_rules import conversation_view
+from clawray.client_rules import before_heartbeat, conversation_view
 from clawray.types import Turn
 
 
@@ -198,7 +198,10 @@ class SessionBook:
         attribution key) followed by a non-empty next state; failing that (a rewritten history), when
         its reply is the last assistant message of ``messages`` and a next state follows it; failing
         that, when its reply :func:`says_nothing` and ``messages`` holds its history followed by a next
-        state that does not start with a reply.
+        state that does not start with a reply. The rewritten-history match skips an assistant message
+        the turn's own history holds (a client's resend, an edited last message: an earlier reply
+        equal to the pending one is not it). A next state ends before a heartbeat poll
+        (:func:`~clawray.client_rules.before_heartbeat`).
         """
         self.unindex(s)
         prefix_keys = attribution_keys(messages)
@@ -206,19 +209,22 @@ class SessionBook:
         at = {prefix_keys[k]: k for k in assistant}
         for turn, key in zip(s.pending, s.keys):
             k = at.get(key)
-            if k is not None and (next_state := conversation_view(messages[k + 1 :])):
+            if k is not None and (next_state := before_heartbeat(conversation_view(messages[k + 1 :]))):
                 return Pairing(turn, next_state, len(s.pending) - 1)
-        if assistant and (next_state := conversation_view(messages[assistant[-1] + 1 :])):
+        if assistant and (next_state := before_heartbeat(conversation_view(messages[assistant[-1] + 1 :]))):
             last = attribution_canonical(messages[assistant[-1]])
             for turn in s.pending:
-                if attribution_canonical(turn.response_message) == last:
-                    return Pairing(turn, next_state, len(s.pending) - 1, rewritten=True)
+                if attribution_canonical(turn.response_message) != last:
+                    continue
+                if prefix_keys[assistant[-1]] in set(attribution_keys(turn.messages)):
+                    continue  # a reply of the turn's own history (resent or edited request), not its reply
+                return Pairing(turn, next_state, len(s.pending) - 1, rewritten=True)
         for turn in s.pending:  # a reply that says nothing, which a client leaves out of its history
             if not says_nothing(turn.response_message):
                 continue
             own = attribution_key(turn.messages)
             k = max((k for k, key in enumerate(prefix_keys) if key == own), default=None)
-            next_state = conversation_view(messages[k + 1 :]) if k is not None else []
+            next_state = before_heartbeat(conversation_view(messages[k + 1 :])) if k is not None else []
             if next_state and next_state[0]["role"] != "assistant":
                 return Pairing(turn, next_state, len(s.pending) - 1)
         return Pairing(None, [], len(s.pending))

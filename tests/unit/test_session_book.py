@@ -49,6 +49,47 @@ def test_pair_of_a_history_that_continues_no_choice_is_a_branch():
     assert book.pair(s, [U1, {"role": "assistant", "content": "4"}]).chosen is None
 
 
+def test_a_rewritten_history_never_pairs_a_turn_with_an_earlier_equal_reply_of_its_own_history():
+    """The rewritten-history match (a compaction kept the last reply) took any last assistant message
+    equal to the pending reply. A resent request (the agent called run_tests twice; the client never
+    saw the second call) paired turn 2 with turn 1's tool result, and an edited last message paired
+    an earlier "Done." with the edit: wrong rewards. Both are branches now; a compaction still pairs."""
+    call = {"role": "assistant", "content": "run_tests()"}
+    result = {"role": "tool", "content": "3 passed, 2 failed"}
+    book = SessionBook()
+    s = book.open("a", [U1])
+    book.add(s, [turn("a", [U1, call, result], "run_tests()")])  # turn 2: the same call again
+    p = book.pair(s, [U1, call, result])  # the client resends turn 2's request
+    assert (p.chosen, p.next_state, p.rewritten) == (None, [], False)
+    done = {"role": "assistant", "content": "Done."}
+    book.add(s, [turn("a", [U1, done, U2], "Done.")])
+    edited = {"role": "user", "content": "Thanks! Now delete old.txt"}
+    assert book.pair(s, [U1, done, edited]).chosen is None  # U2 edited: turn 2's reply is gone
+    book.add(s, [turn("a", [U1, done, U2], "Done.")])
+    summary = {"role": "user", "content": "Summary of the conversation so far: ..."}
+    p = book.pair(s, [summary, done, edited])  # compacted: the reply stays, after a summary
+    assert p.chosen is s.pending[0] and p.next_state == [edited] and p.rewritten
+
+
+def test_a_next_state_ends_before_a_heartbeat_poll_the_client_kept():
+    """OpenClaw keeps a heartbeat exchange that had something to report: the poll, the heartbeat's
+    reply and the user's reaction to it were turn 1's next state (a complaint about the heartbeat's
+    alert trained turn 1 with -1). The next state ends before the poll; none left, no pairing."""
+    from clawray.client_rules import HEARTBEAT_PROMPTS
+
+    poll = {"role": "user", "content": HEARTBEAT_PROMPTS[0] + " If nothing needs attention, reply NO_REPLY."}
+    alert = {"role": "assistant", "content": "Reminder: your disk is 98% full."}
+    reaction = {"role": "user", "content": "That's wrong, the disk has plenty of space."}
+    reply = {"role": "assistant", "content": "51"}
+    book = SessionBook()
+    s = book.open("a", [U1])
+    book.add(s, [turn("a", [U1], "51")])
+    assert book.pair(s, [U1, reply, poll, alert, reaction]).chosen is None
+    book.add(s, [turn("a", [U1], "51")])
+    p = book.pair(s, [U1, reply, U2, poll, alert, reaction])
+    assert p.chosen is s.pending[0] and p.next_state == [U2]
+
+
 def test_find_infers_the_session_and_offers_the_turn_for_splicing_unless_tools_changed():
     book = SessionBook()
     book.add(book.open("a", [U1]), [turn("a", [U1], "4")])
