@@ -143,7 +143,11 @@ class BatchAdvantages:
 
 
 def batch_advantages(
-    rewards: list[float | None], guard, estimator: str = "binary", group_keys: list[Hashable] | None = None
+    rewards: list[float | None],
+    guard,
+    estimator: str = "binary",
+    group_keys: list[Hashable] | None = None,
+    teacher: list[bool] | None = None,
 ) -> BatchAdvantages:
     """Scalar advantages of one batch: the degenerate-batch guard, then the estimator.
 
@@ -158,12 +162,15 @@ def batch_advantages(
     tokens) form a group, :func:`group_advantages` of the raw rewards. In every mode the guard counts
     one-signed batches and updates its baseline; ``skip`` skips a one-signed batch under ``binary``
     and, under the centring ``baseline`` and ``grpo``, a batch whose advantages are one-signed (or all 0).
+    A batch ``skip`` would skip that holds a sample with a teacher term (OPD, Combine) trains on: its
+    reward terms are zeroed (advantage 0), the teacher terms carry their own signal.
 
     Args:
         rewards: ``[B]`` each sample's reward, None for a sample without one.
         guard: the run's degenerate-batch guard.
         estimator: ``"binary"``, ``"baseline"`` or ``"grpo"``.
         group_keys: ``[B]`` hashable group of each sample; required for ``"grpo"``.
+        teacher: ``[B]`` whether each sample has a teacher term (its kind is ``opd`` or ``combine``).
 
     Raises:
         ValueError: an unknown estimator, or ``"grpo"`` without ``group_keys`` of length B.
@@ -193,4 +200,7 @@ def batch_advantages(
     if rewarded and estimator != "binary" and guard.mode == "skip":
         # centred advantages may contrast where the rewards do not: skip when they are one-signed too
         train = signal_stats([advantages[i] for i in rewarded])["one_signed"] == 0.0
+    if not train and teacher is not None and any(teacher):  # skip the reward terms, not the teacher's
+        advantages = [0.0 if i in set(rewarded) else a for i, a in enumerate(advantages)]
+        train = True
     return BatchAdvantages(advantages, train, rewarded, signal)

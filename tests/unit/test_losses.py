@@ -372,6 +372,22 @@ def test_batch_advantages_guard_and_grpo_groups():
         batch_advantages([1.0], guard, "gae")
 
 
+def test_skip_drops_a_one_signed_batchs_reward_terms_and_keeps_its_teacher_terms():
+    """Combine with degenerate_batches=skip: a one-signed rewarded set skipped the whole update, every
+    sample's teacher term with it, while the same teacher terms in a pure OPD batch trained. Now the
+    reward terms are zeroed and the batch trains; a batch without a teacher is still skipped."""
+    from clawray.algos.advantages import batch_advantages
+
+    for estimator in ("binary", "baseline"):
+        guard = DegenerateBatchGuard("skip")
+        out = batch_advantages([1.0, None, 1.0], guard, estimator, teacher=[True, True, False])
+        assert (out.advantages, out.train, guard.degenerate_batches) == ([0.0, 0.0, 0.0], True, 1)
+        no_teacher = batch_advantages([1.0, 1.0], DegenerateBatchGuard("skip"), estimator, teacher=[False, False])
+        assert no_teacher.train is False
+    mixed = batch_advantages([1.0, -1.0], DegenerateBatchGuard("skip"), teacher=[True, True])
+    assert (mixed.advantages, mixed.train) == ([1.0, -1.0], True)  # not degenerate: untouched
+
+
 def test_batch_advantages_baseline_on_every_batch():
     from clawray.algos.advantages import batch_advantages
 
