@@ -78,7 +78,8 @@ _FAILURE_OUTPUT = re.compile(
     r"|\b[1-9]\d*[ \t]+(?:\w+[ \t]+)?(?:failed|failures?|errors?)\b|\b(?:failures|errors|failed)[ \t]*[:=][ \t]*[1-9]"
     r"|traceback \(most recent call last\)|\bexception in thread\b|\bpanicked at\b|\*\*\*(?!\*)[^\n*]*\berror [1-9]\d*"
     r"|\bnpm ERR!|command not found|no such file or directory|permission denied|segmentation fault|core dumped"
-    r"|\b(?:command|request|operation|connection) timed out\b",
+    r"|\b(?:command|request|operation|connection) timed out\b"
+    r"|^[ \t]*HTTP/\d(?:\.\d)?[ \t]+[45]\d\d\b",  # an HTTP response's status line: 4xx, 5xx
     re.IGNORECASE | re.MULTILINE,
 )
 _FAILURE_LEVEL = re.compile(
@@ -106,7 +107,9 @@ _NEGATED_COMPLAINT = re.compile(
     # a fault that is gone is no complaint: "you fixed the error", "the bug is gone"
     r"|\b(?:fixed|solved|resolved|got rid of)\s+(?:\w+\s+)?(?:errors?|mistakes?|problems?|bugs?|exceptions?)\b"
     r"|\b(?:errors?|mistakes?|problems?|bugs?|exceptions?)\s+(?:(?:is|are|was|were|has been|have been|seems?)\s+)?"
-    r"(?:gone|fixed|resolved|solved)\b",
+    r"(?:gone|fixed|resolved|solved)\b"
+    # the user's own mistake, conceded: "You're right, I was wrong", "my bad"
+    r"|\bI (?:was|am|'m) (?:wrong|mistaken|incorrect)\b|\bmy (?:bad|mistake)\b",
     re.IGNORECASE,
 )
 # a past fault the reply mended: what the user said was wrong before a "(but) now it's right" is
@@ -145,7 +148,9 @@ _COMPLAINT = re.compile(
     r"|\b(?:not|isn't|aren't|wasn't|weren't)\s+(?:\w+\s+)?working\b|\b(?:it|this|that|still)\s+(?:fails|crashes)\b"
     r"|\b(?:doesn't|does not|didn't|did not|won't|still doesn't)\s+(?:compile|build|run|pass)\b"
     r"|\bno markdown\b|\btoo (?:long|verbose|wordy)\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
-    r"|\b(?:errors?|exceptions?)\b|\btraceback\b",
+    r"|\b(?:errors?|exceptions?)\b|\btraceback\b"
+    # a correction after a concession: "Thanks, but the total should be 12"
+    r"|\bbut(?:\W+\w+){0,8}?\W+should (?:be|have been|say|read|return)\b",
     re.IGNORECASE,
 )
 # a complaint is an evaluation of the reply too: words of a fault inside a fresh request ("Add error
@@ -254,8 +259,12 @@ _PRAISE = re.compile(
 # anchored match per clause keeps the reading linear in the text (a search from every separator
 # would rescan a run of them: ``","*40000`` took 130 s)
 _CLAUSE_START = re.compile(r"[,;:\]]|\s[-–—]")
+# "Correct answer is 12, you said 14": a correct/right that names what the reply should have said is a
+# correction, not praise
+_CORRECTION = r"(?!(?:(?<=correct)|(?<=right))\s+(?:answer|one|value|result|number|total|sum|solution|output|way|code|command|version|file|path)\b)"
 _PRAISE_OPENING = re.compile(
-    rf"\W*(?:(?:ok(?:ay)?|yes|yeah|yep|oh|wow|good|nice|very|all|so|and)\W+)*{_PRAISE_WORD}", re.IGNORECASE
+    rf"\W*(?:(?:ok(?:ay)?|yes|yeah|yep|oh|wow|good|nice|very|all|so|and)\W+)*{_PRAISE_WORD}{_CORRECTION}",
+    re.IGNORECASE,
 )
 
 
@@ -296,9 +305,11 @@ def _flag(value: Any) -> bool | None:
 
 
 def _code(value: Any) -> int | None:
-    """A JSON integer, also as a string ("1", "500"); else None."""
+    """A JSON integer, also written as an integral float (``2.0``) or a string ("1", "500"); else None."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,9}\s*", value):
         return int(value)
     return None
@@ -327,13 +338,15 @@ def tool_result_sign(content: Any) -> int:
         content: the tool message's ``content`` (a string, content parts, or None).
     """
     text = message_text(content).strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
             obj = json.loads(text)
         except (ValueError, RecursionError):  # RecursionError: nested too deep for the decoder, not structured
             obj = None
         if isinstance(obj, dict):
             return _structured_sign(obj)
+        if isinstance(obj, list) and obj and all(isinstance(o, dict) for o in obj):  # a batch of results
+            return min(_structured_sign(o) for o in obj)
     codes = [int(c) for c in _EXIT_TEXT.findall(text)]
     if codes:
         return -1 if codes[-1] != 0 else 1

@@ -90,6 +90,12 @@ TOOL_RESULTS = [
     ('{"exit_code": "1"}', -1),
     ('{"status_code": "500"}', -1),
     ('{"exit_code": "0", "success": "true"}', 1),
+    # an HTTP status line, an integral float exit code, a batch of structured results
+    ("HTTP/1.1 500 Internal Server Error\nContent-Length: 0", -1),
+    ("HTTP/1.1 200 OK\nContent-Length: 2", 1),
+    ('{"exit_code": 2.0, "stderr": "No such file"}', -1),
+    ('[{"id": 1, "error": "quota exceeded"}, {"id": 2, "error": null}]', -1),
+    ('[{"id": 1, "error": null}, {"id": 2, "error": null}]', 1),
 ]
 
 
@@ -200,6 +206,12 @@ USER_TEXTS = [
     ("Were there any errors?", None),
     ("Did you get any errors?", None),
     ("Any errors? I see a KeyError.", -1),
+    # a correct/right naming what the reply should have said is no praise; a conceded mistake is no complaint
+    ("Correct answer is 12, you said 14.", None),
+    ("Right answer is 12, not 14.", None),
+    ("Thanks, but the total should be 12.", -1),
+    ("You're right, I was wrong.", 1),
+    ("I was wrong, you're right.", 1),
 ]
 
 
@@ -249,8 +261,9 @@ def test_praise_at_a_clause_start_is_read_as_the_search_from_every_separator_rea
 
     word = r"(?:correct|right|thanks?|thank you|great|perfect|well done|excellent)\b"
     fillers = r"(?:ok(?:ay)?|yes|yeah|yep|oh|wow|good|nice|very|all|so|and)"
-    searched = re.compile(rf"(?:^|[,;:\]]|\s[-–—])\W*(?:{fillers}\W+)*{word}", re.IGNORECASE)
+    searched = re.compile(rf"(?:^|[,;:\]]|\s[-–—])\W*(?:{fillers}\W+)*{word}{feedback._CORRECTION}", re.IGNORECASE)
     parts = ["ok", "so", "thanks", "great", "right", "the", "x", ",", ";", ":", "]", " -", " — ", "-", " ", "!!", "—"]
+    parts += ["correct", " answer", "answer"]
     rng = random.Random(1)
     for _ in range(5000):
         text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 10))).strip()
