@@ -113,6 +113,8 @@ class SessionBook:
         self.sessions: dict[str, Session] = {}
         self.index: dict[str, str] = {}  # conversation_key of a pending turn's history + reply -> session id
         self.closed_turns: OrderedDict[str, int] = OrderedDict()
+        # attribution key of an idle-closed session's pending turn -> its id (an inferred session goes on)
+        self.closed_index: OrderedDict[str, str] = OrderedDict()
         self.max_closed = max_closed
 
     def __len__(self) -> int:
@@ -128,6 +130,9 @@ class SessionBook:
         s = self.sessions.get(sid)
         if s is None:
             s = self.sessions[sid] = Session(turns=self.closed_turns.pop(sid, 0), sid=sid)
+            if s.turns:  # reopened: its idle-closed keys are history now
+                for key in [k for k, v in self.closed_index.items() if v == sid]:
+                    del self.closed_index[key]
         s.last_seen = time.monotonic()
         s.requests += 1
         if not s.opening:
@@ -170,8 +175,7 @@ class SessionBook:
         if session_id is None and hint is not None:  # the server's namespace: never bound to a client
             session_id, how = f"{AUTO_SESSION_PREFIX}{hint}", "hint"
         elif session_id is None:
-            found = (self.index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in self.index)
-            session_id = next((sid for sid in found if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)), None)
+            session_id = self._infer(keys, self.index, auto_only) or self._infer(keys, self.closed_index, auto_only)
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)
         if s is not None:  # a request in flight keeps its session open (idle counts from requests)
@@ -189,6 +193,12 @@ class SessionBook:
             }
             return {"session_id": session_id, "prev": prev, "context_changed": False, "how": how}
         return {"session_id": session_id, "prev": None, "context_changed": False, "how": how}
+
+    @staticmethod
+    def _infer(keys: dict[int, str], index: dict[str, str], auto_only: bool) -> str | None:
+        """The session of the latest assistant message of ``keys`` found in ``index``, or None."""
+        found = (index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in index)
+        return next((sid for sid in found if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)), None)
 
     def pair(self, s: Session, messages: list[dict[str, Any]]) -> Pairing:
         """Pair ``s``'s pending turns with the history ``messages`` of its next request; they leave the
@@ -241,14 +251,23 @@ class SessionBook:
             s.exact.append(conversation_key([*turn.messages, turn.response_message]))
             self.index[key] = s.sid
 
-    def close(self, sid: str) -> Session | None:
-        """Remove the open session ``sid`` (None when there is none), remembering its last turn index."""
+    def close(self, sid: str, idle: bool = False) -> Session | None:
+        """Remove the open session ``sid`` (None when there is none), remembering its last turn index;
+        ``idle`` (closed for silence, not by its client) also remembers its pending turns' keys, so a
+        request that continues them later (a user back after ``idle_timeout_s``) is inferred into the
+        same id, its numbering going on, instead of matching nothing (unattributable: the rest of a
+        conversation without a session id was never recorded)."""
         s = self.sessions.pop(sid, None)
         if s is None:
             return None
         self.closed_turns[sid] = s.turns
         while len(self.closed_turns) > self.max_closed:
             self.closed_turns.popitem(last=False)
+        if idle:
+            for key in s.keys:
+                self.closed_index[key] = sid
+            while len(self.closed_index) > self.max_closed:
+                self.closed_index.popitem(last=False)
         self.unindex(s)
         return s
 

@@ -276,15 +276,17 @@ class SessionTracker:
         self.counts["credit/outcome_judged"] += 1
         self.ledger.set_outcome(s.credit, s.sid, float(result.score), s.turns)
 
-    async def close_session(self, session_id: str, outcome: float | None = None) -> None:
+    async def close_session(self, session_id: str, outcome: float | None = None, idle: bool = False) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
         judge tasks finish, the waiting turns get their returns (``trainer.credit``) and the
         at-least-one rule runs (in the background: the caller does not wait).
 
         Args:
             outcome: the session's outcome score, when the closing request carried one.
+            idle: closed for silence (:meth:`close_idle`): a later request continuing it is inferred
+                into the same id (:meth:`SessionBook.close`).
         """
-        s = self.book.close(session_id)
+        s = self.book.close(session_id, idle)
         if s is None:
             return
         if outcome is not None:
@@ -302,7 +304,7 @@ class SessionTracker:
         idle = self.book.idle(self.idle_timeout_s, now)
         self.counts["sessions_idle_closed"] += len(idle)  # before the closes journal the counters
         for sid in idle:
-            await self.close_session(sid)
+            await self.close_session(sid, idle=True)
         return len(idle)
 
     async def _sweep_idle(self) -> None:

@@ -124,6 +124,25 @@ def test_idle_lists_sessions_silent_longer_than_the_timeout():
     assert book.idle(1.0, now=110.0) == ["old", "new"]
 
 
+def test_a_conversation_without_an_id_goes_on_in_its_session_after_an_idle_close():
+    """A client without a session id whose user came back after ``idle_timeout_s``: the idle close
+    unindexed the session, so the next request matched nothing and, holding assistant messages, was
+    no first request either: unattributable, and every later turn of it was never recorded. Now it is
+    inferred into the same id, numbering on; a session its client closed is not reopened so."""
+    book = SessionBook()
+    s = book.open("auto-1", [U1])
+    book.add(s, [turn("auto-1", [U1], "4")])
+    later = [U1, {"role": "assistant", "content": "4"}, U2]
+    book.close("auto-1", idle=True)
+    found = book.find(None, keys_of(later), None, auto_only=True)
+    assert (found["session_id"], found["how"], found["prev"]) == ("auto-1", "inferred", None)
+    assert book.open("auto-1", later).turns == 1  # the numbering goes on
+    book.add(book.get("auto-1"), [turn("auto-1", later, "ok")])
+    book.close("auto-1")  # closed by its client (session_done): not inferred again
+    after = [*later, {"role": "assistant", "content": "ok"}, U1]
+    assert book.find(None, keys_of(after), None, auto_only=True)["session_id"] is None
+
+
 def test_a_request_in_flight_keeps_its_session_from_the_idle_close(monkeypatch):
     """Idle time counted from the last recorded reply: a request still generating (or held behind a
     sync or the gate) for longer than ``session.idle_timeout_s`` saw its session closed under it and
