@@ -694,8 +694,20 @@ class PromotionGate:
     def settle(self, actors: Any, version: int) -> int | None:
         """Before the exit checkpoint: the learners' version when it is settled, else (an unprobed
         version, ``deploy.every_versions`` > 1) return them to the promoted one and give its version;
-        None when that failed (said; then no exit checkpoint: the last one stands)."""
-        if self.settled(version) or self.promoted is None:
+        None when that failed (said; then no exit checkpoint: the last one stands).
+
+        ``version`` is the driver's; with the gate on, the learners' own is asked: a step or a probe
+        the stop interrupted leaves them holding a candidate past it (the driver's version moves only
+        once the step's sync is done), whose weights were checkpointed as the promoted version and
+        served as the resume's baseline."""
+        if not self.enabled or self.promoted is None:
+            return version
+        try:
+            version = actors.learners.version()
+        except Exception as e:  # noqa: BLE001 - the at-exit path must finish
+            print(f"[clawray] gate: no exit checkpoint (the learners' version is unknown: {e})", flush=True)
+            return None
+        if self.settled(version):
             return version
         self.pending = []  # trained into versions never probed, never served: gone with them
         try:

@@ -908,6 +908,10 @@ class LearnerWorker:
             return {"entropy": math.nan, "mismatch_kl": math.nan, "tokens": 0}
         return {"entropy": entropy / tokens, "mismatch_kl": kl / tokens, "tokens": tokens}
 
+    def get_version(self) -> int:
+        """The policy version these weights carry (the last step that updated them)."""
+        return self.version
+
     def keep_promoted(self) -> dict:
         """Keep this rank's training state as the promoted version's rollback point, in host memory
         (:mod:`clawray.gate`): a CPU copy of its shard of every trainable parameter and of their AdamW
@@ -1126,6 +1130,10 @@ class LearnerGroup:
     def sync_weights(self, version: int) -> list:
         """Refs of every rank's :meth:`LearnerWorker.sync_weights`; rank 0's result is first."""
         return [w.sync_weights.remote(version) for w in self.workers]
+
+    def version(self) -> int:
+        """Rank 0's policy version (after any step still running on it: actor calls run in order)."""
+        return ray.get(self.workers[0].get_version.remote())
 
     def keep_promoted(self) -> dict:
         """Every rank keeps its rollback point (:meth:`LearnerWorker.keep_promoted`); returns rank 0's

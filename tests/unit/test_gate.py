@@ -320,6 +320,33 @@ def test_a_candidate_whose_sync_failed_part_way_is_never_served_and_only_engines
     assert "rollout-0 stay(s) paused until the next sync loads it" in capsys.readouterr().out
 
 
+def test_a_stop_during_a_candidates_step_or_probe_checkpoints_the_promoted_version(tmp_path):
+    """Ctrl-C while v1 is trained or probed: the driver's version is still v0 (it moves once the
+    step's sync is done), so settle(v0) found it settled and the exit checkpoint saved the learners'
+    unprobed v1 weights as v0, which the resume then served as its baseline. Now the learners are
+    asked: past the promoted version, they return to it first."""
+    from types import SimpleNamespace
+
+    class Learners(FakeLearners):
+        def __init__(self, version):
+            super().__init__()
+            self._version = version
+
+        def version(self):
+            if isinstance(self._version, Exception):
+                raise self._version
+            return self._version
+
+    gate = make_gate(tmp_path, [1.0] * 20)
+    gate.baseline(0, "unused", None)
+    gate.trained(["a sample of v1"])
+    candidate = SimpleNamespace(learners=Learners(1))
+    assert gate.settle(candidate, 0) == 0 and candidate.learners.calls == [("restore", 1.0)] and gate.pending == []
+    promoted = SimpleNamespace(learners=Learners(0))
+    assert gate.settle(promoted, 0) == 0 and promoted.learners.calls == []
+    assert gate.settle(SimpleNamespace(learners=Learners(RuntimeError("the learner died"))), 0) is None
+
+
 def test_the_probe_draws_its_prompts_from_the_configured_split(tmp_path, monkeypatch):
     """deploy.probe_split=train keeps the eval split out of what the gate selects on; a probe file is
     one held-out set, so only eval goes with it."""
