@@ -228,7 +228,16 @@ class Driver:
                 train, skipped = self._train(refs, metas, adv.advantages, next_version, skipped)
             with clock.phase("sync", keep=True):
                 synced = sync_step(
-                    self.actors, self.gate, self.probe, self.model_path, st.version, next_version, skipped, refs, metas
+                    self.actors,
+                    self.gate,
+                    self.probe,
+                    self.model_path,
+                    st.version,
+                    next_version,
+                    skipped,
+                    refs,
+                    metas,
+                    st.in_flight["seqs"] if st.in_flight else None,
                 )
                 sync_s, sync_error, sync_metrics = synced.seconds, synced.error, synced.metrics
         finally:

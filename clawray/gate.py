@@ -106,6 +106,7 @@ class PromotionGate:
         self.rejections = 0
         self.dropped_samples = 0  # samples trained into rolled-back versions (deploy.on_reject)
         self.pending: list[Any] = []  # SampleMetas trained since the promoted version (not yet judged)
+        self.pending_seqs: list[int] = []  # their journal sequence numbers
         self.records: list[dict[str, Any]] = []
         self.reference_guards: dict[str, float] | None = None  # the baseline's entropy (guard_failure)
         self.last_replies: list[tuple[Any, Any]] = []  # the last probe's (request, reply) pairs
@@ -462,18 +463,29 @@ class PromotionGate:
             generate = lambda reqs: probe_generate(actors.engines, reqs)  # noqa: E731
             self.baseline(version, model_path, generate, lambda: self.measure_guards(actors.learners))
 
-    def trained(self, metas: list) -> None:
-        """The learners trained these samples (:class:`~clawray.types.SampleMeta`) into the next
-        version: they are dropped (or quarantined) with it if it is rolled back."""
+    def trained(self, metas: list, seqs: list[int] | None = None) -> None:
+        """The learners trained these samples (:class:`~clawray.types.SampleMeta`; ``seqs``: their
+        journal sequence numbers) into the next version: they are dropped (or quarantined) with it if
+        it is rolled back."""
         self.pending.extend(metas)
+        self.pending_seqs.extend(seqs or [])
 
-    def _drop_pending(self, version: int, decision: str) -> None:
+    def _drop_pending(self, actors: Any, version: int, decision: str) -> None:
         """The samples trained since the promoted version are gone with the rolled-back ``version``:
-        count them (``deploy/dropped_samples``) and, with ``deploy.on_reject: quarantine``, write one
-        line per sample to ``run_dir/quarantine.jsonl`` (where it came from and its reward) for a
-        person to read before training on such turns again."""
+        count them (``deploy/dropped_samples``), discard them from the sample journal (a later rewind
+        or resume revived them, the journal had them only as consumed) and, with ``deploy.on_reject:
+        quarantine``, write one line per sample to ``run_dir/quarantine.jsonl`` (where it came from and
+        its reward) for a person to read before training on such turns again."""
         pending, self.pending = self.pending, []
+        seqs, self.pending_seqs = self.pending_seqs, []
         self.dropped_samples += len(pending)
+        if seqs and getattr(actors, "queue", None) is not None:
+            import ray
+
+            try:
+                ray.get(actors.queue.discard.remote(seqs), timeout=60)
+            except Exception as e:  # noqa: BLE001 - the gate's decision stands; a resume may revive them
+                print(f"[clawray] gate: the rolled-back samples were not discarded from the journal ({e})", flush=True)
         if self.cfg.on_reject != "quarantine" or not pending:
             return
         fields = ("session_id", "turn_index", "policy_version", "reward", "kind", "outcome")
@@ -540,8 +552,8 @@ class PromotionGate:
         t0, held_s, probe_s = times
         rolled_back = decision is None or not decision.promote
         if rolled_back:
-            self._drop_pending(version, "withdrawn" if decision is None else "rejected")
-        self.pending = []
+            self._drop_pending(actors, version, "withdrawn" if decision is None else "rejected")
+        self.pending, self.pending_seqs = [], []
         metrics.update(self.metrics(decision, held_s, probe_s))
         versions = actors.weight_sync.engine_versions()
         metrics.update({f"engine_version/{n}": (-1 if v is None else v) for n, v in versions.items()})
@@ -634,7 +646,7 @@ class PromotionGate:
         a ``resumed`` record cuts the versions after it from ``versions.jsonl``'s lineage."""
         if self.enabled:
             actors.learners.keep_promoted()
-            self.pending = []  # the rebuilt learners hold none of them (the journal replays what is untrained)
+            self.pending, self.pending_seqs = [], []  # the rebuilt learners hold none (the journal replays them)
             if not self._replay(self.records, version):
                 self.promoted = version  # no record of it: the last promoted scores stay the reference
             # the versions after it are gone: a later resume must not read their scores as this lineage's
@@ -709,7 +721,8 @@ class PromotionGate:
             return None
         if self.settled(version):
             return version
-        self.pending = []  # trained into versions never probed, never served: gone with them
+        self.dropped_samples += len(self.pending)  # trained into versions never probed, never served: gone with them
+        self.pending, self.pending_seqs = [], []
         try:
             actors.learners.restore_promoted(1.0)
         except Exception as e:  # noqa: BLE001 - the at-exit path must finish

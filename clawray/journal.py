@@ -276,6 +276,9 @@ class SampleState:
                 self.live[rec["seq"]] = (self.live[rec["seq"]][0], rec["version"])
         elif op == "rewind":  # the learners were rebuilt from the checkpoint of this step (clawray.recovery)
             self.void_after(rec["step"])
+        elif op == "discard":  # trained into a version the gate rolled back: never replayed
+            for seq in rec["seqs"]:
+                self.consumed.pop(seq, None)
         elif op == "forget":  # a checkpoint covers these steps: their samples can never come back
             for seq in [s for s, c in self.consumed.items() if c[2] <= rec["step"]]:
                 del self.consumed[seq]
@@ -360,6 +363,11 @@ class SampleJournal:
         """The learners restart from the checkpoint of driver step ``step``: samples consumed by later
         steps are live again (see :meth:`SampleState.void_after`)."""
         self._log({"op": "rewind", "step": int(step)})
+
+    def discard(self, seqs: list[int]) -> None:
+        """The consumed samples ``seqs`` were trained into a version the promotion gate rolled back
+        (:mod:`clawray.gate`): a rewind or resume to an earlier step never queues them again."""
+        self._log({"op": "discard", "seqs": [int(s) for s in seqs]})
 
     def forget(self, step: int) -> None:
         """A checkpoint covers driver steps <= ``step``: their consumed samples may go (compacts the

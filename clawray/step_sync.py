@@ -46,13 +46,15 @@ def sync_step(
     skipped: str,
     refs: list,
     metas: list,
+    seqs: list[int] | None = None,
 ) -> SyncOutcome:
     """Broadcast the weights after a trained step (``next_version``; or, after a ``skipped`` one, the
     learners' ``version`` while an engine is behind or was restarted). With ``deploy.gate`` a trained
     version reaches the engines only through :meth:`~clawray.gate.PromotionGate.sync_candidate`, and
     only when :meth:`~clawray.gate.PromotionGate.due`. After a sync that reached every engine, engine 0
     samples the on-policy-gap probe (:class:`~clawray.mismatch_probe.MismatchProbe`) to the prompt of
-    one of the batch's samples (``refs``, ``metas``).
+    one of the batch's samples (``refs``, ``metas``; ``seqs``: their journal sequence numbers, which
+    the gate discards with a rolled-back candidate).
 
     ``timing/weight_sync_s`` = the whole sync (a group rebuild included); ``sync/pause_s`` = pause ->
     resume of the engines: gather, broadcast and load, plus, with ``sync.mode: drain``, the engines
@@ -64,7 +66,7 @@ def sync_step(
     launch = lambda v: probe.launch(actors.engines[0], refs, metas, v, model_path) if actors.engines else None  # noqa: E731
     if gate.enabled:  # [deploy.gate] a trained version reaches the engines only through the probe
         if not skipped:
-            gate.trained(metas)
+            gate.trained(metas, seqs)
         if not skipped and gate.due(next_version):
             out = gate.sync_candidate(actors, next_version, model_path)
             if out.error is None:

@@ -270,6 +270,13 @@ class TrajectoryQueue:
             self._cond.notify_all()
             return len(self._items)
 
+    async def discard(self, seqs: list[int]) -> None:
+        """[journal hook] The samples ``seqs`` (consumed by trained steps) went with a candidate the
+        promotion gate rolled back: a later rewind or resume never revives them (:meth:`SampleJournal.discard`).
+        No-op without a journal."""
+        if self.journal is not None:
+            self.journal.discard(seqs)
+
     async def forget(self, step: int) -> None:
         """[journal hook] A committed checkpoint covers driver steps <= ``step``: the journal may drop
         their consumed samples (it compacts itself when large). No-op without a journal."""

@@ -285,6 +285,32 @@ def test_sync_candidate_backs_the_learning_rate_off_only_for_a_candidate_shown_w
     assert outcomes[1].metrics["deploy/rejected"] == 1.0 and gate.promoted == 1
 
 
+def test_a_rolled_back_candidates_samples_are_discarded_from_the_journal_and_counted(tmp_path, monkeypatch):
+    """A rejected candidate's samples were dropped by the gate but stayed consumed in the sample
+    journal, so a learner rebuild or a resume revived and trained them. Now the gate discards their
+    sequence numbers; a promoted candidate's are kept, and an exit that returns the learners to the
+    promoted version counts what it drops."""
+    from types import SimpleNamespace
+
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    discarded: list = []
+    queue = SimpleNamespace(discard=SimpleNamespace(remote=lambda seqs: discarded.append(list(seqs))))
+    base, worse = [1.0] * 20, [0.0] * 8 + [1.0] * 12
+    gate = make_gate(tmp_path, base, worse, base, rule="noninferior", margin=0.1, max_rejections=5)
+    actors = SimpleNamespace(weight_sync=FakeSync(), learners=FakeLearners(), engines=[], judges=[], queue=queue)
+    gate.baseline(0, "unused", None)
+    gate.trained(["m1", "m2"], [11, 12])
+    assert gate.sync_candidate(actors, 1, "unused").rolled_back and discarded == [[11, 12]]
+    gate.trained(["m3"], [13])
+    assert not gate.sync_candidate(actors, 1, "unused").rolled_back and discarded == [[11, 12]]
+    assert gate.dropped_samples == 2
+    gate.trained(["m4", "m5"], [14, 15])
+    learners = SimpleNamespace(learners=SimpleNamespace(version=lambda: 2, restore_promoted=lambda f: None))
+    assert gate.settle(learners, 1) == 1 and gate.dropped_samples == 4 and gate.pending_seqs == []
+
+
 def test_a_candidate_whose_sync_failed_part_way_is_never_served_and_only_engines_back_on_the_promoted_resume(
     tmp_path, capsys
 ):

@@ -52,6 +52,29 @@ def test_a_restarted_queue_appends_after_a_torn_last_line_without_losing_the_nex
     prepare_journals(str(tmp_path), resume_step=0)  # resume=true reads it whole
 
 
+def test_samples_discarded_with_a_rolled_back_candidate_are_never_replayed(tmp_path):
+    """The gate rejected v2 and dropped the samples trained into it, but the journal held them only
+    as consumed by step 2: a learner rebuild or resume from the checkpoint of step 1 revived them and
+    trained them into the lineage the gate had refused them. Discarded, they stay gone, through a
+    compaction and a restart too."""
+    paths = prepare_journals(str(tmp_path), None)
+    j = SampleJournal(paths["samples"], compact_bytes=1)  # every forget compacts
+    for i in range(4):
+        j.ack(_sample(i), 0)
+    j.consume([1, 2], step=1, trained=True)
+    j.consume([3, 4], step=2, trained=True)  # v2: rejected by the gate
+    j.discard([3, 4])
+    j.rewind(1)  # the learners were rebuilt from the checkpoint of step 1
+    assert [seq for seq, _, _ in j.replay()] == []
+    j.file.close()
+    prepare_journals(str(tmp_path), resume_step=0)  # a resume from before both steps: 1 and 2 only
+    again = SampleJournal(paths["samples"], compact_bytes=1)
+    assert [seq for seq, _, _ in again.replay()] == [1, 2] and (again.state.put, again.state.taken) == (4, 2)
+    again.forget(0)  # compacted: the discard holds in the rewritten file
+    again.file.close()
+    assert [seq for seq, _, _ in SampleJournal(paths["samples"]).replay()] == [1, 2]
+
+
 def test_replay_voids_steps_after_the_checkpoint_and_keeps_counters(tmp_path):
     paths = prepare_journals(str(tmp_path), None)
     j = SampleJournal(paths["samples"], fsync=True)
