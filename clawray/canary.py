@@ -157,11 +157,16 @@ class CanaryWindow:
         self.base, self.t0 = dict(self.tallies()), time.perf_counter()
 
     def counts(self) -> tuple[Tally, Tally]:
-        """The candidate's and the promoted version's tallies since :meth:`open`."""
+        """The candidate's and the promoted version's tallies since :meth:`open`. A tally below its
+        base means the queue restarted (Ray restarted the actor: its tallies start from 0 again):
+        the window counts from 0 for that version (the turns before the restart are lost, never
+        negative counts that no window could complete)."""
         now = self.tallies()
 
         def since(v: int) -> Tally:
             a, b = now.get(v, (0.0, 0.0, 0.0)), self.base.get(v, (0.0, 0.0, 0.0))
+            if a[0] < b[0]:
+                self.base[v] = b = (0.0, 0.0, 0.0)
             return (a[0] - b[0], a[1] - b[1], a[2] - b[2])
 
         return since(self.candidate), since(self.promoted)

@@ -77,6 +77,13 @@ def test_the_window_counts_what_was_put_after_it_opened():
     timed = CanaryWindow(lambda: {3: (5, 5, 5)}, 4, 3, section(DeployConfig, {"canary_timeout_s": 0.01}), 0.0)
     timed.open()
     assert timed.wait().harm is None  # nothing arrived before the timeout: inconclusive
+    # Ray restarted the queue mid-window: its tallies start from 0 again; the window counts from there
+    # (it read 2 - 100 = -98 promoted turns and could only time out, inconclusive)
+    reads = iter([{3: (100, 50, 100)}, {3: (1, 1, 1), 4: (1, -1, 1)}, {3: (2, 2, 2), 4: (2, -2, 2)}])
+    restarted = CanaryWindow(lambda: next(reads), 4, 3, deploy, poll_s=0.0)
+    restarted.open()
+    v = restarted.wait()
+    assert (v.turns, v.mean, v.promoted_turns, v.promoted_mean) == (2, -1.0, 2, 1.0) and v.harm is True
 
 
 def test_which_engine_serves_the_canary():
