@@ -160,7 +160,8 @@ def ppo_clip_loss(
         clipped = clipped | dual
     is_weight = torch.ones_like(token_loss)
     if behaviour_logprobs is not None:
-        is_weight = torch.exp(old_logprobs.detach() - behaviour_logprobs.detach())
+        log_w = old_logprobs.detach() - behaviour_logprobs.detach()  # clamped before exp, as the ratio
+        is_weight = torch.exp(torch.clamp(log_w, -MAX_LOG_RATIO, MAX_LOG_RATIO))
         if tis_cap is not None:
             is_weight = is_weight.clamp(max=tis_cap)
         token_loss = token_loss * is_weight

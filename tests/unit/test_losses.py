@@ -555,6 +555,16 @@ def test_a_ratio_past_float32_leaves_the_other_tokens_gradient_finite():
     out = ppo_clip_loss(lp, old, torch.tensor([-1.0, -1.0]), torch.tensor([1.0, 0.0]))
     out.loss.backward()
     assert out.loss.item() == pytest.approx(1.0) and lp.grad.tolist() == pytest.approx([1.0, 0.0])
+    # the proximal anchor's importance weight exp(old - behaviour), 100 nats apart: clamped as the ratio
+    # (exp(100) overflowed: an inf loss, the mini-batch skipped as non-finite)
+    lp.grad = None
+    old_near = torch.tensor([-1.0, -0.5])
+    out = ppo_clip_loss(
+        lp, old_near, torch.tensor([1.0, 1.0]), torch.ones(2), behaviour_logprobs=torch.tensor([-1.0, -100.5])
+    )
+    out.loss.backward()
+    assert out.is_weight.tolist() == pytest.approx([1.0, math.exp(20.0)]) and torch.isfinite(out.loss)
+    assert lp.grad.tolist() == pytest.approx([-0.5, -math.exp(20.0) / 2])
     d = torch.tensor([-50.0], requires_grad=True)  # k3 = exp(-d) - 1 + d: finite, its gradient too
     value = kl_penalty(d, torch.zeros(1), "k3")
     value.sum().backward()
