@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -237,7 +238,14 @@ class Checkpoints:
                 "(model only): serve or evaluate its model/, or train on with "
                 f"model.path={os.path.join(path, 'model')}"
             )
-        ray.get([w.load_checkpoint.remote(path) for w in self.actors.learner_workers])
+        loaded = ray.get([w.load_checkpoint.remote(path) for w in self.actors.learner_workers])[0]
+        base_lr = loaded.get("base_lr") if isinstance(loaded, dict) else None
+        if base_lr is not None and not math.isclose(base_lr, self.cfg.learner.lr, rel_tol=1e-6):
+            print(
+                f"[clawray] resume: the learning rate goes on from the checkpoint's schedule (base {base_lr:g}, "
+                f"back-offs included); learner.lr={self.cfg.learner.lr:g} applies to a new run",
+                flush=True,
+            )
         queue_state = ray.get(self.actors.queue.stats.remote())  # the journal's samples are queued again already
         st = self.state
         st.version, st.steps_done = saved["version"], saved["steps_done"]

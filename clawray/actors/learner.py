@@ -849,7 +849,8 @@ class LearnerWorker:
         (:func:`~clawray.actors.learner_checkpoint.load_learner_state`). Collective.
 
         Returns:
-            ``{"version", "optimizer_steps", "lr"}``.
+            ``{"version", "optimizer_steps", "lr", "base_lr"}`` (``base_lr``: the schedule's base
+            rate, back-offs included: the checkpoint's, whatever this run's ``learner.lr``).
 
         Raises:
             FileNotFoundError: ``path`` lacks ``train_state/`` or ``learner.pkl``.
@@ -868,6 +869,7 @@ class LearnerWorker:
             "version": self.version,
             "optimizer_steps": self.optimizer_steps,
             "lr": self.optimizer.param_groups[0]["lr"],
+            "base_lr": float(self.scheduler.base_lrs[0]),
         }
 
     # ------------------------------------------------------------------ promotion gate (rollback point)

@@ -477,3 +477,41 @@ def test_a_learner_rebuild_cuts_the_discarded_versions_from_a_later_resumes_line
     assert resumed.resume(2)
     assert sum(resumed.promoted_scores) / 20 == pytest.approx(0.6)
     assert sum(resumed.best_scores) / 20 == pytest.approx(0.6) and resumed.best in (1, 2)
+
+
+def test_a_resume_says_when_the_checkpoints_learning_rate_goes_on_over_a_changed_learner_lr(tmp_path, capsys):
+    """resume=true restores the optimizer and the schedule (their learning rate, back-offs included),
+    so a changed learner.lr does not apply: it was silent, now the resume says so."""
+    import dataclasses
+    import json
+    import types
+
+    import clawray.resume as resume_mod
+    from clawray.resume import Checkpoints, LoopState
+
+    run = str(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "ckpt-000001"
+    ckpt.mkdir(parents=True)
+    st = LoopState.from_config(load_config([], [f"run_dir={run}"]))
+    saved = {"version": 3, "steps_done": 3, "all_masked_dropped": 0, "skipped_steps": {}}
+    saved.update({k: dataclasses.asdict(getattr(st, k)) for k in ("guard", "entropy", "behaviour")})
+    (ckpt / "driver.json").write_text(json.dumps(saved))
+    (tmp_path / "checkpoints" / "latest").write_text("ckpt-000001\n")
+    for lr, said in ((2e-5, True), (1e-3, False)):
+        cfg = load_config([], [f"run_dir={run}", "resume=true", f"learner.lr={lr}"])
+        worker = types.SimpleNamespace(load_checkpoint=types.SimpleNamespace(remote=lambda p: {"base_lr": 1e-3}))
+        actors = types.SimpleNamespace(
+            learner_workers=[worker],
+            queue=types.SimpleNamespace(stats=types.SimpleNamespace(remote=lambda: {"size": 0})),
+            weight_sync=types.SimpleNamespace(sync=lambda v: {"ok": True}),
+        )
+        ckpts = Checkpoints(cfg, LoopState.from_config(cfg), actors)
+        ckpts._resume_path = str(ckpt)
+        orig = resume_mod.ray
+        resume_mod.ray = types.SimpleNamespace(get=lambda x, timeout=None: x)
+        try:
+            ckpts.restore()
+        finally:
+            resume_mod.ray = orig
+        out = capsys.readouterr().out
+        assert ("goes on from the checkpoint's schedule (base 0.001" in out) is said, out
