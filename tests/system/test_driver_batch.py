@@ -114,7 +114,8 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     d = Driver(cfg)
     trained = []
 
-    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0):
+    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None):
+        assert versions == [0] * len(refs)  # as the queue holds the samples
         trained.append((refs, version, advantages))
         return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1}
 
