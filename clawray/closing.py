@@ -8,6 +8,7 @@ evaluation. Must not: read actors or write files.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -18,18 +19,19 @@ def clawray_command() -> str:
     """The ``clawray`` executable to print in a command a user pastes: the one beside this Python
     (``.venv/bin/clawray``, absolute) when it exists, else ``clawray``."""
     exe = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "clawray")
-    return exe if os.path.isfile(exe) else "clawray"
+    return shlex.quote(exe) if os.path.isfile(exe) else "clawray"
 
 
 def eval_command(cfg: DictConfig, model: str) -> str:
     """The ``clawray eval`` command that reproduces the job's own evaluation of ``model``: the same
-    environment, prompts, samples, temperature, seeds, token cap, engine backend and precision."""
+    environment, prompts, samples, temperature, seeds, token cap, engine backend and precision; paths
+    absolute and quoted for a POSIX shell."""
     from clawray.checkpoint import engine_dtype
 
     env, ev, ro = cfg.env, cfg.eval, cfg.rollout
-    data = f" --data-path {os.path.abspath(env.data_path)}" if env.name in ("student", "teacher") else ""
+    data = f" --data-path {_path(env.data_path)}" if env.name in ("student", "teacher") else ""
     return (
-        f"{clawray_command()} eval {model} --env {env.name} --level {env.level}{data} --n {ev.n} "
+        f"{clawray_command()} eval {_path(model)} --env {env.name} --level {env.level}{data} --n {ev.n} "
         f"--num-prompts {ev.num_prompts} --temperature {ev.temperature} --seed {ev.seed} "
         f"--max-tokens {env.max_tokens} --backend {ro.backend} --dtype {engine_dtype(ro.backend, ro.dtype)}"
         + (" --untagged-tool-calls" if cfg.serve.untagged_tool_calls else "")
@@ -48,12 +50,18 @@ def closing_lines(cfg: DictConfig, last_checkpoint: dict[str, Any] | None) -> li
         lines += [
             f"trained model (policy v{last_checkpoint['version']}): {model} "
             f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
-            f"serve it:    {exe} serve {model}   (as it is, no training; train on: {exe} run ... model.path={model})",
+            f"serve it:    {exe} serve {_path(model)}   (as it is, no training; train on: {exe} run ... "
+            f"model.path={_path(model)})",
         ]
         if cfg.env.enabled or cfg.eval.enabled:
             lines.append(f"evaluate it: {eval_command(cfg, model)}")
-    lines.append(f"report:      {exe} report {run_dir}   (plots in {os.path.join(run_dir, 'report')}/)")
+    lines.append(f"report:      {exe} report {_path(run_dir)}   (plots in {os.path.join(run_dir, 'report')}/)")
     return lines
+
+
+def _path(path: str) -> str:
+    """``path`` absolute (``~`` expanded), quoted for a POSIX shell where it needs quotes."""
+    return shlex.quote(os.path.abspath(os.path.expanduser(path)))
 
 
 def eval_change_lines(results: list[dict[str, Any]]) -> list[str]:

@@ -742,6 +742,7 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
             loaded = OmegaConf.load(path)
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"{path}: the file must hold a mapping of keys (it holds a list)")
+            _keep_text_as_typed(path, loaded)
             cfg = OmegaConf.merge(cfg, loaded)
         except (OmegaConfBaseException, yaml.YAMLError) as e:
             raise ConfigError(f"{path}: {_describe(e)}") from None
@@ -776,9 +777,37 @@ def load_config(files: Sequence[str] = (), overrides: Sequence[str] = ()) -> Dic
             raise
         except (TypeError, ValueError) as e:  # a value of a shape the field cannot take ([0.9, [1]])
             raise ConfigError(f"{key}={value!r}: {e}") from None
+    _expand_paths(cfg)
     _check_cross_fields(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+#: The fields that name a file or folder: ``~`` and ``$VAR``/``${VAR}`` are expanded once, at load, so
+#: every reader (the run folder, the checkpoints beside it, the environment's data, the printed
+#: commands) opens the same place; an unset variable is left as typed.
+PATH_KEYS = (
+    "run_dir",
+    "model.path",
+    "checkpoint.dir",
+    "env.data_path",
+    "env.openclaw_root",
+    "monitor.probe_file",
+    "deploy.probe_file",
+    "opd.teacher",
+)
+
+
+def _expand_paths(cfg: DictConfig) -> None:
+    """Expand ``~`` and environment variables in the :data:`PATH_KEYS` of ``cfg`` (in place);
+    ``opd.teacher`` only when it names a folder (not ``frozen``/``live`` or an endpoint)."""
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if not value or (key == "opd.teacher" and (value in ("frozen", "live") or is_endpoint(value))):
+            continue
+        expanded = os.path.expanduser(os.path.expandvars(value))
+        if expanded != value:
+            OmegaConf.update(cfg, key, expanded)
 
 
 @functools.cache
@@ -801,6 +830,35 @@ def _override(item: str) -> DictConfig:
     for part in reversed(key.split(".")):
         node = {part: node}
     return OmegaConf.create(node)
+
+
+def _keep_text_as_typed(path: str, loaded: DictConfig) -> None:
+    """Put back, in ``loaded`` (the file at ``path`` as omegaconf read it), the text of each unquoted
+    value of a text field as the file has it, so a file reads as an override does (:func:`_override`):
+    YAML 1.1 reads ``api_key: 0123`` as 83, ``run_dir: 2024.10`` as 2024.1, ``name: no`` as False.
+    A quoted value, ``null``/``~``/an empty value, a list or a mapping are left as read."""
+    with open(path, encoding="utf-8") as f:
+        root = yaml.compose(f, Loader=yaml.SafeLoader)
+    text_keys = _string_keys()
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for name, value in node.value:
+            if not isinstance(name, yaml.ScalarNode):
+                continue
+            key = prefix + str(name.value)
+            if isinstance(value, yaml.MappingNode) and any(k.startswith(key + ".") for k in text_keys):
+                walk(value, key + ".")
+            elif (
+                key in text_keys
+                and isinstance(value, yaml.ScalarNode)
+                and value.style is None  # plain: not quoted, not a block
+                and value.tag != "tag:yaml.org,2002:null"
+            ):
+                OmegaConf.update(loaded, key, value.value, merge=False)
+
+    walk(root, "")
 
 
 def _yaml_boolean_word(f: dataclasses.Field, value: Any) -> str | None:

@@ -146,3 +146,35 @@ def test_an_engine_sampling_in_another_precision_than_the_learners_is_said(files
             f"precision: the rollout engine samples in {said[0]} and the learners compute in {said[1]}"
         )
         assert line.endswith(f"rollout.dtype={said[1]} makes them agree")
+
+
+def test_printed_commands_paste_with_spaces_a_tilde_and_a_variable_in_their_paths(tmp_path, monkeypatch):
+    """A run folder with a space was split by the shell; ``env.data_path=~/...`` was printed as
+    ``$PWD/~/...``; ``$VAR`` passed the config's check and failed in the environment."""
+    import shlex
+
+    from clawray.envs import env_from_config
+
+    data = tmp_path / "my data" / "gsm.json"
+    data.parent.mkdir()
+    data.write_text('[{"question": "1+1?", "ground_truth_answer": 2}]')
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GSM_DIR", str(data.parent))
+    run = str(tmp_path / "my runs" / "a")
+    for typed in ("~/my data/gsm.json", "$GSM_DIR/gsm.json", "${oc.env:GSM_DIR}/gsm.json"):
+        cfg = load_config(["conf/rl.yaml"], [f"run_dir={run}", "env.name=student", f"env.data_path={typed}"])
+        assert cfg.env.data_path == str(data)
+        assert len(env_from_config(cfg.env).items) == 1
+        ckpt = {"path": f"{run}/checkpoints/ckpt-000003", "version": 3, "bytes": 2**20}
+        lines = closing_lines(cfg, ckpt)
+        argv = shlex.split(next(x for x in lines if x.startswith("evaluate it: ")).removeprefix("evaluate it: "))
+        assert argv[1:3] == ["eval", f"{run}/checkpoints/ckpt-000003/model"]
+        assert argv[argv.index("--data-path") + 1] == str(data)
+        serve = shlex.split(lines[1].removeprefix("serve it:    ").split("   (")[0])
+        assert serve[1:] == ["serve", f"{run}/checkpoints/ckpt-000003/model"]
+        assert shlex.split(lines[-1].removeprefix("report:      ").split("   (")[0])[1:] == ["report", run]
+    # the run folder and the checkpoints beside it are the same place when typed with ~ or a variable
+    from clawray.config import checkpoint_dir
+
+    cfg = load_config(["conf/rl.yaml"], ["run_dir=$GSM_DIR/run"])
+    assert cfg.run_dir == f"{data.parent}/run" and checkpoint_dir(cfg) == f"{data.parent}/run/checkpoints"

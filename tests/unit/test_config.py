@@ -481,6 +481,19 @@ def test_a_text_field_takes_an_override_as_typed(override, value):
     assert OmegaConf.select(load_config(["conf/rl.yaml"], [override]), key) == value
 
 
+def test_a_text_field_in_a_file_reads_as_typed_as_its_override_does(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "serve:\n  api_key: 0123\n  model_name: 1e3\n  session_binding: off\n"
+        "wandb:\n  name: no\n  project: '0123'\nrun_dir: 2024.10\n"
+        "rollout:\n  max_model_len: 0x100\n"
+    )
+    cfg = load_config(["conf/rl.yaml", str(path)])
+    assert (cfg.serve.api_key, cfg.serve.model_name, cfg.serve.session_binding) == ("0123", "1e3", "off")
+    assert (cfg.wandb.name, cfg.wandb.project, cfg.run_dir) == ("no", "0123", "2024.10")
+    assert cfg.rollout.max_model_len == 256  # a number field is still read as YAML
+
+
 def test_an_endpoint_is_told_by_its_scheme_in_any_case():
     from clawray.config import is_endpoint
     from clawray.premise import teacher_name
