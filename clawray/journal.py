@@ -402,7 +402,8 @@ class SessionRecord:
         dicts awaiting their return; outcome: the session's outcome (explicit or judged) or None;
         transcript: the messages the outcome judge reads (kept from the close, only when it will be asked);
         base: the last turn index of the id's previous session (this session's turns are ``base + 1 ..
-        turns``); opening: the session's opening key (``trainer.group_by: session_prefix``).
+        turns``); opening: the session's opening key (``trainer.group_by: session_prefix``); requests:
+        the main-line requests recorded in it (``credit/session_turns`` counts them at its close).
     """
 
     turns: int = 0
@@ -415,6 +416,7 @@ class SessionRecord:
     transcript: list = dataclasses.field(default_factory=list)
     base: int = 0
     opening: str = ""
+    requests: int = 0
 
     def holds(self, turn_index: int) -> bool:
         """Whether ``turn_index`` is one of this session's turns."""
@@ -466,6 +468,7 @@ class SessionState:
                 rec.get("transcript") or [],
                 rec.get("base", 0),
                 rec.get("opening", ""),
+                rec.get("requests", 0),
             )
         elif op == "closed_turns":
             self.closed_turns = OrderedDict(rec["items"])
@@ -478,6 +481,7 @@ class SessionState:
             s.pending = rec["turns"]
             s.turns = max(t["turn_index"] for t in rec["turns"])
             s.opening = rec.get("opening", s.opening)
+            s.requests += 1
         elif op == "judge":
             s = self._find(sid, rec["turn"]["turn_index"])
             if s is not None:
@@ -558,6 +562,7 @@ class SessionState:
                 "transcript": s.transcript,
                 "base": s.base,
                 "opening": s.opening,
+                "requests": s.requests,
             }
             for sid, s in [*self.superseded, *self.sessions.items()]
         ]
@@ -658,6 +663,7 @@ def restore_sessions(state: Any) -> RestoredSessions:
                 waiting=[Sample(**w) for w in rec.waiting], outcome=rec.outcome, transcript=rec.transcript
             ),
             opening=rec.opening,
+            requests=rec.requests,
         )
 
     every = [(sid, rec, rebuild(sid, rec)) for sid, rec in [*state.superseded, *state.sessions.items()]]

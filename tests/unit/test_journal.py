@@ -183,6 +183,14 @@ def test_session_continues_across_a_tracker_restart(tmp_path, no_object_store):
     # s's pending turn 2 judged with "bad" (-1); t's unfinished judgement of turn 1 re-run ("good": +1)
     assert got == [("s", 2, -1.0), ("t", 1, 1.0)]
     assert stats["journal/replayed_judgements"] == 1 and stats["journal/restored_sessions"] == 2
+    assert stats["credit/session_turns"] == 3  # s's requests before the restart count (was 1)
+
+    async def third():  # from the compacted journal: t's two requests are still known at its close
+        tracker = SessionTracker([judge], FakeQueue(), journal={"path": path})
+        await tracker.close_session("t")
+        return await tracker.stats()
+
+    assert asyncio.run(third())["credit/session_turns"] == 3 + 2  # the counter goes on from 3
 
 
 def test_tracker_counters_continue_across_a_restart_and_a_compaction(tmp_path, no_object_store):
