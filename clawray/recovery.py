@@ -106,9 +106,11 @@ RESTART = {"max_restarts": -1, "max_task_retries": 0}
 
 def was_restarted() -> bool:
     """Whether the calling code runs in a Ray actor that Ray restarted (``max_restarts``); False
-    outside an actor."""
+    outside an actor, and without starting Ray where none runs (a runtime context would start one)."""
     import warnings
 
+    if not ray.is_initialized():
+        return False
     try:
         with warnings.catch_warnings():  # Ray 2.60 deprecates an attribute the property reads
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -564,3 +564,14 @@ def test_a_restarted_queue_keeps_the_re_stamp_of_a_discarded_versions_sample(tmp
     first, second, stats = asyncio.run(scenario())
     assert (first["seqs"], first["staleness"], second) == ([1], [2], None)
     assert (stats["size"], stats["dropped"]) == (0, {"stale": 1})
+
+
+def test_asking_whether_the_tracker_was_restarted_never_starts_ray():
+    """A tracker built outside Ray (a unit, ``clawray eval``) asked Ray's runtime context, which
+    started a local Ray instance (seconds, a dashboard, a /dev/shm store) to answer False."""
+    import subprocess
+    import sys
+
+    code = "import ray; from clawray.recovery import was_restarted; print(was_restarted(), ray.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
