@@ -958,6 +958,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         )
     if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
+    _check_groups(cfg)
     if cfg.deploy.probe_file and cfg.deploy.probe_split != "eval":  # a probe file is held out as a whole
         raise ConfigError("deploy.probe_file is one held-out set: deploy.probe_split must be eval")
     if cfg.deploy.gate and cfg.deploy.every_versions > cfg.queue.max_staleness:
@@ -994,6 +995,29 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         ) from None
     if "\0" not in probe:
         raise ConfigError(f"opd.hint_template {cfg.opd.hint_template!r} does not place the hint ({{hint}})")
+
+
+def _check_groups(cfg: DictConfig) -> None:
+    """Dynamic sampling and ``grpo`` read groups of samples that share a prompt (or a session
+    opening): the simulated user asks each problem once unless ``env.resample_n`` > 1, so every group
+    holds one sample, which dynamic sampling rejects and ``grpo`` gives an advantage of 0 (nothing
+    would train)."""
+    t, env = cfg.trainer, cfg.env
+    users = [
+        name
+        for name, on in (
+            ("trainer.dynamic_sampling=true", t.dynamic_sampling),
+            ("trainer.advantage=grpo", t.advantage == "grpo"),
+        )
+        if on
+    ]
+    if users and env.enabled and env.resample_n == 1 and t.group_by != "none":
+        raise ConfigError(
+            f"{' and '.join(users)} {'read' if len(users) > 1 else 'reads'} groups of samples with the same {t.group_by.replace('_', ' ')}, but "
+            "env.resample_n=1 asks each problem in one session: every group would hold one sample "
+            "(dynamic sampling rejects it, grpo gives it 0). Set env.resample_n >= 2 (e.g. 4), or "
+            "trainer.group_by=none (the batch is one group)"
+        )
 
 
 VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top-k log-probs a vLLM engine returns

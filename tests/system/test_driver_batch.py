@@ -107,6 +107,7 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
             "trainer.batch_size=2",
             "trainer.max_batch_size=4",
             f"trainer.advantage={estimator}",
+            "env.resample_n=2",  # grpo needs groups (a config check)
             "checkpoint.every_steps=0",
             "wandb.mode=disabled",
         ],

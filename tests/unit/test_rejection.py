@@ -70,7 +70,9 @@ def _batch(metas, seqs=None):
 def _fill(monkeypatch, takes, **trainer):
     """``(fill(batch, next_version), the loop state, the sizes asked of the queue)``."""
     cfg = load_config(
-        [], ["trainer.dynamic_sampling=true", "trainer.batch_size=4"] + [f"trainer.{k}={v}" for k, v in trainer.items()]
+        [],
+        ["trainer.dynamic_sampling=true", "trainer.batch_size=4", "env.resample_n=4"]
+        + [f"trainer.{k}={v}" for k, v in trainer.items()],
     )
     state = LoopState.from_config(cfg)
     calls = []
@@ -205,3 +207,24 @@ def test_resample_mode_asks_each_problem_n_times_and_grpo_gets_groups_of_n(tiny_
     # dynamic sampling keeps the groups with variance: with n = 3 all 12 samples (4 groups) stay;
     # with n = 1 every group of one is rejected
     assert len(zero_variance(keys, rewards)) == (0 if n == 3 else 12)
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (["trainer.dynamic_sampling=true"], True),  # every group of the simulated user holds one sample
+        (["trainer.advantage=grpo"], True),
+        (["trainer.advantage=grpo", "trainer.group_by=session_prefix"], True),
+        (["trainer.dynamic_sampling=true", "env.resample_n=4"], False),
+        (["trainer.advantage=grpo", "trainer.group_by=none"], False),
+        (["trainer.dynamic_sampling=true", "env.enabled=false"], False),  # live traffic: its own groups
+    ],
+)
+def test_groups_of_one_are_refused_where_the_simulated_user_asks_each_problem_once(overrides, refused):
+    from clawray.config import ConfigError, load_config
+
+    if refused:
+        with pytest.raises(ConfigError, match=r"env.resample_n=1 asks each problem in one session"):
+            load_config([], overrides)
+    else:
+        assert load_config([], overrides).env.resample_n in (1, 4)
