@@ -345,20 +345,22 @@ def matrix_row(rows: list[dict], config: dict[str, Any]) -> dict[str, tuple[str,
         mean_nz = sum(nz) / len(nz) if nz else math.nan
         mean_adv = sum(adv) / len(adv)
         ok = mean_adv >= T["adv_std_min"] and (not _with_reward(algo) or mean_nz >= T["nonzero_reward_frac_min"])
-        cell("signal", (f"non-zero {mean_nz:.2f}, adv std {mean_adv:.3g}", ok))
+        said = f"non-zero {mean_nz:.2f}" if nz else "non-zero not measured"
+        cell("signal", (f"{said}, adv std {mean_adv:.3g}", ok))
     else:
         cell("signal", None)
     kl, clip = _finite(train, "inv/logprob_mismatch_kl"), _finite(train, "inv/clip_frac")
-    if kl or clip:
-        max_kl = max(kl) if kl else 0.0
-        mean_clip = sum(clip) / len(clip) if clip else 0.0
-        cell(
-            "on_policy_gap",
-            (
-                f"KL max {max_kl:.2g} ({len(kl)} of {len(train)} steps), clip {mean_clip:.3f}",
-                max_kl <= T["mismatch_kl_max"] and mean_clip <= T["clip_frac_max"],
-            ),
+    if kl or clip:  # a measure no step reported is said so, never shown (and passed) as 0
+        max_kl = max(kl) if kl else None
+        mean_clip = sum(clip) / len(clip) if clip else None
+        said = [
+            f"KL max {max_kl:.2g} ({len(kl)} of {len(train)} steps)" if max_kl is not None else "KL not measured",
+            f"clip {mean_clip:.3f}" if mean_clip is not None else "clip not measured",
+        ]
+        ok = (max_kl is None or max_kl <= T["mismatch_kl_max"]) and (
+            mean_clip is None or mean_clip <= T["clip_frac_max"]
         )
+        cell("on_policy_gap", (", ".join(said), ok))
     else:
         cell("on_policy_gap", None)
     eff = _finite(train, "inv/effective_token_rate")

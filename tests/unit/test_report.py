@@ -191,6 +191,12 @@ def test_invariant_matrix_one_row_per_mode_with_verdicts(tmp_path):
     # top-k distillation: no advantage at all; its signal is the teacher's KL (mean 0.15 >= 0.001)
     (_, _, r3), *_ = matrix([topk])
     assert r3["signal"] == ("top-k KL 0.15", "✓") and r3["effective_samples"] == ("token rate 0.85", "✓")
+    # a run whose steps never measured the mismatch KL says so (was "KL max 0 (0 of 2 steps)", passed)
+    clip_only = _run(
+        tmp_path, "clip_only", "rl", [{"step": 1, "inv/clip_frac": 0.02}, {"step": 2, "inv/clip_frac": 0.04}]
+    )
+    (_, _, r4), *_ = matrix([clip_only])
+    assert r4["on_policy_gap"] == ("KL not measured, clip 0.030", "✓")
     assert (m1, m2) == ("rl", "opd")
     # rl: entropy 2.0 -> 1.2 (>= 1.0), non-zero 0.75, adv std 0.8, KL max 0.002, clip 0.05, rate 0.9
     assert {c: v for c, (_, v) in r1.items()} == {
