@@ -246,7 +246,7 @@ class Driver:
             # the learner's weights moved on even when the sync failed, unless the gate rolled them back
             st.version = self.gate.promoted if synced.rolled_back else next_version
             st.entropy.update(train["inv/entropy"])
-            self._tell_tracker()
+            self.checkpoints.tell_tracker()
         else:
             st.skipped_steps[skipped] = st.skipped_steps.get(skipped, 0) + 1
         st.steps_done += 1
@@ -380,38 +380,14 @@ class Driver:
                 raise
             if plan.action == "go_on":
                 print(f"[clawray] the {plan.lost.role} actor died and was restarted; training goes on", flush=True)
-                self._give_back_batch()
+                self.checkpoints.give_back_batch()
                 return
             st.learner_restarts += 1
             from clawray.build import learner_group
 
             self.checkpoints.rebuild_learners(plan.lost, lambda: learner_group(self.cfg, self.model_path))
             self.gate.after_learner_rebuild(self.actors, self.version)
-            self._tell_tracker()  # the checkpoint's version: lower than the tracker was told
-
-    def _tell_tracker(self) -> None:
-        """Tell the session tracker the learners' new version (``trainer.credit`` discounted/outcome:
-        turns waiting for their session's return that the next update is the last to accept go to
-        the queue now, :meth:`~clawray.actors.session.SessionTracker.learned`). A tracker that does
-        not answer within 30 s is said, not raised: its deadline then follows the engines' version."""
-        if self.cfg.trainer.credit == "turn":
-            return
-        try:
-            ray.get(self.actors.tracker.learned.remote(self.state.version), timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            print(f"[clawray] the session tracker was not told v{self.state.version}: {type(e).__name__}", flush=True)
-
-    def _give_back_batch(self) -> None:
-        """A step that a restarted actor's death aborted before its batch was trained (e.g. the session
-        tracker died while the serial loop held the users): the batch goes back to the queue (the
-        journal holds it live: :meth:`~clawray.actors.queue.TrajectoryQueue.rewind` to the steps done
-        voids nothing and queues it again), else the next step's take replaced it in flight and
-        nobody trained it until a resume."""
-        st = self.state
-        if st.in_flight is not None and not st.in_flight.get("marked"):
-            steps, queue = st.steps_done, self.actors.queue
-            self.checkpoints.mark(lambda: queue.rewind.remote(steps), "the aborted step's batch")
-            st.in_flight = None
+            self.checkpoints.tell_tracker()  # the checkpoint's version: lower than the tracker was told
 
     def summary(self, seconds: float) -> dict[str, Any]:
         """Counters of every component, written to ``run_dir/summary.json``."""

@@ -2,7 +2,8 @@
 
 Owns: what a checkpoint holds beside the learners' files (``driver.json``: the :class:`LoopState`),
 when the sample journal may forget, and the order of a resume (journals replayed, learners loaded,
-engines synced). Must not: take batches, train or build actors other than a replacement learner
+engines synced), and what the queue and the session tracker are told of it (a batch an aborted step
+gives back, the learners' version). Must not: take batches, train or build actors other than a replacement learner
 group (:mod:`clawray.driver`, :mod:`clawray.build`). Folder layout and atomic commits:
 :mod:`clawray.checkpoint`; the journals: :mod:`clawray.journal`.
 
@@ -469,6 +470,31 @@ class Checkpoints:
             print(
                 f"[clawray] sample journal: steps <= {step} not marked covered ({os_error_text(e)}); kept", flush=True
             )
+
+    def give_back_batch(self) -> None:
+        """A step that a restarted actor's death aborted before its batch was trained (e.g. the session
+        tracker died while the serial loop held the users): the batch goes back to the queue (the
+        journal holds it live: :meth:`~clawray.actors.queue.TrajectoryQueue.rewind` to the steps done
+        voids nothing and queues it again), else the next step's take replaced it in flight and
+        nobody trained it until a resume."""
+        st = self.state
+        if st.in_flight is not None and not st.in_flight.get("marked"):
+            steps, queue = st.steps_done, self.actors.queue
+            self.mark(lambda: queue.rewind.remote(steps), "the aborted step's batch")
+            st.in_flight = None
+
+    def tell_tracker(self) -> None:
+        """Tell the session tracker the learners' version (a step's, or a rebuild's checkpoint's:
+        ``trainer.credit`` discounted/outcome: turns waiting for their session's return that the next
+        update is the last to accept go to the queue now,
+        :meth:`~clawray.actors.session.SessionTracker.learned`). A tracker that does not answer within
+        30 s is said, not raised: its deadline then follows the engines' version."""
+        if self.cfg.trainer.credit == "turn":
+            return
+        try:
+            ray.get(self.actors.tracker.learned.remote(self.state.version), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            print(f"[clawray] the session tracker was not told v{self.state.version}: {type(e).__name__}", flush=True)
 
     def mark(self, call: Callable[[], Any], what: str) -> None:
         """``ray.get(call())`` of a sample-journal mark (consumed, rewind), retried every

@@ -496,7 +496,10 @@ def test_a_batch_taken_by_a_step_a_restarted_actors_death_aborted_is_trained_by_
     d = driver_mod.Driver.__new__(driver_mod.Driver)
     d.state = types.SimpleNamespace(version=0, steps_done=0, in_flight=None, learner_restarts=0)
     d.actors = types.SimpleNamespace(queue=Remote())
-    d.checkpoints = types.SimpleNamespace(mark=lambda call, what: call())
+    from clawray.resume import Checkpoints
+
+    d.checkpoints = Checkpoints.__new__(Checkpoints)  # the loop's own state and queue; marks at once
+    d.checkpoints.state, d.checkpoints.actors, d.checkpoints.mark = d.state, d.actors, lambda call, what: call()
     d.cfg = types.SimpleNamespace(learner=types.SimpleNamespace(max_restarts=0))
     died = ActorLost("session tracker", "tracker")
 
