@@ -13,16 +13,19 @@ Tool results (``role: tool``), first match wins:
    ``error``/``errors``/``exception`` holds a value other than null, false, 0, "" or an empty
    list/object; ``isError`` (MCP), ``ok`` or ``success`` is false; ``status``/``state`` is
    "error", "failed", "failure" or "fatal"; or an exit code (``exit_code``, ``exitCode``,
-   ``returncode``, ``return_code``, ``status_code`` >= 400) is non-zero. Otherwise success: a
+   ``returncode``, ``return_code``) is non-zero, or an HTTP status (``status_code``, ``statusCode``,
+   ``status``, ``http_status``) is 400 or more. Otherwise success: a
    structured result that reports no failure is a clean success, whatever words its values hold.
 2. **Exit code in text** ("exit code 1", "exited with code 0", "Exit status: 2"): non-zero is a
    failure, zero a success.
 3. **Text**: after removing negated or zero-count mentions ("no errors", "0 failed", "errors: 0",
    "error: null", "without error"), a program's failure output is a failure: a line that starts
    with a failure label ("error: ...", "ValueError: ...", "fatal:", "[ERROR]", "FAILED ...", "npm
-   ERR!", "Build failed", "Failed to ..."), a non-zero failure count ("2 failed", "1 error"), a
+   ERR!", "npm error ...", "error TS2322:", "fatal error:", "Build failed", "Failed to ..."), a non-zero failure count ("2 failed", "1 error"), a
    traceback, "command not found", "no such file or directory", "permission denied", "segmentation
-   fault", "command timed out". Any other tool result is a success: a text that only mentions
+   fault", "command timed out", an HTTP 4xx/5xx status line; or an error message opening the result
+   (``_OPENING_ERROR``: OpenClaw sends a failed tool's error text alone, "File not found: x", "Tool x
+   not found", "Could not find ..."). Any other tool result is a success: a text that only mentions
    failures (a file a ``read`` tool returns, "Find the error in this sum") reports none.
 
 User messages (``role: user``): pasted failure output (rule 3) is a complaint. Else, sentence by
@@ -56,6 +59,23 @@ __all__ = ["message_text", "tool_result_sign", "user_text_sign", "feedback_score
 _FAILURE_STATUS = {"error", "failed", "failure", "fatal", "errored"}
 _ERROR_KEYS = ("error", "errors", "exception", "err")
 _EXIT_KEYS = ("exit_code", "exitcode", "exitCode", "returncode", "return_code", "exit_status")
+_HTTP_STATUS_KEYS = ("status_code", "statuscode", "status", "http_status", "httpstatus")  # lower case
+# an error message that opens a tool result (OpenClaw sends a failed tool's error as the tool message's
+# whole text, with no flag: "File not found: x", "Tool x not found", "Could not find the exact text in
+# x", "Unknown tool name: x", "Operation aborted", "Write verification failed for x", "Read requires a
+# file path, but x is a directory", "Found 2 occurrences of the text in x. The text must be unique",
+# "Working directory does not exist: x"); read at the start only: a file's text that holds such a
+# sentence later is no failure
+_OPENING_ERROR = re.compile(
+    r"\A\s*(?:(?:[\w.\-]+[ \t]+){0,2}not found\b|(?:could not|cannot|can't|unable to|failed to)\s"
+    r"|(?:unknown|invalid|unsupported|unrecognized|missing)[\w \t\-]{0,40}:"
+    r"|operation (?:aborted|cancell?ed)\b|tool execution was blocked\b|timeout:\s*\d"
+    r"|\w+(?:[ \t]+\w+)?[ \t]+requires[^\n.]{1,120},[ \t]+but\b"
+    r"|found \d+ occurrences\b[^\n]{0,200}?\bmust be unique\b"
+    r"|[^\n]{0,160}?\b(?:does not exist|doesn't exist)(?::|\.?[ \t]*(?:\n|\Z))"
+    r"|[^\n]{0,80}?\b(?:verification failed|is not allowed|not permitted|access denied)\b)",
+    re.IGNORECASE,
+)
 
 _EXIT_TEXT = re.compile(
     r"\b(?:exit(?:ed)?(?: with)?|return(?:ed)?(?: with)?)[\s_]*(?:code|status)\s*[:=]?\s*(-?\d+)", re.IGNORECASE
@@ -73,11 +93,12 @@ _NEGATED_FAILURE = re.compile(
 # "npm ERR!", "error[E0308]:", "[ERROR]", "FAILED tests/...", "E   AssertionError", "Build failed"), a
 # non-zero failure count ("2 failed", "1 error generated"), a traceback or a system message
 _FAILURE_OUTPUT = re.compile(
-    r"^[ \t]*(?:E[ \t]+)?(?:[\w.\-/\[\]]+:[ \t]*){0,3}(?:\(\d+\)[ \t]*)?"
-    r"(?:\[(?:errors?|fatal)\]|(?:errors?|fatal|panic|exception|traceback)[ \t]*(?::|!|\[|\(|$)|\w*(?:error|exception)[ \t]*:|(?:\w+[ \t]+)?failed\b)"
+    r"^[ \t]*(?:E[ \t]+)?(?:[\w.\-/\[\]]+(?:\(\d+,\d+\))?:[ \t]*){0,3}(?:\(\d+\)[ \t]*)?(?:fatal[ \t]+)?"
+    r"(?:\[(?:errors?|fatal)\]|(?:errors?(?:[ \t]+[A-Z]+\d+)?|fatal|panic|exception|traceback)[ \t]*(?::|!|\[|\(|$)"
+    r"|\w*(?:error|exception)[ \t]*:|(?:\w+[ \t]+)?failed\b)"
     r"|\b[1-9]\d*[ \t]+(?:\w+[ \t]+)?(?:failed|failures?|errors?)\b|\b(?:failures|errors|failed)[ \t]*[:=][ \t]*[1-9]"
     r"|traceback \(most recent call last\)|\bexception in thread\b|\bpanicked at\b|\*\*\*(?!\*)[^\n*]*\berror [1-9]\d*"
-    r"|\bnpm ERR!|command not found|no such file or directory|permission denied|segmentation fault|core dumped"
+    r"|\bnpm ERR!|^[ \t]*npm error\b|^[ \t]*curl: \(\d+\)|command not found|no such file or directory|permission denied|segmentation fault|core dumped"
     r"|\b(?:command|request|operation|connection) timed out\b"
     r"|^[ \t]*HTTP/\d(?:\.\d)?[ \t]+[45]\d\d\b",  # an HTTP response's status line: 4xx, 5xx
     re.IGNORECASE | re.MULTILINE,
@@ -150,7 +171,11 @@ _COMPLAINT = re.compile(
     r"|\bno markdown\b|\btoo (?:long|verbose|wordy)\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
     r"|\b(?:errors?|exceptions?)\b|\btraceback\b"
     # a correction after a concession: "Thanks, but the total should be 12"
-    r"|\bbut(?:\W+\w+){0,8}?\W+should (?:be|have been|say|read|return)\b",
+    r"|\bbut(?:\W+\w+){0,8}?\W+should (?:be|have been|say|read|return)\b"
+    # the same correction in a sentence of its own ("The total should be 12 though.") and an omission
+    # pointed out ("Right, but you forgot the units.")
+    r"|\bshould (?:be|have been|say|read|return)\b(?:\W+\w+){0,8}?\W+though\b"
+    r"|\byou (?:forgot|missed|left out|omitted)\b",
     re.IGNORECASE,
 )
 # a complaint is an evaluation of the reply too: words of a fault inside a fresh request ("Add error
@@ -326,7 +351,7 @@ def _structured_sign(obj: dict) -> int:
             return -1
     if any((_code(lowered.get(key.lower())) or 0) != 0 for key in _EXIT_KEYS):
         return -1
-    if (_code(lowered.get("status_code")) or 0) >= 400:
+    if any((_code(lowered.get(key)) or 0) >= 400 for key in _HTTP_STATUS_KEYS):  # an HTTP 4xx/5xx
         return -1
     return 1
 
@@ -350,7 +375,7 @@ def tool_result_sign(content: Any) -> int:
     codes = [int(c) for c in _EXIT_TEXT.findall(text)]
     if codes:
         return -1 if codes[-1] != 0 else 1
-    return -1 if _failure_output(text) else 1
+    return -1 if _failure_output(text) or _OPENING_ERROR.match(text) else 1
 
 
 def user_text_sign(content: Any) -> int | None:

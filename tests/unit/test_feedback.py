@@ -96,6 +96,34 @@ TOOL_RESULTS = [
     ('{"exit_code": 2.0, "stderr": "No such file"}', -1),
     ('[{"id": 1, "error": "quota exceeded"}, {"id": 2, "error": null}]', -1),
     ('[{"id": 1, "error": null}, {"id": 2, "error": null}]', 1),
+    # compiler, npm 10+ and curl failure lines; HTTP status codes in a structured result
+    ("npm error code E404\nnpm error 404 Not Found - GET https://registry.npmjs.org/nope", -1),
+    ("src/a.ts(3,5): error TS2322: Type 'string' is not assignable to type 'number'.", -1),
+    ("gcc: fatal error: no input files\ncompilation terminated.", -1),
+    ("main.c:1:10: fatal error: 'foo.h' file not found", -1),
+    ("curl: (22) The requested URL returned error: 404", -1),
+    ('{"status": 404, "body": "Not Found"}', -1),
+    ('{"statusCode": 500, "body": "Internal Server Error"}', -1),
+    ('{"status": 200, "body": "ok"}', 1),
+    # OpenClaw's own tool errors: the error text is the whole tool message, with no flag
+    ("File not found: /ws/homework.txt.", -1),
+    (
+        "Could not find the exact text in /ws/a.txt. The old text must match exactly including all whitespace and newlines.",
+        -1,
+    ),
+    (
+        "Found 2 occurrences of the text in /ws/a.txt. The text must be unique. Please provide more context to make it unique.",
+        -1,
+    ),
+    ("Read requires a file path, but /ws is a directory. List the directory, then read a specific file.", -1),
+    ("Tool apply_patch not found", -1),
+    ("Operation aborted", -1),
+    ("Write verification failed for /ws/a.txt: the persisted regular file does not match the requested content.", -1),
+    ("Working directory does not exist: /ws/gone\nCannot execute bash commands.", -1),
+    # ... read at the start only: a file or a search hit that holds such words reports no failure
+    ("Successfully wrote 12 bytes to /ws/a.txt", 1),
+    ("# Setup\nIf the config file is not found, run init first.", 1),
+    ("Found 2 occurrences of 'total' in a.py", 1),
 ]
 
 
@@ -212,6 +240,10 @@ USER_TEXTS = [
     ("Thanks, but the total should be 12.", -1),
     ("You're right, I was wrong.", 1),
     ("I was wrong, you're right.", 1),
+    # a correction in a sentence of its own, an omission pointed out
+    ("Thanks. The total should be 12 though.", -1),
+    ("Right, but you forgot the units.", -1),
+    ("Thanks, you didn't miss anything.", 1),
 ]
 
 
