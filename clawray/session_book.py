@@ -111,7 +111,9 @@ class SessionBook:
 
     def __init__(self, max_closed: int = MAX_CLOSED_REMEMBERED):
         self.sessions: dict[str, Session] = {}
-        self.index: dict[str, str] = {}  # conversation_key of a pending turn's history + reply -> session id
+        # attribution key of a pending turn's history + reply -> the ids of the sessions holding one, oldest
+        # first: two conversations may open alike ("Hi" -> "Hello!") and each must go on in its own session
+        self.index: dict[str, list[str]] = {}
         self.closed_turns: OrderedDict[str, int] = OrderedDict()
         # attribution key of an idle-closed session's pending turn -> its id (an inferred session goes on)
         self.closed_index: OrderedDict[str, str] = OrderedDict()
@@ -195,10 +197,15 @@ class SessionBook:
         return {"session_id": session_id, "prev": None, "context_changed": False, "how": how}
 
     @staticmethod
-    def _infer(keys: dict[int, str], index: dict[str, str], auto_only: bool) -> str | None:
-        """The session of the latest assistant message of ``keys`` found in ``index``, or None."""
-        found = (index[keys[k]] for k in sorted(keys, reverse=True) if keys[k] in index)
-        return next((sid for sid in found if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)), None)
+    def _infer(keys: dict[int, str], index: dict[str, Any], auto_only: bool) -> str | None:
+        """The session of the latest assistant message of ``keys`` found in ``index`` (a key's oldest
+        session when several hold it: :attr:`index`; ``closed_index`` holds one id a key), or None."""
+        for k in sorted(keys, reverse=True):
+            found = index.get(keys[k], ())
+            for sid in [found] if isinstance(found, str) else found:
+                if not auto_only or sid.startswith(AUTO_SESSION_PREFIX):
+                    return sid
+        return None
 
     def pair(self, s: Session, messages: list[dict[str, Any]]) -> Pairing:
         """Pair ``s``'s pending turns with the history ``messages`` of its next request; they leave the
@@ -249,7 +256,7 @@ class SessionBook:
             s.pending.append(turn)
             s.keys.append(key)
             s.exact.append(conversation_key([*turn.messages, turn.response_message]))
-            self.index[key] = s.sid
+            self._index(key, s.sid)
 
     def close(self, sid: str, idle: bool = False) -> Session | None:
         """Remove the open session ``sid`` (None when there is none), remembering its last turn index;
@@ -282,9 +289,18 @@ class SessionBook:
         s.exact = [conversation_key([*t.messages, t.response_message]) for t in s.pending]
         self.sessions[s.sid] = s
         for key in s.keys:
-            self.index[key] = s.sid
+            self._index(key, s.sid)
 
     def unindex(self, s: Session) -> None:
-        """Drop ``s``'s pending turns from the index."""
+        """Drop ``s``'s pending turns from the index (another session's equal turns stay)."""
         for key in s.keys:
-            self.index.pop(key, None)
+            sids = self.index.get(key)
+            if sids is not None and s.sid in sids:
+                sids.remove(s.sid)
+                if not sids:
+                    del self.index[key]
+
+    def _index(self, key: str, sid: str) -> None:
+        sids = self.index.setdefault(key, [])
+        if sid not in sids:  # n choices with equal replies: one entry
+            sids.append(sid)

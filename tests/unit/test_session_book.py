@@ -25,7 +25,7 @@ def test_add_numbers_turns_and_indexes_each_choice():
     book.add(s, choices)
     assert [t.turn_index for t in choices] == [1, 2]
     assert s.turns == 2 and s.requests == 1 and len(book) == 1
-    assert sorted(book.index.values()) == ["a", "a"] and len(book.index) == 2
+    assert sorted(book.index.values()) == [["a"], ["a"]] and len(book.index) == 2
 
 
 def test_pair_finds_the_continued_choice_and_its_next_state():
@@ -220,3 +220,34 @@ def test_a_reply_that_says_nothing_pairs_with_the_history_openclaw_sends_without
     assert book.pair(s, [U1, {"role": "assistant", "content": "5"}, complaint]).chosen is None
     book.add(s, [turn("a", [U1], "")])
     assert book.pair(s, [U1]).chosen is None  # a retry of the same history: no next state
+
+
+def test_two_conversations_that_open_alike_each_go_on_in_their_own_session():
+    """Two users of a client without session ids open with the same history and get the same reply
+    ("Hi" -> "Hello!"): the index kept one session per key, so A's next request went on in B's session
+    (paired with A's message) and B's next request matched nothing (never recorded), A's turn 1 left
+    unpaired. Now a key holds both sessions, oldest first, and each next request takes one."""
+    from clawray.chat import attribution_keys
+
+    system, hi, hello = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, "Hello!"
+    book = SessionBook()
+
+    def request(messages, reply, new_sid=None):
+        keys = {k: key for k, key in enumerate(attribution_keys(messages)) if messages[k]["role"] == "assistant"}
+        sid = book.find(None, keys, None, True)["session_id"] or (new_sid if not keys else None)
+        s = book.open(sid, messages)
+        paired = book.pair(s, messages) if s.pending else None
+        book.add(s, [turn(sid, messages, reply)])
+        return sid, paired
+
+    assert request([system, hi], hello, "auto-A")[0] == "auto-A"
+    assert request([system, hi], hello, "auto-B")[0] == "auto-B"
+    sum_q = {"role": "user", "content": "What is 7 + 8?"}
+    haiku = {"role": "user", "content": "Write a haiku."}
+    sid_a, paired_a = request([system, hi, {"role": "assistant", "content": hello}, sum_q], "15")
+    sid_b, paired_b = request([system, hi, {"role": "assistant", "content": hello}, haiku], "Snow falls.")
+    assert (sid_a, sid_b) == ("auto-A", "auto-B")
+    assert (paired_a.chosen.turn_index, paired_a.next_state) == (1, [sum_q])
+    assert (paired_b.chosen.turn_index, paired_b.next_state) == (1, [haiku])
+    assert [t.turn_index for t in book.sessions["auto-A"].pending] == [2]
+    assert [t.turn_index for t in book.sessions["auto-B"].pending] == [2]
