@@ -438,6 +438,8 @@ class SessionState:
         self.superseded: list[tuple[str, SessionRecord]] = []  # closed sessions whose id was used again
         self.jobs: OrderedDict = OrderedDict()  # (sid, turn_index) -> (turn dict, next_state)
         self.closed_turns: OrderedDict = OrderedDict()  # sid -> last turn index of a finished session
+        # attribution key of an idle-closed session's pending turn -> its id (SessionBook.closed_index)
+        self.closed_index: OrderedDict = OrderedDict()
         self.max_closed = max_closed
         self.counts: dict = {}  # the tracker's counters at its last record (a restart continues from them)
 
@@ -472,12 +474,15 @@ class SessionState:
             )
         elif op == "closed_turns":
             self.closed_turns = OrderedDict(rec["items"])
+            self.closed_index = OrderedDict(rec.get("index", []))
         elif op == "turns":
             s = self.sessions.get(sid)
             if s is None or s.closed:
                 self._supersede(sid)
                 base = self.closed_turns.pop(sid, 0)
                 s = self.sessions[sid] = SessionRecord(turns=base, base=base)
+                for key in [k for k, v in self.closed_index.items() if v == sid] if base else ():
+                    del self.closed_index[key]  # reopened: its idle-closed keys are history now
             s.pending = rec["turns"]
             s.turns = max(t["turn_index"] for t in rec["turns"])
             s.opening = rec.get("opening", s.opening)
@@ -517,6 +522,10 @@ class SessionState:
                 self.closed_turns[sid] = s.turns
                 while len(self.closed_turns) > self.max_closed:
                     self.closed_turns.popitem(last=False)
+                for key in rec.get("idle_keys", []):
+                    self.closed_index[key] = sid
+                while len(self.closed_index) > self.max_closed:
+                    self.closed_index.popitem(last=False)
                 self._maybe_forget(sid, s)
         elif op == "finalized":
             s = self._find(sid, last=rec.get("last"))
@@ -546,7 +555,14 @@ class SessionState:
         come first: replayed, a ``judge`` line empties its session's pending turns (live, it came
         before the next request's turns), so after the sessions it would drop a newer pending turn.
         An id's superseded sessions come before its current one."""
-        out: list[dict] = [{"op": "closed_turns", "items": list(self.closed_turns.items()), "counts": self.counts}]
+        out: list[dict] = [
+            {
+                "op": "closed_turns",
+                "items": list(self.closed_turns.items()),
+                "index": list(self.closed_index.items()),
+                "counts": self.counts,
+            }
+        ]
         out += [{"op": "judge", "sid": sid, "turn": t, "next_state": ns} for (sid, _), (t, ns) in self.jobs.items()]
         out += [
             {
@@ -634,6 +650,7 @@ class RestoredSessions:
         closed: closed sessions whose finalisation must run (at least once).
         jobs: ``(session, turn, next_state)`` of each judgement that had not ended.
         closed_turns: ``{session id: turns}`` of the sessions closed and remembered.
+        closed_index: ``{attribution key: session id}`` of idle-closed sessions' pending turns.
         credits: every restored session's :class:`~clawray.algos.credit.SessionCredit`.
     """
 
@@ -642,6 +659,7 @@ class RestoredSessions:
     jobs: list
     closed_turns: dict
     credits: list
+    closed_index: dict = dataclasses.field(default_factory=dict)
 
 
 def restore_sessions(state: Any) -> RestoredSessions:
@@ -678,5 +696,6 @@ def restore_sessions(state: Any) -> RestoredSessions:
         closed=[s for _, rec, s in every if rec.closed],
         jobs=jobs,
         closed_turns=dict(state.closed_turns),
+        closed_index=dict(state.closed_index),
         credits=[s.credit for _, _, s in every],
     )

@@ -174,6 +174,7 @@ class SessionTracker:
         (:meth:`_start_replay` runs them once the event loop runs)."""
         self.counts.update(state.counts)
         self.book.closed_turns.update(restored.closed_turns)
+        self.book.closed_index.update(restored.closed_index)
         for credit in restored.credits:
             self.ledger.restored(credit)
         for session in restored.open:
@@ -296,7 +297,8 @@ class SessionTracker:
         self.counts["dropped/no_next_state"] += len(s.pending)
         judge_it = self.ledger.judges_outcomes and s.credit.outcome is None  # its judge tasks may add waiting turns
         transcript = s.credit.transcript if judge_it and s.credit.transcript else None
-        self._journal("close", sid=session_id, transcript=transcript)  # [journal hook]
+        idle_keys = list(s.keys) if idle else []  # an idle close's conversation may go on (SessionBook.close)
+        self._journal("close", sid=session_id, transcript=transcript, idle_keys=idle_keys)  # [journal hook]
         self._track(asyncio.ensure_future(self._finalize(s)))
 
     async def close_idle(self, now: float | None = None) -> int:

@@ -578,3 +578,38 @@ def test_asking_whether_the_tracker_was_restarted_never_starts_ray():
     code = "import ray; from clawray.recovery import was_restarted; print(was_restarted(), ray.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
+
+
+def test_an_idle_closed_conversation_is_still_inferred_into_its_session_after_a_restart(tmp_path, no_object_store):
+    """An idle close remembers its pending turns' keys so that a user back later goes on in the same
+    session; a tracker restarted in between forgot them (the request was unattributable, never
+    recorded). The journal keeps them, through a compaction too, and forgets them once reopened."""
+    from clawray.chat import attribution_keys
+
+    path = prepare_journals(str(tmp_path), None)["sessions"]
+    h = [{"role": "user", "content": "q"}]
+    later = h + [{"role": "assistant", "content": "r1"}, {"role": "user", "content": "more"}]
+    keys = {k: key for k, key in enumerate(attribution_keys(later)) if later[k]["role"] == "assistant"}
+
+    async def first():
+        tracker = SessionTracker([FakeJudge({"more": 1})], FakeQueue(), journal={"path": path})
+        await tracker.record_turn(turn("auto-1", h, "r1"))
+        await tracker.close_session("auto-1", idle=True)
+        await tracker.drain()
+
+    async def found():
+        tracker = SessionTracker([FakeJudge({"more": 1})], FakeQueue(), journal={"path": path})
+        return tracker, tracker.book.find(None, keys, None, auto_only=True)["session_id"]
+
+    asyncio.run(first())
+    assert asyncio.run(found())[1] == "auto-1"  # replayed from the appended records
+    assert asyncio.run(found())[1] == "auto-1"  # and from the compacted journal
+
+    async def reopen():
+        tracker, sid = await found()
+        assert await tracker.record_turn(turn(sid, later, "r2")) == 2  # the numbering goes on
+        await tracker.drain()
+
+    asyncio.run(reopen())
+    tracker, _ = asyncio.run(found())
+    assert tracker.book.closed_index == {} and tracker.book.get("auto-1").turns == 2
