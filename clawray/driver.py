@@ -303,11 +303,12 @@ class Driver:
                 raise lost from None
             if probe is not None:
                 self.probe.record(train)
+            untrained = set(train.pop("untrained_samples", ()))  # a non-finite mini-batch's: not trained
             train = {**train, **self.probe.metrics()}
             if train["skipped"]:  # no optimizer step: a non-finite loss, or no gradient at all
                 skipped = "nonfinite" if train.get("nonfinite_mini_batches", 0) > 0 else "no_gradient"
             else:
-                st.record_trained(metas)
+                st.record_trained([m for i, m in enumerate(metas) if i not in untrained])
                 st.in_flight["counted"] = True
         # the batch is consumed by this step (a resume from an older checkpoint replays it); it
         # stays in flight until the step is complete (see step)

@@ -531,7 +531,8 @@ class LearnerWorker:
             padded ``[B, T]`` slots), ``optimizer_steps``, ``skipped`` (1: no optimizer step; a
             non-finite loss or gradient skips its mini-batch, and so does one without a loss token or
             with an all-zero gradient, ``no_gradient_mini_batches``: the weights stay bit-identical;
-            ``nonfinite_mini_batches`` counts the former, whose samples leave every metric below)
+            ``nonfinite_mini_batches`` counts the former, whose samples leave every metric below;
+            ``untrained_samples``: their batch indexes, a list)
             and the invariants ``inv/entropy``, ``inv/entropy_p10``, ``inv/entropy_min``,
             ``inv/adv_std``, ``inv/ratio_mean``, ``inv/ratio_max``, ``inv/clip_frac``,
             ``inv/is_weight_mean``, ``inv/effective_token_rate`` and ``inv/logprob_mismatch_kl`` (the
@@ -548,6 +549,7 @@ class LearnerWorker:
         per_sample: list[dict[str, torch.Tensor]] = []  # sample_loss metrics by name, on the device
         grad_norms, lr = [], self.optimizer.param_groups[0]["lr"]
         no_gradient = nonfinite = 0  # mini-batches without an optimizer step (see Returns)
+        untrained: list[int] = []  # batch indexes of the non-finite mini-batches' samples
         for j in range(plan.num_mini):
             start = len(per_sample)
             outcome = self._mini_batch(plan, j, entropy_coef, proximal if j > 0 else None, per_sample)
@@ -558,6 +560,7 @@ class LearnerWorker:
             elif outcome == "nonfinite":  # its samples were not trained: their metrics are not the step's
                 nonfinite += 1
                 del per_sample[start:]
+                untrained += range(plan.bounds[j], plan.bounds[j + 1])
             else:  # a finite gradient norm: the mini-batch's optimizer step
                 grad_norms.append(outcome)
                 lr = self._optimizer_step()
@@ -576,6 +579,7 @@ class LearnerWorker:
             "optimizer_steps": float(len(grad_norms)),
             "no_gradient_mini_batches": float(no_gradient),
             "nonfinite_mini_batches": float(nonfinite),
+            "untrained_samples": untrained,
             "skipped": float(skipped),
             "train_s": time.perf_counter() - t0,
             "timing/probe_wait_s": probe_waited,
@@ -627,7 +631,7 @@ class LearnerWorker:
         dist.all_reduce(counts)
         passes = torch.tensor([len(p) for p in packs], dtype=torch.int64)
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)
-        return _StepPlan(num_mini, fetched, adv_of, version_of, packs, counts, passes)
+        return _StepPlan(num_mini, fetched, adv_of, version_of, packs, counts, passes, bounds)
 
     def _mini_batch(
         self, plan: "_StepPlan", j: int, entropy_coef: float, proximal: dict | None, per_sample: list
@@ -1166,6 +1170,7 @@ class _StepPlan:
         counts: ``[num_mini, 4]`` float64, all-reduced: loss tokens, samples, padded ``[B, T]`` slots,
             real tokens.
         passes: ``[num_mini]`` int64: the most micro-batches any rank runs in each mini-batch.
+        bounds: ``num_mini + 1`` batch indexes: mini-batch ``j`` is ``bounds[j]:bounds[j + 1]``.
     """
 
     num_mini: int
@@ -1175,3 +1180,4 @@ class _StepPlan:
     packs: list
     counts: torch.Tensor
     passes: torch.Tensor
+    bounds: list

@@ -118,7 +118,9 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None):
         assert versions == [0] * len(refs)  # as the queue holds the samples
         trained.append((refs, version, advantages))
-        return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1}
+        # C's mini-batch was non-finite: skipped, its sample not trained (the others were)
+        return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1, "nonfinite_mini_batches": 1.0,
+                "untrained_samples": [1]}  # fmt: skip
 
     d.actors.queue = Actor(
         get_batch=lambda *a: batch,
@@ -144,8 +146,10 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     assert advantages == pytest.approx(expected)
     assert m["samples"] == 3 and m["reward_mean"] == pytest.approx(1 / 3) and m["skipped"] == "no"
     assert m["inv/staleness_mean"] == 1.0 and m["inv/dropped_samples/all_masked"] == 1
-    assert m["inv/effective_sample_rate"] == pytest.approx(3 / 4) and not math.isnan(m["loss"])
-    assert list(d.state.trained_samples) == [("A", 1), ("C", 1), ("D", 1)] and d.version == 1
+    # trained: A and D of the 4 the queue decided (B all-masked, C in a non-finite mini-batch)
+    assert m["inv/effective_sample_rate"] == pytest.approx(2 / 4) and not math.isnan(m["loss"])
+    assert list(d.state.trained_samples) == [("A", 1), ("D", 1)] and d.version == 1
+    assert d.state.samples_trained == 2 and "untrained_samples" not in m
     rows = [json.loads(line) for line in open(tmp_path / "metrics" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1] and rows[0]["samples"] == 3
     assert d.state.metrics_row["step"] == 1 and d.state.metrics_row["samples"] == 3  # what a checkpoint would carry

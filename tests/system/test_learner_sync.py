@@ -328,6 +328,7 @@ def test_a_step_without_gradient_leaves_the_weights_bit_identical_and_is_counted
         ]  # fmt: skip
         m = learners.train_step([nan, nan, *good], 2)
         assert (m["skipped"], m["optimizer_steps"], m["nonfinite_mini_batches"]) == (0.0, 1.0, 1.0), m
+        assert m["untrained_samples"] == [0, 1]  # the driver counts the other two as trained
         assert (m["num_samples"], m["num_tokens"]) == (2.0, 6.0)
         assert all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "inv/ratio_mean", "inv/ratio_max", "inv/adv_std"))
 
