@@ -336,7 +336,7 @@ def start_server(body_timeout_s: float) -> int:
     from clawray.model_folders import build_tiny_model
     from clawray.ray_env import free_port, init_ray
     from clawray.config import ServeConfig
-    from clawray.serve.app import start_policy_server
+    from clawray.serve.deploy import start_policy_server
 
     model = build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     init_ray("", 2)

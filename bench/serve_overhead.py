@@ -231,7 +231,7 @@ def main() -> None:
     from clawray.model_folders import build_tiny_model
     from clawray.ray_env import free_port, init_ray
     from clawray.config import ServeConfig
-    from clawray.serve.app import start_policy_server
+    from clawray.serve.deploy import start_policy_server
     from clawray.serve.instance import shutdown_serve
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))

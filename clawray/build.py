@@ -165,8 +165,8 @@ def learner_group(cfg: DictConfig, path: str) -> Any:
 
 def deploy_server(cfg: DictConfig, path: str, actors: RunActors) -> str:
     """Submit the PolicyServer (``serve.*``) on the run's engines and tracker, without waiting
-    (:func:`clawray.serve.app.deploy_policy_server`); returns its base URL (``.../v1``)."""
-    from clawray.serve.app import deploy_policy_server
+    (:func:`clawray.serve.deploy.deploy_policy_server`); returns its base URL (``.../v1``)."""
+    from clawray.serve.deploy import deploy_policy_server
 
     serve_cfg = OmegaConf.to_object(cfg.serve)
     return deploy_policy_server(
@@ -175,7 +175,7 @@ def deploy_server(cfg: DictConfig, path: str, actors: RunActors) -> str:
 
 
 def await_server(base_url: str, actors: RunActors) -> None:
-    """Wait until the server answers (:func:`clawray.serve.app.wait_policy_server`), then give every
+    """Wait until the server answers (:func:`clawray.serve.deploy.wait_policy_server`), then give every
     replica the learner ranks for ``/health`` (it may have been deployed before they existed).
 
     Raises:
@@ -183,7 +183,8 @@ def await_server(base_url: str, actors: RunActors) -> None:
     """
     from ray import serve
 
-    from clawray.serve.app import APP_NAME, wait_policy_server
+    from clawray.serve.deploy import wait_policy_server
+    from clawray.serve.instance import APP_NAME
 
     wait_policy_server(base_url)
     handle = serve.get_app_handle(APP_NAME)

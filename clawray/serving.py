@@ -169,7 +169,7 @@ class PolicyService:
         from clawray.file_modes import private_dir
         from clawray.ray_env import init_ray
         from clawray.recovery import engine_options
-        from clawray.serve.app import start_policy_server
+        from clawray.serve.deploy import start_policy_server
 
         cfg, ro = self.cfg, self.cfg.rollout
         private_dir(self.run_dir)

@@ -17,7 +17,7 @@ import ray
 from ray import serve
 
 from clawray.checkpoint import write_policy_card
-from clawray.serve.app import APP_NAME
+from clawray.serve.instance import APP_NAME
 from clawray.serve.instance import serve_running
 from conftest import SERVE_PORT, shared_serve
 
@@ -96,7 +96,7 @@ def test_a_deploy_where_serve_runs_on_another_port_is_refused_at_once(ray_cluste
     run waited 30 s for an answer that could not come)."""
     from clawray.config import ServeConfig
     from clawray.ray_env import free_port
-    from clawray.serve.app import deploy_policy_server
+    from clawray.serve.deploy import deploy_policy_server
 
     shared_serve()
     port = free_port()

@@ -8,7 +8,7 @@ from ray import serve
 from ray.util.state import list_actors
 
 from clawray.driver import Driver
-from clawray.serve.app import APP_NAME
+from clawray.serve.instance import APP_NAME
 from clawray.serve.instance import serve_running
 from conftest import tiny_run_config
 

@@ -1,4 +1,4 @@
-"""Waiting for the deployed PolicyServer (clawray.serve.app.wait_policy_server): it returns once
+"""Waiting for the deployed PolicyServer (clawray.serve.deploy.wait_policy_server): it returns once
 the application runs (every replica up) and /health answers 200, names a failed deployment with
 Serve's own message at once, and says that Serve runs on another port when the application is
 RUNNING but nothing answers for 30 s."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-import clawray.serve.app as app
+import clawray.serve.deploy as app
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -91,7 +91,7 @@ def test_a_deployment_that_never_runs_times_out(monkeypatch):
 def test_an_endpoint_beyond_loopback_without_an_api_key_is_warned_about():
     """``serve.host=0.0.0.0`` without ``serve.api_key`` served anyone who reached it, and their turns
     trained the policy, without a word. Start-up now says so (loopback, or a key: silent)."""
-    from clawray.serve.app import exposure_warning
+    from clawray.serve.deploy import exposure_warning
 
     for host in ("0.0.0.0", "10.0.0.5", "::"):
         assert "without serve.api_key" in exposure_warning(host, "")
