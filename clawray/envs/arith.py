@@ -107,7 +107,8 @@ def calculator(expression: str) -> str:
 
 
 _MARKDOWN = re.compile(r"(\*\*|__|^#{1,6}\s|^\s*[-*+]\s|^\s*\d+[.)]\s|`)", re.MULTILINE)
-_ANSWER = re.compile(r"answer\s*[:=]?\s*\$?(-?\d[\d,]*)", re.IGNORECASE)
+_ANSWER = re.compile(r"answer\s*[:=]?\s*\$?(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+_LAST_LINE_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # "1,200" is 1200; "2.5" is 2.5, not 2 and 5
 
 
 def grade(reply: str, problem: Problem) -> tuple[bool, bool, bool]:
@@ -118,10 +119,10 @@ def grade(reply: str, problem: Problem) -> tuple[bool, bool, bool]:
     found = _ANSWER.findall(reply)
     if not found:
         lines = [ln for ln in reply.strip().splitlines() if ln.strip()]
-        found = re.findall(r"-?\d[\d,]*", lines[-1]) if lines else []
+        found = _LAST_LINE_NUMBER.findall(lines[-1]) if lines else []
     if not found:
         return False, False, bool(_MARKDOWN.search(reply))
-    value = int(found[-1].replace(",", ""))
+    value = float(found[-1].replace(",", ""))
     return True, value == problem.answer, bool(_MARKDOWN.search(reply))
 
 

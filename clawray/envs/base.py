@@ -24,11 +24,24 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
 SPLITS = ("train", "eval")
 _SALT = b"clawray-split-v1\0"
+
+
+#: a number as a reply writes it: a sign, digits, and a decimal part read whole ("2.5" is 2.5, not 2 and 5)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+#: a reply that is one number and nothing else ("7", " 7. ", "7.0")
+NUMBER_ONLY = re.compile(r"\s*-?\d+(?:\.\d+)?\.?\s*")
+
+
+def last_number(text: str) -> float | None:
+    """The last number in ``text`` (:data:`NUMBER`), or None when it holds none."""
+    found = NUMBER.findall(text)
+    return float(found[-1]) if found else None
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,8 @@ preference with positive examples to reinforce and headroom above them, which do
 from __future__ import annotations
 
 import random
-import re
 
-from clawray.envs.base import Environment, Problem
+from clawray.envs.base import NUMBER, NUMBER_ONLY, Environment, Problem, last_number
 
 PREFERENCE = "Reply with the number only."
 LOW, HIGH = 1, 9  # operand range, inclusive
@@ -35,9 +34,6 @@ TEMPLATES = (
     "How much is {x} + {y}?",
     "What do you get when you add {x} to {y}?",
 )
-
-_NUMBER = re.compile(r"-?\d+")
-_NUMBER_ONLY = re.compile(r"\s*-?\d+\.?\s*")
 
 
 class BriefEnv(Environment):
@@ -69,15 +65,14 @@ class BriefEnv(Environment):
 
     def grade(self, task: Problem, reply: str) -> dict[str, bool]:
         """``{"solved", "correct", "brief", "number_only"}``."""
-        numbers = _NUMBER.findall(reply)
-        correct = bool(numbers) and int(numbers[-1]) == task.answer
+        correct = last_number(reply) == task.answer
         text = reply.strip()
         brief = bool(text) and "\n" not in text and len(text.split()) <= MAX_WORDS
         return {
             "solved": correct and brief,
             "correct": correct,
             "brief": brief,
-            "number_only": _NUMBER_ONLY.fullmatch(reply) is not None,
+            "number_only": NUMBER_ONLY.fullmatch(reply) is not None,
         }
 
     def preferred_reply(self, task: Problem) -> str:
@@ -97,7 +92,7 @@ class BriefEnv(Environment):
                 f"The number is right, but that is far too long: I asked for the number only. Please redo it "
                 f"as just: {task.answer}"
             ), False
-        if not _NUMBER.search(reply):
+        if not NUMBER.search(reply):
             return (
                 f"I can't find the answer in that. It is {task.answer}; please try again with just the number.",
                 False,

@@ -13,15 +13,11 @@ few hundred judged turns can teach. No tool is offered.
 from __future__ import annotations
 
 import random
-import re
 
-from clawray.envs.base import Environment, Problem
+from clawray.envs.base import NUMBER, NUMBER_ONLY, Environment, Problem, last_number
 
 PREFERENCE = "Reply with the number only."
 LOW, HIGH = 1, 25  # operand range, inclusive
-
-_NUMBER_ONLY = re.compile(r"\s*-?\d+\.?\s*")
-NUMBER = re.compile(r"-?\d+")
 
 
 class SumsEnv(Environment):
@@ -46,9 +42,8 @@ class SumsEnv(Environment):
 
     def grade(self, task: Problem, reply: str) -> dict[str, bool]:
         """``{"solved", "correct", "number_only"}``."""
-        numbers = NUMBER.findall(reply)
-        correct = bool(numbers) and int(numbers[-1]) == task.answer
-        number_only = _NUMBER_ONLY.fullmatch(reply) is not None
+        correct = last_number(reply) == task.answer
+        number_only = NUMBER_ONLY.fullmatch(reply) is not None
         return {"solved": correct and number_only, "correct": correct, "number_only": number_only}
 
     def preferred_reply(self, task: Problem) -> str:

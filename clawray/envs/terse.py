@@ -14,8 +14,8 @@ such a hint). No tool is offered.
 
 from __future__ import annotations
 
-from clawray.envs.base import Problem
-from clawray.envs.sums import NUMBER, SumsEnv
+from clawray.envs.base import NUMBER, Problem
+from clawray.envs.sums import SumsEnv
 
 
 class TerseEnv(SumsEnv):

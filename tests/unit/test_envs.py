@@ -242,3 +242,29 @@ def test_every_correction_reads_as_a_complaint_and_every_acceptance_as_praise(na
             assert not solved and user_text_sign(said) == -1, (reply, said)
         said, solved = env.feedback(task, env.preferred_reply(task))
         assert solved and user_text_sign(said) == 1, said
+
+
+@pytest.mark.parametrize(
+    "name, reply, answer, measure, value",
+    [
+        # a decimal is read whole: "2.5" was read as 2 and 5, its last number 5 (a wrong reply rewarded)
+        ("brief", "2.5", 5, "solved", False),
+        ("brief", "0.5", 5, "correct", False),
+        ("brief", "5.0", 5, "correct", True),  # was read as 5 and 0: a right reply punished
+        ("brief", "2 + 3 = 5.0", 5, "solved", True),
+        ("sums", "2.5", 5, "correct", False),
+        ("sums", "5.0", 5, "solved", True),
+        ("terse", "12.5", 12, "correct", False),
+        ("concise", "The sum is 12.0.", 12, "correct", True),
+        ("brief", "5.", 5, "number_only", True),  # a full stop is no decimal part
+    ],
+)
+def test_a_decimal_reply_is_read_as_one_number(name, reply, answer, measure, value):
+    env = make_env(name)
+    assert env.grade(Problem("What is x + y?", answer), reply)[measure] is value
+
+
+def test_arith_reads_a_decimal_answer_whole():
+    task = Problem("Mia has 1 apple and gets 1 more. How many?", 2)
+    assert grade("Answer: 2.5", task)[1] is False and grade("The answer is 2.0.", task)[1] is True
+    assert grade("Answer: 1,200", Problem("?", 1200))[1] is True
