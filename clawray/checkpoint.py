@@ -22,6 +22,7 @@ import shutil
 import zlib
 
 from clawray.file_modes import open_private, private_dir
+from clawray.records import DamagedFileError  # noqa: F401 - raised here, and imported from here by callers
 
 _NAME = re.compile(r"^ckpt-(\d{6})$")
 
@@ -70,11 +71,6 @@ def commit_checkpoint(tmp: str, final: str, keep_last: int = 0) -> str:
 
 #: Each checkpoint's list of its files with their sizes and CRC-32s, written last before the commit.
 MANIFEST = "manifest.json"
-
-
-class DamagedFileError(RuntimeError):
-    """A file a resume needs is damaged or unreadable; the message names the file (and line) and
-    what was found, never a traceback."""
 
 
 def _crc32(path: str) -> int:

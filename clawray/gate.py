@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clawray.file_modes import open_private
+from clawray.records import DamagedFileError, append_whole, read_jsonl
 from clawray.promotion import Decision, decide, guard_failure
 from clawray.reply_compare import ReplyComparisons
 from clawray.types import Sample
@@ -659,10 +660,9 @@ class PromotionGate:
         ``version`` belong to the lineage the resume discards. True when the version's record was
         found (a ``resumed`` record is appended), False else (the caller probes a new baseline)."""
         path = os.path.join(self.run_dir, "versions.jsonl")
-        try:
-            with open(path) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-        except (OSError, ValueError):
+        try:  # a record torn by a kill mid-append is left out (said); a damaged file: a new baseline
+            records = read_jsonl(path, "gate records", print)
+        except (OSError, DamagedFileError):
             return False
         if not self._replay(records, version):
             return False
@@ -734,8 +734,8 @@ class PromotionGate:
         record = {"time": time.time(), **record}
         self.records.append(record)
         try:
-            with open_private(os.path.join(self.run_dir, "versions.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with open_private(os.path.join(self.run_dir, "versions.jsonl"), "a+") as f:
+                append_whole(f.fileno(), (json.dumps(record) + "\n").encode())  # never a torn record
         except OSError as e:  # a full disk loses a record line, never the run
             print(f"[clawray] versions.jsonl not updated ({e.strerror or type(e).__name__})", flush=True)
 

@@ -48,8 +48,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from clawray.algos.credit_ledger import SessionCredit
-from clawray.checkpoint import DamagedFileError
-from clawray.records import append_whole
+from clawray.records import append_whole, read_jsonl
 from clawray.types import Sample, Turn
 
 SAMPLES_FILE = "samples.jsonl"
@@ -92,40 +91,14 @@ def prepare_journals(
 
 
 def read_records(path: str, report: Callable[[str], None] | None = None) -> list[dict]:
-    """Every complete JSON line of ``path`` (``[]`` when it does not exist); a torn last line (a
-    write the process died in, never acknowledged) is skipped, and said through ``report`` when
-    given.
+    """Every complete JSON line of a journal (:func:`clawray.records.read_jsonl`): a torn last line is
+    skipped, and said through ``report`` when given.
 
     Raises:
         DamagedFileError: a line other than the last one is not a JSON object (the file is damaged);
             the message names the file and the line.
     """
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            if i >= len(lines) - 2:  # the last line (a file ends with "\n", so the split's last part is b"")
-                if report is not None:
-                    report(
-                        f"[clawray] journal {path}: line {i + 1}, the last, is torn (a write cut by the "
-                        "process's end, never acknowledged): ignored"
-                    )
-                break
-            raise DamagedFileError(
-                f"journal {path}: line {i + 1} of {len(lines) - 1} is not a complete record (the file is "
-                "damaged: restore it from a backup, or start afresh with resume=false)"
-            ) from None
-        out.append(rec)
-    return out
+    return read_jsonl(path, "journal", report)
 
 
 def write_atomic(path: str, records: Iterable[dict]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from clawray.config import redacted
 from clawray.file_modes import open_private, private_dir, private_tree, private_umask
-from clawray.records import append_whole
+from clawray.records import append_whole, read_jsonl
 
 
 class MetricsLog:
@@ -61,20 +61,20 @@ class MetricsLog:
         private_dir(run_dir)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.write_errors = 0  # rows the disk refused (left out whole, said on the terminal)
-        kept = []
-        if resume_step is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        kept = []  # a row torn by a kill mid-append (or damaged) is left out, and said
+        if resume_step is not None:
+            rows = read_jsonl(self.path, "metrics", print, skip_damaged=True)
+            kept = [row for row in rows if row.get("step", 0) <= resume_step]
         restored = None  # the checkpointed step's row, lost by a kill right after the checkpoint's commit
         if resume_step is not None and resume_row is not None and resume_row.get("step") == resume_step:
-            if not any(json.loads(line).get("step") == resume_step for line in kept):
+            if not any(row.get("step") == resume_step for row in kept):
                 restored = resume_row
-                kept.append(json.dumps(restored) + "\n")
+                kept.append(restored)
         with open_private(self.path) as f:
-            f.writelines(kept)
+            f.writelines(json.dumps(row) + "\n" for row in kept)
         # every row carries `time/elapsed_s`, wall seconds since the tracker started (a resumed run
         # continues from its last kept row), so `clawray report` can plot against wall time
-        last = [json.loads(line).get("time/elapsed_s") for line in kept]
+        last = [row.get("time/elapsed_s") for row in kept]
         self._t0 = time.monotonic() - next((t for t in reversed(last) if isinstance(t, (int, float))), 0.0)
         # the resolved config (secrets hidden) beside the metrics: `clawray report` draws the guards' bounds from it
         with open_private(os.path.join(run_dir, "config.json")) as f:

@@ -1,7 +1,8 @@
 """Append-only JSONL records with size-based rotation.
 
 Owns: rotation, the whole-or-nothing append (:func:`append_whole`, which the journals and the metrics
-log use too) and the ``judgments.jsonl`` rows (a ``turns.jsonl`` row is
+log use too), the reading of such a file (:func:`read_jsonl`: a torn last line skipped) and the
+``judgments.jsonl`` rows (a ``turns.jsonl`` row is
 :meth:`~clawray.types.Turn.record`'s). Must not: fsync or promise durability (:mod:`clawray.journal`
 does) or fail the request that made a record: a refused row is counted and left out whole.
 
@@ -14,7 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
+
+
+class DamagedFileError(RuntimeError):
+    """A file a resume needs is damaged or unreadable; the message names the file (and line) and
+    what was found, never a traceback."""
 
 
 def _line_end(fd: int, size: int, chunk: int = 1 << 16) -> int:
@@ -55,6 +61,53 @@ def append_whole(fd: int, data: bytes) -> None:
         except OSError:  # the write's own error is the one to report
             pass
         raise
+
+
+def read_jsonl(
+    path: str, label: str, report: Callable[[str], None] | None = None, skip_damaged: bool = False
+) -> list[dict]:
+    """Every complete JSON object line of ``path``, a file written by :func:`append_whole` (``[]`` when
+    it does not exist). A torn last line (a write the process died in, never acknowledged) is skipped,
+    and said through ``report`` when given; so is a damaged line elsewhere with ``skip_damaged`` (a
+    log a run can go on without, such as ``metrics.jsonl``).
+
+    Args:
+        label: what the file is, for the messages ("journal", "metrics").
+
+    Raises:
+        DamagedFileError: a line other than the last one is not a JSON object (the file is damaged)
+            and ``skip_damaged`` is False; the message names the file and the line.
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if i >= len(lines) - 2:  # the last line (a file ends with "\n", so the split's last part is b"")
+                if report is not None:
+                    report(
+                        f"[clawray] {label} {path}: line {i + 1}, the last, is torn (a write cut by the "
+                        "process's end, never acknowledged): ignored"
+                    )
+                break
+            if skip_damaged:
+                if report is not None:
+                    report(f"[clawray] {label} {path}: line {i + 1} is not a complete record: ignored")
+                continue
+            raise DamagedFileError(
+                f"{label} {path}: line {i + 1} of {len(lines) - 1} is not a complete record (the file is "
+                "damaged: restore it from a backup, or start afresh with resume=false)"
+            ) from None
+        out.append(rec)
+    return out
 
 
 class JsonlRecords:

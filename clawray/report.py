@@ -43,6 +43,8 @@ import math
 import os
 from typing import Any
 
+from clawray.records import read_jsonl
+
 # invariant -> (title, metrics plotted on its panel); "reward" comes first, on its own
 INVARIANTS: dict[str, tuple[str, list[str]]] = {
     "reward": ("Reward (batch mean of the judge's score)", ["reward_mean", "inv/nonzero_reward_frac"]),
@@ -113,8 +115,9 @@ def load_metrics(run_dir: str) -> list[dict]:
         ValueError: the file holds no row.
     """
     path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    rows = read_jsonl(path, "metrics", print, skip_damaged=True)  # a row torn by a kill: left out, said
     if not rows:
         raise ValueError(f"{path} holds no step")
     return rows
@@ -247,11 +250,7 @@ def _plot_eval(plt, evals: list[dict], path: str) -> bool:
 
 def load_versions(run_dir: str) -> list[dict]:
     """The promotion gate's decisions (``run_dir/versions.jsonl``, :mod:`clawray.gate`); [] without one."""
-    path = os.path.join(run_dir, "versions.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(run_dir, "versions.jsonl"), "gate records", print, skip_damaged=True)
 
 
 def _plot_deploy(plt, versions: list[dict], path: str) -> list[str]:

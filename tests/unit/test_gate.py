@@ -205,6 +205,16 @@ def test_a_resume_restores_the_promoted_scores_and_the_best_version_of_its_linea
     again = make_gate(tmp_path)
     assert again.resume(1) and again.promoted_scores == best and again.best == 1
     assert not make_gate(tmp_path / "nowhere").resume(0)  # no versions.jsonl: the caller probes a baseline
+    # a record torn by a kill mid-append is left out (it read as a damaged file: a new baseline), and
+    # the next record is appended whole after it, not glued onto it
+    with open(tmp_path / "versions.jsonl", "a") as f:
+        f.write('{"version": 5, "decis')
+    torn = make_gate(tmp_path)
+    assert torn.resume(1) and torn.promoted_scores == best
+    assert (
+        records(tmp_path)[-1]["decision"] == "resumed"
+        and '"version": 5' not in (tmp_path / "versions.jsonl").read_text()
+    )
 
 
 def test_under_the_noninferior_rule_an_unproven_candidate_is_rolled_back_without_a_back_off(tmp_path):

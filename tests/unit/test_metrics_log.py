@@ -144,3 +144,23 @@ def test_checkpoints_are_private_whatever_the_writers_umask(tmp_path):
         "ckpt-000001/model/weights.bin": 0o600,
         "latest": 0o600,
     }
+
+
+def test_a_row_torn_by_a_kill_is_left_out_by_a_resume_the_report_and_the_gate(tmp_path, capsys):
+    """A driver killed mid-append leaves a last line without its newline (append_whole: "readers skip
+    it as never acknowledged"); the resume's MetricsLog and `clawray report` raised JSONDecodeError
+    on it."""
+    import json
+
+    from clawray.report import load_metrics, load_versions
+
+    rows = '{"step": 1, "reward_mean": 0.5}\n{"step": 2, "reward_mean": 0.25}\n{"step": 3, "rew'
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    assert [r["step"] for r in load_metrics(str(tmp_path))] == [1, 2]
+    log = MetricsLog(str(tmp_path), mode="disabled", resume_step=2)
+    assert [json.loads(line)["step"] for line in open(log.path)] == [1, 2]
+    log.log({"step": 3, "reward_mean": 0.75}, 3)
+    assert [json.loads(line)["step"] for line in open(log.path)] == [1, 2, 3]
+    assert "line 3, the last, is torn" in capsys.readouterr().out
+    (tmp_path / "versions.jsonl").write_text('{"version": 0, "decision": "baseline"}\n{"version": 2, "deci')
+    assert load_versions(str(tmp_path)) == [{"version": 0, "decision": "baseline"}]
