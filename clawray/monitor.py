@@ -32,11 +32,14 @@ def load_probe_file(path: str) -> list[list[dict[str, Any]]]:
     """
     path = os.path.expanduser(path)
     out = []
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of the JSON
         for i, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
                 raise ValueError(f'{path}:{i}: expected {{"messages": [...]}}')
             out.append(row["messages"])

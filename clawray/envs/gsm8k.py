@@ -110,6 +110,13 @@ def numbers_in(text: str) -> list[float]:
     return out
 
 
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+
+
 def _parse_answer(value: Any, where: str) -> int:
     try:
         number = float(str(value).replace(",", "").replace("$", "").strip())
@@ -125,7 +132,8 @@ def load_items(path: str) -> list[Problem]:
 
     Raises:
         FileNotFoundError: no such file, with how to point ``env.data_path`` at a copy.
-        ValueError: an item without ``question`` / ``ground_truth_answer``, a non-integer answer, or
+        ValueError: a file or line that is not JSON (named), an item without ``question`` /
+            ``ground_truth_answer``, a non-integer answer, or
             an empty file.
     """
     if not path:
@@ -140,10 +148,12 @@ def load_items(path: str) -> list[Problem]:
             'GSM8K-style file (a JSON list or JSONL of {"question", "ground_truth_answer"}), '
             "e.g. `clawray run ... env.data_path=/data/gsm8k_test.json`"
         )
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of the JSON (RFC 8259 section 8.1)
         text = f.read()
-    stripped = text.lstrip()
-    rows = json.loads(text) if stripped.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+    if text.lstrip().startswith("["):
+        rows = _json(text, path)
+    else:
+        rows = [_json(ln, f"{path}:{i}") for i, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
     items = []
     for i, row in enumerate(rows):
         where = f"{path} item {i}"

@@ -77,7 +77,7 @@ def load_probe_items(path: str) -> list[ProbeItem]:
     """
     path = os.path.expanduser(path)
     items = []
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of the JSON
         for i, line in enumerate(f, start=1):
             if line.strip():
                 items.append(_item(line, f"{path}:{i}"))

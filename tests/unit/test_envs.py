@@ -268,3 +268,31 @@ def test_arith_reads_a_decimal_answer_whole():
     task = Problem("Mia has 1 apple and gets 1 more. How many?", 2)
     assert grade("Answer: 2.5", task)[1] is False and grade("The answer is 2.0.", task)[1] is True
     assert grade("Answer: 1,200", Problem("?", 1200))[1] is True
+
+
+def test_data_and_probe_files_with_a_byte_order_mark_load_and_a_bad_line_is_named(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) made every data and probe file unreadable:
+    JSONDecodeError "Unexpected UTF-8 BOM"; a JSONL line that is not JSON was named nowhere."""
+    from clawray.envs.gsm8k import load_items
+    from clawray.envs.probe_file import load_probe_items
+    from clawray.monitor import load_probe_file
+
+    bom = "\ufeff"
+    listed, lines = tmp_path / "list.json", tmp_path / "lines.jsonl"
+    listed.write_text(
+        bom + '[{"question": "1+1?", "ground_truth_answer": 2}, {"question": "2+2?", "ground_truth_answer": "4"}]'
+    )
+    lines.write_text(
+        bom + '{"question": "1+1?", "ground_truth_answer": 2}\n\n{"question": "3+3?", "ground_truth_answer": 6}\n'
+    )
+    assert [(p.question, p.answer) for p in load_items(str(listed))] == [("1+1?", 2), ("2+2?", 4)]
+    assert [(p.question, p.answer) for p in load_items(str(lines))] == [("1+1?", 2), ("3+3?", 6)]
+    lines.write_text('{"question": "1+1?", "ground_truth_answer": 2}\n{"question": "3+3?", \n')
+    with pytest.raises(ValueError, match=rf"{lines}:2: not JSON"):
+        load_items(str(lines))
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text(bom + '{"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"}\n')
+    assert len(load_probe_items(str(probe))) == 1 and load_probe_file(str(probe))[0][0]["content"] == "1+1?"
+    probe.write_text('{"messages": [{"role": "user", "content": "1+1?"}]}\n{"messages": \n')
+    with pytest.raises(ValueError, match=rf"{probe}:2: not JSON"):
+        load_probe_file(str(probe))
