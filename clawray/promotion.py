@@ -20,7 +20,8 @@ A probe scores both versions on the same held-out items with the same seeds, so 
   hold back an update;
 * under ``rule="noninferior"`` a candidate must instead *show* it is not worse by more than the
   margin: promoted only when the one-sided ``1 - alpha`` lower confidence bound of the paired mean
-  difference, ``delta - z_(1-alpha) * sd / sqrt(n)``, is above ``-margin`` (the confidence-interval
+  difference (the adjusted Wald interval, :func:`adjusted_wald`: ``centre - z_(1-alpha) * se``) is
+  above ``-margin`` (the confidence-interval
   approach to non-inferiority: ICH E9, Statistical Principles for Clinical Trials, 1998, section 3.3.2;
   Wellek, Testing Statistical Hypotheses of Equivalence and Noninferiority, 2nd ed. 2010, ch. 5, for
   paired observations; normal approximation, so it wants n of about 30 paired items or more). A
@@ -36,8 +37,8 @@ that the test would promote is rejected when its policy entropy on the probe's r
 ``entropy_ratio_min`` x the baseline version's (collapse: invariant 1, the report's entropy verdict)
 or its engine/learner log-prob mismatch exceeds ``mismatch_max`` (the on-policy gap: invariant 3).
 
-The paired mean difference and its 95% interval (normal approximation, ``mean +- 1.96 sd / sqrt(n)``)
-are reported beside the decision; the decision itself uses only the exact test.
+The paired mean difference and its 95% interval (the adjusted Wald interval, ``centre +- 1.96 se``)
+are reported beside the decision; ``no_drop`` decides by the exact test alone.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ class Decision:
         n: paired items.
         candidate_mean, promoted_mean: mean scores in [0, 1].
         delta: ``candidate_mean - promoted_mean``.
-        delta_ci: the 95% interval of ``delta`` (normal approximation of the paired differences).
+        delta_ci: the 95% interval of ``delta`` (:func:`adjusted_wald`).
         worse, better: pairs where the candidate scored lower / higher (ties left out).
         p_worse: the exact one-sided sign-test p-value of "the candidate is worse".
-        lower: the one-sided ``1 - alpha`` lower confidence bound of ``delta`` (normal approximation).
+        lower: the one-sided ``1 - alpha`` lower confidence bound of ``delta`` (:func:`adjusted_wald`).
         backoff: for a rejection, True when it rests on evidence of harm (floor, significant drop,
             guards), False when the candidate was only not shown non-inferior (``rule="noninferior"``).
     """
@@ -95,6 +96,24 @@ def sign_test_p(worse: int, better: int) -> float:
     if n == 0:
         return 1.0
     return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n
+
+
+def adjusted_wald(diffs: Sequence[float]) -> tuple[float, float]:
+    """The centre and standard error of the adjusted Wald interval of a paired mean difference:
+    Bonett & Price (2012), "Adjusted Wald confidence interval for a difference of binomial proportions
+    based on paired data", J. Educ. Behav. Stat. 37(4):479-488: one pseudo-pair the candidate wins
+    (+1) and one it loses (-1) join the ``n`` differences, then ``centre = mean``, ``se = sqrt((mean of
+    d^2 - centre^2) / (n + 2))``. For 0/1 scores this is their ``p~12 - p~21``; for scores in [0, 1] the
+    pseudo-pairs floor the variance. The plain Wald interval has zero width when every difference is
+    equal (all ties: "non-inferior" from 32 tied items, or from one) and so vouches for nothing.
+
+    Example: 32 ties -> ``(0.0, sqrt(2 / 34) / sqrt(34) = 0.0416)``; the one-sided 95% lower bound
+    -0.068 shows no 5-point margin (0 worse of 32 still fits 8.9% worse pairs: 1 - 0.05^(1/32)).
+    """
+    adjusted = [*map(float, diffs), 1.0, -1.0]
+    m = len(adjusted)
+    centre = sum(adjusted) / m
+    return centre, math.sqrt(max(0.0, sum(d * d for d in adjusted) / m - centre * centre) / m)
 
 
 def decide(
@@ -132,14 +151,14 @@ def decide(
     diffs = [float(c) - float(p) for c, p in zip(candidate, promoted)]
     cand, prom = sum(map(float, candidate)) / n, sum(map(float, promoted)) / n
     delta = sum(diffs) / n
-    sd = math.sqrt(sum((d - delta) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
-    half = 1.96 * sd / math.sqrt(n)
-    lower = delta - NormalDist().inv_cdf(1.0 - alpha) * sd / math.sqrt(n)
+    center, se = adjusted_wald(diffs)
+    half = 1.96 * se
+    lower = center - NormalDist().inv_cdf(1.0 - alpha) * se
     worse, better = sum(d < 0 for d in diffs), sum(d > 0 for d in diffs)
     p = sign_test_p(worse, better)
     figures = (
         f"candidate {cand:.3f} vs promoted {prom:.3f} on {n} items (delta {delta:+.3f} "
-        f"[{delta - half:+.3f}, {delta + half:+.3f}]; worse on {worse}, better on {better}, p = {p:.3g})"
+        f"[{center - half:+.3f}, {center + half:+.3f}]; worse on {worse}, better on {better}, p = {p:.3g})"
     )
     backoff = True
     if cand < floor:
@@ -167,7 +186,7 @@ def decide(
         candidate_mean=cand,
         promoted_mean=prom,
         delta=delta,
-        delta_ci=(delta - half, delta + half),
+        delta_ci=(center - half, center + half),
         worse=worse,
         better=better,
         p_worse=p,

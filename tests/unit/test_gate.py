@@ -6,6 +6,7 @@ next list of per-item scores."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -218,20 +219,24 @@ def test_a_resume_restores_the_promoted_scores_and_the_best_version_of_its_linea
 
 
 def test_under_the_noninferior_rule_an_unproven_candidate_is_rolled_back_without_a_back_off(tmp_path):
-    """margin 0.1, 20 items: one item worse (delta -0.05, sd sqrt(0.05)) gives the one-sided 95% lower
-    bound -0.05 - 1.645 x 0.05 = -0.132 <= -0.1: not shown non-inferior, though no drop is significant
-    (p = 0.5); an identical candidate (lower bound 0) is promoted."""
+    """margin 0.15, 20 items: one item worse gives the adjusted Wald lower bound (Bonett & Price: one
+    pseudo-pair each way, 22 differences: centre -1/22, se sqrt((3/22 - 1/22^2) / 22)) -0.174 <= -0.15:
+    not shown non-inferior, though no drop is significant (p = 0.5); an identical candidate (lower
+    bound -1.645 sqrt(2/22) / sqrt(22) = -0.106) is promoted."""
+    z = 1.6448536269514715
     base = [1.0] * 20
-    gate = make_gate(tmp_path, base, [0.0] + [1.0] * 19, base, rule="noninferior", margin=0.1, max_rejections=2)
+    gate = make_gate(tmp_path, base, [0.0] + [1.0] * 19, base, rule="noninferior", margin=0.15, max_rejections=2)
     gate.baseline(0, "unused", None)
     d = gate.judge(1, *gate.probe("unused", None), samples=4)
-    assert not d.promote and not d.backoff and d.p_worse == 0.5 and d.lower == pytest.approx(-0.05 - 1.6448536 * 0.05)
+    se = math.sqrt((3 / 22 - (1 / 22) ** 2) / 22)
+    assert not d.promote and not d.backoff and d.p_worse == 0.5 and d.lower == pytest.approx(-1 / 22 - z * se)
     assert gate.promoted == 0 and gate.rejections == 1 and gate.dropped_samples == 4
     rec = records(tmp_path)[-1]
     assert rec["decision"] == "rejected" and rec["backoff"] is False and "unproven" in rec["reason"]
     d = gate.judge(2, *gate.probe("unused", None))
-    assert d.promote and d.lower == 0.0 and gate.promoted == 2 and gate.rejections == 0
-    assert records(tmp_path)[-1]["lower"] == 0.0
+    tied = -z * math.sqrt(2 / 22) / math.sqrt(22)
+    assert d.promote and d.lower == pytest.approx(tied) and gate.promoted == 2 and gate.rejections == 0
+    assert records(tmp_path)[-1]["lower"] == pytest.approx(tied)
 
 
 class FakeSync:
@@ -279,9 +284,9 @@ def test_sync_candidate_backs_the_learning_rate_off_only_for_a_candidate_shown_w
     from types import SimpleNamespace
 
     base = [1.0] * 20
-    unproven = [0.0] + [1.0] * 19  # lower bound -0.132 <= -0.1, p = 0.5
+    unproven = [0.0] + [1.0] * 19  # lower bound -0.174 <= -0.15, p = 0.5
     worse = [0.0] * 8 + [1.0] * 12  # worse on 8, better on 0: p = 1/256, delta -0.4
-    gate = make_gate(tmp_path, base, unproven, worse, base, rule="noninferior", margin=0.1, max_rejections=5)
+    gate = make_gate(tmp_path, base, unproven, worse, base, rule="noninferior", margin=0.15, max_rejections=5)
     actors = SimpleNamespace(weight_sync=FakeSync(), learners=FakeLearners(), engines=[], judges=[])
     gate.baseline(0, "unused", None)
     outcomes = [gate.sync_candidate(actors, v, "unused") for v in (1, 1, 1)]
@@ -308,7 +313,7 @@ def test_a_rolled_back_candidates_samples_are_discarded_from_the_journal_and_cou
     discarded: list = []
     queue = SimpleNamespace(discard=SimpleNamespace(remote=lambda seqs: discarded.append(list(seqs))))
     base, worse = [1.0] * 20, [0.0] * 8 + [1.0] * 12
-    gate = make_gate(tmp_path, base, worse, base, rule="noninferior", margin=0.1, max_rejections=5)
+    gate = make_gate(tmp_path, base, worse, base, rule="noninferior", margin=0.15, max_rejections=5)
     actors = SimpleNamespace(weight_sync=FakeSync(), learners=FakeLearners(), engines=[], judges=[], queue=queue)
     gate.baseline(0, "unused", None)
     gate.trained(["m1", "m2"], [11, 12])

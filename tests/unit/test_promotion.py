@@ -37,10 +37,11 @@ def test_a_significant_drop_beyond_the_margin_is_rejected():
     assert not d.promote and d.p_worse == 1 / 256 and d.delta == pytest.approx(-0.4)
     assert d.reason == (
         "rejected: significantly worse (sign test p < 0.05) by more than the margin 0.050: candidate 0.200 vs "
-        "promoted 0.600 on 20 items (delta -0.400 [-0.620, -0.180]; worse on 8, better on 0, p = 0.00391)"
+        "promoted 0.600 on 20 items (delta -0.400 [-0.601, -0.126]; worse on 8, better on 0, p = 0.00391)"
     )
-    sd = math.sqrt((8 * (-1 + 0.4) ** 2 + 12 * 0.4**2) / 19)
-    assert d.delta_ci == pytest.approx((-0.4 - 1.96 * sd / math.sqrt(20), -0.4 + 1.96 * sd / math.sqrt(20)))
+    # the adjusted Wald interval (Bonett & Price 2012): 22 differences, a pseudo-pair each way
+    centre, se = -8 / 22, math.sqrt((10 / 22 - (8 / 22) ** 2) / 22)
+    assert d.delta_ci == pytest.approx((centre - 1.96 * se, centre + 1.96 * se))
 
 
 def test_a_significant_drop_within_the_margin_is_promoted():
@@ -89,28 +90,34 @@ def test_the_invariant_guards_name_a_collapse_and_a_mismatch_and_pass_the_rest()
 
 def test_the_noninferior_rule_promotes_only_what_its_lower_bound_vouches_for():
     z = 1.6448536269514715  # the standard normal's 0.95 quantile
-    # 200 items, better on 4, worse on 2: delta +0.01, sd of the paired differences sqrt(5.98 / 199)
+    # 200 items, better on 4, worse on 2: delta +0.01; the adjusted Wald bound (Bonett & Price 2012)
+    # adds a pseudo-pair each way: centre 2/202, se sqrt((8/202 - (2/202)^2) / 202)
     cand, prom = _pairs(100, 2, 4, 94)
     d = decide(cand, prom, margin=0.05, alpha=0.05, rule="noninferior")
     assert (
         d.lower
-        == pytest.approx(0.01 - z * math.sqrt(5.98 / 199) / math.sqrt(200))
-        == pytest.approx(-0.010162, abs=1e-6)
+        == pytest.approx(2 / 202 - z * math.sqrt((8 / 202 - (2 / 202) ** 2) / 202))
+        == pytest.approx(-0.013102, abs=1e-6)
     )
-    assert d.promote and d.reason.startswith("promoted: non-inferior (one-sided 95% lower bound -0.010 > -0.050)")
+    assert d.promote and d.reason.startswith("promoted: non-inferior (one-sided 95% lower bound -0.013 > -0.050)")
     # a significant drop within the margin: "no drop" promotes it, but it is not *shown* within the margin
-    # (delta -0.045, lower bound -0.0692 <= -0.05): unproven, rejected without evidence of harm
+    # (delta -0.045, lower bound -0.0711 <= -0.05): unproven, rejected without evidence of harm
     cand, prom = _pairs(100, 9, 0, 91)
     assert decide(cand, prom).promote
     d = decide(cand, prom, rule="noninferior")
-    assert not d.promote and not d.backoff and d.lower == pytest.approx(-0.0691718, abs=1e-6)
+    lower = -9 / 202 - z * math.sqrt((11 / 202 - (9 / 202) ** 2) / 202)
+    assert not d.promote and not d.backoff and d.lower == pytest.approx(lower) == pytest.approx(-0.071064, abs=1e-6)
     assert d.reason.startswith(
-        "rejected: unproven: not shown non-inferior (one-sided 95% lower bound of the difference -0.069 <= -0.050)"
+        "rejected: unproven: not shown non-inferior (one-sided 95% lower bound of the difference -0.071 <= -0.050)"
     )
-    # the wobble "no drop" promotes (10/20 vs 12/20) cannot be vouched for on 20 items: lower -0.264
+    # the wobble "no drop" promotes (10/20 vs 12/20) cannot be vouched for on 20 items: lower -0.271
     cand, prom = _pairs(9, 3, 1, 7)
     d = decide(cand, prom, rule="noninferior")
-    assert not d.promote and not d.backoff and d.lower == pytest.approx(-0.1 - z * math.sqrt(0.2) / math.sqrt(20))
+    assert (
+        not d.promote
+        and not d.backoff
+        and d.lower == pytest.approx(-2 / 22 - z * math.sqrt((6 / 22 - (2 / 22) ** 2) / 22))
+    )
     # harm is still harm: a significant drop and the floor back off under either rule
     cand, prom = _pairs(4, 8, 0, 8)
     d = decide(cand, prom, rule="noninferior")
@@ -119,3 +126,20 @@ def test_the_noninferior_rule_promotes_only_what_its_lower_bound_vouches_for():
     assert not d.promote and d.backoff and "below the floor" in d.reason
     with pytest.raises(ValueError, match="rule must be one of"):
         decide([1], [1], rule="maybe")
+
+
+@pytest.mark.parametrize(
+    "n, lower",
+    [
+        # every pair tied: the plain Wald bound was 0 (zero width), "non-inferior" from one item or 32
+        (1, -1.6448536269514715 * math.sqrt(2 / 3) / math.sqrt(3)),
+        (32, -1.6448536269514715 * math.sqrt(2 / 34) / math.sqrt(34)),
+        (200, -1.6448536269514715 * math.sqrt(2 / 202) / math.sqrt(202)),
+    ],
+)
+def test_tied_probes_show_non_inferiority_only_when_they_are_large_enough(n, lower):
+    """0 worse pairs of 32 still fit 8.9% worse pairs (one-sided 95%: 1 - 0.05^(1/32)), so 32 tied
+    items cannot show a 5-point margin; 200 can (-0.0133)."""
+    d = decide([1.0] * n, [1.0] * n, margin=0.05, rule="noninferior")
+    assert d.lower == pytest.approx(lower) and d.promote is (lower > -0.05)
+    assert [d.promote for d in [decide([0.5] * n, [0.5] * n, rule="noninferior")]] == [n == 200]
