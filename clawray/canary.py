@@ -18,8 +18,9 @@ tool result), so the window waits for ``deploy.canary_turns`` judged turns of ea
 What the canary decides: it vetoes a candidate whose live mean reward is significantly below the
 promoted version's by more than ``deploy.canary_margin`` (reward units): the one-sided upper
 ``1 - deploy.alpha`` confidence bound of the difference of the two means is below ``-canary_margin``
-(Welch's unequal-variance two-sample comparison, Welch 1947, Biometrika 34(1-2):28-35, with the normal
-quantile: each arm has at least ``canary_turns`` turns). It is a harm detector on the traffic the probe
+(Welch's unequal-variance two-sample comparison, Welch 1947, Biometrika 34(1-2):28-35: Student's t
+quantile at the Welch-Satterthwaite degrees of freedom, :func:`t_quantile`; each arm has at least
+``canary_turns`` turns). It is a harm detector on the traffic the probe
 does not see, not a proof: showing non-inferiority is the probe's job (``deploy.rule``). A window that
 closes with too few turns in an arm is inconclusive and the probe's decision stands (recorded).
 """
@@ -104,6 +105,56 @@ class CanaryVerdict:
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t distribution with ``df`` (> 0, real; ``inf``: the normal)
+    degrees of freedom, for ``0.5 <= p < 1``: the t CDF ``1 - I_x(df/2, 1/2) / 2``, ``x = df / (df +
+    t^2)`` (Abramowitz & Stegun 26.7.1 with 26.5.27), inverted by bisection to 1e-12 relative. The
+    regularized incomplete beta ``I_x`` is its continued fraction (A&S 26.5.8; Lentz's method).
+
+    Example: ``t_quantile(0.95, 1) = tan(0.45 pi) = 6.3138``; ``t_quantile(0.95, 10) = 1.8125``.
+
+    Raises:
+        ValueError: ``p`` outside [0.5, 1) or ``df`` <= 0.
+    """
+    if not 0.5 <= p < 1.0 or not df > 0:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df > 0, got p={p}, df={df}")
+    if math.isinf(df):
+        return NormalDist().inv_cdf(p)
+    tail = 1.0 - p  # P(T > t) = I_x(df/2, 1/2) / 2
+    lo, hi = 0.0, max(1.0, NormalDist().inv_cdf(p))
+    while _incomplete_beta(df / (df + hi * hi), df / 2, 0.5) / 2 > tail:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _incomplete_beta(df / (df + mid * mid), df / 2, 0.5) / 2 > tail else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` for ``0 <= x <= 1``."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):  # the continued fraction converges fast below this point
+        return 1.0 - _incomplete_beta(1.0 - x, b, a)
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for aa in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return front * h / a
+
+
 def canary_verdict(
     candidate: Tally, promoted: Tally, min_turns: int, alpha: float, margin: float, seconds: float = 0.0
 ) -> CanaryVerdict:
@@ -111,7 +162,8 @@ def canary_verdict(
     and the promoted version (see the module docstring for the test and its source).
 
     ``delta = mean_c - mean_p``; ``se = sqrt(s_c^2 / n_c + s_p^2 / n_p)`` (sample variances, n - 1);
-    ``upper = delta + z_(1 - alpha) * se``; harm when ``upper < -margin``; inconclusive when
+    ``upper = delta + t_(1 - alpha, df) * se`` with the Welch-Satterthwaite ``df``; harm when
+    ``upper < -margin``; inconclusive when
     ``n_c < min_turns`` or ``n_p < min_turns``.
 
     Raises:
@@ -127,7 +179,12 @@ def canary_verdict(
     if n_c < min_turns or n_p < min_turns:
         why = f"inconclusive: {figures} (fewer than {min_turns} in an arm); the probe decides"
         return CanaryVerdict(None, n_c, mean_c, n_p, mean_p, delta, math.nan, seconds, why)
-    upper = delta + NormalDist().inv_cdf(1 - alpha) * math.sqrt(var_c / n_c + var_p / n_p)
+    a_c, a_p = var_c / n_c, var_p / n_p
+    se = math.sqrt(a_c + a_p)
+    # Welch-Satterthwaite degrees of freedom (Welch 1947): the t quantile, not the normal one, at a
+    # few turns an arm (the normal one called harm 2.4x alpha as often at 2 turns)
+    df = (a_c + a_p) ** 2 / (a_c**2 / (n_c - 1) + a_p**2 / (n_p - 1)) if se > 0 else math.inf
+    upper = delta + t_quantile(1 - alpha, df) * se
     harm = upper < -margin
     word = "worse" if harm else "no evidence of harm"
     why = f"{word}: live reward {figures}, delta {delta:+.3f}, upper bound {upper:+.3f} vs -{margin:g}"

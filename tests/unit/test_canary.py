@@ -26,20 +26,21 @@ GOOD = [1.0] * 30 + [-1.0] * 10  # mean 0.5, sample variance (40 - 40 x 0.25) / 
 
 
 def test_a_canary_significantly_worse_than_the_promoted_version_is_harm():
-    """-0.5 vs 0.5 over 40 turns each: se = sqrt(2 x 0.769231 / 40) = 0.196116, upper = -1 + 1.644854 x
-    0.196116 = -0.677418 < -0.1."""
+    """-0.5 vs 0.5 over 40 turns each: se = sqrt(2 x 0.769231 / 40) = 0.196116, Welch-Satterthwaite df
+    = 78 (equal variances and sizes: 2n - 2), upper = -1 + t_(0.95, 78) 1.664625 x 0.196116 = -0.673540
+    < -0.1."""
     v = canary_verdict(tally([1.0] * 10 + [-1.0] * 30), tally(GOOD), 32, 0.05, 0.1)
     assert v.harm is True and v.turns == 40 and v.promoted_turns == 40
     assert v.mean == -0.5 and v.promoted_mean == 0.5 and v.delta == -1.0
-    assert v.upper == pytest.approx(-1.0 + 1.6448536 * math.sqrt(2 * 30 / 39 / 40), abs=1e-6)
-    assert v.upper == pytest.approx(-0.677418, abs=1e-6) and v.reason.startswith("worse: live reward -0.500 over 40")
+    assert v.upper == pytest.approx(-1.0 + 1.6646246 * math.sqrt(2 * 30 / 39 / 40), abs=1e-6)
+    assert v.upper == pytest.approx(-0.673540, abs=1e-6) and v.reason.startswith("worse: live reward -0.500 over 40")
 
 
 def test_a_small_live_drop_within_the_noise_is_no_evidence_of_harm():
-    """0.4 (variance 33.6 / 39) vs 0.5: se = sqrt((0.861538 + 0.769231) / 40) = 0.201914, upper =
-    -0.1 + 0.332118 = 0.232118 >= -0.1."""
+    """0.4 (variance 33.6 / 39) vs 0.5: se = sqrt((0.861538 + 0.769231) / 40) = 0.201914, df 77.75,
+    upper = -0.1 + 1.664689 x 0.201914 = 0.236124 >= -0.1."""
     v = canary_verdict(tally([1.0] * 28 + [-1.0] * 12), tally(GOOD), 32, 0.05, 0.1)
-    assert v.harm is False and v.delta == pytest.approx(-0.1) and v.upper == pytest.approx(0.232118, abs=1e-6)
+    assert v.harm is False and v.delta == pytest.approx(-0.1) and v.upper == pytest.approx(0.236124, abs=1e-6)
     # with 20 x the turns and margin 0 the same drop is significant: upper ~ -0.1 + 0.332118 / sqrt(20)
     v = canary_verdict(tally(([1.0] * 28 + [-1.0] * 12) * 20), tally(GOOD * 20), 32, 0.05, 0.0)
     assert v.harm is True and v.upper == pytest.approx(-0.1 + 0.332118 / math.sqrt(20), abs=2e-3)
@@ -63,7 +64,7 @@ def test_the_verdict_vetoes_a_probe_promotion_only_on_harm():
     fine = canary_verdict(tally(GOOD), tally(GOOD), 32, 0.05, 0.1).apply(probe)
     assert fine.promote and fine.reason.endswith("canary: no evidence of harm: live reward 0.500 over 40 turns "
                                                  "vs the promoted version's 0.500 over 40, delta +0.000, "
-                                                 "upper bound +0.323 vs -0.1")  # fmt: skip
+                                                 "upper bound +0.326 vs -0.1")  # fmt: skip
 
 
 def test_the_window_counts_what_was_put_after_it_opened():
@@ -289,3 +290,32 @@ def test_the_pool_keeps_canary_sessions_on_the_canary_engine_and_the_rest_off_it
     assert all(out == (("e1", True) if in_canary(s, 0.5) else ("e0", False)) for s, out in served)
     assert 80 <= sum(in_canary(s, 0.5) for s, _ in served) / 3 <= 120
     assert after == [("e0", False)] * 20 and counts["engine_arm_refusals"] >= 1
+
+
+@pytest.mark.parametrize(
+    "p, df, value",
+    [  # Student's t quantiles (tables: Abramowitz & Stegun 26.10; R's qt)
+        (0.95, 1, 6.313751515),  # tan(0.45 pi)
+        (0.95, 2, 2.919985580),
+        (0.95, 10, 1.812461123),
+        (0.975, 5, 2.570581836),
+        (0.99, 30, 2.457261542),
+        (0.95, 78, 1.664624645),
+        (0.95, math.inf, 1.644853627),
+        (0.5, 3, 0.0),
+    ],
+)
+def test_t_quantiles_match_the_tables(p, df, value):
+    from clawray.canary import t_quantile
+
+    assert t_quantile(p, df) == pytest.approx(value, abs=1e-8)
+
+
+def test_a_canary_of_two_turns_an_arm_uses_welchs_t_and_calls_no_harm_on_noise():
+    """Candidate rewards [0, 0.4], promoted [1, 1]: s_c^2 = 0.08, se = 0.2, Welch-Satterthwaite df = 1
+    (only one arm varies): upper = -0.8 + 6.3138 x 0.2 = +0.463, no harm; the normal quantile gave
+    -0.471 and rejected it (at 2 turns an arm it called harm on noise 2.4x alpha as often)."""
+    v = canary_verdict((2, 0.4, 0.16), (2, 2.0, 2.0), 2, 0.05, 0.1)
+    assert v.harm is False and v.upper == pytest.approx(-0.8 + 6.313751515 * 0.2, abs=1e-8)
+    sure = canary_verdict(tally([-1.0, -1.0]), tally([1.0, 1.0]), 2, 0.05, 0.1)  # no variance: se 0
+    assert sure.harm is True and sure.upper == -2.0
