@@ -124,9 +124,11 @@ def load_metrics(run_dir: str) -> list[dict]:
 
 
 def split_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """``(training rows, evaluation rows)``: an evaluation row has an ``eval/*`` key."""
+    """``(training rows, evaluation rows)``: an evaluation row has an ``eval/*`` key; the OPD premise
+    check's row (``premise/*``, logged before the first step) is neither."""
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    return [r for r in rows if not any(k.startswith("eval/") for k in r)], evals
+    train = [r for r in rows if not any(k.startswith(("eval/", "premise/")) for k in r)]
+    return train, evals
 
 
 def per_step(rows: list[dict], key: str) -> list[float]:

@@ -62,9 +62,10 @@ EVALS = [
 
 
 def test_split_and_per_step_values():
-    rows = [EVALS[0], *TRAIN, EVALS[1]]
+    premise = {"step": 0, "premise/items": 8.0, "premise/p_helps": 0.03, "policy_version": 0}  # OPD's, before step 1
+    rows = [premise, EVALS[0], *TRAIN, EVALS[1]]
     train, evals = split_rows(rows)
-    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [0, 3]
+    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [0, 3]  # the premise row: neither
     assert per_step(train, "samples_dropped") == [4.0, 6.0, 1.0]  # deltas of 4, 10, 11
     assert per_step(train, "inv/dropped_samples/stale") == [0.0, 3.0, 0.0]
     assert per_step(train, "inv/degenerate_batches") == [0.0, 1.0, 0.0]
