@@ -956,6 +956,15 @@ def _check_cross_fields(cfg: DictConfig) -> None:
             f"learner.steps_per_batch={lrn.steps_per_batch} exceeds trainer.batch_size="
             f"{cfg.trainer.batch_size}: a batch splits into at most one mini-batch per sample"
         )
+    t = cfg.trainer
+    if t.credit == "outcome" and t.outcome_turn_weight == 0 and cfg.queue.max_staleness == 1:
+        # every judged turn must be emitted before the next update (clawray.algos.credit.must_flush),
+        # before its session's outcome: a flushed turn's return is outcome_turn_weight * r_t = 0
+        raise ConfigError(
+            "trainer.credit=outcome with queue.max_staleness=1 emits each judged turn before its session's "
+            "outcome, with the return outcome_turn_weight x r_t = 0 (trainer.outcome_turn_weight=0): nearly nothing "
+            "would train. Set queue.max_staleness >= 2 (turns wait for the outcome), or trainer.outcome_turn_weight > 0"
+        )
     if cfg.trainer.outcome_judge and cfg.trainer.credit == "turn":  # nothing would read the judged outcome
         raise ConfigError("trainer.outcome_judge=true needs trainer.credit=outcome or discounted (turn has no outcome)")
     _check_groups(cfg)

@@ -675,3 +675,17 @@ def test_the_tracker_flushes_waiting_turns_when_the_driver_tells_it_the_learners
     before, stats = asyncio.run(scenario())
     assert before == [] and stats["credit/forced_flushes"] == 1 and stats["credit/turns_waiting"] == 0
     assert [(s.turn_index, s.reward) for s, _ in queue.items] == [(1, 1.0)]
+
+
+def test_outcome_credit_that_could_never_wait_for_its_outcome_is_refused_at_load():
+    """With queue.max_staleness=1 every judged turn is flushed before its session's outcome, with the
+    return outcome_turn_weight x r_t: 0 at the default weight, so every turn was dropped as
+    dropped/zero_return and the outcome thrown away."""
+    from clawray.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"queue.max_staleness >= 2"):
+        load_config([], ["trainer.credit=outcome", "queue.max_staleness=1"])
+    assert load_config([], ["trainer.credit=outcome", "queue.max_staleness=2"]).queue.max_staleness == 2
+    weighted = ["trainer.credit=outcome", "queue.max_staleness=1", "trainer.outcome_turn_weight=0.5"]
+    assert load_config([], weighted).trainer.outcome_turn_weight == 0.5  # a flushed turn trains on 0.5 r_t
+    assert load_config([], ["trainer.credit=discounted", "queue.max_staleness=1"]).trainer.credit == "discounted"
