@@ -89,9 +89,19 @@ def opd_advantages(
         clip: optional bound on ``|A_t|``.
 
     Returns:
-        advantages of the same shape, zero where ``loss_mask`` is zero.
+        advantages of the same shape, zero where ``loss_mask`` is zero (whatever the log-probs hold
+        there: a non-finite one times a 0 mask would be NaN, and NaN reaches every weight's gradient).
+
+    Raises:
+        ValueError: the three shapes differ.
     """
-    adv = (teacher_logprobs.float() - rollout_logprobs.float()) * loss_mask.float()
+    if not teacher_logprobs.shape == rollout_logprobs.shape == loss_mask.shape:
+        raise ValueError(
+            f"teacher_logprobs {tuple(teacher_logprobs.shape)}, rollout_logprobs {tuple(rollout_logprobs.shape)} "
+            f"and loss_mask {tuple(loss_mask.shape)} must have one shape"
+        )
+    diff = teacher_logprobs.float() - rollout_logprobs.float()
+    adv = torch.where(loss_mask.bool(), diff, torch.zeros_like(diff))
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     return adv
@@ -119,7 +129,13 @@ def combine_advantages(
 
     Returns:
         ``[B, T]`` advantages, zero where ``loss_mask`` is zero.
+
+    Raises:
+        ValueError: ``has_teacher`` is not ``[B]`` for the ``B`` of ``loss_mask`` (or the shapes of
+            :func:`binary_advantages` and :func:`opd_advantages` disagree).
     """
+    if has_teacher.shape != loss_mask.shape[:1]:
+        raise ValueError(f"has_teacher {tuple(has_teacher.shape)} must be [B] for loss_mask {tuple(loss_mask.shape)}")
     rl = binary_advantages(rewards, loss_mask)
     opd = opd_advantages(teacher_logprobs, rollout_logprobs, loss_mask, clip) * has_teacher.float()[:, None]
     return w_rl * rl + w_opd * opd

@@ -183,15 +183,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     ``k3 = exp(-d) - 1 + d`` (unbiased, non-negative; GRPO's choice, arXiv 2402.03300 eq. 4).
 
     Raises:
-        ValueError: unknown estimator.
+        ValueError: unknown estimator, or the two shapes differ.
     """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
     d = logprobs - ref_logprobs
     if estimator == "k1":
         return d
     if estimator == "k2":
         return 0.5 * d.pow(2)
-    if estimator == "k3":  # exp's argument clamped to +-MAX_LOG_RATIO (as verl): finite, exact within it
-        return torch.exp(torch.clamp(-d, -MAX_LOG_RATIO, MAX_LOG_RATIO)) - 1.0 + d
+    if estimator == "k3":  # exp's argument clamped to +-MAX_LOG_RATIO (as verl): finite, exact within it;
+        # in float64: exp(-d) - 1 + d ~ d^2 / 2 cancels in float32 (negative values at |d| ~ 1e-3)
+        d64 = d.double()
+        return (torch.expm1(torch.clamp(-d64, -MAX_LOG_RATIO, MAX_LOG_RATIO)) + d64).to(d.dtype)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 

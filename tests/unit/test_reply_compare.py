@@ -93,7 +93,9 @@ def test_the_gate_pairs_the_judges_preference_with_the_promoted_versions_replies
     cfg = load_config(["conf/rl.yaml"], ["deploy.gate=true", "env.enabled=false", f"deploy.probe_file={path}"])
     with pytest.raises(ConfigError, match="has compare items, which a judge compares: judge.backend=feedback cannot"):
         PromotionGate(cfg.deploy, cfg.env, str(tmp_path), judge_backend="feedback")
-    deploy = section(DeployConfig, {**cfg.deploy, "probe_n": 2, "rule": "noninferior"})
+    # 4 probe items vouch for little: with the adjusted Wald bound a 0.3 margin lets the better candidate
+    # below (2 of 4 better: lower -0.252) be shown non-inferior, the worse one (lower -0.585) not
+    deploy = section(DeployConfig, {**cfg.deploy, "probe_n": 2, "rule": "noninferior", "margin": 0.3})
     gate = PromotionGate(deploy, cfg.env, str(tmp_path), judge_backend="engine")
     tok = AutoTokenizer.from_pretrained(tiny_model)
     eos = tok.convert_tokens_to_ids(tok.eos_token)
