@@ -218,7 +218,7 @@ class Driver:
         with clock.phase("wait_batch"):
             batch, refs, metas = take_batch(tr, self.actors, st, next_version, self.stats.lagging)
         rewards = [m.reward for m in metas]
-        teacher = [m.kind != "rl" for m in metas]
+        teacher = [m.teacher for m in metas]  # a Combine turn without an accepted hint: its reward alone
         adv = batch_advantages(rewards, st.guard, tr.advantage, sample_groups(metas, tr.group_by), teacher)
         skipped = "" if adv.train and refs else "degenerate"
         with clock.phase("hold"):

@@ -172,6 +172,8 @@ class SampleMeta:
             under ``trainer.group_by=session_prefix``.
         outcome: the session outcome the sample's return includes (``info["outcome"]``), or None.
         shaping: ``((term, signed contribution), ...)`` of the dense shaping terms (``info["shaping"]``).
+        teacher: the sample carries teacher log-probs (an OPD term; a Combine turn without an accepted
+            hint carries none: its reward alone).
     """
 
     policy_version: int
@@ -185,6 +187,7 @@ class SampleMeta:
     opening_key: str = ""
     outcome: float | None = None
     shaping: tuple[tuple[str, float], ...] = ()
+    teacher: bool = False
 
     @classmethod
     def of(cls, sample: Sample) -> "SampleMeta":
@@ -202,4 +205,5 @@ class SampleMeta:
             opening_key=str(sample.info.get("opening", sample.session_id)),
             outcome=sample.info.get("outcome"),
             shaping=tuple(sorted((str(k), float(v)) for k, v in sample.info.get("shaping", {}).items())),
+            teacher=sample.teacher_logprobs is not None or sample.teacher_topk_logprobs is not None,
         )

@@ -248,6 +248,10 @@ def test_combine_dispatch_all_four_cases():
         (3, "combine", 1.0, None, None),  # no hint: no teacher term at all (not rollout-lp noise)
     ]
     assert [s.info.get("unscored") for s in sorted(queue.items, key=lambda s: s.turn_index)] == [None, True, None]
+    # the driver reads from the metadata whether a sample has a teacher term (the degenerate-batch guard
+    # keeps a batch for its teacher terms): the hintless Combine turn has none (its kind said it had)
+    teacher = sorted((s.turn_index, SampleMeta.of(s).teacher) for s in queue.items)
+    assert teacher == [(1, True), (2, True), (3, False)]
     assert stats["dispatch/hint+score"] == 1 and stats["dispatch/hint"] == 1
     assert stats["dispatch/nohint+score"] == 1 and stats["dispatch/nohint"] == 1
     assert stats["dropped/no_signal"] == 1 and stats["samples"] == 3
