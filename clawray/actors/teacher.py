@@ -57,7 +57,7 @@ def hinted_messages(
         out[-1]["content"] = (out[-1].get("content") or "") + text
         return out
     if placement not in ("user", "last"):
-        raise ValueError(f"hint placement must be 'user' or 'system', got {placement!r}")
+        raise ValueError(f"hint placement must be 'user', 'system' or 'last', got {placement!r}")
     users = [i for i, m in enumerate(out) if m.get("role") == "user"]
     if users:
         out[users[-1]]["content"] = (out[users[-1]].get("content") or "") + text
