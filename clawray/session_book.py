@@ -43,6 +43,10 @@ from clawray.types import Turn
 #: that client, and inference would let anyone who knows its history into it.
 AUTO_SESSION_PREFIX = "auto-"
 MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
+#: seconds a request inferred into a session claims it (its lookup to its record): another request of a
+#: conversation that opens alike takes another session of the key meanwhile. A claim only breaks ties
+#: between such sessions, so one left by a request that failed costs nothing but its tie-break.
+CLAIM_S = 600.0
 
 
 @dataclass
@@ -64,6 +68,9 @@ class Session:
     sid: str = ""  # the session id (for the journal)
     credit: SessionCredit = field(default_factory=SessionCredit)  # waiting turns, outcome (trainer.credit)
     requests: int = 0  # main-line requests recorded in this session (n choices count once)
+    # time.monotonic() until which a request inferred into this session is in flight (find, until add):
+    # a conversation that opens alike and asks meanwhile takes another session of its key
+    claimed_until: float = 0.0
     opening: str = ""  # conversation_key of the session's opening (trainer.group_by session_prefix)
 
     def promote_best(self) -> tuple[Any, float] | None:
@@ -180,6 +187,8 @@ class SessionBook:
             session_id = self._infer(keys, self.index, auto_only) or self._infer(keys, self.closed_index, auto_only)
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)
+        if s is not None and how == "inferred":
+            s.claimed_until = time.monotonic() + CLAIM_S
         if s is not None:  # a request in flight keeps its session open (idle counts from requests)
             s.last_seen = time.monotonic()
         for t, key in zip(s.pending, s.exact) if s and exact else ():
@@ -196,15 +205,21 @@ class SessionBook:
             return {"session_id": session_id, "prev": prev, "context_changed": False, "how": how}
         return {"session_id": session_id, "prev": None, "context_changed": False, "how": how}
 
-    @staticmethod
-    def _infer(keys: dict[int, str], index: dict[str, Any], auto_only: bool) -> str | None:
-        """The session of the latest assistant message of ``keys`` found in ``index`` (a key's oldest
-        session when several hold it: :attr:`index`; ``closed_index`` holds one id a key), or None."""
+    def _infer(self, keys: dict[int, str], index: dict[str, Any], auto_only: bool) -> str | None:
+        """The session of the latest assistant message of ``keys`` found in ``index``, or None. When
+        several sessions hold it (:attr:`index`; ``closed_index`` holds one id a key), the oldest one
+        without a request in flight (``claimed_until``), else the oldest."""
+        now = time.monotonic()
         for k in sorted(keys, reverse=True):
             found = index.get(keys[k], ())
-            for sid in [found] if isinstance(found, str) else found:
-                if not auto_only or sid.startswith(AUTO_SESSION_PREFIX):
-                    return sid
+            sids = [
+                sid
+                for sid in ([found] if isinstance(found, str) else found)
+                if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)
+            ]
+            if sids:
+                free = [sid for sid in sids if (s := self.sessions.get(sid)) is None or s.claimed_until <= now]
+                return (free or sids)[0]
         return None
 
     def pair(self, s: Session, messages: list[dict[str, Any]]) -> Pairing:
@@ -247,8 +262,9 @@ class SessionBook:
         return Pairing(None, [], len(s.pending))
 
     def add(self, s: Session, turns: list[Turn]) -> None:
-        """Make ``turns`` (one request's choices) ``s``'s pending turns, giving each the next turn index."""
-        s.pending, s.keys, s.exact = [], [], []
+        """Make ``turns`` (one request's choices) ``s``'s pending turns, giving each the next turn index
+        (the request that claimed ``s`` has ended)."""
+        s.pending, s.keys, s.exact, s.claimed_until = [], [], [], 0.0
         for turn in turns:
             s.turns += 1
             turn.turn_index = s.turns

@@ -251,3 +251,29 @@ def test_two_conversations_that_open_alike_each_go_on_in_their_own_session():
     assert (paired_b.chosen.turn_index, paired_b.next_state) == (1, [haiku])
     assert [t.turn_index for t in book.sessions["auto-A"].pending] == [2]
     assert [t.turn_index for t in book.sessions["auto-B"].pending] == [2]
+
+
+def test_conversations_that_open_alike_and_ask_at_once_take_one_session_each():
+    """Both next requests arrive before either is recorded: the first lookup claims the oldest session
+    of the key, the second takes the other (both took the oldest: the second request then replaced
+    the first one's pending turn in it, and the other session's turn was never paired)."""
+    from clawray.chat import attribution_keys
+
+    system, hi = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}
+    book = SessionBook()
+    for sid in ("auto-A", "auto-B"):
+        book.add(book.open(sid, [system, hi]), [turn(sid, [system, hi], "Hello!")])
+    history = [system, hi, {"role": "assistant", "content": "Hello!"}]
+    ask = [history + [{"role": "user", "content": q}] for q in ("7 + 8?", "A haiku.")]
+    keys = [{k: key for k, key in enumerate(attribution_keys(m)) if m[k]["role"] == "assistant"} for m in ask]
+    sids = [book.find(None, k, None, True)["session_id"] for k in keys]  # both in flight
+    assert sids == ["auto-A", "auto-B"]
+    for sid, messages in zip(sids, ask):
+        s = book.open(sid, messages)
+        assert book.pair(s, messages).next_state == [messages[-1]]
+        book.add(s, [turn(sid, messages, "ok")])
+    assert book.sessions["auto-A"].claimed_until == 0.0  # recorded: the claim is over
+    # a later request of A's conversation finds A, claimed or not
+    later = ask[0] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Thanks"}]
+    k = {i: key for i, key in enumerate(attribution_keys(later)) if later[i]["role"] == "assistant"}
+    assert book.find(None, k, None, True)["session_id"] == "auto-A" == book.find(None, k, None, True)["session_id"]
