@@ -185,6 +185,10 @@ class VLLMBackend(SteppedBackend):
         tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self._tied = tied
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
+        # vLLM's start-up lines are said once; after them its INFO lines of every weight load ("Reloading
+        # and processing weights took ...", "Successfully reset prefix cache") would interleave with the
+        # job's step lines: warnings and errors only from here on
+        logging.getLogger("vllm").setLevel(logging.WARNING)
         self.dtype = str(self.llm.llm_engine.model_config.dtype)  # e.g. "torch.bfloat16"
         self._request_ids = itertools.count()
         self._runs: dict[str, _Run] = {}  # requests in the engine, by request id

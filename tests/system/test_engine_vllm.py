@@ -169,6 +169,19 @@ def test_load_weights_changes_and_restores(env):
     torch.testing.assert_close(torch.tensor(restored.logprobs), torch.tensor(base.logprobs), atol=1e-6, rtol=0)
 
 
+def test_after_start_up_a_weight_load_prints_no_info_line(env, capfd):
+    """vLLM's INFO lines of each weight load ("Reloading and processing weights took ...") interleaved
+    with the job's step lines; after its start-up the engine says warnings and errors only."""
+    import logging
+
+    backend, _, path = env
+    capfd.readouterr()
+    backend.load_weights(sorted(load_file(f"{path}/model.safetensors").items()))
+    out = capfd.readouterr()
+    assert "Reloading and processing weights" not in out.out + out.err
+    assert logging.getLogger("vllm").getEffectiveLevel() == logging.WARNING
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_topk_logprobs_matches_hf(env, temperature):
     backend, hf, _ = env
