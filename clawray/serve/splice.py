@@ -72,6 +72,6 @@ def splice_suffix(render: Render, messages: list[dict[str, Any]], n_messages: in
     if not full.startswith(head):
         raise SpliceError("the chat template renders the earlier turns differently once later ones follow")
     end = head.rfind(stop_text) if stop_text else -1
-    if end < 0:
+    if end < len(render(plain[:n_messages], False)):  # none, or an earlier turn's: reply t is left open
         raise SpliceError(f"the rendered reply does not end with the stop text {stop_text!r}")
     return head[end:] + full[len(head) :]
