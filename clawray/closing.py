@@ -50,13 +50,26 @@ def closing_lines(cfg: DictConfig, last_checkpoint: dict[str, Any] | None) -> li
         lines += [
             f"trained model (policy v{last_checkpoint['version']}): {model} "
             f"(checkpoint {last_checkpoint['bytes'] / 2**20:.0f} MiB{slim})",
-            f"serve it:    {exe} serve {_path(model)}   (as it is, no training; train on: {exe} run ... "
-            f"model.path={_path(model)})",
+            f"serve it:    {exe} serve {_path(model)}{_serve_address(cfg)}   (as it is, no training; train on: "
+            f"{exe} run ... model.path={_path(model)})",
         ]
         if cfg.env.enabled or cfg.eval.enabled:
             lines.append(f"evaluate it: {eval_command(cfg, model)}")
     lines.append(f"report:      {exe} report {_path(run_dir)}   (plots in {os.path.join(run_dir, 'report')}/)")
     return lines
+
+
+def _serve_address(cfg: DictConfig) -> str:
+    """`` serve.host=H serve.port=P`` where the job served elsewhere than the default address (so
+    the printed serve command answers where the job's clients were pointed), else ``""``."""
+    from clawray.config import ServeConfig
+
+    default = ServeConfig()
+    return "".join(
+        f" serve.{key}={shlex.quote(str(cfg.serve[key]))}"
+        for key in ("host", "port")
+        if cfg.serve[key] != getattr(default, key)
+    )
 
 
 def _path(path: str) -> str:

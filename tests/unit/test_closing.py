@@ -178,3 +178,13 @@ def test_printed_commands_paste_with_spaces_a_tilde_and_a_variable_in_their_path
 
     cfg = load_config(["conf/rl.yaml"], ["run_dir=$GSM_DIR/run"])
     assert cfg.run_dir == f"{data.parent}/run" and checkpoint_dir(cfg) == f"{data.parent}/run/checkpoints"
+
+
+def test_the_serve_command_answers_where_the_jobs_clients_were_pointed():
+    """A job on serve.port=8391 printed a serve command that bound the default 8000."""
+    ckpt = {"path": "/r/checkpoints/ckpt-000002", "version": 2, "bytes": 2**20}
+    default = load_config(["conf/rl.yaml", "conf/cpu.yaml"], [])
+    moved = load_config(["conf/rl.yaml", "conf/cpu.yaml"], ["serve.port=8391", "serve.host=0.0.0.0", "serve.api_key=k"])
+    assert closing_lines(default, ckpt)[1].split("   (")[0].endswith("serve /r/checkpoints/ckpt-000002/model")
+    line = closing_lines(moved, ckpt)[1].split("   (")[0]
+    assert line.endswith("serve /r/checkpoints/ckpt-000002/model serve.host=0.0.0.0 serve.port=8391")
