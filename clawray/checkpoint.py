@@ -184,28 +184,39 @@ _DTYPE_NAMES = {
 }
 
 
-def learner_compute_dtype(num_gpus: float) -> str:
-    """The precision the learners compute log-probs in: bfloat16 on CUDA (FSDP2 mixed precision over
-    fp32 master weights, :class:`clawray.actors.learner.LearnerWorker`), float32 on CPU."""
+def learner_compute_dtype(num_gpus: float, compute_dtype: str = "auto") -> str:
+    """The precision learners with ``num_gpus`` GPUs each compute log-probs in: ``learner.compute_dtype``,
+    whose ``auto`` is bfloat16 on CUDA and float32 on CPU (FSDP2 mixed precision over fp32 master
+    weights, :func:`clawray.actors.learner.mixed_precision`)."""
+    if compute_dtype != "auto":
+        return compute_dtype
     return "bfloat16" if num_gpus > 0 else "float32"
 
 
 def precision_mismatch(cfg) -> str | None:
     """A line saying that the rollout engine samples in another precision than the learners compute
-    in, or None when they agree (or the engine's is ``auto``: the model folder's). Measured on the CPU
-    demo (``conf/rl.yaml conf/cpu.yaml``, seed 0, README "Learner options"): a bfloat16 vLLM engine
-    against float32 learners solved 22.7% -> 32.4% (CIs overlap) where the float32 engine reached
-    22.2% -> 92.1%; over 16 steps its ``inv/logprob_mismatch_kl`` had median 0.019 (against 3e-11),
-    ``inv/ratio_max`` median 2.9 (against 1.5) and ``inv/clip_frac`` median 7.7% (against 1.5%)."""
+    in, or None when they agree (or the engine's is ``auto``: the model folder's).
+
+    Measured (README "Learner options"). CPU demo (``conf/rl.yaml conf/cpu.yaml``, seed 0): a bfloat16
+    vLLM engine against float32 learners solved 22.7% -> 32.4% (CIs overlap) where the float32 engine
+    reached 22.2% -> 92.1%; over 16 steps its ``inv/logprob_mismatch_kl`` had median 0.019 (against
+    3e-11), ``inv/ratio_max`` median 2.9 (against 1.5). One H100 (``launch/gpu_check_offline.sh``,
+    SmolLM2-135M, hf engine, lr 1e-5, 6 steps): engine/learner bf16/bf16 KL <= 1.0e-3 and flat, fp32/fp32
+    <= 4.8e-11, while bf16/fp32 grew to 1.1e-2 and fp32/bf16 to 1.5e-2 (ratios up to 1.5 and 1.9) as
+    the updates the engine's copy rounds differently accumulate."""
     engine = _DTYPE_NAMES.get(engine_dtype(str(cfg.rollout.backend), str(cfg.rollout.dtype)))
-    learner = learner_compute_dtype(float(cfg.learner.num_gpus))
+    learner = learner_compute_dtype(float(cfg.learner.num_gpus), str(cfg.learner.compute_dtype))
     if engine is None or engine == learner:
         return None
+    where = (
+        "on one H100: logprob_mismatch_kl up to 0.015 in 6 steps, against 0.001 when both are bf16"
+        if float(cfg.learner.num_gpus) > 0
+        else "the CPU demo with a bfloat16 engine: logprob_mismatch_kl ~0.02, ratios up to 8, "
+        "+9.7 points solved instead of +69.9"
+    )
     return (
         f"precision: the rollout engine samples in {engine} and the learners compute in {learner}, so the "
-        f"rollout log-probs are off-policy for the learner (the CPU demo with a bfloat16 engine: "
-        f"logprob_mismatch_kl ~0.02, ratios up to 8, +9.7 points solved instead of +69.9); "
-        f"rollout.dtype={learner} makes them agree"
+        f"rollout log-probs are off-policy for the learner ({where}); rollout.dtype={learner} makes them agree"
     )
 
 

@@ -424,6 +424,10 @@ class LearnerConfig:
     # keep the input embeddings and the lm_head (one tensor when tied) at their initial values: not
     # trained, not in the optimizer (conf/rl.yaml turns it on: README, "The CPU demo")
     freeze_embeddings: bool = False
+    # the dtype the learner computes in (FSDP2 MixedPrecisionPolicy param_dtype; master weights, gradient
+    # reduction and the optimizer stay float32): auto = bfloat16 on CUDA, float32 on CPU. Keep it equal
+    # to the engine's rollout.dtype (README "Learner options": a mismatch is warned at start-up)
+    compute_dtype: str = choice("auto", "bfloat16", "float32")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

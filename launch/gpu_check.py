@@ -126,7 +126,10 @@ def check_engine(folder: str, model: str, backend: str, dtype: str, gpu_memory_u
     else:
         rollout["kv_cache_gib"] = 0.5
     gpus = 1 if torch.cuda.is_available() else 0
-    engine = RolloutEngineActor.options(num_cpus=0.5, num_gpus=gpus).remote(os.path.expanduser(model), rollout)
+    hf_dtype = {"dtype": dtype} if backend == "hf" else None  # the hf backend runs float32 unless told
+    engine = RolloutEngineActor.options(num_cpus=0.5, num_gpus=gpus).remote(
+        os.path.expanduser(model), rollout, engine_kwargs=hf_dtype
+    )
     ray.get(engine.ready.remote(), timeout=900)
     prompts = [[1 + (7 * i + j) % 50 for j in range(24)] for i in range(16)]
     reqs = [GenerateRequest(prompt_ids=p, max_tokens=64, temperature=1.0, seed=i) for i, p in enumerate(prompts)]

@@ -23,7 +23,8 @@
 # Time budget, 8 minutes (an estimate: it has not run on a GPU yet; each step prints its seconds):
 # install 3-4 min (CUDA torch and vLLM wheels from PyPI), steps 2-4 about 1 min, step 5 about 1.5 min,
 # step 6 about 2 min (3 measured steps per mode); SKIP_LOOP=1 when the window is shorter. The dry run
-# took 221 s on 2 CPU cores (README "GPU check"). Exits non-zero when a check fails.
+# took 221 s on 2 CPU cores (README "GPU check"). Exits non-zero when a check fails. A machine that reaches
+# no package index (no vLLM to install): launch/gpu_check_offline.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

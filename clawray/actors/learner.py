@@ -47,6 +47,7 @@ import ray
 import torch
 
 from clawray.actors.learner_checkpoint import load_learner_state, save_hf_folder, save_learner_state
+from clawray.checkpoint import learner_compute_dtype
 from clawray.algos.losses import (
     SUM_METRICS,
     LossSettings,
@@ -90,6 +91,19 @@ def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def mixed_precision(device_type: str, compute_dtype: str = "auto"):
+    """FSDP2's mixed-precision policy for a learner on ``device_type`` (``"cuda"`` or ``"cpu"``) computing
+    in ``compute_dtype`` (``learner.compute_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU): that
+    dtype for the forward and backward, fp32 master weights, gradient reduction and optimizer. None
+    when it computes in float32 (no casts)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = learner_compute_dtype(1.0 if device_type == "cuda" else 0.0, compute_dtype)
+    if dtype == "float32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
 
 
 def merge_lora_state_dict(
@@ -201,7 +215,7 @@ class LearnerWorker:
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
         cfg, rank, world_size, model_path, loss_weights = (
@@ -239,8 +253,9 @@ class LearnerWorker:
                 hf.get_output_embeddings().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (world_size,))
         shard_kwargs: dict = {"mesh": mesh}
-        if self.device.type == "cuda":  # bf16 compute, fp32 master weights and gradient reduction
-            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = mixed_precision(self.device.type, cfg.compute_dtype)
+        if policy is not None:
+            shard_kwargs["mp_policy"] = policy
         for layer in self._hf_model(model).model.layers:
             fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer

@@ -88,3 +88,28 @@ def test_a_slow_async_loop_is_reported_not_failed(check, complete):
     assert check.table(str(complete)) == 0
     os.remove(os.path.join(complete, "loop.json"))  # SKIP_LOOP=1: no row
     assert len(check.rows(str(complete))) == 3
+
+
+@pytest.mark.parametrize(
+    "interpreter, rc, said", [("", 0, "gpu_check_offline ok"), ("/bin/false", 1, "failed: 1. machine")]
+)
+def test_the_offline_gpu_check_runs_the_steps_asked_and_counts_a_failed_one(tmp_path, interpreter, rc, said):
+    """launch/gpu_check_offline.sh: STEPS picks the steps (a lent GPU gets them over several calls); a
+    step that fails is named at the end and the script exits 1, after running the steps after it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, STEPS="1", PY=interpreter or sys.executable)
+    out = subprocess.run(
+        ["bash", "launch/gpu_check_offline.sh", "--dry-run", str(tmp_path / "check")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = out.stdout.splitlines()
+    assert out.returncode == rc, out.stdout + out.stderr
+    steps = [x.split(" in ")[0] for x in lines if x.startswith("== ") and not x.startswith("== summary")]
+    assert steps == ["== 1. machine", "== 1. machine: ok" if rc == 0 else "== 1. machine: FAILED (exit 1)"]
+    assert lines[-1] == said
