@@ -203,7 +203,8 @@ def precision_mismatch(cfg) -> str | None:
     3e-11), ``inv/ratio_max`` median 2.9 (against 1.5). One H100 (``launch/gpu_check_offline.sh``,
     SmolLM2-135M, hf engine, lr 1e-5, 6 steps): engine/learner bf16/bf16 KL <= 1.0e-3 and flat, fp32/fp32
     <= 4.8e-11, while bf16/fp32 grew to 1.1e-2 and fp32/bf16 to 1.5e-2 (ratios up to 1.5 and 1.9) as
-    the updates the engine's copy rounds differently accumulate."""
+    the updates the engine's copy rounds differently accumulate. The matched bf16 pair on the CPU demo
+    (``rollout.dtype=bfloat16 learner.compute_dtype=bfloat16``): 22.2% -> 53.2%, KL median 0.0028."""
     engine = _DTYPE_NAMES.get(engine_dtype(str(cfg.rollout.backend), str(cfg.rollout.dtype)))
     learner = learner_compute_dtype(float(cfg.learner.num_gpus), str(cfg.learner.compute_dtype))
     if engine is None or engine == learner:
