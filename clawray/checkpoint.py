@@ -195,7 +195,9 @@ def learner_compute_dtype(num_gpus: float, compute_dtype: str = "auto") -> str:
 
 def precision_mismatch(cfg) -> str | None:
     """A line saying that the rollout engine samples in another precision than the learners compute
-    in, or None when they agree (or the engine's is ``auto``: the model folder's).
+    in, or None when they agree (or the engine's is ``auto``: the model folder's), ending with the
+    setting that makes them agree (``rollout.dtype``; ``learner.compute_dtype`` on the hf backend,
+    which always samples in float32).
 
     Measured (README "Learner options"). CPU demo (``conf/rl.yaml conf/cpu.yaml``, seed 0): a bfloat16
     vLLM engine against float32 learners solved 22.7% -> 32.4% (CIs overlap) where the float32 engine
@@ -215,9 +217,11 @@ def precision_mismatch(cfg) -> str | None:
         else "the CPU demo with a bfloat16 engine: logprob_mismatch_kl ~0.02, ratios up to 8, "
         "+9.7 points solved instead of +69.9"
     )
+    # the hf backend ignores rollout.dtype (always float32): only the learners' side can move there
+    fix = "learner.compute_dtype=float32" if str(cfg.rollout.backend) == "hf" else f"rollout.dtype={learner}"
     return (
         f"precision: the rollout engine samples in {engine} and the learners compute in {learner}, so the "
-        f"rollout log-probs are off-policy for the learner ({where}); rollout.dtype={learner} makes them agree"
+        f"rollout log-probs are off-policy for the learner ({where}); {fix} makes them agree"
     )
 
 

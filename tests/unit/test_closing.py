@@ -131,6 +131,18 @@ def test_clawray_serve_refuses_a_missing_model_and_a_bad_config(tmp_path, capsys
         (["conf/rl.yaml", "conf/gpu.yaml"], ["learner.compute_dtype=float32", "rollout.dtype=float32"], None),
         (["conf/rl.yaml", "conf/cpu.yaml"], ["learner.compute_dtype=bfloat16"], ("float32", "bfloat16")),
         (["conf/rl.yaml", "conf/cpu.yaml"], ["learner.compute_dtype=bfloat16", "rollout.dtype=bfloat16"], None),
+        # the hf backend samples in float32 whatever rollout.dtype says: the learners' side is the fix
+        (
+            ["conf/rl.yaml", "conf/gpu.yaml"],
+            ["rollout.backend=hf"],
+            ("float32", "bfloat16", "learner.compute_dtype=float32"),
+        ),
+        (["conf/rl.yaml", "conf/gpu.yaml"], ["rollout.backend=hf", "learner.compute_dtype=float32"], None),
+        (
+            ["conf/rl.yaml", "conf/cpu.yaml"],
+            ["rollout.backend=hf", "learner.compute_dtype=bfloat16"],
+            ("float32", "bfloat16", "learner.compute_dtype=float32"),
+        ),
         (["conf/rl.yaml", "conf/cpu.yaml"], ["rollout.backend=hf", "rollout.dtype=bfloat16"], None),  # hf: fp32
         (["conf/rl.yaml", "conf/cpu.yaml"], ["rollout.dtype=auto"], None),  # the folder's: unknown here
         (["conf/rl.yaml", "conf/cpu.yaml"], ["rollout.dtype=half"], ("float16", "float32")),
@@ -149,7 +161,8 @@ def test_an_engine_sampling_in_another_precision_than_the_learners_is_said(files
         assert line.startswith(
             f"precision: the rollout engine samples in {said[0]} and the learners compute in {said[1]}"
         )
-        assert line.endswith(f"rollout.dtype={said[1]} makes them agree")
+        fix = said[2] if len(said) > 2 else f"rollout.dtype={said[1]}"
+        assert line.endswith(f"; {fix} makes them agree")
         assert ("(on one H100: " in line) == (files[1] == "conf/gpu.yaml")  # the figure measured there
 
 
