@@ -1,15 +1,18 @@
-"""On-policy gap at lr = 0: ``inv/logprob_mismatch_kl`` between a rollout engine and the FSDP2 learner.
+"""On-policy gap: ``inv/logprob_mismatch_kl`` between a rollout engine and the FSDP2 learner.
 
-With a zero learning rate the weights never change, so every difference between the engine's
-log-probs and the learner's recomputation of the same tokens is engine numerics (kernels, dtype).
-Runs 5 train+sync steps per configuration and prints the per-step KL (k3), the max ratio, the
-engine's sampling tokens/s and the learner's step seconds.
+With a zero learning rate (the default) the weights never change, so every difference between the
+engine's log-probs and the learner's recomputation of the same tokens is numerics (kernels, dtype);
+with ``--lr`` > 0 later steps add what the engine's copy of the updated weights rounds otherwise.
+Runs 5 train+sync steps per configuration (weights over ``--transport``, default ``auto``: ipc on
+one host; figures before 2026-12-05 used the gloo ``collective``) and prints the per-step KL (k3),
+the max ratio, the engine's sampling tokens/s and the learner's step seconds.
 
     python bench/mismatch.py --model /path/to/hf-folder --backend vllm --dtype bfloat16
     python bench/mismatch.py --tiny                      # builds the tiny model, runs hf + vllm fp32/bf16
-    python bench/mismatch.py --model M --gpu             # one GPU: hf engine and one learner share it
-                                                         # (ipc sync); engine bf16/fp32 x learner
-                                                         # compute bf16/fp32 (launch/gpu_check_offline.sh)
+    python bench/mismatch.py --model M --backend hf --gpu --lr 1e-5 --steps 6
+        # one GPU: the engine and one learner share it (ipc sync); the four pairs engine bf16/fp32 x
+        # learner compute bf16/fp32 (GPU_CONFIGS; --dtype and --compute-dtype do not apply); the
+        # figures of README "GPU check" (launch/gpu_check_offline.sh step 5)
 """
 
 from __future__ import annotations
@@ -143,12 +146,16 @@ def main() -> int:
     parser.add_argument("--backend", default="vllm")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
-        "--gpu", action="store_true", help="one GPU: engine dtype x learner compute dtype (GPU_CONFIGS)"
+        "--gpu",
+        action="store_true",
+        help="one GPU: the four engine dtype x learner compute dtype pairs (GPU_CONFIGS; not --dtype/--compute-dtype)",
     )
-    parser.add_argument("--compute-dtype", default="auto", help="learner.compute_dtype (without --gpu)")
+    parser.add_argument(
+        "--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="learner.compute_dtype"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.0, help="> 0: later steps add the weight-update drift")
-    parser.add_argument("--transport", default="auto", help="sync.transport: auto, ipc, collective, object_store")
+    parser.add_argument("--transport", default="auto", choices=["auto", "ipc", "collective", "object_store"])
     args = parser.parse_args()
     init_ray(num_cpus=os.cpu_count())
     if args.tiny:

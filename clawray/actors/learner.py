@@ -16,8 +16,8 @@ averages gradients over the N ranks, each rank scales its masked sum by ``N / gl
 makes the gradient independent of how samples are packed.
 
 Optional: LoRA adapters through peft (only adapters train; weight sync and the HF export carry the
-merged weights under the base model's names), activation checkpointing, bf16 mixed precision on
-CUDA (fp32 on CPU), a constant or cosine learning-rate schedule with linear warmup.
+merged weights under the base model's names), activation checkpointing, mixed precision
+(``learner.compute_dtype``: bf16 on CUDA and fp32 on CPU by default; fp32 master weights), a constant or cosine learning-rate schedule with linear warmup.
 
 Invariants:
   * Every log-prob forward (policy, proximal, reference) is deterministic, as in the rollout engine:
@@ -262,7 +262,10 @@ class LearnerWorker:
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
         self.ref_model = None
         if cfg.kl_coef > 0:  # a frozen full copy of the initial policy, only when KL is on
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+            # computing in the policy's compute dtype: an fp32 reference beside a bf16 policy made the KL
+            # non-zero before any update
+            ref_dtype = getattr(torch, learner_compute_dtype(float(self.device.type == "cuda"), cfg.compute_dtype))
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=ref_dtype).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._build_optimizer(loss_weights)

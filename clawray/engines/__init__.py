@@ -51,7 +51,7 @@ def backend_kwargs(rollout, backend: str, seed: int) -> dict:
     """The :func:`make_backend` keyword arguments of a run's engine on ``backend`` from its
     ``rollout`` config section: vLLM takes ``rollout.dtype``, ``max_model_len``, ``kv_cache_gib``,
     ``gpu_memory_utilization`` and ``prefix_caching``; the hf backend always runs float32 (the
-    learners' precision), on the GPU when Ray gave the engine one (``rollout.num_gpus``,
+    learners' master weights; ``learner.compute_dtype=float32`` makes the learners compute alike), on the GPU when Ray gave the engine one (``rollout.num_gpus``,
     :func:`clawray.ray_env.compute_device`)."""
     if backend == "vllm":
         return {

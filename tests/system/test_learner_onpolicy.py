@@ -87,6 +87,20 @@ def dropout_model(tiny_model, tmp_path_factory) -> str:
     return str(path)
 
 
+def test_the_reference_model_computes_in_the_policys_compute_dtype(ray_cluster, tiny_model):
+    """kl_coef > 0 with ``learner.compute_dtype=bfloat16`` (the CUDA default): at lr 0 the KL to the
+    frozen reference is 0, as in fp32. The reference used to compute in fp32 beside the bf16 policy,
+    so the KL term pushed the policy before it had moved at all."""
+    learner = {**LEARNER, "kl_coef": 0.05, "compute_dtype": "bfloat16", "num_workers": 1}
+    group = LearnerGroup(tiny_model, learner, free_port())
+    try:
+        m = group.train_step([ray.put(s) for s in _on_policy(tiny_model, _samples())], 1)
+        assert m["num_tokens"] == 21 and m["optimizer_steps"] == 1
+        assert abs(m["kl"]) < 1e-12, m["kl"]  # fp32 reference: 1.9e-6 on the tiny model
+    finally:
+        group.shutdown()
+
+
 def _random_lora_b(worker, seed: int) -> None:
     """Inside a LearnerWorker (every rank): the adapters' B matrices get N(0, 0.1^2) values, the same
     on every rank, as after some training. A fresh adapter has B = 0, where LoRA dropout (on the

@@ -163,7 +163,8 @@ def test_an_engine_sampling_in_another_precision_than_the_learners_is_said(files
         )
         fix = said[2] if len(said) > 2 else f"rollout.dtype={said[1]}"
         assert line.endswith(f"; {fix} makes them agree")
-        assert ("(on one H100: " in line) == (files[1] == "conf/gpu.yaml")  # the figure measured there
+        # the evidence for the pair: the CPU demo measured a bf16 engine against fp32 learners only
+        assert ("(on one H100: " in line) == (files[1] == "conf/gpu.yaml" or said[1] != "float32")
 
 
 @pytest.mark.parametrize(

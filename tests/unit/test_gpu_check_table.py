@@ -158,3 +158,21 @@ def test_the_carried_parts_unpack_into_the_site_and_the_gguf_or_say_which_is_wro
         assert os.stat(tmp_path / "site" / "ray" / "raylet").st_mode & stat.S_IXUSR  # binaries stay executable
     else:
         assert "a part missing or twice?" in err
+
+
+@pytest.mark.parametrize("steps", ["1,3", "9", "3 x"])
+def test_the_offline_gpu_check_refuses_steps_it_does_not_have(tmp_path, steps):
+    """STEPS="1,3" (commas) or "9" ran nothing and said "gpu_check_offline ok": a GPU window spent on
+    no check. Now the script refuses them before any step, exit 2."""
+    import subprocess
+
+    out = subprocess.run(
+        ["bash", "launch/gpu_check_offline.sh", "--dry-run", str(tmp_path / "check")],
+        cwd=ROOT,
+        env=dict(os.environ, STEPS=steps),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert "is not a step (1-8, separated by spaces)" in out.stderr
