@@ -26,7 +26,8 @@
 #   5. precision matrix: engine dtype x learner compute dtype on one GPU, lr 1e-5, 6 steps each
 #      (bench/mismatch.py --gpu): inv/logprob_mismatch_kl per step, engine tokens/s, learner step s;
 #      weights over sync.transport=auto (CUDA IPC), once more over object_store if that failed
-#   6. the loop: `clawray run conf/rl.yaml conf/gpu.yaml rollout.backend=hf trainer.num_steps=4` on
+#   6. the loop: `clawray run conf/rl.yaml conf/gpu.yaml rollout.backend=hf learner.compute_dtype=float32
+#      trainer.num_steps=4` on
 #      SmolLM2 (engine and one learner on the GPU, ipc sync, Serve, simulated users; no evaluation)
 #   7. async / serial loop ratio (bench/loop_throughput.py --preset conf/gpu.yaml, hf engine)
 #   8. the summary table (launch/gpu_check.py table; also DIR/summary.md)
@@ -96,7 +97,8 @@ matrix() {
 }
 run_step "5. precision matrix (bench/mismatch.py ${MATRIX[*]})" matrix
 
-RUN=(conf/rl.yaml conf/gpu.yaml rollout.backend=hf "model.path=$MODEL" model.build=none trainer.num_steps=4
+# the hf engine samples in fp32 (it ignores rollout.dtype): fp32 learners make the pair agree
+RUN=(conf/rl.yaml conf/gpu.yaml rollout.backend=hf learner.compute_dtype=float32 "model.path=$MODEL" model.build=none trainer.num_steps=4
   eval.enabled=false checkpoint.save_at_exit=false wandb.mode=disabled "run_dir=$DIR/run")
 if [[ $DRY == 1 ]]; then  # conf/gpu.yaml with no GPUs, as launch/gpu_check.sh --dry-run
   RUN+=(rollout.num_gpus=0 rollout.num_cpus=0.5 learner.num_gpus=0 learner.num_cpus=0.25 sync.transport=auto
@@ -105,7 +107,9 @@ fi
 run_step "6. the loop (clawray run conf/rl.yaml conf/gpu.yaml rollout.backend=hf)" lim $PY -m clawray.cli run "${RUN[@]}"
 
 LOOP=(--model "$MODEL" --backend hf --steps 3 --json "$DIR/loop.json")
-if [[ $DRY == 0 ]]; then LOOP+=(--preset conf/gpu.yaml --set env.name=brief env.max_turns=2); else LOOP+=(--steps 2); fi
+if [[ $DRY == 0 ]]; then
+  LOOP+=(--preset conf/gpu.yaml --set env.name=brief env.max_turns=2 learner.compute_dtype=float32)
+else LOOP+=(--steps 2); fi
 run_step "7. async / serial loop ratio (bench/loop_throughput.py)" lim $PY bench/loop_throughput.py "${LOOP[@]}"
 
 echo "== summary ($DIR, $((SECONDS - T_START)) s)"
