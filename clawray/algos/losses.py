@@ -245,7 +245,7 @@ def topk_reverse_kl(
     t_tail = _log1m_exp(torch.logsumexp(t_k, dim=-1))
     s_all = torch.cat([s_k, s_tail[:, None]], dim=-1)
     t_all = torch.cat([t_k, t_tail[:, None]], dim=-1)
-    return (s_all.exp() * (s_all - t_all)).sum(-1)
+    return _plogp_sum(s_all, s_all - t_all)
 
 
 def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
@@ -261,10 +261,17 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
         logits: ``[..., V]``.
 
     Returns:
-        ``[...]`` entropies ``-sum_v p_v log p_v``.
+        ``[...]`` entropies ``-sum_v p_v log p_v`` (a masked, -inf logit adds 0).
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    return -_plogp_sum(logp, logp)
+
+
+def _plogp_sum(logp: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """``sum_v exp(logp_v) * term_v`` over the last dim, a zero-probability entry (``logp`` = -inf, a
+    masked logit) adding 0 (the limit ``p log p -> 0``) instead of ``0 * inf`` = NaN, in value and gradient."""
+    zero = torch.isneginf(logp)
+    return (logp.exp() * term.masked_fill(zero, 0.0)).sum(dim=-1)
 
 
 def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -608,3 +608,22 @@ def test_k3_is_never_negative_at_small_log_ratios():
         dd = d.to(dtype).double()
         assert k3.dtype == dtype and (k3 >= 0).all()
         assert k3.double() == pytest.approx((torch.exp(-dd) - 1 + dd).tolist(), rel=1e-2)
+
+
+def test_masked_logits_add_nothing_to_the_entropy_or_the_topk_kl_and_give_finite_gradients():
+    """A -inf logit (a masked or padded vocabulary entry) is a zero-probability entry: ``p log p`` -> 0.
+    It used to give 0 * -inf = NaN in both the value and the gradient."""
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), 0.0]], requires_grad=True)
+    h = token_entropy(logits)
+    assert h.tolist() == pytest.approx([math.log(3)])
+    h.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().max().item() < 1e-6  # uniform: a maximum
+    # top-k KL: the teacher's top-2 holds an id the student masks. Restricted to {id 0, id 2, tail},
+    # the student has p = (1/3, 0, 2/3) and the teacher (0.5, 0.25, 0.25):
+    # KL = 1/3 log((1/3)/0.5) + 0 + 2/3 log((2/3)/0.25)
+    student = torch.tensor([[0.0, 0.0, float("-inf"), 0.0]], requires_grad=True)
+    kl = topk_reverse_kl(student, torch.log(torch.tensor([[0.5, 0.25]])), torch.tensor([[0, 2]]))
+    want = (1 / 3) * math.log((1 / 3) / 0.5) + (2 / 3) * math.log((2 / 3) / 0.25)
+    assert kl.tolist() == pytest.approx([want], rel=1e-5)
+    kl.sum().backward()
+    assert torch.isfinite(student.grad).all()
