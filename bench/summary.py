@@ -4,7 +4,7 @@ engine, static batches, ...). README's "Performance" section is this table.
 
     PYTHONPATH=. python bench/summary.py                                   # tiny model, hf engine (~7 min)
     PYTHONPATH=. python bench/summary.py --model ~/.cache/clawray/models/smollm2-135m-instruct \\
-        --backend vllm                                                     # README's figures (~25 min)
+        --backend vllm                                                     # README's figures (~30 min)
     PYTHONPATH=. python bench/summary.py --only learner,ttft --out figures.json
 
 Each bench is run as ``python bench/<name>.py <its args> --json <file>`` (the commands are printed, so
@@ -54,6 +54,12 @@ class Bench:
 
 def _model(model: str, backend: str) -> list[str]:
     return ["--model", model] if model else []
+
+
+def _own_cpu() -> list[str]:
+    """sync_pause's engine on CPU 0 and the rest (Ray, the sender) on the others, as on a GPU host,
+    where decoding does not share the sync's CPUs; nothing on a 1-CPU machine."""
+    return ["--engine-cpus", "0", "--engine-threads", "1"] if len(os.sched_getaffinity(0)) >= 2 else []
 
 
 def _engine(model: str, backend: str) -> list[str]:
@@ -134,7 +140,9 @@ BENCHES: tuple[Bench, ...] = (
         "sync_pause.py",
         lambda m, b: (
             _engine(m, b)
-            + ["--modes", "interrupt,inflight", "--gap", "3", "--max-tokens", "32", "--syncs", "10", "--interval", "4"]
+            + ["--modes", "interrupt,inflight", "--gap", "3", "--max-tokens", "32", "--syncs", "30", "--interval", "4"]
+            + ["--transport", "auto"]
+            + _own_cpu()
         ),
         tuple(
             Measure(
@@ -143,7 +151,10 @@ BENCHES: tuple[Bench, ...] = (
                 "<=",
                 1.5,
                 lambda r, mode=mode: r[mode]["p99"] / r[mode]["transfer_load_s"],
-                lambda r, mode=mode: f"{r[mode]['p99']:.3f} s added vs {r[mode]['transfer_load_s']:.3f} s",
+                lambda r, mode=mode: (
+                    f"{r[mode]['p99']:.3f} s added vs {r[mode]['transfer_load_s']:.3f} s"
+                    + (f" (engine on CPU {r[mode]['engine_cpus']})" if r[mode].get("engine_cpus") else "")
+                ),
             )
             for mode in ("interrupt", "inflight")
         ),

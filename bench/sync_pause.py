@@ -5,7 +5,7 @@ One RolloutEngine actor serves steady traffic: requests arrive at random (Poisso
 that arrives during a drain waits for it (an open loop: the hf engine serves a batch's requests one
 after the other, so keep the engine below saturation, or queueing swamps the sync's effect). Meanwhile the driver runs
 ``--syncs`` weight syncs through :class:`clawray.weight_sync.WeightSyncController` (``--transport``:
-the gloo collective by default, or ipc), one every ``--interval`` seconds; the sender is a small actor
+the gloo collective by default, or ipc; ``auto``, the job's default, picks ipc on one host), one every ``--interval`` seconds; the sender is a small actor
 holding the model's weights (shifted by 1e-3 per version, built before the pause as the learners
 gather theirs), standing in for the learner group, so only the engine side of a sync is measured. Each mode gets its own fresh engine.
 
@@ -16,6 +16,11 @@ the sync's own numbers: pause (``sync/pause_s``), transfer + load (the engine's 
 seconds, the part no mode can avoid) and the generations interrupted (interrupt) or running across
 the load (inflight). The last lines give the ratio p99 added latency / mean (transfer + load) per
 mode; target <= 1.5.
+
+``--engine-cpus 0 --engine-threads 1`` runs the engine thread on CPU 0 (``rollout.cpu_affinity``) and
+the bench, Ray's processes and the sender on the other CPUs, as a GPU host does (decoding on the GPU,
+the sync's CPU work elsewhere): on 2 cores the sync's own CPU work (staging, sending, Ray) otherwise
+preempts the decode steps around each sync.
 
     nice -n 19 env PYTHONPATH=. python bench/sync_pause.py                  # tiny model, hf engine
     nice -n 19 env PYTHONPATH=. python bench/sync_pause.py --model ~/.cache/clawray/models/smollm2-135m-instruct \\
@@ -88,7 +93,8 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
 
     rollout = {
         "backend": args.backend,
-        "torch_threads": 2,
+        "torch_threads": args.engine_threads,
+        "cpu_affinity": args.engine_cpus,
         "dtype": "float32",
         "max_model_len": 1024,
         "kv_cache_gib": 0.5,
@@ -167,6 +173,7 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
         "p99": _percentile(added, 0.99),
         "pause_s": statistics.mean(r["pause_s"] for r in results),
         "transfer_load_s": statistics.mean(r["receive_s"]["rollout-0"] + r["load_s"]["rollout-0"] for r in results),
+        "engine_cpus": ",".join(map(str, args.engine_cpus)),  # "" = anywhere
         "interrupted": sum(r["interrupted"] for r in results),
         "inflight": sum(r.get("inflight", 0) for r in results),
         "added_s": added,  # per overlapping request, with its place against the sync it overlapped:
@@ -187,6 +194,13 @@ def main() -> None:
     ap.add_argument(
         "--transport", default="collective", choices=["collective", "ipc", "auto"], help="sync.transport (gloo or ipc)"
     )
+    ap.add_argument("--engine-threads", type=int, default=2, help="rollout.torch_threads")
+    ap.add_argument(
+        "--engine-cpus",
+        type=lambda v: [int(c) for c in v.split(",")],
+        default=[],
+        help="rollout.cpu_affinity, e.g. 0 (comma-separated); the bench, Ray and the sender run on the other CPUs",
+    )
     ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
@@ -197,6 +211,11 @@ def main() -> None:
     from clawray.ray_env import init_ray
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
+    if args.engine_cpus:  # Ray's processes and the sender start from here: they inherit the rest
+        rest = set(os.sched_getaffinity(0)) - set(args.engine_cpus)
+        if not rest:
+            ap.error(f"--engine-cpus {args.engine_cpus} leaves no CPU for Ray, the driver and the sender")
+        os.sched_setaffinity(0, rest)
     init_ray("", 2)
     tok = AutoTokenizer.from_pretrained(model)
     questions = [p.question for p in make_problems(32, level=1, seed=0)]
@@ -210,7 +229,8 @@ def main() -> None:
     stop = [tok.convert_tokens_to_ids(tok.eos_token)]
     print(
         f"model={model} backend={args.backend} gap={args.gap}s max_tokens={args.max_tokens} "
-        f"syncs={args.syncs} interval={args.interval}s"
+        f"syncs={args.syncs} interval={args.interval}s engine_threads={args.engine_threads} "
+        f"engine_cpus={args.engine_cpus or 'any'}"
     )
     print(
         f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from clawray.algos.algorithm import REGISTRY, algorithm_class
@@ -179,6 +179,11 @@ class RolloutConfig:
     # vLLM on CUDA: share of the GPU's memory the engine may take
     gpu_memory_utilization: float = num(0.5, gt=0.0, le=1.0)
     torch_threads: int = num(2, ge=1)  # intra-op threads inside the engine
+    # CPU ids the engine thread (and the threads it starts: torch's intra-op pool, vLLM's) runs on; [] =
+    # wherever the OS schedules it. Every engine on a host takes the same ids. On a CPU host, engines
+    # kept off the cores of Ray, the learners and the weight sync decode without being preempted: 2 cores,
+    # `taskset -c 1 clawray run ... rollout.cpu_affinity=[0] rollout.torch_threads=1` (README "sync pause")
+    cpu_affinity: list[int] = num(factory=list, ge=0)
     # vLLM weights dtype ("float32" for exact tests); the names vLLM's LLM(dtype=...) accepts
     dtype: str = choice("bfloat16", "float16", "float32", "auto", "half", "float")
     max_model_len: int = num(2048, ge=1)  # tokens, prompt + response
@@ -883,9 +888,9 @@ def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
     bounds: Bounds | None = f.metadata.get("bounds")
     if bounds is None:
         return
-    if bounds.length is not None:
+    if bounds.length is not None or isinstance(value, (list, ListConfig)):  # a list field: each item in range
         items = list(value)
-        if len(items) != bounds.length:
+        if bounds.length is not None and len(items) != bounds.length:
             raise ConfigError(f"{key}={items!r} must have {bounds.length} values, each {bounds.describe()}")
         if not all(bounds.contains(v) for v in items):
             raise ConfigError(f"{key}={items!r} is out of range: each value must be {bounds.describe()}")

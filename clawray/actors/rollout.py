@@ -77,6 +77,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger("clawray.rollout")
 
 
+def pin_thread(cpus: list[int]) -> None:
+    """Run the calling thread (and the threads it starts from now on) on ``cpus`` only
+    (``os.sched_setaffinity`` of this thread: Linux applies an affinity per thread).
+
+    Raises:
+        ValueError: ``cpus`` holds no CPU this process may run on, naming the ones it may.
+    """
+    import os
+
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as e:  # EINVAL: none of them exists or is allowed here
+        allowed = sorted(os.sched_getaffinity(os.getpid()))
+        raise ValueError(
+            f"rollout.cpu_affinity={list(cpus)}: {e.strerror}; this host has {os.cpu_count()} CPUs, and "
+            f"this process was started on {allowed}"
+        ) from None
+
+
 class EnginePausedError(RuntimeError):
     """The engine stayed paused (loading new weights) longer than the caller was willing to wait."""
 
@@ -215,7 +234,8 @@ class RolloutEngine:
         model_path: local HF folder.
         rollout: the ``rollout`` config section (:class:`~clawray.config.RolloutConfig`, or a mapping
             of the keys that differ from its defaults): ``backend``, ``torch_threads`` (intra-op
-            threads of the engine thread; Ray sets 1 by default), ``max_batch_size`` (most requests in
+            threads of the engine thread; Ray sets 1 by default), ``cpu_affinity`` (the CPU ids the
+            engine thread runs on: :func:`pin_thread`), ``max_batch_size`` (most requests in
             one engine step) and the backend's own options (:func:`clawray.engines.backend_kwargs`).
         backend: another backend than ``rollout.backend`` (a frozen judge or teacher engine's).
         name: engine name used in logs and errors (e.g. ``"rollout-0"``).
@@ -295,6 +315,7 @@ class RolloutEngine:
                 backend,
                 model_path,
                 rollout.torch_threads,
+                list(rollout.cpu_affinity),
                 {**backend_kwargs(rollout, backend, self.seed), **(engine_kwargs or {})},
             ),
             daemon=True,
@@ -303,13 +324,24 @@ class RolloutEngine:
         self._thread.start()
 
     # ---------------------------------------------------------------- engine thread
-    def _run(self, backend: str, model_path: str, torch_threads: int, kwargs: dict) -> None:
+    def _run(self, backend: str, model_path: str, torch_threads: int, cpu_affinity: list[int], kwargs: dict) -> None:
         import torch
 
         from clawray.engines import make_backend
 
-        torch.set_num_threads(max(1, torch_threads))
         try:
+            if cpu_affinity:  # [rollout.cpu_affinity] this thread only: the threads it starts inherit it
+                pin_thread(cpu_affinity)
+                if torch_threads > len(set(cpu_affinity)):
+                    logger.warning(
+                        "%s: rollout.torch_threads=%d on the %d CPU(s) of rollout.cpu_affinity=%s: the engine's "
+                        "threads preempt each other at every step",
+                        self.name,
+                        torch_threads,
+                        len(set(cpu_affinity)),
+                        list(cpu_affinity),
+                    )
+            torch.set_num_threads(max(1, torch_threads))
             self._backend = make_backend(backend, model_path, **kwargs)
         except BaseException as e:  # surfaced by ready()
             self._init_error = e

@@ -83,3 +83,19 @@ def test_commands_carry_the_model_backend_and_json_path(summary):
     assert summary.command(bench(summary, "weight_sync"), "", "hf", "f")[2:4] == ["--only", "tiny"]
     with pytest.raises(SystemExit):
         summary.main(["--only", "learner,nope"])
+
+
+def test_the_sync_pause_rows_run_30_syncs_with_the_engine_on_its_own_cpu_where_there_are_two(summary, monkeypatch):
+    pause = bench(summary, "sync_pause")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    args = pause.args("m", "vllm")
+    assert args[args.index("--syncs") + 1] == "30" and args[args.index("--transport") + 1] == "auto"
+    assert args[args.index("--engine-cpus") + 1] == "0" and args[args.index("--engine-threads") + 1] == "1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one CPU: nothing to keep apart
+    assert "--engine-cpus" not in pause.args("m", "vllm")
+    row, _ = summary.rows(
+        pause, {"interrupt": {"p99": 0.767, "transfer_load_s": 0.556, "engine_cpus": "0"}, "inflight": {}}
+    )
+    assert row["figure"] == "0.767 s added vs 0.556 s (engine on CPU 0)" and row["ratio"] == pytest.approx(
+        1.3795, abs=1e-4
+    )

@@ -295,3 +295,26 @@ def test_every_engine_samples_with_its_own_seed_and_a_restarted_one_with_a_fresh
     monkeypatch.setattr(recovery, "was_restarted", lambda: True)
     restarted, again = reply("rollout-0")
     assert restarted != seed0 and again != first
+
+
+def test_the_engine_thread_runs_on_rollout_cpu_affinity_and_a_cpu_it_cannot_use_is_named(tiny_model):
+    """``rollout.cpu_affinity=[0]``: the engine thread runs on CPU 0 only; the calling thread keeps its CPUs."""
+    import os
+
+    before = os.sched_getaffinity(0)
+    eng = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 1, "cpu_affinity": [0]})
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(eng.ready())
+        assert os.sched_getaffinity(eng._thread.native_id) == {0}
+        assert os.sched_getaffinity(0) == before
+        out = loop.run_until_complete(
+            eng.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2, temperature=0.0))
+        )
+        assert len(out["response_ids"]) == 2
+    finally:
+        eng._jobs.put(None)
+    bad = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 1, "cpu_affinity": [4096]}, name="rollout-9")
+    with pytest.raises(RuntimeError, match=r"rollout-9: backend failed to start.*rollout\.cpu_affinity=\[4096\].*CPUs"):
+        loop.run_until_complete(bad.ready())
+    loop.close()
