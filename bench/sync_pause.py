@@ -212,7 +212,10 @@ def main() -> None:
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     if args.engine_cpus:  # Ray's processes and the sender start from here: they inherit the rest
-        rest = set(os.sched_getaffinity(0)) - set(args.engine_cpus)
+        here = set(os.sched_getaffinity(0))
+        if not set(args.engine_cpus) <= here:
+            ap.error(f"--engine-cpus {args.engine_cpus}: this process may run on CPUs {sorted(here)} only")
+        rest = here - set(args.engine_cpus)
         if not rest:
             ap.error(f"--engine-cpus {args.engine_cpus} leaves no CPU for Ray, the driver and the sender")
         os.sched_setaffinity(0, rest)

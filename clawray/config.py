@@ -180,9 +180,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = num(0.5, gt=0.0, le=1.0)
     torch_threads: int = num(2, ge=1)  # intra-op threads inside the engine
     # CPU ids the engine thread (and the threads it starts: torch's intra-op pool, vLLM's) runs on; [] =
-    # wherever the OS schedules it. Every engine on a host takes the same ids. On a CPU host, engines
-    # kept off the cores of Ray, the learners and the weight sync decode without being preempted: 2 cores,
-    # `taskset -c 1 clawray run ... rollout.cpu_affinity=[0] rollout.torch_threads=1` (README "sync pause")
+    # wherever the OS schedules it. Every engine on a host, frozen judge/teacher engines included, takes the
+    # same ids. Engines kept off the CPUs of Ray, the learners and the weight sync are not preempted by them
+    # (`taskset -c 1 clawray run ... rollout.cpu_affinity=[0] rollout.torch_threads=1`); on 2 CPUs the
+    # learners then share one, which costs the CPU demo more than it gains (README, "sync pause")
     cpu_affinity: list[int] = num(factory=list, ge=0)
     # vLLM weights dtype ("float32" for exact tests); the names vLLM's LLM(dtype=...) accepts
     dtype: str = choice("bfloat16", "float16", "float32", "auto", "half", "float")
