@@ -57,9 +57,10 @@ def _model(model: str, backend: str) -> list[str]:
 
 
 def _own_cpu() -> list[str]:
-    """sync_pause's engine on CPU 0 and the rest (Ray, the sender) on the others, as on a GPU host,
-    where decoding does not share the sync's CPUs; nothing on a 1-CPU machine."""
-    return ["--engine-cpus", "0", "--engine-threads", "1"] if len(os.sched_getaffinity(0)) >= 2 else []
+    """sync_pause's engine on the first CPU this process may use and the rest (Ray, the sender) on the
+    others, as on a GPU host, where decoding does not share the sync's CPUs; nothing with 1 CPU."""
+    cpus = os.sched_getaffinity(0)
+    return ["--engine-cpus", str(min(cpus)), "--engine-threads", "1"] if len(cpus) >= 2 else []
 
 
 def _engine(model: str, backend: str) -> list[str]:

@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--engine-threads", type=int, default=2, help="rollout.torch_threads")
     ap.add_argument(
         "--engine-cpus",
-        type=lambda v: [int(c) for c in v.split(",")],
+        type=lambda v: sorted({int(c) for c in v.split(",")}),
         default=[],
         help="rollout.cpu_affinity, e.g. 0 (comma-separated); the bench, Ray and the sender run on the other CPUs",
     )
@@ -211,6 +211,8 @@ def main() -> None:
     from clawray.ray_env import init_ray
 
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
+    if args.engine_threads < 1:
+        ap.error(f"--engine-threads {args.engine_threads}: must be >= 1")
     if args.engine_cpus:  # Ray's processes and the sender start from here: they inherit the rest
         here = set(os.sched_getaffinity(0))
         if not set(args.engine_cpus) <= here:

@@ -146,6 +146,7 @@ def _ray_resource(default: float) -> Any:
     return num(default, ge=0, quantum=1e-4)
 
 
+MAX_CPU_ID = 8191  # Linux's largest NR_CPUS (x86_64 MAXSMP)
 _SEED = {"ge": 0, "le": 2**32 - 1}  # numpy / vLLM seeds are uint32
 _MAX_TOKENS = {"ge": 1, "le": 1 << 20}  # the endpoint's own bound on a request's max_tokens
 _TEMPERATURE = {"ge": 0.0, "le": 2.0}  # the OpenAI (and the endpoint's) range; 0 = greedy
@@ -184,7 +185,7 @@ class RolloutConfig:
     # same ids. Engines kept off the CPUs of Ray, the learners and the weight sync are not preempted by them
     # (`taskset -c 1 clawray run ... rollout.cpu_affinity=[0] rollout.torch_threads=1`); on 2 CPUs the
     # learners then share one, which costs the CPU demo more than it gains (README, "sync pause")
-    cpu_affinity: list[int] = num(factory=list, ge=0)
+    cpu_affinity: list[int] = num(factory=list, ge=0, le=MAX_CPU_ID)
     # vLLM weights dtype ("float32" for exact tests); the names vLLM's LLM(dtype=...) accepts
     dtype: str = choice("bfloat16", "float16", "float32", "auto", "half", "float")
     max_model_len: int = num(2048, ge=1)  # tokens, prompt + response

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import ray
 
-from clawray.config import RolloutConfig, section
+from clawray.config import MAX_CPU_ID, RolloutConfig, section
 from clawray.engines import backend_kwargs, engine_seed
 from clawray.engines.base import GenerateOutput, GenerateRequest, WeightSpec
 
@@ -77,23 +77,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger("clawray.rollout")
 
 
-def pin_thread(cpus: list[int]) -> None:
+def pin_thread(cpus: list[int]) -> set[int]:
     """Run the calling thread (and the threads it starts from now on) on ``cpus`` only
     (``os.sched_setaffinity`` of this thread: Linux applies an affinity per thread).
 
+    Returns:
+        the CPUs it now runs on (``set(cpus)``).
+
     Raises:
-        ValueError: ``cpus`` holds no CPU this process may run on, naming the ones it may.
+        ValueError: some of ``cpus`` do not exist or are not allowed here (the kernel would silently
+            keep the others), naming them and the ones this process may use.
     """
     import os
 
-    try:
-        os.sched_setaffinity(0, set(cpus))
-    except OSError as e:  # EINVAL: none of them exists or is allowed here
-        allowed = sorted(os.sched_getaffinity(os.getpid()))
+    wanted, got = set(cpus), set()
+    if all(0 <= c <= MAX_CPU_ID for c in wanted):  # else the kernel's CPU mask alone takes up to GBs
+        try:
+            os.sched_setaffinity(0, wanted)
+            got = os.sched_getaffinity(0)
+        except OSError:  # EINVAL: none of them usable here
+            pass
+    if got != wanted:
         raise ValueError(
-            f"rollout.cpu_affinity={list(cpus)}: {e.strerror}; this host has {os.cpu_count()} CPUs, and "
-            f"this process was started on {allowed}"
-        ) from None
+            f"rollout.cpu_affinity={sorted(wanted)}: CPUs {sorted(wanted - got)} cannot be used; "
+            f"this host has {os.cpu_count()} CPUs, and this process was started on {sorted(os.sched_getaffinity(os.getpid()))}"
+        )
+    return got
 
 
 class EnginePausedError(RuntimeError):
@@ -331,15 +340,15 @@ class RolloutEngine:
 
         try:
             if cpu_affinity:  # [rollout.cpu_affinity] this thread only: the threads it starts inherit it
-                pin_thread(cpu_affinity)
-                if torch_threads > len(set(cpu_affinity)):
+                pinned = pin_thread(cpu_affinity)
+                if torch_threads > len(pinned):
                     logger.warning(
                         "%s: rollout.torch_threads=%d on the %d CPU(s) of rollout.cpu_affinity=%s: the engine's "
                         "threads preempt each other at every step",
                         self.name,
                         torch_threads,
-                        len(set(cpu_affinity)),
-                        list(cpu_affinity),
+                        len(pinned),
+                        sorted(pinned),
                     )
             torch.set_num_threads(max(1, torch_threads))
             self._backend = make_backend(backend, model_path, **kwargs)

@@ -241,11 +241,18 @@ def topk_reverse_kl(
     logp = torch.log_softmax(student_logits.float() / t, dim=-1)
     s_k = logp.gather(-1, teacher_topk_ids.long())  # [T, K]
     t_k = teacher_topk_logprobs.float()
-    s_tail = _log1m_exp(torch.logsumexp(s_k, dim=-1))
-    t_tail = _log1m_exp(torch.logsumexp(t_k, dim=-1))
+    s_tail = _log1m_exp(_logsumexp_masked(s_k))
+    t_tail = _log1m_exp(_logsumexp_masked(t_k))
     s_all = torch.cat([s_k, s_tail[:, None]], dim=-1)
     t_all = torch.cat([t_k, t_tail[:, None]], dim=-1)
     return _plogp_sum(s_all, s_all - t_all)
+
+
+def _logsumexp_masked(x: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the last dim whose gradient stays finite when every entry is -inf (a student
+    that masks all of the teacher's top-k ids): the -inf entries count as ``finfo.min`` (mass 0, value
+    ~``finfo.min``) and get no gradient, where torch's own backward computes ``exp(-inf - -inf)`` = NaN."""
+    return torch.logsumexp(x.masked_fill(torch.isneginf(x), torch.finfo(x.dtype).min), dim=-1)
 
 
 def _log1m_exp(x: torch.Tensor) -> torch.Tensor:

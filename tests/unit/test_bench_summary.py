@@ -91,6 +91,8 @@ def test_the_sync_pause_rows_run_30_syncs_with_the_engine_on_its_own_cpu_where_t
     args = pause.args("m", "vllm")
     assert args[args.index("--syncs") + 1] == "30" and args[args.index("--transport") + 1] == "auto"
     assert args[args.index("--engine-cpus") + 1] == "0" and args[args.index("--engine-threads") + 1] == "1"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3})  # taskset -c 2,3: the first allowed one
+    assert pause.args("m", "vllm")[-4:] == ["--engine-cpus", "2", "--engine-threads", "1"]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one CPU: nothing to keep apart
     assert "--engine-cpus" not in pause.args("m", "vllm")
     row, _ = summary.rows(

@@ -314,7 +314,21 @@ def test_the_engine_thread_runs_on_rollout_cpu_affinity_and_a_cpu_it_cannot_use_
         assert len(out["response_ids"]) == 2
     finally:
         eng._jobs.put(None)
-    bad = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 1, "cpu_affinity": [4096]}, name="rollout-9")
-    with pytest.raises(RuntimeError, match=r"rollout-9: backend failed to start.*rollout\.cpu_affinity=\[4096\].*CPUs"):
-        loop.run_until_complete(bad.ready())
+    # an id that cannot be used is refused, also beside a good one (the kernel would keep just CPU 0)
+    for cpus, bad_ids in (([4096], "[4096]"), ([0, 4096], "[4096]"), ([-1], "[-1]"), ([2**40], f"[{2**40}]")):
+        bad = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 1, "cpu_affinity": cpus}, name="rollout-9")
+        with pytest.raises(RuntimeError, match=rf"rollout-9: backend failed to start.*CPUs \{bad_ids}\ cannot be used"):
+            loop.run_until_complete(bad.ready())
     loop.close()
+
+
+def test_more_engine_threads_than_pinned_cpus_is_warned(tiny_model, caplog):
+    eng = RolloutEngine(tiny_model, {"backend": "hf", "torch_threads": 2, "cpu_affinity": [0, 0]}, name="rollout-8")
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level("WARNING", logger="clawray.rollout"):
+            loop.run_until_complete(eng.ready())
+    finally:
+        eng._jobs.put(None)
+        loop.close()
+    assert "rollout-8: rollout.torch_threads=2 on the 1 CPU(s) of rollout.cpu_affinity=[0]" in caplog.text
