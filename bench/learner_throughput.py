@@ -17,7 +17,9 @@ the median step's tokens/s:
   the machine's cores, so on 2 cores their scaling is bounded by the cores, not by clawray), with
   the step's ``perf/padding_frac``.
 
-The last line is the ratio clawray 1 rank / plain (target >= 0.9) and the 2-rank scaling.
+The last line is the ratio clawray 1 rank / plain (target >= 0.9) and the 2-rank scaling; with
+``--runs N`` (issue #29: the median of 5) the whole measurement repeats N times and the last line
+gives each ratio's median over the runs with its spread (min-max).
 
     nice -n 19 env PYTHONPATH=. python bench/learner_throughput.py                      # tiny model
     nice -n 19 env PYTHONPATH=. python bench/learner_throughput.py --model ~/.cache/clawray/models/smollm2-135m-instruct
@@ -118,8 +120,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (conf/cpu.yaml: 1)")
     ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--runs", type=int, default=1, help="repeat the whole measurement; ratios are medians over runs")
     ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--runs {args.runs}: must be >= 1")
 
     import ray
     from transformers import AutoConfig
@@ -130,29 +135,57 @@ def main() -> None:
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     samples = make_samples(args.batch, AutoConfig.from_pretrained(model).vocab_size)
     tokens = sum(len(s.tokens) for s in samples)
-    print(f"model={model} batch={args.batch} tokens/step={tokens} steps={args.steps} threads={args.threads}")
+    print(
+        f"model={model} batch={args.batch} tokens/step={tokens} steps={args.steps} threads={args.threads} runs={args.runs}"
+    )
     lr = 1e-5
-    plain = tokens / statistics.median(plain_loop(model, samples, args.steps, args.threads, lr))
-    print(f"{'plain':>16}: {plain:9.1f} tokens/s", flush=True)
-    init_ray("", 2)
-    refs = [ray.put(s) for s in samples]
-    rates = {}
-    for n in [int(x) for x in args.ranks.split(",")]:
-        times, m = clawray_steps(model, refs, args.steps, n, args.threads, lr)
-        rates[n] = tokens / statistics.median(times)
-        print(
-            f"{f'clawray {n} rank(s)':>16}: {rates[n]:9.1f} tokens/s  perf/padding_frac {m['perf/padding_frac']:.3f}  "
-            f"micro_batches {m['micro_batches']:.0f}",
-            flush=True,
+    runs = []  # per run: {"plain": tokens/s, "ranks": {n: tokens/s}}
+    for k in range(args.runs):  # plain first, without Ray running, as a lone training script would be
+        tag = f"run {k + 1}/{args.runs} " if args.runs > 1 else ""
+        plain = tokens / statistics.median(plain_loop(model, samples, args.steps, args.threads, lr))
+        print(f"{tag}{'plain':>16}: {plain:9.1f} tokens/s", flush=True)
+        init_ray("", 2)
+        refs = [ray.put(s) for s in samples]
+        rates = {}
+        for n in [int(x) for x in args.ranks.split(",")]:
+            times, m = clawray_steps(model, refs, args.steps, n, args.threads, lr)
+            rates[n] = tokens / statistics.median(times)
+            print(
+                f"{tag}{f'clawray {n} rank(s)':>16}: {rates[n]:9.1f} tokens/s  perf/padding_frac "
+                f"{m['perf/padding_frac']:.3f}  micro_batches {m['micro_batches']:.0f}",
+                flush=True,
+            )
+        runs.append({"plain": plain, "ranks": rates})
+        ray.shutdown()
+    ratios = run_ratios(runs)
+    print(
+        "; ".join(
+            f"{name} = {statistics.median(v):.2f}"
+            + (f" ({min(v):.2f}-{max(v):.2f}, {len(v)} runs)" if len(v) > 1 else "")
+            for name, v in (("clawray 1 rank / plain", ratios["1_vs_plain"]), ("2 ranks / 1 rank", ratios["2_vs_1"]))
+            if v
         )
-    ray.shutdown()
-    line = f"clawray 1 rank / plain = {rates[1] / plain:.2f}" if 1 in rates else ""
-    if 1 in rates and 2 in rates:
-        line += f"; 2 ranks / 1 rank = {rates[2] / rates[1]:.2f}"
-    print(line)
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens_per_step": tokens, "plain_tokens_per_s": plain, "ranks_tokens_per_s": rates}, f)
+            json.dump(
+                {
+                    "tokens_per_step": tokens,
+                    "plain_tokens_per_s": statistics.median(r["plain"] for r in runs),
+                    "ranks_tokens_per_s": {n: statistics.median(r["ranks"][n] for r in runs) for n in runs[0]["ranks"]},
+                    "ratios": ratios,
+                    "runs": runs,
+                },
+                f,
+            )
+
+
+def run_ratios(runs: list[dict]) -> dict[str, list[float]]:
+    """Per run, clawray 1 rank / plain and 2 ranks / 1 rank (each list empty when a rank count was not run)."""
+    return {
+        "1_vs_plain": [r["ranks"][1] / r["plain"] for r in runs if 1 in r["ranks"]],
+        "2_vs_1": [r["ranks"][2] / r["ranks"][1] for r in runs if 1 in r["ranks"] and 2 in r["ranks"]],
+    }
 
 
 if __name__ == "__main__":

@@ -101,3 +101,19 @@ def test_the_sync_pause_rows_run_30_syncs_with_the_engine_on_its_own_cpu_where_t
     assert row["figure"] == "0.767 s added vs 0.556 s (engine on CPU 0)" and row["ratio"] == pytest.approx(
         1.3795, abs=1e-4
     )
+
+
+def test_learner_rows_take_the_median_ratio_over_runs_with_its_spread(summary):
+    """learner_throughput.py --runs 5 (the issue's median of 5): each ratio is the median of the per-run ratios."""
+    b = bench(summary, "learner")
+    assert b.args("m", "vllm")[-2:] == ["--runs", "5"] and b.args("", "hf")[-2:] == ["--runs", "1"]
+    results = {
+        "tokens_per_step": 764,
+        "plain_tokens_per_s": 72.0,
+        "ranks_tokens_per_s": {"1": 69.0, "2": 99.0},
+        "ratios": {"1_vs_plain": [0.92, 1.00, 0.95, 0.96, 0.94], "2_vs_1": [1.04, 1.52, 1.50, 1.38, 1.51]},
+    }
+    one, two = summary.rows(b, results)
+    assert one["ratio"] == pytest.approx(0.95) and one["met"] is True
+    assert two["ratio"] == pytest.approx(1.50) and two["met"] is True
+    assert two["figure"] == "99.0 vs 69.0 tokens/s (ratio: median of 5 runs, 1.04-1.52)"
