@@ -4,7 +4,7 @@ engine, static batches, ...). README's "Performance" section is this table.
 
     PYTHONPATH=. python bench/summary.py                                   # tiny model, hf engine (~7 min)
     PYTHONPATH=. python bench/summary.py --model ~/.cache/clawray/models/smollm2-135m-instruct \\
-        --backend vllm                                                     # README's figures (~30 min)
+        --backend vllm                                                     # README's figures (~40 min)
     PYTHONPATH=. python bench/summary.py --only learner,ttft --out figures.json
 
 Each bench is run as ``python bench/<name>.py <its args> --json <file>`` (the commands are printed, so
