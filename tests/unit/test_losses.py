@@ -174,13 +174,6 @@ def test_topk_reverse_kl_with_tail_bin_hand_computed():
     assert kl.item() == pytest.approx(expected, abs=1e-6)
     kl.sum().backward()
     assert torch.isfinite(student.grad).all()
-    # the student masks every id of the teacher's top-1: all its mass is in the tail bin,
-    # KL = 1 x log(1 / (1 - 0.3)); the gradient used to be NaN everywhere (logsumexp of all -inf)
-    student = torch.tensor([[0.0, float("-inf")]], requires_grad=True)
-    kl = topk_reverse_kl(student, torch.log(torch.tensor([[0.3]])), torch.tensor([[1]]))
-    assert kl.tolist() == pytest.approx([math.log(1 / 0.7)], rel=1e-5)
-    kl.sum().backward()
-    assert student.grad.tolist() == [[0.0, 0.0]]
     # identical distributions: zero
     same = topk_reverse_kl(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), t_lp, ids)
     assert same.item() == pytest.approx(0.0, abs=1e-6)
