@@ -13,9 +13,9 @@ the median step's tokens/s:
   backward, grad-norm clip 1.0, ``torch.optim.AdamW`` step. This machine's reference for the same
   arithmetic without Ray, FSDP2 or clawray's loss bookkeeping.
 * ``clawray 1 rank`` / ``clawray 2 ranks``: :class:`clawray.actors.learner.LearnerGroup`
-  ``train_step`` wall time seen by the driver (each rank ``--threads`` torch threads; 2 ranks share
-  the machine's cores, so on 2 cores their scaling is bounded by the cores, not by clawray), with
-  the step's ``perf/padding_frac``.
+  ``train_step`` wall time seen by the driver (each rank ``--threads`` torch threads,
+  ``reshard_after_forward`` as ``conf/cpu.yaml`` sets it; 2 ranks share the machine's cores, so on 2
+  cores their scaling is bounded by the cores, not by clawray), with the step's ``perf/padding_frac``.
 
 The last line is the ratio clawray 1 rank / plain (target >= 0.9) and the 2-rank scaling; with
 ``--runs N`` (issue #29: the median of 5) the whole measurement repeats N times and the last line
@@ -100,7 +100,13 @@ def clawray_steps(model_path: str, refs: list, steps: int, ranks: int, threads: 
     from clawray.actors.learner import LearnerGroup
     from clawray.ray_env import free_port
 
-    cfg = {"num_workers": ranks, "num_cpus": 0.25, "torch_threads": threads, "lr": lr}
+    cfg = {
+        "num_workers": ranks,
+        "num_cpus": 0.25,
+        "torch_threads": threads,
+        "lr": lr,
+        "reshard_after_forward": cpu_preset().learner.reshard_after_forward,
+    }
     group = LearnerGroup(model_path, cfg, free_port())
     try:
         times, metrics = [], {}
@@ -111,6 +117,13 @@ def clawray_steps(model_path: str, refs: list, steps: int, ranks: int, threads: 
         return times[1:], metrics
     finally:
         group.shutdown()
+
+
+def cpu_preset():
+    """``conf/cpu.yaml``, the CPU preset whose learner settings the clawray rows use."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf", "cpu.yaml"))
 
 
 def main() -> None:

@@ -428,6 +428,11 @@ class LearnerConfig:
     total_steps: int = num(0, ge=0)
     min_lr_ratio: float = num(0.0, ge=0.0, le=1.0)  # cosine floor, as a fraction of lr
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    # FSDP2's reshard_after_forward: free each layer's gathered weights after its forward and gather
+    # them again for its backward (ZeRO-3 memory). false keeps them from forward to backward: one
+    # all-gather per layer and step fewer, the full weights held through the step (conf/cpu.yaml: on
+    # CPU the gloo all-gather costs more than the memory)
+    reshard_after_forward: bool = True
     # keep the input embeddings and the lm_head (one tensor when tied) at their initial values: not
     # trained, not in the optimizer (conf/rl.yaml turns it on: README, "The CPU demo")
     freeze_embeddings: bool = False

@@ -93,6 +93,54 @@ def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def response_logits(model: torch.nn.Module, samples: list[Sample], device: torch.device) -> list[torch.Tensor]:
+    """Each sample's response logits ``[R_b, V]`` (the positions whose next token is a response token:
+    ``prompt_len - 1 .. len(tokens) - 2``) from one forward of the right-padded batch ``[B, T]``.
+
+    Only the response positions reach the vocabulary projection: a forward pre-hook on the model's
+    output embedding (``lm_head``) hands it the gathered hidden states ``[1, sum R_b, H]`` in place of
+    ``[B, K, H]``. The projection is the costliest matmul of a small model (SmolLM2-135M's 49152 x 576
+    is a fifth of its weights), and of the ``B x T`` padded positions the responses are a fifth in the
+    demo's samples; its backward likewise touches only the response rows. A model without an output
+    embedding, or whose head sees another shape, projects the positions from the shortest prompt's last
+    token on (``logits_to_keep``) and the rows are gathered from the logits. Right padding with causal
+    attention leaves every real position's values unchanged, so one sample alone and the same sample
+    in a padded batch give the same logits (up to fp rounding).
+    """
+    longest = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for b, s in enumerate(samples):
+        ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[b, : len(s.tokens)] = 1
+    start = min(s.prompt_len for s in samples) - 1  # the first position any sample's loss reads
+    keep = torch.arange(start, longest - 1, device=device)
+    lengths = [s.response_len for s in samples]
+    rows = torch.cat([torch.full((r,), b, dtype=torch.long) for b, r in enumerate(lengths)]).to(device)
+    cols = torch.cat([torch.arange(s.prompt_len - 1 - start, len(s.tokens) - 1 - start) for s in samples]).to(device)
+    gathered = []
+
+    def response_rows_only(_head: torch.nn.Module, args: tuple) -> tuple | None:
+        hidden = args[0]
+        if gathered or hidden.dim() != 3 or tuple(hidden.shape[:2]) != (len(samples), len(keep)):
+            return None  # not the shape this gather expects: the logits are gathered below
+        gathered.append(True)
+        return (hidden[rows, cols].unsqueeze(0), *args[1:])
+
+    kwargs = {"input_ids": ids.to(device), "logits_to_keep": keep}
+    if len(samples) > 1:
+        kwargs["attention_mask"] = mask.to(device)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    handle = head.register_forward_pre_hook(response_rows_only) if head is not None else None
+    try:
+        logits = model(**kwargs).logits  # [1, sum R_b, V] gathered, else [B, K, V]
+    finally:
+        if handle is not None:
+            handle.remove()
+    flat = logits[0] if gathered else logits[rows, cols]  # [sum R_b, V]
+    return list(torch.split(flat, lengths))
+
+
 def mixed_precision(device_type: str, compute_dtype: str = "auto"):
     """FSDP2's mixed-precision policy for a learner on ``device_type`` (``"cuda"`` or ``"cpu"``) computing
     in ``compute_dtype`` (``learner.compute_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU): that
@@ -252,7 +300,7 @@ class LearnerWorker:
             if hf.get_output_embeddings() is not None:
                 hf.get_output_embeddings().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (world_size,))
-        shard_kwargs: dict = {"mesh": mesh}
+        shard_kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
         policy = mixed_precision(self.device.type, cfg.compute_dtype)
         if policy is not None:
             shard_kwargs["mp_policy"] = policy
@@ -372,33 +420,8 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
     def _forward(self, samples: list[Sample], model: torch.nn.Module) -> list[torch.Tensor]:
-        """Each sample's response logits ``[R_b, V]`` (the positions whose next token is a response
-        token) from one forward pass of the right-padded micro-batch.
-
-        Only the positions from the shortest prompt's last token on are projected to the vocabulary
-        (the model's ``logits_to_keep``), the response rows of every sample are gathered in one
-        indexing op and split apart (``torch.split``: its backward is one concatenation, where a
-        slice per sample of the whole ``[B, T, V]`` logits built and summed a zero-filled full-size
-        gradient per sample). Right padding with causal attention leaves every real position's
-        logits unchanged, so one sample alone and the same sample in a padded batch give the same
-        values (up to fp rounding).
-        """
-        longest = max(len(s.tokens) for s in samples)
-        ids = torch.zeros(len(samples), longest, dtype=torch.long)
-        mask = torch.zeros(len(samples), longest, dtype=torch.long)
-        for b, s in enumerate(samples):
-            ids[b, : len(s.tokens)] = torch.tensor(s.tokens)
-            mask[b, : len(s.tokens)] = 1
-        start = min(s.prompt_len for s in samples) - 1  # the first position any sample's loss reads
-        keep = torch.arange(start, longest - 1, device=self.device)
-        kwargs = {"input_ids": ids.to(self.device), "logits_to_keep": keep}
-        if len(samples) > 1:
-            kwargs["attention_mask"] = mask.to(self.device)
-        logits = model(**kwargs).logits  # [B, K, V], K = longest - 1 - start
-        rows = [torch.arange(s.prompt_len - 1 - start, len(s.tokens) - 1 - start) for s in samples]
-        batch_index = torch.cat([torch.full((len(r),), b, dtype=torch.long) for b, r in enumerate(rows)])
-        flat = logits[batch_index.to(self.device), torch.cat(rows).to(self.device)]  # [sum R_b, V]
-        return list(torch.split(flat, [len(r) for r in rows]))
+        """Each sample's response logits ``[R_b, V]``: :func:`response_logits` on this rank's device."""
+        return response_logits(model, samples, self.device)
 
     def _padding_pass(self) -> torch.Tensor:
         """A one-token forward whose loss is 0 (with zero gradients): FSDP2 needs every rank in every

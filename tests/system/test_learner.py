@@ -172,7 +172,8 @@ def _step(group, refs, version):
 @pytest.mark.slow
 def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster, tiny_model):
     """Same batch (5 samples of different lengths, so rank 0 runs a padding pass): 2-rank FSDP2 with
-    one micro-batch per rank, and 2-rank FSDP2 with one sample per pass plus activation
+    one micro-batch per rank and the gathered weights kept from forward to backward
+    (``reshard_after_forward: false``), and 2-rank FSDP2 with one sample per pass plus activation
     checkpointing, both equal a single-process reference step (loss, grad norm, clipped gradients,
     updated weights) in fp32."""
     base = _samples()
@@ -187,7 +188,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     refs = [ray.put(s) for s in samples]
     results = {}
     for label, extra in [
-        ("packed", {"max_tokens_per_micro_batch": 10_000}),
+        ("packed", {"max_tokens_per_micro_batch": 10_000, "reshard_after_forward": False}),
         ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True}),
     ]:
         group = LearnerGroup(tiny_model, {**LEARNER, **extra}, free_port())
