@@ -629,10 +629,24 @@ class LearnerWorker:
     def _optimizer_step(self) -> float:
         """One AdamW step and one learning-rate schedule step; returns the learning rate it used."""
         lr = self.optimizer.param_groups[0]["lr"]
+        self._drop_gathered()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
         return lr
+
+    def _drop_gathered(self) -> None:
+        """Free every layer's gathered (unsharded) weights; called before the shards change.
+
+        With ``reshard_after_forward: false`` a forward without a backward (the mismatch probe, the
+        proximal log-probs, :meth:`probe_invariants`) leaves the gathered weights in place, and the
+        next forward reuses them: after an optimizer step, a restore or a checkpoint load they would
+        be the old weights. Not collective (it only frees memory)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _plan(self, sample_refs: list, advantages: list[float] | None, versions: list[int] | None) -> "_StepPlan":
         """Fetch this rank's share of the batch and pack it: ``steps_per_batch`` contiguous
@@ -902,6 +916,7 @@ class LearnerWorker:
             ValueError: the checkpoint was made with a different LoRA rank.
         """
         self._staged = None  # gathered from the weights this replaces
+        self._drop_gathered()
         hf = self._hf_model(self.model)
         meta = load_learner_state(path, self.model, hf, self.optimizer, self.rank, self.lora_rank)
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -1001,6 +1016,7 @@ class LearnerWorker:
         if point is None:
             raise RuntimeError("no promoted version kept (keep_promoted was never called)")
         self._staged = None  # gathered from the weights this replaces
+        self._drop_gathered()
         with torch.no_grad():
             for p, saved in zip(self.trainable, point["params"]):
                 _local(p).copy_(saved)

@@ -110,7 +110,7 @@ class HFBackend(SteppedBackend):
         if not self._runs:
             return out
         key, run = next(iter(self._runs.items()))
-        fwd = self.model(input_ids=run.inputs, past_key_values=run.past, use_cache=True)
+        fwd = self.model(input_ids=run.inputs, past_key_values=run.past, use_cache=True, logits_to_keep=1)
         run.past = fwd.past_key_values
         tok, lp = sample_next_token(fwd.logits[0, -1], run.request.temperature, run.request.top_p, run.generator)
         run.ids.append(tok)
@@ -126,11 +126,12 @@ class HFBackend(SteppedBackend):
 
     @torch.inference_mode()
     def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
-        """Log-probs (length R) of ``response_ids`` after ``prompt_ids`` from one forward pass."""
+        """Log-probs (length R) of ``response_ids`` after ``prompt_ids`` from one forward pass (only the
+        R positions that predict them reach the vocabulary projection)."""
         if not prompt_ids or not response_ids:
             raise ValueError("score needs a non-empty prompt and response")
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
+        logits = self.model(input_ids=ids, logits_to_keep=len(response_ids) + 1).logits[0, :-1]
         return sequence_logprobs(logits, ids[0, len(prompt_ids) :], temperature).tolist()
 
     @torch.inference_mode()
@@ -141,7 +142,7 @@ class HFBackend(SteppedBackend):
         if not prompt_ids or not response_ids:
             raise ValueError("topk_logprobs needs a non-empty prompt and response")
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        logits = self.model(input_ids=ids, logits_to_keep=len(response_ids) + 1).logits[0, :-1].float()
         t = temperature if temperature > 0 else 1.0
         top = torch.log_softmax(logits / t, dim=-1).topk(k, dim=-1)
         return top.values.tolist(), top.indices.tolist()

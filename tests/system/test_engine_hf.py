@@ -156,3 +156,25 @@ def test_cancel_stops_at_the_next_token(engine):
     )[0]
     assert out.finish_reason == "abort"
     assert len(out.response_ids) == 3 == len(out.logprobs) and streamed == out.response_ids
+
+
+def test_scoring_projects_only_the_response_positions(engine):
+    """``logprobs`` and ``topk_logprobs`` equal a full forward's values at the response positions, and
+    the head sees only the R + 1 last positions (the prompt's last token on), not the whole sequence."""
+    response = [9, 3, 11, 2, 17]
+    ids = torch.tensor([PROMPT + response])
+    with torch.no_grad():
+        full = torch.log_softmax(engine.model(ids).logits[0, len(PROMPT) - 1 : -1].float(), dim=-1)  # [5, V]
+    head = engine.model.get_output_embeddings()
+    rows = []
+    handle = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[1]))
+    try:
+        lp = engine.logprobs(PROMPT, response, 1.0)
+        top_values, top_ids = engine.topk_logprobs(PROMPT, response, 3, 1.0)
+    finally:
+        handle.remove()
+    assert rows == [6, 6]  # 4 prompt + 5 response tokens: positions 3..8
+    torch.testing.assert_close(torch.tensor(lp), full[torch.arange(5), torch.tensor(response)], atol=1e-5, rtol=0)
+    expected = full.topk(3, dim=-1)
+    assert top_ids == expected.indices.tolist()
+    torch.testing.assert_close(torch.tensor(top_values), expected.values, atol=1e-5, rtol=0)

@@ -182,6 +182,33 @@ def test_lr0_on_policy_matrix(ray_cluster, tiny_model, dropout_model, workers):
         pytest.fail("cells off-policy at lr 0:\n" + "\n".join(f"{c}: {m}" for c, m in failures))
 
 
+def test_kept_gathered_weights_never_outlive_a_weight_change(ray_cluster, tiny_model):
+    """``reshard_after_forward: false``, 2 ranks: the mismatch probe's no-grad forward (after the
+    backward, before the optimizer step) left every layer's gathered weights in place, and the next
+    forward reused them: one update behind the shards. After a step with a probe, and after a restore,
+    the learner's forward must use the current shards (a state dict gathers afresh: not a check)."""
+    group = LearnerGroup(
+        tiny_model, {**LEARNER, "lr": 1e-3, "num_workers": 2, "reshard_after_forward": False}, free_port()
+    )
+    try:
+        samples = _samples()
+        probe = [ray.put(samples[0])]  # policy version 0: these weights made it, so it is scored
+        group.keep_promoted()
+        m = group.train_step([ray.put(s) for s in samples], 1, probe=probe, probe_wait_s=5.0)
+        assert m["optimizer_steps"] == 1 and m["inv/mismatch_probe_tokens"] == 4
+
+        # rollout log-probs of the initial weights: a forward on stale gathered weights matches them
+        initial = _on_policy(tiny_model, [dataclasses.replace(samples[2], policy_version=1)])
+        assert group.probe_invariants(initial)["mismatch_kl"] > 1e-6  # stale: 0.0
+        state = ray.get([w.state_dict.remote() for w in group.workers])[0]  # the shards, gathered
+        now = _on_policy(tiny_model, [dataclasses.replace(samples[2], policy_version=1)], state)
+        assert group.probe_invariants(now)["mismatch_kl"] < 1e-9  # and it leaves the layers gathered
+        group.restore_promoted()
+        assert group.probe_invariants([dataclasses.replace(initial[0], policy_version=0)])["mismatch_kl"] < 1e-9
+    finally:
+        group.shutdown()
+
+
 def test_proximal_anchor_clips_in_the_second_mini_batch(ray_cluster, tiny_model, tmp_path):
     """lr 5e-2, 5 on-policy samples, 2 mini-batches (samples 0-1: 6 tokens, then 2-4: 15 tokens), 2
     ranks. Decoupled PPO: mini-batch 1 trains on the proximal weights themselves (ratio exactly 1,

@@ -452,7 +452,7 @@ def test_lr_back_offs_since_the_promoted_point_compound_and_a_withdrawal_keeps_t
 
     w = LearnerWorker.__new__(LearnerWorker)
     lin = torch.nn.Linear(2, 2)
-    w.trainable = list(lin.parameters())
+    w.model, w.trainable = lin, list(lin.parameters())
     w.optimizer = torch.optim.AdamW(w.trainable, lr=1e-5)
     w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0)
     w.version, w.optimizer_steps, w.skipped_steps = 4, 4, 0
