@@ -127,7 +127,7 @@ class HFBackend(SteppedBackend):
     @torch.inference_mode()
     def logprobs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Log-probs (length R) of ``response_ids`` after ``prompt_ids`` from one forward pass (only the
-        R positions that predict them reach the vocabulary projection)."""
+        R + 1 positions from the prompt's last token on reach the vocabulary projection)."""
         if not prompt_ids or not response_ids:
             raise ValueError("score needs a non-empty prompt and response")
         ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
