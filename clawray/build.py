@@ -16,7 +16,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from clawray.algos.algorithm import algorithm_class
-from clawray.config import model_path
+from clawray.config import frozen_engines, model_path
 from clawray.run_actors import RunActors
 
 
@@ -59,12 +59,14 @@ def ensure_model(cfg: DictConfig) -> str:
     return path
 
 
-def frozen_engine(cfg: DictConfig, backend: str, path: str, name: str) -> Any:
-    """A rollout engine that is never synced (a frozen judge or teacher model), restarted by Ray."""
+def frozen_engine(cfg: DictConfig, backend: str, path: str, name: str, num_gpus: float = 0.0) -> Any:
+    """A rollout engine that is never synced (a frozen judge or teacher model) with ``num_gpus`` Ray
+    GPUs (``judge.engine_num_gpus``, ``opd.teacher_num_gpus``; 0: on CPU) and the rollout section's
+    engine options, restarted by Ray."""
     from clawray.actors.rollout import RolloutEngineActor
     from clawray.recovery import RESTART_RETRY
 
-    return RolloutEngineActor.options(num_cpus=cfg.rollout.num_cpus, **RESTART_RETRY).remote(
+    return RolloutEngineActor.options(num_cpus=cfg.rollout.num_cpus, num_gpus=num_gpus, **RESTART_RETRY).remote(
         path, OmegaConf.to_object(cfg.rollout), backend=backend, name=name, seed=cfg.seed
     )
 
@@ -102,7 +104,9 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
         for i in range(ro.num_engines)
     ]
     if cfg.judge.backend == "engine":  # a frozen copy of the initial policy, never synced
-        actors.judge_engine = frozen_engine(cfg, cfg.judge.engine_backend, path, "judge-engine")
+        actors.judge_engine = frozen_engine(
+            cfg, cfg.judge.engine_backend, path, "judge-engine", num_gpus=cfg.judge.engine_num_gpus
+        )
     actors.judges = [
         JudgeWorkerActor.options(num_cpus=cfg.judge.num_cpus, **RESTART_RETRY).remote(
             OmegaConf.to_object(cfg.judge), actors.judge_engine, path
@@ -110,8 +114,11 @@ def build_actors(cfg: DictConfig, path: str, journals: dict[str, dict], actors: 
         for _ in range(cfg.judge.num_workers)
     ]
     if algorithm_class(cfg.trainer.algo).needs_teacher:
-        shared = actors.judge_engine if cfg.judge.engine_backend == cfg.opd.teacher_backend else None
-        make_engine = lambda backend, p, name: frozen_engine(cfg, backend, p, name)  # noqa: E731
+        # a frozen teacher on the judge engine's backend and GPUs shares it (config.frozen_engines)
+        shared = None if "teacher-engine" in frozen_engines(cfg) else actors.judge_engine
+        make_engine = lambda backend, p, name: frozen_engine(  # noqa: E731
+            cfg, backend, p, name, num_gpus=cfg.opd.teacher_num_gpus
+        )
         algorithm = algorithm_class(cfg.trainer.algo)
         topk = cfg.opd.topk if algorithm.term(cfg.opd.loss) == "topk_kl" else 0
         actors.teacher_engine, actors.teachers = build_teachers(

@@ -258,8 +258,12 @@ class JudgeConfig:
     num_cpus: float = _ray_resource(0.05)
     temperature: float = num(0.6, **_TEMPERATURE)
     max_tokens: int = num(512, **_MAX_TOKENS)
-    # backend "engine": frozen copy of the initial policy on its own RolloutEngine (model.path)
+    # backend "engine": frozen copy of the initial policy on its own RolloutEngine (model.path), with
+    # rollout's engine options (dtype, max_model_len, gpu_memory_utilization, ...)
     engine_backend: str = choice("hf", "vllm")
+    # Ray GPUs of that engine (a fraction shares a GPU, as rollout.num_gpus); 0 = on CPU. On a GPU run
+    # (rollout.num_gpus > 0) a vllm judge engine needs > 0 (vLLM's CUDA build does not run on CPU)
+    engine_num_gpus: float = _ray_resource(0.0)
     # backend "openai": any OpenAI-compatible endpoint
     base_url: str = secret("", url=True)
     api_key: str = secret("EMPTY")
@@ -295,6 +299,9 @@ class OPDConfig:
     teacher_model: str = ""  # endpoint teacher: the served model name ("" = the first one listed)
     teacher_api_key: str = secret("EMPTY")  # endpoint teacher: its API key
     teacher_backend: str = choice("hf", "vllm")  # engine backend of a frozen or path teacher
+    # Ray GPUs of a frozen or path teacher's engine (as judge.engine_num_gpus; 0 = on CPU). A frozen
+    # teacher shares the judge's engine when both name the same backend and the same GPUs
+    teacher_num_gpus: float = _ray_resource(0.0)
     teacher_timeout_s: float = num(300.0, gt=0.0)  # a teacher call past this is a counted teacher error (seconds)
     adv_clip: float = num(0.0, ge=0.0, note="0 = none")  # bound on |teacher - rollout| per token
     # "advantage": A_t = teacher - rollout in the PPO loss; "topk": top-k distillation (SDFT/SDPO
@@ -1004,6 +1011,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError("judge.backend=openai needs judge.base_url and judge.model")
     _check_topk_teacher(cfg)
     _check_teacher(cfg)
+    _check_frozen_engines(cfg)
     _check_hint_mixture(cfg)
     _check_endpoint_teacher(cfg)
     _check_env_data(cfg)
@@ -1116,6 +1124,38 @@ def _check_teacher(cfg: DictConfig) -> None:
             f"opd.teacher={teacher!r} is not frozen, live, an http(s):// endpoint or an HF model folder "
             f"({path} has no config.json)"
         )
+
+
+def frozen_engines(cfg: DictConfig) -> dict[str, tuple[str, float]]:
+    """The frozen engines a run starts, ``{name: (backend, Ray GPUs)}``: ``judge-engine``
+    (``judge.backend: engine``) and ``teacher-engine`` (an algorithm with a teacher whose
+    ``opd.teacher`` is ``frozen`` or a model folder; a frozen teacher on the judge engine's backend and
+    GPUs shares that engine, so it is not listed)."""
+    engines: dict[str, tuple[str, float]] = {}
+    if cfg.judge.backend == "engine":
+        engines["judge-engine"] = (cfg.judge.engine_backend, float(cfg.judge.engine_num_gpus))
+    teacher = cfg.opd.teacher
+    if algorithm_class(cfg.trainer.algo).needs_teacher and teacher != "live" and not is_endpoint(teacher):
+        own = (cfg.opd.teacher_backend, float(cfg.opd.teacher_num_gpus))
+        if not (teacher == "frozen" and engines.get("judge-engine") == own):
+            engines["teacher-engine"] = own
+    return engines
+
+
+def _check_frozen_engines(cfg: DictConfig) -> None:
+    """On a GPU run (``rollout.num_gpus`` > 0, so vLLM is its CUDA build) a frozen vllm engine without
+    a GPU is refused: its actor would die at start-up, after Ray and every other actor had started."""
+    if cfg.rollout.num_gpus <= 0:
+        return
+    keys = {"judge-engine": "judge.engine", "teacher-engine": "opd.teacher"}
+    for name, (backend, gpus) in frozen_engines(cfg).items():
+        if backend == "vllm" and gpus <= 0:
+            key = keys[name]
+            raise ConfigError(
+                f"{key}_backend=vllm on a GPU run (rollout.num_gpus={cfg.rollout.num_gpus}) needs "
+                f"{key}_num_gpus > 0: vLLM's CUDA build does not run on CPU (or {key}_backend=hf runs the "
+                "frozen model on CPU)"
+            )
 
 
 def _check_env_data(cfg: DictConfig) -> None:
