@@ -75,7 +75,9 @@ class TrajectoryQueue:
         self.dropped: Counter[str] = Counter()
         self.rewards: dict[int, list[float]] = {}  # per policy version: [n, sum, sum of squares] of rewards put
         self.journal = None  # [journal hook] clawray.journal.SampleJournal; replays its live samples
-        self._restamped: set = set()  # queued samples re-stamped by _drop_stale (see _key)
+        # queued samples re-stamped by _drop_stale (see _key): the version where each one's branch
+        # leaves the trained lineage (its common ancestor with the policy)
+        self._forks: dict[int, int] = {}
         if journal:
             self._open_journal(**journal)
 
@@ -93,9 +95,16 @@ class TrajectoryQueue:
                 self.dropped["too_long"] += 1
                 self.journal.drop("too_long", [seq])
                 continue
-            meta = dataclasses.replace(SampleMeta.of(sample), policy_version=int(version))
-            self._items.append((ray.put(sample), meta, seq))
+            self._items.append(self._journaled(sample, version, seq))
             self.replayed += 1
+
+    def _journaled(self, sample: Sample, version: int, seq: int) -> tuple:
+        """The queue item of journaled sample ``seq`` held at ``version``; a re-stamped one (``version``
+        below the sample's own, ``2A - s``) keeps its fork ``A`` (see :meth:`_drop_stale`)."""
+        meta = dataclasses.replace(SampleMeta.of(sample), policy_version=int(version))
+        if meta.policy_version < sample.policy_version:
+            self._forks[seq] = (meta.policy_version + int(sample.policy_version)) // 2
+        return (ray.put(sample), meta, seq)
 
     async def put(self, sample_ref: list[ray.ObjectRef], meta: SampleMeta | None = None) -> int:
         """Enqueue one sample; ``sample_ref`` is ``[ref]`` (wrapped so Ray does not fetch it).
@@ -148,14 +157,19 @@ class TrajectoryQueue:
         trained, through their common ancestor ``V``, is ``(s - V) + 1``: it is re-stamped
         ``2V - s`` (mirrored around the fork), so its staleness is that distance now and grows with
         each later update like any sample's. (Taken as stamped, its staleness was 0 or negative: never
-        dropped, trained as fresher than on-policy.) The re-stamp is journaled (a restarted queue
-        replays it); the sample itself keeps the version that made it."""
+        dropped, trained as fresher than on-policy.) A sample re-stamped at fork ``A`` whose lineage is
+        cut again below it, at ``V < A`` (a resume from a checkpoint older than the gate's fork), hangs
+        from ``V`` now: ``2V - s``, its stamp lowered by ``2(A - V)``. The re-stamp is journaled (a
+        restarted queue replays it, fork included); the sample itself keeps the version that made it."""
         fork = next_version - 1
         for i, (ref, meta, seq) in enumerate(self._items):
-            if meta.policy_version > fork:
-                meta = dataclasses.replace(meta, policy_version=2 * fork - meta.policy_version)
+            key = _key(meta, seq)
+            ancestor = self._forks.get(key, meta.policy_version)  # itself while on the lineage
+            if ancestor > fork:
+                self._forks.pop(key, None)  # without a journal the key is the meta's id, which changes
+                meta = dataclasses.replace(meta, policy_version=meta.policy_version - 2 * (ancestor - fork))
                 self._items[i] = (ref, meta, seq)
-                self._restamped.add(_key(meta, seq))
+                self._forks[_key(meta, seq)] = fork
                 if self.journal is not None:  # [journal hook] a restarted queue replays the re-stamp
                     self.journal.restamp(seq, meta.policy_version)
         verdict = {"stale": [], "rolled_back": []}
@@ -165,8 +179,8 @@ class TrajectoryQueue:
                 kept.append(item)
                 continue
             key = _key(item[1], item[2])
-            verdict["rolled_back" if key in self._restamped else "stale"].append(item[2])
-            self._restamped.discard(key)
+            verdict["rolled_back" if key in self._forks else "stale"].append(item[2])
+            self._forks.pop(key, None)
         for reason, seqs in verdict.items():
             if seqs:
                 self.dropped[reason] += len(seqs)
@@ -209,7 +223,8 @@ class TrajectoryQueue:
             order = sorted(range(len(self._items)), key=lambda i: self._items[i][1].policy_version)
             chosen = set(order[:take_max])
             batch = [self._items[i] for i in order[:take_max]]
-            self._restamped.difference_update(_key(m, q) for _, m, q in batch)
+            for _, m, q in batch:
+                self._forks.pop(_key(m, q), None)
             self._items = deque(item for i, item in enumerate(self._items) if i not in chosen)
             self.num_taken += len(batch)
             return {
@@ -261,10 +276,7 @@ class TrajectoryQueue:
                 if seq in queued:
                     items.append((*queued[seq], seq))
                     continue
-                sample = Sample(**sample)
-                items.append(
-                    (ray.put(sample), dataclasses.replace(SampleMeta.of(sample), policy_version=int(version)), seq)
-                )
+                items.append(self._journaled(Sample(**sample), version, seq))
             self._items = items
             self.num_taken = self.journal.state.taken
             self._cond.notify_all()
@@ -299,7 +311,7 @@ class TrajectoryQueue:
 
 
 def _key(meta: SampleMeta, seq: int) -> int:
-    """A queued sample's key in ``TrajectoryQueue._restamped``: its journal seq, else its (re-stamped,
+    """A queued sample's key in ``TrajectoryQueue._forks``: its journal seq, else its (re-stamped,
     queued) metadata object's id, alive while it is queued."""
     return seq if seq else id(meta)
 

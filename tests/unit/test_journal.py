@@ -566,7 +566,49 @@ def test_a_restarted_queue_keeps_the_re_stamp_of_a_discarded_versions_sample(tmp
 
     first, second, stats = asyncio.run(scenario())
     assert (first["seqs"], first["staleness"], second) == ([1], [2], None)
-    assert (stats["size"], stats["dropped"]) == (0, {"stale": 1})
+    # a discarded version's sample: rolled_back, as before the restart (the replay had lost its fork: stale)
+    assert (stats["size"], stats["dropped"]) == (0, {"rolled_back": 1})
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_second_rollback_below_the_first_fork_measures_the_distance_from_the_older_ancestor(
+    tmp_path, no_object_store, restart
+):
+    """max_staleness 3. A sample made by v5 on a branch from v3: the gate rolled back to v3 (the update
+    producing v4 re-stamps it 1, distance 2 + 1 = 3), then a resume from the checkpoint of v1 (the
+    update producing v2). Its distance through v1 is (5 - 1) + 1 = 5, past the cap: dropped as
+    rolled_back. The mirror of its re-stamp (1) around v1 was never taken (1 is not above 1): trained
+    at staleness 1. With a journal, a queue restarted between the two forks keeps the first one."""
+    from clawray.actors.queue import TrajectoryQueue
+    from clawray.types import SampleMeta
+
+    path = prepare_journals(str(tmp_path), None)["samples"]
+
+    async def ref(sample):
+        return sample
+
+    async def scenario():
+        q = TrajectoryQueue(3, journal={"path": path})
+        await q.put([ref(_sample(0, version=5))], SampleMeta.of(_sample(0, version=5)))
+        q._drop_stale(4)  # the update producing v4 after the rollback to v3
+        held = [m.policy_version for _, m, _ in q._items]
+        if restart:
+            q.journal.file.close()  # Ray restarts the queue actor
+            q = TrajectoryQueue(3, journal={"path": path})
+        batch = await q.get_batch(1, next_version=2, timeout_s=0.05)
+        return held, batch, await q.stats()
+
+    held, batch, stats = asyncio.run(scenario())
+    assert (held, batch) == ([1], None)
+    assert (stats["size"], stats["dropped"]) == (0, {"rolled_back": 1})
+
+    async def within_the_cap():  # max_staleness 5: trained at its distance, 5
+        q = TrajectoryQueue(5)
+        await q.put(["s0"], SampleMeta.of(_sample(0, version=5)))
+        q._drop_stale(4)
+        return await q.get_batch(1, next_version=2)
+
+    assert asyncio.run(within_the_cap())["staleness"] == [5]
 
 
 def test_asking_whether_the_tracker_was_restarted_never_starts_ray():
