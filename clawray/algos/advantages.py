@@ -137,7 +137,8 @@ def combine_advantages(
     if has_teacher.shape != loss_mask.shape[:1]:
         raise ValueError(f"has_teacher {tuple(has_teacher.shape)} must be [B] for loss_mask {tuple(loss_mask.shape)}")
     rl = binary_advantages(rewards, loss_mask)
-    opd = opd_advantages(teacher_logprobs, rollout_logprobs, loss_mask, clip) * has_teacher.float()[:, None]
+    opd = opd_advantages(teacher_logprobs, rollout_logprobs, loss_mask, clip)
+    opd = torch.where(has_teacher.bool()[:, None], opd, torch.zeros_like(opd))  # not x * 0: a -inf log-prob gave NaN
     return w_rl * rl + w_opd * opd
 
 

@@ -146,9 +146,14 @@ def ppo_clip_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     eps_high = eps if eps_high is None else eps_high
+    # a masked token's inputs never reach the arithmetic (its neutral values: ratio 1, advantage 0,
+    # weight 1): a non-finite one gave a NaN gradient through 0 * nan, though its loss is masked out
+    m = loss_mask.bool()
+    old_logprobs = torch.where(m, old_logprobs.detach(), logprobs.detach())
+    advantages = torch.where(m, advantages, torch.zeros_like(advantages))
     # the log-ratio is clamped to +-MAX_LOG_RATIO before exp (as verl): a token whose ratio overflows
     # float32 sits in a clipped (constant) branch, but its backward 0 * inf made the step's gradient NaN
-    ratio = torch.exp(torch.clamp(logprobs - old_logprobs.detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     surrogate = ratio * advantages
     surrogate_clipped = torch.clamp(ratio, 1.0 - eps, 1.0 + eps_high) * advantages
     token_loss = -torch.minimum(surrogate, surrogate_clipped)
@@ -160,7 +165,7 @@ def ppo_clip_loss(
         clipped = clipped | dual
     is_weight = torch.ones_like(token_loss)
     if behaviour_logprobs is not None:
-        log_w = old_logprobs.detach() - behaviour_logprobs.detach()  # clamped before exp, as the ratio
+        log_w = torch.where(m, old_logprobs - behaviour_logprobs.detach(), 0.0)  # clamped before exp, as the ratio
         is_weight = torch.exp(torch.clamp(log_w, -MAX_LOG_RATIO, MAX_LOG_RATIO))
         if tis_cap is not None:
             is_weight = is_weight.clamp(max=tis_cap)
@@ -204,7 +209,9 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str =
     gradient of ``k2`` (straight-through). Differentiated through ``logprobs`` on tokens sampled from
     ``pi``, ``E[grad k2] = E[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref)``, whereas
     ``E[grad k1] = 0`` (no pull toward the reference at all) and ``E[grad k3] = grad KL(pi_ref || pi)``
-    (the other direction): Tang & Munos 2025, arXiv 2506.09477, §3-4.
+    (the other direction): Tang & Munos 2025, arXiv 2506.09477, §3-4. A non-finite ``ref_logprobs``
+    gives a NaN gradient there even when the token is masked later: :func:`sample_loss` puts a masked
+    token's own log-prob in its place.
 
     Raises:
         ValueError: unknown estimator.
@@ -467,8 +474,9 @@ def sample_loss(inp: SampleLossInputs, cfg: LossSettings) -> LossOutput:
         topk_kl = topk_reverse_kl(scaled, inp.teacher_topk_logprobs, inp.teacher_topk_ids)
         loss = loss + cfg.w_opd * aggregate(topk_kl, mask, **agg)
     kl_value = torch.zeros((), device=mask.device)
-    if inp.ref_logprobs is not None:
-        kl_value = aggregate(kl_loss(logprobs, inp.ref_logprobs, cfg.kl_estimator), mask, **agg)
+    if inp.ref_logprobs is not None:  # a masked token's reference is its own log-prob (KL 0, as in ppo_clip_loss)
+        ref = torch.where(mask.bool(), inp.ref_logprobs, logprobs.detach())
+        kl_value = aggregate(kl_loss(logprobs, ref, cfg.kl_estimator), mask, **agg)
         loss = loss + cfg.kl_coef * kl_value
     if inp.entropy_coef > 0:
         loss = loss - inp.entropy_coef * aggregate(entropy, mask, **agg)

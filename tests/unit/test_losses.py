@@ -326,6 +326,57 @@ def test_sample_loss_hand_computed_and_metrics_by_name():
     assert out.loss.item() == pytest.approx(-2.0 - 0.5 * math.log(4))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -float("inf")])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(kl_coef=0.1, kl_estimator="k3"),
+        dict(proximal=True, tis_cap=2.0, kl_coef=0.1, kl_estimator="k2"),
+        dict(w_rl=0.5, w_opd=2.0, dual_clip=3.0),
+    ],
+)
+@pytest.mark.parametrize("teacher", [False, True])
+def test_a_masked_tokens_non_finite_inputs_change_neither_loss_nor_gradient(bad, settings, teacher):
+    """Token 3 is masked. Its rollout, teacher and reference log-probs hold NaN or -inf: the loss and
+    the logits' gradient equal those with finite values there (before: 0 * nan made the gradient NaN
+    through the TIS weight, the advantage, the k2 straight-through and combine's teacher switch)."""
+    from clawray.algos.losses import LossSettings, sample_loss
+
+    lp = -math.log(4)
+
+    def run(x):
+        inputs = dict(
+            rollout_logprobs=torch.tensor([lp - 0.1, lp + 0.2, x]),
+            ref_logprobs=torch.tensor([lp + 0.3, lp - 0.2, x]),
+            teacher_logprobs=torch.tensor([lp + 0.5, lp - 0.5, x]) if teacher else None,
+        )
+        inp = _uniform_inputs(**inputs)
+        out = sample_loss(inp, LossSettings(**settings))
+        out.loss.backward()
+        return out.loss.item(), inp.logits.grad
+
+    clean_loss, clean_grad = run(lp)
+    loss, grad = run(bad)
+    assert math.isfinite(clean_loss) and loss == pytest.approx(clean_loss)
+    assert torch.equal(grad, clean_grad) and grad[2].abs().sum() == 0 and grad[:2].abs().sum() > 0
+
+
+def test_combine_without_a_teacher_is_exactly_the_reward_term_whatever_the_log_probs_hold():
+    """``has_teacher`` false: A_t = w_rl * r on every masked token, even where the (unused) rollout
+    log-prob is -inf (the teacher term is -inf - -inf = nan there; nan x 0 was nan)."""
+    rollout = torch.tensor([[-1.0, -float("inf")], [-1.0, -2.0]])
+    adv = combine_advantages(
+        torch.tensor([1.0, -1.0]),
+        torch.tensor([[float("nan"), 0.0], [-0.5, -1.0]]),
+        rollout,
+        torch.ones(2, 2),
+        torch.tensor([False, True]),
+        w_rl=0.5,
+        w_opd=2.0,
+    )
+    assert adv.tolist() == [[0.5, 0.5], [-0.5 + 2 * 0.5, -0.5 + 2 * 1.0]]
+
+
 def test_batch_loss_metrics_by_name():
     from clawray.algos.losses import SUM_METRICS, batch_loss_metrics
 
