@@ -143,7 +143,7 @@ class Admission:
     async def _read_body(self, request: Request) -> bytes:
         limit = self.cfg.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise RequestError(f"request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
         chunks, size = [], 0
         async for chunk in request.stream():

@@ -67,7 +67,7 @@ from clawray.serve.engine_pool import EnginePool
 from clawray.serve.errors import answer_error, error_response, unauthorized
 from clawray.serve.guard import keep_replica_grpc_on_loopback
 from clawray.serve.health import health_body, serving_versions
-from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_chat_request
+from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_chat_request, prompt_chars
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.serve.sse import StreamContext, cancel_streams, next_item, sse_events
@@ -296,7 +296,7 @@ class PolicyServer:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab})", "stop_token_ids")
         call.end_ids = list(dict.fromkeys([*self.end_ids, *req.stop_token_ids]))
         limit = self.max_model_len
-        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in req.messages)
+        chars = prompt_chars(req.messages)
         tool_chars = len(json.dumps(req.tools)) if req.tools else 0  # the template renders them into the prompt
         if chars + tool_chars > limit * MAX_CHARS_PER_TOKEN:
             raise RequestError(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -434,6 +435,17 @@ def parse_chat_request(
     )
 
 
+_DECIMAL = re.compile(r"\s*[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\s*", re.ASCII)
+
+
+def prompt_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of normalised ``messages`` as JSON: every field a chat template may render (content,
+    tool calls, ``reasoning_content``, names, ids), an upper bound on the text the render reads. Only
+    content and tool calls were counted: a megabyte of ``reasoning_content`` passed the pre-tokenisation
+    length check and was tokenised on the replica's event loop (seconds, every request stalled)."""
+    return sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
+
+
 def _outcome(header: str | None, body_value: Any) -> float | None:
     """The session outcome from the header (text) or the body (a JSON number), or None.
 
@@ -445,6 +457,8 @@ def _outcome(header: str | None, body_value: Any) -> float | None:
         return None
     try:
         if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+            raise ValueError
+        if isinstance(raw, str) and not _DECIMAL.fullmatch(raw):  # float() also reads "1_0" as 10
             raise ValueError
         value = float(raw)
     except (ValueError, OverflowError):  # OverflowError: an integer past the double range

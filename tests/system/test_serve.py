@@ -706,6 +706,14 @@ def test_async_client_errors_and_limits(served):
             )
         assert e.value.body["param"] == "tools" and "(40" in e.value.body["message"], e.value.body
         assert "of them tools), more than max_model_len 256" in e.value.body["message"]
+        reasoned = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "reasoning_content": "x " * 20000},
+            {"role": "user", "content": "go on"},
+        ]
+        with pytest.raises(openai.BadRequestError) as e:  # every rendered field counts, reasoning too
+            await client.chat.completions.create(model="tiny", messages=reasoned)
+        assert e.value.body["param"] == "messages" and "(0 of them tools)" in e.value.body["message"], e.value.body
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
         with pytest.raises(openai.BadRequestError) as e:

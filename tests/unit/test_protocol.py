@@ -16,6 +16,22 @@ def test_session_outcome_from_header_or_body_header_wins():
     assert parse({"messages": MSG}).outcome is None
     assert parse({"messages": MSG, "session_outcome": -1}).outcome == -1.0
     assert parse({"messages": MSG, "session_outcome": 0.5}, {"x-session-outcome": " 1 "}).outcome == 1.0
+    texts = ["-1", "+0.5", ".5", "1.", "2e-1", " -1E0 "]
+    outcomes = [parse({"messages": MSG}, {"x-session-outcome": t}).outcome for t in texts]
+    assert outcomes == [-1.0, 0.5, 0.5, 1.0, 0.2, -1.0]
+
+
+def test_prompt_chars_counts_every_field_a_template_may_render():
+    """The pre-tokenisation length check read content and tool calls only: 6.7 MB of an assistant's
+    ``reasoning_content`` counted as 2 characters and was tokenised on the event loop (6.6 s)."""
+    from clawray.serve.protocol import prompt_chars
+
+    plain = [{"role": "user", "content": "hi"}]
+    assert prompt_chars(plain) == len('{"role": "user", "content": "hi"}')
+    long = {"role": "assistant", "content": "ok", "reasoning_content": "r" * 100_000}
+    named = {"role": "tool", "content": "x", "tool_call_id": "c" * 50_000, "name": "n" * 50_000}
+    assert prompt_chars([long]) > 100_000 and prompt_chars([named]) > 100_000
+    assert prompt_chars([{"role": "user", "content": "日本" * 1000}]) < 2100  # a character counts once, not as \\uXXXX
 
 
 def test_session_headers_are_read_as_the_proxy_routes_them_and_a_conflicting_repeat_is_refused():
@@ -159,6 +175,8 @@ def test_tool_choice_none_drops_tools():
         ({"messages": MSG, "session_done": {}}, {}, "session_done", "invalid_request"),
         ({"messages": MSG}, {"x-session-outcome": "solved"}, "session_outcome", "invalid_request"),
         ({"messages": MSG}, {"x-session-outcome": "inf"}, "session_outcome", "invalid_request"),
+        ({"messages": MSG}, {"x-session-outcome": "1_0"}, "session_outcome", "invalid_request"),  # float(): 10.0
+        ({"messages": MSG, "session_outcome": "-0_5"}, {}, "session_outcome", "invalid_request"),
         ({"messages": MSG, "session_outcome": True}, {}, "session_outcome", "invalid_request"),
         ({"messages": MSG, "session_outcome": 1e7}, {}, "session_outcome", "invalid_request"),
         ({"messages": MSG, "session_outcome": "nan"}, {}, "session_outcome", "invalid_request"),
