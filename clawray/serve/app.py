@@ -70,7 +70,7 @@ from clawray.serve.health import health_body, serving_versions
 from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_chat_request, prompt_chars
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
-from clawray.serve.sse import StreamContext, cancel_streams, next_item, sse_events
+from clawray.serve.sse import EventStreamResponse, StreamContext, cancel_streams, next_item
 from clawray.session_book import AUTO_SESSION_PREFIX
 from clawray.types import Turn
 
@@ -479,11 +479,7 @@ class PolicyServer:
             record=record,
             release=lambda: self.locks.release(call.locked) if call.locked else None,
         )
-        return StreamingResponse(
-            sse_events(call, streams, ctx),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **call.token_header()},
-        )
+        return EventStreamResponse(call, streams, ctx, headers={"Cache-Control": "no-cache", **call.token_header()})
 
     async def _admitted_streams(self, call: Call, engine: Any, canary: bool = False) -> list:
         wait_s = self.cfg.sync_wait_timeout_s

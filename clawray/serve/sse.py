@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import ray
+from starlette.responses import StreamingResponse
 
 from clawray.serve.errors import stream_error_body
 from clawray.serve.reply import IncrementalDetokenizer, ParsedReply, ReplyDecoder, ReplyParser
@@ -43,6 +44,7 @@ class StreamContext:
         record: ``record(outs, parsed) -> [(finish_reason, turn index or None)]``: records the
             choices' turns (engine outputs and parsed replies) and says how each ended.
         release: called once when the stream ends, however it ends (the session lock).
+        started: the event generator began (its own ``finally`` cleans up; else :class:`EventStreamResponse`).
     """
 
     model: str
@@ -52,6 +54,7 @@ class StreamContext:
     counts: Counter
     record: Callable[[list[dict], list[ParsedReply]], Awaitable[list[tuple[str, int | None]]]]
     release: Callable[[], None]
+    started: bool = False
 
 
 async def next_item(stream: Any) -> dict:
@@ -71,6 +74,7 @@ def cancel_streams(streams: list) -> None:
 async def sse_events(call: Any, streams: list, ctx: StreamContext) -> AsyncIterator[str]:
     """The event stream of ``call`` (the request: ``req``, ``session_id``, ``prompt_ids``,
     ``in_reasoning``, ``end_ids``) over its admitted engine ``streams``, one per choice."""
+    ctx.started = True
     req = call.req
     chunk = _Chunker(req.model or ctx.model, req.include_usage)
     merged: asyncio.Queue = asyncio.Queue()
@@ -111,6 +115,29 @@ async def sse_events(call: Any, streams: list, ctx: StreamContext) -> AsyncItera
             ctx.counts["streams_not_completed"] += 1
             cancel_streams(streams)
         ctx.release()
+
+
+class EventStreamResponse(StreamingResponse):
+    """The SSE answer of :func:`sse_events` over ``streams``. Its clean-up (stop the engine streams,
+    release the session lock) also runs when Starlette ends the response before the body starts (a
+    client gone before the first byte, a failed first send): an async generator never iterated never
+    runs its ``finally``, and the session's next request waited for the lock for ever."""
+
+    def __init__(self, call: Any, streams: list, ctx: StreamContext, headers: dict[str, str]):
+        self._streams, self._ctx = streams, ctx
+        super().__init__(sse_events(call, streams, ctx), media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # a suspended generator runs its finally now
+            if not self._ctx.started:  # never iterated: no finally ran
+                self._ctx.started = True
+                self._ctx.counts["cancelled"] += 1
+                self._ctx.counts["streams_not_completed"] += 1
+                cancel_streams(self._streams)
+                self._ctx.release()
 
 
 async def _deltas(
