@@ -19,16 +19,19 @@ Tool results (``role: tool``), first match wins:
 2. **Exit code in text** ("exit code 1", "exited with code 0", "Exit status: 2"): non-zero is a
    failure, zero a success.
 3. **Text**: after removing negated or zero-count mentions ("no errors", "0 failed", "errors: 0",
-   "error: null", "without error"), a program's failure output is a failure: a line that starts
+   "error: null", "without error"; the value must end its field: "Error: 0 is not a valid port"
+   stays), a program's failure output is a failure: a line that starts
    with a failure label ("error: ...", "ValueError: ...", "fatal:", "[ERROR]", "FAILED ...", "npm
    ERR!", "npm error ...", "error TS2322:", "fatal error:", "Build failed", "Failed to ..."), a non-zero failure count ("2 failed", "1 error"), a
    traceback, "command not found", "no such file or directory", "permission denied", "segmentation
-   fault", "command timed out", an HTTP 4xx/5xx status line; or an error message opening the result
+   fault", "command timed out", dash's "sh: 1: x: not found", a shell's "Killed", apt's "E: ...",
+   "TIMEOUT", an HTTP 4xx/5xx status line or "Error 404:" label; or an error message opening the result
    (``_OPENING_ERROR``: OpenClaw sends a failed tool's error text alone, "File not found: x", "Tool x
    not found", "Could not find ..."). Any other tool result is a success: a text that only mentions
    failures (a file a ``read`` tool returns, "Find the error in this sum") reports none.
 
-User messages (``role: user``): pasted failure output (rule 3) is a complaint. Else, sentence by
+User messages (``role: user``), read with typographic and dropped apostrophes restored ("doesnt",
+"that’s"): pasted failure output (rule 3) is a complaint. Else, sentence by
 sentence with conditions and checks removed ("tell me if it works", "check the log for errors"), a
 complaint (thumbs down, wrong, incorrect, mistake, "not (quite) right", "not what I asked", "doesn't
 work", "try again", "no markdown", an error, exception or traceback) is negative, except a negated or
@@ -84,7 +87,10 @@ _FAILURE_WORD = r"(?:errors?|exceptions?|traceback|failed|failures?|fatal|panic(
 # a failure word that says there was none: "no errors", "0 failed", "errors: 0", "error: null", "without error"
 _NEGATED_FAILURE = re.compile(
     rf"\b(?:no|zero|0|without|never|none)\s+(?:\w+\s+)?{_FAILURE_WORD}\b"
+    # the value must end its field ("errors: 0, warnings: 2", "error=null warn=1"): "Error: 0 is not a
+    # valid port" and "error: null pointer dereference" are failures
     rf"|\b{_FAILURE_WORD}\W{{0,3}}\s*[:=]\s*\W?(?:0|none|null|nil|false)\b\W?"
+    r"(?=[ \t]*(?:\n|\Z|[,;})\]|]|\.(?:\s|\Z)|[\w.\-]+[ \t]*[:=]))"
     rf"|\"?{_FAILURE_WORD}\"?\s*:\s*(?:\[\]|\{{\}}|\"\")",
     re.IGNORECASE,
 )
@@ -94,18 +100,22 @@ _NEGATED_FAILURE = re.compile(
 # non-zero failure count ("2 failed", "1 error generated"), a traceback or a system message
 _FAILURE_OUTPUT = re.compile(
     r"^[ \t]*(?:E[ \t]+)?(?:[\w.\-/\[\]]+(?:\(\d+,\d+\))?:[ \t]*){0,3}(?:\(\d+\)[ \t]*)?(?:fatal[ \t]+)?"
-    r"(?:\[(?:errors?|fatal)\]|(?:errors?(?:[ \t]+[A-Z]+\d+)?|fatal|panic|exception|traceback)[ \t]*(?::|!|\[|\(|$)"
+    r"(?:\[(?:errors?|fatal)\]|(?:errors?(?:[ \t]+[A-Z]*\d+)?|fatal|panic|exception|traceback)[ \t]*(?::|!|\[|\(|$)"
     r"|\w*(?:error|exception)[ \t]*:|(?:\w+[ \t]+)?failed\b)"
     r"|\b[1-9]\d*[ \t]+(?:\w+[ \t]+)?(?:failed|failures?|errors?)\b|\b(?:failures|errors|failed)[ \t]*[:=][ \t]*[1-9]"
     r"|traceback \(most recent call last\)|\bexception in thread\b|\bpanicked at\b|\*\*\*(?!\*)[^\n*]*\berror [1-9]\d*"
     r"|\bnpm ERR!|^[ \t]*npm error\b|^[ \t]*curl: \(\d+\)|command not found|no such file or directory|permission denied|segmentation fault|core dumped"
+    r"|^[ \t]*(?:/[\w/.\-]+/)?(?:ba|da|z|k)?sh: (?:line )?\d+: [^\n]+: not found[ \t]*$"  # dash: "sh: 1: foo: not found"
     r"|\b(?:command|request|operation|connection) timed out\b"
     r"|^[ \t]*HTTP/\d(?:\.\d)?[ \t]+[45]\d\d\b",  # an HTTP response's status line: 4xx, 5xx
     re.IGNORECASE | re.MULTILINE,
 )
+# log levels and test summaries; a shell's "Killed" (the OOM killer), apt's "E: ..." lines
 _FAILURE_LEVEL = re.compile(
-    r"^[ \t]*(?:--- )?(?:FAILED|FAIL|ERROR|FATAL)\b", re.MULTILINE
-)  # log levels and test summaries
+    r"^[ \t]*(?:--- )?(?:FAILED|FAIL|ERROR|FATAL|TIMEOUT)\b|^[ \t]*Killed[ \t]*$"
+    r"|^[ \t]*[\w/.\-]+: line \d+:[ \t]+\d+[ \t]+Killed\b|^E: [A-Z]",
+    re.MULTILINE,
+)
 
 
 def _failure_output(text: str) -> bool:
@@ -164,11 +174,11 @@ def _without_mended_past(text: str) -> str:
 _COMPLAINT = re.compile(
     r"👎|\bthumbs?[ -]?down\b|\bwrong\b|\bincorrect\b|\bmistakes?\b|\bbroken\b"
     r"|\b(?:not|isn't|wasn't|hardly)\s+(?:\w+\s+)?(?:correct|right|good|great|helpful|perfect)\b|\bthat's not it\b"
-    r"|\bnot what I (?:asked|wanted|meant|said)\b|\b(?:doesn't|does not|didn't|did not|still doesn't) work\b"
+    r"|(?:\bnot|n't)\s+what I (?:asked|wanted|meant|said)\b|\b(?:doesn't|does not|didn't|did not|still doesn't) work\b"
     r"|\b(?:doesn't|does not|don't|do not)\s+(?:look|seem|sound|feel|think|believe)\s+(?:[\w']+\s+){0,2}?(?:right|correct)\b"
-    r"|\b(?:not|isn't|aren't|wasn't|weren't)\s+(?:\w+\s+)?working\b|\b(?:it|this|that|still)\s+(?:fails|crashes)\b"
+    r"|\b(?:not|isn't|aren't|wasn't|weren't)\s+(?:\w+\s+)?working\b|\b(?:it|this|that|still)\s+(?:fail|crash)(?:s|es|ed)\b"
     r"|\b(?:doesn't|does not|didn't|did not|won't|still doesn't)\s+(?:compile|build|run|pass)\b"
-    r"|\bno markdown\b|\btoo (?:long|verbose|wordy)\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
+    r"|\bno markdown\b|\btoo (?:long|verbose|wordy|slow)\b|\bplease (?:don't|do not|redo|retry|try again)\b|\btry again\b"
     r"|\b(?:errors?|exceptions?)\b|\btraceback\b"
     # a correction after a concession: "Thanks, but the total should be 12"
     r"|\bbut(?:\W+\w+){0,8}?\W+should (?:be|have been|say|read|return)\b"
@@ -214,7 +224,7 @@ _REPORTED_FAULT = re.compile(
     r"(?:throws?|threw|throwing|raises?|raised|raising|gives?|gave|giving|shows?|showed|returns?|returned"
     r"|prints?|printed)\s+(?:\w+\s+){0,2}?"
     rf"(?:{_FAULT_NOUN}|\w+error|\w+exception)\b"
-    rf"|\bthere (?:is|was|are|were)(?: still)?\s+(?:\w+\s+){{0,2}}?{_FAULT_NOUN}",
+    rf"|\bthere(?:'s| is| was| are| were)(?: still)?\s+(?:\w+\s+){{0,2}}?{_FAULT_NOUN}",
     re.IGNORECASE,
 )
 # seeing one is reported whatever it is called ("I get an error message"); a program's output is read
@@ -378,9 +388,20 @@ def tool_result_sign(content: Any) -> int:
     return -1 if _failure_output(text) or _OPENING_ERROR.match(text) else 1
 
 
+# a contraction typed without its apostrophe ("doesnt", "wasnt", "dont"), read as the grammar writes it
+_BARE_CONTRACTION = re.compile(
+    r"\b(does|did|is|was|are|were|do|has|have|had|could|would|should|ca|wo)nt\b", re.IGNORECASE
+)
+
+
+def _apostrophes(text: str) -> str:
+    """``text`` with typographic apostrophes as ``'`` and bare contractions given theirs."""
+    return _BARE_CONTRACTION.sub(r"\1n't", text.replace("\u2019", "'").replace("\u02bc", "'"))
+
+
 def user_text_sign(content: Any) -> int | None:
     """-1 (a complaint), +1 (praise) or None (no signal) of one user message (module docstring)."""
-    text = message_text(content)
+    text = _apostrophes(message_text(content))
     if _complains(text):
         return -1
     return 1 if _praises(_NEGATED_COMPLAINT.sub(" ", text)) else None

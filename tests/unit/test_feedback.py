@@ -124,6 +124,22 @@ TOOL_RESULTS = [
     ("Successfully wrote 12 bytes to /ws/a.txt", 1),
     ("# Setup\nIf the config file is not found, run init first.", 1),
     ("Found 2 occurrences of 'total' in a.py", 1),
+    # a failure label whose message opens with 0, None, null or false is a failure; a bare value ends its field
+    ("Error: 0 is not a valid port number", -1),
+    ("Error: None is not a valid path", -1),
+    ("error: null pointer dereference", -1),
+    ("Error: false is not a function", -1),
+    ("errors: 0, warnings: 2", 1),
+    ("error=null warn=1", 1),
+    ("Build done. Errors: 0.", 1),
+    # dash's missing command, an HTTP error label, the OOM killer, apt, a timeout status
+    ("/bin/sh: 1: foo: not found", -1),
+    ("Error 404: Not Found", -1),
+    ("Killed", -1),
+    ("bash: line 1:  1234 Killed                  python train.py", -1),
+    ("E: Unable to locate package foo", -1),
+    ("TIMEOUT", -1),
+    ("Killed 3 stale processes", 1),
 ]
 
 
@@ -244,6 +260,15 @@ USER_TEXTS = [
     ("Thanks. The total should be 12 though.", -1),
     ("Right, but you forgot the units.", -1),
     ("Thanks, you didn't miss anything.", 1),
+    # contractions as typed (there's, wasn't, no apostrophe, a typographic one), past tense
+    ("Thanks. There's a bug in foo().", -1),
+    ("Thanks, but that wasn't what I asked.", -1),
+    ("Thanks, but that’s not what I asked.", -1),
+    ("thanks but it failed", -1),
+    ("Thanks, it crashed.", -1),
+    ("Thanks, but it doesnt compile.", -1),
+    ("It works, but it's too slow.", -1),
+    ("dont worry, it's correct", 1),
 ]
 
 
