@@ -42,6 +42,14 @@ from clawray.types import Turn
 #: session inference when session binding is on: a session with a client's own id may be bound to
 #: that client, and inference would let anyone who knows its history into it.
 AUTO_SESSION_PREFIX = "auto-"
+
+
+def user_session_prefix(user: str) -> str:
+    """The ids of the sessions the server starts for end user ``user`` (the OpenAI ``user`` field)
+    start with this: ``auto-user:<user>/``, one session per conversation of that user."""
+    return f"{AUTO_SESSION_PREFIX}user:{user}/"
+
+
 MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
 #: seconds a request inferred into a session claims it (its lookup to its record): another request of a
 #: conversation that opens alike takes another session of the key meanwhile. A claim only breaks ties
@@ -156,6 +164,7 @@ class SessionBook:
         auto_only: bool = False,
         exact: dict[int, str] | None = None,
         hint: str | None = None,
+        user: str | None = None,
     ) -> dict:
         """Which session and pending turn a new request continues (the server's lookup).
 
@@ -171,6 +180,8 @@ class SessionBook:
                 do not depend on it) but not offered for splicing.
             exact: ``{k: conversation_key(messages[:k + 1])}`` for the same ``k``; a pending turn is
                 offered for splicing only when its exact key is there at its own position (None: never).
+            user: the request's end user (the OpenAI ``user`` field): the session is inferred among that
+                user's sessions only (:func:`user_session_prefix`).
 
         Returns:
             ``{"session_id", "prev", "context_changed", "how"}``: the session (None when none matches)
@@ -184,7 +195,9 @@ class SessionBook:
         if session_id is None and hint is not None:  # the server's namespace: never bound to a client
             session_id, how = f"{AUTO_SESSION_PREFIX}{hint}", "hint"
         elif session_id is None:
-            session_id = self._infer(keys, self.index, auto_only) or self._infer(keys, self.closed_index, auto_only)
+            prefix = AUTO_SESSION_PREFIX if user is None else user_session_prefix(user)
+            only = prefix if auto_only or user is not None else ""
+            session_id = self._infer(keys, self.index, only) or self._infer(keys, self.closed_index, only)
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)
         if s is not None and how == "inferred":
@@ -205,18 +218,15 @@ class SessionBook:
             return {"session_id": session_id, "prev": prev, "context_changed": False, "how": how}
         return {"session_id": session_id, "prev": None, "context_changed": False, "how": how}
 
-    def _infer(self, keys: dict[int, str], index: dict[str, Any], auto_only: bool) -> str | None:
-        """The session of the latest assistant message of ``keys`` found in ``index``, or None. When
-        several sessions hold it (:attr:`index`; ``closed_index`` holds one id a key), the oldest one
-        without a request in flight (``claimed_until``), else the oldest."""
+    def _infer(self, keys: dict[int, str], index: dict[str, Any], prefix: str = "") -> str | None:
+        """The session of the latest assistant message of ``keys`` found in ``index`` among the ids
+        that start with ``prefix``, or None. When several sessions hold it (:attr:`index`;
+        ``closed_index`` holds one id a key), the oldest one without a request in flight
+        (``claimed_until``), else the oldest."""
         now = time.monotonic()
         for k in sorted(keys, reverse=True):
             found = index.get(keys[k], ())
-            sids = [
-                sid
-                for sid in ([found] if isinstance(found, str) else found)
-                if not auto_only or sid.startswith(AUTO_SESSION_PREFIX)
-            ]
+            sids = [sid for sid in ([found] if isinstance(found, str) else found) if sid.startswith(prefix)]
             if sids:
                 free = [sid for sid in sids if (s := self.sessions.get(sid)) is None or s.claimed_until <= now]
                 return (free or sids)[0]

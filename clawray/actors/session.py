@@ -208,10 +208,11 @@ class SessionTracker:
         auto_only: bool = False,
         exact: dict[int, str] | None = None,
         hint: str | None = None,
+        user: str | None = None,
     ) -> dict:
         """Which session and pending turn a new request continues: :meth:`clawray.session_book.SessionBook.find`."""
         self._start_replay()
-        return self.book.find(session_id, keys, render_key, auto_only, exact, hint)
+        return self.book.find(session_id, keys, render_key, auto_only, exact, hint, user)
 
     async def record_turn(self, turn: Turn, done: bool = False, outcome: float | None = None) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""

@@ -71,7 +71,7 @@ from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.serve.sse import EventStreamResponse, StreamContext, cancel_streams, next_item
-from clawray.session_book import AUTO_SESSION_PREFIX
+from clawray.session_book import AUTO_SESSION_PREFIX, user_session_prefix
 from clawray.types import Turn
 
 keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
@@ -339,16 +339,19 @@ class PolicyServer:
         open session whose pending turn its history continues (``keys``: attribution keys of its
         assistant messages), else a new session for a conversation's first request; otherwise the
         request is served and not recorded (``unattributable``)."""
-        hint = session_hint(call.req.messages)
-        if hint is None:
+        hint, user = session_hint(call.req.messages), call.req.user
+        if hint is None and user is None:
             self._warn_no_session()
-        # never into a session that may be bound to its client: only the server's own (auto-) ones
-        found = await self.tracker.lookup.remote(None, keys, None, self.cfg.session_binding != "off", None, hint)
+        # never into a session that may be bound to its client: only the server's own (auto-) ones; with
+        # the OpenAI `user` field, only that user's
+        binding = self.cfg.session_binding != "off"
+        found = await self.tracker.lookup.remote(None, keys, None, binding, None, hint, user)
         if found["session_id"] is not None:
             call.session_id = found["session_id"]
             self.counts["sessions_from_hint" if found["how"] == "hint" else "sessions_inferred"] += 1
         elif not keys:  # a conversation's first request: a new session
-            call.session_id = f"{AUTO_SESSION_PREFIX}{uuid.uuid4().hex}"
+            prefix = AUTO_SESSION_PREFIX if user is None else user_session_prefix(user)
+            call.session_id = f"{prefix}{uuid.uuid4().hex}"
             self.counts["sessions_started_without_id"] += 1
         else:
             self.counts["unattributable"] += 1

@@ -94,6 +94,8 @@ class ChatRequest:
         max_tokens: response token cap (before clipping to the context window).
         temperature, top_p, seed: sampling parameters.
         session_id: the session, or None when the client sent none.
+        user: the OpenAI ``user`` field (:func:`user_session`) when no session id was sent: the end user,
+            whose conversations the server tells apart by their histories, each its own session.
         turn_type: ``"main"`` or ``"side"``: the client's ``X-Turn-Type`` / ``turn_type``, else
             ``"side"`` for a client's housekeeping request (:func:`clawray.client_rules.side_kind`).
         side_kind: which housekeeping (``"memory_flush"``, ``"compaction_summary"``, ``"heartbeat"``) when the client
@@ -123,6 +125,7 @@ class ChatRequest:
     include_usage: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     side_kind: str | None = None
+    user: str | None = None
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -159,8 +162,14 @@ def _number(body: Mapping, key: str, default: Any, lo: float, hi: float, integer
     return value
 
 
+# set by the routing middleware beside the ``x-session-id`` it copies from a body's ``user`` field
+# (clawray.serve.routing): Serve routes the end user's requests to one replica; the server reads the copy
+# as that user, not as a session id
+USER_ROUTED_HEADER = "x-clawray-routed-user"
+
+
 def user_session(user: str | None) -> str | None:
-    """The session an OpenAI ``user`` field names: itself, ``user-<sha256 prefix>`` when longer than
+    """An OpenAI ``user`` field as an id: itself, ``user-<sha256 prefix>`` when longer than
     :data:`MAX_SESSION_ID_CHARS` (any string is a valid ``user``), None when empty or absent."""
     if not user:
         return None
@@ -397,12 +406,14 @@ def parse_chat_request(
     stop_token_ids = _stop_token_ids(body)
 
     session_id, source = header_text(headers, "x-session-id", "session_id"), "X-Session-Id"
+    if header_text(headers, USER_ROUTED_HEADER, USER_ROUTED_HEADER) is not None:
+        session_id = None  # the routing middleware's copy of the `user` field (read below), no session id
     if session_id is None:
         session_id, source = _optional_str(body, "session_id"), "session_id"
     if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
         raise RequestError(f"{source} must be 1..{MAX_SESSION_ID_CHARS} characters", source)
-    if session_id is None:  # plain OpenAI clients: the `user` field names the end user / conversation
-        session_id = user_session(_optional_str(body, "user"))
+    # OpenAI's `user` names the end user, who may hold several conversations at once: not a session
+    user = user_session(_optional_str(body, "user")) if session_id is None else None
     turn_type = header_text(headers, "x-turn-type", "turn_type")
     if turn_type is None:
         turn_type = body.get("turn_type")
@@ -432,6 +443,7 @@ def parse_chat_request(
         stop_token_ids=stop_token_ids,
         outcome=outcome,
         side_kind=kind,
+        user=user,
     )
 
 

@@ -125,23 +125,29 @@ def router_config(num_replicas: int) -> dict | None:
 
 
 def body_session_id(raw: bytes) -> str | None:
-    """The session id a chat request body names (``session_id``, else ``user``) as the server reads it,
-    or None when it names none or is not a JSON object (the server then answers 400 on its own)."""
+    """The routing key a chat request body names (``session_id``, else ``user``; :func:`body_session`)."""
+    return body_session(raw)[0]
+
+
+def body_session(raw: bytes) -> tuple[str | None, str | None]:
+    """``(routing key, the body key it came from)`` of a chat request body: its ``session_id``, else
+    its ``user`` as the server reads it (the end user: all of a user's conversations reach one replica);
+    ``(None, None)`` when it names neither or is not a JSON object (the server then answers 400)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
-        return None
+        return None, None
     if not isinstance(body, dict):
-        return None
+        return None, None
     from clawray.serve.protocol import user_session
 
     for key in ("session_id", "user"):
         value = body.get(key)
         if value is not None:
             if not isinstance(value, str) or not value:
-                return None
-            return value if key == "session_id" else user_session(value)  # a long user: its hashed id
-    return None
+                return None, None
+            return (value if key == "session_id" else user_session(value)), key  # a long user: its hashed id
+    return None, None
 
 
 class SessionKeyMiddleware:
@@ -163,10 +169,15 @@ class SessionKeyMiddleware:
             return
         buffered: list[dict] = []
         complete, pending = await _peek(receive, buffered)
-        sid = body_session_id(b"".join(m.get("body", b"") for m in buffered)) if complete else None
+        sid, key = body_session(b"".join(m.get("body", b"") for m in buffered)) if complete else (None, None)
         value = _header_value(sid)
         if value is not None:
-            scope = {**scope, "headers": [*headers, (b"x-session-id", value)]}
+            added = [(b"x-session-id", value)]
+            if key == "user":  # the server reads it as the end user, not as a session id
+                from clawray.serve.protocol import USER_ROUTED_HEADER
+
+                added.append((USER_ROUTED_HEADER.encode(), b"1"))
+            scope = {**scope, "headers": [*headers, *added]}
 
         async def replay() -> dict:
             nonlocal pending

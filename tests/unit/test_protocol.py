@@ -112,8 +112,14 @@ def test_defaults_and_session_fields():
     r = parse({"messages": MSG, "session_id": "body"}, {"x-session-id": "hdr", "x-session-done": "false"})
     assert (r.session_id, r.turn_type, r.done) == ("hdr", "main", False)
     assert parse({"messages": MSG, "max_completion_tokens": 9}).max_tokens == 9
-    assert parse({"messages": MSG, "user": "alice-thread-7"}).session_id == "alice-thread-7"  # plain OpenAI client
-    assert parse({"messages": MSG, "user": "u"}, {"x-session-id": "h"}).session_id == "h"
+    # OpenAI's `user` is the end user, whose conversations the server tells apart: no session id
+    r = parse({"messages": MSG, "user": "alice"})
+    assert (r.session_id, r.user) == (None, "alice")
+    r = parse({"messages": MSG, "user": "u"}, {"x-session-id": "h"})
+    assert (r.session_id, r.user) == ("h", None)
+    # the routing middleware's copy of `user` in x-session-id (marked) is read as the user
+    r = parse({"messages": MSG, "user": "alice"}, {"x-session-id": "alice", "x-clawray-routed-user": "1"})
+    assert (r.session_id, r.user) == (None, "alice")
 
 
 def test_current_openai_fields_win_over_their_deprecated_aliases():
@@ -125,6 +131,7 @@ def test_current_openai_fields_win_over_their_deprecated_aliases():
     assert parse({"messages": MSG, "max_completion_tokens": None, "max_tokens": 40}).max_tokens == 40
     assert parse({"messages": MSG, "session_id": "s", "user": "u"}).session_id == "s"
     assert parse({"messages": MSG, "session_id": "s", "user": "u"}, {"x-session-id": "h"}).session_id == "h"
+    assert parse({"messages": MSG, "session_id": "s", "user": "u"}).user is None
 
 
 def test_neutral_values_of_implemented_later_fields_and_metadata_fields_are_accepted():
@@ -419,9 +426,9 @@ def test_any_openai_user_field_is_accepted_and_the_seed_bound_follows_this_reque
     because the bound reserved room for ``serve.max_n`` choices."""
     from clawray.serve.protocol import user_session
 
-    assert parse({"messages": MSG, "user": ""}).session_id is None
+    assert parse({"messages": MSG, "user": ""}).user is None
     long = "u" * (MAX_SESSION_ID_CHARS + 1)
-    sid = parse({"messages": MSG, "user": long}).session_id
+    sid = parse({"messages": MSG, "user": long}).user
     assert sid == user_session(long) and sid.startswith("user-") and len(sid) == 37
     assert user_session("u" * MAX_SESSION_ID_CHARS) == "u" * MAX_SESSION_ID_CHARS
     assert parse({"messages": MSG, "seed": (1 << 63) - 1}).seed == (1 << 63) - 1

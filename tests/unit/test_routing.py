@@ -73,7 +73,7 @@ def test_router_config_only_for_several_replicas():
 
 # ------------------------------------------------------------------ the body session key in the proxy
 def parse_user_session(user: str) -> str:
-    return parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "user": user}, {}, 8, 1.0).session_id
+    return parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "user": user}, {}, 8, 1.0).user
 
 
 def test_body_session_id_follows_the_servers_rule():
@@ -82,7 +82,7 @@ def test_body_session_id_follows_the_servers_rule():
     assert routing.body_session_id(b'{"messages": []}') is None
     assert routing.body_session_id(b'{"session_id": 7, "user": "b"}') is None  # the server answers 400
     assert routing.body_session_id(b"[1]") is None and routing.body_session_id(b"{not json") is None
-    long_user = "u" * 300  # any user is valid: the server names its session user-<sha256>, and so does the router
+    long_user = "u" * 300  # any user is valid: the server names it user-<sha256>, and so does the router
     assert routing.body_session_id(json.dumps({"user": long_user}).encode()) == parse_user_session(long_user)
     assert parse_user_session(long_user).startswith("user-") and len(parse_user_session(long_user)) == 37
 
@@ -120,8 +120,17 @@ def test_a_body_session_id_becomes_the_x_session_id_header_and_the_body_is_uncha
         {"type": "http.request", "body": body[10:], "more_body": False},
     ]
     scope, got = _run(_scope([(b"content-type", b"application/json")]), parts)
-    assert scope["headers"] == [(b"content-type", b"application/json"), (b"x-session-id", "caf\u00e9-7".encode())]
+    assert scope["headers"] == [
+        (b"content-type", b"application/json"),
+        (b"x-session-id", "caf\u00e9-7".encode()),
+        (b"x-clawray-routed-user", b"1"),  # a user, not a session: the server reads it as the end user
+    ]
     assert got == body
+    assert parse_chat_request(
+        json.loads(body), {k.decode(): v.decode("latin-1") for k, v in scope["headers"]}, 8, 1.0
+    ).user
+    scope, _ = _run(_scope(), [{"type": "http.request", "body": b'{"session_id": "s", "user": "u"}'}])
+    assert scope["headers"] == [(b"x-session-id", b"s")]  # a session id is one
 
 
 def test_a_request_with_x_session_id_or_without_a_body_id_is_untouched():

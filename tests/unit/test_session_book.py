@@ -253,6 +253,27 @@ def test_two_conversations_that_open_alike_each_go_on_in_their_own_session():
     assert [t.turn_index for t in book.sessions["auto-B"].pending] == [2]
 
 
+def test_a_users_conversations_are_inferred_among_that_users_sessions_only():
+    """The OpenAI ``user`` field scopes the inference: alice's request finds alice's session holding its
+    history, never bob's with the same history, nor a session a client named (bound to its client)."""
+    from clawray.chat import attribution_keys
+    from clawray.session_book import user_session_prefix
+
+    book = SessionBook()
+    hi, hello = {"role": "user", "content": "Hi"}, "Hello!"
+    alice, bob = user_session_prefix("alice") + "1", user_session_prefix("bob") + "1"
+    for sid in ("named-by-client", bob, alice):  # the oldest first: each would win an unscoped lookup
+        book.add(book.open(sid, [hi]), [turn(sid, [hi], hello)])
+    messages = [hi, {"role": "assistant", "content": hello}, {"role": "user", "content": "go on"}]
+    keys = {k: key for k, key in enumerate(attribution_keys(messages)) if messages[k]["role"] == "assistant"}
+    assert alice == "auto-user:alice/1"
+    assert book.find(None, keys, user="alice")["session_id"] == alice
+    assert book.find(None, keys, user="bob")["session_id"] == bob
+    assert book.find(None, keys, user="carol")["session_id"] is None
+    assert book.find(None, keys)["session_id"] == "named-by-client"  # no user: as before
+    assert book.find(None, keys, auto_only=True)["session_id"] == bob
+
+
 def test_conversations_that_open_alike_and_ask_at_once_take_one_session_each():
     """Both next requests arrive before either is recorded: the first lookup claims the oldest session
     of the key, the second takes the other (both took the oldest: the second request then replaced
