@@ -57,28 +57,32 @@ def _actor_ip(actor) -> str:
 
 
 def _body_sessions_on_both_replicas(d) -> dict[str, str]:
-    """Sessions named in the body (``session_id``, or ``user`` for every third), one request each until
-    both replicas served one, then a second request each (its session id in the body again). Returns
-    ``{session id: body field}``."""
+    """Sessions named in the body (``session_id``, or ``user`` for every third: that user's conversation
+    gets a session of its own, ``auto-user:USER/...``), one request each until both replicas served
+    one, then a second request each (its id in the body again: the same session). Returns ``{session
+    id: body field}``."""
     url = d.base_url + "/chat/completions"
 
-    def chat(sid, field, messages):
-        body = {"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages, field: sid}
+    def chat(name, field, messages):
+        body = {"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages, field: name}
         r = httpx.post(url, json=body, timeout=120)
-        assert r.status_code == 200 and r.json()["session_id"] == sid, r.text
-        return r.json()["choices"][0]["message"]
+        sid = r.json().get("session_id") if r.status_code == 200 else None
+        named = sid == name if field == "session_id" else str(sid).startswith(f"auto-user:{name}/")
+        assert r.status_code == 200 and named, r.text
+        return r.json()["choices"][0]["message"], sid
 
-    sent: dict[str, tuple[str, list]] = {}
+    sent: dict[str, tuple[str, list, str]] = {}
     for i in range(24):  # each lands on either replica (a hash): both are reached after a few
-        sid, field = f"body-{i}", "user" if i % 3 == 2 else "session_id"
+        name, field = f"body-{i}", "user" if i % 3 == 2 else "session_id"
         messages = [{"role": "user", "content": f"What is {i} + 1?"}]
-        sent[sid] = (field, messages + [chat(sid, field, messages)])
+        reply, sid = chat(name, field, messages)
+        sent[name] = (field, messages + [reply], sid)
         stats = serve_stats(session_ids=True)
         if i >= 2 and all(any(s.startswith("body-") for s in st["session_ids"]) for st in stats):
             break
-    for sid, (field, messages) in sent.items():
-        chat(sid, field, messages + [{"role": "user", "content": "Correct, thanks!"}])
-    return {sid: field for sid, (field, _) in sent.items()}
+    for name, (field, messages, sid) in sent.items():
+        assert chat(name, field, messages + [{"role": "user", "content": "Correct, thanks!"}])[1] == sid
+    return {sid: field for field, _, sid in sent.values()}
 
 
 def test_learners_and_engine_on_their_own_nodes_train_two_updates(three_nodes, tiny_model, tmp_path, capsys):
