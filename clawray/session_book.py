@@ -44,10 +44,12 @@ from clawray.types import Turn
 AUTO_SESSION_PREFIX = "auto-"
 
 
-def user_session_prefix(user: str) -> str:
+def user_session_prefix(user: str | None) -> str:
     """The ids of the sessions the server starts for end user ``user`` (the OpenAI ``user`` field)
-    start with this: ``auto-user:<user>/``, one session per conversation of that user."""
-    return f"{AUTO_SESSION_PREFIX}user:{user}/"
+    start with this: ``auto-user:<len(user)>:<user>/``, one session per conversation of that user (the
+    length keeps it unambiguous: user ``org``'s prefix is no prefix of user ``org/alice``'s); with no
+    user, :data:`AUTO_SESSION_PREFIX`."""
+    return AUTO_SESSION_PREFIX if user is None else f"{AUTO_SESSION_PREFIX}user:{len(user)}:{user}/"
 
 
 MAX_CLOSED_REMEMBERED = 100_000  # closed session ids whose last turn index is kept (about 100 bytes each)
@@ -195,8 +197,7 @@ class SessionBook:
         if session_id is None and hint is not None:  # the server's namespace: never bound to a client
             session_id, how = f"{AUTO_SESSION_PREFIX}{hint}", "hint"
         elif session_id is None:
-            prefix = AUTO_SESSION_PREFIX if user is None else user_session_prefix(user)
-            only = prefix if auto_only or user is not None else ""
+            only = user_session_prefix(user) if auto_only or user is not None else ""
             session_id = self._infer(keys, self.index, only) or self._infer(keys, self.closed_index, only)
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)

@@ -71,7 +71,7 @@ from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.serve.sse import EventStreamResponse, StreamContext, cancel_streams, next_item
-from clawray.session_book import AUTO_SESSION_PREFIX, user_session_prefix
+from clawray.session_book import user_session_prefix
 from clawray.types import Turn
 
 keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
@@ -350,8 +350,7 @@ class PolicyServer:
             call.session_id = found["session_id"]
             self.counts["sessions_from_hint" if found["how"] == "hint" else "sessions_inferred"] += 1
         elif not keys:  # a conversation's first request: a new session
-            prefix = AUTO_SESSION_PREFIX if user is None else user_session_prefix(user)
-            call.session_id = f"{prefix}{uuid.uuid4().hex}"
+            call.session_id = f"{user_session_prefix(user)}{uuid.uuid4().hex}"
             self.counts["sessions_started_without_id"] += 1
         else:
             self.counts["unattributable"] += 1

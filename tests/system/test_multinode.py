@@ -58,7 +58,7 @@ def _actor_ip(actor) -> str:
 
 def _body_sessions_on_both_replicas(d) -> dict[str, str]:
     """Sessions named in the body (``session_id``, or ``user`` for every third: that user's conversation
-    gets a session of its own, ``auto-user:USER/...``), one request each until both replicas served
+    gets a session of its own, ``auto-user:LEN:USER/...``), one request each until both replicas served
     one, then a second request each (its id in the body again: the same session). Returns ``{session
     id: body field}``."""
     url = d.base_url + "/chat/completions"
@@ -67,7 +67,7 @@ def _body_sessions_on_both_replicas(d) -> dict[str, str]:
         body = {"model": d.cfg.serve.model_name, "max_tokens": 4, "messages": messages, field: name}
         r = httpx.post(url, json=body, timeout=120)
         sid = r.json().get("session_id") if r.status_code == 200 else None
-        named = sid == name if field == "session_id" else str(sid).startswith(f"auto-user:{name}/")
+        named = sid == name if field == "session_id" else str(sid).startswith(f"auto-user:{len(name)}:{name}/")
         assert r.status_code == 200 and named, r.text
         return r.json()["choices"][0]["message"], sid
 

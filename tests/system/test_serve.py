@@ -519,7 +519,7 @@ def test_sessions_are_inferred_for_clients_without_ids(served):
 def test_two_conversations_of_one_openai_user_each_go_on_in_their_own_session(served):
     """The OpenAI ``user`` field names the end user, not the conversation: two chats of one user,
     alternating, were one session, each request took the other chat's turn for a branch and no turn was
-    paired. Now each chat is its own session among that user's (``auto-user:alice/...``); another user
+    paired. Now each chat is its own session among that user's (``auto-user:5:alice/...``); another user
     with the same history never lands in alice's (through Serve's proxy and its routing middleware)."""
     client = _client(served["real"])
     chats = {"a": [{"role": "user", "content": "chat A"}], "b": [{"role": "user", "content": "chat B"}]}
@@ -531,7 +531,7 @@ def test_two_conversations_of_one_openai_user_each_go_on_in_their_own_session(se
             history += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "next"}]
     for name in chats:
         sids = {sid for sid, _ in seen[name]}
-        assert len(sids) == 1 and sids.pop().startswith("auto-user:alice/"), seen
+        assert len(sids) == 1 and sids.pop().startswith("auto-user:5:alice/"), seen
         assert [index for _, index in seen[name]] == [1, 2, 3], seen  # each turn continued its chat
     assert seen["a"][0][0] != seen["b"][0][0]
     other = client.chat.completions.create(

@@ -266,12 +266,17 @@ def test_a_users_conversations_are_inferred_among_that_users_sessions_only():
         book.add(book.open(sid, [hi]), [turn(sid, [hi], hello)])
     messages = [hi, {"role": "assistant", "content": hello}, {"role": "user", "content": "go on"}]
     keys = {k: key for k, key in enumerate(attribution_keys(messages)) if messages[k]["role"] == "assistant"}
-    assert alice == "auto-user:alice/1"
+    assert alice == "auto-user:5:alice/1"
     assert book.find(None, keys, user="alice")["session_id"] == alice
     assert book.find(None, keys, user="bob")["session_id"] == bob
     assert book.find(None, keys, user="carol")["session_id"] is None
     assert book.find(None, keys)["session_id"] == "named-by-client"  # no user: as before
     assert book.find(None, keys, auto_only=True)["session_id"] == bob
+    # a user id that is a "/"-prefix of another's scopes its own sessions only
+    org_alice = user_session_prefix("org/alice") + "1"
+    book.add(book.open(org_alice, [hi]), [turn(org_alice, [hi], hello)])
+    assert book.find(None, keys, user="org")["session_id"] is None
+    assert book.find(None, keys, user="org/alice")["session_id"] == org_alice
 
 
 def test_conversations_that_open_alike_and_ask_at_once_take_one_session_each():
