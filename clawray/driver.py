@@ -294,7 +294,14 @@ class Driver:
             try:
                 versions = [m.policy_version for m in metas]  # as the queue holds them: re-stamped past a fork
                 train = self.actors.learners.train_step(
-                    refs, next_version, advantages, coef, probe=probe, probe_wait_s=self.probe.wait_s, versions=versions
+                    refs,
+                    next_version,
+                    advantages,
+                    coef,
+                    probe=probe,
+                    probe_wait_s=self.probe.wait_s,
+                    versions=versions,
+                    lengths=[m.num_tokens for m in metas],  # split the batch over the ranks without its payloads
                 )
             except ray.exceptions.RayError as e:
                 lost = learner_lost(self.actors, e)

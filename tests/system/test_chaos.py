@@ -240,7 +240,9 @@ def _kill_inside_train_step(d, step, rank=1):
     workers, orig, seen = d.actors.learners.workers, d.actors.learners.train_step, {"inside": None, "t": None}
     pid = ray.get(workers[rank].__ray_call__.remote(lambda self: os.getpid()))
 
-    def train_step(refs, version, advantages=None, entropy_coef=0.0, probe=None, probe_wait_s=0.0, versions=None):
+    def train_step(
+        refs, version, advantages=None, entropy_coef=0.0, probe=None, probe_wait_s=0.0, versions=None, lengths=None
+    ):
         if d.steps_done + 1 != step:
             return orig(refs, version, advantages, entropy_coef)
         calls = [w.train_step.remote(refs, version, advantages, entropy_coef) for w in workers]

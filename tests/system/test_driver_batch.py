@@ -115,8 +115,10 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     d = Driver(cfg)
     trained = []
 
-    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None):
+    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None, lengths=None):
         assert versions == [0] * len(refs)  # as the queue holds the samples
+        tokens = {s.session_id: len(s.tokens) for s in samples}
+        assert lengths == [tokens[r.name] for r in refs]  # the ranks' split, from the metadata
         trained.append((refs, version, advantages))
         # C's mini-batch was non-finite: skipped, its sample not trained (the others were)
         return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1, "nonfinite_mini_batches": 1.0,

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from clawray.actors.learner import LearnerGroup, merge_lora_state_dict, pack_micro_batches
+from clawray.actors.learner import LearnerGroup, balance_ranks, merge_lora_state_dict, pack_micro_batches, padded_cost
 from clawray.algos.losses import ppo_clip_loss, sequence_logprobs
 from clawray.algos.schedule import lr_factor
 from clawray.config import ConfigError, load_config
@@ -36,6 +36,35 @@ def test_pack_micro_batches_by_padded_tokens():
     assert pack_micro_batches([5, 9, 3, 9], 8) == [[1], [3], [0], [2]]  # 9 > 8 runs alone
     assert pack_micro_batches([5, 9, 3, 9], 0) == [[1, 3, 0, 2]]  # no limit
     assert pack_micro_batches([], 10) == []
+
+
+def test_balance_ranks_gives_each_rank_a_run_of_similar_lengths_sized_to_the_slowest_ranks_cost():
+    lengths = [133, 80, 110, 93, 82, 102, 87, 77]  # bench/learner_throughput.py's batch
+    split = balance_ranks(lengths, 2, 16384)
+    assert split == [[0, 2, 5], [3, 6, 4, 1, 7]]  # 133, 110, 102 | 93, 87, 82, 80, 77
+    assert [padded_cost([lengths[i] for i in r], 16384) for r in split] == [399, 465]  # 3 x 133, 5 x 93
+    dealt = [[lengths[i] for i in range(r, 8, 2)] for r in range(2)]  # sample r, r + 2, ...: the old split
+    assert [padded_cost(d, 16384) for d in dealt] == [532, 408]
+    assert balance_ranks(lengths, 1, 0) == [[0, 2, 5, 3, 6, 4, 1, 7]]
+    assert balance_ranks([5], 2, 0) == [[0], []]  # fewer samples than ranks: a rank runs padding passes
+    assert balance_ranks([], 3, 0) == [[], [], []]
+    # runs can lose when a rank's share needs several micro-batches (budget 10): runs 9 | 9, 3, 3
+    # cost 9 and 9 + 3 + 3 = 15 (two 9s cannot share one), dealing 3, 9 | 3, 9 costs 12 and 12
+    assert balance_ranks([3, 3, 9, 9], 2, 10) == [[0, 2], [1, 3]]
+
+
+def test_balance_ranks_never_splits_worse_than_dealing_and_places_every_sample_once():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        n, ranks, budget = rng.randint(0, 12), rng.randint(1, 4), rng.choice([0, 20, 60, 1000])
+        lengths = [rng.randint(1, 50) for _ in range(n)]
+        split = balance_ranks(lengths, ranks, budget)
+        assert len(split) == ranks and sorted(i for r in split for i in r) == list(range(n))
+        slowest = max(padded_cost([lengths[i] for i in r], budget) for r in split)
+        dealt = max(padded_cost(lengths[r::ranks], budget) for r in range(ranks))
+        assert slowest <= dealt
 
 
 def test_lr_schedule_exact_values():
@@ -171,7 +200,7 @@ def _step(group, refs, version):
 
 @pytest.mark.slow
 def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster, tiny_model):
-    """Same batch (5 samples of different lengths, so rank 0 runs a padding pass): 2-rank FSDP2 with
+    """Same batch (5 samples of different lengths, so one rank runs a padding pass): 2-rank FSDP2 with
     one micro-batch per rank and the gathered weights kept from forward to backward
     (``reshard_after_forward: false``), and 2-rank FSDP2 with one sample per pass plus activation
     checkpointing, both equal a single-process reference step (loss, grad norm, clipped gradients,
@@ -197,10 +226,11 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
         finally:
             group.shutdown()
     packed, single = results["packed"], results["one-per-pass"]
-    # passes per rank: one packed micro-batch; or 3 samples on rank 0 and 2 + 1 padding pass on rank 1
+    # lengths 7, 7, 11, 9, 8 over the ranks by padded cost (balance_ranks): rank 0 takes [11, 9], rank 1
+    # [8, 7, 7]; one packed micro-batch per rank, or one sample per pass: 2 + 1 padding pass and 3
     assert packed[0]["micro_batches"] == 1 and single[0]["micro_batches"] == 3
-    # lengths 7, 7, 11, 9, 8: rank 0 pads [7, 11, 8] to 3 x 11, rank 1 [7, 9] to 2 x 9: 9 of 51 slots
-    assert packed[0]["perf/padding_frac"] == pytest.approx(9 / 51) and single[0]["perf/padding_frac"] == 0.0
+    # rank 0 pads to 2 x 11, rank 1 to 3 x 8: 4 of 46 slots (dealing [7, 11, 8] | [7, 9]: 9 of 51)
+    assert packed[0]["perf/padding_frac"] == pytest.approx(4 / 46) and single[0]["perf/padding_frac"] == 0.0
     for m, grads, weights in (packed, single):
         assert m["loss"] == pytest.approx(hand, abs=1e-6) and m["num_tokens"] == 18 and m["lr"] == 1e-3
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
