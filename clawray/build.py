@@ -22,9 +22,8 @@ from clawray.run_actors import RunActors
 
 def ensure_model(cfg: DictConfig) -> str:
     """The policy folder, built first when it does not exist and ``model.build`` says how. A build
-    never writes into a folder that holds files (a user's half-downloaded model stays as it is): it fills a
-    sibling ``<path>.building-<pid>`` and renames it into place whole, so an interrupted build leaves
-    no folder that looks finished.
+    never writes into a folder that holds files (a user's half-downloaded model stays as it is:
+    :func:`clawray.model_folders.build_model_folder`).
 
     Raises:
         FileNotFoundError: the folder does not exist and ``model.build`` is none.
@@ -40,8 +39,6 @@ def ensure_model(cfg: DictConfig) -> str:
         )
     if cfg.model.build == "none":
         raise FileNotFoundError(f"model.path {path} does not exist and model.build is none")
-    import shutil
-
     from clawray import model_folders
 
     print(
@@ -49,13 +46,7 @@ def ensure_model(cfg: DictConfig) -> str:
         "(model.build=none refuses a missing folder)",
         flush=True,
     )
-    partial = f"{path.rstrip(os.sep)}.building-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        model_folders.BUILDERS[cfg.model.build](partial)
-        os.rename(partial, path)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+    model_folders.build_model_folder(cfg.model.build, path)
     return path
 
 

@@ -35,6 +35,23 @@ def list_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
+def set_aside(root: str) -> str | None:
+    """Rename a checkpoint folder that holds anything to ``{root}.earlier-{UTC date-time}`` (a free
+    name), so that a fresh run in the same place neither resumes nor prunes an earlier run's
+    checkpoints, and loses none of them. Returns the new path, or None when there was nothing."""
+    import time
+
+    if not os.path.isdir(root) or not os.listdir(root):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target, k = f"{root}.earlier-{stamp}", 1
+    while os.path.exists(target):
+        k += 1
+        target = f"{root}.earlier-{stamp}-{k}"
+    os.rename(root, target)
+    return target
+
+
 def new_checkpoint_dirs(root: str) -> tuple[str, str]:
     """``(tmp, final)`` folder paths for the next checkpoint; ``tmp`` is created empty.
 
@@ -65,7 +82,11 @@ def commit_checkpoint(tmp: str, final: str, keep_last: int = 0) -> str:
     os.replace(pointer + ".tmp", pointer)
     if keep_last > 0:
         for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            # renamed out of the checkpoints first: one half-deleted (a crash in the rmtree) is never
+            # taken for a checkpoint, nor passed by verification on its driver.json alone
+            doomed = os.path.join(root, f".tmp-ckpt-pruned-{os.path.basename(old)}-{os.getpid()}")
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

@@ -104,7 +104,8 @@ def eval_precision(model_dir: str, backend: str | None, dtype: str | None) -> tu
 
 
 def _eval(ns) -> int:
-    """``clawray eval``: 0 ok, 1 a missing model folder, 2 bad arguments."""
+    """``clawray eval``: 0 ok, 1 a missing or unloadable model folder, 2 bad arguments (said before
+    the evaluation runs: a negative temperature, an ``--out`` that cannot be written)."""
     import json
 
     from transformers import AutoTokenizer
@@ -118,6 +119,17 @@ def _eval(ns) -> int:
     except FileNotFoundError as e:
         print(f"clawray: {e}", file=sys.stderr)
         return 1
+    out = ns.out or f"eval-{ns.env}-{ns.split}.json"
+    folder = os.path.dirname(os.path.abspath(out))
+    bad = (
+        f"--temperature {ns.temperature} is negative (0 is greedy)" if not ns.temperature >= 0
+        else f"--out {out} is a folder; give a file name" if os.path.isdir(out)
+        else f"--out {out}: the folder {folder} does not exist" if not os.path.isdir(folder)
+        else None
+    )  # fmt: skip
+    if bad is not None:
+        print(f"clawray: {bad}", file=sys.stderr)
+        return 2
     try:
         evaluator = Evaluator(
             make_env(ns.env, ns.level, ns.data_path),
@@ -146,10 +158,22 @@ def _eval(ns) -> int:
     )
     from clawray.console import capture
 
-    out = ns.out or f"eval-{ns.env}-{ns.split}.json"
+    unloadable = None
     with capture(os.path.splitext(out)[0] + ".log", verbose=ns.verbose):
-        backend = make_backend(backend_name, path, **kwargs)
-        result = {"model": path, "backend": backend_name, "dtype": dtype, **evaluator.run(backend.generate, chunk=64)}
+        try:
+            backend = make_backend(backend_name, path, **kwargs)
+        except OSError as e:  # a folder with config.json but no weights
+            unloadable = e
+        else:
+            result = {
+                "model": path,
+                "backend": backend_name,
+                "dtype": dtype,
+                **evaluator.run(backend.generate, chunk=64),
+            }
+    if unloadable is not None:
+        print(f"clawray: {type(unloadable).__name__}: {unloadable}", file=sys.stderr)
+        return 1
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(
@@ -235,12 +259,13 @@ def _report(ns: argparse.Namespace) -> int:
 
 
 def _model(ns: argparse.Namespace) -> int:
-    """``clawray model KIND DIR``: build a model folder; 1 when its source is missing or broken."""
-    from clawray.model_folders import BUILDERS
+    """``clawray model KIND DIR``: build a model folder; 1 when DIR holds files or the model's source
+    is missing or broken."""
+    from clawray.model_folders import build_model_folder
 
     try:
-        path = BUILDERS[ns.kind](ns.dir)
-    except (FileNotFoundError, RuntimeError) as e:
+        path = build_model_folder(ns.kind, ns.dir)
+    except (OSError, RuntimeError) as e:
         print(f"clawray: {e}", file=sys.stderr)
         return 1
     print(path)
@@ -260,6 +285,14 @@ def _run(ns: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"clawray: config error: {e}", file=sys.stderr)
         return 2
+    if cfg.resume:  # nothing to resume (a mistyped run_dir): said before the folder and its job.log exist
+        from clawray.resume import Checkpoints
+
+        try:
+            Checkpoints(cfg, None, None).check_resumable()
+        except FileNotFoundError as e:
+            print(f"clawray: {e}", file=sys.stderr)
+            return 1
     from clawray.console import capture
     from clawray.driver import run
     from clawray.interrupt import BoundedStop
@@ -277,21 +310,52 @@ def _run(ns: argparse.Namespace) -> int:
         took = f" in {time.monotonic() - stopper.first_at:.1f} s" if stopper.first_at is not None else ""
         print(f"clawray: interrupted; shut down cleanly{took}", file=sys.stderr)
         return 130
-    except (TimeoutError, FileNotFoundError) as e:
+    except Exception as e:  # noqa: BLE001 - what is said in one line; anything else keeps its traceback
+        status = _said_in_one_line(e)
+        if status is None:
+            raise
+        return status
+    return 0
+
+
+def _said_in_one_line(e: Exception) -> int | None:
+    """Print a run's or a server's failure that is the user's to fix, or the machine's, as one line and
+    return its exit status (2 a config error found once the job started, e.g. a malformed probe file;
+    1 a file or folder (a run_dir that is a file, a model folder without config.json, a timeout), a
+    dead actor, a folder in use, a damaged file, a refused premise, a gate that stopped the run, a
+    learner group or policy server that could not start); None for anything else (a bug: its
+    traceback is kept)."""
+    from clawray.checkpoint import DamagedFileError
+    from clawray.config import ConfigError
+    from clawray.gate import GateStopped
+    from clawray.premise import PremiseRefused
+    from clawray.recovery import ActorLost
+    from clawray.run_lock import RunFolderInUse
+    from clawray.serve.instance import ServerStartError
+
+    if isinstance(e, ConfigError):
+        print(f"clawray: config error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, OSError):  # FileNotFoundError, FileExistsError, TimeoutError, PermissionError...
         print(f"clawray: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # an actor died, the folder is taken, a file is damaged: one line, no traceback
-        from clawray.checkpoint import DamagedFileError
-        from clawray.gate import GateStopped
-        from clawray.premise import PremiseRefused
-        from clawray.recovery import ActorLost
-        from clawray.run_lock import RunFolderInUse
+    if not isinstance(e, RuntimeError):
+        return None
+    from clawray.actors.learner import LearnerStartError  # imports torch: only for a RuntimeError
 
-        if not isinstance(e, (ActorLost, RunFolderInUse, DamagedFileError, PremiseRefused, GateStopped)):
-            raise
-        print(f"clawray: {e}", file=sys.stderr)
-        return 1
-    return 0
+    said = (
+        ActorLost,
+        RunFolderInUse,
+        DamagedFileError,
+        PremiseRefused,
+        GateStopped,
+        ServerStartError,
+        LearnerStartError,
+    )
+    if not isinstance(e, said):
+        return None
+    print(f"clawray: {e}", file=sys.stderr)
+    return 1
 
 
 def _add_openclaw_parser(sub) -> None:
@@ -384,7 +448,6 @@ def _serve(ns) -> int:
     config."""
     from clawray.config import ConfigError, load_config
     from clawray.evaluation import resolve_model_dir
-    from clawray.run_lock import RunFolderInUse
     from clawray.serving import serve_policy, serving_overrides
 
     try:
@@ -405,9 +468,11 @@ def _serve(ns) -> int:
     try:
         with capture(log_path, verbose=ns.verbose):
             return serve_policy(cfg)
-    except RunFolderInUse as e:
-        print(f"clawray: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - as clawray run: one line, or the traceback of a bug
+        status = _said_in_one_line(e)
+        if status is None:
+            raise
+        return status
 
 
 if __name__ == "__main__":

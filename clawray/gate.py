@@ -176,8 +176,11 @@ class PromotionGate:
         score in [0, 1] per item (prompt-major, ``probe_n`` per prompt), the check's ``deploy.measure``.
 
         Raises:
-            KeyError: the check does not report ``deploy.measure``.
+            ConfigError: the check does not report ``deploy.measure`` (the first probe, the promoted
+                version's at the start, stops the run with it: ``clawray run`` exits 2).
         """
+        from clawray.config import ConfigError
+
         pairs: list[tuple[Any, Any]] = []
 
         def recorded(requests: list) -> list:
@@ -194,7 +197,7 @@ class PromotionGate:
             s = reply["scores"]
             key = measure or next(iter(s))
             if key not in s:
-                raise KeyError(f"deploy.measure={measure!r}: the check reports {sorted(s)}")
+                raise ConfigError(f"deploy.measure={measure!r}: the environment's check reports {sorted(s)}")
             scores.append(float(s[key]))
         return scores, result["seconds"]
 

@@ -189,6 +189,8 @@ class SampleState:
         put: samples acknowledged since the run started; taken: samples consumed by steps;
         dropped: ``{reason: count}`` (``stale``, ``too_long``).
         next_seq: the next sequence number; keys: ``(session_id, turn_index)`` already acknowledged.
+        covered: the last step a checkpoint covered (``forget``): a resume needs that checkpoint, or
+            a newer one; 0 before the first.
     """
 
     live: OrderedDict = dataclasses.field(default_factory=OrderedDict)
@@ -198,6 +200,7 @@ class SampleState:
     dropped: dict = dataclasses.field(default_factory=dict)
     next_seq: int = 1
     keys: set = dataclasses.field(default_factory=set)
+    covered: int = 0
 
     @classmethod
     def from_records(cls, records: Iterable[dict], void_after_step: int | None = None) -> "SampleState":
@@ -226,6 +229,7 @@ class SampleState:
             self.put, self.taken, self.dropped = rec["put"], rec["taken"], dict(rec["dropped"])
             self.next_seq = rec["next_seq"]
             self.keys = {tuple(k) for k in rec["keys"]}
+            self.covered = int(rec.get("covered", 0))  # absent in journals of older versions
         elif op == "ack":
             self.live[rec["seq"]] = (rec["sample"], rec["version"])
             self.put += 1
@@ -253,6 +257,7 @@ class SampleState:
             for seq in rec["seqs"]:
                 self.consumed.pop(seq, None)
         elif op == "forget":  # a checkpoint covers these steps: their samples can never come back
+            self.covered = max(self.covered, int(rec["step"]))
             for seq in [s for s, c in self.consumed.items() if c[2] <= rec["step"]]:
                 del self.consumed[seq]
         else:
@@ -268,6 +273,7 @@ class SampleState:
                 "dropped": self.dropped,
                 "next_seq": self.next_seq,
                 "keys": sorted(self.keys),
+                "covered": self.covered,
             }
         ]
         # acks re-count themselves in put; consume marks re-count in taken

@@ -719,3 +719,34 @@ BUILDERS = {
     "qwen2.5-coder-0.5b": convert_qwen_coder_05b,
     "qwen2.5-coder-1.5b": convert_qwen_coder_15b,
 }
+
+
+def build_model_folder(kind: str, path: str | os.PathLike) -> str:
+    """Build model ``kind`` (a :data:`BUILDERS` key) as the new folder ``path``, never into a folder
+    that holds files: the builder fills a sibling ``<path>.building-<pid>`` that is renamed into
+    place whole, so an interrupted build leaves nothing that looks finished and a user's folder (a
+    model, a half-finished download) is never overwritten.
+
+    Returns:
+        ``str(path)``.
+
+    Raises:
+        FileExistsError: ``path`` exists and is a file or a folder that is not empty.
+        FileNotFoundError, RuntimeError: the builder's own (a missing or damaged source package).
+    """
+    import shutil
+
+    path = os.fspath(path).rstrip(os.sep) or os.sep
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        what = "a folder that is not empty" if os.path.isdir(path) else "a file"
+        raise FileExistsError(f"{path} is {what}: a model is built only as a new (or empty) folder, never into yours")
+    partial = f"{path}.building-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        BUILDERS[kind](partial)
+        if os.path.isdir(path):  # empty (checked above): rename cannot replace it on every platform
+            os.rmdir(path)
+        os.rename(partial, path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return path

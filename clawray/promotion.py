@@ -153,12 +153,13 @@ def decide(
     delta = sum(diffs) / n
     center, se = adjusted_wald(diffs)
     half = 1.96 * se
+    ci = (max(-1.0, center - half), min(1.0, center + half))  # a difference of scores in [0, 1]
     lower = center - NormalDist().inv_cdf(1.0 - alpha) * se
     worse, better = sum(d < 0 for d in diffs), sum(d > 0 for d in diffs)
     p = sign_test_p(worse, better)
     figures = (
         f"candidate {cand:.3f} vs promoted {prom:.3f} on {n} items (delta {delta:+.3f} "
-        f"[{center - half:+.3f}, {center + half:+.3f}]; worse on {worse}, better on {better}, p = {p:.3g})"
+        f"[{ci[0]:+.3f}, {ci[1]:+.3f}]; worse on {worse}, better on {better}, p = {p:.3g})"
     )
     backoff = True
     if cand < floor:
@@ -186,7 +187,7 @@ def decide(
         candidate_mean=cand,
         promoted_mean=prom,
         delta=delta,
-        delta_ci=(center - half, center + half),
+        delta_ci=ci,
         worse=worse,
         better=better,
         p_worse=p,

@@ -157,14 +157,37 @@ class Checkpoints:
     # ------------------------------------------------------------------ journals and resume
     def check_resumable(self) -> None:
         """With ``resume=true``, fail before anything is built or created when there is nothing to
-        resume: no checkpoint (``latest``) and no sample journal (a mistyped ``run_dir``). Verifying
-        the checkpoint is left to :meth:`prepare_journals`.
+        resume: no checkpoint (``latest``) and no sample journal (a mistyped ``run_dir``), or no
+        checkpoint while the journal says one covered its steps (:meth:`_check_journal_alone`).
+        Verifying the checkpoint is left to :meth:`prepare_journals`.
 
         Raises:
-            FileNotFoundError: ``resume=true`` with neither.
+            FileNotFoundError: ``resume=true`` with neither, or with the journal alone after a checkpoint.
         """
-        if self.cfg.resume and latest_checkpoint(self.dir) is None and not self._has_journal():
-            raise self._nothing_to_resume()
+        if self.cfg.resume and latest_checkpoint(self.dir) is None:
+            if not self._has_journal():
+                raise self._nothing_to_resume()
+            self._check_journal_alone()
+
+    def _check_journal_alone(self) -> None:
+        """A resume without a checkpoint retrains the journal's samples from the initial policy; once a
+        checkpoint covered a step, the journal has forgotten that step's samples, so starting over
+        would lose them (a ``checkpoint.dir`` that is not this run's, or a relative one read from
+        another working folder).
+
+        Raises:
+            FileNotFoundError: the journal's samples were covered by a checkpoint.
+        """
+        from clawray.journal import SAMPLES_FILE, SampleState, journal_dir, read_records
+
+        covered = SampleState.from_records(read_records(os.path.join(journal_dir(self.run_dir), SAMPLES_FILE))).covered
+        if covered > 0:
+            raise FileNotFoundError(
+                f"resume=true but there is no checkpoint in {self.dir}, while the journal in "
+                f"{journal_dir(self.run_dir)} was covered by a checkpoint of step {covered}: starting over from "
+                "the initial policy would lose the samples trained before it (is checkpoint.dir this run's? "
+                "a relative one is read from the working folder)"
+            )
 
     def _has_journal(self) -> bool:
         from clawray.journal import SAMPLES_FILE, journal_dir
@@ -186,13 +209,23 @@ class Checkpoints:
         Raises:
             FileNotFoundError: ``resume=true`` with neither a checkpoint nor a journal.
         """
+        from clawray.checkpoint import set_aside
         from clawray.journal import prepare_journals
 
         resume_step = None
-        if self.cfg.resume:
+        if not self.cfg.resume:
+            kept = set_aside(self.dir)
+            if kept is not None:
+                print(
+                    f"[clawray] a fresh run (resume=false): the checkpoints in {self.dir} are an earlier run's, "
+                    f"kept as {kept} (resume=true continues a run)",
+                    flush=True,
+                )
+        else:
             # verified (manifest sizes and CRC-32s); a damaged newest one falls back to an older one, said
             path = self._resume_path = latest_intact_checkpoint(self.dir)
             if path is not None:
+                _check_resumable(path)  # before the journal is rewritten for it
                 resume_step = _steps_done(path)
                 if path != latest_checkpoint(self.dir):
                     print(
@@ -202,6 +235,7 @@ class Checkpoints:
                     )
             elif self._has_journal():
                 # died before its first checkpoint: the initial policy trains every journaled sample again
+                self._check_journal_alone()
                 resume_step, self._resume_from_start = 0, True
             else:
                 raise self._nothing_to_resume()
@@ -231,14 +265,7 @@ class Checkpoints:
             return
         if path is None:
             raise FileNotFoundError(f"resume=true but there is no checkpoint in {self.dir}")
-        with open(os.path.join(path, "driver.json")) as f:
-            saved = json.load(f)
-        if saved.get("resumable") is False:
-            raise FileNotFoundError(
-                f"resume=true but {path} was saved with checkpoint.save_optimizer=false "
-                "(model only): serve or evaluate its model/, or train on with "
-                f"model.path={os.path.join(path, 'model')}"
-            )
+        saved = _check_resumable(path)
         loaded = ray.get([w.load_checkpoint.remote(path) for w in self.actors.learner_workers])[0]
         base_lr = loaded.get("base_lr") if isinstance(loaded, dict) else None
         if base_lr is not None and not math.isclose(base_lr, self.cfg.learner.lr, rel_tol=1e-6):
@@ -522,6 +549,23 @@ class Checkpoints:
         if waited:
             self.journal_waits += 1
             print(f"[clawray] sample journal: {what} recorded after {waited:.0f} s", flush=True)
+
+
+def _check_resumable(path: str) -> dict:
+    """The ``driver.json`` of checkpoint ``path``, which a resume can continue.
+
+    Raises:
+        FileNotFoundError: it was saved without the optimizer state (``checkpoint.save_optimizer=false``).
+    """
+    with open(os.path.join(path, "driver.json")) as f:
+        saved = json.load(f)
+    if saved.get("resumable") is False:
+        raise FileNotFoundError(
+            f"resume=true but {path} was saved with checkpoint.save_optimizer=false "
+            "(model only): serve or evaluate its model/, or train on with "
+            f"model.path={os.path.join(path, 'model')}"
+        )
+    return saved
 
 
 def _steps_done(path: str) -> int:

@@ -1125,6 +1125,11 @@ class LearnerWorker:
         return {"version": self.version, "lr": self.optimizer.param_groups[0]["lr"]}
 
 
+class LearnerStartError(RuntimeError):
+    """The learner group could not start: its placement group was not granted in time, or a rank
+    failed to start (a model it cannot load, a LoRA target the model lacks); one line with the cause."""
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP2 parameter or optimizer state (a DTensor), else ``t`` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -1165,7 +1170,7 @@ class LearnerGroup:
         placement_timeout_s: how long to wait for the cluster to grant the bundles.
 
     Raises:
-        RuntimeError: the placement group could not be scheduled in time (names the bundles and the
+        LearnerStartError: the placement group could not be scheduled in time (names the bundles and the
             cluster's resources), or a worker failed to start (names the rank and the cause, e.g. an
             exception in its constructor). Either way every worker created is killed and the
             placement group removed before raising: nothing stays reserved.
@@ -1193,7 +1198,7 @@ class LearnerGroup:
             try:
                 ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(
+                raise LearnerStartError(
                     f"the learner placement group ({n} x {bundle}) was not granted within "
                     f"{placement_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
                 ) from None
@@ -1224,7 +1229,7 @@ class LearnerGroup:
         try:
             self.rendezvous = tuple(ray.get(self.workers[0].rendezvous_address.remote()))
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"learner rank 0 of {n} failed to start: {_cause(e)}") from e
+            raise LearnerStartError(f"learner rank 0 of {n} failed to start: {_cause(e)}") from e
         rank_of = {w.join.remote(*self.rendezvous): i for i, w in enumerate(self.workers)}
         pending = list(rank_of)
         while pending:
@@ -1232,7 +1237,7 @@ class LearnerGroup:
             try:
                 ray.get(done[0])
             except ray.exceptions.RayError as e:
-                raise RuntimeError(f"learner rank {rank_of[done[0]]} of {n} failed to start: {_cause(e)}") from e
+                raise LearnerStartError(f"learner rank {rank_of[done[0]]} of {n} failed to start: {_cause(e)}") from e
 
     def shutdown(self) -> None:
         """Kill the workers and release the placement group (idempotent). Rank 0 first removes its

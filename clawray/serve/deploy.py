@@ -14,7 +14,7 @@ from ray import serve
 
 from clawray.config import ServeConfig, section
 from clawray.serve.app import PolicyServer
-from clawray.serve.instance import APP_NAME, check_serve_address
+from clawray.serve.instance import APP_NAME, ServerStartError, check_serve_address
 
 # seconds a deployment may take to run (its replicas start while a driver builds its learners)
 DEPLOY_TIMEOUT_S = 300.0
@@ -39,7 +39,7 @@ def deploy_policy_server(
         ConfigError: ``cfg`` is a mapping that does not fit :class:`~clawray.config.ServeConfig`.
         ValueError: the model's chat template renders tools in a format the reply parser does not
             read (:func:`clawray.serve.reply.tool_call_format`).
-        RuntimeError: Ray Serve already runs in the cluster on another host or port.
+        ServerStartError: Ray Serve already runs in the cluster on another host or port.
     """
     from transformers import AutoTokenizer
 
@@ -88,7 +88,7 @@ def wait_policy_server(base_url: str, timeout_s: float = DEPLOY_TIMEOUT_S) -> No
     whole replica set before the first request) and answers ``GET /health`` with 200 at ``base_url``.
 
     Raises:
-        RuntimeError: the deployment failed (Serve's message: e.g. a replica's constructor raised);
+        ServerStartError: the deployment failed (Serve's message: e.g. a replica's constructor raised);
             or it is running and nothing answers 30 s later (e.g. Serve was already running in
             this Ray cluster on another port: Serve keeps its first port); or ``timeout_s`` passed.
     """
@@ -100,7 +100,7 @@ def wait_policy_server(base_url: str, timeout_s: float = DEPLOY_TIMEOUT_S) -> No
         state = serve.status().applications.get(APP_NAME)
         status = str(getattr(state, "status", ""))
         if status.endswith("DEPLOY_FAILED"):
-            raise RuntimeError(f"the policy server failed to deploy: {state.message}")
+            raise ServerStartError(f"the policy server failed to deploy: {state.message}")
         if status.endswith("RUNNING"):
             running_since = time.monotonic() if running_since is None else running_since
             try:
@@ -109,12 +109,12 @@ def wait_policy_server(base_url: str, timeout_s: float = DEPLOY_TIMEOUT_S) -> No
             except httpx.HTTPError:
                 pass
             if time.monotonic() - running_since > 30.0:
-                raise RuntimeError(
+                raise ServerStartError(
                     f"the policy server does not answer at {health}; is Ray Serve already running "
                     "in this cluster on another port? (Serve keeps the port it first started on)"
                 )
         if time.monotonic() - start > timeout_s:
-            raise RuntimeError(f"the policy server is not running {timeout_s:g} s after its deployment ({status})")
+            raise ServerStartError(f"the policy server is not running {timeout_s:g} s after its deployment ({status})")
         time.sleep(0.5)
 
 

@@ -26,6 +26,11 @@ T = TypeVar("T")
 APP_NAME = "clawray"  # the policy server's Serve application (clawray.resume reaches the replicas by it)
 
 
+class ServerStartError(RuntimeError):
+    """The policy server cannot come up: Serve runs elsewhere in the cluster, the deployment failed, or
+    it does not answer; the message is one line with the settings to change."""
+
+
 def _controller():
     """The Serve controller of the connected Ray cluster, or None when Serve does not run there."""
     import ray
@@ -64,11 +69,11 @@ def check_serve_address(host: str, port: int) -> None:
     (it keeps the one it first started on: the deploy would never be reachable there).
 
     Raises:
-        RuntimeError: naming the running address and the settings that reach it.
+        ServerStartError: naming the running address and the settings that reach it.
     """
     running = serve_http_address()
     if running is not None and running != (host, port):
-        raise RuntimeError(
+        raise ServerStartError(
             f"Ray Serve already runs in this Ray cluster with its HTTP proxy on {running[0]}:{running[1]} "
             f"(it keeps the address it first started on), not on serve.host={host} serve.port={port}: "
             f"set serve.host={running[0]} serve.port={running[1]}, or use a cluster without Serve"

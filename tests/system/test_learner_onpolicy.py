@@ -18,7 +18,7 @@ import pytest
 import ray
 import torch
 
-from clawray.actors.learner import LearnerGroup
+from clawray.actors.learner import LearnerGroup, LearnerStartError
 from clawray.algos.losses import sequence_logprobs
 from clawray.ray_env import free_port
 from clawray.types import Sample
@@ -260,7 +260,7 @@ def test_failed_learner_start_releases_its_placement_group(ray_cluster, tiny_mod
     live, before = _live_placement_groups(), _settled_cpus()
     cfg = {**LEARNER, "num_workers": 2, "num_cpus": 0.5, "lora": {**LORA, "target_modules": ["no_such"]}}
     with pytest.raises(
-        RuntimeError, match=r"learner rank [01] of 2 failed to start: \S*Error: Target modules .*no_such"
+        LearnerStartError, match=r"learner rank [01] of 2 failed to start: \S*Error: Target modules .*no_such"
     ):
         LearnerGroup(tiny_model, cfg, free_port())
     assert _live_placement_groups() <= live  # ours is removed

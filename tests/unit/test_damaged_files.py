@@ -110,3 +110,26 @@ def test_journal_lines_damaged_in_the_middle_are_named_and_a_torn_last_line_is_s
         f.write("{}\nnot json\n{}\n")
     with pytest.raises(DamagedFileError, match=rf"{SESSIONS_FILE}: line 2 of 3"):
         prepare_journals(str(tmp_path), resume_step=0)
+
+
+def test_a_pruned_checkpoint_leaves_the_checkpoints_before_it_is_deleted(tmp_path, monkeypatch):
+    """A crash inside the pruning rmtree left ``ckpt-000001`` without its manifest and weights but with
+    its driver.json, which verification passed and a fallback resumed from. The pruned folder is now
+    renamed out of the checkpoints first; the next checkpoint sweeps what a crash left."""
+    import clawray.checkpoint as checkpoint
+
+    first = _checkpoint(tmp_path, 1)
+    removed = []
+    monkeypatch.setattr(
+        checkpoint.shutil, "rmtree", lambda path, **kw: removed.append(path)
+    )  # crashes: nothing removed
+    tmp, final = new_checkpoint_dirs(str(tmp_path))
+    with open(os.path.join(tmp, "driver.json"), "w") as f:
+        json.dump({"steps_done": 2, "version": 2}, f)
+    write_manifest(tmp)
+    commit_checkpoint(tmp, final, keep_last=1)
+    assert [os.path.basename(p) for p in removed] == [f".tmp-ckpt-pruned-ckpt-000001-{os.getpid()}"]
+    assert not os.path.exists(first) and checkpoint.list_checkpoints(str(tmp_path)) == [final]
+    monkeypatch.undo()
+    new_checkpoint_dirs(str(tmp_path))  # the next checkpoint's sweep
+    assert sorted(n for n in os.listdir(tmp_path) if "pruned" in n) == []

@@ -263,3 +263,31 @@ def test_a_resume_keeps_the_runs_evaluations_up_to_its_checkpoint_and_fills_the_
     missing = RunEvaluations(cfg, None, str(tmp_path / "nowhere"))
     missing.resume(3)
     assert missing.results == []
+
+
+def test_cli_eval_refuses_bad_arguments_before_it_evaluates_and_names_an_unloadable_folder(
+    tiny_model, tmp_path, capsys
+):
+    """``--out DIR`` failed with IsADirectoryError after the whole evaluation had run (its results
+    lost); ``--temperature -1`` was accepted (the hf engine ran it greedy and the JSON said T=-1); a
+    folder with config.json but no weights was a traceback."""
+    import shutil
+
+    from clawray.cli import main
+
+    args = ["eval", tiny_model, "--env", "sums", "--backend", "hf", "--num-prompts", "1", "--n", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"clawray: --out {tmp_path} is a folder; give a file name"
+    assert main([*args, "--out", str(tmp_path / "no" / "e.json")]) == 2
+    assert f"the folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert main([*args, "--temperature", "-1", "--out", str(tmp_path / "e.json")]) == 2
+    assert "--temperature -1.0 is negative (0 is greedy)" in capsys.readouterr().err
+    assert main([*args, "--temperature", "nan", "--out", str(tmp_path / "e.json")]) == 2
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_model, weightless)
+    for name in os.listdir(weightless):
+        if name.endswith(".safetensors"):
+            os.remove(weightless / name)
+    assert main(["eval", str(weightless), *args[2:], "--out", str(tmp_path / "w.json")]) == 1
+    err = capsys.readouterr().err
+    assert "clawray: OSError:" in err and "Traceback" not in err and not os.path.exists(tmp_path / "w.json")

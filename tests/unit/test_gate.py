@@ -107,7 +107,9 @@ def test_the_measure_is_the_configured_one_or_the_checks_first(tmp_path):
     gate = make_gate(tmp_path, [1.0, 0.0], measure="other")
     assert gate.probe("unused", None)[0] == [1.0, 1.0]
     gate = make_gate(tmp_path, [1.0, 0.0], measure="missing")
-    with pytest.raises(KeyError, match="deploy.measure='missing'"):
+    with pytest.raises(
+        ConfigError, match=r"deploy.measure='missing': the environment's check reports \['other', 'solved'\]"
+    ):
         gate.probe("unused", None)
     gate = make_gate(tmp_path, [1.0, 0.0])
     assert gate.probe("unused", None)[0] == [1.0, 0.0]

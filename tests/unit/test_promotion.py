@@ -143,3 +143,10 @@ def test_tied_probes_show_non_inferiority_only_when_they_are_large_enough(n, low
     d = decide([1.0] * n, [1.0] * n, margin=0.05, rule="noninferior")
     assert d.lower == pytest.approx(lower) and d.promote is (lower > -0.05)
     assert [d.promote for d in [decide([0.5] * n, [0.5] * n, rule="noninferior")]] == [n == 200]
+
+
+def test_the_interval_of_the_difference_stays_within_the_scores_range():
+    """32 items the candidate loses all: the adjusted Wald interval was [-1.055, -0.828]."""
+    d = decide([0.0] * 32, [1.0] * 32)
+    assert d.delta == -1.0 and d.delta_ci[0] == -1.0 and d.delta_ci[1] == pytest.approx(-0.8276, abs=1e-4)
+    assert decide([1.0] * 32, [0.0] * 32).delta_ci[1] == 1.0

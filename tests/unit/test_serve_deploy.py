@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 import clawray.serve.deploy as app
+from clawray.serve.instance import ServerStartError
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -69,21 +70,23 @@ def test_a_failed_deployment_is_named_at_once(monkeypatch):
     clock = _world(
         monkeypatch, [], [_app("DEPLOYING"), _app("DEPLOY_FAILED", "PolicyServer.__init__ raised: no tokenizer")]
     )
-    with pytest.raises(RuntimeError, match="failed to deploy: PolicyServer.__init__ raised: no tokenizer"):
+    with pytest.raises(ServerStartError, match="failed to deploy: PolicyServer.__init__ raised: no tokenizer"):
         app.wait_policy_server(URL)
     assert clock.now == 0.5  # the second look, not a timeout
 
 
 def test_running_without_an_answer_names_the_port_after_30_s(monkeypatch):
     clock = _world(monkeypatch, [], [_app("DEPLOYING")] * 10 + [_app("RUNNING")])
-    with pytest.raises(RuntimeError, match="Serve keeps the port it first started on"):
+    with pytest.raises(ServerStartError, match="Serve keeps the port it first started on"):
         app.wait_policy_server(URL)
     assert clock.now == pytest.approx(5.0 + 30.5)  # 10 polls deploying, then 30 s running
 
 
 def test_a_deployment_that_never_runs_times_out(monkeypatch):
     clock = _world(monkeypatch, [], [_app("DEPLOYING")])
-    with pytest.raises(RuntimeError, match=r"not running 20 s after its deployment \(ApplicationStatus.DEPLOYING\)"):
+    with pytest.raises(
+        ServerStartError, match=r"not running 20 s after its deployment \(ApplicationStatus.DEPLOYING\)"
+    ):
         app.wait_policy_server(URL, timeout_s=20)
     assert clock.now == pytest.approx(20.5)
 

@@ -50,7 +50,7 @@ def test_a_deploy_that_fails_part_way_is_still_released_and_no_deploy_releases_n
 def test_another_address_than_the_running_serves_is_refused(monkeypatch):
     monkeypatch.setattr(instance, "serve_http_address", lambda: ("127.0.0.1", 8000))
     instance.check_serve_address("127.0.0.1", 8000)  # the running one: fine
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(instance.ServerStartError) as err:
         instance.check_serve_address("0.0.0.0", 8000)
     assert str(err.value) == (
         "Ray Serve already runs in this Ray cluster with its HTTP proxy on 127.0.0.1:8000 (it keeps the address "
