@@ -23,7 +23,7 @@ import os
 import re
 from typing import Any, Callable, Iterable
 
-from clawray.client_rules import is_ephemeral, strip_envelope, strip_ephemeral
+from clawray.client_rules import is_ephemeral, reply_as_kept, strip_envelope, strip_ephemeral
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -262,8 +262,8 @@ def attribution_canonical(m: dict[str, Any]) -> bytes:
     role = m["role"]
     if role == "system" or is_ephemeral(m):
         return b""
-    if role == "assistant":  # OpenClaw drops an envelope header a reply starts with from its copy
-        return canonical_message({**m, "content": strip_envelope(m.get("content"))})
+    if role == "assistant":  # OpenClaw's copy of a reply: without directives, reasoning blocks and envelope
+        return canonical_message({**m, "content": strip_envelope(reply_as_kept(m.get("content")))})
     content = strip_ephemeral(m.get("content")) if role == "user" else m.get("content")
     return json.dumps([role, content], ensure_ascii=False).encode() + b"\n"
 
@@ -302,8 +302,9 @@ def attribution_key(messages: list[dict[str, Any]]) -> str:
       a user message) does not count: the client drops it from the next request's history;
     * tool results count by content and order, not by ``tool_call_id``: clients rewrite call ids
       (OpenClaw strips ``_``), and assistant tool calls already count without their ids;
-    * a reply counts without a leading envelope header (``[Thu 2026-12-03 17:07 UTC] ``): OpenClaw
-      strips it from its copy of the reply (:func:`clawray.client_rules.strip_envelope`).
+    * a reply counts without a leading envelope header (``[Thu 2026-12-03 17:07 UTC] ``), reply
+      directives and reasoning blocks, its whitespace runs as one space: OpenClaw strips them from its
+      copy of the reply (:func:`clawray.client_rules.strip_envelope`, :func:`~clawray.client_rules.reply_as_kept`).
 
     Prompt ids are spliced only on the exact :func:`conversation_key`: a history that matches here but
     not there is attributed and paired, then rendered afresh.

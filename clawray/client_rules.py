@@ -23,6 +23,12 @@ a marker that only that client writes, so a request without the markers is untou
   ``[Thu 2026-12-03 17:07 UTC] `` (a timestamp or channel header in brackets). When a reply starts
   with such a header (a small model echoing the user's message), OpenClaw strips it from the reply's
   copy in the next request's history; attribution compares replies without it.
+* **Reply markup** (:func:`reply_as_kept`, :func:`is_silent_reply`): OpenClaw's copy of a reply in
+  its transcript drops its reply directives (``[[reply_to_current]]``, ``[[reply_to:ID]]``,
+  ``[[audio_as_voice]]``: its system prompt asks for the first) and its reasoning blocks
+  (``<thinking>...</thinking>`` and the other names it knows), and tidies the whitespace they leave;
+  a reply that is only ``NO_REPLY`` (its "nothing to say" token) is left out of the transcript, and a
+  user message saying so follows. Attribution compares replies in that form.
 * **Side requests** (:func:`side_kind`): the pre-compaction *memory flush* (its own session id
   ``internal-...`` and a "Pre-compaction memory flush." prompt), the *compaction summaries* (the
   summariser's system prompt, no tools) and the *heartbeat polls* (the heartbeat prompt as the last
@@ -62,6 +68,44 @@ _ENVELOPE_CHANNELS = (
     "WebChat", "WhatsApp", "Telegram", "Signal", "Slack", "Discord", "Google Chat", "iMessage", "Teams", "Matrix",
     "Zalo", "Zalo Personal",
 )  # fmt: skip
+
+
+#: OpenClaw's reply directives (src/utils/directive-tags.ts, ``AUDIO_TAG_RE`` and ``REPLY_TAG_RE``).
+_DIRECTIVE = re.compile(r"\[\[\s*(?:audio_as_voice|reply_to_current|reply_to\s*:\s*[^\]\n]+)\s*\]\]", re.IGNORECASE)
+#: The reasoning tags whose blocks OpenClaw cuts from a reply (packages/markdown-core,
+#: reasoning-tag-parser.ts, ``REASONING_TAG_NAMES``).
+REASONING_TAGS = (
+    "think", "thinking", "thought", "reasoning", "internal", "antthinking", "antml:think", "antml:thinking",
+    "antml:thought", "antml:reasoning", "mm:think", "mm:thinking", "mm:thought", "mm:reasoning",
+)  # fmt: skip
+_REASONING_BLOCK = re.compile(
+    r"<(%s)(?:\s[^<>]*)?>.*?</\1\s*>" % "|".join(sorted(map(re.escape, REASONING_TAGS), key=len, reverse=True)),
+    re.IGNORECASE | re.DOTALL,
+)
+#: OpenClaw's silent-reply token (src/auto-reply/tokens.ts, ``isSilentReplyText``: the token alone,
+#: repeated, or within edge punctuation).
+_SILENT = re.compile(r"^\s*[^\w\s]*\s*NO_REPLY(?:\s+NO_REPLY)*\s*[^\w\s]*\s*$", re.IGNORECASE)
+
+
+def reply_as_kept(text: str | None) -> str:
+    """A reply's text in the form attribution compares it with the client's copy: reply directives
+    and reasoning blocks cut, every run of whitespace one space, the ends trimmed. OpenClaw keeps
+    ``"[[reply_to_current]] Glad to help."`` as ``"Glad to help."`` and ``"Sure. <thinking>x</thinking>
+    The answer."`` as ``"Sure.  The answer."``; both sides compare equal in this form. (OpenClaw leaves
+    directives inside code spans alone; cutting them there too only makes two replies that differ
+    by a directive in code compare equal.)"""
+    if not text:
+        return ""
+    if "[[" in text:
+        text = _DIRECTIVE.sub(" ", text)
+    if "<" in text:
+        text = _REASONING_BLOCK.sub(" ", text)
+    return " ".join(text.split())
+
+
+def is_silent_reply(text: str | None) -> bool:
+    """A reply that is OpenClaw's "nothing to say" token ``NO_REPLY`` alone (``"NO_REPLY."`` too)."""
+    return bool(text) and "NO_REPLY" in text.upper() and _SILENT.match(text) is not None
 
 
 def strip_ephemeral(text: str | None) -> str | None:

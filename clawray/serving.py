@@ -74,7 +74,7 @@ class ServingTracker:
         """Record one request's served main-line turns; returns their 1-based indexes (``outcome`` is
         accepted and ignored: nothing is trained)."""
         for sid in self.book.idle(self.idle_timeout_s) if self.idle_timeout_s > 0 else ():  # 0 = never
-            self.book.close(sid)
+            self.book.close(sid, idle=True)  # its conversation may come back: found among the closed ones
             self.counts["sessions_idle_closed"] += 1
         s = self.book.open(turns[0].session_id, turns[0].messages)
         if s.pending:
@@ -88,6 +88,9 @@ class ServingTracker:
         if done:
             await self.close_session(turns[0].session_id, outcome)
         return [t.turn_index for t in turns]
+
+    async def set_outcome(self, session_id: str, outcome: float) -> None:
+        """Accepted and ignored (nothing is trained)."""
 
     async def close_session(self, session_id: str, outcome: float | None = None) -> None:
         """Close a session (``X-Session-Done``)."""

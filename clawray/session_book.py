@@ -34,7 +34,7 @@ from clawray.algos.credit_ledger import SessionCredit
 from clawray.algos.rejection import opening
 from clawray.chat import attribution_canonical, attribution_key, attribution_keys, conversation_key
 from clawray.chat import render_key as chat_render_key
-from clawray.client_rules import before_heartbeat, conversation_view
+from clawray.client_rules import before_heartbeat, conversation_view, is_silent_reply
 from clawray.types import Turn
 
 
@@ -97,9 +97,13 @@ class Session:
 
 def says_nothing(reply: dict[str, Any]) -> bool:
     """Whether a reply holds no content (whitespace aside) and no tool call: an immediate end of turn,
-    or reasoning alone. OpenClaw's client (pi-ai) leaves such an assistant message out of the next
-    request's history, so the turn continues where its own history ends."""
-    return not (reply.get("content") or "").strip() and not reply.get("tool_calls")
+    or reasoning alone; or is OpenClaw's ``NO_REPLY`` token alone. OpenClaw's client (pi-ai) leaves
+    such an assistant message out of the next request's history, so the turn continues where its own
+    history ends (after ``NO_REPLY``, with a user message saying the attempt produced no answer)."""
+    if reply.get("tool_calls"):
+        return False
+    content = reply.get("content") or ""
+    return not content.strip() or is_silent_reply(content)
 
 
 @dataclass

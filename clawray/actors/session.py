@@ -278,6 +278,13 @@ class SessionTracker:
         self.counts["credit/outcome_judged"] += 1
         self.ledger.set_outcome(s.credit, s.sid, float(result.score), s.turns)
 
+    async def set_outcome(self, session_id: str, outcome: float) -> None:
+        """Set the open session's outcome score (``X-Session-Outcome`` on a side request, which records
+        no turn); the last one given counts. Nothing for a session that is not open."""
+        s = self.book.sessions.get(session_id)
+        if s is not None:
+            self.ledger.set_outcome(s.credit, session_id, outcome, s.turns)
+
     async def close_session(self, session_id: str, outcome: float | None = None, idle: bool = False) -> None:
         """Close a session; its last turn has no next state and is not trained (counted). Once its
         judge tasks finish, the waiting turns get their returns (``trainer.credit``) and the

@@ -399,6 +399,8 @@ class PolicyServer:
                 self.counts[f"side_turns/{req.side_kind}"] += len(turns)
             if req.done and call.session_id:
                 await self.tracker.close_session.remote(call.session_id, req.outcome)
+            elif req.outcome is not None and call.session_id:  # on any request: the last one given counts
+                await self.tracker.set_outcome.remote(call.session_id, req.outcome)
             return [None] * len(turns)
         if call.session_id is None:
             return [None] * len(turns)

@@ -12,6 +12,8 @@ from clawray.chat import attribution_keys, conversation_keys
 from clawray.client_rules import (
     conversation_view,
     is_ephemeral,
+    is_silent_reply,
+    reply_as_kept,
     session_hint,
     side_kind,
     strip_envelope,
@@ -226,6 +228,70 @@ def test_attribution_ignores_system_prompts_ephemeral_blocks_and_tool_call_ids_b
 )
 def test_strip_envelope_removes_only_openclaws_leading_header(text, stripped):
     assert strip_envelope(text) == stripped
+
+
+@pytest.mark.parametrize(
+    "served, kept",
+    [  # what the real OpenClaw 2026.9.6 echoed in its next request's history for the reply it was served
+        ("[[reply_to_current]] Glad to help.", "Glad to help."),
+        ("[[reply_to:abc123]] Sure.", "Sure."),
+        ("[[audio_as_voice]] Hi there.", "Hi there."),
+        ("Sure. <thinking>check units</thinking> The answer is 4.", "Sure.  The answer is 4."),
+    ],
+)
+def test_openclaws_copy_of_a_reply_without_its_directives_and_reasoning_continues_the_turn(served, kept):
+    """OpenClaw strips reply directives (its system prompt asks for ``[[reply_to_current]]``) and
+    reasoning blocks from its transcript copy of a reply: the turn was dropped as a branch (never
+    trained) and, without the Runtime hint, the rest of the conversation was unattributable."""
+    assert reply_as_kept(served) == reply_as_kept(kept) != ""
+    first = [{"role": "user", "content": "Hi"}]
+    history = [*first, {"role": "assistant", "content": kept}, {"role": "user", "content": "Thanks!"}]
+    book = SessionBook()
+    s = book.open("auto-1", first)
+    book.add(s, [Turn("auto-1", 0, first, {"role": "assistant", "content": served}, [1], [2], [-0.1], 0, "stop")])
+    keys = attribution_keys(history)
+    assert book.find(None, {1: keys[1]}, None, True)["session_id"] == "auto-1"  # inferred without a hint
+    pairing = book.pair(s, history)
+    assert pairing.chosen is not None and pairing.next_state == [{"role": "user", "content": "Thanks!"}]
+
+
+@pytest.mark.parametrize(
+    "text, kept",
+    [
+        ("  Two   spaces\n\nand lines ", "Two spaces and lines"),
+        ("<think>plan</think>Done.", "Done."),
+        ("<thinking>a\nb</thinking> Done.", "Done."),
+        ("Use <b>bold</b> and <thinking", "Use <b>bold</b> and <thinking"),  # other tags, an open block: kept
+        ("[[reply_to_current]]", ""),
+        ("[[note]] stays", "[[note]] stays"),
+        ("", ""),
+        (None, ""),
+    ],
+)
+def test_reply_as_kept_cuts_only_openclaws_markup(text, kept):
+    assert reply_as_kept(text) == kept
+
+
+@pytest.mark.parametrize(
+    "text, silent",
+    [("NO_REPLY", True), (" no_reply. ", True), ("NO_REPLY NO_REPLY", True), ("**NO_REPLY**", True),
+     ("I will answer NO_REPLY later", False), ("NO_REPLYING", False), ("", False), (None, False)],
+)  # fmt: skip
+def test_a_no_reply_answer_is_a_reply_that_says_nothing(text, silent):
+    """OpenClaw leaves a reply that is only its ``NO_REPLY`` token out of the transcript and adds a user
+    message: paired as a reply that says nothing, the turn's next state is that message."""
+    from clawray.session_book import says_nothing
+
+    assert is_silent_reply(text) is silent
+    assert says_nothing({"role": "assistant", "content": text}) is (silent or not text)
+    if silent:
+        first = [{"role": "user", "content": "Hi"}]
+        nudge = {"role": "user", "content": "The previous attempt did not produce a user-visible answer. Continue."}
+        book = SessionBook()
+        s = book.open("auto-1", first)
+        book.add(s, [Turn("auto-1", 0, first, {"role": "assistant", "content": text}, [1], [2], [-0.1], 0, "stop")])
+        pairing = book.pair(s, [*first, nudge])
+        assert pairing.chosen is not None and pairing.next_state == [nudge]
 
 
 def test_a_heartbeat_poll_is_a_side_turn_and_the_real_reply_stays_the_turns_next_state():

@@ -689,3 +689,24 @@ def test_outcome_credit_that_could_never_wait_for_its_outcome_is_refused_at_load
     weighted = ["trainer.credit=outcome", "queue.max_staleness=1", "trainer.outcome_turn_weight=0.5"]
     assert load_config([], weighted).trainer.outcome_turn_weight == 0.5  # a flushed turn trains on 0.5 r_t
     assert load_config([], ["trainer.credit=discounted", "queue.max_staleness=1"]).trainer.credit == "discounted"
+
+
+def test_an_outcome_sent_on_a_side_request_counts_for_the_open_session():
+    """``X-Session-Outcome`` on a side request (a title, a summary: no turn recorded) was dropped unless
+    the request also closed the session; the outcome may come on any request, the last one counts."""
+    judge, queue = session_judge(["\\boxed{-1}"]), FakeQueue()
+    tracker = SessionTracker([judge], queue, credit("outcome", gamma=0.9, outcome_judge=True))
+
+    async def scenario():
+        turns = session("side", [RIGHT, RIGHT])
+        for t in turns[:-1]:
+            await tracker.record_turn(t)
+        await tracker.set_outcome("side", 1.0)  # the server's path for a side request with an outcome
+        await tracker.set_outcome("no-such-session", 1.0)  # nothing open: nothing happens
+        await tracker.record_turn(turns[-1], done=True)
+        for _ in range(3):
+            await tracker.drain()
+
+    asyncio.run(scenario())
+    assert judge.worker.prompts == []  # the outcome was given: the judge is not asked
+    assert [s.reward for s, _ in queue.items] == [pytest.approx(0.9), 1.0]

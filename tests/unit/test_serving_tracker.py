@@ -32,3 +32,24 @@ def test_idle_timeout_zero_never_closes_and_a_positive_one_does(tmp_path):
     assert tracker.records.served.keep_files == 2 and (tmp_path / "turns.jsonl").read_text().count("\n") == 2
     default = ServingTracker()  # the schema's default: 900 s
     assert default.idle_timeout_s == 900.0 and default.records.served is None
+
+
+def test_a_conversation_back_after_the_idle_timeout_is_found_among_the_closed_sessions():
+    """``clawray serve`` closed an idle session without remembering its keys (``SessionTracker`` did):
+    a conversation without a session id that went quiet past ``idle_timeout_s`` matched nothing when
+    it came back, and every later request of it was unattributable (never recorded)."""
+    from clawray.chat import attribution_keys
+
+    tracker = ServingTracker({"session": {"idle_timeout_s": 60.0}})
+    first = [{"role": "user", "content": "conversation A"}]
+
+    async def go():
+        await tracker.record_turns([make_turn("auto-a", first, "reply A")])
+        tracker.book.sessions["auto-a"].last_seen = time.monotonic() - 61.0
+        await tracker.record_turns([make_turn("auto-b", Q, "r")])  # closes auto-a for silence
+
+    asyncio.run(go())
+    assert "auto-a" not in tracker.book.sessions and tracker.counts["sessions_idle_closed"] == 1
+    back = [*first, {"role": "assistant", "content": "reply A"}, {"role": "user", "content": "and then?"}]
+    found = tracker.book.find(None, {1: attribution_keys(back)[1]}, None, True)
+    assert found["session_id"] == "auto-a"
