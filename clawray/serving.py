@@ -66,9 +66,10 @@ class ServingTracker:
         exact: dict[int, str] | None = None,
         hint: str | None = None,
         user: str | None = None,
+        last_reply: str | None = None,
     ) -> dict:
         """:meth:`clawray.session_book.SessionBook.find`."""
-        return self.book.find(session_id, keys, render_key, auto_only, exact, hint, user)
+        return self.book.find(session_id, keys, render_key, auto_only, exact, hint, user, last_reply)
 
     async def record_turns(self, turns: list[Turn], done: bool = False, outcome: float | None = None) -> list[int]:
         """Record one request's served main-line turns; returns their 1-based indexes (``outcome`` is

@@ -25,6 +25,7 @@ the prompt ids of a turn whose ephemeral context is gone are not the prefix of t
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -71,6 +72,10 @@ class Session:
     pending: list = field(default_factory=list)  # the latest request's turns (n choices), awaiting a next state
     keys: list = field(default_factory=list)  # attribution_key(history + reply) of each pending turn
     exact: list = field(default_factory=list)  # conversation_key(history + reply) of each pending turn (splicing)
+    # attribution_key(history) of each pending turn whose reply says nothing: a client leaves such a
+    # reply out of its next history, which then continues the turn's history alone
+    quiet: list = field(default_factory=list)
+    replies: list = field(default_factory=list)  # reply_key of each pending turn's reply (a rewritten history)
     effective: bool = False  # a turn of this session has been trained
     held: list = field(default_factory=list)  # (turn or sample, mean vote), for at-least-one
     tasks: list = field(default_factory=list)  # this session's judge tasks
@@ -106,6 +111,28 @@ def says_nothing(reply: dict[str, Any]) -> bool:
     return not content.strip() or is_silent_reply(content)
 
 
+def reply_key(reply: dict[str, Any]) -> str:
+    """A digest of one reply as attribution compares it (:func:`clawray.chat.attribution_canonical`)."""
+    return hashlib.sha256(attribution_canonical(reply)).hexdigest()
+
+
+def quiet_keys(pending: list[Turn]) -> list[str]:
+    """``attribution_key(history)`` of each turn of ``pending`` whose reply :func:`says_nothing`: the
+    key its next request's history has at the turn's last message, the reply being left out."""
+    return [attribution_key(t.messages) for t in pending if says_nothing(t.response_message)]
+
+
+def quiet_positions(messages: list[dict[str, Any]]) -> list[int]:
+    """The positions ``k`` of ``messages`` after which a reply that said nothing may have been left out
+    (a user or tool message followed by a user message): the keys a request sends for them find a
+    pending turn by :func:`quiet_keys`."""
+    return [
+        k
+        for k in range(len(messages) - 1)
+        if messages[k]["role"] in ("user", "tool") and messages[k + 1]["role"] == "user"
+    ]
+
+
 @dataclass
 class Pairing:
     """What a request's history makes of its session's pending turns (:meth:`SessionBook.pair`).
@@ -138,6 +165,9 @@ class SessionBook:
         self.closed_turns: OrderedDict[str, int] = OrderedDict()
         # attribution key of an idle-closed session's pending turn -> its id (an inferred session goes on)
         self.closed_index: OrderedDict[str, str] = OrderedDict()
+        # reply_key of a pending turn's reply -> the ids of the sessions holding it: a history the client
+        # rewrote (a compaction's summary in place of the turns before the reply) still ends with it
+        self.reply_index: dict[str, list[str]] = {}
         self.max_closed = max_closed
 
     def __len__(self) -> int:
@@ -171,6 +201,7 @@ class SessionBook:
         exact: dict[int, str] | None = None,
         hint: str | None = None,
         user: str | None = None,
+        last_reply: str | None = None,
     ) -> dict:
         """Which session and pending turn a new request continues (the server's lookup).
 
@@ -180,7 +211,8 @@ class SessionBook:
                 :func:`clawray.client_rules.session_hint`), else the one inferred from ``keys`` (with
                 ``auto_only``, only among the sessions the server started, :data:`AUTO_SESSION_PREFIX`).
             keys: ``{k: attribution_key(messages[:k + 1])}`` for each assistant message ``k`` of the
-                request's history.
+                request's history, and for each of its :func:`quiet_positions` (they find a pending
+                turn whose reply said nothing, which the client left out).
             render_key: :func:`clawray.chat.render_key` of the request (its tools). A pending turn
                 rendered with another render key is still found (its session and next-state pairing
                 do not depend on it) but not offered for splicing.
@@ -188,6 +220,10 @@ class SessionBook:
                 offered for splicing only when its exact key is there at its own position (None: never).
             user: the request's end user (the OpenAI ``user`` field): the session is inferred among that
                 user's sessions only (:func:`user_session_prefix`).
+            last_reply: :func:`reply_key` of the history's last assistant message: when no prefix
+                matches (a history its client rewrote, e.g. OpenClaw's compaction without its Runtime
+                line), the one session whose pending reply it is (:meth:`pair` then takes it as
+                rewritten).
 
         Returns:
             ``{"session_id", "prev", "context_changed", "how"}``: the session (None when none matches)
@@ -202,7 +238,11 @@ class SessionBook:
             session_id, how = f"{AUTO_SESSION_PREFIX}{hint}", "hint"
         elif session_id is None:
             only = user_session_prefix(user) if auto_only or user is not None else ""
-            session_id = self._infer(keys, self.index, only) or self._infer(keys, self.closed_index, only)
+            session_id = (
+                self._infer(keys, self.index, only)
+                or self._infer(keys, self.closed_index, only)
+                or self._by_reply(last_reply, only)
+            )
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)
         if s is not None and how == "inferred":
@@ -279,7 +319,7 @@ class SessionBook:
     def add(self, s: Session, turns: list[Turn]) -> None:
         """Make ``turns`` (one request's choices) ``s``'s pending turns, giving each the next turn index
         (the request that claimed ``s`` has ended)."""
-        s.pending, s.keys, s.exact, s.claimed_until = [], [], [], 0.0
+        s.pending, s.keys, s.exact, s.quiet, s.claimed_until = [], [], [], [], 0.0
         for turn in turns:
             s.turns += 1
             turn.turn_index = s.turns
@@ -288,6 +328,10 @@ class SessionBook:
             s.keys.append(key)
             s.exact.append(conversation_key([*turn.messages, turn.response_message]))
             self._index(key, s.sid)
+        s.quiet = list(dict.fromkeys(quiet_keys(s.pending)))
+        for key in s.quiet:
+            self._index(key, s.sid)
+        self._index_replies(s)
 
     def close(self, sid: str, idle: bool = False) -> Session | None:
         """Remove the open session ``sid`` (None when there is none), remembering its last turn index;
@@ -302,7 +346,7 @@ class SessionBook:
         while len(self.closed_turns) > self.max_closed:
             self.closed_turns.popitem(last=False)
         if idle:
-            for key in s.keys:
+            for key in [*s.keys, *s.quiet]:
                 self.closed_index[key] = sid
             while len(self.closed_index) > self.max_closed:
                 self.closed_index.popitem(last=False)
@@ -318,18 +362,37 @@ class SessionBook:
         """Put a session rebuilt from the journal back as open, with its pending turns indexed."""
         s.keys = [attribution_key([*t.messages, t.response_message]) for t in s.pending]
         s.exact = [conversation_key([*t.messages, t.response_message]) for t in s.pending]
+        s.quiet = list(dict.fromkeys(quiet_keys(s.pending)))
         self.sessions[s.sid] = s
-        for key in s.keys:
+        for key in [*s.keys, *s.quiet]:
             self._index(key, s.sid)
+        self._index_replies(s)
 
     def unindex(self, s: Session) -> None:
         """Drop ``s``'s pending turns from the index (another session's equal turns stay)."""
-        for key in s.keys:
-            sids = self.index.get(key)
-            if sids is not None and s.sid in sids:
-                sids.remove(s.sid)
-                if not sids:
-                    del self.index[key]
+        for index, keys in ((self.index, [*s.keys, *s.quiet]), (self.reply_index, s.replies)):
+            for key in keys:
+                sids = index.get(key)
+                if sids is not None and s.sid in sids:
+                    sids.remove(s.sid)
+                    if not sids:
+                        del index[key]
+
+    def _index_replies(self, s: Session) -> None:
+        s.replies = list(
+            dict.fromkeys(reply_key(t.response_message) for t in s.pending if not says_nothing(t.response_message))
+        )
+        for key in s.replies:
+            sids = self.reply_index.setdefault(key, [])
+            if s.sid not in sids:
+                sids.append(s.sid)
+
+    def _by_reply(self, last_reply: str | None, prefix: str) -> str | None:
+        """The one session among the ids that start with ``prefix`` whose pending reply is ``last_reply``
+        (the last assistant message of a history that matches no prefix: rewritten by its client);
+        None when none or several hold it (a reply such as "OK." names no conversation)."""
+        sids = [sid for sid in self.reply_index.get(last_reply, ()) if sid.startswith(prefix)] if last_reply else []
+        return sids[0] if len(sids) == 1 else None
 
     def _index(self, key: str, sid: str) -> None:
         sids = self.index.setdefault(key, [])

@@ -209,10 +209,11 @@ class SessionTracker:
         exact: dict[int, str] | None = None,
         hint: str | None = None,
         user: str | None = None,
+        last_reply: str | None = None,
     ) -> dict:
         """Which session and pending turn a new request continues: :meth:`clawray.session_book.SessionBook.find`."""
         self._start_replay()
-        return self.book.find(session_id, keys, render_key, auto_only, exact, hint, user)
+        return self.book.find(session_id, keys, render_key, auto_only, exact, hint, user, last_reply)
 
     async def record_turn(self, turn: Turn, done: bool = False, outcome: float | None = None) -> int:
         """Record one served main-line turn (see :meth:`record_turns`); returns its 1-based index."""
@@ -305,7 +306,7 @@ class SessionTracker:
         self.counts["dropped/no_next_state"] += len(s.pending)
         judge_it = self.ledger.judges_outcomes and s.credit.outcome is None  # its judge tasks may add waiting turns
         transcript = s.credit.transcript if judge_it and s.credit.transcript else None
-        idle_keys = list(s.keys) if idle else []  # an idle close's conversation may go on (SessionBook.close)
+        idle_keys = [*s.keys, *s.quiet] if idle else []  # an idle close's conversation may go on (SessionBook.close)
         self._journal("close", sid=session_id, transcript=transcript, idle_keys=idle_keys)  # [journal hook]
         self._track(asyncio.ensure_future(self._finalize(s)))
 

@@ -71,7 +71,7 @@ from clawray.serve.protocol import ChatRequest, decode_body, header_text, parse_
 from clawray.serve.reply import THINK_OPEN, ParsedReply, ReplyDecoder, parse_reply_text
 from clawray.serve.splice import SpliceError, splice_suffix
 from clawray.serve.sse import EventStreamResponse, StreamContext, cancel_streams, next_item
-from clawray.session_book import user_session_prefix
+from clawray.session_book import quiet_positions, reply_key, user_session_prefix
 from clawray.types import Turn
 
 keep_replica_grpc_on_loopback()  # in the replica process, before it starts its gRPC server (see guard.py)
@@ -309,9 +309,10 @@ class PolicyServer:
         if req.turn_type == "main":
             attribution, exact_keys = attribution_keys(req.messages), conversation_keys(req.messages)
             assistant = [k for k, m in enumerate(req.messages) if m["role"] == "assistant"]
-            keys = {k: attribution[k] for k in assistant}
+            keys = {k: attribution[k] for k in [*assistant, *quiet_positions(req.messages)]}
             if call.session_id is None:
-                await self._infer_session(call, keys)
+                last_reply = reply_key(req.messages[assistant[-1]]) if assistant else None
+                await self._infer_session(call, keys, last_reply)
             if call.session_id is not None and call.locked is None:
                 await self.locks.acquire(call.session_id)
                 call.locked = call.session_id
@@ -333,23 +334,25 @@ class PolicyServer:
                 "context_length_exceeded",
             )
 
-    async def _infer_session(self, call: Call, keys: dict[int, str]) -> None:
+    async def _infer_session(self, call: Call, keys: dict[int, str], last_reply: str | None) -> None:
         """The session of a main-line request that names none: the client's own id written in the
         conversation (:func:`clawray.client_rules.session_hint`, OpenClaw's ``sessionId=``), else the
         open session whose pending turn its history continues (``keys``: attribution keys of its
-        assistant messages), else a new session for a conversation's first request; otherwise the
-        request is served and not recorded (``unattributable``)."""
+        assistant messages and :func:`~clawray.session_book.quiet_positions`; ``last_reply``, the
+        :func:`~clawray.session_book.reply_key` of its last assistant message, for a rewritten
+        history), else a new session for a conversation's first request (no assistant message);
+        otherwise the request is served and not recorded (``unattributable``)."""
         hint, user = session_hint(call.req.messages), call.req.user
         if hint is None and user is None:
             self._warn_no_session()
         # never into a session that may be bound to its client: only the server's own (auto-) ones; with
         # the OpenAI `user` field, only that user's
         binding = self.cfg.session_binding != "off"
-        found = await self.tracker.lookup.remote(None, keys, None, binding, None, hint, user)
+        found = await self.tracker.lookup.remote(None, keys, None, binding, None, hint, user, last_reply)
         if found["session_id"] is not None:
             call.session_id = found["session_id"]
             self.counts["sessions_from_hint" if found["how"] == "hint" else "sessions_inferred"] += 1
-        elif not keys:  # a conversation's first request: a new session
+        elif last_reply is None:  # a conversation's first request: a new session
             call.session_id = f"{user_session_prefix(user)}{uuid.uuid4().hex}"
             self.counts["sessions_started_without_id"] += 1
         else:

@@ -20,7 +20,7 @@ from clawray.client_rules import (
     strip_ephemeral,
 )
 from clawray.serve.protocol import parse_chat_request
-from clawray.session_book import AUTO_SESSION_PREFIX, SessionBook
+from clawray.session_book import AUTO_SESSION_PREFIX, SessionBook, quiet_positions, reply_key
 from clawray.types import Turn
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "openclaw"
@@ -60,9 +60,11 @@ class Replay:
         messages = req.messages
         hint = None if self.drop_hint else session_hint(messages)
         attribution, exact = attribution_keys(messages), conversation_keys(messages)
-        keys = {k: attribution[k] for k, m in enumerate(messages) if m["role"] == "assistant"}
-        found = self.book.find(None, keys, None, True, {k: exact[k] for k in keys}, hint)
-        sid = found["session_id"] or (None if keys else f"{AUTO_SESSION_PREFIX}new-{len(self.log)}")
+        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        keys = {k: attribution[k] for k in [*assistant, *quiet_positions(messages)]}
+        last_reply = reply_key(messages[assistant[-1]]) if assistant else None
+        found = self.book.find(None, keys, None, True, {k: exact[k] for k in assistant}, hint, None, last_reply)
+        sid = found["session_id"] or (None if assistant else f"{AUTO_SESSION_PREFIX}new-{len(self.log)}")
         self.spliceable += found["prev"] is not None
         if sid is None:
             self.log.append(("unattributable", None, None))
@@ -132,28 +134,35 @@ def test_two_interleaved_conversations_of_one_openclaw_stay_apart(drop_hint):
         assert all(p.chosen.session_id == sid for p in pairings)
 
 
-def test_a_compaction_continues_the_session_and_its_housekeeping_is_side():
-    r = replay("compaction2")  # OpenClaw's keepRecentTokens 300: two summaries replace five messages
+@pytest.mark.parametrize("drop_hint", [False, True], ids=["hint", "prefix-only"])
+def test_a_compaction_continues_the_session_and_its_housekeeping_is_side(drop_hint):
+    """Without the Runtime hint, the first request after the compaction (its history rewritten: a
+    summary, then the last reply) matched no prefix, and it and every later request were
+    unattributable (5 turns lost); it is now found by its last reply, pending in one session only."""
+    r = replay("compaction2", drop_hint)  # OpenClaw's keepRecentTokens 300: two summaries replace five messages
     kinds = [(kind, what) for kind, what, _ in r.log]
     assert kinds[3:6] == [("side", "memory_flush"), ("side", "compaction_summary"), ("side", "compaction_summary")]
     main = [(sid, p) for kind, sid, p in r.log if kind == "main"]
-    assert len(main) == 8 and {sid for sid, _ in main} == {"auto-comp2"}
+    sid = "auto-new-0" if drop_hint else "auto-comp2"
+    assert len(main) == 8 and {s for s, _ in main} == {sid}
     pairings = [p for _, p in main[1:]]
     assert [p.chosen.turn_index for p in pairings] == [1, 2, 3, 4, 5, 6, 7]
     # the first request after the compaction: its history starts with the summary, the reply it
     # continues is found by itself (rewritten), and the summary is not taken for a next state
     assert [p.rewritten for p in pairings] == [False, False, True, False, False, False, False]
     assert texts(pairings[2].next_state) == [("user", "[Tue 2026-12-01 11:14 UTC] And day 2?")]
-    assert r.book.get("auto-comp2").turns == 8
+    assert r.book.get(sid).turns == 8
 
 
-def test_the_default_compaction_also_rewrites_the_system_prompt_and_stays_one_session():
-    r = replay("compaction")
+@pytest.mark.parametrize("drop_hint", [False, True], ids=["hint", "prefix-only"])
+def test_the_default_compaction_also_rewrites_the_system_prompt_and_stays_one_session(drop_hint):
+    r = replay("compaction", drop_hint)
     bodies = captured("compaction")
     system = [len(b["messages"][0]["content"]) for b, _ in bodies]
     assert system == [39752, 39752, 39752, 24704, 764, 39752, 31508, 31508]  # BOOTSTRAP.md gone after request 5
     main = [(sid, p) for kind, sid, p in r.log if kind == "main"]
-    assert [kind for kind, _, _ in r.log].count("side") == 2 and {sid for sid, _ in main} == {"auto-comp1"}
+    sid = "auto-new-0" if drop_hint else "auto-comp1"
+    assert [kind for kind, _, _ in r.log].count("side") == 2 and {s for s, _ in main} == {sid}
     assert [p.chosen.turn_index for _, p in main[1:]] == [1, 2, 3, 4, 5]
 
 
@@ -351,3 +360,29 @@ def test_blocks_and_the_session_hint_are_read_as_lazy_patterns_read_them_in_one_
     assert strip_ephemeral(begin * 20000 + end + " tail ") == "tail"
     assert session_hint([{"role": "user", "content": "Runtime: agent=" * 20000 + "| sessionId=abc | x"}]) == "abc"
     assert session_hint([{"role": "user", "content": "Runtime: agent=" * 20000 + "\nsessionId=abc"}]) is None
+
+
+def test_a_conversation_without_a_session_id_goes_on_after_a_reply_that_said_nothing():
+    """A client leaves an empty reply out of its next history (pi-ai, OpenClaw's client). Without a
+    session id, the request after it matched no pending turn (only history + reply was indexed): it
+    and every later request of the conversation were unattributable, never recorded."""
+    r = Replay(drop_hint=True)
+    system = {"role": "system", "content": "You are an agent."}
+    h = [system, {"role": "user", "content": "Hi"}]
+    r.request({"messages": h}, {"content": "Hello!"})
+    h = [*h, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Tell me a joke"}]
+    r.request({"messages": h}, {"content": ""})  # said nothing
+    h = [*h, {"role": "user", "content": "Hello? You said nothing."}]  # the empty reply left out
+    assert quiet_positions(h) == [3]  # "Tell me a joke", followed by a user message
+    r.request({"messages": h}, {"content": "Sure."})
+    h = [*h, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "ok"}]
+    r.request({"messages": h}, {"content": "Bye."})
+    assert [(kind, sid) for kind, sid, _ in r.log] == [("main", "auto-new-0")] * 4
+    turns = [p for _, _, p in r.log[1:]]
+    assert all(p is not None and p.chosen is not None for p in turns)  # each turn paired with its next state
+    assert turns[1].next_state == [{"role": "user", "content": "Hello? You said nothing."}]
+    assert r.book.sessions["auto-new-0"].turns == 4
+    other = Replay(drop_hint=True)  # a new conversation that opens alike is still its own session
+    other.request({"messages": h[:2]}, {"content": ""})
+    other.request({"messages": [system, {"role": "user", "content": "Hi"}]}, {"content": ""})
+    assert [sid for _, sid, _ in other.log] == ["auto-new-0", "auto-new-1"]

@@ -1,6 +1,6 @@
 """The Ray-free session book (clawray/session_book.py): pairing, lookup index, closes, at-least-one pick."""
 
-from clawray.chat import attribution_key, conversation_key
+from clawray.chat import attribution_key, attribution_keys, conversation_key
 from clawray.session_book import Session, SessionBook
 from conftest import make_turn as turn
 
@@ -303,3 +303,43 @@ def test_conversations_that_open_alike_and_ask_at_once_take_one_session_each():
     later = ask[0] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Thanks"}]
     k = {i: key for i, key in enumerate(attribution_keys(later)) if later[i]["role"] == "assistant"}
     assert book.find(None, k, None, True)["session_id"] == "auto-A" == book.find(None, k, None, True)["session_id"]
+
+
+def test_a_rewritten_history_is_found_by_its_last_reply_only_when_one_session_holds_it():
+    """A history its client rewrote (a compaction's summary before the last reply) matches no prefix;
+    its last reply finds the session only when exactly one open session has it pending: a reply such
+    as "OK." names no conversation. A paired turn leaves the reply index, and a restored session
+    (from the journal) is indexed again."""
+    from clawray.session_book import reply_key
+
+    book = SessionBook()
+    for sid, reply in (("auto-a", "Day 1: Belem Tower."), ("auto-b", "OK."), ("auto-c", "OK.")):
+        history = [{"role": "user", "content": f"plan for {sid}"}]
+        book.add(book.open(sid, history), [turn(sid, history, reply)])
+    summary = {"role": "user", "content": "The conversation so far: a trip."}
+
+    def find(reply):
+        rewritten = [summary, {"role": "assistant", "content": reply}, {"role": "user", "content": "And day 2?"}]
+        keys = attribution_keys(rewritten)
+        return book.find(None, {1: keys[1]}, None, True, None, None, None, reply_key(rewritten[1]))["session_id"]
+
+    assert find("Day 1:  Belem Tower.") == "auto-a"  # as the client kept it (whitespace runs)
+    assert find("OK.") is None and find("Something else.") is None
+    assert (
+        book.find(
+            None,
+            {},
+            None,
+            True,
+            None,
+            None,
+            "alice",
+            reply_key({"role": "assistant", "content": "Day 1: Belem Tower."}),
+        )["session_id"]
+        is None
+    )  # another user's
+    s = book.get("auto-a")
+    book.pair(s, [summary])  # unindexed
+    assert find("Day 1: Belem Tower.") is None
+    book.restore(s)
+    assert find("Day 1: Belem Tower.") == "auto-a"
