@@ -146,6 +146,38 @@ class PromotionGate:
 
         return env_from_config(self.env_cfg)
 
+    def probe_identity(self) -> dict[str, Any]:
+        """What decides the probe's items and scores: its source (the environment's name, level and
+        data file, or the probe file, each file by its SHA-256), the split, prompts, samples, seed,
+        temperature, reply length and measure. Scores of two versions pair item by item only under
+        equal identities (recorded with the baseline; a resume under another one probes anew)."""
+        import hashlib
+
+        def digest(path: str) -> str | None:
+            try:
+                with open(path, "rb") as f:
+                    return hashlib.sha256(f.read()).hexdigest()
+            except OSError:
+                return None
+
+        d, env = self.cfg, self.env_cfg
+        if d.probe_file:
+            source = {"probe_file": digest(d.probe_file)}
+        elif env is not None:
+            source = {"env": env.name, "level": env.level, "data": digest(env.data_path) if env.data_path else None}
+        else:  # a gate built without an environment (tests): the probe settings alone
+            source = {}
+        return {
+            **source,
+            "split": d.probe_split,
+            "prompts": d.probe_prompts,
+            "n": d.probe_n,
+            "seed": d.probe_seed,
+            "temperature": d.probe_temperature,
+            "max_tokens": env.max_tokens if env is not None else None,
+            "measure": d.measure,
+        }
+
     def _build(self, model_path: str) -> Any:
         if self._evaluator is None:
             from transformers import AutoTokenizer
@@ -280,6 +312,7 @@ class PromotionGate:
                 "decision": "baseline",
                 "mean": mean,
                 "items": len(self.promoted_scores),
+                "probe": self.probe_identity(),
                 "probe_s": seconds,
                 "scores": scores,
                 **(self.reference_guards or {}),
@@ -694,6 +727,14 @@ class PromotionGate:
         if not lineage or lineage[-1]["version"] != version:
             return False
         base = next((x for x in reversed(lineage) if x["decision"] == "baseline"), None)
+        if base is not None and base.get("probe", self.probe_identity()) != self.probe_identity():
+            changed = sorted(k for k, v in self.probe_identity().items() if base["probe"].get(k) != v)
+            print(
+                f"[clawray] gate: the probe changed since v{base['version']}'s baseline ({', '.join(changed)}): "
+                f"its scores do not pair with the new probe's, so v{version} is probed as a new baseline",
+                flush=True,
+            )
+            return False
         if base is not None:
             lineage = lineage[lineage.index(base) :]
             self.reference_guards = {k: base[k] for k in ("entropy", "mismatch_kl", "tokens") if k in base} or None

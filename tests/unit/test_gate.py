@@ -220,6 +220,27 @@ def test_a_resume_restores_the_promoted_scores_and_the_best_version_of_its_linea
     )
 
 
+def test_a_resume_under_another_probe_probes_a_new_baseline_instead_of_pairing_unrelated_items(tmp_path, capsys):
+    """The run probed 32 items; its resume with deploy.probe_prompts=0 (108 items) restored the 32
+    scores, and every later judge failed ("got 108 and 32"): each candidate was withdrawn, none ever
+    promoted, and the run never stopped. With the same count but another seed it paired unrelated
+    items. The baseline now records the probe's identity; a resume under another probes anew."""
+    base, v1 = [1.0] * 10 + [0.0] * 10, [1.0] * 12 + [0.0] * 8
+    gate = make_gate(tmp_path, base, v1, probe_prompts=20)
+    gate.baseline(0, "unused", None)
+    gate.judge(1, *gate.probe("unused", None))
+    assert records(tmp_path)[0]["probe"] == {
+        "split": "eval", "prompts": 20, "n": 1, "seed": 1, "temperature": gate.cfg.probe_temperature,
+        "max_tokens": None, "measure": "",
+    }  # fmt: skip
+    assert make_gate(tmp_path, probe_prompts=20).resume(1)  # the same probe: resumed
+    capsys.readouterr()
+    for changed in ({"probe_prompts": 0}, {"probe_prompts": 20, "probe_seed": 7}):
+        assert not make_gate(tmp_path, **changed).resume(1)  # the caller probes a new baseline
+        key = "prompts" if "probe_seed" not in changed else "seed"
+        assert f"the probe changed since v0's baseline ({key})" in capsys.readouterr().out
+
+
 def test_under_the_noninferior_rule_an_unproven_candidate_is_rolled_back_without_a_back_off(tmp_path):
     """margin 0.15, 20 items: one item worse gives the adjusted Wald lower bound (Bonett & Price: one
     pseudo-pair each way, 22 differences: centre -1/22, se sqrt((3/22 - 1/22^2) / 22)) -0.174 <= -0.15:
