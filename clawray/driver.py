@@ -317,6 +317,7 @@ class Driver:
             else:
                 st.record_trained([m for i, m in enumerate(metas) if i not in untrained])
                 st.in_flight["counted"] = True
+                st.in_flight["train"] = train  # an exit checkpoint may hold this update: its row (_log_interrupted)
         # the batch is consumed by this step (a resume from an older checkpoint replays it); it
         # stays in flight until the step is complete (see step)
         seqs, step, queue = st.in_flight["seqs"], st.steps_done + 1, self.actors.queue
@@ -397,6 +398,33 @@ class Driver:
             self.gate.after_learner_rebuild(self.actors, self.version)
             self.checkpoints.tell_tracker()  # the checkpoint's version: lower than the tracker was told
 
+    def _log_interrupted(self) -> None:
+        """After the exit checkpoint: when it holds the update of a step stopped after the learners'
+        update and before the step's end (a Ctrl-C during the sync; :meth:`Checkpoints.save
+        <clawray.resume.Checkpoints.save>` counts it as step ``steps_done + 1``), that step's row is
+        logged (``interrupted``: 1 and its train metrics) and ``summary.json`` gets
+        ``interrupted_update`` (its step and version, which the engines never served), so the run
+        folder agrees with the checkpoint; the step is said in one line."""
+        flight, saved, step = self.state.in_flight, self.checkpoints.last, self.state.steps_done + 1
+        if not flight or "train" not in flight or not saved or saved.get("steps_done") != step:
+            return
+        version = saved["version"]
+        train = {k: v for k, v in flight["train"].items() if isinstance(v, (int, float))}
+        self.metrics.log({**train, "step": step, "policy_version": version, "interrupted": 1.0}, step=step)
+        path = os.path.join(self.run_dir, "summary.json")
+        try:
+            with open(path) as f:
+                summary = json.load(f)
+            with open_private(path) as f:
+                json.dump({**summary, "interrupted_update": {"step": step, "version": version}}, f, indent=2)
+        except (OSError, ValueError):  # no summary to complete: the row and the line say it
+            pass
+        print(
+            f"[clawray] step {step}/{self.cfg.trainer.num_steps}: stopped after its update (policy v{version}, "
+            f"{len(flight['metas'])} samples, never served); the exit checkpoint holds it",
+            flush=True,
+        )
+
     def summary(self, seconds: float) -> dict[str, Any]:
         """Counters of every component, written to ``run_dir/summary.json``."""
         st = self.state
@@ -431,6 +459,7 @@ class Driver:
             if settled is not None:
                 self.state.version = settled
                 self.checkpoints.at_exit()
+                self._log_interrupted()
         self.shutdown()
 
     def shutdown(self) -> None:

@@ -468,7 +468,14 @@ class Checkpoints:
         self.forget_covered(steps_done)
         seconds = time.perf_counter() - t0
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(final) for f in files)
-        self.last = {"path": final, "seconds": seconds, "bytes": size, "version": learner_version, "marker": marker}
+        self.last = {
+            "path": final,
+            "seconds": seconds,
+            "bytes": size,
+            "version": learner_version,
+            "steps_done": steps_done,
+            "marker": marker,
+        }
         print(
             f"[clawray] checkpoint {final}: policy v{learner_version}, {queued} queued "
             f"sample(s), {size / 2**20:.1f} MiB in {seconds:.1f}s"

@@ -138,15 +138,16 @@ def load_items(path: str) -> list[Problem]:
     """
     if not path:
         raise FileNotFoundError(
-            "the student/teacher environments need a GSM8K-style file: set env.data_path=/path/to/"
-            'gsm8k_test.json (a JSON list or JSONL of {"question", "ground_truth_answer"})'
+            "the student/teacher environments need a GSM8K-style file (a JSON list or JSONL of "
+            '{"question", "ground_truth_answer"}): env.data_path=/path/to/gsm8k_test.json for clawray run, '
+            "--data-path /path/to/gsm8k_test.json for clawray eval"
         )
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"env.data_path={path} does not exist: point env.data_path at a local copy of a "
             'GSM8K-style file (a JSON list or JSONL of {"question", "ground_truth_answer"}), '
-            "e.g. `clawray run ... env.data_path=/data/gsm8k_test.json`"
+            "e.g. `clawray run ... env.data_path=/data/gsm8k_test.json` (clawray eval: --data-path)"
         )
     with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is no part of the JSON (RFC 8259 section 8.1)
         text = f.read()

@@ -64,14 +64,36 @@ def serve_http_address() -> tuple[str, int] | None:
     return str(http.host), int(http.port)
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether a listening socket can bind ``host:port`` now (``SO_REUSEADDR``, as Serve's proxy binds:
+    a port left in TIME_WAIT by a run that just ended is free). An address this host does not have
+    counts as free: Serve reports that itself."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
+    return True
+
+
 def check_serve_address(host: str, port: int) -> None:
     """Refuse a deploy on ``host:port`` when Serve already runs in the cluster on another address
-    (it keeps the one it first started on: the deploy would never be reachable there).
+    (it keeps the one it first started on: the deploy would never be reachable there), or, Serve not
+    running, when another program holds the port on this host (Serve's proxy would fail to bind it).
 
     Raises:
-        ServerStartError: naming the running address and the settings that reach it.
+        ServerStartError: naming the running address and the settings that reach it, or the port in use.
     """
     running = serve_http_address()
+    if running is None and not port_free(host, port):
+        raise ServerStartError(
+            f"serve.port={port} is in use on {host} by another program: set serve.port to a free port"
+        )
     if running is not None and running != (host, port):
         raise ServerStartError(
             f"Ray Serve already runs in this Ray cluster with its HTTP proxy on {running[0]}:{running[1]} "

@@ -83,21 +83,15 @@ def _sample(name, prompt, reward, trainable=True):
     )
 
 
-@pytest.mark.parametrize("estimator, expected", [("binary", [1.0, -1.0, 1.0]), ("grpo", [1.0, -1.0, 0.0])])
-def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_path, capsys, estimator, expected):
-    # A, B (all-masked) and C share a prompt, D has its own
-    samples = [
-        _sample("A", [1, 2, 3], 1.0),
-        _sample("B", [1, 2, 3], -1.0, trainable=False),
-        _sample("C", [1, 2, 3], -1.0),
-        _sample("D", [1, 2, 4], 1.0),
-    ]
+def _driver(tmp_path, monkeypatch, estimator, samples, train_step, sync=None):
+    """A Driver on fakes: the queue hands out ``samples`` as one batch, the learners are
+    ``train_step``, the weight sync ``sync(version)`` (default: succeeds)."""
     batch = {
         "refs": [PayloadRef(s.session_id) for s in samples],
         "meta": [SampleMeta.of(s) for s in samples],
-        "versions": [0] * 4,
-        "staleness": [1, 1, 1, 1],
-        "seqs": [1, 2, 3, 4],
+        "versions": [0] * len(samples),
+        "staleness": [1] * len(samples),
+        "seqs": list(range(1, len(samples) + 1)),
     }
     cfg = load_config(
         ["conf/rl.yaml", "conf/cpu.yaml"],
@@ -113,17 +107,6 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
         ],
     )
     d = Driver(cfg)
-    trained = []
-
-    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None, lengths=None):
-        assert versions == [0] * len(refs)  # as the queue holds the samples
-        tokens = {s.session_id: len(s.tokens) for s in samples}
-        assert lengths == [tokens[r.name] for r in refs]  # the ranks' split, from the metadata
-        trained.append((refs, version, advantages))
-        # C's mini-batch was non-finite: skipped, its sample not trained (the others were)
-        return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1, "nonfinite_mini_batches": 1.0,
-                "untrained_samples": [1]}  # fmt: skip
-
     d.actors.queue = Actor(
         get_batch=lambda *a: batch,
         stats=lambda: {"size": 0, "put": 4, "taken": 4, "dropped": {}},
@@ -135,12 +118,40 @@ def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_pa
     d.actors.weight_sync = type(
         "Sync",
         (),
-        {"behind": False, "failures": 0, "engine_versions": lambda self: {}, "sync": lambda self, v: _sync_result(v)},
+        {
+            "behind": False,
+            "failures": 0,
+            "engine_versions": lambda self: {},
+            "sync": lambda self, v: (sync or _sync_result)(v),
+        },
     )()
     d.metrics = MetricsLog(str(tmp_path / "metrics"), "disabled")
     gets = []
     monkeypatch.setattr(ray, "get", counting_get(gets))
+    return d, gets
 
+
+@pytest.mark.parametrize("estimator, expected", [("binary", [1.0, -1.0, 1.0]), ("grpo", [1.0, -1.0, 0.0])])
+def test_step_decides_on_metadata_and_never_fetches_a_sample(monkeypatch, tmp_path, capsys, estimator, expected):
+    # A, B (all-masked) and C share a prompt, D has its own
+    samples = [
+        _sample("A", [1, 2, 3], 1.0),
+        _sample("B", [1, 2, 3], -1.0, trainable=False),
+        _sample("C", [1, 2, 3], -1.0),
+        _sample("D", [1, 2, 4], 1.0),
+    ]
+    trained = []
+
+    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None, lengths=None):
+        assert versions == [0] * len(refs)  # as the queue holds the samples
+        tokens = {s.session_id: len(s.tokens) for s in samples}
+        assert lengths == [tokens[r.name] for r in refs]  # the ranks' split, from the metadata
+        trained.append((refs, version, advantages))
+        # C's mini-batch was non-finite: skipped, its sample not trained (the others were)
+        return {"skipped": 0.0, "loss": 0.5, "inv/entropy": 3.0, "train_s": 0.1, "nonfinite_mini_batches": 1.0,
+                "untrained_samples": [1]}  # fmt: skip
+
+    d, gets = _driver(tmp_path, monkeypatch, estimator, samples, train_step)
     m = d.step()
 
     refs, version, advantages = trained[0]
@@ -175,3 +186,33 @@ def _sync_result(version):
         "rebuild_s": 0.0,
         "versions": {},
     }
+
+
+def test_a_step_stopped_during_its_sync_logs_the_update_the_exit_checkpoint_holds(monkeypatch, tmp_path, capsys):
+    """Ctrl-C during step 1's weight sync: the learners hold v1, which the exit checkpoint saves as step
+    1, but no row of step 1 was logged and summary.json said nothing of it (a v1 model whose update
+    was never logged). Now its row (``interrupted``) and the summary's ``interrupted_update`` say it,
+    when (and only when) the exit checkpoint holds the update."""
+    samples = [_sample("A", [1, 2, 3], 1.0), _sample("C", [1, 2, 3], -1.0)]
+
+    def train_step(refs, version, advantages, entropy_coef, probe=None, probe_wait_s=0.0, versions=None, lengths=None):
+        return {"skipped": 0.0, "loss": 0.25, "inv/entropy": 3.0, "train_s": 0.1}
+
+    def interrupted(version):
+        raise KeyboardInterrupt
+
+    d, _ = _driver(tmp_path, monkeypatch, "binary", samples, train_step, sync=interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        d.step()
+    assert d.state.in_flight["train"]["loss"] == 0.25 and d.state.steps_done == 0 and d.version == 0
+    summary = d.summary(1.0)  # run() writes it when interrupted
+    assert summary["steps"] == 0 and summary["policy_version"] == 0  # what the engines serve
+    d._log_interrupted()  # no exit checkpoint (a learner died, or save_at_exit=false): nothing claimed
+    assert (tmp_path / "metrics" / "metrics.jsonl").read_text() == ""
+    d.checkpoints.last = {"path": "ckpt-000001", "version": 1, "steps_done": 1}  # the exit checkpoint
+    d._log_interrupted()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics" / "metrics.jsonl")]
+    assert [(r["step"], r["policy_version"], r["interrupted"], r["loss"]) for r in rows] == [(1, 1, 1.0, 0.25)]
+    assert "step 1/20: stopped after its update (policy v1, 2 samples, never served)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["interrupted_update"] == {"step": 1, "version": 1}

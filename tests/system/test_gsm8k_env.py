@@ -75,7 +75,7 @@ def test_jsonl_and_comma_answers(small_file):
 def test_missing_file_says_how_to_set_data_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="point env.data_path at a local copy"):
         make_env("student", data_path=str(tmp_path / "nope.json"))
-    with pytest.raises(FileNotFoundError, match="set env.data_path="):
+    with pytest.raises(FileNotFoundError, match="env.data_path=/path/to/gsm8k_test.json for clawray run, --data-path"):
         make_env("teacher")
     with pytest.raises(ConfigError, match="env.data_path"):
         load_config(overrides=["env.name=student", f"env.data_path={tmp_path}/nope.json"])

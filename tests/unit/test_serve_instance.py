@@ -61,6 +61,24 @@ def test_another_address_than_the_running_serves_is_refused(monkeypatch):
     instance.check_serve_address("0.0.0.0", 9)  # no Serve yet: this run starts it where it asks
 
 
+def test_a_port_another_program_listens_on_is_refused_in_one_line_before_serve_starts(monkeypatch):
+    """Serve's proxy failing to bind a busy port was a 55-line Ray traceback."""
+    import socket
+
+    monkeypatch.setattr(instance, "serve_http_address", lambda: None)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert not instance.port_free("127.0.0.1", port)
+        with pytest.raises(instance.ServerStartError) as err:
+            instance.check_serve_address("127.0.0.1", port)
+        assert str(err.value) == (
+            f"serve.port={port} is in use on 127.0.0.1 by another program: set serve.port to a free port"
+        )
+    assert instance.port_free("127.0.0.1", port)  # closed: free again
+
+
 def test_the_running_address_is_read_from_the_controller(monkeypatch):
     class Controller:
         class get_http_config:  # noqa: N801 - the actor method's name
