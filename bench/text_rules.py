@@ -30,6 +30,11 @@ CASES: list[tuple[str, str, Callable[[str], object]]] = [
     ("client_rules.strip_ephemeral", BEGIN, client_rules.strip_ephemeral),
     ("client_rules.session_hint", "Runtime: agent=", lambda t: client_rules.session_hint(_user(t))),
     ("client_rules.side_kind", "Runtime: agent=", lambda t: client_rules.side_kind(_user(t), None)),
+    ("client_rules.reply_as_kept", "<think>", client_rules.reply_as_kept),
+    ("client_rules.reply_as_kept", "<thinking x", client_rules.reply_as_kept),
+    ("client_rules.reply_as_kept", "[[reply_to:", client_rules.reply_as_kept),
+    ("client_rules.is_silent_reply", " ", lambda t: client_rules.is_silent_reply(f"NO_REPLY{t}x")),
+    ("client_rules.is_silent_reply", "NO_REPLY ", client_rules.is_silent_reply),
     ("feedback.user_text_sign", ",", feedback.user_text_sign),
     ("feedback.user_text_sign", "--- ", feedback.user_text_sign),
     ("feedback.user_text_sign", "ok ", feedback.user_text_sign),
@@ -42,6 +47,7 @@ CASES: list[tuple[str, str, Callable[[str], object]]] = [
     ("reply.parse_tool_block", "<parameter=x>", lambda t: _quiet(reply.parse_tool_block, "<function=f>" + t)),
     ("reply.parse_tool_block", "<function=", lambda t: _quiet(reply.parse_tool_block, t)),
     ("reply.parse_reply_text", "<tool_call><function=a>", reply.parse_reply_text),
+    ("reply.untagged_tool_calls", " ", lambda t: reply.untagged_tool_calls(f"```json\n{{}}{t}x", {})),
 ]
 
 

@@ -70,21 +70,42 @@ _ENVELOPE_CHANNELS = (
 )  # fmt: skip
 
 
-#: OpenClaw's reply directives (src/utils/directive-tags.ts, ``AUDIO_TAG_RE`` and ``REPLY_TAG_RE``).
-_DIRECTIVE = re.compile(r"\[\[\s*(?:audio_as_voice|reply_to_current|reply_to\s*:\s*[^\]\n]+)\s*\]\]", re.IGNORECASE)
+#: OpenClaw's reply directives (src/utils/directive-tags.ts, ``AUDIO_TAG_RE`` and ``REPLY_TAG_RE``; a
+#: reply id is at most ``MAX_REPLY_DIRECTIVE_ID_LENGTH`` = 256 characters, which also bounds the match)
+_DIRECTIVE = re.compile(
+    r"\[\[[ \t]*(?:audio_as_voice|reply_to_current|reply_to[ \t]*:[^\]\n]{1,256})[ \t]*\]\]", re.IGNORECASE
+)
 #: The reasoning tags whose blocks OpenClaw cuts from a reply (packages/markdown-core,
 #: reasoning-tag-parser.ts, ``REASONING_TAG_NAMES``).
 REASONING_TAGS = (
     "think", "thinking", "thought", "reasoning", "internal", "antthinking", "antml:think", "antml:thinking",
     "antml:thought", "antml:reasoning", "mm:think", "mm:thinking", "mm:thought", "mm:reasoning",
 )  # fmt: skip
-_REASONING_BLOCK = re.compile(
-    r"<(%s)(?:\s[^<>]*)?>.*?</\1\s*>" % "|".join(sorted(map(re.escape, REASONING_TAGS), key=len, reverse=True)),
-    re.IGNORECASE | re.DOTALL,
+_REASONING_OPEN = re.compile(
+    r"<(%s)(?:\s[^<>]*)?>" % "|".join(sorted(map(re.escape, REASONING_TAGS), key=len, reverse=True)), re.IGNORECASE
 )
+_REASONING_CLOSE = {name: re.compile(r"</%s\s*>" % re.escape(name), re.IGNORECASE) for name in REASONING_TAGS}
 #: OpenClaw's silent-reply token (src/auto-reply/tokens.ts, ``isSilentReplyText``: the token alone,
-#: repeated, or within edge punctuation).
-_SILENT = re.compile(r"^\s*[^\w\s]*\s*NO_REPLY(?:\s+NO_REPLY)*\s*[^\w\s]*\s*$", re.IGNORECASE)
+#: repeated, or within edge punctuation), matched on the stripped text.
+_SILENT = re.compile(r"[^\w\s]*NO_REPLY(?:\s+NO_REPLY)*[^\w\s]*", re.IGNORECASE)
+
+
+def _cut_reasoning(text: str) -> str:
+    """``text`` with every closed reasoning block replaced by a space, in one pass (linear in the text
+    for each tag name: a name found unclosed once is never searched for again; a lazy ``.*?`` to the
+    closing tag scanned to the end once per opening tag, quadratic on a reply of many unclosed ones)."""
+    out, pos, unclosed = [], 0, set()
+    for m in _REASONING_OPEN.finditer(text):
+        name = m.group(1).lower()
+        if m.start() < pos or name in unclosed:  # inside a block already cut, or never closed
+            continue
+        close = _REASONING_CLOSE[name].search(text, m.end())
+        if close is None:
+            unclosed.add(name)
+            continue
+        out += [text[pos : m.start()], " "]
+        pos = close.end()
+    return "".join([*out, text[pos:]]) if out else text
 
 
 def reply_as_kept(text: str | None) -> str:
@@ -99,13 +120,15 @@ def reply_as_kept(text: str | None) -> str:
     if "[[" in text:
         text = _DIRECTIVE.sub(" ", text)
     if "<" in text:
-        text = _REASONING_BLOCK.sub(" ", text)
+        text = _cut_reasoning(text)
     return " ".join(text.split())
 
 
 def is_silent_reply(text: str | None) -> bool:
     """A reply that is OpenClaw's "nothing to say" token ``NO_REPLY`` alone (``"NO_REPLY."`` too)."""
-    return bool(text) and "NO_REPLY" in text.upper() and _SILENT.match(text) is not None
+    if not text or "NO_REPLY" not in text.upper():
+        return False
+    return _SILENT.fullmatch(text.strip()) is not None
 
 
 def strip_ephemeral(text: str | None) -> str | None:

@@ -246,7 +246,18 @@ def parse_tool_block(body: str, types: dict[str, dict[str, Any]] | None = None) 
     return calls
 
 
-_FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.DOTALL)
+_FENCE_OPEN = re.compile(r"```(?:json)?[ \t]*\n")
+
+
+def _fenced(body: str) -> str | None:
+    """What a ```json (or plain ```) block that is the whole of ``body`` holds, or None. Sliced, not
+    matched with a lazy ``(.*?)`` before the closing fence: that was quadratic in a run of spaces."""
+    opening = _FENCE_OPEN.match(body)
+    if opening is None or not body.endswith("```") or len(body) < opening.end() + 3:
+        return None
+    return body[opening.end() : -3]
+
+
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
     "integer": (int,),
@@ -294,8 +305,8 @@ def untagged_tool_calls(text: str, schemas: dict[str, dict[str, Any]]) -> list[d
         ``[{"name": str, "arguments": dict}, ...]`` or None.
     """
     body = text.strip()
-    if fence := _FENCE.fullmatch(body):
-        body = fence.group(1).strip()
+    if (fence := _fenced(body)) is not None:
+        body = fence.strip()
     if not body or body[0] not in "{[":
         return None
     try:

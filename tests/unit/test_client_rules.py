@@ -386,3 +386,23 @@ def test_a_conversation_without_a_session_id_goes_on_after_a_reply_that_said_not
     other.request({"messages": h[:2]}, {"content": ""})
     other.request({"messages": [system, {"role": "user", "content": "Hi"}]}, {"content": ""})
     assert [sid for _, sid, _ in other.log] == ["auto-new-0", "auto-new-1"]
+
+
+def test_reply_markup_is_read_in_linear_time_on_hostile_replies():
+    """A client may send any assistant text in its history: 20,000 unclosed ``<think>`` tags took 10.7 s
+    (a lazy ``.*?`` scanned to the end once per tag) and ``NO_REPLY`` followed by 20,000 spaces 1.2 s
+    (two ``\\s*`` splitting the run), each quadratic; a megabyte of either now takes milliseconds."""
+    import time
+
+    hostile = [
+        ("<think>" * 200_000, None),
+        ("[[reply_to:" * 100_000, None),
+        ("NO_REPLY" + " " * 200_000 + "x", "NO_REPLY x"),
+        ("<think><thinking>" * 100_000 + "</think>", ""),  # the first opening closes at the end
+    ]
+    for text, kept in hostile:
+        t0 = time.perf_counter()
+        out, silent = reply_as_kept(text), is_silent_reply(text)
+        assert time.perf_counter() - t0 < 5.0  # quadratic: hours
+        assert not silent and (kept is None or out == kept)
+    assert reply_as_kept("a <think>x</think> b <THINKING>y</thinking > c <think>open") == "a b c <think>open"

@@ -427,6 +427,8 @@ def _untagged(text: str, cuts: list[int], untagged: bool = True):
         (json.dumps(_READ), [_READ]),
         ("```json\n" + json.dumps(_READ) + "\n```", [_READ]),
         ("\n```\n" + json.dumps(_READ) + "\n```\n", [_READ]),
+        ("```json  \n" + json.dumps(_READ) + "  \n  ```", [_READ]),  # spaces about the fences
+        ("```json\n" + json.dumps(_READ) + " " * 3000 + "x```", None),  # linear: was quadratic in the spaces
         ('<think>need the file</think>\n{"name": "read_file", "parameters": {"path": "homework.txt"}}', [_READ]),
         (
             json.dumps([_READ, {"name": "exec", "arguments": {"command": "ls", "timeout": 5}}]),
