@@ -85,7 +85,10 @@ def commit_checkpoint(tmp: str, final: str, keep_last: int = 0) -> str:
             # renamed out of the checkpoints first: one half-deleted (a crash in the rmtree) is never
             # taken for a checkpoint, nor passed by verification on its driver.json alone
             doomed = os.path.join(root, f".tmp-ckpt-pruned-{os.path.basename(old)}-{os.getpid()}")
-            os.rename(old, doomed)
+            try:
+                os.rename(old, doomed)
+            except OSError:  # the committed checkpoint stands; the old one is deleted in place, as before
+                doomed = old
             shutil.rmtree(doomed, ignore_errors=True)
     return final
 

@@ -290,9 +290,11 @@ def _run(ns: argparse.Namespace) -> int:
 
         try:
             Checkpoints(cfg, None, None).check_resumable()
-        except FileNotFoundError as e:
-            print(f"clawray: {e}", file=sys.stderr)
-            return 1
+        except Exception as e:  # noqa: BLE001 - nothing to resume, a damaged journal: one line
+            status = _said_in_one_line(e)
+            if status is None:
+                raise
+            return status
     from clawray.console import capture
     from clawray.driver import run
     from clawray.interrupt import BoundedStop

@@ -76,6 +76,7 @@ class Session:
     # reply out of its next history, which then continues the turn's history alone
     quiet: list = field(default_factory=list)
     replies: list = field(default_factory=list)  # reply_key of each pending turn's reply (a rewritten history)
+    asked: list = field(default_factory=list)  # asked_key of each pending turn (a request asked again)
     effective: bool = False  # a turn of this session has been trained
     held: list = field(default_factory=list)  # (turn or sample, mean vote), for at-least-one
     tasks: list = field(default_factory=list)  # this session's judge tasks
@@ -114,6 +115,14 @@ def says_nothing(reply: dict[str, Any]) -> bool:
 def reply_key(reply: dict[str, Any]) -> str:
     """A digest of one reply as attribution compares it (:func:`clawray.chat.attribution_canonical`)."""
     return hashlib.sha256(attribution_canonical(reply)).hexdigest()
+
+
+def asked_key(turn: Turn) -> str | None:
+    """``attribution_key`` of ``turn``'s history up to its last assistant message (None without one):
+    the key a request has there when it asks the turn's request again (a regenerate, an edited last
+    user message), whose history holds no reply of the turn."""
+    last = max((k for k, m in enumerate(turn.messages) if m["role"] == "assistant"), default=None)
+    return None if last is None else attribution_key(turn.messages[: last + 1])
 
 
 def quiet_keys(pending: list[Turn]) -> list[str]:
@@ -168,6 +177,9 @@ class SessionBook:
         # reply_key of a pending turn's reply -> the ids of the sessions holding it: a history the client
         # rewrote (a compaction's summary in place of the turns before the reply) still ends with it
         self.reply_index: dict[str, list[str]] = {}
+        # asked_key of a pending turn (its history up to its last assistant message) -> the ids of the
+        # sessions holding it: a request that asks that turn again (regenerate, an edited last message)
+        self.asked_index: dict[str, list[str]] = {}
         self.max_closed = max_closed
 
     def __len__(self) -> int:
@@ -223,7 +235,10 @@ class SessionBook:
             last_reply: :func:`reply_key` of the history's last assistant message: when no prefix
                 matches (a history its client rewrote, e.g. OpenClaw's compaction without its Runtime
                 line), the one session whose pending reply it is (:meth:`pair` then takes it as
-                rewritten).
+                rewritten). Before it, a request that asks a pending turn's request again (a
+                regenerate, an edited last message: its history holds the turn's history up to the
+                turn's last assistant message, :func:`asked_key`) goes to that turn's session, and
+                when that session is not one it may join, to none: never to another by its reply.
 
         Returns:
             ``{"session_id", "prev", "context_changed", "how"}``: the session (None when none matches)
@@ -241,7 +256,8 @@ class SessionBook:
             session_id = (
                 self._infer(keys, self.index, only)
                 or self._infer(keys, self.closed_index, only)
-                or self._by_reply(last_reply, only)
+                or self._infer(keys, self.asked_index, only)
+                or (None if self._asked_elsewhere(keys) else self._by_reply(last_reply, only))
             )
             how = "inferred" if session_id is not None else None
         s = self.get(session_id)
@@ -370,7 +386,11 @@ class SessionBook:
 
     def unindex(self, s: Session) -> None:
         """Drop ``s``'s pending turns from the index (another session's equal turns stay)."""
-        for index, keys in ((self.index, [*s.keys, *s.quiet]), (self.reply_index, s.replies)):
+        for index, keys in (
+            (self.index, [*s.keys, *s.quiet]),
+            (self.reply_index, s.replies),
+            (self.asked_index, s.asked),
+        ):
             for key in keys:
                 sids = index.get(key)
                 if sids is not None and s.sid in sids:
@@ -379,13 +399,22 @@ class SessionBook:
                         del index[key]
 
     def _index_replies(self, s: Session) -> None:
+        """Index ``s``'s pending turns by their reply (:attr:`reply_index`) and by what they asked
+        (:attr:`asked_index`)."""
         s.replies = list(
             dict.fromkeys(reply_key(t.response_message) for t in s.pending if not says_nothing(t.response_message))
         )
-        for key in s.replies:
-            sids = self.reply_index.setdefault(key, [])
-            if s.sid not in sids:
-                sids.append(s.sid)
+        s.asked = list(dict.fromkeys(k for k in map(asked_key, s.pending) if k is not None))
+        for index, keys in ((self.reply_index, s.replies), (self.asked_index, s.asked)):
+            for key in keys:
+                sids = index.setdefault(key, [])
+                if s.sid not in sids:
+                    sids.append(s.sid)
+
+    def _asked_elsewhere(self, keys: dict[int, str]) -> bool:
+        """Whether a pending turn of any session (another user's too) asked from a prefix of the
+        request's history: the request is that conversation's, never another's by its last reply."""
+        return any(key in self.asked_index for key in keys.values())
 
     def _by_reply(self, last_reply: str | None, prefix: str) -> str | None:
         """The one session among the ids that start with ``prefix`` whose pending reply is ``last_reply``

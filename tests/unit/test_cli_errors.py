@@ -44,6 +44,12 @@ def test_run_with_a_mistyped_resume_folder_creates_nothing_and_a_file_as_run_dir
         assert main(["run", "conf/rl.yaml", f"run_dir={tmp_path / 'typo'}", "resume=true"]) == 1
         assert "resume=true but there is no checkpoint in" in capsys.readouterr().err
         assert not os.path.exists(tmp_path / "typo")
+        damaged = tmp_path / "damaged" / "journal"
+        damaged.mkdir(parents=True)
+        (damaged / "samples.jsonl").write_text('{"op":"ack"\n{"op":"forget","step":3}\n')  # line 1 torn
+        assert main(["run", "conf/rl.yaml", f"run_dir={tmp_path / 'damaged'}", "resume=true"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("clawray: ") and "samples.jsonl" in err and "Traceback" not in err
         a_file = tmp_path / "f"
         a_file.write_text("x")
         assert main(["run", "conf/rl.yaml", f"run_dir={a_file}"]) == 1

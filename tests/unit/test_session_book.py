@@ -343,3 +343,28 @@ def test_a_rewritten_history_is_found_by_its_last_reply_only_when_one_session_ho
     assert find("Day 1: Belem Tower.") is None
     book.restore(s)
     assert find("Day 1: Belem Tower.") == "auto-a"
+
+
+def test_a_request_asked_again_stays_in_its_conversation_and_never_joins_another_by_its_last_reply():
+    """Session X's turn 1 replied "OK." (paired), its turn 2 is pending; session Z has "OK." pending.
+    X's client asks turn 2 again (regenerate, or an edited last message): its history ends with X's
+    "OK." and matches no pending prefix, and the last-reply fallback put it into Z, pairing Z's turn
+    with X's message as its next state. It now goes to X (the pending turn it asks again is a branch)."""
+    from clawray.session_book import reply_key
+
+    book = SessionBook()
+    x1 = [{"role": "user", "content": "Hi, I am X"}]
+    book.add(book.open("auto-x", x1), [turn("auto-x", x1, "OK.")])
+    x2 = [*x1, {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Plan my morning."}]
+    sx = book.get("auto-x")
+    assert book.pair(sx, x2).chosen is not None
+    book.add(sx, [turn("auto-x", x2, "Wake at 7.")])
+    z1 = [{"role": "user", "content": "Note that the printer is broken."}]
+    book.add(book.open("auto-z", z1), [turn("auto-z", z1, "OK.")])
+    for last in ("Plan my morning.", "Plan my afternoon."):  # regenerate; an edited last message
+        again = [*x1, {"role": "assistant", "content": "OK."}, {"role": "user", "content": last}]
+        keys = attribution_keys(again)
+        found = book.find(None, {1: keys[1]}, None, True, None, None, None, reply_key(again[1]))
+        assert found["session_id"] == "auto-x"
+    assert book.find(None, {1: keys[1]}, None, True, None, None, "bob", reply_key(again[1]))["session_id"] is None
+    assert book.get("auto-z").pending[0].response_message["content"] == "OK."  # untouched
