@@ -343,11 +343,7 @@ class SessionBook:
             s.pending.append(turn)
             s.keys.append(key)
             s.exact.append(conversation_key([*turn.messages, turn.response_message]))
-            self._index(key, s.sid)
-        s.quiet = list(dict.fromkeys(quiet_keys(s.pending)))
-        for key in s.quiet:
-            self._index(key, s.sid)
-        self._index_replies(s)
+        self._index_pending(s)
 
     def close(self, sid: str, idle: bool = False) -> Session | None:
         """Remove the open session ``sid`` (None when there is none), remembering its last turn index;
@@ -378,19 +374,12 @@ class SessionBook:
         """Put a session rebuilt from the journal back as open, with its pending turns indexed."""
         s.keys = [attribution_key([*t.messages, t.response_message]) for t in s.pending]
         s.exact = [conversation_key([*t.messages, t.response_message]) for t in s.pending]
-        s.quiet = list(dict.fromkeys(quiet_keys(s.pending)))
         self.sessions[s.sid] = s
-        for key in [*s.keys, *s.quiet]:
-            self._index(key, s.sid)
-        self._index_replies(s)
+        self._index_pending(s)
 
     def unindex(self, s: Session) -> None:
-        """Drop ``s``'s pending turns from the index (another session's equal turns stay)."""
-        for index, keys in (
-            (self.index, [*s.keys, *s.quiet]),
-            (self.reply_index, s.replies),
-            (self.asked_index, s.asked),
-        ):
+        """Drop ``s``'s pending turns from the indexes (another session's equal turns stay)."""
+        for index, keys in self._indexes(s):
             for key in keys:
                 sids = index.get(key)
                 if sids is not None and s.sid in sids:
@@ -398,17 +387,23 @@ class SessionBook:
                     if not sids:
                         del index[key]
 
-    def _index_replies(self, s: Session) -> None:
-        """Index ``s``'s pending turns by their reply (:attr:`reply_index`) and by what they asked
-        (:attr:`asked_index`)."""
+    def _indexes(self, s: Session) -> tuple[tuple[dict[str, list[str]], list[str]], ...]:
+        """Each index with ``s``'s keys in it: history + reply and quiet keys (:attr:`index`), replies
+        (:attr:`reply_index`), what was asked (:attr:`asked_index`)."""
+        return ((self.index, [*s.keys, *s.quiet]), (self.reply_index, s.replies), (self.asked_index, s.asked))
+
+    def _index_pending(self, s: Session) -> None:
+        """Index ``s``'s pending turns (their ``keys`` are set) in every index, deriving the quiet,
+        reply and asked keys from them."""
+        s.quiet = list(dict.fromkeys(quiet_keys(s.pending)))
         s.replies = list(
             dict.fromkeys(reply_key(t.response_message) for t in s.pending if not says_nothing(t.response_message))
         )
         s.asked = list(dict.fromkeys(k for k in map(asked_key, s.pending) if k is not None))
-        for index, keys in ((self.reply_index, s.replies), (self.asked_index, s.asked)):
+        for index, keys in self._indexes(s):
             for key in keys:
                 sids = index.setdefault(key, [])
-                if s.sid not in sids:
+                if s.sid not in sids:  # n choices with equal replies: one entry
                     sids.append(s.sid)
 
     def _asked_elsewhere(self, keys: dict[int, str]) -> bool:
@@ -422,8 +417,3 @@ class SessionBook:
         None when none or several hold it (a reply such as "OK." names no conversation)."""
         sids = [sid for sid in self.reply_index.get(last_reply, ()) if sid.startswith(prefix)] if last_reply else []
         return sids[0] if len(sids) == 1 else None
-
-    def _index(self, key: str, sid: str) -> None:
-        sids = self.index.setdefault(key, [])
-        if sid not in sids:  # n choices with equal replies: one entry
-            sids.append(sid)
