@@ -440,6 +440,11 @@ class LearnerConfig:
     # all-gather per layer and step fewer, the full weights held through the step (conf/cpu.yaml: on
     # CPU the gloo all-gather costs more than the memory)
     reshard_after_forward: bool = True
+    # on CPU, how many decoder layers ahead each layer's all-gather is issued (FSDP2 explicit prefetch,
+    # asynchronous: gloo moves the next layers' weights while this one computes; its implicit prefetch
+    # needs CUDA streams and each layer waited for its own all-gather). 0 = FSDP2's default. CUDA keeps
+    # FSDP2's stream-based prefetch (clawray.actors.learner.prefetch_all_gathers)
+    prefetch_layers: int = num(1, ge=0)
     # keep the input embeddings and the lm_head (one tensor when tied) at their initial values: not
     # trained, not in the optimizer (conf/rl.yaml turns it on: README, "The CPU demo")
     freeze_embeddings: bool = False

@@ -7,7 +7,14 @@ import pytest
 import ray
 import torch
 
-from clawray.actors.learner import LearnerGroup, balance_ranks, merge_lora_state_dict, pack_micro_batches, padded_cost
+from clawray.actors.learner import (
+    LearnerGroup,
+    balance_ranks,
+    merge_lora_state_dict,
+    pack_micro_batches,
+    padded_cost,
+    prefetch_all_gathers,
+)
 from clawray.algos.losses import ppo_clip_loss, sequence_logprobs
 from clawray.algos.schedule import lr_factor
 from clawray.config import ConfigError, load_config
@@ -65,6 +72,36 @@ def test_balance_ranks_never_splits_worse_than_dealing_and_places_every_sample_o
         slowest = max(padded_cost([lengths[i] for i in r], budget) for r in split)
         dealt = max(padded_cost(lengths[r::ranks], budget) for r in range(ranks))
         assert slowest <= dealt
+
+
+def test_prefetch_all_gathers_sets_each_layer_the_next_layers_in_forward_and_the_previous_in_backward():
+    """Depth 2 over 4 layers: the root prefetches layers 0-1, layer i the next two in forward and the
+    previous two (nearest first) in backward, unshards asynchronous; depth 0 changes nothing."""
+
+    class Module:
+        def __init__(self, name):
+            self.name, self.calls = name, []
+
+        def _set_unshard_async_op(self, on):
+            self.calls.append(("async", on))
+
+        def set_modules_to_forward_prefetch(self, mods):
+            self.calls.append(("forward", [m.name for m in mods]))
+
+        def set_modules_to_backward_prefetch(self, mods):
+            self.calls.append(("backward", [m.name for m in mods]))
+
+    root, layers = Module("root"), [Module(i) for i in range(4)]
+    prefetch_all_gathers(root, layers, 0)
+    assert root.calls == [] and all(m.calls == [] for m in layers)
+    prefetch_all_gathers(root, layers, 2)
+    assert root.calls == [("async", True), ("forward", [0, 1])]
+    assert [m.calls for m in layers] == [
+        [("forward", [1, 2]), ("backward", [])],
+        [("forward", [2, 3]), ("backward", [0])],
+        [("forward", [3]), ("backward", [1, 0])],
+        [("forward", []), ("backward", [2, 1])],
+    ]
 
 
 def test_lr_schedule_exact_values():
@@ -203,7 +240,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     """Same batch (5 samples of different lengths, so one rank runs a padding pass): 2-rank FSDP2 with
     one micro-batch per rank and the gathered weights kept from forward to backward
     (``reshard_after_forward: false``), and 2-rank FSDP2 with one sample per pass plus activation
-    checkpointing, both equal a single-process reference step (loss, grad norm, clipped gradients,
+    checkpointing (all-gathers prefetched two layers ahead), both equal a single-process reference step (loss, grad norm, clipped gradients,
     updated weights) in fp32."""
     base = _samples()
     samples = _samples(logprobs=_on_policy_logprobs(tiny_model, base))  # on-policy: ratio 1
@@ -218,7 +255,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     results = {}
     for label, extra in [
         ("packed", {"max_tokens_per_micro_batch": 10_000, "reshard_after_forward": False}),
-        ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True}),
+        ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True, "prefetch_layers": 2}),
     ]:
         group = LearnerGroup(tiny_model, {**LEARNER, **extra}, free_port())
         try:
