@@ -4,8 +4,10 @@ single-process PyTorch loop (forward + backward + AdamW) over the same samples.
 Samples: ``--batch`` random-token samples with the demo's sequence lengths (prompt 40-120 tokens:
 SmolLM2's chat template with its default system prompt, one or two turns of the ``brief`` task;
 response 4-48 tokens: ``env.max_tokens: 48``), fixed seed. Tokens = prompt + response tokens of the
-batch (padding not counted). Each measurement runs ``--steps`` steps after one warm-up and reports
-the median step's tokens/s:
+batch (padding not counted). Each measurement runs ``--steps`` steps after ``--warmup`` steps (3:
+start-up; on this VM the first touch of memory that another process just freed can cost ten times
+its usual system time: a 2-rank group's first two steps after the 1-rank group took 8.4 and 6.2 s of
+it per rank, the steady step 0.45 s) and reports the median step's tokens/s:
 
 * ``plain``: one process, ``--threads`` torch threads, the HF model in fp32, one padded forward of
   the whole batch, the token-mean policy-gradient loss ``-A * logprob`` over the response tokens
@@ -61,8 +63,8 @@ def make_samples(n: int, vocab: int, seed: int = 0):
     return out
 
 
-def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: float) -> list[float]:
-    """Seconds per step of the plain single-process loop (see the module doc); one warm-up step first."""
+def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: float, warmup: int = 1) -> list[float]:
+    """Seconds per step of the plain single-process loop (see the module doc), after ``warmup`` steps."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
@@ -82,7 +84,7 @@ def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: flo
     rows, cols, adv = torch.tensor(rows), torch.tensor(cols), torch.tensor(adv)
     targets = ids[rows, cols + 1]
     times = []
-    for _ in range(steps + 1):
+    for _ in range(warmup + steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         logits = model(input_ids=ids, attention_mask=attn).logits[rows, cols].float()  # [N, V], response only
@@ -92,11 +94,13 @@ def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: flo
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         times.append(time.perf_counter() - t0)
-    return times[1:]
+    return times[warmup:]
 
 
-def clawray_steps(model_path: str, refs: list, steps: int, ranks: int, threads: int, lr: float) -> tuple[list, dict]:
-    """Seconds per ``LearnerGroup.train_step`` (driver wall time) and the last step's metrics."""
+def clawray_steps(
+    model_path: str, refs: list, steps: int, ranks: int, threads: int, lr: float, warmup: int = 1
+) -> tuple[list, dict]:
+    """Seconds per ``LearnerGroup.train_step`` (driver wall time) after ``warmup`` steps, and the last step's metrics."""
     from clawray.actors.learner import LearnerGroup
     from clawray.ray_env import free_port
 
@@ -110,11 +114,11 @@ def clawray_steps(model_path: str, refs: list, steps: int, ranks: int, threads: 
     group = LearnerGroup(model_path, cfg, free_port())
     try:
         times, metrics = [], {}
-        for v in range(steps + 1):
+        for v in range(warmup + steps):
             t0 = time.perf_counter()
             metrics = group.train_step(refs, v + 1)
             times.append(time.perf_counter() - t0)
-        return times[1:], metrics
+        return times[warmup:], metrics
     finally:
         group.shutdown()
 
@@ -130,14 +134,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
     ap.add_argument("--batch", type=int, default=8, help="samples per step")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (start-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (conf/cpu.yaml: 1)")
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole measurement; ratios are medians over runs")
     ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
-    if args.runs < 1:
-        ap.error(f"--runs {args.runs}: must be >= 1")
+    if args.runs < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error(
+            f"--runs {args.runs}, --steps {args.steps}, --warmup {args.warmup}: need runs, steps >= 1, warmup >= 0"
+        )
 
     import ray
     from transformers import AutoConfig
@@ -149,19 +156,20 @@ def main() -> None:
     samples = make_samples(args.batch, AutoConfig.from_pretrained(model).vocab_size)
     tokens = sum(len(s.tokens) for s in samples)
     print(
-        f"model={model} batch={args.batch} tokens/step={tokens} steps={args.steps} threads={args.threads} runs={args.runs}"
+        f"model={model} batch={args.batch} tokens/step={tokens} steps={args.steps} warmup={args.warmup} "
+        f"threads={args.threads} runs={args.runs}"
     )
     lr = 1e-5
     runs = []  # per run: {"plain": tokens/s, "ranks": {n: tokens/s}}
     for k in range(args.runs):  # plain first, without Ray running, as a lone training script would be
         tag = f"run {k + 1}/{args.runs} " if args.runs > 1 else ""
-        plain = tokens / statistics.median(plain_loop(model, samples, args.steps, args.threads, lr))
+        plain = tokens / statistics.median(plain_loop(model, samples, args.steps, args.threads, lr, args.warmup))
         print(f"{tag}{'plain':>16}: {plain:9.1f} tokens/s", flush=True)
         init_ray("", 2)
         refs = [ray.put(s) for s in samples]
         rates = {}
         for n in [int(x) for x in args.ranks.split(",")]:
-            times, m = clawray_steps(model, refs, args.steps, n, args.threads, lr)
+            times, m = clawray_steps(model, refs, args.steps, n, args.threads, lr, args.warmup)
             rates[n] = tokens / statistics.median(times)
             print(
                 f"{tag}{f'clawray {n} rank(s)':>16}: {rates[n]:9.1f} tokens/s  perf/padding_frac "

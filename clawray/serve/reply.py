@@ -107,8 +107,10 @@ class ParsedReply:
     tool_parse_error: bool = False
 
     def message(self) -> dict[str, Any]:
-        """The OpenAI assistant message (``tool_calls`` and ``reasoning_content`` only when present)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        """The OpenAI assistant message (``tool_calls`` and ``reasoning_content`` only when present;
+        ``content`` null only beside tool calls, an empty reply's is ``""`` as OpenAI's and vLLM's)."""
+        content = "" if self.content is None and not self.tool_calls else self.content
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning_content is not None:
             msg["reasoning_content"] = self.reasoning_content
         if self.tool_calls:

@@ -577,3 +577,19 @@ def test_a_malformed_tool_schema_types_no_argument_and_never_raises():
     ]
     (call,) = parse_reply_text('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', tools=bad).tool_calls
     assert json.loads(call["function"]["arguments"]) == {"x": 1}
+
+
+def test_the_message_of_an_empty_reply_has_empty_content_and_null_only_beside_tool_calls():
+    """A reply that says nothing answers ``content: ""`` (OpenAI's and vLLM's, where clients read a
+    string); ``null`` stays for a reply that is only tool calls; a think block alone is reasoning."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert parse_reply_text("").message() == {"role": "assistant", "content": ""}
+    assert parse_reply_text("  \n").message() == {"role": "assistant", "content": ""}
+    assert parse_reply_text("<think>hm</think>").message() == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "hm",
+    }
+    call = parse_reply_text('<tool_call>{"name": "f", "arguments": {}}</tool_call>', tools=tools).message()
+    assert call["content"] is None and [c["function"]["name"] for c in call["tool_calls"]] == ["f"]
+    assert parse_reply_text("ok").message() == {"role": "assistant", "content": "ok"}
