@@ -63,7 +63,7 @@ def make_samples(n: int, vocab: int, seed: int = 0):
     return out
 
 
-def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: float, warmup: int = 1) -> list[float]:
+def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: float, warmup: int) -> list[float]:
     """Seconds per step of the plain single-process loop (see the module doc), after ``warmup`` steps."""
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +98,7 @@ def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: flo
 
 
 def clawray_steps(
-    model_path: str, refs: list, steps: int, ranks: int, threads: int, lr: float, warmup: int = 1
+    model_path: str, refs: list, steps: int, ranks: int, threads: int, lr: float, warmup: int
 ) -> tuple[list, dict]:
     """Seconds per ``LearnerGroup.train_step`` (driver wall time) after ``warmup`` steps, and the last step's metrics."""
     from clawray.actors.learner import LearnerGroup

@@ -274,8 +274,7 @@ def keep_freed_memory(limit: int = 1 << 30) -> bool:
     its mmap threshold (32 MiB at most) with fresh pages that the kernel zero-fills on first touch:
     SmolLM2's 2-rank steps 3-5 took 0.03-0.28 M page faults per rank, 1 rank's 0.16-0.18 M; with the
     blocks kept, 28 k and none (1 rank's system time 0.2-0.28 s per step -> 0.0-0.07 s). The process
-    keeps its peak heap. Returns False where there is no
-    glibc ``mallopt`` (it changes nothing there).
+    keeps its peak heap. Returns False where there is no glibc ``mallopt`` (nothing changes there).
     """
     import ctypes
     import ctypes.util
@@ -419,11 +418,12 @@ class LearnerWorker:
         policy = mixed_precision(self.device.type, cfg.compute_dtype)
         if policy is not None:
             shard_kwargs["mp_policy"] = policy
-        for layer in self._hf_model(model).model.layers:
+        layers = list(self._hf_model(model).model.layers)
+        for layer in layers:
             fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer
         if self.device.type == "cpu":
-            prefetch_all_gathers(model, list(self._hf_model(model).model.layers), cfg.prefetch_layers)
+            prefetch_all_gathers(model, layers, cfg.prefetch_layers)
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
         self.ref_model = None
         if cfg.kl_coef > 0:  # a frozen full copy of the initial policy, only when KL is on
