@@ -445,6 +445,11 @@ class LearnerConfig:
     # needs CUDA streams and each layer waited for its own all-gather). 0 = FSDP2's default. CUDA keeps
     # FSDP2's stream-based prefetch (clawray.actors.learner.prefetch_all_gathers)
     prefetch_layers: int = num(1, ge=0)
+    # on CPU, issue each layer's gradient reduce-scatter asynchronously in the backward (gloo reduces
+    # it while the earlier layers' backward computes; FSDP2 waits for it at once without CUDA streams),
+    # awaited when the backward returns. false = FSDP2's blocking reduce-scatter
+    # (clawray.actors.learner.AsyncReduceScatter)
+    async_reduce_scatter: bool = True
     # keep the input embeddings and the lm_head (one tensor when tied) at their initial values: not
     # trained, not in the optimizer (conf/rl.yaml turns it on: README, "The CPU demo")
     freeze_embeddings: bool = False

@@ -265,16 +265,28 @@ def merge_lora_state_dict(
     return out
 
 
+# A CPU learner's environment: every thread allocates from glibc's main heap, which
+# :func:`keep_freed_memory` keeps. Another arena's heap holds at most 64 MiB, so a larger block
+# allocated by one of gloo's threads (a 113 MB buffer of SmolLM2's embedding-sized collective, every
+# step) was mapped afresh and zero-filled each time: 27,648 page faults per step and rank. Set when the
+# process starts (glibc reads it once); the few threads that allocate seldom contend for the heap's lock.
+ONE_HEAP = {"MALLOC_ARENA_MAX": "1"}
+
+
 def keep_freed_memory(limit: int = 1 << 30) -> bool:
-    """Keep freed heap blocks of up to ``limit`` bytes in this process for reuse (glibc ``mallopt``:
-    ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD``) instead of returning them to the kernel.
+    """Keep freed heap memory in this process for reuse instead of returning it to the kernel (glibc
+    ``mallopt``): blocks of up to ``limit`` bytes come from the heap (``M_MMAP_THRESHOLD``), and the
+    heap is never trimmed (``M_TRIM_THRESHOLD`` -1).
 
     A CPU learner step allocates and frees the same large buffers every step (FSDP2's gathered
     weights and gradient buffers, activations, vocabulary-sized gradients). glibc serves a block over
     its mmap threshold (32 MiB at most) with fresh pages that the kernel zero-fills on first touch:
     SmolLM2's 2-rank steps 3-5 took 0.03-0.28 M page faults per rank, 1 rank's 0.16-0.18 M; with the
-    blocks kept, 28 k and none (1 rank's system time 0.2-0.28 s per step -> 0.0-0.07 s). The process
-    keeps its peak heap. Returns False where there is no glibc ``mallopt`` (nothing changes there).
+    blocks kept, 28 k and none (1 rank's system time 0.2-0.28 s per step -> 0.0-0.07 s). And glibc
+    returns the heap's free top once it exceeds the trim threshold: with a 1 GiB threshold one rank
+    of two, whose step frees more than that at the top, took 0.26-0.36 M page faults every step
+    (2-7 s of system time on this VM), none once the heap is not trimmed. The process keeps its peak
+    heap. Returns False where there is no glibc ``mallopt`` (nothing changes there).
     """
     import ctypes
     import ctypes.util
@@ -285,7 +297,7 @@ def keep_freed_memory(limit: int = 1 << 30) -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, limit))
+    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, -1))  # -1: never
 
 
 def prefetch_all_gathers(root, layers: list, depth: int) -> None:
@@ -306,6 +318,58 @@ def prefetch_all_gathers(root, layers: list, depth: int) -> None:
     for i, layer in enumerate(layers):
         layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + depth])
         layer.set_modules_to_backward_prefetch(layers[max(i - depth, 0) : i][::-1])
+
+
+class AsyncReduceScatter:
+    """FSDP2's gradient reduce-scatter issued asynchronously; :meth:`wait` before reading gradients.
+
+    FSDP2 overlaps its reduce-scatter with the backward through a CUDA stream; on CPU it issues the
+    collective and waits for it at once, so each layer's backward stalled on gloo (0.7-1.0 s of
+    SmolLM2's 2-rank step). Installed with :meth:`install` on every FSDP2 module, this comm issues it
+    with ``async_op=True`` and keeps the work with its input and output buffers (FSDP2 drops its
+    reference to the input when the next layer reduces; gloo may still be reading it) until the work
+    completes, and :meth:`wait` waits for all.
+
+    Exact only while FSDP2 reads no reduced value inside the backward: its post-reduce then only makes
+    views of the output (reduce dtype fp32 or bf16 and no ``gradient_divide_factor``: the mean is the
+    collective's ``AVG``, no post-division). It *adds* the output to a sharded gradient that already
+    exists (accumulation over micro-batches), so set :attr:`overlap` False for a backward that runs
+    while gradients exist: the collective is then issued blocking, as FSDP2's default.
+    """
+
+    def __init__(self) -> None:
+        self.overlap = True
+        self._pending: list[tuple] = []  # (work, input, output): the buffers live until the work ends
+
+    def install(self, modules: list) -> None:
+        """Make this comm the reduce-scatter of every FSDP2 module in ``modules``
+        (``FSDPModule.set_custom_reduce_scatter``)."""
+        for module in modules:
+            module.set_custom_reduce_scatter(self)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``size`` for FSDP2 to reduce into or from (``torch.empty``)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        """Reduce-scatter ``input_tensor`` (``[world * n]``) into ``output_tensor`` (``[n]``) over
+        ``group`` with ``op``; asynchronous while :attr:`overlap` is True. Returns the work."""
+        import torch.distributed as dist
+
+        work = dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=self.overlap
+        )
+        if self.overlap:  # drop the finished ones' buffers: the step's peak memory stays FSDP2's
+            self._pending = [w for w in self._pending if not w[0].is_completed()]
+            self._pending.append((work, input_tensor, output_tensor))
+        return work
+
+    def wait(self) -> None:
+        """Wait for every reduce-scatter issued since the last call: the sharded gradients are final.
+        Raises what the collective raised (a peer gone, ``dist_timeout_s``)."""
+        pending, self._pending = self._pending, []
+        for work, _, _ in pending:
+            work.wait()
 
 
 def checkpoint_layers(layers) -> None:
@@ -422,8 +486,12 @@ class LearnerWorker:
         for layer in layers:
             fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)  # after get_peft_model: the adapters are sharded with their layer
+        self._reduce_scatter = None
         if self.device.type == "cpu":
             prefetch_all_gathers(model, layers, cfg.prefetch_layers)
+            if cfg.async_reduce_scatter:
+                self._reduce_scatter = AsyncReduceScatter()
+                self._reduce_scatter.install([*layers, model])
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
         self.ref_model = None
         if cfg.kl_coef > 0:  # a frozen full copy of the initial policy, only when KL is on
@@ -853,7 +921,7 @@ class LearnerWorker:
             bad = ~torch.isfinite(loss)
             nonfinite += bad
             # a non-finite loss backpropagates as zero (the mini-batch is skipped anyway)
-            torch.where(bad, torch.nan_to_num(loss) * 0.0, loss).backward()
+            self._backward(torch.where(bad, torch.nan_to_num(loss) * 0.0, loss), accumulating=p > 0)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -866,6 +934,19 @@ class LearnerWorker:
             self.optimizer.zero_grad(set_to_none=True)
             return "no_gradient"
         return float(grad_norm.item())
+
+    def _backward(self, loss: torch.Tensor, accumulating: bool) -> None:
+        """``loss.backward()``; the gradients are final (all reduce-scatters done) when it returns.
+        ``accumulating``: the sharded gradients already hold an earlier pass's (the reduce-scatter is
+        then blocking: FSDP2 adds its output at once, see :class:`AsyncReduceScatter`)."""
+        if self._reduce_scatter is None:
+            loss.backward()
+            return
+        self._reduce_scatter.overlap = not accumulating
+        try:
+            loss.backward()
+        finally:
+            self._reduce_scatter.wait()
 
     @torch.no_grad()
     def _probe_mismatch(self, probe: list | None, wait_s: float) -> tuple[tuple[float, float], float]:
@@ -1272,6 +1353,7 @@ class LearnerGroup:
                     resources=dict(cfg.resources) or None,
                     name=None,
                     scheduling_strategy=strategy,
+                    runtime_env=None if cfg.num_gpus else {"env_vars": ONE_HEAP},
                 ).remote(i, n, master_port, model_path, cfg, loss_weights)
             )
         try:
