@@ -4,10 +4,11 @@ single-process PyTorch loop (forward + backward + AdamW) over the same samples.
 Samples: ``--batch`` random-token samples with the demo's sequence lengths (prompt 40-120 tokens:
 SmolLM2's chat template with its default system prompt, one or two turns of the ``brief`` task;
 response 4-48 tokens: ``env.max_tokens: 48``), fixed seed. Tokens = prompt + response tokens of the
-batch (padding not counted). Each measurement runs ``--steps`` steps after ``--warmup`` steps (3:
+batch (padding not counted). Each measurement runs ``--steps`` steps after ``--warmup`` steps (5:
 start-up; on this VM the first touch of memory that another process just freed can cost ten times
-its usual system time: a 2-rank group's first two steps after the 1-rank group took 8.4 and 6.2 s of
-it per rank, the steady step 0.45 s) and reports the median step's tokens/s:
+its usual system time: a 2-rank group's first two steps after the 1-rank group took 8-11 s of it per
+rank, and a learner's heap keeps growing, with fewer page faults each step, until about the fifth
+step; the steady step 0.3-0.4 s) and reports the median step's tokens/s:
 
 * ``plain``: one process, ``--threads`` torch threads, the HF model in fp32, one padded forward of
   the whole batch, the token-mean policy-gradient loss ``-A * logprob`` over the response tokens
@@ -135,7 +136,7 @@ def main() -> None:
     ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
     ap.add_argument("--batch", type=int, default=8, help="samples per step")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (start-up)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before them (start-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (conf/cpu.yaml: 1)")
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole measurement; ratios are medians over runs")
