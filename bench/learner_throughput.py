@@ -17,7 +17,7 @@ step; the steady step 0.3-0.4 s) and reports the median step's tokens/s:
   arithmetic without Ray, FSDP2 or clawray's loss bookkeeping.
 * ``clawray 1 rank`` / ``clawray 2 ranks``: :class:`clawray.actors.learner.LearnerGroup`
   ``train_step`` wall time seen by the driver (each rank ``--threads`` torch threads,
-  ``reshard_after_forward`` as ``conf/cpu.yaml`` sets it; 2 ranks share the machine's cores, so on 2
+  ``fsdp_size`` and ``reshard_after_forward`` as ``conf/cpu.yaml`` sets them; 2 ranks share the machine's cores, so on 2
   cores their scaling is bounded by the cores, not by clawray), with the step's ``perf/padding_frac``.
 
 The last line is the ratio clawray 1 rank / plain (target >= 0.9) and the 2-rank scaling; with
@@ -111,6 +111,7 @@ def clawray_steps(
         "torch_threads": threads,
         "lr": lr,
         "reshard_after_forward": cpu_preset().learner.reshard_after_forward,
+        "fsdp_size": cpu_preset().learner.fsdp_size,
     }
     group = LearnerGroup(model_path, cfg, free_port())
     try:

@@ -14,7 +14,9 @@ gradients accumulated over them. Every rank runs the same number of forward/back
 (padding with zero-weight passes) because FSDP2 all-gathers and reduce-scatters in every pass. The
 loss is the token-mean over the *mini-batch's* ``loss_mask`` tokens across all ranks; since FSDP2
 averages gradients over the N ranks, each rank scales its masked sum by ``N / global_tokens``, which
-makes the gradient independent of how samples are packed.
+makes the gradient independent of how samples are packed. ``fsdp_size`` (:func:`data_parallel_mesh`)
+shards over all ranks (ZeRO-3), over groups of ranks replicated across the groups (HSDP), or not at
+all (every rank holds the whole model; gradients all-reduced): each rank still takes its own share.
 
 Optional: LoRA adapters through peft (only adapters train; weight sync and the HF export carry the
 merged weights under the base model's names), activation checkpointing, mixed precision
@@ -272,6 +274,31 @@ def merge_lora_state_dict(
 # process starts (glibc reads it once); the few threads that allocate seldom contend for the heap's lock.
 ONE_HEAP = {"MALLOC_ARENA_MAX": "1"}
 
+# ``learner.optimizer_impl`` -> torch.optim.AdamW's keyword (torch picks for-loop on CPU by default).
+OPTIMIZER_IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+
+
+def data_parallel_mesh(device_type: str, world_size: int, fsdp_size: int):
+    """The FSDP2 device mesh of ``world_size`` data-parallel ranks sharded in groups of ``fsdp_size``
+    (verl's ``fsdp_size``): ``-1`` or ``world_size`` gives a 1-D mesh (full sharding, ZeRO-3), a
+    smaller size the 2-D mesh ``("replicate", "shard")`` of shape ``[world_size / fsdp_size, fsdp_size]``
+    (HSDP: each group of ``fsdp_size`` ranks holds one sharded copy, the groups' gradients are
+    all-reduced). ``fsdp_size`` 1 replicates the model on every rank like DDP: no all-gather, and one
+    all-reduce of the gradients per pass instead of a reduce-scatter; each rank keeps the full weights,
+    gradients and AdamW states (16 bytes per parameter in fp32).
+
+    Raises:
+        ValueError: ``fsdp_size`` is neither -1 nor a divisor of ``world_size``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = world_size if fsdp_size == -1 else fsdp_size
+    if size < 1 or world_size % size:
+        raise ValueError(f"learner.fsdp_size={fsdp_size} must be -1 or divide learner.num_workers={world_size}")
+    if size == world_size:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (world_size // size, size), mesh_dim_names=("replicate", "shard"))
+
 
 def keep_freed_memory(limit: int = 1 << 30) -> bool:
     """Keep freed heap memory in this process for reuse instead of returning it to the kernel (glibc
@@ -438,7 +465,6 @@ class LearnerWorker:
             torch.distributed.DistStoreError: the rendezvous timed out (``dist_timeout_s``).
         """
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
@@ -477,7 +503,7 @@ class LearnerWorker:
             hf.get_input_embeddings().requires_grad_(False)
             if hf.get_output_embeddings() is not None:
                 hf.get_output_embeddings().requires_grad_(False)
-        mesh = init_device_mesh(self.device.type, (world_size,))
+        mesh = data_parallel_mesh(self.device.type, world_size, cfg.fsdp_size)
         shard_kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
         policy = mixed_precision(self.device.type, cfg.compute_dtype)
         if policy is not None:
@@ -489,7 +515,7 @@ class LearnerWorker:
         self._reduce_scatter = None
         if self.device.type == "cpu":
             prefetch_all_gathers(model, layers, cfg.prefetch_layers)
-            if cfg.async_reduce_scatter:
+            if cfg.async_reduce_scatter and mesh.size(-1) > 1:  # a shard group of 1 only copies
                 self._reduce_scatter = AsyncReduceScatter()
                 self._reduce_scatter.install([*layers, model])
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)
@@ -545,7 +571,11 @@ class LearnerWorker:
         """
         cfg = self.cfg
         self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+            self.trainable,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
+            **OPTIMIZER_IMPLS[cfg.optimizer_impl],
         )
         schedule = (cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
         lr_factor(0, *schedule)  # raises on a bad schedule here rather than at the first step

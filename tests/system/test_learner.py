@@ -226,6 +226,9 @@ def test_learner_config_keys_and_checks():
         ("learner.steps_per_batch=0", "steps_per_batch"),
         ("learner.lora.rank=-1", "lora"),
         ("checkpoint.keep_last=-1", "checkpoint"),
+        ("learner.fsdp_size=0", "fsdp_size"),
+        ("learner.fsdp_size=3", "must divide learner.num_workers=2"),
+        ("learner.optimizer_impl=adam8bit", "optimizer_impl"),
     ]:
         with pytest.raises(ConfigError, match=fragment):
             load_config([], [bad])
@@ -327,7 +330,9 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     checkpointing (all-gathers prefetched two layers ahead), all equal a single-process reference step
     (loss, grad norm, clipped gradients, updated weights) in fp32: the packed step with the gradient
     reduce-scatters asynchronous (the default: read only after the backward) and blocking (FSDP2's),
-    the one-per-pass step asynchronous in its first pass and blocking in the passes that accumulate."""
+    the one-per-pass step asynchronous in its first pass and blocking in the passes that accumulate,
+    and the packed step replicated on both ranks (``fsdp_size: 1``: gradients all-reduced, HSDP's path).
+    AdamW is fused in the learner, torch's for-loop one in the reference."""
     base = _samples()
     samples = _samples(logprobs=_on_policy_logprobs(tiny_model, base))  # on-policy: ratio 1
     # hand-checked loss: ratio 1 => loss = -sum_i r_i * masked_tokens_i / all masked tokens
@@ -338,7 +343,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     assert ref_loss == pytest.approx(hand, abs=1e-6) and ref_norm > 1.0  # the clip is active
 
     refs = [ray.put(s) for s in samples]
-    results = {}
+    results, layouts = {}, {}
     for label, extra in [
         ("packed", {"max_tokens_per_micro_batch": 10_000, "reshard_after_forward": False}),
         (
@@ -346,6 +351,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
             {"max_tokens_per_micro_batch": 10_000, "reshard_after_forward": False, "async_reduce_scatter": False},
         ),
         ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True, "prefetch_layers": 2}),
+        ("replicated", {"max_tokens_per_micro_batch": 10_000, "fsdp_size": 1}),
     ]:
         group = LearnerGroup(tiny_model, {**LEARNER, **extra}, free_port())
         try:
@@ -354,16 +360,34 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
                     [w.__ray_call__.remote(lambda _: os.environ.get("MALLOC_ARENA_MAX")) for w in group.workers]
                 )
                 assert env == ["1", "1"]
+            # each rank's (local elements, global elements, mesh dims, fused AdamW): fsdp_size 1 holds every
+            # parameter whole on each rank (a 2-D mesh: replicate x a shard group of 1), -1 shards them
+            layouts[label] = ray.get(
+                [
+                    w.__ray_call__.remote(
+                        lambda self: (
+                            sum(p.to_local().numel() for p in self.model.parameters()),
+                            sum(p.numel() for p in self.model.parameters()),
+                            next(self.model.parameters()).device_mesh.ndim,
+                            self.optimizer.defaults["fused"],
+                        )
+                    )
+                    for w in group.workers
+                ]
+            )
             results[label] = _step(group, refs, 1)
         finally:
             group.shutdown()
-    packed, single, blocking = results["packed"], results["one-per-pass"], results["blocking"]
+    packed, single, blocking, replicated = (results[k] for k in ("packed", "one-per-pass", "blocking", "replicated"))
+    (local0, total, dims, fused), (local1, *_) = layouts["packed"]
+    assert local0 + local1 == total and 0 < local0 < total and dims == 1 and fused is True
+    assert layouts["replicated"] == [(total, total, 2, True)] * 2
     # lengths 7, 7, 11, 9, 8 over the ranks by padded cost (balance_ranks): rank 0 takes [11, 9], rank 1
     # [8, 7, 7]; one packed micro-batch per rank, or one sample per pass: 2 + 1 padding pass and 3
     assert packed[0]["micro_batches"] == 1 and single[0]["micro_batches"] == 3
     # rank 0 pads to 2 x 11, rank 1 to 3 x 8: 4 of 46 slots (dealing [7, 11, 8] | [7, 9]: 9 of 51)
     assert packed[0]["perf/padding_frac"] == pytest.approx(4 / 46) and single[0]["perf/padding_frac"] == 0.0
-    for m, grads, weights in (packed, single, blocking):
+    for m, grads, weights in (packed, single, blocking, replicated):
         assert m["loss"] == pytest.approx(hand, abs=1e-6) and m["num_tokens"] == 18 and m["lr"] == 1e-3
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
         assert set(grads) == set(ref_grads)

@@ -209,8 +209,8 @@ def test_choices_are_declared_on_the_fields():
     """Every field that used to be in a separate _CHOICES table carries its choices itself."""
     choices = {key: f.metadata["choices"] for key, f, _ in schema_fields() if "choices" in f.metadata}
     assert (
-        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 30
-    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode + opd.premise_check, deploy.on_reject, env.client, deploy.rule, learner.compute_dtype
+        choices["learner.kl_estimator"] == ("k3", "k1", "k2") and len(choices) == 31
+    )  # 18 + rollout.dtype + env.name + serve.session_binding + trainer.credit, group_by + sync.mode + opd.premise_check, deploy.on_reject, env.client, deploy.rule, learner.compute_dtype, learner.optimizer_impl
     defaults = load_config()
     for key, allowed in choices.items():
         assert _select(defaults, key) == allowed[0]  # the default is the first choice
