@@ -13,7 +13,7 @@ step; the steady step 0.3-0.4 s) and reports the median step's tokens/s:
 * ``plain``: one process, ``--threads`` torch threads, the HF model in fp32, one padded forward of
   the whole batch, the token-mean policy-gradient loss ``-A * logprob`` over the response tokens
   (log-softmax on the response positions only, as clawray's loss does),
-  backward, grad-norm clip 1.0, ``torch.optim.AdamW`` step. This machine's reference for the same
+  backward, grad-norm clip 1.0, ``torch.optim.AdamW`` step (fused, as clawray's ``learner.optimizer_impl``). This machine's reference for the same
   arithmetic without Ray, FSDP2 or clawray's loss bookkeeping.
 * ``clawray 1 rank`` / ``clawray 2 ranks``: :class:`clawray.actors.learner.LearnerGroup`
   ``train_step`` wall time seen by the driver (each rank ``--threads`` torch threads,
@@ -71,7 +71,7 @@ def plain_loop(model_path: str, samples: list, steps: int, threads: int, lr: flo
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0, fused=True)
     longest = max(len(s.tokens) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     attn = torch.zeros(len(samples), longest, dtype=torch.long)
