@@ -456,7 +456,8 @@ class LearnerConfig:
     prefetch_layers: int = num(1, ge=0)
     # on CPU, issue each layer's gradient reduce-scatter asynchronously in the backward (gloo reduces
     # it while the earlier layers' backward computes; FSDP2 waits for it at once without CUDA streams),
-    # awaited when the backward returns. false = FSDP2's blocking reduce-scatter
+    # awaited when the backward returns, and likewise HSDP's all-reduce across replicas (fsdp_size below
+    # the ranks). false = FSDP2's blocking reduce-scatter and all-reduce
     # (clawray.actors.learner.AsyncReduceScatter)
     async_reduce_scatter: bool = True
     # keep the input embeddings and the lm_head (one tensor when tied) at their initial values: not

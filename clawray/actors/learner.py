@@ -43,6 +43,7 @@ import functools
 import math
 import os
 import time
+import types
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -348,7 +349,8 @@ def prefetch_all_gathers(root, layers: list, depth: int) -> None:
 
 
 class AsyncReduceScatter:
-    """FSDP2's gradient reduce-scatter issued asynchronously; :meth:`wait` before reading gradients.
+    """FSDP2's gradient reduce-scatter, and HSDP's all-reduce across replicas, issued asynchronously;
+    :meth:`wait` before reading gradients.
 
     FSDP2 overlaps its reduce-scatter with the backward through a CUDA stream; on CPU it issues the
     collective and waits for it at once, so each layer's backward stalled on gloo (0.7-1.0 s of
@@ -362,6 +364,13 @@ class AsyncReduceScatter:
     collective's ``AVG``, no post-division). It *adds* the output to a sharded gradient that already
     exists (accumulation over micro-batches), so set :attr:`overlap` False for a backward that runs
     while gradients exist: the collective is then issued blocking, as FSDP2's default.
+
+    HSDP (``fsdp_size`` below the ranks: a 2-D mesh) all-reduces each layer's reduced gradient across
+    the replicas after its reduce-scatter, also blocking without CUDA streams (replicated, 13% of
+    SmolLM2's 2-rank step); FSDP2 takes no custom all-reduce, so :meth:`install` points its collectives
+    module's ``dist`` at a view of ``torch.distributed`` whose ``all_reduce`` is :meth:`all_reduce`
+    (process-wide; FSDP2 calls no other all-reduce). Its post-reduce reads the output under the same
+    conditions as above.
     """
 
     def __init__(self) -> None:
@@ -373,6 +382,9 @@ class AsyncReduceScatter:
         (``FSDPModule.set_custom_reduce_scatter``)."""
         for module in modules:
             module.set_custom_reduce_scatter(self)
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+        _fsdp_collectives.dist = _DistWithAllReduce(self)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of ``size`` for FSDP2 to reduce into or from (``torch.empty``)."""
@@ -391,12 +403,36 @@ class AsyncReduceScatter:
             self._pending.append((work, input_tensor, output_tensor))
         return work
 
+    def all_reduce(self, tensor, group=None, op=None, async_op: bool = False):
+        """All-reduce ``tensor`` in place over ``group`` with ``op`` (``torch.distributed.all_reduce``);
+        asynchronous while :attr:`overlap` is True (the caller's ``async_op`` as well). Returns the work."""
+        import torch.distributed as dist
+
+        work = dist.all_reduce(tensor, group=group, op=op or dist.ReduceOp.SUM, async_op=async_op or self.overlap)
+        if self.overlap and not async_op:
+            self._pending = [w for w in self._pending if not w[0].is_completed()]
+            self._pending.append((work, tensor, tensor))
+        return work
+
     def wait(self) -> None:
-        """Wait for every reduce-scatter issued since the last call: the sharded gradients are final.
+        """Wait for every collective issued since the last call: the sharded gradients are final.
         Raises what the collective raised (a peer gone, ``dist_timeout_s``)."""
         pending, self._pending = self._pending, []
         for work, _, _ in pending:
             work.wait()
+
+
+class _DistWithAllReduce(types.ModuleType):
+    """``torch.distributed`` with ``all_reduce`` routed to an :class:`AsyncReduceScatter`."""
+
+    def __init__(self, comm: AsyncReduceScatter) -> None:
+        super().__init__("torch.distributed")
+        self.all_reduce = comm.all_reduce
+
+    def __getattr__(self, name: str):
+        import torch.distributed as dist
+
+        return getattr(dist, name)
 
 
 def checkpoint_layers(layers) -> None:
@@ -515,7 +551,7 @@ class LearnerWorker:
         self._reduce_scatter = None
         if self.device.type == "cpu":
             prefetch_all_gathers(model, layers, cfg.prefetch_layers)
-            if cfg.async_reduce_scatter and mesh.size(-1) > 1:  # a shard group of 1 only copies
+            if cfg.async_reduce_scatter and world_size > 1:
                 self._reduce_scatter = AsyncReduceScatter()
                 self._reduce_scatter.install([*layers, model])
         self.model = model.eval()  # deterministic log-probs: no dropout (see the module docstring)

@@ -112,8 +112,9 @@ def test_async_reduce_scatter_keeps_in_flight_buffers_until_done_and_blocks_when
     """Overlapping: each reduce-scatter is issued with ``async_op=True``; a finished one's buffers are
     dropped at the next call, the running ones kept until :meth:`wait`, which waits for each once.
     Not overlapping (a backward that accumulates): issued blocking, nothing kept. Installed on every
-    module given."""
+    module given, and as the all-reduce FSDP2's collectives call (HSDP across replicas), alike."""
     import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     class Work:
         def __init__(self, done):
@@ -131,7 +132,13 @@ def test_async_reduce_scatter_keeps_in_flight_buffers_until_done_and_blocks_when
         issued.append((output, input, group, op, async_op))
         return Work(done=len(issued) == 1)  # the first finishes at once, the others run on
 
+    def all_reduce(tensor, group, op, async_op):
+        issued.append((tensor, tensor, group, op, async_op))
+        return Work(done=False)
+
     monkeypatch.setattr(dist, "reduce_scatter_single", reduce_scatter_single)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(_fsdp_collectives, "dist", _fsdp_collectives.dist)  # restored after the test
     comm = AsyncReduceScatter()
     installed = []
 
@@ -155,6 +162,18 @@ def test_async_reduce_scatter_keeps_in_flight_buffers_until_done_and_blocks_when
     assert issued[-1][4] is False and comm._pending == []
     comm.wait()
     assert blocking.waits == 0
+    # FSDP2's collectives module sees torch.distributed with this all-reduce (and the rest unchanged)
+    fsdp_dist = _fsdp_collectives.dist
+    assert fsdp_dist.ReduceOp is dist.ReduceOp and fsdp_dist.reduce_scatter_single is reduce_scatter_single
+    grad = torch.ones(3)
+    comm.overlap = True
+    reduced = fsdp_dist.all_reduce(grad, group="replicas", op="avg")
+    assert issued[-1] == (grad, grad, "replicas", "avg", True) and comm._pending == [(reduced, grad, grad)]
+    comm.wait()
+    assert reduced.waits == 1 and comm._pending == []
+    comm.overlap = False
+    fsdp_dist.all_reduce(grad, group="replicas", op="avg")
+    assert issued[-1][4] is False and comm._pending == []
 
 
 _REALLOCATE = """
@@ -331,7 +350,8 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     (loss, grad norm, clipped gradients, updated weights) in fp32: the packed step with the gradient
     reduce-scatters asynchronous (the default: read only after the backward) and blocking (FSDP2's),
     the one-per-pass step asynchronous in its first pass and blocking in the passes that accumulate,
-    and the packed step replicated on both ranks (``fsdp_size: 1``: gradients all-reduced, HSDP's path).
+    and the one-per-pass step replicated on both ranks (``fsdp_size: 1``: gradients all-reduced across
+    the replicas, HSDP's path, asynchronously in the first pass).
     AdamW is fused in the learner, torch's for-loop one in the reference."""
     base = _samples()
     samples = _samples(logprobs=_on_policy_logprobs(tiny_model, base))  # on-policy: ratio 1
@@ -351,7 +371,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
             {"max_tokens_per_micro_batch": 10_000, "reshard_after_forward": False, "async_reduce_scatter": False},
         ),
         ("one-per-pass", {"max_tokens_per_micro_batch": 1, "activation_checkpointing": True, "prefetch_layers": 2}),
-        ("replicated", {"max_tokens_per_micro_batch": 10_000, "fsdp_size": 1}),
+        ("replicated", {"max_tokens_per_micro_batch": 1, "fsdp_size": 1}),
     ]:
         group = LearnerGroup(tiny_model, {**LEARNER, **extra}, free_port())
         try:
@@ -384,7 +404,7 @@ def test_fsdp2_two_ranks_equal_single_process_and_packing_invariance(ray_cluster
     assert layouts["replicated"] == [(total, total, 2, True)] * 2
     # lengths 7, 7, 11, 9, 8 over the ranks by padded cost (balance_ranks): rank 0 takes [11, 9], rank 1
     # [8, 7, 7]; one packed micro-batch per rank, or one sample per pass: 2 + 1 padding pass and 3
-    assert packed[0]["micro_batches"] == 1 and single[0]["micro_batches"] == 3
+    assert packed[0]["micro_batches"] == 1 and single[0]["micro_batches"] == replicated[0]["micro_batches"] == 3
     # rank 0 pads to 2 x 11, rank 1 to 3 x 8: 4 of 46 slots (dealing [7, 11, 8] | [7, 9]: 9 of 51)
     assert packed[0]["perf/padding_frac"] == pytest.approx(4 / 46) and single[0]["perf/padding_frac"] == 0.0
     for m, grads, weights in (packed, single, blocking, replicated):
