@@ -68,6 +68,18 @@ def _spread(r: dict, key: str) -> str:
     return f" (ratio: median of {len(values)} runs, {min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
 
 
+def _runs_spread(r: dict) -> str:
+    """sync_pause's spread over its runs (``--runs``): the run shown is the median one (the ratio the
+    row reads), then the runs' min-max and the pooled p99's ratio; "" for one run."""
+    values = r.get("ratios") or []
+    if len(values) < 2:
+        return ""
+    return (
+        f" (ratio: median of {len(values)} runs, {min(values):.2f}-{max(values):.2f}; "
+        f"pooled p99 of {r['pooled_overlapping']} requests {r['pooled_ratio']:.2f}x)"
+    )
+
+
 def _own_cpu() -> list[str]:
     """sync_pause's engine on the first CPU this process may use and the rest (Ray, the sender) on the
     others, as on a GPU host, where decoding does not share the sync's CPUs; nothing with 1 CPU."""
@@ -160,7 +172,7 @@ BENCHES: tuple[Bench, ...] = (
         lambda m, b: (
             _engine(m, b)
             + ["--modes", "interrupt,inflight", "--gap", "3", "--max-tokens", "32", "--syncs", "30", "--interval", "4"]
-            + ["--transport", "auto"]
+            + ["--transport", "auto", "--runs", "5" if m else "1"]
             + _own_cpu()
         ),
         tuple(
@@ -173,6 +185,7 @@ BENCHES: tuple[Bench, ...] = (
                 lambda r, mode=mode: (
                     f"{r[mode]['p99']:.3f} s added vs {r[mode]['transfer_load_s']:.3f} s"
                     + (f" (engine on CPU {r[mode]['engine_cpus']})" if r[mode].get("engine_cpus") else "")
+                    + _runs_spread(r[mode])
                 ),
             )
             for mode in ("interrupt", "inflight")

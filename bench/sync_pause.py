@@ -15,7 +15,11 @@ Reported over the requests whose [start, end] overlaps a sync's [call, return]: 
 the sync's own numbers: pause (``sync/pause_s``), transfer + load (the engine's receive + load
 seconds, the part no mode can avoid) and the generations interrupted (interrupt) or running across
 the load (inflight). The last lines give the ratio p99 added latency / mean (transfer + load) per
-mode; target <= 1.5.
+mode; target <= 1.5. ``--runs N`` repeats the whole measurement N times (a fresh engine per mode and
+run, the modes taking turns so the machine's drift falls on each alike; issue #29: the median of 5): the
+last lines then give each mode's ratio as the median over the runs with its spread, and the p99 of all
+runs' overlapping requests pooled (with ~22 overlapping requests in a run of 30 syncs, a run's p99 is
+its maximum).
 
 ``--engine-cpus 0 --engine-threads 1`` runs the engine thread on CPU 0 (``rollout.cpu_affinity``) and
 the bench, Ray's processes and the sender on the other CPUs, as a GPU host does (decoding on the GPU,
@@ -181,6 +185,30 @@ async def _run_mode(mode: str, args, model: str, prompts: list[list[int]], stop:
     }
 
 
+def summarize_runs(runs: list[dict]) -> dict:
+    """One mode's runs as one row: the figures of the run whose ratio p99 / (transfer + load) is the
+    median (the lower middle one for an even count), plus ``ratios`` (each run's), ``pooled_p99`` (the
+    p99 of every run's overlapping requests together), ``pooled_overlapping`` (their count) and
+    ``pooled_ratio`` (``pooled_p99`` / the runs' mean transfer + load).
+
+    Raises:
+        ValueError: ``runs`` is empty.
+    """
+    if not runs:
+        raise ValueError("summarize_runs: no runs")
+    ratios = [r["p99"] / r["transfer_load_s"] for r in runs]
+    middle = runs[ratios.index(statistics.median_low(ratios))]
+    pooled = [a for r in runs for a in r["added_s"]]
+    pooled_p99 = _percentile(pooled, 0.99)
+    return {
+        **middle,
+        "ratios": ratios,
+        "pooled_p99": pooled_p99,
+        "pooled_overlapping": len(pooled),
+        "pooled_ratio": pooled_p99 / statistics.mean(r["transfer_load_s"] for r in runs),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="HF folder (default: build the tiny model)")
@@ -201,6 +229,7 @@ def main() -> None:
         default=[],
         help="rollout.cpu_affinity, e.g. 0 (comma-separated); the bench, Ray and the sender run on the other CPUs",
     )
+    ap.add_argument("--runs", type=int, default=1, help="repeat the measurement; ratios are medians over runs")
     ap.add_argument("--json", default="", help="also write the figures as JSON here (bench/summary.py)")
     args = ap.parse_args()
 
@@ -213,6 +242,8 @@ def main() -> None:
     model = args.model and os.path.expanduser(args.model) or build_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"))
     if args.engine_threads < 1:
         ap.error(f"--engine-threads {args.engine_threads}: must be >= 1")
+    if args.runs < 1:
+        ap.error(f"--runs {args.runs}: must be >= 1")
     if args.engine_cpus:  # Ray's processes and the sender start from here: they inherit the rest
         here = set(os.sched_getaffinity(0))
         if not set(args.engine_cpus) <= here:
@@ -241,17 +272,27 @@ def main() -> None:
         f"{'mode':>9} {'requests':>8} {'overlap':>7} {'s/token':>8} {'added_p50_s':>11} {'added_p99_s':>11} "
         f"{'pause_s':>8} {'xfer+load_s':>11} {'interrupted':>11} {'inflight':>8}"
     )
-    rows = {}
-    for mode in args.modes.split(","):
-        r = rows[mode] = asyncio.run(_run_mode(mode, args, model, prompts, stop))
-        print(
-            f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
-            f"{r['p99']:>11.3f} "
-            f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11} {r['inflight']:>8}",
-            flush=True,
-        )
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for _ in range(args.runs):
+        for mode in modes:
+            r = asyncio.run(_run_mode(mode, args, model, prompts, stop))
+            runs[mode].append(r)
+            print(
+                f"{mode:>9} {r['requests']:>8} {r['overlapping']:>7} {r['s_per_token']:>8.4f} {r['p50']:>11.3f} "
+                f"{r['p99']:>11.3f} "
+                f"{r['pause_s']:>8.3f} {r['transfer_load_s']:>11.3f} {r['interrupted']:>11} {r['inflight']:>8}",
+                flush=True,
+            )
+    rows = {mode: summarize_runs(mode_runs) for mode, mode_runs in runs.items()}
     for mode, r in rows.items():
-        print(f"{mode}: p99 added latency / (transfer + load) = {r['p99'] / r['transfer_load_s']:.2f}")
+        line = f"{mode}: p99 added latency / (transfer + load) = {r['p99'] / r['transfer_load_s']:.2f}"
+        if len(r["ratios"]) > 1:
+            line += (
+                f" (median of {len(r['ratios'])} runs, {min(r['ratios']):.2f}-{max(r['ratios']):.2f}; "
+                f"pooled p99 over {r['pooled_overlapping']} requests {r['pooled_ratio']:.2f})"
+            )
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

@@ -398,9 +398,8 @@ class AsyncReduceScatter:
         work = dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, group=group, op=op, async_op=self.overlap
         )
-        if self.overlap:  # drop the finished ones' buffers: the step's peak memory stays FSDP2's
-            self._pending = [w for w in self._pending if not w[0].is_completed()]
-            self._pending.append((work, input_tensor, output_tensor))
+        if self.overlap:
+            self._keep(work, input_tensor, output_tensor)
         return work
 
     def all_reduce(self, tensor, group=None, op=None, async_op: bool = False):
@@ -410,9 +409,14 @@ class AsyncReduceScatter:
 
         work = dist.all_reduce(tensor, group=group, op=op or dist.ReduceOp.SUM, async_op=async_op or self.overlap)
         if self.overlap and not async_op:
-            self._pending = [w for w in self._pending if not w[0].is_completed()]
-            self._pending.append((work, tensor, tensor))
+            self._keep(work, tensor, tensor)
         return work
+
+    def _keep(self, work, input_tensor, output_tensor) -> None:
+        """Hold ``work`` and its buffers until :meth:`wait`, dropping those of the finished ones (the
+        step's peak memory stays FSDP2's)."""
+        self._pending = [w for w in self._pending if not w[0].is_completed()]
+        self._pending.append((work, input_tensor, output_tensor))
 
     def wait(self) -> None:
         """Wait for every collective issued since the last call: the sharded gradients are final.

@@ -117,3 +117,45 @@ def test_learner_rows_take_the_median_ratio_over_runs_with_its_spread(summary):
     assert one["ratio"] == pytest.approx(0.95) and one["met"] is True
     assert two["ratio"] == pytest.approx(1.50) and two["met"] is True
     assert two["figure"] == "99.0 vs 69.0 tokens/s (ratio: median of 5 runs, 1.04-1.52)"
+
+
+def _load_bench(name):
+    spec = importlib.util.spec_from_file_location(f"clawray_bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sync_pause_runs_are_summarized_by_the_median_run_with_the_pooled_p99():
+    """sync_pause.py --runs N: the row is the run with the median ratio; the pooled p99 covers every run."""
+    sp = _load_bench("sync_pause")
+    runs = [  # ratios 1.8, 1.2, 1.4: the median run is the third
+        {"p99": 0.9, "transfer_load_s": 0.5, "added_s": [0.1, 0.9]},
+        {"p99": 0.6, "transfer_load_s": 0.5, "added_s": [0.2, 0.6]},
+        {"p99": 0.84, "transfer_load_s": 0.6, "added_s": [0.3, 0.84]},
+    ]
+    row = sp.summarize_runs(runs)
+    assert row["p99"] == 0.84 and row["transfer_load_s"] == 0.6
+    assert row["ratios"] == pytest.approx([1.8, 1.2, 1.4])
+    # 6 pooled values sorted 0.1 0.2 0.3 0.6 0.84 0.9: nearest rank int(0.99 * 6) = 5 -> 0.9
+    assert row["pooled_overlapping"] == 6 and row["pooled_p99"] == 0.9
+    assert row["pooled_ratio"] == pytest.approx(0.9 / ((0.5 + 0.5 + 0.6) / 3))
+    even = sp.summarize_runs(runs[:2])  # an even count: the lower middle run
+    assert even["p99"] == 0.6
+    with pytest.raises(ValueError, match="no runs"):
+        sp.summarize_runs([])
+
+
+def test_the_sync_pause_rows_take_the_median_of_5_runs_on_a_real_model(summary, monkeypatch):
+    pause = bench(summary, "sync_pause")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert pause.args("m", "vllm")[-2:] == ["--runs", "5"] and pause.args("", "hf")[-2:] == ["--runs", "1"]
+    middle = {"p99": 0.767, "transfer_load_s": 0.556, "engine_cpus": "0", "ratios": [1.62, 1.3795, 1.30, 1.2, 1.5]}
+    row, _ = summary.rows(
+        pause, {"interrupt": dict(middle, pooled_overlapping=110, pooled_ratio=1.449), "inflight": {}}
+    )
+    assert row["ratio"] == pytest.approx(1.3795, abs=1e-4) and row["met"] is True
+    assert row["figure"] == (
+        "0.767 s added vs 0.556 s (engine on CPU 0) (ratio: median of 5 runs, 1.20-1.62; "
+        "pooled p99 of 110 requests 1.45x)"
+    )
