@@ -44,7 +44,7 @@ from clawray.batching import sample_groups, take_batch
 from clawray.recovery import ActorLost, actor_lost, learner_lost, recovery_for
 from clawray.resume import Checkpoints, LoopState
 from clawray.run_actors import RunActors
-from clawray.run_lock import RunFolderLock
+from clawray.run_lock import RunFolderLock, checkpoint_folder_lock
 from clawray.run_stats import RunStats
 from clawray.serve.instance import APP_NAME, ServeLease
 from clawray.traffic import SimUsers
@@ -75,6 +75,7 @@ class Driver:
         self.actors = RunActors()
         self.state = LoopState.from_config(cfg)
         self.checkpoints = Checkpoints(cfg, self.state, self.actors)
+        self._checkpoint_lock = checkpoint_folder_lock(self.checkpoints.dir)  # checkpoint.dir may be shared
         self.stats = RunStats(self.actors)
         self.history: list[dict[str, Any]] = []
         self.monitor = BehaviourMonitor(cfg.monitor, cfg.env, self.state.behaviour, cfg.serve.untagged_tool_calls)
@@ -130,6 +131,7 @@ class Driver:
         self.checkpoints.check_resumable()  # a mistyped run_dir: said before any folder, model or Ray
         private_dir(self.run_dir)  # 0700: records, checkpoints, metrics and wandb files are the user's only
         self._run_lock.acquire()  # one run per folder: before anything in it is read, pruned or replaced
+        self._checkpoint_lock.acquire()  # and per checkpoint folder, before it is set aside or pruned
         self.model_path = build.ensure_model(cfg)
         self._owns_ray = not ray.is_initialized()
         init_ray(cfg.ray.address, cfg.ray.num_cpus)
@@ -484,6 +486,7 @@ class Driver:
             if ray_up and self._owns_ray:
                 ray.shutdown()
         finally:
+            self._checkpoint_lock.release()
             self._run_lock.release()  # the folder is free only once nothing of this run writes to it
 
 

@@ -1,7 +1,8 @@
 """The run folder's owner: one clawray run per run folder, enforced with an exclusive lock.
 
-Owns: ``RUN_DIR/.clawray.lock``, its owner record and the refusal (:class:`RunFolderInUse`). Must
-not: wait for the lock (a taken folder is refused at once) or touch anything else in the run folder.
+Owns: ``RUN_DIR/.clawray.lock`` and the checkpoint folder's lock beside that folder, their owner
+records and the refusal (:class:`RunFolderInUse`). Must not: wait for a lock (a taken folder is
+refused at once) or touch anything else in the folders.
 
 A second run started in the folder of a live run used to delete that run's journal, prune its
 checkpoints and lose acknowledged samples. The driver now takes ``RUN_DIR/.clawray.lock`` with
@@ -9,6 +10,10 @@ checkpoints and lose acknowledged samples. The driver now takes ``RUN_DIR/.clawr
 down; the kernel releases it when the process dies (``kill -9`` included), so a stale file never
 blocks a resume. The file names the owner (pid, host, start time) for the refusal message. flock
 is advisory and per host: a run folder on a network filesystem shared by two hosts is not covered.
+
+The checkpoint folder (``checkpoint.dir``, which may lie outside the run folder or be another run's)
+is locked the same way (:func:`checkpoint_folder_lock`): two runs of different run folders sharing one
+used to set aside or prune each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -29,14 +34,19 @@ class RunFolderInUse(RuntimeError):
 
 
 class RunFolderLock:
-    """The exclusive owner lock of one run folder.
+    """The exclusive owner lock of one run folder (or of another folder a run owns).
 
     Args:
-        run_dir: the run folder (must exist).
+        run_dir: the folder (a missing one's parents are created at :meth:`acquire`).
+        path: the lock file; default ``run_dir/.clawray.lock``.
+        what: the folder's name in the refusal (``run folder``).
+        key: the config key the refusal tells the user to change (``run_dir``).
     """
 
-    def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, LOCK_FILE)
+    def __init__(self, run_dir: str, *, path: str = "", what: str = "run folder", key: str = "run_dir"):
+        self.folder = run_dir
+        self.path = path or os.path.join(run_dir, LOCK_FILE)
+        self.what, self.key = what, key
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -47,6 +57,7 @@ class RunFolderLock:
         """
         if self._fd is not None:
             return
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -55,9 +66,9 @@ class RunFolderLock:
             os.close(fd)
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
             raise RunFolderInUse(
-                f"run folder {os.path.dirname(self.path)} is in use by another clawray run "
+                f"{self.what} {self.folder} is in use by another clawray run "
                 f"(pid {owner.get('pid', '?')} on {owner.get('host', '?')}, since {since}): "
-                "stop that run first, or give this one its own run_dir=..."
+                f"stop that run first, or give this one its own {self.key}=..."
             ) from None
         os.ftruncate(fd, 0)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
@@ -86,3 +97,12 @@ def _read_owner(fd: int) -> dict:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def checkpoint_folder_lock(checkpoint_dir: str) -> RunFolderLock:
+    """The lock of checkpoint folder ``checkpoint_dir``: ``.NAME.clawray.lock`` beside it, not in it,
+    since a fresh run renames an earlier run's checkpoint folder aside (``set_aside``), which would
+    carry a lock inside it away."""
+    folder = os.path.abspath(checkpoint_dir)
+    path = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}{LOCK_FILE}")
+    return RunFolderLock(folder, path=path, what="checkpoint folder", key="checkpoint.dir")

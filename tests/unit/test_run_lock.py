@@ -12,19 +12,20 @@ import time
 
 import pytest
 
-from clawray.run_lock import LOCK_FILE, RunFolderInUse, RunFolderLock
+from clawray.checkpoint import set_aside
+from clawray.run_lock import LOCK_FILE, RunFolderInUse, RunFolderLock, checkpoint_folder_lock
 
 HOLD = """
 import sys, time
-from clawray.run_lock import RunFolderLock
-RunFolderLock(sys.argv[1]).acquire()
+from clawray.run_lock import RunFolderLock, checkpoint_folder_lock
+(checkpoint_folder_lock if sys.argv[2:] == ["checkpoints"] else RunFolderLock)(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)
 """
 
 
-def _holder(run_dir):
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+def _holder(run_dir, *kind):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir), *kind], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -87,3 +88,39 @@ def test_a_driver_in_a_live_runs_folder_is_refused_and_touches_nothing(tmp_path,
     assert journal.read_text() == '{"seq": 1}\n'
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["ckpt-000001"]
     assert stopped == []
+
+
+def test_a_checkpoint_folder_is_locked_beside_it_so_setting_it_aside_keeps_the_lock(tmp_path):
+    folder = tmp_path / "ckpts"
+    lock = checkpoint_folder_lock(str(folder))
+    assert lock.path == str(tmp_path / ".ckpts.clawray.lock")
+    lock.acquire()  # the folder need not exist yet
+    (folder / "ckpt-000001").mkdir(parents=True)
+    moved = set_aside(str(folder))  # a fresh run's own setting aside of an earlier run's checkpoints
+    assert moved and not folder.exists() and os.listdir(moved) == ["ckpt-000001"]
+    with pytest.raises(RunFolderInUse, match=rf"checkpoint folder {folder} is in use .*own checkpoint.dir="):
+        checkpoint_folder_lock(str(folder)).acquire()  # still held: the lock did not travel with the folder
+    lock.release()
+    again = checkpoint_folder_lock(str(folder))
+    again.acquire()
+    again.release()
+
+
+def test_a_driver_sharing_a_live_runs_checkpoint_folder_is_refused_and_touches_nothing(tmp_path, tiny_model):
+    """Two run folders, one checkpoint.dir: the second run's setup would have set the live run's
+    checkpoints aside (a fresh run) or pruned them; it stops at the checkpoint folder's lock."""
+    from clawray.driver import Driver
+    from conftest import tiny_run_config
+
+    live = tmp_path / "live"
+    (live / "checkpoints" / "ckpt-000001").mkdir(parents=True)
+    proc = _holder(live / "checkpoints", "checkpoints")
+    try:
+        d = Driver(tiny_run_config(tiny_model, tmp_path / "second", overrides=[f"checkpoint.dir={live}/checkpoints"]))
+        with pytest.raises(RunFolderInUse, match=rf"checkpoint folder {live}/checkpoints is in use .*pid {proc.pid}"):
+            d.setup()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert sorted(os.listdir(live / "checkpoints")) == ["ckpt-000001"]
+    assert not d._run_lock.held and not d._checkpoint_lock.held  # the refused run gave its own folder back
