@@ -552,7 +552,7 @@ class TrainerConfig:
     # success outweighs the failures beside it); "grpo": group-normalised over samples of the batch
     # that share a prompt (a group of one, or of equal rewards, gets 0)
     advantage: str = choice("binary", "baseline", "grpo")
-    # EMA momentum of the running reward baseline (bias-corrected: the first batch sets it to its mean)
+    # EMA momentum of the running reward baseline; 1 would pin the baseline at 0 forever
     baseline_momentum: float = num(0.9, ge=0.0, lt=1.0)
     # long-horizon credit (clawray.algos.credit): "turn" = each judged turn trains on its own score;
     # "discounted" = G_t = sum_k gamma^k r_{t+k} over the session's judged turns; "outcome" = the

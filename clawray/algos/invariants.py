@@ -93,10 +93,6 @@ def signal_stats(rewards: list[float]) -> dict[str, float]:
     return {"nonzero_reward_frac": sum(r != 0 for r in rewards) / n, "reward_std": std, "one_signed": float(one_signed)}
 
 
-#: ``DegenerateBatchGuard.updates`` of a checkpoint without it: momentum ** this is 0 for any momentum < 1
-_UNCORRECTED = 1 << 30
-
-
 @dataclass
 class DegenerateBatchGuard:
     """What to do with a one-signed batch (``inv/degenerate_batches`` counts them).
@@ -104,26 +100,16 @@ class DegenerateBatchGuard:
     Modes:
       * ``none``: train on raw rewards (OpenClaw-RL's behaviour).
       * ``baseline``: a one-signed batch trains on ``r - b``, with ``b`` a running mean reward over
-        all batches, so a stream of all +1 stops pushing once ``b`` has caught up and a promoted
-        0-reward turn gets a real gradient (REINFORCE with a baseline, Williams 1992). Mixed-sign
-        batches keep their raw rewards.
+        all batches (EMA with ``momentum``, starting at 0), so a stream of all +1 stops pushing once
+        ``b`` has caught up and a promoted 0-reward turn gets a real gradient (REINFORCE with a
+        baseline, Williams 1992). Mixed-sign batches keep their raw rewards.
       * ``skip``: one-signed batches are not trained (the learner step is skipped).
-
-    ``b`` is the EMA of the batches' mean rewards with ``momentum`` m, bias-corrected (Adam's
-    ``m_t / (1 - beta^t)``, Kingma & Ba 2015, Algorithm 1), written as the recursion
-    ``b <- b + (1 - m) / (1 - m^t) * (mean_t - b)`` at the t-th batch: the first batch sets ``b`` to
-    its mean. An EMA started at 0 lags the real mean for ~1 / (1 - m) batches (at m = 0.9 still 12%
-    short after 20): with ±1 rewards at success rate 0.22 (SmolLM2 on the demo's task) the baseline
-    sat near 0 for the first updates, so each failure was pushed down twice as hard as the mean
-    reward -0.56 warrants and a success weighed 1.1 instead of 1.56. ``updates`` is t (a checkpoint
-    written before it existed continues uncorrected).
     """
 
     mode: str = "baseline"
     momentum: float = 0.9
     baseline: float = 0.0
     degenerate_batches: int = 0
-    updates: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("none", "baseline", "skip"):
@@ -134,7 +120,6 @@ class DegenerateBatchGuard:
         and the count; ``mode`` and ``momentum`` stay as this run's config sets them."""
         self.baseline = float(saved.get("baseline", self.baseline))
         self.degenerate_batches = int(saved.get("degenerate_batches", self.degenerate_batches))
-        self.updates = int(saved.get("updates", _UNCORRECTED if "baseline" in saved else self.updates))
 
     def apply(self, rewards: list[float]) -> tuple[list[float], bool]:
         """Returns ``(advantages per sample, train?)`` for a batch and updates the counters and, in
@@ -144,10 +129,7 @@ class DegenerateBatchGuard:
         self.degenerate_batches += int(degenerate)
         before = self.baseline
         mean = sum(rewards) / max(len(rewards), 1)
-        self.updates += 1
-        self.baseline += (
-            (1.0 - self.momentum) / (1.0 - self.momentum ** min(self.updates, _UNCORRECTED)) * (mean - self.baseline)
-        )
+        self.baseline = self.momentum * self.baseline + (1.0 - self.momentum) * mean
         if self.mode == "none":
             return list(rewards), True
         if self.mode == "skip":

@@ -215,10 +215,8 @@ def test_degenerate_guard_modes():
     g = DegenerateBatchGuard("baseline", momentum=0.5)
     adv1, train1 = g.apply([1.0, 1.0])
     adv2, train2 = g.apply([1.0, 1.0])
-    # bias-corrected (Adam's 1 / (1 - m^t)): the first batch sets b to its mean, so a stream of all +1
-    # stops pushing at once (an EMA from 0 gave b = 0.5, then 0.75: the second batch still pushed 0.5)
-    assert (adv1, adv2, train1, train2) == ([1.0, 1.0], [0.0, 0.0], True, True)
-    assert g.baseline == 1.0 and g.degenerate_batches == 2 and g.updates == 2
+    assert (adv1, adv2, train1, train2) == ([1.0, 1.0], [0.5, 0.5], True, True)
+    assert g.baseline == pytest.approx(0.75) and g.degenerate_batches == 2
     assert g.apply([1.0, -1.0]) == ([1.0, -1.0], True)  # mixed signs keep raw rewards
     skip = DegenerateBatchGuard("skip")
     assert skip.apply([1.0, 1.0]) == ([1.0, 1.0], False) and skip.apply([1.0, -1.0]) == ([1.0, -1.0], True)
@@ -246,15 +244,6 @@ def test_a_resume_takes_the_controllers_state_and_keeps_this_runs_settings():
         dataclasses.asdict(DegenerateBatchGuard("baseline", momentum=0.9, baseline=0.4, degenerate_batches=3))
     )
     assert (guard.mode, guard.momentum, guard.baseline, guard.degenerate_batches) == ("skip", 0.5, 0.4, 3)
-    # a checkpoint from before the bias correction (no update count) goes on as the plain EMA it was
-    old = DegenerateBatchGuard("baseline", momentum=0.5)
-    old.restore({"mode": "baseline", "momentum": 0.9, "baseline": 0.4, "degenerate_batches": 3})
-    old.apply([1.0, 1.0])
-    assert old.baseline == pytest.approx(0.4 + 0.5 * (1.0 - 0.4))
-    counted = DegenerateBatchGuard("baseline", momentum=0.5)
-    counted.restore(dataclasses.asdict(DegenerateBatchGuard("baseline", baseline=0.4, updates=1)))
-    counted.apply([1.0, 1.0])  # its second batch: (1 - 0.5) / (1 - 0.5^2) = 2/3 of the way
-    assert counted.baseline == pytest.approx(0.4 + 2 / 3 * (1.0 - 0.4)) and counted.updates == 2
     adapted = dataclasses.asdict(EntropyController(coef=0.08, floor=1.0, lr=0.1, max_coef=0.1))
     c = EntropyController(coef=0.0, floor=0.5, lr=0.01, max_coef=0.05)
     c.restore(adapted)  # both adapt: the coefficient carries on, within this run's max_coef
@@ -419,7 +408,7 @@ def test_batch_loss_metrics_by_name():
 def test_batch_advantages_guard_and_grpo_groups():
     from clawray.algos.advantages import batch_advantages
 
-    # one-signed rewarded samples (+1, +1) and a pure OPD sample (None): baseline 0 -> their mean 1 after
+    # one-signed rewarded samples (+1, +1) and a pure OPD sample (None): baseline 0 -> 0.5 * 1 after
     out = batch_advantages([1.0, None, 1.0], DegenerateBatchGuard("baseline", momentum=0.5))
     assert out.advantages == [1.0, 0.0, 1.0] and out.train and out.rewarded == [0, 2]
     assert out.signal["one_signed"] == 1.0
@@ -453,15 +442,14 @@ def test_skip_drops_a_one_signed_batchs_reward_terms_and_keeps_its_teacher_terms
 def test_batch_advantages_baseline_on_every_batch():
     from clawray.algos.advantages import batch_advantages
 
-    # momentum 0.5: b = 0 for the first batch, then its mean(-1, -1, -1, 1) = -0.5 (bias-corrected EMA)
+    # momentum 0.5: b = 0 for the first batch, then 0.5 * 0 + 0.5 * mean(-1, -1, -1, 1) = -0.25
     guard = DegenerateBatchGuard("baseline", momentum=0.5)
     out = batch_advantages([-1.0, -1.0, -1.0, 1.0], guard, "baseline")
-    assert out.advantages == [-1.0, -1.0, -1.0, 1.0] and guard.baseline == -0.5
+    assert out.advantages == [-1.0, -1.0, -1.0, 1.0] and guard.baseline == -0.25
     # a mixed batch now trains on r - b too (with "binary" it would keep its raw rewards)
     out = batch_advantages([-1.0, 1.0, None], guard, "baseline")
-    assert out.advantages == [-0.5, 1.5, 0.0] and out.rewarded == [0, 1]
-    # EMA 0.5 * (0.5 * -0.5) + 0.5 * 0 = -0.125, over 1 - 0.5^2: -1/6
-    assert guard.baseline == pytest.approx(-1 / 6) and guard.degenerate_batches == 0
+    assert out.advantages == [-0.75, 1.25, 0.0] and out.rewarded == [0, 1]
+    assert guard.baseline == -0.125 and guard.degenerate_batches == 0
     # "skip" still skips a one-signed batch
     assert batch_advantages([1.0, 1.0], DegenerateBatchGuard("skip"), "baseline").train is False
 
@@ -473,13 +461,12 @@ def test_the_baseline_estimator_keeps_its_running_mean_in_every_guard_mode(mode)
     from clawray.algos.advantages import batch_advantages
 
     guard = DegenerateBatchGuard(mode, momentum=0.5)
-    out = batch_advantages([1.0, 1.0, 1.0, -1.0], guard, "baseline")  # b: 0 -> the mean 0.5
-    assert out.advantages == [1.0, 1.0, 1.0, -1.0] and guard.baseline == 0.5
-    out = batch_advantages([1.0, -1.0], guard, "baseline")  # b before it: 0.5; after: 0.125 / 0.75
-    assert out.advantages == [0.5, -1.5] and out.train and guard.baseline == pytest.approx(1 / 6)
+    out = batch_advantages([1.0, 1.0, 1.0, -1.0], guard, "baseline")  # b: 0 -> 0.5 * 0.5 = 0.25
+    assert out.advantages == [1.0, 1.0, 1.0, -1.0] and guard.baseline == 0.25
+    out = batch_advantages([1.0, -1.0], guard, "baseline")  # b before it: 0.25; after: 0.125
+    assert out.advantages == [0.75, -1.25] and out.train and guard.baseline == 0.125
     # the guard's own advantages stay the raw rewards in these modes; skip still skips one-signed batches
-    assert guard.apply([1.0, 1.0]) == ([1.0, 1.0], mode == "none")
-    assert guard.baseline == pytest.approx(0.5625 / 0.875)  # EMA 0.5625 over 1 - 0.5^3
+    assert guard.apply([1.0, 1.0]) == ([1.0, 1.0], mode == "none") and guard.baseline == 0.5625
 
 
 def test_a_topk_distillation_sample_counts_every_masked_token_as_effective():
