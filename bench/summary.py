@@ -62,22 +62,19 @@ def _median_ratio(r: dict, key: str, single: float) -> float:
     return statistics.median(r.get("ratios", {}).get(key) or [single])
 
 
-def _spread(r: dict, key: str) -> str:
-    """`` (median of N runs, min-max)`` for a ratio measured over several runs, else ""."""
-    values = r.get("ratios", {}).get(key) or []
-    return f" (ratio: median of {len(values)} runs, {min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+def _spread(values: list[float], extra: str = "") -> str:
+    """`` (ratio: median of N runs, min-max[; extra])`` for a ratio measured over several runs, else ""."""
+    if len(values) < 2:
+        return ""
+    return f" (ratio: median of {len(values)} runs, {min(values):.2f}-{max(values):.2f}{extra})"
 
 
 def _runs_spread(r: dict) -> str:
     """sync_pause's spread over its runs (``--runs``): the run shown is the median one (the ratio the
     row reads), then the runs' min-max and the pooled p99's ratio; "" for one run."""
     values = r.get("ratios") or []
-    if len(values) < 2:
-        return ""
-    return (
-        f" (ratio: median of {len(values)} runs, {min(values):.2f}-{max(values):.2f}; "
-        f"pooled p99 of {r['pooled_overlapping']} requests {r['pooled_ratio']:.2f}x)"
-    )
+    extra = f"; pooled p99 of {r['pooled_overlapping']} requests {r['pooled_ratio']:.2f}x" if len(values) > 1 else ""
+    return _spread(values, extra)
 
 
 def _own_cpu() -> list[str]:
@@ -119,7 +116,7 @@ BENCHES: tuple[Bench, ...] = (
                 lambda r: _median_ratio(r, "1_vs_plain", r["ranks_tokens_per_s"]["1"] / r["plain_tokens_per_s"]),
                 lambda r: (
                     f"{r['ranks_tokens_per_s']['1']:.1f} vs {r['plain_tokens_per_s']:.1f} tokens/s"
-                    + _spread(r, "1_vs_plain")
+                    + _spread(r.get("ratios", {}).get("1_vs_plain") or [])
                 ),
             ),
             Measure(
@@ -130,7 +127,7 @@ BENCHES: tuple[Bench, ...] = (
                 lambda r: _median_ratio(r, "2_vs_1", r["ranks_tokens_per_s"]["2"] / r["ranks_tokens_per_s"]["1"]),
                 lambda r: (
                     f"{r['ranks_tokens_per_s']['2']:.1f} vs {r['ranks_tokens_per_s']['1']:.1f} tokens/s"
-                    + _spread(r, "2_vs_1")
+                    + _spread(r.get("ratios", {}).get("2_vs_1") or [])
                 ),
             ),
         ),
